@@ -1,0 +1,13 @@
+"""Process-wide settings of moe_inductor. Change them as attributes: ``moe_inductor.config.autotune = True``."""
+from __future__ import annotations
+
+import os
+
+#: Tune kernel configs on the GPU on first use of each (E, N, K, dtype, rows-per-expert bucket); prints a line each.
+autotune: bool = os.environ.get("MOE_INDUCTOR_AUTOTUNE", "0") == "1"
+
+#: Run the Triton kernels on CPU tensors too (only meaningful under TRITON_INTERPRET=1; used by the kernel tests).
+triton_on_cpu: bool = os.environ.get("MOE_INDUCTOR_TRITON_ON_CPU", "0") == "1"
+
+#: Check topk ids against [0, E) in the eager entry point on the GPU (one host sync). CPU checks are always on.
+validate_routing: bool = True

@@ -1,0 +1,232 @@
+"""Triton grouped GEMMs for MoE experts.
+
+Shapes (the legend used across kernels/ and ops/):
+  T tokens, k choices per token, M = T*k assignments, E experts, K reduction width, N output width.
+  ``order_M``    int32, the flat assignment index (t*k + j) of every row in expert-sorted order.
+  ``offsets_E1`` int32 (E+1,), rows of expert e are ``[offsets[e], offsets[e+1])`` of the sorted order.
+                 Rows past ``offsets[E]`` were dropped (capacity) and are never touched.
+
+Row modes say which row of a tensor a sorted position ``i`` reads or writes:
+  ROWS_SORTED = i itself, ROWS_TOKEN = order[i] // k, ROWS_ASSIGNMENT = order[i].
+
+The forward kernel walks a flattened tile list: m-tile ``i_m`` belongs to the expert whose cumulative tile count
+passes it. The list is derived inside the kernel from ``offsets``, so the host never reads a count back and the grid
+is sized by the worst case ``cdiv(M, BLOCK_M) + E``; tiles past the real count exit at once. That is what keeps the
+op free of host syncs and safe under CUDA graphs, and it spreads a hot expert over the whole grid.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ROWS_SORTED = 0
+ROWS_TOKEN = 1
+ROWS_ASSIGNMENT = 2
+
+SCALE_NONE = 0
+SCALE_ACC = 1  # routing weight scales the GEMM result before bias/activation (weight on the expert input)
+SCALE_OUT = 2  # routing weight scales the epilogue output
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _unary_act(x, ACT: tl.constexpr):
+    # ids: 0 none, 1 relu, 2 gelu (erf), 3 gelu (tanh), 4 silu; see ops/activations.py
+    if ACT == 1:
+        x = tl.maximum(x, 0.0)
+    elif ACT == 2:
+        x = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+    elif ACT == 3:
+        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        x = 0.5 * x * (1.0 + (2.0 * _sigmoid(2.0 * z) - 1.0))
+    elif ACT == 4:
+        x = x * _sigmoid(x)
+    return x
+
+
+@triton.jit
+def _expert_of_tile(p_offsets, i_m, NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, first row, end row) of m-tile ``i_m``; expert == NUM_EXPERTS when the tile is past the work."""
+    o_e = tl.arange(0, E_POW2)
+    m_e = o_e < NUM_EXPERTS
+    b_start = tl.load(p_offsets + o_e, mask=m_e, other=0)
+    b_end = tl.load(p_offsets + o_e + 1, mask=m_e, other=0)
+    b_tiles = tl.cdiv(b_end - b_start, BLOCK_M)
+    b_cum = tl.cumsum(b_tiles, 0)
+    expert = tl.sum((b_cum <= i_m).to(tl.int32), 0)
+    m_sel = o_e == expert
+    tile_first = tl.sum(tl.where(m_sel, b_cum - b_tiles, 0), 0)
+    row_start = tl.sum(tl.where(m_sel, b_start, 0), 0) + (i_m - tile_first) * BLOCK_M
+    row_end = tl.sum(tl.where(m_sel, b_end, 0), 0)
+    return expert, row_start, row_end
+
+
+@triton.jit
+def grouped_gemm_kernel(
+    # pointers
+    p_a, p_b, p_b2, p_bias, p_bias2, p_c, p_pre, p_order, p_scale, p_offsets,
+    # sizes
+    N, K, topk,
+    # strides
+    stride_am, stride_ak,
+    stride_be, stride_bk, stride_bn,
+    stride_b2e, stride_b2k, stride_b2n,
+    stride_bias_e, stride_bias_n, stride_bias2_e, stride_bias2_n,
+    stride_cm, stride_cn, stride_pre_m, stride_pre_n,
+    alpha, limit,
+    # meta-parameters
+    NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
+    A_ROWS: tl.constexpr, C_ROWS: tl.constexpr, SCALE_MODE: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+):
+    """c[rows_c(i)] (+)= epilogue(a[rows_a(i)] @ b[e(i)] [, a[rows_a(i)] @ b2[e(i)]]) for every kept row i."""
+    i_pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    i_m = i_pid // num_n
+    i_n = i_pid % num_n
+    expert, row_start, row_end = _expert_of_tile(p_offsets, i_m, NUM_EXPERTS, E_POW2, BLOCK_M)
+    if expert >= NUM_EXPERTS:
+        return
+    e64 = expert.to(tl.int64)
+
+    o_m = row_start + tl.arange(0, BLOCK_M)
+    m_m = o_m < row_end
+    assignment = tl.load(p_order + o_m, mask=m_m, other=0)
+    if A_ROWS == 0:
+        a_rows = o_m.to(tl.int64)
+    elif A_ROWS == 1:
+        a_rows = (assignment // topk).to(tl.int64)
+    else:
+        a_rows = assignment.to(tl.int64)
+
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_k = tl.arange(0, BLOCK_K)
+    p_a_blk = p_a + a_rows[:, None] * stride_am + o_k[None, :] * stride_ak
+    p_b_blk = p_b + e64 * stride_be + o_k[:, None] * stride_bk + o_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:
+        p_b2_blk = p_b2 + e64 * stride_b2e + o_k[:, None] * stride_b2k + o_n[None, :] * stride_b2n
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(K, BLOCK_K)):
+        m_k = o_k < K - i_k * BLOCK_K
+        b_a = tl.load(p_a_blk, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_b = tl.load(p_b_blk, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        if UPCAST:  # the interpreter's bf16 dot is wrong
+            b_a = b_a.to(tl.float32)
+            b_b = b_b.to(tl.float32)
+        acc = tl.dot(b_a, b_b, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            b_b2 = tl.load(p_b2_blk, mask=m_k[:, None] & m_n[None, :], other=0.0)
+            if UPCAST:
+                b_b2 = b_b2.to(tl.float32)
+            acc2 = tl.dot(b_a, b_b2, acc2, input_precision=DOT_PRECISION)
+            p_b2_blk += BLOCK_K * stride_b2k
+        p_a_blk += BLOCK_K * stride_ak
+        p_b_blk += BLOCK_K * stride_bk
+
+    m_out = m_m[:, None] & m_n[None, :]
+    if SAVE_PRE:  # raw GEMM results, kept for the backward ([gate | up] side by side)
+        p_pre_blk = p_pre + o_m.to(tl.int64)[:, None] * stride_pre_m + o_n[None, :] * stride_pre_n
+        tl.store(p_pre_blk, acc.to(p_pre.dtype.element_ty), mask=m_out)
+        if GATED:
+            tl.store(p_pre_blk + N * stride_pre_n, acc2.to(p_pre.dtype.element_ty), mask=m_out)
+    if SCALE_MODE != 0:
+        b_s = tl.load(p_scale + assignment, mask=m_m, other=0.0).to(tl.float32)
+    if SCALE_MODE == 1:
+        acc = acc * b_s[:, None]
+        if GATED:
+            acc2 = acc2 * b_s[:, None]
+    if HAS_BIAS:
+        acc += tl.load(p_bias + e64 * stride_bias_e + o_n * stride_bias_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc2 += tl.load(p_bias2 + e64 * stride_bias2_e + o_n * stride_bias2_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        if ACT == 5:  # GPT-OSS glu: clamp, gate * sigmoid(alpha * gate) * (up + 1)
+            gate = tl.minimum(acc, limit)
+            up = tl.minimum(tl.maximum(acc2, -limit), limit)
+            acc = (up + 1.0) * (gate * _sigmoid(gate * alpha))
+        else:
+            acc = _unary_act(acc, ACT) * acc2
+    else:
+        acc = _unary_act(acc, ACT)
+    if SCALE_MODE == 2:
+        acc = acc * b_s[:, None]
+
+    if C_ROWS == 0:
+        c_rows = o_m.to(tl.int64)
+    elif C_ROWS == 1:
+        c_rows = (assignment // topk).to(tl.int64)
+    else:
+        c_rows = assignment.to(tl.int64)
+    p_c_blk = p_c + c_rows[:, None] * stride_cm + o_n[None, :] * stride_cn
+    if ACCUMULATE:
+        acc += tl.load(p_c_blk, mask=m_out, other=0.0).to(tl.float32)
+    tl.store(p_c_blk, acc.to(p_c.dtype.element_ty), mask=m_out)
+
+
+@triton.jit
+def grouped_weight_grad_kernel(
+    # pointers
+    p_a, p_g, p_dw, p_order, p_scale, p_offsets,
+    # sizes
+    K, N, topk,
+    # strides
+    stride_am, stride_ak, stride_gm, stride_gn, stride_we, stride_wk, stride_wn,
+    # meta-parameters
+    A_ROWS: tl.constexpr, G_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dw[e] = sum over rows i of expert e of a[rows_a(i)]^T (scale[i] * g[rows_g(i)]): grouped over K and N."""
+    i_pid = tl.program_id(0)
+    num_k = tl.cdiv(K, BLOCK_K)
+    num_n = tl.cdiv(N, BLOCK_N)
+    i_e = i_pid // (num_k * num_n)
+    i_kn = i_pid % (num_k * num_n)
+    i_k = i_kn // num_n
+    i_n = i_kn % num_n
+    row_start = tl.load(p_offsets + i_e)
+    row_end = tl.load(p_offsets + i_e + 1)
+
+    o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_k = o_k < K
+    m_n = o_n < N
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    # do_not_specialize is moot here: the row range is read from device memory, so it never recompiles.
+    for m0 in range(row_start, row_end, BLOCK_M):
+        o_m = m0 + tl.arange(0, BLOCK_M)
+        m_m = o_m < row_end
+        assignment = tl.load(p_order + o_m, mask=m_m, other=0)
+        if A_ROWS == 0:
+            a_rows = o_m.to(tl.int64)
+        elif A_ROWS == 1:
+            a_rows = (assignment // topk).to(tl.int64)
+        else:
+            a_rows = assignment.to(tl.int64)
+        if G_ROWS == 0:
+            g_rows = o_m.to(tl.int64)
+        elif G_ROWS == 1:
+            g_rows = (assignment // topk).to(tl.int64)
+        else:
+            g_rows = assignment.to(tl.int64)
+        b_at = tl.load(p_a + a_rows[None, :] * stride_am + o_k[:, None] * stride_ak,
+                       mask=m_k[:, None] & m_m[None, :], other=0.0)
+        b_g = tl.load(p_g + g_rows[:, None] * stride_gm + o_n[None, :] * stride_gn,
+                      mask=m_m[:, None] & m_n[None, :], other=0.0)
+        if HAS_SCALE:
+            b_s = tl.load(p_scale + assignment, mask=m_m, other=0.0).to(tl.float32)
+            b_g = (b_g.to(tl.float32) * b_s[:, None]).to(b_at.dtype)
+        if UPCAST:
+            b_at = b_at.to(tl.float32)
+            b_g = b_g.to(tl.float32)
+        acc = tl.dot(b_at, b_g, acc, input_precision=DOT_PRECISION)
+    p_dw_blk = p_dw + i_e.to(tl.int64) * stride_we + o_k[:, None] * stride_wk + o_n[None, :] * stride_wn
+    tl.store(p_dw_blk, acc.to(p_dw.dtype.element_ty), mask=m_k[:, None] & m_n[None, :])

@@ -1,0 +1,121 @@
+"""Host wrappers for the Triton kernels: check, pick a config, launch. No host syncs: only shapes are read."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+
+from .. import config as moe_config
+from . import configs
+from .grouped_gemm import grouped_gemm_kernel, grouped_weight_grad_kernel
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 must match eager fp32 matmuls, which do not use tf32 by default
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _pick(key: str, default: configs.LaunchConfig, candidates, run) -> configs.LaunchConfig:
+    cfg = configs.TABLE.lookup(key)
+    if cfg is not None:
+        return cfg
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if moe_config.autotune and not capturing and not configs.interpreting():
+        return configs.tune(key, candidates, run)
+    return default
+
+
+def launch_grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    order: torch.Tensor,
+    topk: int,
+    out: torch.Tensor,
+    *,
+    a_rows: int,
+    c_rows: int,
+    num_rows: int,
+    b2: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    bias2: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    scale_mode: int = 0,
+    act_id: int = 0,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    pre: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> None:
+    """See ``grouped_gemm_kernel``. ``num_rows`` is M, the length of ``order``; it only sizes the grid."""
+    num_experts, k_dim, n_dim = b.shape
+    gated = b2 is not None
+    has_bias = bias is not None
+    dummy = offsets
+    bucket = configs.rows_bucket(num_rows / max(num_experts, 1))
+    key = f"gemm|E{num_experts}|N{n_dim}|K{k_dim}|{a.dtype}|g{int(gated)}|a{a_rows}|c{c_rows}|m{bucket}"
+
+    def run(cfg: configs.LaunchConfig) -> None:
+        grid = ((triton.cdiv(num_rows, cfg.BLOCK_M) + num_experts) * triton.cdiv(n_dim, cfg.BLOCK_N),)
+        b2_ = b2 if gated else b
+        bias_ = bias if has_bias else dummy
+        bias2_ = bias2 if (has_bias and gated) else bias_
+        pre_ = pre if pre is not None else out
+        grouped_gemm_kernel[grid](
+            a, b, b2_, bias_, bias2_, out, pre_, order, scale if scale is not None else dummy, offsets,
+            n_dim, k_dim, topk,
+            a.stride(0), a.stride(1),
+            b.stride(0), b.stride(1), b.stride(2),
+            b2_.stride(0), b2_.stride(1), b2_.stride(2),
+            bias_.stride(0) if has_bias else 0, bias_.stride(-1) if has_bias else 0,
+            bias2_.stride(0) if has_bias else 0, bias2_.stride(-1) if has_bias else 0,
+            out.stride(0), out.stride(1), pre_.stride(0), pre_.stride(1),
+            float(alpha), float(limit),
+            NUM_EXPERTS=num_experts, E_POW2=triton.next_power_of_2(num_experts),
+            A_ROWS=a_rows, C_ROWS=c_rows, SCALE_MODE=scale_mode,
+            GATED=gated, ACT=act_id, HAS_BIAS=has_bias, SAVE_PRE=pre is not None,
+            ACCUMULATE=accumulate, UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_N=1,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    default = configs.default_gemm_config(bucket, n_dim, k_dim, a.dtype)
+    # Tuning re-runs the launch, so an accumulating launch borrows the config of its plain twin.
+    cfg = configs.TABLE.lookup(key) or (default if accumulate else _pick(key, default, configs.gemm_candidates(a.dtype), run))
+    with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+        run(cfg)
+
+
+def launch_grouped_weight_grad(
+    a: torch.Tensor,
+    g: torch.Tensor,
+    offsets: torch.Tensor,
+    order: torch.Tensor,
+    topk: int,
+    dw: torch.Tensor,
+    *,
+    a_rows: int,
+    g_rows: int,
+    scale: torch.Tensor | None = None,
+) -> None:
+    """dw[e] (K, N) = a_e^T @ (scale * g_e); every expert's block is written, zeros for empty experts."""
+    num_experts, k_dim, n_dim = dw.shape
+    key = f"wgrad|E{num_experts}|N{n_dim}|K{k_dim}|{a.dtype}|a{a_rows}|g{g_rows}"
+
+    def run(cfg: configs.LaunchConfig) -> None:
+        grid = (num_experts * triton.cdiv(k_dim, cfg.BLOCK_K) * triton.cdiv(n_dim, cfg.BLOCK_N),)
+        grouped_weight_grad_kernel[grid](
+            a, g, dw, order, scale if scale is not None else offsets, offsets,
+            k_dim, n_dim, topk,
+            a.stride(0), a.stride(1), g.stride(0), g.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
+            A_ROWS=a_rows, G_ROWS=g_rows, HAS_SCALE=scale is not None,
+            UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
+            BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    default = configs.default_weight_grad_config(k_dim, n_dim, a.dtype)
+    cfg = _pick(key, default, configs.weight_grad_candidates(a.dtype), run)
+    with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+        run(cfg)

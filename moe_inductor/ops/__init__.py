@@ -1,0 +1,115 @@
+"""The ``moe_inductor::`` ops and their eager entry point ``fused_experts``."""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from .. import config
+from .activations import ACTIVATIONS, apply_activation, is_gated
+from .experts import check_experts_args, experts_backward, experts_forward
+from .grouped_mm import grouped_mm, grouped_mm_reference
+from .reference import moe_reference
+from .routing import check_topk_ids, route, route_reference
+
+WeightArg = Union[Tensor, tuple[Tensor, Tensor]]
+
+__all__ = [
+    "ACTIVATIONS", "apply_activation", "experts_backward", "experts_forward", "expert_weight_views", "fused_experts",
+    "grouped_mm", "grouped_mm_reference", "moe_reference", "route", "route_reference",
+]
+
+
+def _to_kn(w: Tensor, layout: str) -> Tensor:
+    if layout == "kn":
+        return w
+    if layout == "nk":
+        return w.transpose(-1, -2)
+    raise ValueError(f"layout={layout!r}; choose 'nk' (E, out, in), as nn.Linear stores it, or 'kn' (E, in, out)")
+
+
+def expert_weight_views(
+    w1: WeightArg,
+    w2: Tensor,
+    b1: Optional[WeightArg],
+    *,
+    activation: str,
+    layout: str,
+    gate_up: str,
+) -> tuple[Tensor, Optional[Tensor], Tensor, Optional[Tensor], Optional[Tensor]]:
+    """Turn user-held weights into the op's logical (E, K, N) views, without copying.
+
+    Returns (w1 or gate, up or None, w2, b1 or gate bias, up bias or None).
+    """
+    gated = is_gated(activation)
+    if isinstance(w1, tuple):
+        gate, up = (_to_kn(w, layout) for w in w1)
+        bg, bu = b1 if b1 is not None else (None, None)
+        return gate, up, _to_kn(w2, layout), bg, bu
+    w1 = _to_kn(w1, layout)
+    if not gated:
+        return w1, None, _to_kn(w2, layout), b1, None
+    if gate_up == "concat":
+        half = w1.shape[2] // 2
+        views = (w1[:, :, :half], w1[:, :, half:])
+        bias = (b1[:, :half], b1[:, half:]) if b1 is not None else (None, None)
+    elif gate_up == "interleaved":
+        views = (w1[:, :, 0::2], w1[:, :, 1::2])
+        bias = (b1[:, 0::2], b1[:, 1::2]) if b1 is not None else (None, None)
+    else:
+        raise ValueError(f"gate_up={gate_up!r}; choose 'concat' (gate then up) or 'interleaved'")
+    if w1.shape[2] % 2:
+        raise ValueError(f"a gated activation needs an even up width; w1 has {w1.shape[2]} output columns")
+    return views[0], views[1], _to_kn(w2, layout), bias[0], bias[1]
+
+
+def fused_experts(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w1: WeightArg,
+    w2: Tensor,
+    *,
+    b1: Optional[WeightArg] = None,
+    b2: Optional[Tensor] = None,
+    activation: str = "silu_glu",
+    layout: str = "nk",
+    gate_up: str = "concat",
+    weight_position: str = "output",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    capacity: Optional[int] = None,
+) -> Tensor:
+    """Run E experts over routed tokens and combine them: ``y = sum_k w_k * down_e(act(up_e(x)))``.
+
+    Args:
+        x: (..., H) tokens.
+        topk_ids: (..., k) integer expert ids in [0, E); topk_weights: (..., k) routing weights.
+        w1: the up (or gate+up) weights, (E, N1, H) for ``layout="nk"`` (nn.Linear, HF Mixtral/Qwen) or (E, H, N1)
+            for ``layout="kn"`` (GPT-OSS); for a gated activation N1 = 2I, gate and up ``"concat"``-enated or
+            ``"interleaved"``; or a tuple (gate, up) of two such tensors of width I.
+        w2: the down weights, (E, H, I) for "nk" or (E, I, H) for "kn".
+        b1: optional up bias (E, N1) (or a (gate, up) tuple); b2: optional down bias (E, H).
+        activation: one of ``moe_inductor.ops.ACTIVATIONS``; ``alpha``/``limit`` parameterise "gptoss_glu".
+        weight_position: "output" (default), "between" the projections, or "input" (Llama4).
+        capacity: optional per-expert capacity; assignments past it are dropped in GShard/Switch priority order.
+    Returns:
+        (..., H) in x's dtype. Differentiable w.r.t. x, topk_weights, weights and biases.
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    ids = topk_ids.reshape(-1, topk_ids.shape[-1])
+    tw = topk_weights.reshape(-1, topk_weights.shape[-1])
+    g, u, d, bg, bu = expert_weight_views(w1, w2, b1, activation=activation, layout=layout, gate_up=gate_up)
+    check_experts_args(x2, ids, tw, g, u, d, bg, bu, b2, activation, weight_position)
+    if not torch.compiler.is_compiling():
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not x.is_cuda or (config.validate_routing and not capturing):
+            check_topk_ids(ids, g.shape[0])
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x2, tw, g, u, d, bg, bu, b2)
+    )
+    y, *_ = experts_forward(x2, ids, tw, g, u, d, bg, bu, b2, activation, weight_position, float(alpha), float(limit),
+                            capacity, wants_grad)
+    return y.reshape(*lead, y.shape[-1])

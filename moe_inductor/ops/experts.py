@@ -1,0 +1,312 @@
+"""The fused experts op: y = sum over k of w_k * down_e(act(up_e(x))), forward and backward.
+
+Shapes: x (T, H); topk_ids, topk_weights (T, k); M = T*k; E experts; I the intermediate width.
+  w1 (E, H, I)  the up projection, or the gate when ``w1_up`` is given (a gated activation)
+  w1_up (E, H, I), w2 (E, I, H); b1, b1_up (E, I); b2 (E, H)
+Weights are logical (E, K, N) views in any strides: a (E, N, K) nn.Linear-style parameter is passed as
+``w.transpose(1, 2)``, a concatenated gate/up as two slices, an interleaved one as two stride-2 slices. Nothing is
+copied per call.
+
+``weight_position`` says where the routing weight enters, as each model family does it:
+  "output"  y = sum_k w_k * down(act(up(x)))             (Mixtral, Qwen, DeepSeek, GPT-OSS)
+  "between" y = sum_k down(w_k * act(up(x)))
+  "input"   y = sum_k down(act(up(w_k * x)))             (Llama4)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .activations import activation_backward, apply_activation, check_activation, is_gated
+from .grouped import (
+    ROWS_ASSIGNMENT,
+    ROWS_SORTED,
+    ROWS_TOKEN,
+    SCALE_ACC,
+    SCALE_NONE,
+    SCALE_OUT,
+    grouped_gemm,
+    grouped_weight_grad,
+)
+from .routing import route
+
+WEIGHT_POSITIONS = ("output", "between", "input")
+
+
+def _grad_buffer(w: Tensor) -> Tensor:
+    """An empty gradient for ``w`` laid out like it where it is dense (a transposed view stays transposed)."""
+    if w.dim() == 3 and w.stride(1) == 1 and w.stride(2) == w.shape[1] and w.stride(0) == w.shape[1] * w.shape[2]:
+        return w.new_empty(w.shape[0], w.shape[2], w.shape[1]).transpose(1, 2)
+    return w.new_empty(w.shape)
+
+
+def _forward_gemms(x, scale_flat, order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position,
+                   alpha, limit, pre, dropped: bool) -> Tensor:
+    T, H = x.shape
+    M = order.shape[0]
+    h = x.new_empty(M, w1.shape[2])
+    grouped_gemm(
+        x, w1, offsets, order, topk, h, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED, b2=w1_up, bias=b1, bias2=b1_up,
+        scale=scale_flat, scale_mode={"input": SCALE_ACC, "between": SCALE_OUT}.get(weight_position, SCALE_NONE),
+        activation=activation, alpha=alpha, limit=limit, pre=pre,
+    )
+    # Dropped assignments (capacity) are never written by the kernel, so their rows must start at zero.
+    out = x.new_zeros(M, H) if dropped else x.new_empty(M, H)
+    grouped_gemm(
+        h, w2, offsets, order, topk, out, a_rows=ROWS_SORTED, c_rows=ROWS_ASSIGNMENT, bias=b2, scale=scale_flat,
+        scale_mode=SCALE_OUT if weight_position == "output" else SCALE_NONE,
+    )
+    return out.view(T, topk, H).sum(1)
+
+
+@torch.library.custom_op("moe_inductor::experts_forward", mutates_args=())
+def experts_forward(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w1: Tensor,
+    w1_up: Optional[Tensor],
+    w2: Tensor,
+    b1: Optional[Tensor],
+    b1_up: Optional[Tensor],
+    b2: Optional[Tensor],
+    activation: str,
+    weight_position: str,
+    alpha: float,
+    limit: float,
+    capacity: Optional[int],
+    save_pre: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The fused experts forward (see the module docstring for shapes and modes).
+
+    Returns:
+        y (T, H); pre (T*k, I or 2I), the raw up-projection results kept for backward (empty unless ``save_pre``);
+        and the routing metadata order, sorted_expert, offsets (see ops/routing.py).
+    """
+    topk = topk_ids.shape[1]
+    order, sorted_expert, offsets = route(topk_ids, w1.shape[0], capacity)
+    n_pre = w1.shape[2] * (2 if w1_up is not None else 1)
+    # rows of dropped assignments are never written by the kernel: zero them so the output is fully defined
+    alloc = x.new_zeros if capacity is not None else x.new_empty
+    pre = alloc(order.shape[0], n_pre) if save_pre else x.new_empty(0)
+    y = _forward_gemms(x, topk_weights.contiguous().view(-1), order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation,
+                       weight_position, alpha, limit, pre if save_pre else None, capacity is not None)
+    return y, pre, order, sorted_expert, offsets
+
+
+@experts_forward.register_fake
+def _(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position, alpha, limit, capacity,
+      save_pre):
+    M = topk_ids.shape[0] * topk_ids.shape[1]
+    E = w1.shape[0]
+    n_pre = w1.shape[2] * (2 if w1_up is not None else 1)
+    pre = x.new_empty(M, n_pre) if save_pre else x.new_empty(0)
+    ids = topk_ids.new_empty(M, dtype=torch.int32)
+    return x.new_empty(x.shape), pre, ids, torch.empty_like(ids), topk_ids.new_empty(E + 1, dtype=torch.int32)
+
+
+@torch.library.custom_op("moe_inductor::experts_backward", mutates_args=())
+def experts_backward(
+    dy: Tensor,
+    x: Tensor,
+    topk_weights: Tensor,
+    w1: Tensor,
+    w1_up: Optional[Tensor],
+    w2: Tensor,
+    b1: Optional[Tensor],
+    b1_up: Optional[Tensor],
+    b2: Optional[Tensor],
+    pre: Tensor,
+    order: Tensor,
+    sorted_expert: Tensor,
+    offsets: Tensor,
+    activation: str,
+    weight_position: str,
+    alpha: float,
+    limit: float,
+    dropped: bool,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``experts_forward``.
+
+    Args:
+        needs: which of (x, topk_weights, w1, w1_up, w2, b1, b1_up, b2) want a gradient.
+    Returns:
+        dx, d_topk_weights, dw1, dw1_up, dw2, db1, db1_up, db2; an empty tensor where none is wanted.
+    """
+    T, H = x.shape
+    topk = topk_weights.shape[1]
+    M = order.shape[0]
+    E, _, I = w1.shape
+    gated = w1_up is not None
+    f32 = torch.float32
+    scale = topk_weights.contiguous().view(-1)
+    expert = sorted_expert.long()
+    valid = expert < E
+    expert_c = expert.clamp(max=E - 1)
+    s_sorted = torch.where(valid, scale[order.long()].to(f32), 0.0)[:, None]
+    token = (order.long() // topk)
+
+    if pre.shape[0] != M:  # the forward did not keep it: recompute the raw up projection
+        pre = x.new_empty(M, I * (2 if gated else 1))
+        tmp = x.new_empty(M, I)
+        grouped_gemm(x, w1, offsets, order, topk, tmp, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED, b2=w1_up, pre=pre,
+                     activation="none" if not gated else activation, alpha=alpha, limit=limit)
+    u_gate = pre[:, :I].to(f32)
+    u_up = pre[:, I:].to(f32) if gated else None
+    p_gate, p_up = u_gate, u_up
+    if weight_position == "input":
+        p_gate = p_gate * s_sorted
+        p_up = p_up * s_sorted if gated else None
+    if b1 is not None:
+        p_gate = p_gate + b1[expert_c].to(f32)
+        if gated:
+            p_up = p_up + b1_up[expert_c].to(f32)
+    act = apply_activation(activation, p_gate, p_up, alpha, limit)
+    h = act * s_sorted if weight_position == "between" else act
+
+    # g = dy[token] @ w2^T: the gradient of h before any routing-weight scaling
+    g = torch.empty(M, I, dtype=f32, device=x.device)
+    grouped_gemm(dy, w2.transpose(1, 2), offsets, order, topk, g, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED)
+    g = torch.where(valid[:, None], g, 0.0)
+
+    d_scale_sorted = None
+    if weight_position == "output":
+        dh = g * s_sorted
+        d_scale_sorted = (h * g).sum(-1)
+        if b2 is not None:
+            d_scale_sorted = d_scale_sorted + (dy[token].to(f32) * b2[expert_c].to(f32)).sum(-1)
+        dact = dh
+    elif weight_position == "between":
+        d_scale_sorted = (act * g).sum(-1)
+        dact = g * s_sorted
+    else:
+        dact = g
+
+    dw2 = db2 = None
+    if needs[4]:
+        dw2 = grouped_weight_grad(h.to(x.dtype), dy, offsets, order, topk, _grad_buffer(w2), a_rows=ROWS_SORTED,
+                                  g_rows=ROWS_TOKEN, scale=scale if weight_position == "output" else None)
+    if b2 is not None and needs[7]:
+        rows = dy[token].to(f32) * (s_sorted if weight_position == "output" else valid[:, None].to(f32))
+        db2 = torch.zeros(E + 1, H, dtype=f32, device=x.device).index_add_(0, expert, rows)[:E].to(b2.dtype)
+
+    d_gate, d_up = activation_backward(activation, p_gate, p_up, dact, alpha, limit)
+    d_gate = torch.where(valid[:, None], d_gate, 0.0)
+    d_up = torch.where(valid[:, None], d_up, 0.0) if gated else None
+    db1 = db1_up = None
+    if b1 is not None and needs[5]:
+        db1 = torch.zeros(E + 1, I, dtype=f32, device=x.device).index_add_(0, expert, d_gate)[:E].to(b1.dtype)
+    if b1_up is not None and needs[6]:
+        db1_up = torch.zeros(E + 1, I, dtype=f32, device=x.device).index_add_(0, expert, d_up)[:E].to(b1_up.dtype)
+    if weight_position == "input":
+        d_scale_sorted = (d_gate * u_gate).sum(-1) + ((d_up * u_up).sum(-1) if gated else 0.0)
+        d_gate = d_gate * s_sorted
+        d_up = d_up * s_sorted if gated else None
+    d_gate = d_gate.to(x.dtype)
+    d_up = d_up.to(x.dtype) if gated else None
+
+    dw1 = dw1_up = None
+    if needs[2]:
+        dw1 = grouped_weight_grad(x, d_gate, offsets, order, topk, _grad_buffer(w1), a_rows=ROWS_TOKEN,
+                                  g_rows=ROWS_SORTED)
+    if gated and needs[3]:
+        dw1_up = grouped_weight_grad(x, d_up, offsets, order, topk, _grad_buffer(w1_up), a_rows=ROWS_TOKEN,
+                                     g_rows=ROWS_SORTED)
+    dx = None
+    if needs[0]:
+        dx_rows = x.new_zeros(M, H) if dropped else x.new_empty(M, H)
+        grouped_gemm(d_gate, w1.transpose(1, 2), offsets, order, topk, dx_rows, a_rows=ROWS_SORTED,
+                     c_rows=ROWS_ASSIGNMENT)
+        if gated:
+            grouped_gemm(d_up, w1_up.transpose(1, 2), offsets, order, topk, dx_rows, a_rows=ROWS_SORTED,
+                         c_rows=ROWS_ASSIGNMENT, accumulate=True)
+        dx = dx_rows.view(T, topk, H).sum(1)
+    d_weights = None
+    if needs[1] and d_scale_sorted is not None:
+        d_flat = torch.zeros(M, dtype=f32, device=x.device).index_put_((order.long(),), torch.where(valid, d_scale_sorted, 0.0))
+        d_weights = d_flat.view(T, topk).to(topk_weights.dtype)
+    elif needs[1]:
+        d_weights = torch.zeros_like(topk_weights)
+    # absent gradients come back as distinct empty tensors: outputs of a custom op may not alias each other
+    return tuple(t if t is not None else x.new_empty(0) for t in (dx, d_weights, dw1, dw1_up, dw2, db1, db1_up, db2))
+
+
+@experts_backward.register_fake
+def _(dy, x, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets, activation,
+      weight_position, alpha, limit, dropped, needs):
+    def maybe(flag, t, like):
+        return like(t) if (flag and t is not None) else x.new_empty(0)
+
+    return (
+        maybe(needs[0], x, torch.empty_like),
+        maybe(needs[1], topk_weights, torch.empty_like),
+        maybe(needs[2], w1, _grad_buffer),
+        maybe(needs[3], w1_up, _grad_buffer),
+        maybe(needs[4], w2, _grad_buffer),
+        maybe(needs[5], b1, torch.empty_like),
+        maybe(needs[6], b1_up, torch.empty_like),
+        maybe(needs[7], b2, torch.empty_like),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    (x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position, alpha, limit, capacity,
+     save_pre) = inputs
+    _, pre, order, sorted_expert, offsets = output
+    ctx.save_for_backward(x, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets)
+    ctx.options = (activation, weight_position, alpha, limit, capacity is not None)
+
+
+def _backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
+    x, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets = ctx.saved_tensors
+    activation, weight_position, alpha, limit, dropped = ctx.options
+    ni = ctx.needs_input_grad
+    needs = [ni[0], ni[2], ni[3], ni[4] and w1_up is not None, ni[5], ni[6] and b1 is not None,
+             ni[7] and b1_up is not None, ni[8] and b2 is not None]
+    if dy is None:
+        dy = torch.zeros_like(x)
+    grads = experts_backward(dy.contiguous(), x, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order,
+                             sorted_expert, offsets, activation, weight_position, alpha, limit, dropped, needs)
+    dx, dtw, dw1, dw1_up, dw2, db1, db1_up, db2 = (g if need else None for g, need in zip(grads, needs))
+    return dx, None, dtw, dw1, dw1_up, dw2, db1, db1_up, db2, None, None, None, None, None, None
+
+
+experts_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def check_experts_args(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position):
+    """Shape/dtype checks that name the offending argument."""
+    check_activation(activation)
+    if weight_position not in WEIGHT_POSITIONS:
+        raise ValueError(f"weight_position={weight_position!r}; choose one of {WEIGHT_POSITIONS}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be (T, H); got shape {tuple(x.shape)}")
+    T, H = x.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids must be (T={T}, k); got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids must be an integer tensor; got {topk_ids.dtype}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights must match topk_ids {tuple(topk_ids.shape)}; got {tuple(topk_weights.shape)}")
+    if w1.dim() != 3 or w1.shape[1] != H:
+        raise ValueError(f"w1 must be (E, H={H}, I) after layout; got shape {tuple(w1.shape)}")
+    E, _, I = w1.shape
+    if is_gated(activation) != (w1_up is not None):
+        raise ValueError(f"activation={activation!r} {'needs' if is_gated(activation) else 'takes no'} separate up weights")
+    if w1_up is not None and w1_up.shape != w1.shape:
+        raise ValueError(f"the up weights must match the gate weights {tuple(w1.shape)}; got {tuple(w1_up.shape)}")
+    if w2.shape != (E, I, H):
+        raise ValueError(f"w2 must be (E={E}, I={I}, H={H}) after layout; got shape {tuple(w2.shape)}")
+    for name, t in (("w1", w1), ("w1_up", w1_up), ("w2", w2)):
+        if t is not None and t.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}")
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    for name, t, n in (("b1", b1, I), ("b1_up", b1_up, I), ("b2", b2, H)):
+        if t is not None and tuple(t.shape) != (E, n):
+            raise ValueError(f"{name} must be (E={E}, {n}); got shape {tuple(t.shape)}")
+    if (b1 is None) != (b1_up is None) and w1_up is not None:
+        raise ValueError("b1 and b1_up must both be given or both be None for a gated activation")

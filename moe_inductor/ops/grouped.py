@@ -1,0 +1,151 @@
+"""The two grouped primitives every MoE op is built from, each with a plain-torch reference.
+
+``grouped_gemm``         c[rows_c(i)] (+)= epilogue(a[rows_a(i)] @ b[e(i)])   (forward, dX, and dY @ W^T)
+``grouped_weight_grad``  dw[e] = sum_i a[rows_a(i)]^T (scale_i * g[rows_g(i)])   (dW grouped over K)
+
+Rows are addressed through the expert-sorted ``order`` (see kernels/grouped_gemm.py for the legend). CUDA tensors run
+the Triton kernels; CPU tensors run the reference, or the kernels under the interpreter when
+``config.triton_on_cpu`` is set.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import config
+from ..kernels.grouped_gemm import (  # noqa: F401  (re-exported constants)
+    ROWS_ASSIGNMENT,
+    ROWS_SORTED,
+    ROWS_TOKEN,
+    SCALE_ACC,
+    SCALE_NONE,
+    SCALE_OUT,
+)
+from .activations import ACTIVATIONS, apply_activation
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or (t.device.type == "cpu" and config.triton_on_cpu)
+
+
+def _rows(mode: int, positions: torch.Tensor, assignment: torch.Tensor, topk: int) -> torch.Tensor:
+    if mode == ROWS_SORTED:
+        return positions
+    if mode == ROWS_TOKEN:
+        return assignment // topk
+    return assignment
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    order: torch.Tensor,
+    topk: int,
+    out: torch.Tensor,
+    *,
+    a_rows: int,
+    c_rows: int,
+    b2: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    bias2: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    scale_mode: int = SCALE_NONE,
+    activation: str = "none",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    pre: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """Writes into ``out`` and returns it. ``b`` is (E, K, N) in any strides; ``pre`` gets the raw GEMM results."""
+    if use_triton(a):
+        from ..kernels.launch import launch_grouped_gemm
+
+        launch_grouped_gemm(
+            a, b, offsets, order, topk, out, a_rows=a_rows, c_rows=c_rows, num_rows=order.shape[0], b2=b2,
+            bias=bias, bias2=bias2, scale=scale, scale_mode=scale_mode, act_id=ACTIVATIONS[activation][1],
+            alpha=alpha, limit=limit, pre=pre, accumulate=accumulate,
+        )
+        return out
+    return grouped_gemm_reference(
+        a, b, offsets, order, topk, out, a_rows=a_rows, c_rows=c_rows, b2=b2, bias=bias, bias2=bias2, scale=scale,
+        scale_mode=scale_mode, activation=activation, alpha=alpha, limit=limit, pre=pre, accumulate=accumulate,
+    )
+
+
+def grouped_gemm_reference(
+    a, b, offsets, order, topk, out, *, a_rows, c_rows, b2=None, bias=None, bias2=None, scale=None,
+    scale_mode=SCALE_NONE, activation="none", alpha=1.702, limit=7.0, pre=None, accumulate=False,
+) -> torch.Tensor:
+    """Plain torch, one matmul per non-empty expert, in the input dtype like the eager modules."""
+    bounds = offsets.tolist()  # CPU only: the reference may read sizes back
+    order_l = order.long()
+    n = b.shape[2]
+    for e in range(b.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue
+        positions = torch.arange(lo, hi, device=a.device)
+        assignment = order_l[lo:hi]
+        rows_a = a[_rows(a_rows, positions, assignment, topk)]
+        acc = rows_a @ b[e]
+        acc2 = rows_a @ b2[e] if b2 is not None else None
+        if pre is not None:
+            pre[lo:hi, :n] = acc
+            if acc2 is not None:
+                pre[lo:hi, n:] = acc2
+        if scale_mode != SCALE_NONE:
+            s = scale[assignment].to(acc.dtype)[:, None]
+        if scale_mode == SCALE_ACC:
+            acc = acc * s
+            acc2 = acc2 * s if acc2 is not None else None
+        if bias is not None:
+            acc = acc + bias[e]
+            if acc2 is not None:
+                acc2 = acc2 + bias2[e]
+        h = apply_activation(activation, acc, acc2, alpha, limit)
+        if scale_mode == SCALE_OUT:
+            h = h * s
+        rows_c = _rows(c_rows, positions, assignment, topk)
+        if accumulate:
+            out[rows_c] += h.to(out.dtype)
+        else:
+            out[rows_c] = h.to(out.dtype)
+    return out
+
+
+def grouped_weight_grad(
+    a: torch.Tensor,
+    g: torch.Tensor,
+    offsets: torch.Tensor,
+    order: torch.Tensor,
+    topk: int,
+    dw: torch.Tensor,
+    *,
+    a_rows: int,
+    g_rows: int,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Writes ``dw`` (E, K, N), zeros for empty experts, and returns it."""
+    if use_triton(a):
+        from ..kernels.launch import launch_grouped_weight_grad
+
+        launch_grouped_weight_grad(a, g, offsets, order, topk, dw, a_rows=a_rows, g_rows=g_rows, scale=scale)
+        return dw
+    return grouped_weight_grad_reference(a, g, offsets, order, topk, dw, a_rows=a_rows, g_rows=g_rows, scale=scale)
+
+
+def grouped_weight_grad_reference(a, g, offsets, order, topk, dw, *, a_rows, g_rows, scale=None) -> torch.Tensor:
+    bounds = offsets.tolist()
+    order_l = order.long()
+    for e in range(dw.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            dw[e] = 0
+            continue
+        positions = torch.arange(lo, hi, device=a.device)
+        assignment = order_l[lo:hi]
+        rows_g = g[_rows(g_rows, positions, assignment, topk)]
+        if scale is not None:
+            rows_g = (rows_g * scale[assignment].to(rows_g.dtype)[:, None]).to(g.dtype)
+        dw[e] = (a[_rows(a_rows, positions, assignment, topk)].t() @ rows_g).to(dw.dtype)
+    return dw

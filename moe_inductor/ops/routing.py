@@ -1,0 +1,79 @@
+"""Routing metadata on the device: expert-sorted order, per-expert offsets, and capacity drops.
+
+Shapes: topk_ids (T, k) int; M = T*k; E experts.
+  order_M          int32, flat assignment index t*k + j of each row, stable-sorted by expert (dropped rows last)
+  sorted_expert_M  int32, the expert of each sorted row; E for a dropped or out-of-range assignment
+  offsets_E1       int32, rows of expert e are [offsets[e], offsets[e+1]); offsets[0] = 0
+
+Everything is a device op (sort, scatter_add, cumsum): no value is read back to the host, so the op is safe under
+CUDA graphs and adds no unbacked symbols under torch.compile.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def route_reference(topk_ids: Tensor, num_experts: int, capacity: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The implementation (plain torch, any device). Out-of-range ids are treated as dropped: never read out of bounds.
+
+    Capacity keeps, per expert, the first ``capacity`` assignments in choice-major priority (all first choices in
+    token order, then all second choices, ...), the rule of GShard, fairseq and Switch.
+    """
+    T, k = topk_ids.shape
+    M = T * k
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    keys = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    if capacity is None:
+        sorted_keys, order = torch.sort(keys, stable=True)
+    else:
+        priority = torch.arange(M, device=dev).view(T, k).t().reshape(-1)
+        by_priority, perm = torch.sort(keys[priority], stable=True)
+        counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, keys, torch.ones_like(keys))
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(M, device=dev) - starts[by_priority]
+        kept = torch.where(slot < capacity, by_priority, num_experts)
+        sorted_keys, perm2 = torch.sort(kept, stable=True)
+        order = priority[perm[perm2]]
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(
+        0, sorted_keys, torch.ones_like(sorted_keys)
+    )
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev)
+    offsets[1:] = torch.cumsum(counts[:num_experts], 0)
+    return order.to(torch.int32), sorted_keys.to(torch.int32), offsets
+
+
+@torch.library.custom_op("moe_inductor::route", mutates_args=())
+def route(topk_ids: Tensor, num_experts: int, capacity: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Routing metadata for the grouped kernels.
+
+    Args:
+        topk_ids: (T, k) integer expert ids.
+        num_experts: E.
+        capacity: optional per-expert capacity C; assignments past it are dropped (sorted last, expert id E).
+    Returns:
+        order (T*k,) int32, sorted_expert (T*k,) int32, offsets (E+1,) int32.
+    """
+    return route_reference(topk_ids, num_experts, capacity)
+
+
+@route.register_fake
+def _(topk_ids, num_experts, capacity=None):
+    M = topk_ids.shape[0] * topk_ids.shape[1]
+    return (
+        topk_ids.new_empty(M, dtype=torch.int32),
+        topk_ids.new_empty(M, dtype=torch.int32),
+        topk_ids.new_empty(num_experts + 1, dtype=torch.int32),
+    )
+
+
+def check_topk_ids(topk_ids: Tensor, num_experts: int) -> None:
+    """Raise on ids outside [0, E). Free on CPU; one host sync on the GPU, so the eager entry point calls it."""
+    if topk_ids.numel() == 0:
+        return
+    lo, hi = int(topk_ids.min()), int(topk_ids.max())
+    if lo < 0 or hi >= num_experts:
+        raise ValueError(f"topk_ids must lie in [0, {num_experts}); got values in [{lo}, {hi}]")

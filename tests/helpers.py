@@ -1,0 +1,83 @@
+"""Problem builders and dtype-aware comparisons shared by the tests."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from moe_inductor.ops import expert_weight_views, is_gated
+
+# relative L2 error bounds that fit the dtype (never loosened to pass a test)
+REL_TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, e = actual.double(), expected.double()
+    assert not torch.isnan(a).any(), "NaN in result (an unwritten row?)"
+    denom = e.norm().item()
+    return (a - e).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    err = rel_err(actual, expected)
+    assert err <= REL_TOL[dtype], f"{what}: relative error {err:.2e} > {REL_TOL[dtype]:.0e}"
+
+
+@dataclass
+class Problem:
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    b1: Optional[torch.Tensor]
+    b2: Optional[torch.Tensor]
+    activation: str
+    layout: str
+    gate_up: str
+
+    def views(self):
+        return expert_weight_views(self.w1, self.w2, self.b1, activation=self.activation, layout=self.layout,
+                                   gate_up=self.gate_up)
+
+    def leaves(self):
+        return [t for t in (self.x, self.topk_weights, self.w1, self.w2, self.b1, self.b2) if t is not None]
+
+
+def make_problem(
+    T: int, H: int, I: int, E: int, k: int, *, dtype=torch.float32, device="cpu", activation="silu_glu",
+    layout="nk", gate_up="concat", bias=False, routing="random", seed=0, requires_grad=True,
+) -> Problem:
+    """Random data (never zeros). routing: "random", "one_expert" (all tokens on expert 0), "skip_odd" (odd
+    experts stay empty)."""
+    gen = torch.Generator().manual_seed(seed)
+    n1 = 2 * I if is_gated(activation) else I
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
+
+    x = rnd(T, H)
+    logits = torch.randn(T, E, generator=gen)
+    if routing == "one_expert":
+        ids = torch.stack([torch.arange(k) for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
+        ids = ids % E
+    elif routing == "skip_odd":
+        logits[:, 1::2] = -1e9
+        ids = logits.topk(k, dim=-1).indices
+    else:
+        ids = logits.topk(k, dim=-1).indices
+    weights = torch.softmax(torch.randn(T, k, generator=gen), -1).to(dtype)
+    w1_shape = (E, n1, H) if layout == "nk" else (E, H, n1)
+    w2_shape = (E, H, I) if layout == "nk" else (E, I, H)
+    p = Problem(
+        x=x, topk_ids=ids.to(device), topk_weights=weights.to(device),
+        w1=rnd(*w1_shape, scale=H ** -0.5), w2=rnd(*w2_shape, scale=I ** -0.5),
+        b1=rnd(E, n1, scale=0.1) if bias else None, b2=rnd(E, H, scale=0.1) if bias else None,
+        activation=activation, layout=layout, gate_up=gate_up,
+    )
+    if requires_grad:
+        for t in p.leaves():
+            t.requires_grad_(True)
+    return p

@@ -1,0 +1,184 @@
+"""The fused experts op on the CPU path against the independent naive reference: forward and backward."""
+import pytest
+import torch
+
+import moe_inductor
+from moe_inductor.ops import experts_backward, experts_forward, moe_reference, route
+from tests.helpers import assert_close, make_problem
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def run_both(p, weight_position="output", capacity=None, alpha=1.702, limit=7.0):
+    """(ours, reference) outputs and gradients of every leaf for one upstream gradient."""
+    y = moe_inductor.fused_experts(
+        p.x, p.topk_ids, p.topk_weights, p.w1, p.w2, b1=p.b1, b2=p.b2, activation=p.activation, layout=p.layout,
+        gate_up=p.gate_up, weight_position=weight_position, capacity=capacity, alpha=alpha, limit=limit,
+    )
+    g, u, d, bg, bu = p.views()
+    ref = moe_reference(p.x, p.topk_ids, p.topk_weights, g, u, d, bg, bu, p.b2, p.activation, weight_position,
+                        alpha, limit, capacity)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y)
+    leaves = p.leaves()
+    if y.numel() == 0:
+        return y, ref, [], []
+    ours = torch.autograd.grad(y, leaves, dy, allow_unused=True)
+    theirs = torch.autograd.grad(ref, leaves, dy, allow_unused=True)
+    return y, ref, ours, theirs
+
+
+def check(p, dtype, **kw):
+    y, ref, ours, theirs = run_both(p, **kw)
+    assert_close(y, ref, dtype, "y")
+    names = ["x", "topk_weights", "w1", "w2", "b1", "b2"]
+    for name, a, b in zip(names, ours, theirs):
+        if b is None:
+            b = torch.zeros_like(a)
+        assert_close(a, b, dtype, f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize(
+    "T,E,k",
+    [
+        pytest.param(0, 4, 2, id="T0"),
+        pytest.param(1, 4, 2, id="T1"),
+        pytest.param(5, 7, 2, id="E7-prime"),
+        pytest.param(33, 6, 1, id="k1"),
+        pytest.param(9, 3, 3, id="k-eq-E"),
+    ],
+)
+def test_edge_shapes(T, E, k, dtype, nan_empty):
+    check(make_problem(T, 16, 12, E, k, dtype=dtype), dtype)
+
+
+@pytest.mark.parametrize("routing", ["one_expert", "skip_odd"], ids=["all-on-one-expert", "empty-experts"])
+def test_skewed_routing(routing, nan_empty):
+    check(make_problem(20, 16, 8, 6, 2, routing=routing), torch.float32)
+
+
+@pytest.mark.parametrize("activation", ["silu_glu", "gelu_glu", "gelu_tanh_glu", "gptoss_glu", "gelu", "relu", "silu"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_activations(activation, bias):
+    p = make_problem(11, 16, 8, 5, 2, activation=activation, bias=bias, seed=3)
+    if activation == "gptoss_glu":  # push values past the clamp so both sides of it are exercised
+        with torch.no_grad():
+            p.w1.mul_(8)
+    check(p, torch.float32, limit=2.0 if activation == "gptoss_glu" else 7.0)
+
+
+@pytest.mark.parametrize("layout,gate_up", [("nk", "concat"), ("kn", "concat"), ("kn", "interleaved"),
+                                            ("nk", "interleaved")])
+def test_weight_layouts(layout, gate_up):
+    check(make_problem(13, 16, 8, 4, 2, layout=layout, gate_up=gate_up, bias=True), torch.float32)
+
+
+@pytest.mark.parametrize("weight_position", ["output", "between", "input"])
+def test_weight_positions(weight_position):
+    check(make_problem(13, 16, 8, 4, 2, bias=True), torch.float32, weight_position=weight_position)
+
+
+@pytest.mark.parametrize("k,capacity", [(1, 2), (2, 3), (2, 100)], ids=["top1-C2", "top2-C3", "no-drops"])
+def test_capacity_drops(k, capacity, nan_empty):
+    check(make_problem(17, 16, 8, 3, k, bias=True), torch.float32, capacity=capacity)
+
+
+def test_separate_gate_up_tensors():
+    p = make_problem(9, 16, 8, 4, 2)
+    gate, up = p.w1.detach()[:, :8].clone().requires_grad_(), p.w1.detach()[:, 8:].clone().requires_grad_()
+    y = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, (gate, up), p.w2)
+    ref = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2)
+    assert_close(y, ref, torch.float32, "y")
+
+
+def test_non_contiguous_inputs():
+    p = make_problem(10, 16, 8, 4, 2, requires_grad=False)
+    x_wide = torch.randn(10, 32)
+    x_wide[:, ::2] = p.x
+    x = x_wide[:, ::2]
+    ids = p.topk_ids.t().contiguous().t()
+    weights = p.topk_weights.t().contiguous().t()
+    y = moe_inductor.fused_experts(x, ids, weights, p.w1, p.w2)
+    g, u, d, _, _ = p.views()
+    assert_close(y, moe_reference(p.x, p.topk_ids, p.topk_weights, g, u, d), torch.float32, "y")
+
+
+def test_leading_dims_are_kept():
+    p = make_problem(12, 16, 8, 4, 2, requires_grad=False)
+    y = moe_inductor.fused_experts(p.x.view(3, 4, 16), p.topk_ids.view(3, 4, 2), p.topk_weights.view(3, 4, 2),
+                                   p.w1, p.w2)
+    assert y.shape == (3, 4, 16)
+
+
+def test_no_grad_does_not_keep_pre_activation():
+    p = make_problem(6, 16, 8, 4, 2, requires_grad=False)
+    g, u, d, _, _ = p.views()
+    y, pre, *_ = experts_forward(p.x, p.topk_ids, p.topk_weights, g, u, d, None, None, None, "silu_glu", "output",
+                                 1.702, 7.0, None, False)
+    assert pre.numel() == 0
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ("id_high", r"topk_ids must lie in \[0, 4\)"),
+        ("id_negative", r"topk_ids must lie in \[0, 4\)"),
+        ("w2_shape", "w2 must be"),
+        ("w1_dtype", "w1 has dtype"),
+        ("weights_shape", "topk_weights must match"),
+        ("activation", "activation='swish' is not supported"),
+        ("position", "weight_position="),
+        ("float_ids", "topk_ids must be an integer tensor"),
+    ],
+)
+def test_bad_input_names_the_argument(bad, match):
+    p = make_problem(6, 16, 8, 4, 2, requires_grad=False)
+    kw = dict(activation="silu_glu", weight_position="output")
+    ids, weights, w1, w2 = p.topk_ids.clone(), p.topk_weights, p.w1, p.w2
+    if bad == "id_high":
+        ids[2, 1] = 4
+    elif bad == "id_negative":
+        ids[0, 0] = -1
+    elif bad == "w2_shape":
+        w2 = w2[:, :, :-1]
+    elif bad == "w1_dtype":
+        w1 = w1.double()
+    elif bad == "weights_shape":
+        weights = weights[:, :1]
+    elif bad == "activation":
+        kw["activation"] = "swish"
+    elif bad == "position":
+        kw["weight_position"] = "before"
+    elif bad == "float_ids":
+        ids = ids.float()
+    with pytest.raises((ValueError, TypeError), match=match):
+        moe_inductor.fused_experts(p.x, ids, weights, w1, w2, **kw)
+
+
+def _opcheck_args(T=7, gated=True, bias=True, capacity=None, dtype=torch.float32):
+    p = make_problem(T, 16, 8, 5, 2, bias=bias, dtype=dtype, activation="silu_glu" if gated else "gelu")
+    g, u, d, bg, bu = p.views()
+    return (p.x, p.topk_ids, p.topk_weights, g, u, d, bg, bu, p.b2, p.activation, "output", 1.702, 7.0, capacity, True)
+
+
+@pytest.mark.parametrize("gated,bias,capacity", [(True, True, None), (False, False, None), (True, False, 3)],
+                         ids=["gated-bias", "plain", "capacity"])
+def test_opcheck_experts_forward(gated, bias, capacity):
+    torch.library.opcheck(experts_forward, _opcheck_args(gated=gated, bias=bias, capacity=capacity))
+
+
+def test_opcheck_experts_backward():
+    args = _opcheck_args()
+    with torch.no_grad():
+        y, pre, order, sorted_expert, offsets = experts_forward(*args)
+    x, _, tw, g, u, d, bg, bu, b2 = args[:9]
+    bargs = (torch.randn_like(y), x.detach(), tw.detach(), g.detach(), u.detach(), d.detach(), bg.detach(),
+             bu.detach(), b2.detach(), pre, order, sorted_expert, offsets, "silu_glu", "output", 1.702, 7.0, False,
+             [True] * 8)
+    torch.library.opcheck(experts_backward, bargs)
+
+
+def test_opcheck_route():
+    ids = torch.randint(0, 5, (9, 2))
+    torch.library.opcheck(route, (ids, 5, None))
+    torch.library.opcheck(route, (ids, 5, 2))
