@@ -171,8 +171,8 @@ def test_opcheck_experts_backward():
     args = _opcheck_args()
     with torch.no_grad():
         y, pre, order, sorted_expert, offsets = experts_forward(*args)
-    x, _, tw, g, u, d, bg, bu, b2 = args[:9]
-    bargs = (torch.randn_like(y), x.detach(), tw.detach(), g.detach(), u.detach(), d.detach(), bg.detach(),
+    x, ids, tw, g, u, d, bg, bu, b2 = args[:9]
+    bargs = (torch.randn_like(y), x.detach(), ids, tw.detach(), g.detach(), u.detach(), d.detach(), bg.detach(),
              bu.detach(), b2.detach(), pre, order, sorted_expert, offsets, "silu_glu", "output", 1.702, 7.0, False,
              [True] * 8)
     torch.library.opcheck(experts_backward, bargs)

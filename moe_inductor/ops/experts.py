@@ -27,6 +27,7 @@ from .grouped import (
     SCALE_ACC,
     SCALE_NONE,
     SCALE_OUT,
+    combine,
     grouped_gemm,
     grouped_weight_grad,
 )
@@ -42,7 +43,7 @@ def _grad_buffer(w: Tensor) -> Tensor:
     return w.new_empty(w.shape)
 
 
-def _forward_gemms(x, scale_flat, order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position,
+def _forward_gemms(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position,
                    alpha, limit, pre, dropped: bool) -> Tensor:
     T, H = x.shape
     M = order.shape[0]
@@ -58,7 +59,7 @@ def _forward_gemms(x, scale_flat, order, offsets, topk, w1, w1_up, w2, b1, b1_up
         h, w2, offsets, order, topk, out, a_rows=ROWS_SORTED, c_rows=ROWS_ASSIGNMENT, bias=b2, scale=scale_flat,
         scale_mode=SCALE_OUT if weight_position == "output" else SCALE_NONE,
     )
-    return out.view(T, topk, H).sum(1)
+    return combine(out, topk_ids, w1.shape[0])
 
 
 @torch.library.custom_op("moe_inductor::experts_forward", mutates_args=())
@@ -91,7 +92,7 @@ def experts_forward(
     # rows of dropped assignments are never written by the kernel: zero them so the output is fully defined
     alloc = x.new_zeros if capacity is not None else x.new_empty
     pre = alloc(order.shape[0], n_pre) if save_pre else x.new_empty(0)
-    y = _forward_gemms(x, topk_weights.contiguous().view(-1), order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation,
+    y = _forward_gemms(x, topk_ids, topk_weights.contiguous().view(-1), order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation,
                        weight_position, alpha, limit, pre if save_pre else None, capacity is not None)
     return y, pre, order, sorted_expert, offsets
 
@@ -111,6 +112,7 @@ def _(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, weigh
 def experts_backward(
     dy: Tensor,
     x: Tensor,
+    topk_ids: Tensor,
     topk_weights: Tensor,
     w1: Tensor,
     w1_up: Optional[Tensor],
@@ -223,7 +225,7 @@ def experts_backward(
         if gated:
             grouped_gemm(d_up, w1_up.transpose(1, 2), offsets, order, topk, dx_rows, a_rows=ROWS_SORTED,
                          c_rows=ROWS_ASSIGNMENT, accumulate=True)
-        dx = dx_rows.view(T, topk, H).sum(1)
+        dx = combine(dx_rows, topk_ids, E)
     d_weights = None
     if needs[1] and d_scale_sorted is not None:
         d_flat = torch.zeros(M, dtype=f32, device=x.device).index_put_((order.long(),), torch.where(valid, d_scale_sorted, 0.0))
@@ -235,7 +237,7 @@ def experts_backward(
 
 
 @experts_backward.register_fake
-def _(dy, x, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets, activation,
+def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets, activation,
       weight_position, alpha, limit, dropped, needs):
     def maybe(flag, t, like):
         return like(t) if (flag and t is not None) else x.new_empty(0)
@@ -256,19 +258,19 @@ def _setup_context(ctx, inputs, output):
     (x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position, alpha, limit, capacity,
      save_pre) = inputs
     _, pre, order, sorted_expert, offsets = output
-    ctx.save_for_backward(x, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets)
+    ctx.save_for_backward(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets)
     ctx.options = (activation, weight_position, alpha, limit, capacity is not None)
 
 
 def _backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
-    x, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets = ctx.saved_tensors
+    x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets = ctx.saved_tensors
     activation, weight_position, alpha, limit, dropped = ctx.options
     ni = ctx.needs_input_grad
     needs = [ni[0], ni[2], ni[3], ni[4] and w1_up is not None, ni[5], ni[6] and b1 is not None,
              ni[7] and b1_up is not None, ni[8] and b2 is not None]
     if dy is None:
         dy = torch.zeros_like(x)
-    grads = experts_backward(dy.contiguous(), x, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order,
+    grads = experts_backward(dy.contiguous(), x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order,
                              sorted_expert, offsets, activation, weight_position, alpha, limit, dropped, needs)
     dx, dtw, dw1, dw1_up, dw2, db1, db1_up, db2 = (g if need else None for g, need in zip(grads, needs))
     return dx, None, dtw, dw1, dw1_up, dw2, db1, db1_up, db2, None, None, None, None, None, None

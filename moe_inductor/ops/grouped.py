@@ -149,3 +149,24 @@ def grouped_weight_grad_reference(a, g, offsets, order, topk, dw, *, a_rows, g_r
             rows_g = (rows_g * scale[assignment].to(rows_g.dtype)[:, None]).to(g.dtype)
         dw[e] = (a[_rows(a_rows, positions, assignment, topk)].t() @ rows_g).to(dw.dtype)
     return dw
+
+
+def combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """y (T, H) = sum over k of rows (T*k, H), skipping assignments with an id outside [0, E) (rows never written)."""
+    T, k = topk_ids.shape
+    H = rows.shape[1]
+    y = rows.new_empty(T, H)
+    if use_triton(rows):
+        import triton
+
+        from ..kernels.combine import combine_kernel
+
+        if T > 0:
+            block_h = min(1024, triton.next_power_of_2(H))
+            combine_kernel[(T, triton.cdiv(H, block_h))](
+                rows, topk_ids.contiguous(), y, H, rows.stride(0), y.stride(0),
+                NUM_EXPERTS=num_experts, TOPK=k, BLOCK_H=block_h,
+            )
+        return y
+    valid = ((topk_ids >= 0) & (topk_ids < num_experts))[..., None]
+    return torch.where(valid, rows.view(T, k, H).float(), 0.0).sum(1).to(rows.dtype)
