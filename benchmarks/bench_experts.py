@@ -1,0 +1,229 @@
+"""Experts forward (and forward+backward) on the GPU: moe_inductor against the paths users have today.
+
+    python benchmarks/bench_experts.py --json results.json          # the full table (bf16, random data)
+    python benchmarks/bench_experts.py --shapes qwen3 --tokens 4096  # one row
+
+Columns, all from one run (do_bench medians, ms):
+  ours          moe_inductor.fused_experts
+  sort_gmm      sort + torch._grouped_mm twice + unpermute (the reference path)
+  hf_eager      transformers' grouped_mm experts forward (a Qwen3MoeExperts module of this shape)
+  hf_compile    the same under torch.compile (Inductor, static shapes)
+  dense         a dense cuBLAS GEMM pair with the same FLOPs (T*k rows)
+  floor         max(FLOPs / 790 TFLOP/s, bytes / 4.3 TB/s), the ceilings measured on this H200 model
+Peak memory is torch.cuda.max_memory_allocated above the inputs, in MiB.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+import moe_inductor
+
+SHAPES = {  # name: (H, I, E, k)
+    "mixtral": (4096, 14336, 8, 2),
+    "qwen3": (2048, 768, 128, 8),
+    "olmoe": (2048, 1024, 64, 8),
+    "gptoss": (2880, 2880, 32, 4),
+    "deepseekv3": (7168, 2048, 256, 8),
+}
+PEAK_FLOPS = 790e12
+PEAK_BYTES = 4.3e12
+
+
+def bench(fn, warmup=25, rep=100) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def peak_mib(fn) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def make_routing(T, E, k, skew: bool, gen, device):
+    if skew:  # Zipf over experts: expert r gets weight 1/(r+1)
+        probs = 1.0 / torch.arange(1, E + 1, dtype=torch.float)
+        ids = torch.multinomial(probs.expand(T, E), k, replacement=False, generator=gen)
+    else:
+        ids = torch.randn(T, E, generator=gen).topk(k, dim=-1).indices
+    weights = torch.softmax(torch.randn(T, k, generator=gen), -1)
+    return ids.to(device), weights.to(device)
+
+
+def floor_ms(T, H, I, E, k) -> float:
+    flops = 2 * T * k * (H * 2 * I + I * H)
+    experts_touched = E * (1 - (1 - 1 / E) ** (T * k))
+    bytes_ = 2 * (experts_touched * 3 * H * I + 2 * T * H)
+    return max(flops / PEAK_FLOPS, bytes_ / PEAK_BYTES) * 1e3
+
+
+def sort_grouped_mm(x, ids, weights, w1_kn, w2_kn):
+    """The reference path: sort, gather, torch._grouped_mm twice, unpermute, sum over k."""
+    T, k = ids.shape
+    E = w1_kn.shape[0]
+    flat = ids.reshape(-1)
+    sorted_ids, perm = torch.sort(flat)
+    xs = x[perm // k]
+    counts = torch.histc(sorted_ids.int(), bins=E, min=0, max=E - 1)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    gu = torch._grouped_mm(xs, w1_kn, offs=offs)
+    gate, up = gu.chunk(2, dim=-1)
+    h = F.silu(gate) * up
+    out = torch._grouped_mm(h, w2_kn, offs=offs) * weights.reshape(-1)[perm, None]
+    y = torch.empty_like(out)
+    y[perm] = out
+    return y.view(T, k, -1).sum(1)
+
+
+def hf_experts_module(H, I, E, k, w1, w2):
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k)
+    with torch.device("meta"):
+        mod = Qwen3MoeExperts(cfg)
+    mod.gate_up_proj = torch.nn.Parameter(w1, requires_grad=False)
+    mod.down_proj = torch.nn.Parameter(w2, requires_grad=False)
+    return mod
+
+
+def run_shape(name, tokens, skews, do_backward, do_hf, rows):
+    H, I, E, k = SHAPES[name]
+    dev, dt = "cuda", torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    w1 = (torch.randn(E, 2 * I, H, device=dev, dtype=dt) * H ** -0.5)  # (E, 2I, H): HF's gate_up_proj layout
+    w2 = (torch.randn(E, H, I, device=dev, dtype=dt) * I ** -0.5)
+    w1_kn, w2_kn = w1.transpose(1, 2), w2.transpose(1, 2)
+    hf_fwd = hf_compiled = None
+    if do_hf:
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        mod = hf_experts_module(H, I, E, k, w1, w2)
+        hf_fwd = partial(grouped_mm_experts_forward, mod)
+    for T in tokens:
+        for skew in skews:
+            x = torch.randn(T, H, device=dev, dtype=dt)
+            ids, weights = make_routing(T, E, k, skew, gen, dev)
+            weights = weights.to(dt)
+            row = {"shape": name, "H": H, "I": I, "E": E, "k": k, "T": T, "routing": "zipf" if skew else "balanced"}
+            ours = lambda: moe_inductor.fused_experts(x, ids, weights, w1, w2)  # noqa: E731
+            ref = lambda: sort_grouped_mm(x, ids, weights, w1_kn, w2_kn)  # noqa: E731
+            with torch.no_grad():
+                y_ours, y_ref = ours(), ref()
+                err = ((y_ours.float() - y_ref.float()).norm() / y_ref.float().norm()).item()
+                row["rel_err_vs_ref"] = err
+                row["ours"] = bench(ours)
+                row["sort_gmm"] = bench(ref)
+                row["mem_ours_mib"] = peak_mib(ours)
+                row["mem_sort_gmm_mib"] = peak_mib(ref)
+                if hf_fwd is not None:
+                    row["hf_eager"] = bench(lambda: hf_fwd(x, ids, weights))
+                    if not skew:
+                        hf_compiled = torch.compile(hf_fwd, dynamic=False)
+                        row["hf_compile"] = bench(lambda: hf_compiled(x, ids, weights))
+                if not skew:
+                    xd = torch.randn(T * k, H, device=dev, dtype=dt)
+                    wa, wb = torch.randn(H, 2 * I, device=dev, dtype=dt), torch.randn(I, H, device=dev, dtype=dt)
+                    row["dense"] = bench(lambda: (xd @ wa)[:, :I] @ wb)
+            row["floor"] = floor_ms(T, H, I, E, k)
+            if do_backward and not skew and T in (4096,):
+                row.update(bench_backward(x, ids, weights, w1, w2, w1_kn, w2_kn))
+            rows.append(row)
+            print(format_row(row), flush=True)
+    del w1, w2
+    torch.cuda.empty_cache()
+
+
+def bench_backward(x, ids, weights, w1, w2, w1_kn, w2_kn):
+    xg = x.detach().requires_grad_()
+    wg = weights.detach().requires_grad_()
+    w1g = w1.detach().requires_grad_()
+    w2g = w2.detach().requires_grad_()
+    dy = torch.randn_like(x)
+
+    def ours():
+        y = moe_inductor.fused_experts(xg, ids, wg, w1g, w2g)
+        torch.autograd.grad(y, (xg, wg, w1g, w2g), dy)
+
+    def ref():
+        y = sort_grouped_mm(xg, ids, wg, w1g.transpose(1, 2), w2g.transpose(1, 2))
+        torch.autograd.grad(y, (xg, wg, w1g, w2g), dy)
+
+    return {"fwdbwd_ours": bench(ours, 10, 50), "fwdbwd_sort_gmm": bench(ref, 10, 50),
+            "mem_fwdbwd_ours_mib": peak_mib(ours), "mem_fwdbwd_sort_gmm_mib": peak_mib(ref)}
+
+
+COLUMNS = ["ours", "sort_gmm", "hf_eager", "hf_compile", "dense", "floor"]
+
+
+def format_row(r) -> str:
+    cells = [f"{r['shape']:<10} T={r['T']:<6} {r['routing']:<8}"]
+    for c in COLUMNS:
+        cells.append(f"{c}={r[c]:.3f}" if c in r else f"{c}=-")
+    best_other = min((r[c] for c in ("sort_gmm", "hf_eager", "hf_compile") if c in r), default=float("nan"))
+    cells.append(f"ours/best={r['ours'] / best_other:.2f}")
+    if "fwdbwd_ours" in r:
+        cells.append(f"fwdbwd ours={r['fwdbwd_ours']:.3f} ref={r['fwdbwd_sort_gmm']:.3f}")
+    cells.append(f"mem ours={r['mem_ours_mib']:.0f}MiB ref={r['mem_sort_gmm_mib']:.0f}MiB err={r['rel_err_vs_ref']:.1e}")
+    return " ".join(cells)
+
+
+def markdown(rows) -> str:
+    head = ("| shape | T | routing | ours | sort+_grouped_mm | HF eager | HF compile | dense | floor | ours / best other "
+            "| fwd+bwd ours | fwd+bwd sort+gmm | peak MiB ours / ref |")
+    lines = [head, "|" + "---|" * 13]
+    for r in rows:
+        others = [r[c] for c in ("sort_gmm", "hf_eager", "hf_compile") if c in r]
+        f = lambda c: f"{r[c]:.3f}" if c in r else "–"  # noqa: E731
+        lines.append(
+            f"| {r['shape']} | {r['T']} | {r['routing']} | {f('ours')} | {f('sort_gmm')} | {f('hf_eager')} | "
+            f"{f('hf_compile')} | {f('dense')} | {f('floor')} | {r['ours'] / min(others):.2f} | {f('fwdbwd_ours')} | "
+            f"{f('fwdbwd_sort_gmm')} | {r['mem_ours_mib']:.0f} / {r['mem_sort_gmm_mib']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--tokens", nargs="*", type=int, default=[16, 512, 4096, 16384])
+    ap.add_argument("--no-skew", action="store_true", help="skip the Zipf-routing rows")
+    ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers columns")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--markdown", default=None, help="write a markdown table here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_experts.py needs a CUDA GPU")
+    import triton
+
+    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": triton.__version__,
+            "gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv)}
+    print(meta, flush=True)
+    rows: list[dict] = []
+    skews = [False] if args.no_skew else [False, True]
+    for name in args.shapes:
+        run_shape(name, args.tokens, skews, not args.no_backward, not args.no_hf, rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    table = markdown(rows)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
