@@ -74,7 +74,7 @@ def test_cuda_graph_capture_of_route_and_experts():
         assert_close(static_y, step(), torch.bfloat16, "replay")
 
 
-def test_compile_fullgraph_dynamic_one_compile_for_five_token_counts():
+def test_compile_fullgraph_dynamic_one_graph_for_five_token_counts():
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -87,11 +87,15 @@ def test_compile_fullgraph_dynamic_one_compile_for_five_token_counts():
 
     compiled = torch.compile(layer, fullgraph=True, dynamic=True)
     router = torch.randn(128, 6, device="cuda")
-    for T in (1, 7, 64, 333, 1024):
+    for T in (2, 7, 64, 333, 1024):
         x = torch.randn(T, 128, device="cuda", dtype=torch.bfloat16)
         assert_close(compiled(x, router), layer(x, router), torch.bfloat16, f"T={T}")
     assert counters["stats"]["unique_graphs"] == 1
     assert sum(counters["graph_break"].values()) == 0
+    # Dynamo specialises sizes 0 and 1 even under dynamic=True, so T=1 costs exactly one more graph.
+    x = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16)
+    assert_close(compiled(x, router), layer(x, router), torch.bfloat16, "T=1")
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 def test_bad_ids_raise_in_eager_without_illegal_access():
