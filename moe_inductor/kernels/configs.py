@@ -102,9 +102,9 @@ class ConfigTable:
         return torch.cuda.get_device_name().replace(" ", "_")
 
     def _load(self) -> None:
-        tag = self.device_tag()
-        if tag in self._loaded_devices:
+        if self._loaded_devices:
             return
+        tag = self.device_tag()
         self._loaded_devices.add(tag)
         path = _TUNED_DIR / f"{tag}.json"
         if path.exists():
