@@ -24,6 +24,7 @@ class LaunchConfig:
     BLOCK_K: int
     num_warps: int
     num_stages: int
+    GROUP_M: int = 8
 
 
 def rows_bucket(rows_per_expert: float) -> int:
@@ -125,11 +126,12 @@ class ConfigTable:
 TABLE = ConfigTable()
 
 
-def tune(key: str, candidates: list[LaunchConfig], run: Callable[[LaunchConfig], None]) -> LaunchConfig:
+def tune(key: str, candidates: Callable[[], list[LaunchConfig]], run: Callable[[LaunchConfig], None]) -> LaunchConfig:
     """Time each candidate with do_bench medians and keep the fastest; prints one progress line."""
     from triton.testing import do_bench
 
     best, best_ms = None, float("inf")
+    candidates = candidates()
     print(f"[moe_inductor] autotuning {key} over {len(candidates)} configs ...", file=sys.stderr, flush=True)
     for cfg in candidates:
         try:

@@ -83,13 +83,20 @@ def grouped_gemm_kernel(
     A_ROWS: tl.constexpr, C_ROWS: tl.constexpr, SCALE_MODE: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr,
     ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     """c[rows_c(i)] (+)= epilogue(a[rows_a(i)] @ b[e(i)] [, a[rows_a(i)] @ b2[e(i)]]) for every kept row i."""
+    # Grouped ordering: GROUP_M consecutive m-tiles share each weight n-block while it is hot in L2. Without it an
+    # expert's whole weight matrix is streamed from HBM once per m-tile.
     i_pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
-    i_m = i_pid // num_n
-    i_n = i_pid % num_n
+    num_m = tl.num_programs(0) // num_n
+    per_group = GROUP_M * num_n
+    first_m = (i_pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    i_m = first_m + (i_pid % per_group) % group_rows
+    i_n = (i_pid % per_group) // group_rows
     expert, row_start, row_end = _expert_of_tile(p_offsets, i_m, NUM_EXPERTS, E_POW2, BLOCK_M)
     if expert >= NUM_EXPERTS:
         return
@@ -115,15 +122,22 @@ def grouped_gemm_kernel(
         p_b2_blk = p_b2 + e64 * stride_b2e + o_k[:, None] * stride_b2k + o_n[None, :] * stride_b2n
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BLOCK_K)):
-        m_k = o_k < K - i_k * BLOCK_K
-        b_a = tl.load(p_a_blk, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_b = tl.load(p_b_blk, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        if EVEN_K:
+            b_a = tl.load(p_a_blk, mask=m_m[:, None], other=0.0)
+            b_b = tl.load(p_b_blk, mask=m_n[None, :], other=0.0)
+        else:
+            m_k = o_k < K - i_k * BLOCK_K
+            b_a = tl.load(p_a_blk, mask=m_m[:, None] & m_k[None, :], other=0.0)
+            b_b = tl.load(p_b_blk, mask=m_k[:, None] & m_n[None, :], other=0.0)
         if UPCAST:  # the interpreter's bf16 dot is wrong
             b_a = b_a.to(tl.float32)
             b_b = b_b.to(tl.float32)
         acc = tl.dot(b_a, b_b, acc, input_precision=DOT_PRECISION)
         if GATED:
-            b_b2 = tl.load(p_b2_blk, mask=m_k[:, None] & m_n[None, :], other=0.0)
+            if EVEN_K:
+                b_b2 = tl.load(p_b2_blk, mask=m_n[None, :], other=0.0)
+            else:
+                b_b2 = tl.load(p_b2_blk, mask=m_k[:, None] & m_n[None, :], other=0.0)
             if UPCAST:
                 b_b2 = b_b2.to(tl.float32)
             acc2 = tl.dot(b_a, b_b2, acc2, input_precision=DOT_PRECISION)

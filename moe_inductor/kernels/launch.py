@@ -17,6 +17,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _pick(key: str, default: configs.LaunchConfig, candidates, run) -> configs.LaunchConfig:
+    """The tuned config for ``key``, else tune now (if enabled), else ``default``. ``candidates`` is a thunk."""
     cfg = configs.TABLE.lookup(key)
     if cfg is not None:
         return cfg
@@ -76,13 +77,16 @@ def launch_grouped_gemm(
             A_ROWS=a_rows, C_ROWS=c_rows, SCALE_MODE=scale_mode,
             GATED=gated, ACT=act_id, HAS_BIAS=has_bias, SAVE_PRE=pre is not None,
             ACCUMULATE=accumulate, UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_N=1,
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+            EVEN_K=k_dim % cfg.BLOCK_K == 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     default = configs.default_gemm_config(bucket, n_dim, k_dim, a.dtype)
     # Tuning re-runs the launch, so an accumulating launch borrows the config of its plain twin.
-    cfg = configs.TABLE.lookup(key) or (default if accumulate else _pick(key, default, configs.gemm_candidates(a.dtype), run))
+    cfg = configs.TABLE.lookup(key) or (
+        default if accumulate else _pick(key, default, lambda: configs.gemm_candidates(a.dtype), run)
+    )
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
         run(cfg)
 
@@ -116,6 +120,6 @@ def launch_grouped_weight_grad(
         )
 
     default = configs.default_weight_grad_config(k_dim, n_dim, a.dtype)
-    cfg = _pick(key, default, configs.weight_grad_candidates(a.dtype), run)
+    cfg = _pick(key, default, lambda: configs.weight_grad_candidates(a.dtype), run)
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
         run(cfg)
