@@ -36,3 +36,22 @@ def test_out_of_range_ids_are_dropped_not_read():
     order, sorted_expert, offsets = route(ids, 2)
     assert offsets.tolist() == [0, 1, 2]
     assert sorted_expert.tolist()[2:] == [2, 2]
+
+
+@pytest.mark.parametrize(
+    "T,E,k,capacity",
+    [(0, 4, 2, None), (1, 3, 1, None), (37, 7, 2, None), (37, 7, 2, 5), (9, 4, 4, 2)],
+    ids=["T0", "T1", "E7-several-chunks", "capacity", "k-eq-E-capacity"],
+)
+def test_triton_routing_equals_reference(T, E, k, capacity, monkeypatch):
+    from moe_inductor import config
+    from moe_inductor.ops.routing import route_metadata, route_reference
+
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]) if T else torch.zeros(0, k, dtype=torch.long)
+    if T > 3:
+        ids[3, 0] = E + 2  # an out-of-range id goes to the very end
+    ids = ids.to(device)
+    for got, want in zip(route_metadata(ids, E, capacity), route_reference(ids, E, capacity)):
+        assert got.tolist() == want.tolist()

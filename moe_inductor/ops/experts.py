@@ -31,7 +31,7 @@ from .grouped import (
     grouped_gemm,
     grouped_weight_grad,
 )
-from .routing import route_reference
+from .routing import route_metadata
 
 WEIGHT_POSITIONS = ("output", "between", "input")
 
@@ -88,7 +88,7 @@ def experts_forward(
     """
     topk = topk_ids.shape[1]
     # the implementation, not the op: a nested op call would only add dispatch overhead here
-    order, sorted_expert, offsets = route_reference(topk_ids, w1.shape[0], capacity)
+    order, sorted_expert, offsets = route_metadata(topk_ids, w1.shape[0], capacity)
     n_pre = w1.shape[2] * (2 if w1_up is not None else 1)
     # rows of dropped assignments are never written by the kernel: zero them so the output is fully defined
     alloc = x.new_zeros if capacity is not None else x.new_empty

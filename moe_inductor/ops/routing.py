@@ -30,20 +30,59 @@ def route_reference(topk_ids: Tensor, num_experts: int, capacity: Optional[int] 
     if capacity is None:
         sorted_keys, order = torch.sort(keys, stable=True)
     else:
+        # priority order, then each assignment's slot among those of its expert; kept rows first, then the
+        # dropped ones grouped by expert (bucket E + 1 + e), then out-of-range ids (bucket 2E + 1)
         priority = torch.arange(M, device=dev).view(T, k).t().reshape(-1)
         by_priority, perm = torch.sort(keys[priority], stable=True)
         counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, keys, torch.ones_like(keys))
         starts = torch.cumsum(counts, 0) - counts
         slot = torch.arange(M, device=dev) - starts[by_priority]
-        kept = torch.where(slot < capacity, by_priority, num_experts)
-        sorted_keys, perm2 = torch.sort(kept, stable=True)
+        valid = by_priority < num_experts
+        bucket = torch.where(valid & (slot < capacity), by_priority,
+                             torch.where(valid, num_experts + 1 + by_priority, 2 * num_experts + 1))
+        bucket_sorted, perm2 = torch.sort(bucket, stable=True)
         order = priority[perm[perm2]]
+        sorted_keys = bucket_sorted.clamp(max=num_experts)
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(
         0, sorted_keys, torch.ones_like(sorted_keys)
     )
     offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev)
     offsets[1:] = torch.cumsum(counts[:num_experts], 0)
     return order.to(torch.int32), sorted_keys.to(torch.int32), offsets
+
+
+def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Routing metadata by the Triton kernels on the GPU (two launches), by ``route_reference`` elsewhere."""
+    from .grouped import use_triton
+
+    if not use_triton(topk_ids):
+        return route_reference(topk_ids, num_experts, capacity)
+    import triton
+
+    from ..kernels.routing import route_count_kernel, route_place_kernel
+
+    T, k = topk_ids.shape
+    M = T * k
+    ids = topk_ids.contiguous()
+    order = ids.new_empty(M, dtype=torch.int32)
+    sorted_expert = ids.new_empty(M, dtype=torch.int32)
+    offsets = ids.new_empty(num_experts + 1, dtype=torch.int32)
+    chunk = 16 if _interpreting() else 1024
+    num_chunks = max(triton.cdiv(M, chunk), 1)
+    bins = triton.next_power_of_2(num_experts + 1)
+    counts = ids.new_empty(num_chunks, bins, dtype=torch.int32)
+    meta = dict(CHOICE_MAJOR=capacity is not None, TOPK=k, CHUNK=chunk, BINS=bins, num_warps=4)
+    cap = M + 1 if capacity is None else capacity
+    route_count_kernel[(num_chunks,)](ids, counts, M, max(T, 1), num_experts, **meta)
+    route_place_kernel[(num_chunks,)](ids, counts, order, sorted_expert, offsets, M, max(T, 1), num_experts, cap,
+                                      num_chunks, **meta)
+    return order, sorted_expert, offsets
+
+
+def _interpreting() -> bool:
+    from ..kernels.configs import interpreting
+
+    return interpreting()
 
 
 @torch.library.custom_op("moe_inductor::route", mutates_args=())
@@ -57,7 +96,7 @@ def route(topk_ids: Tensor, num_experts: int, capacity: Optional[int] = None) ->
     Returns:
         order (T*k,) int32, sorted_expert (T*k,) int32, offsets (E+1,) int32.
     """
-    return route_reference(topk_ids, num_experts, capacity)
+    return route_metadata(topk_ids, num_experts, capacity)
 
 
 @route.register_fake
