@@ -201,6 +201,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-skew", action="store_true", help="skip the Zipf-routing rows")
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers columns")
+    ap.add_argument("--autotune", action="store_true", help="tune kernel configs on first use (prints a line each)")
+    ap.add_argument("--dump-tuned", default=None, help="write the tuned config table (JSON) here")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--markdown", default=None, help="write a markdown table here")
     args = ap.parse_args(argv)
@@ -211,11 +213,16 @@ def main(argv=None) -> None:
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": triton.__version__,
             "gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv)}
     print(meta, flush=True)
+    moe_inductor.config.autotune = args.autotune
     moe_inductor.config.validate_routing = False  # as inside compiled graphs: no eager id check (a host sync)
     rows: list[dict] = []
     skews = [False] if args.no_skew else [False, True]
     for name in args.shapes:
         run_shape(name, args.tokens, skews, not args.no_backward, not args.no_hf, rows)
+    if args.dump_tuned:
+        from moe_inductor.kernels.configs import TABLE
+
+        TABLE.dump(args.dump_tuned)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
