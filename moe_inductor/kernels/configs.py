@@ -43,13 +43,12 @@ def default_gemm_config(bucket: int, n: int, k: int, dtype: torch.dtype) -> Laun
     """A sound config without tuning; small blocks under the interpreter, where every program costs milliseconds."""
     if interpreting():
         return LaunchConfig(16, 32, 32, 1, 1)
+    # picked from the tuned H200 table (kernels/tuned/NVIDIA_H200.json) for shapes it does not cover
     wide = dtype == torch.float32
-    if bucket <= 16:
-        return LaunchConfig(16, 64, 128 if not wide else 64, 4, 4)
-    if bucket <= 32:
-        return LaunchConfig(32, 64, 128 if not wide else 64, 4, 4)
+    if bucket <= 8:
+        return LaunchConfig(16, 128, 64 if wide else 128, 4, 3)
     if bucket <= 64:
-        return LaunchConfig(64, 128, 64 if not wide else 32, 4, 4)
+        return LaunchConfig(64, 128 if not wide else 64, 64 if not wide else 32, 4, 4)
     return LaunchConfig(128, 128, 64 if not wide else 32, 8, 3)
 
 

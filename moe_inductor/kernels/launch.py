@@ -11,6 +11,13 @@ from . import configs
 from .grouped_gemm import grouped_gemm_kernel, grouped_weight_grad_kernel
 
 
+def device_guard(t: torch.Tensor):
+    """Make ``t``'s GPU current for a launch; a no-op (no context switch) when it already is."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 must match eager fp32 matmuls, which do not use tf32 by default
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -87,7 +94,7 @@ def launch_grouped_gemm(
     cfg = configs.TABLE.lookup(key) or (
         default if accumulate else _pick(key, default, lambda: configs.gemm_candidates(a.dtype), run)
     )
-    with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+    with device_guard(a):
         run(cfg)
 
 
@@ -121,5 +128,5 @@ def launch_grouped_weight_grad(
 
     default = configs.default_weight_grad_config(k_dim, n_dim, a.dtype)
     cfg = _pick(key, default, lambda: configs.weight_grad_candidates(a.dtype), run)
-    with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+    with device_guard(a):
         run(cfg)

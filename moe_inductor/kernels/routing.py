@@ -39,16 +39,23 @@ def route_count_kernel(p_ids, p_counts, M, T, num_experts,
 
 @triton.jit
 def route_place_kernel(p_ids, p_counts, p_order, p_sorted_expert, p_offsets, M, T, num_experts, capacity, num_chunks,
-                       CHOICE_MAJOR: tl.constexpr, TOPK: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr):
+                       CHOICE_MAJOR: tl.constexpr, TOPK: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr,
+                       SINGLE: tl.constexpr):
     i_c = tl.program_id(0)
     o_b = tl.arange(0, BINS)
-    total = tl.zeros((BINS,), dtype=tl.int32)
-    before = tl.zeros((BINS,), dtype=tl.int32)
-    for c in range(0, num_chunks):
-        row = tl.load(p_counts + c * BINS + o_b)
-        total += row
-        before += tl.where(c < i_c, row, 0)
-    mine = tl.load(p_counts + i_c * BINS + o_b)
+    e, _, m_p = _chunk_keys(p_ids, i_c, M, T, num_experts, CHOICE_MAJOR, TOPK, CHUNK)
+    if SINGLE:  # one chunk: count here and skip the separate histogram launch
+        mine = tl.histogram(e, BINS, mask=m_p)
+        total = mine
+        before = tl.zeros((BINS,), dtype=tl.int32)
+    else:
+        total = tl.zeros((BINS,), dtype=tl.int32)
+        before = tl.zeros((BINS,), dtype=tl.int32)
+        for c in range(0, num_chunks):
+            row = tl.load(p_counts + c * BINS + o_b)
+            total += row
+            before += tl.where(c < i_c, row, 0)
+        mine = tl.load(p_counts + i_c * BINS + o_b)
     cap = tl.where(o_b < num_experts, capacity, 0)
     kept = tl.minimum(total, cap)
     dropped = total - kept
@@ -58,7 +65,6 @@ def route_place_kernel(p_ids, p_counts, p_order, p_sorted_expert, p_offsets, M, 
         tl.store(p_offsets + o_b, kept_off, mask=o_b <= num_experts)
 
     # stable local sort by (expert, position in chunk); padding sorts last
-    e, _, m_p = _chunk_keys(p_ids, i_c, M, T, num_experts, CHOICE_MAJOR, TOPK, CHUNK)
     local = tl.arange(0, CHUNK)
     key = tl.where(m_p, e, BINS) * CHUNK + local
     key = tl.sort(key)

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from .. import config
 from .activations import ACTIVATIONS, apply_activation, is_gated
-from .experts import check_experts_args, experts_backward, experts_forward
+from .experts import check_experts_args, experts_backward, experts_forward, experts_forward_impl
 from .grouped_mm import grouped_mm, grouped_mm_reference
 from .reference import moe_reference
 from .routing import check_topk_ids, route, route_reference
@@ -110,6 +110,10 @@ def fused_experts(
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x2, tw, g, u, d, bg, bu, b2)
     )
-    y, *_ = experts_forward(x2, ids, tw, g, u, d, bg, bu, b2, activation, weight_position, float(alpha), float(limit),
-                            capacity, wants_grad)
+    args = (x2, ids, tw, g, u, d, bg, bu, b2, activation, weight_position, float(alpha), float(limit), capacity,
+            wants_grad)
+    # Eager inference runs the op's body directly: the same code, without the dispatcher's per-call overhead.
+    # Traced or differentiable calls go through the op, so graphs see it and autograd finds its backward.
+    direct = not wants_grad and not torch.compiler.is_compiling()
+    y, *_ = experts_forward_impl(*args) if direct else experts_forward(*args)
     return y.reshape(*lead, y.shape[-1])

@@ -62,6 +62,41 @@ def _forward_gemms(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2,
     return combine(out, topk_ids, w1.shape[0])
 
 
+def experts_forward_impl(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w1: Tensor,
+    w1_up: Optional[Tensor],
+    w2: Tensor,
+    b1: Optional[Tensor],
+    b1_up: Optional[Tensor],
+    b2: Optional[Tensor],
+    activation: str,
+    weight_position: str,
+    alpha: float,
+    limit: float,
+    capacity: Optional[int],
+    save_pre: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The fused experts forward (see the module docstring for shapes and modes); the body of the op.
+
+    Returns:
+        y (T, H); pre (T*k, I or 2I), the raw up-projection results kept for backward (empty unless ``save_pre``);
+        and the routing metadata order, sorted_expert, offsets (see ops/routing.py).
+    """
+    topk = topk_ids.shape[1]
+    # the implementation, not the op: a nested op call would only add dispatch overhead here
+    order, sorted_expert, offsets = route_metadata(topk_ids, w1.shape[0], capacity)
+    n_pre = w1.shape[2] * (2 if w1_up is not None else 1)
+    # rows of dropped assignments are never written by the kernel: zero them so the output is fully defined
+    alloc = x.new_zeros if capacity is not None else x.new_empty
+    pre = alloc(order.shape[0], n_pre) if save_pre else x.new_empty(0)
+    y = _forward_gemms(x, topk_ids, topk_weights.contiguous().view(-1), order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation,
+                       weight_position, alpha, limit, pre if save_pre else None, capacity is not None)
+    return y, pre, order, sorted_expert, offsets
+
+
 @torch.library.custom_op("moe_inductor::experts_forward", mutates_args=())
 def experts_forward(
     x: Tensor,
@@ -80,22 +115,9 @@ def experts_forward(
     capacity: Optional[int],
     save_pre: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The fused experts forward (see the module docstring for shapes and modes).
-
-    Returns:
-        y (T, H); pre (T*k, I or 2I), the raw up-projection results kept for backward (empty unless ``save_pre``);
-        and the routing metadata order, sorted_expert, offsets (see ops/routing.py).
-    """
-    topk = topk_ids.shape[1]
-    # the implementation, not the op: a nested op call would only add dispatch overhead here
-    order, sorted_expert, offsets = route_metadata(topk_ids, w1.shape[0], capacity)
-    n_pre = w1.shape[2] * (2 if w1_up is not None else 1)
-    # rows of dropped assignments are never written by the kernel: zero them so the output is fully defined
-    alloc = x.new_zeros if capacity is not None else x.new_empty
-    pre = alloc(order.shape[0], n_pre) if save_pre else x.new_empty(0)
-    y = _forward_gemms(x, topk_ids, topk_weights.contiguous().view(-1), order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation,
-                       weight_position, alpha, limit, pre if save_pre else None, capacity is not None)
-    return y, pre, order, sorted_expert, offsets
+    """The fused experts forward as a ``moe_inductor::`` op; see ``experts_forward_impl``."""
+    return experts_forward_impl(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position,
+                                alpha, limit, capacity, save_pre)
 
 
 @experts_forward.register_fake

@@ -160,13 +160,15 @@ def combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> tor
         import triton
 
         from ..kernels.combine import combine_kernel
+        from ..kernels.launch import device_guard
 
         if T > 0:
             block_h = min(1024, triton.next_power_of_2(H))
-            combine_kernel[(T, triton.cdiv(H, block_h))](
-                rows, topk_ids.contiguous(), y, H, rows.stride(0), y.stride(0),
-                NUM_EXPERTS=num_experts, TOPK=k, BLOCK_H=block_h,
-            )
+            with device_guard(rows):
+                combine_kernel[(T, triton.cdiv(H, block_h))](
+                    rows, topk_ids.contiguous(), y, H, rows.stride(0), y.stride(0),
+                    NUM_EXPERTS=num_experts, TOPK=k, BLOCK_H=block_h,
+                )
         return y
     valid = ((topk_ids >= 0) & (topk_ids < num_experts))[..., None]
     return torch.where(valid, rows.view(T, k, H).float(), 0.0).sum(1).to(rows.dtype)

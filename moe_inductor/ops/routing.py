@@ -59,6 +59,7 @@ def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] =
         return route_reference(topk_ids, num_experts, capacity)
     import triton
 
+    from ..kernels.launch import device_guard
     from ..kernels.routing import route_count_kernel, route_place_kernel
 
     T, k = topk_ids.shape
@@ -67,15 +68,20 @@ def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] =
     order = ids.new_empty(M, dtype=torch.int32)
     sorted_expert = ids.new_empty(M, dtype=torch.int32)
     offsets = ids.new_empty(num_experts + 1, dtype=torch.int32)
-    chunk = 16 if _interpreting() else 1024
+    # One chunk (and one launch) covers small batches; large ones are split so the per-program sort stays small.
+    chunk = 16 if _interpreting() else (4096 if M <= 4096 else 1024)
     num_chunks = max(triton.cdiv(M, chunk), 1)
     bins = triton.next_power_of_2(num_experts + 1)
     counts = ids.new_empty(num_chunks, bins, dtype=torch.int32)
-    meta = dict(CHOICE_MAJOR=capacity is not None, TOPK=k, CHUNK=chunk, BINS=bins, num_warps=4)
+    meta = dict(CHOICE_MAJOR=capacity is not None, TOPK=k, CHUNK=chunk, BINS=bins, SINGLE=num_chunks == 1,
+                num_warps=8 if chunk > 1024 else 4)
     cap = M + 1 if capacity is None else capacity
-    route_count_kernel[(num_chunks,)](ids, counts, M, max(T, 1), num_experts, **meta)
-    route_place_kernel[(num_chunks,)](ids, counts, order, sorted_expert, offsets, M, max(T, 1), num_experts, cap,
-                                      num_chunks, **meta)
+    with device_guard(ids):
+        if num_chunks > 1:
+            route_count_kernel[(num_chunks,)](ids, counts, M, max(T, 1), num_experts, CHOICE_MAJOR=meta["CHOICE_MAJOR"],
+                                              TOPK=k, CHUNK=chunk, BINS=bins)
+        route_place_kernel[(num_chunks,)](ids, counts, order, sorted_expert, offsets, M, max(T, 1), num_experts, cap,
+                                          num_chunks, **meta)
     return order, sorted_expert, offsets
 
 
