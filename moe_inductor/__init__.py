@@ -5,7 +5,13 @@
 from __future__ import annotations
 
 from . import config
+from .backend import moe_inductor_backend
+from .explain import _register_logging, explain
 from .ops import fused_experts, grouped_mm, route
+from .report import Report
+
+_register_logging()
 
 __version__ = "0.1.0"
-__all__ = ["config", "fused_experts", "grouped_mm", "route", "__version__"]
+__all__ = ["Report", "config", "explain", "fused_experts", "grouped_mm", "moe_inductor_backend", "route",
+           "__version__"]

@@ -1,0 +1,154 @@
+"""HF transformers experts modules: run them as moe_inductor ops.
+
+transformers (>= 5) decorates each experts class with ``use_experts_implementation``; its forward dispatches to
+``"eager"`` (the data-dependent ``for e in expert_hit`` loop, which Dynamo cannot capture), ``"grouped_mm"`` (the
+default) or ``"batched_mm"``. The three compute the same function of the module's weights, so during a moe_inductor
+compile each of them is substituted, at trace time, by one call of ``moe_inductor::experts_forward`` on views of those
+weights. A module whose semantics we cannot read off with certainty (a custom gate we do not know, a post-expert norm,
+expert parallelism) keeps its original code.
+
+``register()`` also adds ``"moe_inductor"`` to HF's experts registry, so ``set_experts_implementation("moe_inductor")``
+runs the op in eager mode too.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+
+from . import capture
+from .ops import fused_experts
+
+_HF_MOE_MODULE = "transformers.integrations.moe"
+
+
+def _is_decorated_experts_forward(fwd: Any) -> bool:
+    """``use_experts_implementation`` wraps forward with functools.wraps (so the name is the class's); the wrapper's
+    globals give it away."""
+    return (hasattr(fwd, "__wrapped__") and hasattr(fwd, "__globals__")
+            and fwd.__globals__.get("__name__") == _HF_MOE_MODULE)
+
+
+def _unary_activation(act_fn: Any) -> Optional[str]:
+    name = type(act_fn).__name__
+    inner = getattr(act_fn, "act", None)
+    if name in ("SiLUActivation", "SiLU"):
+        return "silu"
+    if name == "ReLU":
+        return "relu"
+    if name == "GELUActivation" and inner is torch.nn.functional.gelu:
+        return "gelu"
+    if name in ("GELUTanh", "PytorchGELUTanh") and getattr(inner, "keywords", {}).get("approximate") == "tanh":
+        return "gelu_tanh"
+    if name == "GELU":
+        return "gelu_tanh" if getattr(act_fn, "approximate", "none") == "tanh" else "gelu"
+    return None
+
+
+def experts_spec(module: torch.nn.Module) -> Optional[dict]:
+    """The fused_experts keyword arguments equal to this HF experts module, or None when not provably equal."""
+    if getattr(module, "_is_expert_parallel", False) or getattr(module, "has_post_expert_norm", False):
+        return None
+    if not hasattr(module, "has_gate") or not hasattr(module, "down_proj"):
+        return None
+    from transformers.integrations.moe import _default_apply_gate
+
+    gate_fn = getattr(type(module), "_apply_gate", None)
+    kw: dict[str, Any] = dict(layout="kn" if module.is_transposed else "nk",
+                              gate_up="concat" if module.is_concatenated else "interleaved")
+    if module.has_gate:
+        if gate_fn is _default_apply_gate:
+            unary = _unary_activation(module.act_fn)
+            if unary is None or not module.is_concatenated:  # the default gate chunks: concatenated only
+                return None
+            kw["activation"] = f"{unary}_glu"
+        elif type(module).__name__ == "GptOssExperts" and not module.is_concatenated:
+            kw.update(activation="gptoss_glu", alpha=float(module.alpha), limit=float(module.limit))
+        else:
+            return None
+        kw["w1"] = module.gate_up_proj
+        kw["b1"] = module.gate_up_proj_bias if module.has_bias else None
+    else:
+        unary = _unary_activation(module.act_fn)
+        if unary is None:
+            return None
+        kw["activation"] = unary
+        kw["w1"] = module.up_proj
+        kw["b1"] = module.up_proj_bias if module.has_bias else None
+    kw["w2"] = module.down_proj
+    kw["b2"] = module.down_proj_bias if module.has_bias else None
+    return kw
+
+
+def moe_inductor_experts_forward(module, hidden_states, top_k_index, top_k_weights, fallback=None):
+    """An HF experts forward that runs ``fused_experts``; ``fallback`` runs when the module is not supported."""
+    kw = experts_spec(module)
+    if kw is None:
+        if fallback is None:
+            raise NotImplementedError(f"moe_inductor cannot run {type(module).__name__} (unsupported variant)")
+        return fallback(module, hidden_states, top_k_index, top_k_weights)
+    w1, w2 = kw.pop("w1"), kw.pop("w2")
+    y = fused_experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), w1, w2, **kw)
+    return y.to(hidden_states.dtype)
+
+
+def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
+    def make(original_clone: Callable) -> Callable:
+        def polyfill(self, hidden_states, top_k_index, top_k_weights):
+            if capture.rewriting_enabled(form) and experts_spec(self) is not None:
+                kw = experts_spec(self)
+                capture.record_rewrite(form, type(self).__qualname__, int(kw["w1"].shape[0]),
+                                       int(top_k_index.shape[-1]), kw["activation"],
+                                       (tuple(kw["w1"].shape), tuple(kw["w2"].shape)))
+                return moe_inductor_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+            return original_clone(self, hidden_states, top_k_index, top_k_weights)
+
+        return polyfill
+
+    return make
+
+
+def _hf_substitutions() -> list[tuple[Callable, Callable]]:
+    """The HF experts forwards present now: the two shared implementations and every loaded class's eager loop."""
+    moe = sys.modules.get(_HF_MOE_MODULE)
+    if moe is None:
+        return []
+    register_experts_interface()
+    out = [(moe.grouped_mm_experts_forward, _make_polyfill("hf_grouped_mm")),
+           (moe.batched_mm_experts_forward, _make_polyfill("hf_batched_mm"))]
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("transformers.models.") or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            fwd = getattr(obj, "forward", None) if isinstance(obj, type) else None
+            if fwd is not None and obj.__module__ == name and _is_decorated_experts_forward(fwd):
+                out.append((fwd.__wrapped__, _make_polyfill("hf_eager_loop")))
+    return out
+
+
+_registered = False
+
+
+def register_experts_interface() -> bool:
+    """Add "moe_inductor" to HF's experts registry (``set_experts_implementation("moe_inductor")``).
+
+    Returns False when transformers (>= 5, with ExpertsInterface) is not importable.
+    """
+    global _registered
+    if _registered:
+        return True
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError:
+        return False
+    ExpertsInterface.register("moe_inductor", moe_inductor_experts_forward)
+    _registered = True
+    return True
+
+
+def install() -> None:
+    """Hook HF experts into moe_inductor compiles. Imports nothing: transformers is looked for at compile start."""
+    capture.add_substitution_source(_hf_substitutions)
+    if "transformers" in sys.modules:
+        register_experts_interface()

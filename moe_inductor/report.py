@@ -1,0 +1,61 @@
+"""What a moe_inductor compile did: graphs, graph breaks, rewrites. Built by ``explain()``; printable."""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from .capture import Rewrite
+
+_local = threading.local()
+
+
+@dataclass
+class GraphRecord:
+    code: str
+    rewrites: list[Rewrite]
+    moe_ops: int
+
+
+@dataclass
+class Report:
+    graphs: list[GraphRecord] = field(default_factory=list)
+    graph_breaks: list[str] = field(default_factory=list)
+    graph_before: list[str] = field(default_factory=list)
+
+    @property
+    def rewrites(self) -> list[Rewrite]:
+        return [r for g in self.graphs for r in g.rewrites]
+
+    def __str__(self) -> str:
+        lines = [f"moe_inductor: {len(self.graphs)} graph(s), {len(self.graph_breaks)} graph break(s), "
+                 f"{len(self.rewrites)} MoE rewrite(s)"]
+        for reason in self.graph_breaks:
+            lines.append(f"  graph break: {reason.splitlines()[0]}")
+        for i, r in enumerate(self.rewrites):
+            shapes = " ".join("x".join(map(str, s)) for s in r.weight_shapes)
+            lines.append(f"  [{i}] {r.form:<14} {r.where}  E={r.num_experts} k={r.top_k} act={r.activation} "
+                         f"weights {shapes}" + (f"  ({r.note})" if r.note else ""))
+        for i, g in enumerate(self.graphs):
+            lines.append(f"--- graph {i}: {g.moe_ops} moe_inductor op call(s) ---")
+            if self.graph_before and i < len(self.graph_before):
+                lines.append("before:")
+                lines.append(self.graph_before[i].strip())
+                lines.append("after:")
+            lines.append(g.code.strip())
+        return "\n".join(lines)
+
+
+def current_report() -> Optional[Report]:
+    return getattr(_local, "report", None)
+
+
+@contextlib.contextmanager
+def collecting(report: Report) -> Iterator[Report]:
+    previous = current_report()
+    _local.report = report
+    try:
+        yield report
+    finally:
+        _local.report = previous
