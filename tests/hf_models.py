@@ -1,0 +1,33 @@
+"""Tiny random HF MoE models (no downloads) for the backend tests."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny(family: str, experts_implementation: str = "grouped_mm", seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, max_position_embeddings=128)
+    if family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=5,
+                                          num_experts_per_tok=2, **common)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif family == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=24, num_local_experts=3, num_experts_per_tok=2, **common)
+        model = transformers.MixtralForCausalLM(cfg)
+    elif family == "gpt_oss":
+        cfg = transformers.GptOssConfig(intermediate_size=16, num_local_experts=5, num_experts_per_tok=2,
+                                        sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+                                        **common)
+        model = transformers.GptOssForCausalLM(cfg)
+        with torch.no_grad():  # random biases, so that a dropped bias would show
+            for name, p in model.named_parameters():
+                if "bias" in name and "experts" in name:
+                    p.normal_(0, 0.1)
+    else:
+        raise ValueError(family)
+    model.set_experts_implementation(experts_implementation)
+    return model.eval()
