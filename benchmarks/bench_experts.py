@@ -98,7 +98,7 @@ def hf_experts_module(H, I, E, k, w1, w2):
     return mod
 
 
-def run_shape(name, tokens, skews, do_backward, do_hf, rows):
+def run_shape(name, tokens, skews, do_backward, do_hf, rows, skew_tokens=None):
     H, I, E, k = SHAPES[name]
     dev, dt = "cuda", torch.bfloat16
     gen = torch.Generator().manual_seed(0)
@@ -113,6 +113,8 @@ def run_shape(name, tokens, skews, do_backward, do_hf, rows):
         hf_fwd = partial(grouped_mm_experts_forward, mod)
     for T in tokens:
         for skew in skews:
+            if skew and skew_tokens is not None and T not in skew_tokens:
+                continue
             x = torch.randn(T, H, device=dev, dtype=dt)
             ids, weights = make_routing(T, E, k, skew, gen, dev)
             weights = weights.to(dt)
@@ -130,7 +132,8 @@ def run_shape(name, tokens, skews, do_backward, do_hf, rows):
                 if hf_fwd is not None:
                     row["hf_eager"] = bench(lambda: hf_fwd(x, ids, weights))
                     if not skew:
-                        hf_compiled = torch.compile(hf_fwd, dynamic=False)
+                        if hf_compiled is None:  # compiled once per shape, default dynamic=None, as a user would
+                            hf_compiled = torch.compile(hf_fwd)
                         row["hf_compile"] = bench(lambda: hf_compiled(x, ids, weights))
                 if not skew:
                     xd = torch.randn(T * k, H, device=dev, dtype=dt)
@@ -199,6 +202,8 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--tokens", nargs="*", type=int, default=[16, 512, 4096, 16384])
     ap.add_argument("--no-skew", action="store_true", help="skip the Zipf-routing rows")
+    ap.add_argument("--skew-tokens", nargs="*", type=int, default=None, help="token counts that get a Zipf row")
+    ap.add_argument("--hf-shapes", nargs="*", default=None, help="shapes that get the transformers columns")
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers columns")
     ap.add_argument("--autotune", action="store_true", help="tune kernel configs on first use (prints a line each)")
@@ -218,7 +223,8 @@ def main(argv=None) -> None:
     rows: list[dict] = []
     skews = [False] if args.no_skew else [False, True]
     for name in args.shapes:
-        run_shape(name, args.tokens, skews, not args.no_backward, not args.no_hf, rows)
+        do_hf = not args.no_hf and (args.hf_shapes is None or name in args.hf_shapes)
+        run_shape(name, args.tokens, skews, not args.no_backward, do_hf, rows, args.skew_tokens)
     if args.dump_tuned:
         from moe_inductor.kernels.configs import TABLE
 
