@@ -225,6 +225,9 @@ def main(argv=None) -> None:
     for name in args.shapes:
         do_hf = not args.no_hf and (args.hf_shapes is None or name in args.hf_shapes)
         run_shape(name, args.tokens, skews, not args.no_backward, do_hf, rows, args.skew_tokens)
+        if args.json:  # after every shape, so a run cut short still leaves its rows
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
     if args.dump_tuned:
         from moe_inductor.kernels.configs import TABLE
 
