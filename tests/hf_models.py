@@ -27,6 +27,26 @@ def tiny(family: str, experts_implementation: str = "grouped_mm", seed: int = 0)
             for name, p in model.named_parameters():
                 if "bias" in name and "experts" in name:
                     p.normal_(0, 0.1)
+    elif family == "qwen2_moe":  # shared expert with a sigmoid gate, outside the experts module
+        cfg = transformers.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=5,
+                                          shared_expert_intermediate_size=24, num_experts_per_tok=2, **common)
+        model = transformers.Qwen2MoeForCausalLM(cfg)
+    elif family == "olmoe":
+        cfg = transformers.OlmoeConfig(intermediate_size=16, num_experts=5, num_experts_per_tok=2, **common)
+        model = transformers.OlmoeForCausalLM(cfg)
+    elif family == "deepseek_v3":  # group-limited routing, shared expert, routed scaling; MLA needs kv heads = heads
+        cfg = transformers.DeepseekV3Config(
+            intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+            topk_group=1, n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, routed_scaling_factor=2.5,
+            **dict(common, num_key_value_heads=4))
+        model = transformers.DeepseekV3ForCausalLM(cfg)
+    elif family == "granitemoe":
+        cfg = transformers.GraniteMoeConfig(intermediate_size=16, num_local_experts=5, num_experts_per_tok=2, **common)
+        model = transformers.GraniteMoeForCausalLM(cfg)
+    elif family == "phimoe":
+        cfg = transformers.PhimoeConfig(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, **common)
+        model = transformers.PhimoeForCausalLM(cfg)
     else:
         raise ValueError(family)
     model.set_experts_implementation(experts_implementation)
