@@ -12,6 +12,7 @@ runs the op in eager mode too.
 """
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Callable, Optional
 
@@ -109,6 +110,57 @@ def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
     return make
 
 
+def _llama4_moe_forward(original: Callable) -> Callable:
+    """Llama4's MoE block runs every expert on every token, scaled on the input by a score that is zero off the
+    top-k (sigmoid of -inf). With no expert biases a zero input gives a zero output, so only the top-k work is
+    needed: one fused op with the weight on the expert input. Outside moe_inductor compiles this runs ``original``.
+    """
+
+    @functools.wraps(original)
+    def forward(self, hidden_states):
+        unary = _llama4_activation(self)
+        if unary is None or not capture.rewriting_enabled("hf_llama4_dense"):
+            return original(self, hidden_states)
+        experts = self.experts
+        capture.record_rewrite("hf_llama4_dense", type(self).__qualname__, int(experts.gate_up_proj.shape[0]),
+                               int(self.router.top_k), f"{unary}_glu",
+                               (tuple(experts.gate_up_proj.shape), tuple(experts.down_proj.shape)))
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = torch.nn.functional.linear(hidden_states, self.router.weight, self.router.bias)
+        top_value, top_index = torch.topk(router_logits, self.router.top_k, dim=1)
+        scores = torch.sigmoid(top_value.float()).to(router_logits.dtype)
+        routed = fused_experts(hidden_states, top_index, scores, experts.gate_up_proj, experts.down_proj,
+                               activation=f"{unary}_glu", layout="kn", gate_up="concat", weight_position="input")
+        out = self.shared_expert(hidden_states)
+        out.add_(routed)
+        return out, router_logits
+
+    forward._moe_inductor_original = original
+    return forward
+
+
+def install_llama4() -> None:
+    """Route ``Llama4TextMoe.forward`` through ``_llama4_moe_forward`` (once, when the model code is loaded).
+
+    Dynamo does not apply ``substitute_in_graph`` to a forward called as a bound method, so here the class attribute
+    itself is wrapped; the wrapper takes the original path everywhere except inside a moe_inductor compile.
+    """
+    mod = sys.modules.get("transformers.models.llama4.modeling_llama4")
+    if mod is None or hasattr(mod.Llama4TextMoe.forward, "_moe_inductor_original"):
+        return
+    mod.Llama4TextMoe.forward = _llama4_moe_forward(mod.Llama4TextMoe.forward)
+
+
+def _llama4_activation(block: torch.nn.Module) -> Optional[str]:
+    """The activation when ``block`` is exactly HF's Llama4 MoE (no subclass, router or experts swapped)."""
+    mod = sys.modules.get("transformers.models.llama4.modeling_llama4")
+    if mod is None or type(block) is not mod.Llama4TextMoe:
+        return None
+    if type(block.experts) is not mod.Llama4TextExperts or type(block.router) is not mod.Llama4Router:
+        return None
+    return _unary_activation(block.experts.act_fn)
+
+
 def _hf_substitutions() -> list[tuple[Callable, Callable]]:
     """The HF experts forwards present now: the two shared implementations and every loaded class's eager loop."""
     moe = sys.modules.get(_HF_MOE_MODULE)
@@ -124,6 +176,7 @@ def _hf_substitutions() -> list[tuple[Callable, Callable]]:
             fwd = getattr(obj, "forward", None) if isinstance(obj, type) else None
             if fwd is not None and obj.__module__ == name and _is_decorated_experts_forward(fwd):
                 out.append((fwd.__wrapped__, _make_polyfill("hf_eager_loop")))
+    install_llama4()
     return out
 
 

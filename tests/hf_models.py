@@ -47,6 +47,14 @@ def tiny(family: str, experts_implementation: str = "grouped_mm", seed: int = 0)
     elif family == "phimoe":
         cfg = transformers.PhimoeConfig(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, **common)
         model = transformers.PhimoeForCausalLM(cfg)
+    elif family == "llama4":  # dense all-experts, routing weight on the expert input
+        cfg = transformers.Llama4TextConfig(intermediate_size=16, intermediate_size_mlp=32, num_local_experts=4,
+                                            num_experts_per_tok=1, interleave_moe_layer_step=1, **common)
+        model = transformers.Llama4ForCausalLM(cfg)
+        with torch.no_grad():  # HF initialises gate_up_proj to zeros; zeros would hide a wrong rewrite
+            for layer in model.model.layers:
+                layer.feed_forward.experts.gate_up_proj.normal_(0, 0.2)
+        return model.eval()
     else:
         raise ValueError(family)
     model.set_experts_implementation(experts_implementation)

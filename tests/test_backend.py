@@ -51,6 +51,43 @@ def test_hf_model_is_rewritten_and_equal(family, implementation):
     assert set(counters["moe_inductor"]) == {IMPLEMENTATIONS[implementation]}
 
 
+@pytest.mark.parametrize("num_experts_per_tok", [1, 2])
+def test_llama4_dense_block_is_rewritten_and_equal(num_experts_per_tok):
+    model = tiny("llama4")
+    for layer in model.model.layers:
+        layer.feed_forward.top_k = layer.feed_forward.router.top_k = num_experts_per_tok
+    err = compile_and_compare(model, lengths=(5, 9, 12))
+    assert err < 1e-4
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["moe_inductor"]["hf_llama4_dense"] == 2 * counters["stats"]["unique_graphs"]
+
+
+def test_llama4_wrapper_is_inert_outside_moe_inductor():
+    """The wrapped Llama4 forward gives other backends the very same graphs as the original."""
+    model = tiny("llama4")
+    ids = torch.randint(0, 64, (2, 7))
+
+    def graphs_under_eager_backend():
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad():
+            out = torch.compile(model, backend="eager")(ids).logits
+        return counters["stats"]["unique_graphs"], out
+
+    from moe_inductor import hf
+
+    hf.install_llama4()
+    wrapped = type(model.model.layers[0].feed_forward).forward
+    graphs_wrapped, out_wrapped = graphs_under_eager_backend()
+    type(model.model.layers[0].feed_forward).forward = wrapped._moe_inductor_original
+    try:
+        graphs_plain, out_plain = graphs_under_eager_backend()
+    finally:
+        type(model.model.layers[0].feed_forward).forward = wrapped
+    assert graphs_wrapped == graphs_plain and torch.equal(out_wrapped, out_plain)
+    assert not counters["moe_inductor"]
+
+
 @pytest.mark.parametrize("family", TRAINED)
 def test_training_gradients_match_eager(family):
     model = tiny(family, "grouped_mm").train()
