@@ -49,6 +49,18 @@ def _unary_act(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def _rows(MODE: tl.constexpr, o_m, assignment, topk):
+    """Row index, as int64, that sorted position o_m reads or writes under row mode MODE (see the module doc)."""
+    if MODE == 0:
+        rows = o_m
+    elif MODE == 1:
+        rows = assignment // topk
+    else:
+        rows = assignment
+    return rows.to(tl.int64)
+
+
+@triton.jit
 def _expert_of_tile(p_offsets, i_m, NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
     """(expert, first row, end row) of m-tile ``i_m``; expert == NUM_EXPERTS when the tile is past the work."""
     o_e = tl.arange(0, E_POW2)
@@ -105,12 +117,7 @@ def grouped_gemm_kernel(
     o_m = row_start + tl.arange(0, BLOCK_M)
     m_m = o_m < row_end
     assignment = tl.load(p_order + o_m, mask=m_m, other=0)
-    if A_ROWS == 0:
-        a_rows = o_m.to(tl.int64)
-    elif A_ROWS == 1:
-        a_rows = (assignment // topk).to(tl.int64)
-    else:
-        a_rows = assignment.to(tl.int64)
+    a_rows = _rows(A_ROWS, o_m, assignment, topk)
 
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -173,12 +180,7 @@ def grouped_gemm_kernel(
     if SCALE_MODE == 2:
         acc = acc * b_s[:, None]
 
-    if C_ROWS == 0:
-        c_rows = o_m.to(tl.int64)
-    elif C_ROWS == 1:
-        c_rows = (assignment // topk).to(tl.int64)
-    else:
-        c_rows = assignment.to(tl.int64)
+    c_rows = _rows(C_ROWS, o_m, assignment, topk)
     p_c_blk = p_c + c_rows[:, None] * stride_cm + o_n[None, :] * stride_cn
     if ACCUMULATE:
         acc += tl.load(p_c_blk, mask=m_out, other=0.0).to(tl.float32)
@@ -219,18 +221,8 @@ def grouped_weight_grad_kernel(
         o_m = m0 + tl.arange(0, BLOCK_M)
         m_m = o_m < row_end
         assignment = tl.load(p_order + o_m, mask=m_m, other=0)
-        if A_ROWS == 0:
-            a_rows = o_m.to(tl.int64)
-        elif A_ROWS == 1:
-            a_rows = (assignment // topk).to(tl.int64)
-        else:
-            a_rows = assignment.to(tl.int64)
-        if G_ROWS == 0:
-            g_rows = o_m.to(tl.int64)
-        elif G_ROWS == 1:
-            g_rows = (assignment // topk).to(tl.int64)
-        else:
-            g_rows = assignment.to(tl.int64)
+        a_rows = _rows(A_ROWS, o_m, assignment, topk)
+        g_rows = _rows(G_ROWS, o_m, assignment, topk)
         b_at = tl.load(p_a + a_rows[None, :] * stride_am + o_k[:, None] * stride_ak,
                        mask=m_k[:, None] & m_m[None, :], other=0.0)
         b_g = tl.load(p_g + g_rows[:, None] * stride_gm + o_n[None, :] * stride_gn,

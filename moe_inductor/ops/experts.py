@@ -97,27 +97,9 @@ def experts_forward_impl(
     return y, pre, order, sorted_expert, offsets
 
 
-@torch.library.custom_op("moe_inductor::experts_forward", mutates_args=())
-def experts_forward(
-    x: Tensor,
-    topk_ids: Tensor,
-    topk_weights: Tensor,
-    w1: Tensor,
-    w1_up: Optional[Tensor],
-    w2: Tensor,
-    b1: Optional[Tensor],
-    b1_up: Optional[Tensor],
-    b2: Optional[Tensor],
-    activation: str,
-    weight_position: str,
-    alpha: float,
-    limit: float,
-    capacity: Optional[int],
-    save_pre: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The fused experts forward as a ``moe_inductor::`` op; see ``experts_forward_impl``."""
-    return experts_forward_impl(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position,
-                                alpha, limit, capacity, save_pre)
+# The op is the implementation itself, registered under its typed signature (the eager entry point calls the plain
+# function when no graph or autograd needs the op).
+experts_forward = torch.library.custom_op("moe_inductor::experts_forward", mutates_args=())(experts_forward_impl)
 
 
 @experts_forward.register_fake
