@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 from . import capture, hf
 from .explain import log_rewrites
 from .options import BackendOptions
+from .passes import FX_PASSES
 from .report import GraphRecord, current_report
 
 def _moe_ops_in(gm: torch.fx.GraphModule) -> int:
@@ -45,6 +46,9 @@ def moe_inductor_backend(
     to the inner compiler."""
     opts = BackendOptions.parse(options)
     rewrites = capture.take_rewrites()
+    for form, rewrite in FX_PASSES.items():
+        if form in opts.forms:
+            rewrites += rewrite(gm)
     for r in rewrites:
         counters["moe_inductor"][r.form] += 1
         log_rewrites(f"moe_inductor rewrote {r.where} ({r.form}, E={r.num_experts}, k={r.top_k}, {r.activation})",

@@ -1,0 +1,10 @@
+"""FX passes over the Dynamo graph: each recognises one MoE form and rewrites it into moe_inductor ops.
+
+``FX_PASSES`` maps a form name to ``rewrite(gm) -> list[Rewrite]``. See README.md beside this file for the forms and
+the invariants every pass keeps.
+"""
+from __future__ import annotations
+
+from . import gathered_weights
+
+FX_PASSES = {gathered_weights.FORM: gathered_weights.rewrite}

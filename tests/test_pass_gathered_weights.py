@@ -1,0 +1,105 @@
+"""The gathered-weights form (gpt-fast style): matched in several styles, equal to eager, look-alikes left alone."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+E, D, I, K = 5, 16, 8, 2
+
+
+class GatheredMoE(nn.Module):
+    """``style`` picks how the same MoE is written."""
+
+    def __init__(self, style="gptfast"):
+        super().__init__()
+        self.style = style
+        self.gate = nn.Linear(D, E, bias=False)
+        kn = style == "kn_swapped"
+        self.w1 = nn.Parameter(torch.randn(E, D, I) if kn else torch.randn(E, I, D))
+        self.w3 = nn.Parameter(torch.randn(E, D, I) if kn else torch.randn(E, I, D))
+        self.w2 = nn.Parameter(torch.randn(E, I, D) if kn else torch.randn(E, D, I))
+
+    def forward(self, x):
+        x = x.view(-1, D)
+        weights, ids = torch.topk(F.softmax(self.gate(x), dim=-1), K, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        w1, w3, w2 = self.w1[ids], self.w3[ids], self.w2[ids]
+        if self.style == "gptfast":
+            h = F.silu(torch.einsum("ti,taoi -> tao", x, w1)) * torch.einsum("ti, taoi -> tao", x, w3)
+            out = torch.einsum("tao, taio -> tai", h, w2)
+            return torch.einsum("tai,ta -> ti", out, weights)
+        if self.style == "kn_swapped":  # (E, in, out) weights, other letters, operands swapped, mul+sum combine
+            h = torch.einsum("bekn,bk->ben", w3, x) * F.gelu(torch.einsum("bk,bekn->ben", x, w1), approximate="tanh")
+            out = torch.einsum("ben,benm->bem", h, w2)
+            return (out * weights[..., None]).sum(1)
+        if self.style == "plain_act":  # no gate factor: relu(up) then down, unsqueeze combine
+            out = torch.einsum("tao,taio->tai", F.relu(torch.einsum("ti,taoi->tao", x, w1)), w2)
+            return (out * weights.unsqueeze(-1)).sum(dim=1)
+        if self.style == "wrong_contraction":  # contracts the expert-output axis of w2 with the wrong letter
+            h = F.silu(torch.einsum("ti,taoi->tao", x, w1)) * torch.einsum("ti,taoi->tao", x, w3)
+            out = torch.einsum("tao,taoi->tai", h, w2.transpose(-1, -2).contiguous())
+            return torch.einsum("tai,ta->ti", out, weights) * 1.0 + out.sum(1)  # an intermediate escapes
+        if self.style == "mixed_ids":  # the down projection reads other experts than the up projection
+            w2_other = self.w2[(ids + 1) % E]
+            h = F.silu(torch.einsum("ti,taoi->tao", x, w1)) * torch.einsum("ti,taoi->tao", x, w3)
+            return torch.einsum("tai,ta->ti", torch.einsum("tao,taio->tai", h, w2_other), weights)
+        raise ValueError(self.style)
+
+
+def run(model, x, inner="eager"):
+    torch._dynamo.reset()
+    counters.clear()
+    return torch.compile(model, backend="moe_inductor", options={"inner": inner})(x)
+
+
+@pytest.mark.parametrize("style", ["gptfast", "kn_swapped", "plain_act"])
+def test_styles_are_rewritten_and_equal(style):
+    torch.manual_seed(0)
+    model = GatheredMoE(style)
+    for T in (3, 9, 17):
+        x = torch.randn(T, D)
+        out = run(model, x)
+        ref = model(x)
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+    assert counters["moe_inductor"]["gathered_weights"] == 1
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def test_gradients_match_eager():
+    torch.manual_seed(0)
+    model = GatheredMoE("gptfast")
+    x = torch.randn(11, D, requires_grad=True)
+    out = run(model, x, inner="aot_eager")
+    params = [x, model.gate.weight, model.w1, model.w2, model.w3]
+    grads = torch.autograd.grad(out.square().sum(), params)
+    ref_grads = torch.autograd.grad(model(x).square().sum(), params)
+    assert counters["moe_inductor"]["gathered_weights"] == 1
+    for g, r in zip(grads, ref_grads):
+        assert ((g - r).norm() / r.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("style", ["wrong_contraction", "mixed_ids"])
+def test_look_alikes_are_left_alone(style):
+    torch.manual_seed(0)
+    model = GatheredMoE(style)
+    x = torch.randn(7, D)
+    assert torch.allclose(run(model, x), model(x), rtol=1e-6, atol=1e-6)
+    assert not counters["moe_inductor"]
+
+
+def test_form_can_be_turned_off():
+    model = GatheredMoE("gptfast")
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(model, backend="moe_inductor", options={"inner": "eager", "forms": ["hf_grouped_mm"]})(torch.randn(4, D))
+    assert not counters["moe_inductor"]
+
+
+def test_explain_names_the_source_line():
+    import moe_inductor
+
+    report = moe_inductor.explain(GatheredMoE("gptfast"), torch.randn(6, D))
+    (rewrite,) = report.rewrites
+    assert rewrite.form == "gathered_weights" and rewrite.num_experts == E and rewrite.top_k == K
+    assert "einsum" in rewrite.where and "experts_forward" in report.graphs[0].code
