@@ -232,7 +232,9 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
         if m is None:
             continue
         y_val = _val(m.y)
-        save_pre = any(v is not None and v.requires_grad for v in map(_val, (m.x, m.weights, m.gate, m.up, m.down)))
+        # Dynamo compiles under the grad mode it traced in (and guards on it), so it is the mode the op runs in
+        save_pre = torch.is_grad_enabled() and any(
+            v is not None and v.requires_grad for v in map(_val, (m.x, m.weights, m.gate, m.up, m.down)))
         graph = gm.graph
         with graph.inserting_before(m.y):
             # views of the un-gathered weights in the op's (E, K, N) form; nothing is copied

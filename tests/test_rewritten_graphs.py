@@ -1,0 +1,76 @@
+"""Inline expectations of small rewritten graphs, normalised (short target names, positional value labels) so that
+they read the same on torch 2.11 and 2.13."""
+import operator
+
+import expecttest
+import torch
+from torch.fx import GraphModule, Node
+
+from moe_inductor.passes import gathered_weights
+from tests.test_pass_gathered_weights import GatheredMoE
+
+
+def _short(target) -> str:
+    if isinstance(target, str):
+        return f".{target}"
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    if target is operator.getitem:
+        return "getitem"
+    return getattr(target, "__name__", str(target))
+
+
+def normalise(gm: GraphModule) -> str:
+    labels: dict[Node, str] = {}
+    lines = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            labels[node] = f"in{len([n for n in labels.values() if n.startswith('in')])}"
+            continue
+        if node.op == "output":
+            continue
+        labels[node] = f"v{len(lines)}"
+
+        def show(a):
+            if isinstance(a, Node):
+                return labels[a]
+            if isinstance(a, (list, tuple)):
+                return "(" + ", ".join(show(b) for b in a) + ")"
+            return repr(a)
+
+        args = [show(a) for a in node.args] + [f"{k}={show(v)}" for k, v in node.kwargs.items()]
+        lines.append(f"{labels[node]} = {_short(node.target)}({', '.join(args)})")
+    return "\n".join(lines)
+
+
+def rewritten(model, x) -> str:
+    captured = []
+
+    def backend(gm, example_inputs):
+        gathered_weights.rewrite(gm)
+        captured.append(normalise(gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(x)
+    return captured[0]
+
+
+class TestRewrittenGraphs(expecttest.TestCase):
+    def test_gptfast_gathered_weights(self):
+        torch.manual_seed(0)
+        self.assertExpectedInline(rewritten(GatheredMoE("gptfast"), torch.randn(4, 16)), """\
+v0 = .view(in0, -1, 16)
+v1 = linear(v0, in1, None)
+v2 = softmax(v1, dim=-1)
+v3 = topk(v2, 2, dim=-1)
+v4 = getitem(v3, 0)
+v5 = getitem(v3, 1)
+v6 = .sum(v4, dim=-1, keepdim=True)
+v7 = truediv(v4, v6)
+v8 = .transpose(in2, 1, 2)
+v9 = .transpose(in3, 1, 2)
+v10 = .transpose(in4, 1, 2)
+v11 = .to(v7, torch.float32)
+v12 = moe_inductor.experts_forward(v0, v5, v11, v8, v9, v10, None, None, None, 'silu_glu', 'output', 1.702, 7.0, None, True)
+v13 = getitem(v12, 0)""")
