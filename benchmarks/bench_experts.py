@@ -144,7 +144,6 @@ def run_shape(name, tokens, skews, do_backward, do_hf, rows, skew_tokens=None):
                 row.update(bench_backward(x, ids, weights, w1, w2, w1_kn, w2_kn))
             rows.append(row)
             print(format_row(row), flush=True)
-    del w1, w2
     torch.cuda.empty_cache()
 
 

@@ -5,10 +5,8 @@
 from __future__ import annotations
 
 import torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-import moe_inductor  # noqa: F401  (not needed for the backend; used for the counters below)
 from torch._dynamo.utils import counters
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 
 def main(max_new_tokens: int = 8, inner: str = "inductor") -> None:

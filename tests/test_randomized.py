@@ -1,6 +1,5 @@
 """Randomised equivalence (hypothesis): generated MoE modules across forms, routing, E, k, T and activations must
 compile to the same function as eager. Examples are few: each one compiles."""
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

@@ -1,0 +1,110 @@
+"""Helpers shared by the FX matchers: node values, einsum parsing, activations, combines, source lines."""
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+
+
+def val(node) -> Optional[torch.Tensor]:
+    """The fake tensor Dynamo traced for ``node`` (``example_value`` in Dynamo graphs, ``val`` after aot)."""
+    if not isinstance(node, Node):
+        return None
+    v = node.meta.get("val", node.meta.get("example_value"))
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def einsum_parts(node: Node) -> Optional[tuple[list[str], str, list[Node]]]:
+    """(input subscripts, output subscripts, operands) of an einsum node with an explicit output."""
+    if node.op != "call_function" or node.target is not torch.functional.einsum and node.target is not torch.einsum:
+        return None
+    if not node.args or not isinstance(node.args[0], str) or node.kwargs:
+        return None
+    eq = node.args[0].replace(" ", "")
+    if "->" not in eq or "." in eq:
+        return None
+    lhs, out = eq.split("->")
+    subs = lhs.split(",")
+    operands = list(node.args[1:])
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = list(operands[0])
+    if len(subs) != len(operands) or not all(isinstance(o, Node) for o in operands):
+        return None
+    return subs, out, operands
+
+
+_UNARY = {F.silu: "silu", F.relu: "relu", torch.relu: "relu"}
+
+
+def activation_of(node: Node) -> Optional[tuple[str, Node]]:
+    if node.op != "call_function":
+        return None
+    if node.target is F.gelu:
+        approx = node.kwargs.get("approximate", "none")
+        if set(node.kwargs) - {"approximate"} or approx not in ("none", "tanh"):
+            return None
+        return ("gelu" if approx == "none" else "gelu_tanh"), node.args[0]
+    name = _UNARY.get(node.target)
+    if name is None or len(node.args) != 1 or set(node.kwargs) - {"inplace"} or node.kwargs.get("inplace"):
+        return None
+    return name, node.args[0]
+
+
+def single_use(*nodes: Node) -> bool:
+    return all(len(n.users) == 1 for n in nodes)
+
+
+def weighted_sum(y: Node) -> Optional[tuple[Node, Node]]:
+    """(outputs (T, n, H), weights (T, n)) of ``einsum("tai,ta->ti", o, w)`` or ``(o * w[..., None]).sum(1)``."""
+    parsed = einsum_parts(y)
+    if parsed is not None:
+        subs, out, ops = parsed
+        if len(ops) != 2:
+            return None
+        for oi, wi in ((0, 1), (1, 0)):
+            if len(subs[oi]) == 3 and len(subs[wi]) == 2 and subs[wi] == subs[oi][:2] and out == subs[oi][0] + subs[oi][2]:
+                return ops[oi], ops[wi]
+        return None
+    if y.op == "call_method" and y.target == "sum" and len(y.args) >= 1:
+        dim = y.args[1] if len(y.args) > 1 else y.kwargs.get("dim")
+        if dim != 1 or y.kwargs.get("keepdim", False) or isinstance(y.args[0], Node) is False:
+            return None
+        prod = y.args[0]
+        if prod.op != "call_function" or prod.target is not operator.mul or not single_use(prod):
+            return None
+        for o, w in (prod.args, prod.args[::-1]):
+            base = unsqueezed_last(w)
+            if isinstance(o, Node) and base is not None and single_use(w):
+                return o, base
+        return None
+    return None
+
+
+def unsqueezed_last(node) -> Optional[Node]:
+    """``w`` for ``w[..., None]`` or ``w.unsqueeze(-1)`` (w 2D)."""
+    if not isinstance(node, Node) or not node.args:
+        return None
+    base = node.args[0]
+    if node.op == "call_function" and node.target is operator.getitem and node.args[1] == (Ellipsis, None):
+        return base
+    if node.op == "call_method" and node.target == "unsqueeze" and (node.args[1:] or (node.kwargs.get("dim"),))[0] in (-1, 2):
+        return base
+    return None
+
+
+def source_line(node: Node) -> str:
+    """``file:line: code`` of the user's source for a node, from Dynamo's stack trace, else the node name."""
+    lines = (node.meta.get("stack_trace") or "").splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        head = lines[i].strip()
+        if head.startswith('File "') and ", line " in head:
+            path = head[len('File "'):head.index('"', len('File "'))]
+            lineno = head.split(", line ")[1].split(",")[0]
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{path.rsplit('/', 1)[-1]}:{lineno}: {code}"
+    return node.name
+
+
