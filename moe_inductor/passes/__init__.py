@@ -5,6 +5,6 @@ the invariants every pass keeps.
 """
 from __future__ import annotations
 
-from . import gathered_weights
+from . import dense_experts, gathered_weights
 
-FX_PASSES = {gathered_weights.FORM: gathered_weights.rewrite}
+FX_PASSES = {gathered_weights.FORM: gathered_weights.rewrite, dense_experts.FORM: dense_experts.rewrite}
