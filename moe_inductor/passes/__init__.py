@@ -5,6 +5,10 @@ the invariants every pass keeps.
 """
 from __future__ import annotations
 
-from . import dense_experts, gathered_weights
+from . import dense_experts, gathered_weights, unrolled_loop
 
-FX_PASSES = {gathered_weights.FORM: gathered_weights.rewrite, dense_experts.FORM: dense_experts.rewrite}
+FX_PASSES = {
+    gathered_weights.FORM: gathered_weights.rewrite,
+    dense_experts.FORM: dense_experts.rewrite,
+    unrolled_loop.FORM: unrolled_loop.rewrite,
+}

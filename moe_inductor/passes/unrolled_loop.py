@@ -1,0 +1,238 @@
+"""Form "unrolled_loop": a per-expert Python loop, unrolled by Dynamo into E copies of its body.
+
+The user code this matches (under moe_inductor's scoped capture, ``torch.where`` with one argument traces as an op
+with a data-dependent size instead of a graph break):
+
+    out = torch.zeros_like(x)
+    for e in range(E):                                   # every expert, each once
+        tok, pos = torch.where(ids == e)                 # or (ids == e).nonzero(as_tuple=True)
+        xe = x[tok]
+        h = F.silu(xe @ w1[e].T) * (xe @ w3[e].T)        # or F.linear(xe, w1[e]); or w1 stored (E, in, out)
+        out.index_add_(0, tok, (h @ w2[e].T) * weights[tok, pos, None])
+    return out
+
+The E bodies must agree on everything but e (same x, ids, weights, weights tensors, activation, layout), e must run
+over all of range(E), and the accumulator must start from zeros and be changed by nothing else. Then the loop
+becomes one ``moe_inductor::experts_forward``, and with it go the E nonzero calls (host syncs) and their unbacked
+sizes. Anything else is left alone.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..capture import Rewrite
+from .fx_utils import activation_of, source_line, val
+
+FORM = "unrolled_loop"
+
+
+def _is(node, op: str, *targets) -> bool:
+    return isinstance(node, Node) and node.op == op and node.target in targets
+
+
+def _selection(tok: Node) -> Optional[tuple[Node, Node, int, Node]]:
+    """(where node, ids, e, pos node) for ``tok, pos = torch.where(ids == e)`` (or nonzero(as_tuple=True))."""
+    if not (_is(tok, "call_function", operator.getitem) and tok.args[1] == 0):
+        return None
+    where = tok.args[0]
+    one_arg_where = _is(where, "call_function", torch.where) and len(where.args) == 1 and not where.kwargs
+    nonzero = (_is(where, "call_method", "nonzero") and where.kwargs == {"as_tuple": True} and len(where.args) == 1)
+    if not (one_arg_where or nonzero):
+        return None
+    eq = where.args[0]
+    if not (_is(eq, "call_function", operator.eq, torch.eq) and isinstance(eq.args[1], int)):
+        return None
+    ids = eq.args[0]
+    iv = val(ids)
+    if iv is None or iv.dim() != 2 or iv.dtype.is_floating_point:
+        return None
+    pos = [u for u in where.users if _is(u, "call_function", operator.getitem) and u.args[1] == 1]
+    return where, ids, eq.args[1], (pos[0] if len(pos) == 1 else None)
+
+
+def _expert_weight(node: Node, e: int) -> Optional[tuple[Node, bool]]:
+    """(stacked weight, transposed?) for ``w[e]``, ``w[e].T``, ``w[e].t()`` or ``w[e].transpose(0, 1)``."""
+    transposed = False
+    if _is(node, "call_function", getattr) and node.args[1] in ("T", "mT"):
+        node, transposed = node.args[0], True
+    elif _is(node, "call_method", "t") or (_is(node, "call_method", "transpose") and set(node.args[1:]) in ({0, 1},
+                                                                                                        {-1, -2})):
+        node, transposed = node.args[0], True
+    if not (_is(node, "call_function", operator.getitem) and node.args[1] == e):
+        return None
+    w = node.args[0]
+    wv = val(w)
+    if wv is None or wv.dim() != 3 or not wv.is_floating_point():
+        return None
+    return w, transposed
+
+
+def _linear(node: Node, e: int) -> Optional[tuple[Node, Node, str]]:
+    """(input, stacked weight, layout) for ``a @ w[e].T`` / ``F.linear(a, w[e])`` ("nk") or ``a @ w[e]`` ("kn")."""
+    if _is(node, "call_function", torch._C._nn.linear, torch.nn.functional.linear):
+        if len(node.args) > 2 and node.args[2] is not None or node.kwargs:
+            return None
+        got = _expert_weight(node.args[1], e)
+        return (node.args[0], got[0], "nk") if got and not got[1] else None
+    if _is(node, "call_function", operator.matmul, torch.matmul) and len(node.args) == 2:
+        got = _expert_weight(node.args[1], e)
+        if got is None:
+            return None
+        return node.args[0], got[0], "nk" if got[1] else "kn"
+    return None
+
+
+@dataclass(frozen=True)
+class _Body:
+    e: int
+    ids: Node
+    x: Node
+    weights: Node
+    gate: Node
+    up: Optional[Node]
+    down: Node
+    layout: str
+    activation: str
+    where: Node
+    add: Node
+
+
+def _body(add: Node, acc: Node) -> Optional[_Body]:
+    """One expert's body, read backwards from ``acc.index_add_(0, tok, contribution)``."""
+    if not (_is(add, "call_method", "index_add_") and len(add.args) == 4 and add.args[0] is acc and add.args[1] == 0
+            and not add.kwargs):
+        return None
+    tok, contribution = add.args[2], add.args[3]
+    sel = _selection(tok)
+    if sel is None or sel[3] is None or not _is(contribution, "call_function", operator.mul):
+        return None
+    where, ids, e, pos = sel
+    for expert_out, scale in (contribution.args, contribution.args[::-1]):
+        if _is(scale, "call_function", operator.getitem) and scale.args[1] == (tok, pos, None):
+            break
+    else:
+        return None
+    weights = scale.args[0]
+    down = _linear(expert_out, e)
+    if down is None:
+        return None
+    h, w_down, layout = down
+    gate_node, up_node = h, None
+    if _is(h, "call_function", operator.mul) and len(h.args) == 2:
+        for a, b in (h.args, h.args[::-1]):
+            if activation_of(a) is not None:
+                gate_node, up_node = a, b
+                break
+    act = activation_of(gate_node)
+    if act is None:
+        return None
+    name, gate_in = act
+    gate = _linear(gate_in, e)
+    up = _linear(up_node, e) if up_node is not None else None
+    if gate is None or (up_node is not None and up is None):
+        return None
+    xe = gate[0]
+    if up is not None and up[0] is not xe:
+        return None
+    if not (_is(xe, "call_function", operator.getitem) and xe.args[1] is tok):
+        return None
+    if any(p[2] != layout for p in (gate, up) if p is not None):
+        return None
+    return _Body(e, ids, xe.args[0], weights, gate[1], up[1] if up else None, w_down, layout,
+                 f"{name}_glu" if up is not None else name, where, add)
+
+
+def _zeros_like_x(acc: Node) -> bool:
+    return (_is(acc, "call_function", torch.zeros_like, torch.zeros) or _is(acc, "call_method", "new_zeros")) and (
+        "fill_value" not in acc.kwargs)
+
+
+def match(acc: Node, position: dict[Node, int]) -> Optional[list[_Body]]:
+    """The E loop bodies accumulating into ``acc``, when they form a complete, consistent MoE.
+
+    ``position`` gives each node's index in graph order."""
+    if not _zeros_like_x(acc):
+        return None
+    mutations = [u for u in acc.users if u.op == "call_method" and str(u.target).endswith("_")]
+    if not mutations or any(u.target != "index_add_" for u in mutations):
+        return None
+    bodies = [_body(add, acc) for add in mutations]
+    if any(b is None for b in bodies):
+        return None
+    first = bodies[0]
+    key = (first.ids, first.x, first.weights, first.gate, first.up, first.down, first.layout, first.activation)
+    if any((b.ids, b.x, b.weights, b.gate, b.up, b.down, b.layout, b.activation) != key for b in bodies):
+        return None
+    num_experts = val(first.gate).shape[0]
+    if sorted(b.e for b in bodies) != list(range(num_experts)):
+        return None
+    xv, av = val(first.x), val(acc)
+    if xv is None or av is None or xv.dim() != 2 or tuple(av.shape) != tuple(xv.shape) or av.dtype != xv.dtype:
+        return None
+    # every read of the accumulator must come after the last index_add_
+    last_add = max(position[b.add] for b in bodies)
+    if any(position[u] < last_add for u in acc.users if u not in mutations):
+        return None
+    return bodies
+
+
+def _erase_loop(graph, bodies: list[_Body]) -> None:
+    """Erase the index_add_ calls, then everything that only served the loop (nonzero, its size asserts)."""
+    for b in bodies:
+        graph.erase_node(b.add)
+    doomed = set()
+    for b in bodies:
+        stack = [b.where]
+        while stack:
+            node = stack.pop()
+            if node in doomed:
+                continue
+            doomed.add(node)
+            stack.extend(node.users)
+    for node in reversed(list(graph.nodes)):
+        if node in doomed and not node.users:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+
+
+def rewrite(gm: GraphModule) -> list[Rewrite]:
+    """Replace every provable unrolled per-expert loop in ``gm``; returns what was rewritten."""
+    done = []
+    graph = gm.graph
+    candidates = [n for n in graph.nodes if _zeros_like_x(n)]
+    for node in candidates:
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        if node not in position:  # erased by an earlier rewrite
+            continue
+        bodies = match(node, position)
+        if not bodies:
+            continue
+        b = bodies[0]
+        last_add = max((x.add for x in bodies), key=position.__getitem__)
+        reads = [u for u in node.users if u not in {x.add for x in bodies}]
+        save_pre = torch.is_grad_enabled() and any(
+            v is not None and v.requires_grad for v in map(val, (b.x, b.weights, b.gate, b.up, b.down)))
+        with graph.inserting_before(last_add.next):  # after the loop, in order
+            views = [None if w is None else graph.call_method("transpose", (w, 1, 2)) if b.layout == "nk" else w
+                     for w in (b.gate, b.up, b.down)]
+            weights = graph.call_method("to", (b.weights, val(b.x).dtype))
+            op = graph.call_function(torch.ops.moe_inductor.experts_forward.default, (
+                b.x, b.ids, weights, views[0], views[1], views[2], None, None, None, b.activation, "output",
+                1.702, 7.0, None, save_pre))
+            y = graph.call_function(operator.getitem, (op, 0))
+        for r in reads:
+            r.replace_input_with(node, y)
+        where = source_line(b.add)
+        _erase_loop(graph, bodies)
+        done.append(Rewrite(FORM, where, len(bodies), int(val(b.ids).shape[-1]), b.activation,
+                            (tuple(val(b.gate).shape), tuple(val(b.down).shape)),
+                            note=f"{len(bodies)} nonzero host syncs and data-dependent sizes removed"))
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
