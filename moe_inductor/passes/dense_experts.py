@@ -23,7 +23,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..capture import Rewrite
-from .fx_utils import activation_of, einsum_parts, single_use, source_line, val, weighted_sum
+from ..spec import MoESpec
+from .emit import emit_experts
+from .fx_utils import einsum_parts, single_use, source_line, split_gated, val, weighted_sum
 
 FORM = "dense_experts"
 
@@ -109,20 +111,7 @@ def _topk_scatter(routing: Node) -> Optional[tuple[Node, Node]]:
     return ids, values
 
 
-@dataclass
-class DenseMoE:
-    y: Node
-    x: Node
-    ids: Node
-    values: Node
-    gate: Node
-    up: Optional[Node]
-    down: Node
-    layout: str
-    activation: str
-
-
-def match(y: Node) -> Optional[DenseMoE]:
+def match(y: Node) -> Optional[MoESpec]:
     combined = weighted_sum(y)
     if combined is None:
         return None
@@ -131,17 +120,10 @@ def match(y: Node) -> Optional[DenseMoE]:
     down = _dense_projection(out, 3)
     if routed is None or down is None or not single_use(out):
         return None
-    h = down.x
-    gate_node, up_node = h, None
-    if h.op == "call_function" and h.target is operator.mul and len(h.args) == 2:
-        for a, b in (h.args, h.args[::-1]):
-            if isinstance(a, Node) and isinstance(b, Node) and activation_of(a) is not None:
-                gate_node, up_node = a, b
-                break
-    act = activation_of(gate_node)
-    if act is None:
+    split = split_gated(down.x)
+    if split is None:
         return None
-    activation, gate_in = act
+    activation, _, gate_in, up_node = split
     gate = _dense_projection(gate_in, 2)
     up = _dense_projection(up_node, 2) if up_node is not None else None
     if gate is None or (up_node is not None and (up is None or up.x is not gate.x)):
@@ -152,38 +134,23 @@ def match(y: Node) -> Optional[DenseMoE]:
     xv, wv = val(gate.x), val(down.weight)
     if xv is None or xv.dim() != 2 or val(ids).shape[0] != xv.shape[0] or val(routing).shape[1] != wv.shape[0]:
         return None
-    return DenseMoE(y, gate.x, ids, values, gate.weight, up.weight if up else None, down.weight, gate.layout,
-                    f"{activation}_glu" if up is not None else activation)
+    return MoESpec(gate.x, ids, values, gate.weight, up.weight if up else None, down.weight, gate.layout, activation)
 
 
 def rewrite(gm: GraphModule) -> list[Rewrite]:
     """Replace every provable dense all-experts MoE in ``gm``; returns what was rewritten."""
     done = []
-    graph = gm.graph
-    for node in list(graph.nodes):
-        m = match(node)
-        if m is None:
+    for node in list(gm.graph.nodes):
+        spec = match(node)
+        if spec is None:
             continue
-        y_val, x_val = val(m.y), val(m.x)
-        save_pre = torch.is_grad_enabled() and any(
-            v is not None and v.requires_grad for v in map(val, (m.x, m.values, m.gate, m.up, m.down)))
-        with graph.inserting_before(m.y):
-            views = [None if w is None else graph.call_method("transpose", (w, 1, 2)) if m.layout == "nk" else w
-                     for w in (m.gate, m.up, m.down)]
-            weights = graph.call_method("to", (m.values, x_val.dtype))
-            op = graph.call_function(torch.ops.moe_inductor.experts_forward.default, (
-                m.x, m.ids, weights, views[0], views[1], views[2], None, None, None, m.activation, "output",
-                1.702, 7.0, None, save_pre))
-            new = graph.call_function(operator.getitem, (op, 0))
-            if y_val is not None and y_val.dtype != x_val.dtype:
-                new = graph.call_method("to", (new, y_val.dtype))
-        m.y.replace_all_uses_with(new)
-        E = int(val(m.gate).shape[0])
-        k = int(val(m.ids).shape[-1])
-        done.append(Rewrite(FORM, source_line(m.y), E, k, m.activation, (tuple(val(m.gate).shape),
-                                                                            tuple(val(m.down).shape)),
+        new = emit_experts(gm.graph, spec, node, (val(node) if val(node) is not None else val(spec.x)).dtype)
+        node.replace_all_uses_with(new)
+        E, k = int(val(spec.gate).shape[0]), int(val(spec.ids).shape[-1])
+        done.append(Rewrite(FORM, source_line(node), E, k, spec.activation,
+                            (tuple(val(spec.gate).shape), tuple(val(spec.down).shape)),
                             note=f"runs k={k} of E={E} experts per token: {E / k:.1f}x fewer expert FLOPs"))
     if done:
-        graph.eliminate_dead_code()
+        gm.graph.eliminate_dead_code()
         gm.recompile()
     return done

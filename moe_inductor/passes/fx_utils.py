@@ -108,3 +108,15 @@ def source_line(node: Node) -> str:
     return node.name
 
 
+
+
+def split_gated(h: Node) -> Optional[tuple[str, Node, Node, Optional[Node]]]:
+    """(activation name, activation node, its input, the up factor or None) for ``act(a) * b``, ``b * act(a)`` or
+    ``act(a)``; the name gets "_glu" when there is an up factor."""
+    if isinstance(h, Node) and h.op == "call_function" and h.target is operator.mul and len(h.args) == 2:
+        for a, b in (h.args, h.args[::-1]):
+            act = activation_of(a) if isinstance(a, Node) and isinstance(b, Node) else None
+            if act is not None:
+                return f"{act[0]}_glu", a, act[1], b
+    act = activation_of(h) if isinstance(h, Node) else None
+    return (act[0], h, act[1], None) if act is not None else None

@@ -21,7 +21,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..capture import Rewrite
-from .fx_utils import activation_of, einsum_parts, single_use, source_line, val, weighted_sum
+from ..spec import MoESpec
+from .emit import emit_experts
+from .fx_utils import einsum_parts, single_use, source_line, split_gated, val, weighted_sum
 
 FORM = "gathered_weights"
 
@@ -71,21 +73,7 @@ def _projection(node: Node, x_subs_len: int = 2) -> Optional[_Projection]:
     return None
 
 
-@dataclass
-class GatheredMoE:
-    y: Node
-    x: Node
-    ids: Node
-    weights: Node
-    gate: Node
-    up: Optional[Node]
-    down: Node
-    layout: str
-    activation: str
-    chain: tuple
-
-
-def match(y: Node) -> Optional[GatheredMoE]:
+def match(y: Node) -> Optional[MoESpec]:
     combined = weighted_sum(y)
     if combined is None:
         return None
@@ -94,18 +82,10 @@ def match(y: Node) -> Optional[GatheredMoE]:
     if down is None or not single_use(out):
         return None
     h = down.x
-    gate_node, up_node = None, None
-    if h.op == "call_function" and h.target is operator.mul and len(h.args) == 2:
-        for a, b in (h.args, h.args[::-1]):
-            if isinstance(a, Node) and isinstance(b, Node) and activation_of(a) is not None:
-                gate_node, up_node = a, b
-                break
-    else:
-        gate_node = h
-    act = activation_of(gate_node) if gate_node is not None else None
-    if act is None:
+    split = split_gated(h)
+    if split is None:
         return None
-    activation, gate_in = act
+    activation, act_node, gate_in, up_node = split
     gate = _projection(gate_in)
     up = _projection(up_node) if up_node is not None else None
     if gate is None or (up_node is not None and up is None):
@@ -115,44 +95,30 @@ def match(y: Node) -> Optional[GatheredMoE]:
         return None
     if up is not None and up.x is not gate.x:
         return None
-    chain = [out, h, gate_node, gate_in, down.x] + ([up_node] if up_node is not None else [])
+    chain = [out, h, act_node, gate_in] + ([up_node] if up_node is not None else [])
     if not single_use(*{id(n): n for n in chain}.values()):
         return None
     ids_val, w_val, x_val = val(gate.ids), val(weights), val(gate.x)
     if ids_val is None or w_val is None or x_val is None or x_val.dim() != 2 or tuple(w_val.shape) != tuple(ids_val.shape):
         return None
-    return GatheredMoE(y, gate.x, gate.ids, weights, gate.weight, up.weight if up else None, down.weight,
-                       gate.layout, f"{activation}_glu" if up is not None else activation, tuple(chain))
+    return MoESpec(gate.x, gate.ids, weights, gate.weight, up.weight if up else None, down.weight, gate.layout,
+                   activation)
 
 
 def rewrite(gm: GraphModule) -> list[Rewrite]:
     """Replace every provable gathered-weights MoE in ``gm``; returns what was rewritten."""
     done = []
     for node in list(gm.graph.nodes):
-        m = match(node)
-        if m is None:
+        spec = match(node)
+        if spec is None:
             continue
-        y_val = val(m.y)
-        # Dynamo compiles under the grad mode it traced in (and guards on it), so it is the mode the op runs in
-        save_pre = torch.is_grad_enabled() and any(
-            v is not None and v.requires_grad for v in map(val, (m.x, m.weights, m.gate, m.up, m.down)))
-        graph = gm.graph
-        with graph.inserting_before(m.y):
-            # views of the un-gathered weights in the op's (E, K, N) form; nothing is copied
-            views = [None if w is None else graph.call_method("transpose", (w, 1, 2)) if m.layout == "nk" else w
-                     for w in (m.gate, m.up, m.down)]
-            weights = graph.call_method("to", (m.weights, val(m.x).dtype))
-            op = graph.call_function(torch.ops.moe_inductor.experts_forward.default, (
-                m.x, m.ids, weights, views[0], views[1], views[2], None, None, None, m.activation, "output",
-                1.702, 7.0, None, save_pre))
-            new = graph.call_function(operator.getitem, (op, 0))
-            if y_val is not None and y_val.dtype != val(m.x).dtype:
-                new = graph.call_method("to", (new, y_val.dtype))
-        m.y.replace_all_uses_with(new)
-        gate_val, down_val = val(m.gate), val(m.down)
-        per_choice = sum(v[0].numel() * v.element_size() for v in map(val, (m.gate, m.up, m.down)) if v is not None)
-        done.append(Rewrite(FORM, source_line(m.y), int(gate_val.shape[0]), int(val(m.ids).shape[-1]), m.activation,
-                            (tuple(gate_val.shape), tuple(down_val.shape)),
+        new = emit_experts(gm.graph, spec, node, (val(node) if val(node) is not None else val(spec.x)).dtype)
+        node.replace_all_uses_with(new)
+        gate_val, down_val = val(spec.gate), val(spec.down)
+        per_choice = sum(v[0].numel() * v.element_size() for v in map(val, (spec.gate, spec.up, spec.down))
+                         if v is not None)
+        done.append(Rewrite(FORM, source_line(node), int(gate_val.shape[0]), int(val(spec.ids).shape[-1]),
+                            spec.activation, (tuple(gate_val.shape), tuple(down_val.shape)),
                             note=f"avoids gathering T*k x {per_choice / 2**10:.1f} KiB of expert weights per call"))
     if done:
         gm.graph.eliminate_dead_code()

@@ -26,7 +26,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..capture import Rewrite
-from .fx_utils import activation_of, source_line, val
+from ..spec import MoESpec
+from .emit import emit_experts
+from .fx_utils import source_line, split_gated, val
 
 FORM = "unrolled_loop"
 
@@ -89,15 +91,10 @@ def _linear(node: Node, e: int) -> Optional[tuple[Node, Node, str]]:
 
 @dataclass(frozen=True)
 class _Body:
+    """One unrolled copy of the loop body: its expert, what it computes, and the nodes that only it uses."""
+
     e: int
-    ids: Node
-    x: Node
-    weights: Node
-    gate: Node
-    up: Optional[Node]
-    down: Node
-    layout: str
-    activation: str
+    spec: MoESpec
     where: Node
     add: Node
 
@@ -122,16 +119,10 @@ def _body(add: Node, acc: Node) -> Optional[_Body]:
     if down is None:
         return None
     h, w_down, layout = down
-    gate_node, up_node = h, None
-    if _is(h, "call_function", operator.mul) and len(h.args) == 2:
-        for a, b in (h.args, h.args[::-1]):
-            if activation_of(a) is not None:
-                gate_node, up_node = a, b
-                break
-    act = activation_of(gate_node)
-    if act is None:
+    split = split_gated(h)
+    if split is None:
         return None
-    name, gate_in = act
+    activation, _, gate_in, up_node = split
     gate = _linear(gate_in, e)
     up = _linear(up_node, e) if up_node is not None else None
     if gate is None or (up_node is not None and up is None):
@@ -143,8 +134,8 @@ def _body(add: Node, acc: Node) -> Optional[_Body]:
         return None
     if any(p[2] != layout for p in (gate, up) if p is not None):
         return None
-    return _Body(e, ids, xe.args[0], weights, gate[1], up[1] if up else None, w_down, layout,
-                 f"{name}_glu" if up is not None else name, where, add)
+    spec = MoESpec(xe.args[0], ids, weights, gate[1], up[1] if up else None, w_down, layout, activation)
+    return _Body(e, spec, where, add)
 
 
 def _zeros_like_x(acc: Node) -> bool:
@@ -164,14 +155,12 @@ def match(acc: Node, position: dict[Node, int]) -> Optional[list[_Body]]:
     bodies = [_body(add, acc) for add in mutations]
     if any(b is None for b in bodies):
         return None
-    first = bodies[0]
-    key = (first.ids, first.x, first.weights, first.gate, first.up, first.down, first.layout, first.activation)
-    if any((b.ids, b.x, b.weights, b.gate, b.up, b.down, b.layout, b.activation) != key for b in bodies):
+    spec = bodies[0].spec
+    if any(b.spec != spec for b in bodies):  # the same region but for e (MoESpec compares its nodes)
         return None
-    num_experts = val(first.gate).shape[0]
-    if sorted(b.e for b in bodies) != list(range(num_experts)):
+    if sorted(b.e for b in bodies) != list(range(val(spec.gate).shape[0])):
         return None
-    xv, av = val(first.x), val(acc)
+    xv, av = val(spec.x), val(acc)
     if xv is None or av is None or xv.dim() != 2 or tuple(av.shape) != tuple(xv.shape) or av.dtype != xv.dtype:
         return None
     # every read of the accumulator must come after the last index_add_
@@ -205,32 +194,24 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
     done = []
     graph = gm.graph
     candidates = [n for n in graph.nodes if _zeros_like_x(n)]
-    for node in candidates:
+    for acc in candidates:
         position = {n: i for i, n in enumerate(graph.nodes)}
-        if node not in position:  # erased by an earlier rewrite
+        if acc not in position:  # erased by an earlier rewrite
             continue
-        bodies = match(node, position)
+        bodies = match(acc, position)
         if not bodies:
             continue
-        b = bodies[0]
-        last_add = max((x.add for x in bodies), key=position.__getitem__)
-        reads = [u for u in node.users if u not in {x.add for x in bodies}]
-        save_pre = torch.is_grad_enabled() and any(
-            v is not None and v.requires_grad for v in map(val, (b.x, b.weights, b.gate, b.up, b.down)))
-        with graph.inserting_before(last_add.next):  # after the loop, in order
-            views = [None if w is None else graph.call_method("transpose", (w, 1, 2)) if b.layout == "nk" else w
-                     for w in (b.gate, b.up, b.down)]
-            weights = graph.call_method("to", (b.weights, val(b.x).dtype))
-            op = graph.call_function(torch.ops.moe_inductor.experts_forward.default, (
-                b.x, b.ids, weights, views[0], views[1], views[2], None, None, None, b.activation, "output",
-                1.702, 7.0, None, save_pre))
-            y = graph.call_function(operator.getitem, (op, 0))
+        spec = bodies[0].spec
+        adds = {b.add for b in bodies}
+        last_add = max(adds, key=position.__getitem__)
+        reads = [u for u in acc.users if u not in adds]
+        y = emit_experts(graph, spec, last_add.next, val(spec.x).dtype)  # after the loop, where acc was complete
         for r in reads:
-            r.replace_input_with(node, y)
-        where = source_line(b.add)
+            r.replace_input_with(acc, y)
+        where = source_line(bodies[0].add)
         _erase_loop(graph, bodies)
-        done.append(Rewrite(FORM, where, len(bodies), int(val(b.ids).shape[-1]), b.activation,
-                            (tuple(val(b.gate).shape), tuple(val(b.down).shape)),
+        done.append(Rewrite(FORM, where, len(bodies), int(val(spec.ids).shape[-1]), spec.activation,
+                            (tuple(val(spec.gate).shape), tuple(val(spec.down).shape)),
                             note=f"{len(bodies)} nonzero host syncs and data-dependent sizes removed"))
     if done:
         graph.lint()

@@ -1,0 +1,32 @@
+"""The one emitter: an MoESpec becomes a ``moe_inductor::experts_forward`` call in the graph."""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import Graph, Node
+
+from ..spec import MoESpec
+from .fx_utils import val
+
+
+def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dtype) -> Node:
+    """Insert the op before ``before``; returns the node of its (T, H) output in ``out_dtype``.
+
+    The weights enter as views in the op's (E, K, N) form: nothing is copied.
+    """
+    x_dtype = val(spec.x).dtype
+    # Dynamo compiles under the grad mode it traced in (and guards on it), so it is the mode the op will run in
+    save_pre = torch.is_grad_enabled() and any(
+        v is not None and v.requires_grad for v in map(val, (spec.x, spec.weights, spec.gate, spec.up, spec.down)))
+    with graph.inserting_before(before):
+        views = [None if w is None else graph.call_method("transpose", (w, 1, 2)) if spec.layout == "nk" else w
+                 for w in (spec.gate, spec.up, spec.down)]
+        weights = graph.call_method("to", (spec.weights, x_dtype))
+        op = graph.call_function(torch.ops.moe_inductor.experts_forward.default, (
+            spec.x, spec.ids, weights, views[0], views[1], views[2], None, None, None, spec.activation,
+            spec.weight_position, 1.702, 7.0, None, save_pre))
+        out = graph.call_function(operator.getitem, (op, 0))
+        if out_dtype != x_dtype:
+            out = graph.call_method("to", (out, out_dtype))
+    return out
