@@ -1,0 +1,106 @@
+"""The sort + torch._grouped_mm form (torchtitan style and a hand-written HF style), in bf16 (what _grouped_mm
+traces for); equal to eager within bf16 rounding, look-alikes left alone."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+E, H, I = 4, 32, 16
+pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs torch._grouped_mm")
+
+
+class SortedMoE(nn.Module):
+    def __init__(self, style="titan", k=2):
+        super().__init__()
+        self.style, self.k = style, k
+        self.router = nn.Linear(H, E, bias=False)
+        self.w1 = nn.Parameter(torch.randn(E, I, H) * H ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(E, I, H) * H ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
+
+    def forward(self, x):
+        k = self.k
+        top, ids = torch.topk(torch.sigmoid(self.router(x).float()), k, dim=1)
+        if self.style == "titan":  # score on the expert input, gather + scatter_add_
+            counts = torch.histc(ids.view(-1).float(), bins=E, min=0, max=E)
+            order = torch.argsort(ids.view(-1), stable=True)
+            scores = top.view(-1)[order]
+            tok = order // k
+            xs = torch.gather(x, 0, tok.reshape(-1, 1).expand(-1, H))
+            xs = (xs.float() * scores.reshape(-1, 1)).to(x.dtype)
+            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+            h = F.silu(torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs)) * torch._grouped_mm(
+                xs, self.w3.transpose(-2, -1), offs=offs)
+            ys = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+            out = torch.zeros_like(x)
+            out.scatter_add_(0, tok.reshape(-1, 1).expand(-1, H), ys)
+            return out
+        if self.style in ("hf", "wrong_offsets"):  # score on the output, sort()[1], x[tok], index_add_
+            flat = ids.view(-1)
+            order = torch.sort(flat)[1]
+            tok = order // k
+            ids_for_counts = flat if self.style == "hf" else (flat + 1) % E  # counts of other ids: wrong groups
+            counts = torch.histc(ids_for_counts.float(), bins=E, min=0, max=E - 1)
+            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+            xs = x[tok]
+            h = F.gelu(torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs))
+            ys = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs) * top.view(-1)[order][:, None].to(x.dtype)
+            out = torch.zeros_like(x)
+            out.index_add_(0, tok, ys)
+            return out
+        raise ValueError(self.style)
+
+
+def run(model, x):
+    torch._dynamo.reset()
+    counters.clear()
+    return torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x)
+
+
+@pytest.mark.parametrize("style", ["titan", "hf"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_styles_are_rewritten_and_equal(style, k):
+    torch.manual_seed(0)
+    model = SortedMoE(style, k).bfloat16()
+    for T in (5, 19):
+        x = torch.randn(T, H, dtype=torch.bfloat16)
+        out, ref = run(model, x).float(), model(x).float()
+        assert ((out - ref).norm() / ref.norm()).item() < 2e-2
+        assert counters["moe_inductor"]["sorted_grouped_mm"] == 1
+        assert sum(counters["graph_break"].values()) == 0
+
+
+def test_offsets_from_other_ids_are_left_alone():
+    torch.manual_seed(0)
+    model = SortedMoE("wrong_offsets").bfloat16()
+    x = torch.randn(9, H, dtype=torch.bfloat16)
+    assert torch.equal(run(model, x), model(x))
+    assert not counters["moe_inductor"]
+
+
+def test_gradients_match_eager():
+    torch.manual_seed(0)
+    model = SortedMoE("titan", 2).bfloat16()
+    x = torch.randn(13, H, dtype=torch.bfloat16, requires_grad=True)
+    params = [x, model.w1, model.w2, model.w3]
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(model, backend="moe_inductor", options={"inner": "aot_eager"})(x)
+    assert counters["moe_inductor"]["sorted_grouped_mm"] == 1
+    dy = torch.randn_like(out)
+    grads = torch.autograd.grad(out, params, dy)
+    ref_grads = torch.autograd.grad(model(x), params, dy)
+    for g, r in zip(grads, ref_grads):
+        assert ((g.float() - r.float()).norm() / r.float().norm()).item() < 2e-2
+
+
+def test_compiles_are_bounded():
+    model = SortedMoE("hf", 2).bfloat16()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})
+    for T in (2, 3, 5, 8, 13, 21):
+        compiled(torch.randn(T, H, dtype=torch.bfloat16))
+    assert counters["stats"]["unique_graphs"] <= 2
+    assert counters["moe_inductor"]["sorted_grouped_mm"] == counters["stats"]["unique_graphs"]
