@@ -17,26 +17,14 @@ from typing import Any, Callable
 
 import torch
 
+from .report import Rewrite
+
 BACKEND_MARKER = "_is_moe_inductor_backend"
-
-
-@dataclass
-class Rewrite:
-    """One MoE region replaced by moe_inductor ops (what explain() and the counters report)."""
-
-    form: str
-    where: str
-    num_experts: int
-    top_k: int
-    activation: str
-    weight_shapes: tuple
-    note: str = ""
 
 
 @dataclass
 class _CompileState:
     ours: bool = False
-    backend: Any = None
     forms: frozenset = frozenset()
     patch: Any = None
     rewrites: list[Rewrite] = field(default_factory=list)
@@ -89,7 +77,7 @@ def _on_compile_start(_args: Any) -> None:
     from .options import BackendOptions
 
     backend, options = _backend_of_this_compile()
-    state = _CompileState(ours=bool(getattr(backend, BACKEND_MARKER, False)), backend=backend)
+    state = _CompileState(ours=bool(getattr(backend, BACKEND_MARKER, False)))
     if state.ours:
         try:
             state.forms = BackendOptions.parse(options).forms

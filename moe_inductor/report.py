@@ -6,9 +6,20 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from .capture import Rewrite
-
 _local = threading.local()
+
+
+@dataclass
+class Rewrite:
+    """One MoE region replaced by moe_inductor ops (what explain() and the counters report)."""
+
+    form: str
+    where: str
+    num_experts: int
+    top_k: int
+    activation: str
+    weight_shapes: tuple
+    note: str = ""
 
 
 @dataclass

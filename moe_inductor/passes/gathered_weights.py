@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from ..capture import Rewrite
+from ..report import Rewrite
 from ..spec import MoESpec
 from .emit import emit_experts
 from .fx_utils import einsum_parts, single_use, source_line, split_gated, val, weighted_sum
