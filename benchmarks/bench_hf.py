@@ -1,0 +1,129 @@
+"""Whole-model HF benchmark: a Qwen3-MoE-shaped model (real widths, random bf16 weights, no download), prefill and
+decode, eager vs torch.compile (Inductor, HF's default grouped_mm experts) vs backend="moe_inductor".
+
+    python benchmarks/bench_hf.py --json hf.json --markdown hf.md      # on the GPU
+    python benchmarks/bench_hf.py --tiny --device cpu                   # a smoke run of the script itself
+
+Prefill: one forward over (1, T) tokens, do_bench median on the GPU. Decode: greedy ``generate`` with a static cache,
+new tokens per second, at batch 1 and 16 (compiled forward; "reduce-overhead" for both compiled columns).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def build(tiny: bool, layers: int, device: str, dtype: torch.dtype):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    if tiny:
+        cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096)
+    else:  # Qwen3-30B-A3B widths; a 32k vocabulary keeps the LM head from dominating
+        cfg = Qwen3MoeConfig(vocab_size=32768, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                             num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                             num_experts=128, num_experts_per_tok=8, max_position_embeddings=32768)
+    return Qwen3MoeForCausalLM(cfg).to(device, dtype).eval(), cfg
+
+
+def timed_ms(fn, device: str) -> float:
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=5, rep=30, return_mode="median")
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    return (time.perf_counter() - t0) / 3 * 1e3
+
+
+def variants(model):
+    """(name, forward); Dynamo's caches are reset between variants so each gets its own recompile budget."""
+    plain = model.forward
+    yield "eager", plain
+    torch._dynamo.reset()
+    yield "inductor", torch.compile(plain)
+    torch._dynamo.reset()
+    yield "moe_inductor", torch.compile(plain, backend="moe_inductor")
+
+
+def prefill(model, cfg, tokens, device) -> dict:
+    rows = {}
+    for name, fwd in variants(model):
+        for T in tokens:
+            ids = torch.randint(0, cfg.vocab_size, (1, T), device=device)
+            with torch.no_grad():
+                fwd(input_ids=ids)  # compile / warm up
+                ms = timed_ms(lambda: fwd(input_ids=ids), device)
+            rows.setdefault(T, {})[name] = ms
+            print(f"prefill T={T:<6} {name:<13} {ms:9.3f} ms  {T / ms * 1e3:10.0f} tokens/s", flush=True)
+    return rows
+
+
+def decode(model, cfg, batches, new_tokens, device) -> dict:
+    rows = {}
+    plain = model.forward
+    for name in ("eager", "inductor", "moe_inductor"):
+        mode = "reduce-overhead" if device == "cuda" else None
+        torch._dynamo.reset()
+        if name == "eager":
+            model.forward = plain
+        else:
+            model.forward = torch.compile(plain, mode=mode, **({"backend": "moe_inductor"} if name != "inductor" else {}))
+        for B in batches:
+            prompt = torch.randint(0, cfg.vocab_size, (B, 32), device=device)
+            gen = dict(max_new_tokens=new_tokens, do_sample=False, cache_implementation="static")
+            with torch.no_grad():
+                model.generate(prompt, **gen)  # compile / warm up / capture
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model.generate(prompt, **gen)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+            tps = B * new_tokens / (time.perf_counter() - t0)
+            rows.setdefault(B, {})[name] = tps
+            print(f"decode  B={B:<6} {name:<13} {tps:10.1f} new tokens/s", flush=True)
+    model.forward = plain
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model: checks the script, measures nothing useful")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", nargs="*", type=int, default=None)
+    ap.add_argument("--batches", nargs="*", type=int, default=None)
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    tokens = args.tokens or ([16, 64] if args.tiny else [512, 4096, 16384])
+    batches = args.batches or ([1, 2] if args.tiny else [1, 16])
+    new_tokens = args.new_tokens or (4 if args.tiny else 64)
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    model, cfg = build(args.tiny, args.layers, args.device, dtype)
+    import transformers
+
+    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "transformers": transformers.__version__,
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "command": " ".join(sys.argv)}
+    print(meta, flush=True)
+    result = {"meta": meta, "prefill_ms": prefill(model, cfg, tokens, args.device),
+              "decode_tokens_per_s": decode(model, cfg, batches, new_tokens, args.device)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    for T, r in result["prefill_ms"].items():
+        print(f"prefill T={T}: moe_inductor vs inductor {r['inductor'] / r['moe_inductor']:.2f}x, "
+              f"vs eager {r['eager'] / r['moe_inductor']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
