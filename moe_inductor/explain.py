@@ -12,7 +12,12 @@ log = logging.getLogger("moe_inductor")
 
 
 def _register_logging() -> None:
-    """Make ``TORCH_LOGS="+moe_inductor"`` and ``TORCH_LOGS="moe_rewrites"`` work (set after import torch)."""
+    """Register the ``moe_inductor`` log and the ``moe_rewrites`` artifact with torch's logging.
+
+    ``TORCH_LOGS="moe_inductor"`` prints a line per rewrite and ``"+moe_inductor"`` also the rewritten graph; both
+    work from the shell because TORCH_LOGS takes module names. The artifact name is only known once this package is
+    imported, so it is for ``torch._logging`` users in-process, not for TORCH_LOGS at ``import torch``.
+    """
     try:
         from torch._logging._internal import register_artifact, register_log
 
@@ -23,7 +28,8 @@ def _register_logging() -> None:
 
 
 def log_rewrites(report_line: str, code: str) -> None:
-    log.debug("%s", report_line)
+    log.info("%s", report_line)
+    log.debug("rewritten graph:\n%s", code)
     try:
         torch._logging.getArtifactLogger("moe_inductor", "moe_rewrites").debug("%s\n%s", report_line, code)
     except Exception:

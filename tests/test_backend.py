@@ -207,3 +207,15 @@ def test_hf_registry_runs_our_op_in_eager_mode():
     ids = torch.randint(0, 64, (2, 9))
     with torch.no_grad():
         assert rel(ours(ids).logits, ref(ids).logits) < 1e-4
+
+
+def test_torch_logs_reports_rewrites():
+    script = textwrap.dedent("""
+        import torch
+        from tests.test_pass_gathered_weights import GatheredMoE
+        torch.compile(GatheredMoE("gptfast"), backend="moe_inductor", options={"inner": "eager"})(torch.randn(4, 16))
+    """)
+    env = dict(__import__("os").environ, TORCH_LOGS="+moe_inductor")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
+    assert "moe_inductor rewrote" in out.stderr and "gathered_weights" in out.stderr
+    assert "rewritten graph" in out.stderr and "experts_forward" in out.stderr
