@@ -21,6 +21,7 @@ class LoopMoE(nn.Module):
     def forward(self, x):
         weights, ids = torch.topk(F.softmax(self.router(x), dim=-1), self.k, dim=-1)
         out = torch.zeros_like(x)
+        expert_mask = F.one_hot(ids, num_classes=self.E).permute(2, 1, 0)  # HF v4's (E, k, T) mask
         experts = range(self.E - 1) if self.style == "partial" else range(self.E)
         for e in experts:
             if self.style in ("where_matmul", "partial", "extra_write"):
@@ -37,6 +38,11 @@ class LoopMoE(nn.Module):
                 xe = x[tok]
                 h = (xe @ self.w3[e]) * F.relu(xe @ self.w1[e])
                 out.index_add_(0, tok, (h @ self.w2[e]) * weights[tok, pos, None])
+            elif self.style == "hf_v4_mask":  # (choice, token) from the one-hot mask, x[None, tok].reshape
+                idx, top_x = torch.where(expert_mask[e])
+                xe = x[None, top_x].reshape(-1, H)
+                h = F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e])
+                out.index_add_(0, top_x, F.linear(h, self.w2[e]) * weights[top_x, idx, None])
             elif self.style == "shifted_expert":  # expert e reads the weights of expert e+1: not an MoE we know
                 tok, pos = torch.where(ids == e)
                 nxt = (e + 1) % self.E
@@ -53,7 +59,7 @@ def run(model, x, inner="eager"):
     return torch.compile(model, backend="moe_inductor", options={"inner": inner})(x)
 
 
-@pytest.mark.parametrize("style", ["where_matmul", "linear_plain", "nonzero_kn"])
+@pytest.mark.parametrize("style", ["where_matmul", "linear_plain", "nonzero_kn", "hf_v4_mask"])
 @pytest.mark.parametrize("E,k", [(3, 2), (5, 1), (4, 4)], ids=["E3-k2", "E5-k1", "k-eq-E"])
 def test_styles_are_rewritten_and_equal(style, E, k):
     torch.manual_seed(0)

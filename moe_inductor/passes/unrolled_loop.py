@@ -5,8 +5,9 @@ with a data-dependent size instead of a graph break):
 
     out = torch.zeros_like(x)
     for e in range(E):                                   # every expert, each once
-        tok, pos = torch.where(ids == e)                 # or (ids == e).nonzero(as_tuple=True)
-        xe = x[tok]
+        tok, pos = torch.where(ids == e)                 # or nonzero(as_tuple=True), or HF v4's mask:
+                                                         # pos, tok = torch.where(one_hot(ids, E).permute(2, 1, 0)[e])
+        xe = x[tok]                                      # or x[None, tok].reshape(-1, H)
         h = F.silu(xe @ w1[e].T) * (xe @ w3[e].T)        # or F.linear(xe, w1[e]); or w1 stored (E, in, out)
         out.index_add_(0, tok, (h @ w2[e].T) * weights[tok, pos, None])
     return out
@@ -37,24 +38,57 @@ def _is(node, op: str, *targets) -> bool:
     return isinstance(node, Node) and node.op == op and node.target in targets
 
 
-def _selection(tok: Node) -> Optional[tuple[Node, Node, int, Node]]:
-    """(where node, ids, e, pos node) for ``tok, pos = torch.where(ids == e)`` (or nonzero(as_tuple=True))."""
-    if not (_is(tok, "call_function", operator.getitem) and tok.args[1] == 0):
+def _selected_ids(cond: Node) -> Optional[tuple[Node, int, bool]]:
+    """(ids, e, token_first) for a selection condition: ``ids == e`` (rows are (token, choice)), or HF's
+    ``one_hot(ids, E).permute(2, 1, 0)[e]`` (rows are (choice, token))."""
+    if _is(cond, "call_function", operator.eq, torch.eq) and isinstance(cond.args[1], int):
+        return cond.args[0], cond.args[1], True
+    if _is(cond, "call_function", operator.getitem) and isinstance(cond.args[1], int):
+        perm = cond.args[0]
+        if _is(perm, "call_method", "permute") and tuple(perm.args[1:]) in ((2, 1, 0), ((2, 1, 0),)):
+            hot = perm.args[0]
+            if _is(hot, "call_function", torch.nn.functional.one_hot) and len(hot.args) >= 1:
+                num_classes = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)
+                ids = hot.args[0]
+                if isinstance(num_classes, int) and 0 <= cond.args[1] < num_classes:
+                    return ids, cond.args[1], False
+    return None
+
+
+def _selection(tok: Node) -> Optional[tuple[Node, Node, int, int]]:
+    """(where node, ids, e, index of pos in the where result) for ``tok, pos = torch.where(ids == e)`` (or
+    nonzero(as_tuple=True)), or ``pos, tok = torch.where(one_hot(ids, E).permute(2, 1, 0)[e])``."""
+    if not (_is(tok, "call_function", operator.getitem) and tok.args[1] in (0, 1)):
         return None
     where = tok.args[0]
     one_arg_where = _is(where, "call_function", torch.where) and len(where.args) == 1 and not where.kwargs
     nonzero = (_is(where, "call_method", "nonzero") and where.kwargs == {"as_tuple": True} and len(where.args) == 1)
     if not (one_arg_where or nonzero):
         return None
-    eq = where.args[0]
-    if not (_is(eq, "call_function", operator.eq, torch.eq) and isinstance(eq.args[1], int)):
+    selected = _selected_ids(where.args[0])
+    if selected is None:
         return None
-    ids = eq.args[0]
+    ids, e, token_first = selected
+    if tok.args[1] != (0 if token_first else 1):
+        return None
     iv = val(ids)
     if iv is None or iv.dim() != 2 or iv.dtype.is_floating_point:
         return None
-    pos = [u for u in where.users if _is(u, "call_function", operator.getitem) and u.args[1] == 1]
-    return where, ids, eq.args[1], (pos[0] if len(pos) == 1 else None)
+    return where, ids, e, 1 if token_first else 0
+
+
+def _token_rows_of(xe: Node, tok: Node) -> Optional[Node]:
+    """``x`` for ``x[tok]`` or HF's ``x[None, tok].reshape(-1, H)``."""
+    if _is(xe, "call_function", operator.getitem) and xe.args[1] is tok:
+        return xe.args[0]
+    if _is(xe, "call_method", "reshape", "view") and len(xe.args) == 3 and xe.args[1] == -1:
+        inner = xe.args[0]
+        if _is(inner, "call_function", operator.getitem) and inner.args[1] == (None, tok):
+            x = inner.args[0]
+            xv = val(x)
+            if xv is not None and xv.dim() == 2 and xe.args[2] == xv.shape[1]:
+                return x
+    return None
 
 
 def _expert_weight(node: Node, e: int) -> Optional[tuple[Node, bool]]:
@@ -106,11 +140,13 @@ def _body(add: Node, acc: Node) -> Optional[_Body]:
         return None
     tok, contribution = add.args[2], add.args[3]
     sel = _selection(tok)
-    if sel is None or sel[3] is None or not _is(contribution, "call_function", operator.mul):
+    if sel is None or not _is(contribution, "call_function", operator.mul):
         return None
-    where, ids, e, pos = sel
+    where, ids, e, pos_index = sel
     for expert_out, scale in (contribution.args, contribution.args[::-1]):
-        if _is(scale, "call_function", operator.getitem) and scale.args[1] == (tok, pos, None):
+        index = scale.args[1] if _is(scale, "call_function", operator.getitem) else None
+        if isinstance(index, tuple) and len(index) == 3 and index[0] is tok and index[2] is None and _is(
+                index[1], "call_function", operator.getitem) and index[1].args == (where, pos_index):
             break
     else:
         return None
@@ -130,11 +166,10 @@ def _body(add: Node, acc: Node) -> Optional[_Body]:
     xe = gate[0]
     if up is not None and up[0] is not xe:
         return None
-    if not (_is(xe, "call_function", operator.getitem) and xe.args[1] is tok):
+    x = _token_rows_of(xe, tok)
+    if x is None or any(p[2] != layout for p in (gate, up) if p is not None):
         return None
-    if any(p[2] != layout for p in (gate, up) if p is not None):
-        return None
-    spec = MoESpec(xe.args[0], ids, weights, gate[1], up[1] if up else None, w_down, layout, activation)
+    spec = MoESpec(x, ids, weights, gate[1], up[1] if up else None, w_down, layout, activation)
     return _Body(e, spec, where, add)
 
 
