@@ -195,8 +195,10 @@ def match(acc: Node, position: dict[Node, int]) -> Optional[list[_Body]]:
         return None
     if sorted(b.e for b in bodies) != list(range(val(spec.gate).shape[0])):
         return None
-    xv, av = val(spec.x), val(acc)
+    xv, av, wv, iv = val(spec.x), val(acc), val(spec.weights), val(spec.ids)
     if xv is None or av is None or xv.dim() != 2 or tuple(av.shape) != tuple(xv.shape) or av.dtype != xv.dtype:
+        return None
+    if wv is None or tuple(wv.shape) != tuple(iv.shape):  # weights[tok, pos] must be the (T, k) routing weights
         return None
     # every read of the accumulator must come after the last index_add_
     last_add = max(position[b.add] for b in bodies)
