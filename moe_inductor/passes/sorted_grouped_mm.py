@@ -195,6 +195,9 @@ def match(acc: Node) -> Optional[tuple[MoESpec, Node]]:
     if xv is None or av is None or xv.dim() != 2 or tuple(xv.shape) != tuple(av.shape):
         return None
     weights = _flat(score.args[0])
+    wv = val(weights)
+    if wv is None or tuple(wv.shape) != tuple(val(ids).shape):  # flattened like the ids, or the order means nothing
+        return None
     spec = MoESpec(x, ids, weights, gate[1], up[1] if up else None, w_down, layout, activation, position)
     return spec, add
 
