@@ -97,13 +97,14 @@ def moe_inductor_experts_forward(module, hidden_states, top_k_index, top_k_weigh
 def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
     def make(original_clone: Callable) -> Callable:
         def polyfill(self, hidden_states, top_k_index, top_k_weights):
-            if capture.rewriting_enabled(form) and experts_spec(self) is not None:
-                kw = experts_spec(self)
-                capture.record_rewrite(form, type(self).__qualname__, int(kw["w1"].shape[0]),
-                                       int(top_k_index.shape[-1]), kw["activation"],
-                                       (tuple(kw["w1"].shape), tuple(kw["w2"].shape)))
-                return moe_inductor_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-            return original_clone(self, hidden_states, top_k_index, top_k_weights)
+            kw = experts_spec(self) if capture.rewriting_enabled(form) else None
+            if kw is None:
+                return original_clone(self, hidden_states, top_k_index, top_k_weights)
+            capture.record_rewrite(form, type(self).__qualname__, int(kw["w1"].shape[0]), int(top_k_index.shape[-1]),
+                                   kw["activation"], (tuple(kw["w1"].shape), tuple(kw["w2"].shape)))
+            w1, w2 = kw.pop("w1"), kw.pop("w2")
+            y = fused_experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), w1, w2, **kw)
+            return y.to(hidden_states.dtype)
 
         return polyfill
 
