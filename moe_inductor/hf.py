@@ -82,6 +82,13 @@ def experts_spec(module: torch.nn.Module) -> Optional[dict]:
     return kw
 
 
+def _run_spec(kw: dict, hidden_states, top_k_index, top_k_weights):
+    kw = dict(kw)
+    w1, w2 = kw.pop("w1"), kw.pop("w2")
+    y = fused_experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), w1, w2, **kw)
+    return y.to(hidden_states.dtype)
+
+
 def moe_inductor_experts_forward(module, hidden_states, top_k_index, top_k_weights, fallback=None):
     """An HF experts forward that runs ``fused_experts``; ``fallback`` runs when the module is not supported."""
     kw = experts_spec(module)
@@ -89,9 +96,7 @@ def moe_inductor_experts_forward(module, hidden_states, top_k_index, top_k_weigh
         if fallback is None:
             raise NotImplementedError(f"moe_inductor cannot run {type(module).__name__} (unsupported variant)")
         return fallback(module, hidden_states, top_k_index, top_k_weights)
-    w1, w2 = kw.pop("w1"), kw.pop("w2")
-    y = fused_experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), w1, w2, **kw)
-    return y.to(hidden_states.dtype)
+    return _run_spec(kw, hidden_states, top_k_index, top_k_weights)
 
 
 def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
@@ -102,9 +107,7 @@ def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
                 return original_clone(self, hidden_states, top_k_index, top_k_weights)
             capture.record_rewrite(form, type(self).__qualname__, int(kw["w1"].shape[0]), int(top_k_index.shape[-1]),
                                    kw["activation"], (tuple(kw["w1"].shape), tuple(kw["w2"].shape)))
-            w1, w2 = kw.pop("w1"), kw.pop("w2")
-            y = fused_experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), w1, w2, **kw)
-            return y.to(hidden_states.dtype)
+            return _run_spec(kw, hidden_states, top_k_index, top_k_weights)
 
         return polyfill
 
