@@ -1,0 +1,114 @@
+"""Experts held as separate per-expert weight tensors (a ModuleList of nn.Linear, HF v4's loop): the same fused op,
+with the weights stacked once and cached against their versions.
+
+Shapes: each ``w1[e]``/``w1_up[e]`` is (I, H) and each ``w2[e]`` (H, I): nn.Linear's (out, in). The stack is rebuilt
+only when a weight's storage or version changes (an optimizer step), so inference pays for it once. The cache lives
+inside the ops and is never returned: outputs stay fresh tensors, as custom ops require.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from .experts import experts_backward, experts_forward_impl
+
+_STACKS: "OrderedDict[tuple, tuple[list, Tensor]]" = OrderedDict()
+_MAX_STACKS = 64  # a few models' worth of layers; least recently used goes first
+
+
+def _key(ws: list[Tensor]) -> tuple:
+    return tuple((w.data_ptr(), w._version, tuple(w.shape), tuple(w.stride()), w.dtype, w.device) for w in ws)
+
+
+def stacked(ws: list[Tensor]) -> Tensor:
+    """``torch.stack(ws)``, cached while the very same weights keep their storage and version. Returns (E, N, K).
+
+    The entry also holds weak references to the weights: a freed weight whose address is reused by a new tensor
+    must not hit a stale stack.
+    """
+    key = _key(ws)
+    entry = _STACKS.get(key)
+    if entry is None or any(ref() is not w for ref, w in zip(entry[0], ws)):
+        with torch.no_grad():
+            entry = ([weakref.ref(w) for w in ws], torch.stack([w.detach() for w in ws]))
+        _STACKS[key] = entry
+        while len(_STACKS) > _MAX_STACKS:
+            _STACKS.popitem(last=False)
+    _STACKS.move_to_end(key)
+    return entry[1]
+
+
+def _views(w1: list[Tensor], w1_up: list[Tensor], w2: list[Tensor]):
+    return (stacked(w1).transpose(1, 2), stacked(w1_up).transpose(1, 2) if w1_up else None,
+            stacked(w2).transpose(1, 2))
+
+
+@torch.library.custom_op("moe_inductor::experts_forward_list", mutates_args=())
+def experts_forward_list(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: list[Tensor], w1_up: list[Tensor],
+                         w2: list[Tensor], activation: str, save_pre: bool
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``experts_forward`` on per-expert nn.Linear weights (``w1_up`` empty for a plain activation).
+
+    Returns:
+        y (T, H), pre, order, sorted_expert, offsets, as ``experts_forward``.
+    """
+    g, u, d = _views(w1, w1_up, w2)
+    return experts_forward_impl(x, topk_ids, topk_weights, g, u, d, None, None, None, activation, "output", 1.702, 7.0,
+                                None, save_pre)
+
+
+@experts_forward_list.register_fake
+def _(x, topk_ids, topk_weights, w1, w1_up, w2, activation, save_pre):
+    M = topk_ids.shape[0] * topk_ids.shape[1]
+    n_pre = w1[0].shape[0] * (2 if w1_up else 1)
+    ids = topk_ids.new_empty(M, dtype=torch.int32)
+    return (x.new_empty(x.shape), x.new_empty(M, n_pre) if save_pre else x.new_empty(0), ids, torch.empty_like(ids),
+            topk_ids.new_empty(len(w1) + 1, dtype=torch.int32))
+
+
+@torch.library.custom_op("moe_inductor::experts_backward_list", mutates_args=())
+def experts_backward_list(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: list[Tensor],
+                          w1_up: list[Tensor], w2: list[Tensor], pre: Tensor, order: Tensor, sorted_expert: Tensor,
+                          offsets: Tensor, activation: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``experts_forward_list``: dx, d_topk_weights, and the stacked (E, N, K) dw1, dw1_up, dw2
+    (dw1_up empty for a plain activation)."""
+    g, u, d = _views(w1, w1_up, w2)
+    dx, dtw, dg, du, dd, *_ = experts_backward(dy, x, topk_ids, topk_weights, g, u, d, None, None, None, pre, order,
+                                               sorted_expert, offsets, activation, "output", 1.702, 7.0, False,
+                                               [True, True, True, u is not None, True, False, False, False])
+    # the grads of the (E, K, N) views, laid out as (E, N, K) like the weights
+    return dx, dtw, dg.transpose(1, 2).contiguous(), du.transpose(1, 2).contiguous(), dd.transpose(1, 2).contiguous()
+
+
+@experts_backward_list.register_fake
+def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, pre, order, sorted_expert, offsets, activation):
+    E = len(w1)
+
+    def stack_like(ws):
+        return x.new_empty(E, *ws[0].shape) if ws else x.new_empty(0)
+
+    return torch.empty_like(x), torch.empty_like(topk_weights), stack_like(w1), stack_like(w1_up), stack_like(w2)
+
+
+def _setup(ctx, inputs, output):
+    x, topk_ids, topk_weights, w1, w1_up, w2, activation, save_pre = inputs
+    _, pre, order, sorted_expert, offsets = output
+    ctx.save_for_backward(x, topk_ids, topk_weights, pre, order, sorted_expert, offsets, *w1, *w1_up, *w2)
+    ctx.sizes = (len(w1), len(w1_up))
+    ctx.activation = activation
+
+
+def _backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
+    x, topk_ids, topk_weights, pre, order, sorted_expert, offsets, *ws = ctx.saved_tensors
+    n1, n_up = ctx.sizes
+    w1, w1_up, w2 = ws[:n1], ws[n1:n1 + n_up], ws[n1 + n_up:]
+    dx, dtw, dw1, dw1_up, dw2 = experts_backward_list(dy.contiguous(), x, topk_ids, topk_weights, w1, w1_up, w2, pre,
+                                                      order, sorted_expert, offsets, ctx.activation)
+    return (dx, None, dtw, list(dw1.unbind(0)), list(dw1_up.unbind(0)) if n_up else [], list(dw2.unbind(0)), None,
+            None)
+
+
+experts_forward_list.register_autograd(_backward, setup_context=_setup)
