@@ -1,13 +1,14 @@
 """MoESpec: the one description of an MoE region that every FX matcher produces and one emitter turns into ops.
 
 Fields are FX nodes of the Dynamo graph: ``x`` (T, H) tokens, ``ids``/``weights`` (T, k) routing, and the expert
-weights as the user holds them, stacked (E, ., .) in ``layout`` "nk" (E, out, in) or "kn" (E, in, out). The routing
-weight multiplies the expert output (``weight_position`` "output"), as in every form matched so far.
+weights as the user holds them: one stacked (E, ., .) node per projection in ``layout`` "nk" (E, out, in) or "kn"
+(E, in, out), or a tuple of E per-expert (out, in) nodes (nn.Linear weights). ``weight_position`` says whether the
+routing weight scales the expert output or input.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from torch.fx import Node
 
@@ -17,9 +18,9 @@ class MoESpec:
     x: Node
     ids: Node
     weights: Node
-    gate: Node  # the up projection, or the gate half of a gated activation
-    up: Optional[Node]  # the up half of a gated activation
-    down: Node
+    gate: Union[Node, tuple]  # the up projection, or the gate half of a gated activation
+    up: Optional[Union[Node, tuple]]  # the up half of a gated activation
+    down: Union[Node, tuple]
     layout: str
     activation: str
     weight_position: str = "output"

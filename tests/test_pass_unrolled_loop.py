@@ -113,3 +113,69 @@ def test_look_alikes_are_left_alone(style):
     x = torch.randn(7, H)
     assert torch.allclose(run(model, x), model(x), rtol=1e-6, atol=1e-6)
     assert not counters["moe_inductor"]
+
+
+class Expert(nn.Module):
+    def __init__(self, act=F.silu):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(H, I, bias=False), nn.Linear(H, I, bias=False)
+        self.w2 = nn.Linear(I, H, bias=False)
+        self.act = act
+
+    def forward(self, x):
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
+
+
+class ModuleListMoE(nn.Module):
+    """Mixtral's reference code (HF v4): experts as a ModuleList of nn.Linear MLPs."""
+
+    def __init__(self, style="hf_v4", E=4, k=2):
+        super().__init__()
+        self.style, self.E, self.k = style, E, k
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(Expert() for _ in range(E))
+        if style == "shared_weight":  # two experts share one projection: not the per-expert form
+            self.experts[1].w2 = self.experts[0].w2
+
+    def forward(self, x):
+        weights, ids = torch.topk(F.softmax(self.gate(x), dim=-1, dtype=torch.float), self.k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(ids, num_classes=self.E).permute(2, 1, 0)
+        for e in range(self.E):
+            idx, top_x = torch.where(mask[e])
+            cur = x[None, top_x].reshape(-1, H)
+            y = self.experts[e](cur) * weights[top_x, idx, None]
+            out.index_add_(0, top_x, y.to(x.dtype))
+        return out
+
+
+@pytest.mark.parametrize("E,k", [(4, 2), (3, 1)])
+def test_module_list_experts_are_rewritten_and_equal(E, k):
+    torch.manual_seed(0)
+    model = ModuleListMoE("hf_v4", E, k)
+    for T in (4, 13):
+        x = torch.randn(T, H)
+        out, ref = run(model, x), model(x)
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+        assert counters["moe_inductor"]["unrolled_loop"] == 1
+
+
+def test_module_list_gradients_match_eager():
+    torch.manual_seed(0)
+    model = ModuleListMoE("hf_v4", 4, 2)
+    x = torch.randn(10, H, requires_grad=True)
+    params = [x] + list(model.parameters())
+    out = run(model, x, inner="aot_eager")
+    assert counters["moe_inductor"]["unrolled_loop"] == 1
+    dy = torch.randn_like(out)
+    for g, r in zip(torch.autograd.grad(out, params, dy), torch.autograd.grad(model(x), params, dy)):
+        assert ((g - r).norm() / r.norm().clamp_min(1e-12)).item() < 1e-5
+
+
+def test_module_list_with_a_shared_weight_is_left_alone():
+    torch.manual_seed(0)
+    model = ModuleListMoE("shared_weight", 4, 2)
+    x = torch.randn(7, H)
+    assert torch.allclose(run(model, x), model(x), rtol=1e-6, atol=1e-6)
+    assert not counters["moe_inductor"]

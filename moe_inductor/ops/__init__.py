@@ -8,6 +8,7 @@ from torch import Tensor
 
 from .. import config
 from .activations import ACTIVATIONS, apply_activation, is_gated
+from . import expert_lists  # noqa: F401  (registers moe_inductor::experts_forward_list)
 from .experts import check_experts_args, experts_backward, experts_forward, experts_forward_impl
 from .grouped_mm import grouped_mm, grouped_mm_reference
 from .reference import moe_reference

@@ -16,16 +16,23 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
     The weights enter as views in the op's (E, K, N) form: nothing is copied.
     """
     x_dtype = val(spec.x).dtype
+    per_expert = isinstance(spec.gate, tuple)
+    weight_nodes = [spec.x, spec.weights, *((spec.gate + (spec.up or ()) + spec.down) if per_expert
+                                             else (spec.gate, spec.up, spec.down))]
     # Dynamo compiles under the grad mode it traced in (and guards on it), so it is the mode the op will run in
-    save_pre = torch.is_grad_enabled() and any(
-        v is not None and v.requires_grad for v in map(val, (spec.x, spec.weights, spec.gate, spec.up, spec.down)))
+    save_pre = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in map(val, weight_nodes))
     with graph.inserting_before(before):
-        views = [None if w is None else graph.call_method("transpose", (w, 1, 2)) if spec.layout == "nk" else w
-                 for w in (spec.gate, spec.up, spec.down)]
         weights = graph.call_method("to", (spec.weights, x_dtype))
-        op = graph.call_function(torch.ops.moe_inductor.experts_forward.default, (
-            spec.x, spec.ids, weights, views[0], views[1], views[2], None, None, None, spec.activation,
-            spec.weight_position, 1.702, 7.0, None, save_pre))
+        if per_expert:  # nn.Linear weights: the list op stacks them once and caches the stack
+            op = graph.call_function(torch.ops.moe_inductor.experts_forward_list.default, (
+                spec.x, spec.ids, weights, list(spec.gate), list(spec.up or ()), list(spec.down), spec.activation,
+                save_pre))
+        else:
+            views = [None if w is None else graph.call_method("transpose", (w, 1, 2)) if spec.layout == "nk" else w
+                     for w in (spec.gate, spec.up, spec.down)]
+            op = graph.call_function(torch.ops.moe_inductor.experts_forward.default, (
+                spec.x, spec.ids, weights, views[0], views[1], views[2], None, None, None, spec.activation,
+                spec.weight_position, 1.702, 7.0, None, save_pre))
         out = graph.call_function(operator.getitem, (op, 0))
         if out_dtype != x_dtype:
             out = graph.call_method("to", (out, out_dtype))

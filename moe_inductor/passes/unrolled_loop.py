@@ -91,35 +91,38 @@ def _token_rows_of(xe: Node, tok: Node) -> Optional[Node]:
     return None
 
 
-def _expert_weight(node: Node, e: int) -> Optional[tuple[Node, bool]]:
-    """(stacked weight, transposed?) for ``w[e]``, ``w[e].T``, ``w[e].t()`` or ``w[e].transpose(0, 1)``."""
+def _expert_weight(node: Node, e: int) -> Optional[tuple[Node, bool, bool]]:
+    """(weight, transposed?, stacked?) for ``w[e]`` of a stacked (E, ., .) weight, or a per-expert 2D weight (an
+    nn.Linear's), each optionally as ``.T``, ``.t()`` or ``.transpose(0, 1)``."""
     transposed = False
     if _is(node, "call_function", getattr) and node.args[1] in ("T", "mT"):
         node, transposed = node.args[0], True
     elif _is(node, "call_method", "t") or (_is(node, "call_method", "transpose") and set(node.args[1:]) in ({0, 1},
                                                                                                         {-1, -2})):
         node, transposed = node.args[0], True
-    if not (_is(node, "call_function", operator.getitem) and node.args[1] == e):
-        return None
-    w = node.args[0]
-    wv = val(w)
-    if wv is None or wv.dim() != 3 or not wv.is_floating_point():
-        return None
-    return w, transposed
+    if _is(node, "call_function", operator.getitem) and node.args[1] == e:
+        w = node.args[0]
+        wv = val(w)
+        return (w, transposed, True) if wv is not None and wv.dim() == 3 and wv.is_floating_point() else None
+    wv = val(node)
+    if node.op in ("placeholder", "get_attr") and wv is not None and wv.dim() == 2 and wv.is_floating_point():
+        return node, transposed, False
+    return None
 
 
-def _linear(node: Node, e: int) -> Optional[tuple[Node, Node, str]]:
-    """(input, stacked weight, layout) for ``a @ w[e].T`` / ``F.linear(a, w[e])`` ("nk") or ``a @ w[e]`` ("kn")."""
+def _linear(node: Node, e: int) -> Optional[tuple[Node, Node, str, bool]]:
+    """(input, weight, layout, stacked?) for ``a @ w.T`` / ``F.linear(a, w)`` ("nk") or ``a @ w`` ("kn"), where w is
+    ``w[e]`` of a stacked weight or a per-expert one."""
     if _is(node, "call_function", torch._C._nn.linear, torch.nn.functional.linear):
         if len(node.args) > 2 and node.args[2] is not None or node.kwargs:
             return None
         got = _expert_weight(node.args[1], e)
-        return (node.args[0], got[0], "nk") if got and not got[1] else None
+        return (node.args[0], got[0], "nk", got[2]) if got and not got[1] else None
     if _is(node, "call_function", operator.matmul, torch.matmul) and len(node.args) == 2:
         got = _expert_weight(node.args[1], e)
         if got is None:
             return None
-        return node.args[0], got[0], "nk" if got[1] else "kn"
+        return node.args[0], got[0], "nk" if got[1] else "kn", got[2]
     return None
 
 
@@ -131,6 +134,7 @@ class _Body:
     spec: MoESpec
     where: Node
     add: Node
+    stacked: bool
 
 
 def _body(add: Node, acc: Node) -> Optional[_Body]:
@@ -139,6 +143,9 @@ def _body(add: Node, acc: Node) -> Optional[_Body]:
             and not add.kwargs):
         return None
     tok, contribution = add.args[2], add.args[3]
+    if _is(contribution, "call_method", "to") and len(contribution.args) == 2 and val(acc) is not None and (
+            contribution.args[1] == val(acc).dtype):  # HF v4 casts each expert's output to the buffer's dtype
+        contribution = contribution.args[0]
     sel = _selection(tok)
     if sel is None or not _is(contribution, "call_function", operator.mul):
         return None
@@ -154,7 +161,7 @@ def _body(add: Node, acc: Node) -> Optional[_Body]:
     down = _linear(expert_out, e)
     if down is None:
         return None
-    h, w_down, layout = down
+    h, w_down, layout, _ = down
     split = split_gated(h)
     if split is None:
         return None
@@ -169,8 +176,30 @@ def _body(add: Node, acc: Node) -> Optional[_Body]:
     x = _token_rows_of(xe, tok)
     if x is None or any(p[2] != layout for p in (gate, up) if p is not None):
         return None
+    if any(p[3] != down[3] for p in (gate, up) if p is not None):  # all stacked, or all per-expert
+        return None
     spec = MoESpec(x, ids, weights, gate[1], up[1] if up else None, w_down, layout, activation)
-    return _Body(e, spec, where, add)
+    return _Body(e, spec, where, add, stacked=down[3])
+
+
+def _per_expert_spec(bodies: list[_Body]) -> Optional[MoESpec]:
+    """One spec over per-expert (nn.Linear) weights: tuples ordered by e, every e of range(E) once, one weight per
+    expert and projection, (out, in) weights only (what the list op takes)."""
+    first = bodies[0].spec
+    shared = (first.x, first.ids, first.weights, first.layout, first.activation, first.up is None)
+    if any((b.spec.x, b.spec.ids, b.spec.weights, b.spec.layout, b.spec.activation, b.spec.up is None) != shared
+           for b in bodies):
+        return None
+    if first.layout != "nk" or sorted(b.e for b in bodies) != list(range(len(bodies))):
+        return None
+    ordered = sorted(bodies, key=lambda b: b.e)
+    gate, down = tuple(b.spec.gate for b in ordered), tuple(b.spec.down for b in ordered)
+    up = tuple(b.spec.up for b in ordered) if first.up is not None else None
+    if len({id(n) for w in (gate, up or (), down) for n in w}) != len(gate) * (3 if up else 2):
+        return None  # a weight shared between experts or projections is not the per-expert form
+    if len({tuple(val(w).shape) for w in gate}) != 1 or len({tuple(val(w).shape) for w in down}) != 1:
+        return None
+    return MoESpec(first.x, first.ids, first.weights, gate, up, down, "nk", first.activation)
 
 
 def _zeros_like_x(acc: Node) -> bool:
@@ -178,8 +207,8 @@ def _zeros_like_x(acc: Node) -> bool:
         "fill_value" not in acc.kwargs)
 
 
-def match(acc: Node, position: dict[Node, int]) -> Optional[list[_Body]]:
-    """The E loop bodies accumulating into ``acc``, when they form a complete, consistent MoE.
+def match(acc: Node, position: dict[Node, int]) -> Optional[tuple[MoESpec, list[_Body]]]:
+    """(the MoE, its E loop bodies) accumulating into ``acc``, when they form a complete, consistent MoE.
 
     ``position`` gives each node's index in graph order."""
     if not _zeros_like_x(acc):
@@ -191,9 +220,16 @@ def match(acc: Node, position: dict[Node, int]) -> Optional[list[_Body]]:
     if any(b is None for b in bodies):
         return None
     spec = bodies[0].spec
-    if any(b.spec != spec for b in bodies):  # the same region but for e (MoESpec compares its nodes)
-        return None
-    if sorted(b.e for b in bodies) != list(range(val(spec.gate).shape[0])):
+    if all(b.stacked for b in bodies):
+        if any(b.spec != spec for b in bodies):  # the same region but for e (MoESpec compares its nodes)
+            return None
+        if sorted(b.e for b in bodies) != list(range(val(spec.gate).shape[0])):
+            return None
+    elif not any(b.stacked for b in bodies):
+        spec = _per_expert_spec(bodies)
+        if spec is None:
+            return None
+    else:
         return None
     xv, av, wv, iv = val(spec.x), val(acc), val(spec.weights), val(spec.ids)
     if xv is None or av is None or xv.dim() != 2 or tuple(av.shape) != tuple(xv.shape) or av.dtype != xv.dtype:
@@ -204,7 +240,7 @@ def match(acc: Node, position: dict[Node, int]) -> Optional[list[_Body]]:
     last_add = max(position[b.add] for b in bodies)
     if any(position[u] < last_add for u in acc.users if u not in mutations):
         return None
-    return bodies
+    return spec, bodies
 
 
 def _erase_loop(graph, bodies: list[_Body]) -> None:
@@ -235,10 +271,10 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
         position = {n: i for i, n in enumerate(graph.nodes)}
         if acc not in position:  # erased by an earlier rewrite
             continue
-        bodies = match(acc, position)
-        if not bodies:
+        got = match(acc, position)
+        if got is None:
             continue
-        spec = bodies[0].spec
+        spec, bodies = got
         adds = {b.add for b in bodies}
         last_add = max(adds, key=position.__getitem__)
         reads = [u for u in acc.users if u not in adds]
@@ -247,9 +283,12 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
             r.replace_input_with(acc, y)
         where = source_line(bodies[0].add)
         _erase_loop(graph, bodies)
-        done.append(Rewrite(FORM, where, len(bodies), int(val(spec.ids).shape[-1]), spec.activation,
-                            (tuple(val(spec.gate).shape), tuple(val(spec.down).shape)),
-                            note=f"{len(bodies)} nonzero host syncs and data-dependent sizes removed"))
+        per_expert = isinstance(spec.gate, tuple)
+        shapes = tuple(((len(w),) + tuple(val(w[0]).shape)) if per_expert else tuple(val(w).shape)
+                       for w in (spec.gate, spec.down))
+        done.append(Rewrite(FORM, where, len(bodies), int(val(spec.ids).shape[-1]), spec.activation, shapes,
+                            note=f"{len(bodies)} nonzero host syncs and data-dependent sizes removed"
+                            + ("; per-expert weights stacked once, cached" if per_expert else "")))
     if done:
         graph.lint()
         gm.recompile()
