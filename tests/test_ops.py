@@ -202,10 +202,12 @@ def test_expert_list_op_matches_reference_and_caches_the_stack():
         assert_close(a, b, torch.float32, "grad")
     first = expert_lists.stacked(w1)
     assert expert_lists.stacked(w1) is first  # cached while the weights are unchanged
+    entries = len(expert_lists._STACKS)
     with torch.no_grad():
         w1[0].add_(1.0)  # an in-place update bumps the version: the stack must be rebuilt
     assert expert_lists.stacked(w1) is not first
     assert torch.equal(expert_lists.stacked(w1)[0], w1[0].detach())
+    assert len(expert_lists._STACKS) == entries  # replaced, not added: training does not pile up stale stacks
 
 
 def test_opcheck_expert_list_op():

@@ -15,30 +15,33 @@ from torch import Tensor
 
 from .experts import experts_backward, experts_forward_impl
 
-_STACKS: "OrderedDict[tuple, tuple[list, Tensor]]" = OrderedDict()
-_MAX_STACKS = 64  # a few models' worth of layers; least recently used goes first
+_STACKS: "OrderedDict[tuple, tuple[list, tuple, Tensor]]" = OrderedDict()
+_MAX_STACKS = 4096  # a safety bound; entries of freed weights are dropped as soon as they are seen
 
 
-def _key(ws: list[Tensor]) -> tuple:
-    return tuple((w.data_ptr(), w._version, tuple(w.shape), tuple(w.stride()), w.dtype, w.device) for w in ws)
+def _identity(ws: list[Tensor]) -> tuple:
+    return tuple((id(w), w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device) for w in ws)
 
 
 def stacked(ws: list[Tensor]) -> Tensor:
     """``torch.stack(ws)``, cached while the very same weights keep their storage and version. Returns (E, N, K).
 
-    The entry also holds weak references to the weights: a freed weight whose address is reused by a new tensor
-    must not hit a stale stack.
+    One entry per list of weights: an optimizer step (a new version) replaces the entry instead of adding one, and
+    weak references make sure a freed weight whose address is reused by a new tensor never hits a stale stack.
     """
-    key = _key(ws)
+    key = _identity(ws)
+    versions = tuple(w._version for w in ws)
     entry = _STACKS.get(key)
-    if entry is None or any(ref() is not w for ref, w in zip(entry[0], ws)):
+    if entry is None or entry[1] != versions or any(ref() is not w for ref, w in zip(entry[0], ws)):
         with torch.no_grad():
-            entry = ([weakref.ref(w) for w in ws], torch.stack([w.detach() for w in ws]))
+            entry = ([weakref.ref(w) for w in ws], versions, torch.stack([w.detach() for w in ws]))
         _STACKS[key] = entry
+        for stale in [k for k, (refs, _, _) in _STACKS.items() if any(r() is None for r in refs)]:
+            del _STACKS[stale]
         while len(_STACKS) > _MAX_STACKS:
             _STACKS.popitem(last=False)
     _STACKS.move_to_end(key)
-    return entry[1]
+    return entry[2]
 
 
 def _views(w1: list[Tensor], w1_up: list[Tensor], w2: list[Tensor]):
