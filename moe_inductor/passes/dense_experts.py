@@ -24,7 +24,7 @@ from torch.fx import GraphModule, Node
 
 from ..report import Rewrite
 from ..spec import MoESpec
-from .emit import emit_experts
+from .emit import replace_matches
 from .fx_utils import einsum_parts, single_use, source_line, split_gated, val, weighted_sum
 
 FORM = "dense_experts"
@@ -137,20 +137,13 @@ def match(y: Node) -> Optional[MoESpec]:
     return MoESpec(gate.x, ids, values, gate.weight, up.weight if up else None, down.weight, gate.layout, activation)
 
 
+def _describe(node: Node, spec: MoESpec) -> Rewrite:
+    E, k = int(val(spec.gate).shape[0]), int(val(spec.ids).shape[-1])
+    return Rewrite(FORM, source_line(node), E, k, spec.activation,
+                   (tuple(val(spec.gate).shape), tuple(val(spec.down).shape)),
+                   note=f"runs k={k} of E={E} experts per token: {E / k:.1f}x fewer expert FLOPs")
+
+
 def rewrite(gm: GraphModule) -> list[Rewrite]:
     """Replace every provable dense all-experts MoE in ``gm``; returns what was rewritten."""
-    done = []
-    for node in list(gm.graph.nodes):
-        spec = match(node)
-        if spec is None:
-            continue
-        new = emit_experts(gm.graph, spec, node, (val(node) if val(node) is not None else val(spec.x)).dtype)
-        node.replace_all_uses_with(new)
-        E, k = int(val(spec.gate).shape[0]), int(val(spec.ids).shape[-1])
-        done.append(Rewrite(FORM, source_line(node), E, k, spec.activation,
-                            (tuple(val(spec.gate).shape), tuple(val(spec.down).shape)),
-                            note=f"runs k={k} of E={E} experts per token: {E / k:.1f}x fewer expert FLOPs"))
-    if done:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return done
+    return replace_matches(gm, match, _describe)

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import operator
+from typing import Callable, Optional
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Graph, GraphModule, Node
 
+from ..report import Rewrite
 from ..spec import MoESpec
 from .fx_utils import val
 
@@ -37,3 +39,21 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
         if out_dtype != x_dtype:
             out = graph.call_method("to", (out, out_dtype))
     return out
+
+
+def replace_matches(gm: GraphModule, match: Callable[[Node], Optional[MoESpec]],
+                    describe: Callable[[Node, MoESpec], Rewrite]) -> list[Rewrite]:
+    """For passes whose match ends at the node that yields the MoE output: replace each matched node by the op and
+    drop what only fed it. Returns the rewrites, described by ``describe(node, spec)``."""
+    done = []
+    for node in list(gm.graph.nodes):
+        spec = match(node)
+        if spec is None:
+            continue
+        out_val = val(node) if val(node) is not None else val(spec.x)
+        node.replace_all_uses_with(emit_experts(gm.graph, spec, node, out_val.dtype))
+        done.append(describe(node, spec))
+    if done:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return done

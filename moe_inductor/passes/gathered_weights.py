@@ -22,7 +22,7 @@ from torch.fx import GraphModule, Node
 
 from ..report import Rewrite
 from ..spec import MoESpec
-from .emit import emit_experts
+from .emit import replace_matches
 from .fx_utils import einsum_parts, single_use, source_line, split_gated, val, weighted_sum
 
 FORM = "gathered_weights"
@@ -105,22 +105,14 @@ def match(y: Node) -> Optional[MoESpec]:
                    activation)
 
 
+def _describe(node: Node, spec: MoESpec) -> Rewrite:
+    gate_val, down_val = val(spec.gate), val(spec.down)
+    per_choice = sum(v[0].numel() * v.element_size() for v in map(val, (spec.gate, spec.up, spec.down)) if v is not None)
+    return Rewrite(FORM, source_line(node), int(gate_val.shape[0]), int(val(spec.ids).shape[-1]), spec.activation,
+                   (tuple(gate_val.shape), tuple(down_val.shape)),
+                   note=f"avoids gathering T*k x {per_choice / 2**10:.1f} KiB of expert weights per call")
+
+
 def rewrite(gm: GraphModule) -> list[Rewrite]:
     """Replace every provable gathered-weights MoE in ``gm``; returns what was rewritten."""
-    done = []
-    for node in list(gm.graph.nodes):
-        spec = match(node)
-        if spec is None:
-            continue
-        new = emit_experts(gm.graph, spec, node, (val(node) if val(node) is not None else val(spec.x)).dtype)
-        node.replace_all_uses_with(new)
-        gate_val, down_val = val(spec.gate), val(spec.down)
-        per_choice = sum(v[0].numel() * v.element_size() for v in map(val, (spec.gate, spec.up, spec.down))
-                         if v is not None)
-        done.append(Rewrite(FORM, source_line(node), int(gate_val.shape[0]), int(val(spec.ids).shape[-1]),
-                            spec.activation, (tuple(gate_val.shape), tuple(down_val.shape)),
-                            note=f"avoids gathering T*k x {per_choice / 2**10:.1f} KiB of expert weights per call"))
-    if done:
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-    return done
+    return replace_matches(gm, match, _describe)
