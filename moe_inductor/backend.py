@@ -8,6 +8,7 @@ works without importing this package. Options come through ``torch.compile(..., 
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import torch
@@ -17,11 +18,37 @@ from . import capture, hf
 from .explain import log_rewrites
 from .options import BackendOptions
 from .passes import FX_PASSES
-from .report import GraphRecord, current_report
+from .report import GraphRecord, Rewrite, current_report
+
+log = logging.getLogger("moe_inductor")
+_MOE_OPS = ("experts_forward", "experts_forward_list")
+
 
 def _moe_ops_in(gm: torch.fx.GraphModule) -> int:
-    target = torch.ops.moe_inductor.experts_forward.default
-    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in (target, torch.ops.moe_inductor.experts_forward))
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function"
+               and getattr(n.target, "namespace", None) == "moe_inductor" and n.target._opname in _MOE_OPS)
+
+
+def _run_pass(form: str, rewrite: Callable, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[Rewrite]]:
+    """Run one FX pass on a copy of the graph and keep the copy only if the pass succeeded.
+
+    A matcher meeting a graph it was not written for must never break the user's compile: it is logged and the
+    graph goes on as it was. ``moe_inductor.config.strict_passes`` turns that into an error (for the tests).
+    """
+    from . import config
+
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    candidate = torch.fx.GraphModule(gm, graph)
+    try:
+        found = rewrite(candidate)
+    except Exception as exc:
+        if config.strict_passes:
+            raise
+        log.warning("moe_inductor: the %s pass failed (%s: %s); this graph is left as it was",
+                    form, type(exc).__name__, exc)
+        return gm, []
+    return (candidate, found) if found else (gm, [])
 
 
 def _inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs: list[Any], mode: Optional[str]) -> Callable:
@@ -48,7 +75,8 @@ def moe_inductor_backend(
     rewrites = capture.take_rewrites()
     for form, rewrite in FX_PASSES.items():
         if form in opts.forms:
-            rewrites += rewrite(gm)
+            gm, found = _run_pass(form, rewrite, gm)
+            rewrites += found
     for r in rewrites:
         counters["moe_inductor"][r.form] += 1
         log_rewrites(f"moe_inductor rewrote {r.where} ({r.form}, E={r.num_experts}, k={r.top_k}, {r.activation})",

@@ -11,3 +11,6 @@ triton_on_cpu: bool = os.environ.get("MOE_INDUCTOR_TRITON_ON_CPU", "0") == "1"
 
 #: Check topk ids against [0, E) in the eager entry point on the GPU (one host sync). CPU checks are always on.
 validate_routing: bool = True
+
+#: Raise when an FX pass fails instead of logging a warning and leaving the graph unchanged (the tests set it).
+strict_passes: bool = os.environ.get("MOE_INDUCTOR_STRICT_PASSES", "0") == "1"

@@ -7,6 +7,8 @@ import torch
 # has to be set before moe_inductor is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# a failing FX pass is a bug the tests must see (users get a warning and an unchanged graph instead)
+os.environ.setdefault("MOE_INDUCTOR_STRICT_PASSES", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -219,3 +219,27 @@ def test_torch_logs_reports_rewrites():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
     assert "moe_inductor rewrote" in out.stderr and "gathered_weights" in out.stderr
     assert "rewritten graph" in out.stderr and "experts_forward" in out.stderr
+
+
+def test_a_failing_pass_leaves_the_graph_unchanged(monkeypatch, caplog):
+    from moe_inductor import config, passes
+    from tests.test_pass_gathered_weights import GatheredMoE
+
+    def broken(gm):
+        for node in list(gm.graph.nodes):  # mutate, then fail: the user's graph must not see the half-done edit
+            if node.op == "call_function":
+                node.replace_all_uses_with(node.args[0]) if node.args and isinstance(node.args[0], torch.fx.Node) else None
+                break
+        raise RuntimeError("matcher bug")
+
+    monkeypatch.setattr(config, "strict_passes", False)
+    monkeypatch.setitem(passes.FX_PASSES, "gathered_weights", broken)
+    model = GatheredMoE("gptfast")
+    x = torch.randn(5, 16)
+    torch._dynamo.reset()
+    counters.clear()
+    with caplog.at_level("WARNING", logger="moe_inductor"):
+        out = torch.compile(model, backend="moe_inductor", options=LIGHT)(x)
+    assert torch.allclose(out, model(x), rtol=1e-6, atol=1e-6)
+    assert not counters["moe_inductor"]
+    assert "the gathered_weights pass failed" in caplog.text
