@@ -20,6 +20,9 @@ class LoopMoE(nn.Module):
 
     def forward(self, x):
         weights, ids = torch.topk(F.softmax(self.router(x), dim=-1), self.k, dim=-1)
+        if self.style == "setitem_repeated_ids":  # ids that repeat within a token: out[tok] += keeps one write
+            ids = ids.clone()
+            ids[:, -1] = ids[:, 0]
         out = torch.zeros_like(x)
         expert_mask = F.one_hot(ids, num_classes=self.E).permute(2, 1, 0)  # HF v4's (E, k, T) mask
         experts = range(self.E - 1) if self.style == "partial" else range(self.E)
@@ -43,6 +46,9 @@ class LoopMoE(nn.Module):
                 xe = x[None, top_x].reshape(-1, H)
                 h = F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e])
                 out.index_add_(0, top_x, F.linear(h, self.w2[e]) * weights[top_x, idx, None])
+            elif self.style in ("setitem_add", "setitem_repeated_ids"):  # out[tok] += ..., a plain activation
+                tok, pos = torch.where(ids == e)
+                out[tok] += (F.relu(x[tok] @ self.w1[e].T) @ self.w2[e].T) * weights[tok, pos, None]
             elif self.style == "shifted_expert":  # expert e reads the weights of expert e+1: not an MoE we know
                 tok, pos = torch.where(ids == e)
                 nxt = (e + 1) % self.E
@@ -59,7 +65,7 @@ def run(model, x, inner="eager"):
     return torch.compile(model, backend="moe_inductor", options={"inner": inner})(x)
 
 
-@pytest.mark.parametrize("style", ["where_matmul", "linear_plain", "nonzero_kn", "hf_v4_mask"])
+@pytest.mark.parametrize("style", ["where_matmul", "linear_plain", "nonzero_kn", "hf_v4_mask", "setitem_add"])
 @pytest.mark.parametrize("E,k", [(3, 2), (5, 1), (4, 4)], ids=["E3-k2", "E5-k1", "k-eq-E"])
 def test_styles_are_rewritten_and_equal(style, E, k):
     torch.manual_seed(0)
@@ -106,7 +112,7 @@ def test_gradients_match_eager():
         assert ((g - r).norm() / r.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("style", ["partial", "shifted_expert", "extra_write"])
+@pytest.mark.parametrize("style", ["partial", "shifted_expert", "extra_write", "setitem_repeated_ids"])
 def test_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = LoopMoE(style, 4, 2)

@@ -9,7 +9,7 @@ with a data-dependent size instead of a graph break):
                                                          # pos, tok = torch.where(one_hot(ids, E).permute(2, 1, 0)[e])
         xe = x[tok]                                      # or x[None, tok].reshape(-1, H)
         h = F.silu(xe @ w1[e].T) * (xe @ w3[e].T)        # or F.linear(xe, w1[e]); or w1 stored (E, in, out)
-        out.index_add_(0, tok, (h @ w2[e].T) * weights[tok, pos, None])
+        out.index_add_(0, tok, (h @ w2[e].T) * weights[tok, pos, None])   # or out[tok] += ... (ids from topk)
     return out
 
 The E bodies must agree on everything but e (same x, ids, weights, weights tensors, activation, layout), e must run
@@ -135,14 +135,38 @@ class _Body:
     where: Node
     add: Node
     stacked: bool
+    read: Optional[Node] = None  # the acc[tok] read of an ``acc[tok] += c`` body
+
+
+def _accumulation(add: Node, acc: Node) -> Optional[tuple[Node, Node, Optional[Node]]]:
+    """(tok, contribution, the read of acc it adds to) for ``acc.index_add_(0, tok, c)`` or ``acc[tok] += c``
+    (Dynamo: ``acc.__setitem__(tok, acc[tok].__iadd__(c))``)."""
+    if _is(add, "call_method", "index_add_") and len(add.args) == 4 and add.args[0] is acc and add.args[1] == 0 and (
+            not add.kwargs):
+        return add.args[2], add.args[3], None
+    if _is(add, "call_function", operator.setitem) and add.args[0] is acc and isinstance(add.args[1], Node):
+        tok, value = add.args[1], add.args[2]
+        if _is(value, "call_function", operator.iadd, operator.add) and len(value.users) == 1:
+            read, contribution = value.args
+            if _is(read, "call_function", operator.getitem) and read.args == (acc, tok) and len(read.users) == 1:
+                return tok, contribution, read
+    return None
+
+
+def _topk_ids(ids: Node) -> bool:
+    """``ids`` are ``topk(...).indices``: distinct within a row, so ``acc[tok] += c`` never writes a row twice."""
+    if not (_is(ids, "call_function", operator.getitem) and ids.args[1] == 1):
+        return False
+    topk = ids.args[0]
+    return _is(topk, "call_function", torch.topk) or _is(topk, "call_method", "topk")
 
 
 def _body(add: Node, acc: Node) -> Optional[_Body]:
-    """One expert's body, read backwards from ``acc.index_add_(0, tok, contribution)``."""
-    if not (_is(add, "call_method", "index_add_") and len(add.args) == 4 and add.args[0] is acc and add.args[1] == 0
-            and not add.kwargs):
+    """One expert's body, read backwards from ``acc.index_add_(0, tok, contribution)`` or ``acc[tok] += ...``."""
+    accumulated = _accumulation(add, acc)
+    if accumulated is None:
         return None
-    tok, contribution = add.args[2], add.args[3]
+    tok, contribution, read = accumulated
     if _is(contribution, "call_method", "to") and len(contribution.args) == 2 and val(acc) is not None and (
             contribution.args[1] == val(acc).dtype):  # HF v4 casts each expert's output to the buffer's dtype
         contribution = contribution.args[0]
@@ -150,6 +174,8 @@ def _body(add: Node, acc: Node) -> Optional[_Body]:
     if sel is None or not _is(contribution, "call_function", operator.mul):
         return None
     where, ids, e, pos_index = sel
+    if read is not None and not _topk_ids(ids):  # with repeated ids, acc[tok] += c drops all but one write
+        return None
     for expert_out, scale in (contribution.args, contribution.args[::-1]):
         index = scale.args[1] if _is(scale, "call_function", operator.getitem) else None
         if isinstance(index, tuple) and len(index) == 3 and index[0] is tok and index[2] is None and _is(
@@ -179,7 +205,7 @@ def _body(add: Node, acc: Node) -> Optional[_Body]:
     if any(p[3] != down[3] for p in (gate, up) if p is not None):  # all stacked, or all per-expert
         return None
     spec = MoESpec(x, ids, weights, gate[1], up[1] if up else None, w_down, layout, activation)
-    return _Body(e, spec, where, add, stacked=down[3])
+    return _Body(e, spec, where, add, stacked=down[3], read=read)
 
 
 def _per_expert_spec(bodies: list[_Body]) -> Optional[MoESpec]:
@@ -213,8 +239,9 @@ def match(acc: Node, position: dict[Node, int]) -> Optional[tuple[MoESpec, list[
     ``position`` gives each node's index in graph order."""
     if not _zeros_like_x(acc):
         return None
-    mutations = [u for u in acc.users if u.op == "call_method" and str(u.target).endswith("_")]
-    if not mutations or any(u.target != "index_add_" for u in mutations):
+    mutations = [u for u in acc.users if (u.op == "call_method" and str(u.target).endswith("_")) or _is(
+        u, "call_function", operator.setitem)]
+    if not mutations or any(u.target not in ("index_add_", operator.setitem) for u in mutations):
         return None
     bodies = [_body(add, acc) for add in mutations]
     if any(b is None for b in bodies):
@@ -238,13 +265,14 @@ def match(acc: Node, position: dict[Node, int]) -> Optional[tuple[MoESpec, list[
         return None
     # every read of the accumulator must come after the last index_add_
     last_add = max(position[b.add] for b in bodies)
-    if any(position[u] < last_add for u in acc.users if u not in mutations):
+    own_reads = {b.read for b in bodies if b.read is not None}
+    if any(position[u] < last_add for u in acc.users if u not in mutations and u not in own_reads):
         return None
     return spec, bodies
 
 
 def _erase_loop(graph, bodies: list[_Body]) -> None:
-    """Erase the index_add_ calls, then everything that only served the loop (nonzero, its size asserts)."""
+    """Erase the accumulations, then everything that only served the loop (nonzero, its size asserts)."""
     for b in bodies:
         graph.erase_node(b.add)
     doomed = set()
@@ -277,7 +305,7 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
         spec, bodies = got
         adds = {b.add for b in bodies}
         last_add = max(adds, key=position.__getitem__)
-        reads = [u for u in acc.users if u not in adds]
+        reads = [u for u in acc.users if u not in adds and u not in {b.read for b in bodies}]
         y = emit_experts(graph, spec, last_add.next, val(spec.x).dtype)  # after the loop, where acc was complete
         for r in reads:
             r.replace_input_with(acc, y)
