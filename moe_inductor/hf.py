@@ -143,16 +143,72 @@ def _llama4_moe_forward(original: Callable) -> Callable:
     return forward
 
 
-def install_llama4() -> None:
-    """Route ``Llama4TextMoe.forward`` through ``_llama4_moe_forward`` (once, when the model code is loaded).
+def _switch_spec(experts: torch.nn.Module) -> Optional[tuple[str, list, list]]:
+    """(activation, wi weights, wo weights) when ``experts`` is exactly HF's Switch experts in a state we can run:
+    no biases, dropout inactive, a known activation."""
+    mod = sys.modules.get("transformers.models.switch_transformers.modeling_switch_transformers")
+    if mod is None or type(experts) is not mod.SwitchTransformersExperts:
+        return None
+    members = [experts[f"expert_{i}"] for i in range(experts.num_experts)]
+    acts = {_unary_activation(m.act) for m in members}
+    if len(acts) != 1 or None in acts:
+        return None
+    for m in members:
+        if type(m) is not mod.SwitchTransformersDenseActDense or m.wi.bias is not None or m.wo.bias is not None:
+            return None
+        if (m.training and m.dropout.p > 0) or m.wi.weight.dtype != m.wo.weight.dtype:
+            return None
+    return acts.pop(), [m.wi.weight for m in members], [m.wo.weight for m in members]
 
-    Dynamo does not apply ``substitute_in_graph`` to a forward called as a bound method, so here the class attribute
-    itself is wrapped; the wrapper takes the original path everywhere except inside a moe_inductor compile.
+
+def _switch_experts_forward(original: Callable) -> Callable:
+    """Switch's experts loop over a data-dependent ``expert_hit`` (Dynamo cannot capture it). Its router already
+    applied the capacity: a dropped token's one-hot row is all zeros. So the experts are the list op over top-1 ids,
+    with dropped tokens given the out-of-range id E, which the op skips. Outside moe_inductor compiles this runs
+    ``original``."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, selected_experts, routing_weights):
+        spec = _switch_spec(self) if capture.rewriting_enabled("hf_switch") else None
+        if spec is None:
+            return original(self, hidden_states, selected_experts, routing_weights)
+        activation, w_in, w_out = spec
+        E = len(w_in)
+        capture.record_rewrite("hf_switch", type(self).__qualname__, E, 1, activation,
+                               ((E,) + tuple(w_in[0].shape), (E,) + tuple(w_out[0].shape)),
+                               "capacity drops kept as the router made them")
+        mask = selected_experts.reshape(hidden_states.shape[0], E)
+        kept = mask.sum(-1, keepdim=True) > 0
+        ids = torch.where(kept, mask.argmax(-1, keepdim=True), E)
+        weights = routing_weights.reshape(-1, 1).to(hidden_states.dtype)
+        wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or w_in[0].requires_grad)
+        y, *_ = torch.ops.moe_inductor.experts_forward_list(hidden_states, ids, weights, w_in, [], w_out, activation,
+                                                            wants_grad)
+        return y
+
+    forward._moe_inductor_original = original
+    return forward
+
+
+_WRAPPED_FORWARDS = {  # module -> (class, wrapper): class forwards Dynamo calls as bound methods
+    "transformers.models.llama4.modeling_llama4": ("Llama4TextMoe", _llama4_moe_forward),
+    "transformers.models.switch_transformers.modeling_switch_transformers": ("SwitchTransformersExperts",
+                                                                             _switch_experts_forward),
+}
+
+
+def install_class_wrappers() -> None:
+    """Route the forwards in ``_WRAPPED_FORWARDS`` through their wrappers (once, when the model code is loaded).
+
+    Dynamo does not apply ``substitute_in_graph`` to a forward called as a bound method, so there the class
+    attribute itself is wrapped; each wrapper takes the original path everywhere except inside a moe_inductor
+    compile.
     """
-    mod = sys.modules.get("transformers.models.llama4.modeling_llama4")
-    if mod is None or hasattr(mod.Llama4TextMoe.forward, "_moe_inductor_original"):
-        return
-    mod.Llama4TextMoe.forward = _llama4_moe_forward(mod.Llama4TextMoe.forward)
+    for module_name, (class_name, wrap) in _WRAPPED_FORWARDS.items():
+        mod = sys.modules.get(module_name)
+        cls = getattr(mod, class_name, None) if mod is not None else None
+        if cls is not None and not hasattr(cls.forward, "_moe_inductor_original"):
+            cls.forward = wrap(cls.forward)
 
 
 def _llama4_activation(block: torch.nn.Module) -> Optional[str]:
@@ -180,7 +236,7 @@ def _hf_substitutions() -> list[tuple[Callable, Callable]]:
             fwd = getattr(obj, "forward", None) if isinstance(obj, type) else None
             if fwd is not None and obj.__module__ == name and _is_decorated_experts_forward(fwd):
                 out.append((fwd.__wrapped__, _make_polyfill("hf_eager_loop")))
-    install_llama4()
+    install_class_wrappers()
     return out
 
 

@@ -55,6 +55,11 @@ def tiny(family: str, experts_implementation: str = "grouped_mm", seed: int = 0)
             for layer in model.model.layers:
                 layer.feed_forward.experts.gate_up_proj.normal_(0, 0.2)
         return model.eval()
+    elif family == "switch":  # top-1 with an expert capacity, applied per sequence by the router
+        cfg = transformers.SwitchTransformersConfig(
+            vocab_size=64, d_model=32, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=4,
+            num_experts=4, expert_capacity=3, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1)
+        return transformers.SwitchTransformersForConditionalGeneration(cfg).eval()
     else:
         raise ValueError(family)
     model.set_experts_implementation(experts_implementation)

@@ -62,6 +62,21 @@ def test_llama4_dense_block_is_rewritten_and_equal(num_experts_per_tok):
     assert counters["moe_inductor"]["hf_llama4_dense"] == 2 * counters["stats"]["unique_graphs"]
 
 
+def test_switch_capacity_model_is_rewritten_and_equal():
+    """Switch's capacity drops (made per sequence by its router) must come out exactly the same."""
+    model = tiny("switch")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor", options=LIGHT)
+    for T in (5, 9, 16):  # capacity 3 of 4 experts: longer sequences drop tokens
+        ids = torch.randint(0, 64, (2, T), generator=torch.Generator().manual_seed(T))
+        with torch.no_grad():
+            out = compiled(ids, decoder_input_ids=ids).logits
+            ref = model(ids, decoder_input_ids=ids).logits
+        assert rel(out, ref) < 1e-5
+    assert counters["moe_inductor"]["hf_switch"] >= 2
+
+
 def test_llama4_wrapper_is_inert_outside_moe_inductor():
     """The wrapped Llama4 forward gives other backends the very same graphs as the original."""
     model = tiny("llama4")
@@ -76,7 +91,7 @@ def test_llama4_wrapper_is_inert_outside_moe_inductor():
 
     from moe_inductor import hf
 
-    hf.install_llama4()
+    hf.install_class_wrappers()
     wrapped = type(model.model.layers[0].feed_forward).forward
     graphs_wrapped, out_wrapped = graphs_under_eager_backend()
     type(model.model.layers[0].feed_forward).forward = wrapped._moe_inductor_original
