@@ -190,10 +190,40 @@ def _switch_experts_forward(original: Callable) -> Callable:
     return forward
 
 
+def _dbrx_experts_forward(original: Callable) -> Callable:
+    """DBRX's experts loop over a data-dependent ``expert_hit``, on weights stored flat as (E*I, H). As (E, I, H)
+    views, w1 and v1 are (out, in) and w2 is (in, out): one fused op reads them in place."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        unary = _dbrx_activation(self) if capture.rewriting_enabled("hf_dbrx") else None
+        if unary is None:
+            return original(self, hidden_states, top_k_index, top_k_weights)
+        mlp, E, I, H = self.mlp, self.num_experts, self.ffn_hidden_size, self.hidden_size
+        capture.record_rewrite("hf_dbrx", type(self).__qualname__, E, int(top_k_index.shape[-1]), f"{unary}_glu",
+                               ((E, I, H), (E, I, H)))
+        x = hidden_states.reshape(-1, H)
+        y = fused_experts(x, top_k_index, top_k_weights.to(x.dtype),
+                          (mlp.w1.view(E, I, H).transpose(1, 2), mlp.v1.view(E, I, H).transpose(1, 2)),
+                          mlp.w2.view(E, I, H), activation=f"{unary}_glu", layout="kn")
+        return y.view(hidden_states.shape[0], -1, H)
+
+    forward._moe_inductor_original = original
+    return forward
+
+
+def _dbrx_activation(experts: torch.nn.Module) -> Optional[str]:
+    mod = sys.modules.get("transformers.models.dbrx.modeling_dbrx")
+    if mod is None or type(experts) is not mod.DbrxExperts or type(experts.mlp) is not mod.DbrxExpertGLU:
+        return None
+    return _unary_activation(experts.mlp.activation_fn)
+
+
 _WRAPPED_FORWARDS = {  # module -> (class, wrapper): class forwards Dynamo calls as bound methods
     "transformers.models.llama4.modeling_llama4": ("Llama4TextMoe", _llama4_moe_forward),
     "transformers.models.switch_transformers.modeling_switch_transformers": ("SwitchTransformersExperts",
                                                                              _switch_experts_forward),
+    "transformers.models.dbrx.modeling_dbrx": ("DbrxExperts", _dbrx_experts_forward),
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-FORMS = ("hf_grouped_mm", "hf_batched_mm", "hf_eager_loop", "hf_llama4_dense", "hf_switch", "gathered_weights",
+FORMS = ("hf_grouped_mm", "hf_batched_mm", "hf_eager_loop", "hf_llama4_dense", "hf_switch", "hf_dbrx", "gathered_weights",
          "dense_experts", "unrolled_loop", "sorted_grouped_mm")
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 

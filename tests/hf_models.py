@@ -60,6 +60,16 @@ def tiny(family: str, experts_implementation: str = "grouped_mm", seed: int = 0)
             vocab_size=64, d_model=32, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=4,
             num_experts=4, expert_capacity=3, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1)
         return transformers.SwitchTransformersForConditionalGeneration(cfg).eval()
+    elif family == "dbrx":  # flat (E*I, H) expert weights, its own experts class
+        cfg = transformers.DbrxConfig(d_model=32, n_heads=4, n_layers=2, vocab_size=64, max_seq_len=128,
+                                      ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2},
+                                      attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0})
+        model = transformers.DbrxForCausalLM(cfg)
+        with torch.no_grad():  # HF leaves the flat expert weights uninitialised
+            for name, p in model.named_parameters():
+                if ".experts.mlp." in name:
+                    p.normal_(0, 0.2)
+        return model.eval()
     else:
         raise ValueError(family)
     model.set_experts_implementation(experts_implementation)

@@ -77,6 +77,14 @@ def test_switch_capacity_model_is_rewritten_and_equal():
     assert counters["moe_inductor"]["hf_switch"] >= 2
 
 
+def test_dbrx_is_rewritten_and_equal():
+    model = tiny("dbrx")
+    err = compile_and_compare(model, lengths=(5, 9, 12))
+    assert err < 1e-4
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["moe_inductor"]["hf_dbrx"] == 2 * counters["stats"]["unique_graphs"]
+
+
 def test_llama4_wrapper_is_inert_outside_moe_inductor():
     """The wrapped Llama4 forward gives other backends the very same graphs as the original."""
     model = tiny("llama4")
