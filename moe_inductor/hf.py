@@ -7,8 +7,12 @@ compile each of them is substituted, at trace time, by one call of ``moe_inducto
 weights. A module whose semantics we cannot read off with certainty (a custom gate we do not know, a post-expert norm,
 expert parallelism) keeps its original code.
 
-``register()`` also adds ``"moe_inductor"`` to HF's experts registry, so ``set_experts_implementation("moe_inductor")``
-runs the op in eager mode too.
+Models whose MoE code sits outside that interface (Llama4's dense block, Switch Transformers' and DBRX's experts
+loops) get their class forward wrapped instead (``install_class_wrappers``), with the same rule: the wrapper takes the
+fused path only inside a moe_inductor compile and only when it can read the module's semantics.
+
+``register_experts_interface()`` also adds ``"moe_inductor"`` to HF's experts registry, so
+``set_experts_implementation("moe_inductor")`` runs the op in eager mode too.
 """
 from __future__ import annotations
 

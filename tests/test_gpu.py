@@ -158,3 +158,22 @@ def test_fx_forms_run_the_gpu_kernels(form):
             out, ref = compiled(x).float(), model(x).float()
         assert ((out - ref).norm() / ref.norm()).item() < 2e-2
     assert counters["moe_inductor"][form] >= 1
+
+
+@pytest.mark.parametrize("family", ["llama4", "switch", "dbrx"])
+def test_wrapped_hf_blocks_on_gpu_bf16(family):
+    """The class-wrapped HF MoE blocks (written this session, not yet run on the GPU)."""
+    from torch._dynamo.utils import counters
+
+    from tests.hf_models import tiny
+
+    model = tiny(family).to("cuda", torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})
+    ids = torch.randint(0, 64, (2, 12), device="cuda")
+    kwargs = {"decoder_input_ids": ids} if family == "switch" else {}
+    with torch.no_grad():
+        out, ref = compiled(ids, **kwargs).logits.float(), model(ids, **kwargs).logits.float()
+    assert ((out - ref).norm() / ref.norm()).item() < 2e-2
+    assert sum(counters["moe_inductor"].values()) >= 2
