@@ -48,7 +48,7 @@ def timed(fn, reps: int) -> float:
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, ids, dtype = build(device)
-    print(moe_inductor.explain(model, ids).__str__().split("--- graph")[0])  # the summary; graphs are long
+    print(moe_inductor.explain(model, ids).summary())  # print(report) adds the graphs before and after
 
     ours = torch.compile(model, backend="moe_inductor")
     default = torch.compile(model)

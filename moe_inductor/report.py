@@ -39,6 +39,10 @@ class Report:
     def rewrites(self) -> list[Rewrite]:
         return [r for g in self.graphs for r in g.rewrites]
 
+    def summary(self) -> str:
+        """The counts, graph breaks and rewrites, without the graph code."""
+        return str(self).split("\n--- graph")[0]
+
     def __str__(self) -> str:
         lines = [f"moe_inductor: {len(self.graphs)} graph(s), {len(self.graph_breaks)} graph break(s), "
                  f"{len(self.rewrites)} MoE rewrite(s)"]

@@ -204,6 +204,7 @@ def test_explain_report():
     assert len(report.rewrites) == 2 and not report.graph_breaks
     assert "hf_grouped_mm" in text and "MixtralExperts" in text and "E=3 k=2 act=silu_glu" in text
     assert "experts_forward" in report.graphs[0].code and "experts_forward" not in report.graph_before[0]
+    assert report.summary() in text and "def forward" not in report.summary()
 
 
 def test_cli_inspect(tmp_path):
