@@ -9,6 +9,16 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 
+def is_call(node, op: str, *targets) -> bool:
+    """``node`` is an FX node of kind ``op`` ("call_function", "call_method") with one of ``targets``."""
+    return isinstance(node, Node) and node.op == op and node.target in targets
+
+
+def inplace_users(node: Node) -> list[Node]:
+    """The users of ``node`` that mutate it through an in-place method (``x.index_add_(...)``, ``x.scatter_(...)``)."""
+    return [u for u in node.users if u.op == "call_method" and str(u.target).endswith("_")]
+
+
 def val(node) -> Optional[torch.Tensor]:
     """The fake tensor Dynamo traced for ``node`` (``example_value`` in Dynamo graphs, ``val`` after aot)."""
     if not isinstance(node, Node):

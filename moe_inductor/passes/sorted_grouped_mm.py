@@ -29,45 +29,41 @@ from torch.fx import GraphModule, Node
 from ..report import Rewrite
 from ..spec import MoESpec
 from .emit import emit_experts
-from .fx_utils import source_line, split_gated, val
+from .fx_utils import inplace_users, is_call, source_line, split_gated, val
 
 FORM = "sorted_grouped_mm"
 
 
-def _is(node, op: str, *targets) -> bool:
-    return isinstance(node, Node) and node.op == op and node.target in targets
-
-
 def _flat(node) -> Optional[Node]:
     """``t`` for ``t.view(-1)``, ``t.reshape(-1)`` or ``t.flatten()``."""
-    if _is(node, "call_method", "view", "reshape") and tuple(node.args[1:]) in ((-1,), ((-1,),)):
+    if is_call(node, "call_method", "view", "reshape") and tuple(node.args[1:]) in ((-1,), ((-1,),)):
         return node.args[0]
-    if _is(node, "call_method", "flatten") and len(node.args) == 1:
+    if is_call(node, "call_method", "flatten") and len(node.args) == 1:
         return node.args[0]
     return None
 
 
 def _strip(node, *methods) -> Node:
     """Skip dtype casts like ``.float()`` / ``.int()`` / ``.to(...)``."""
-    while _is(node, "call_method", *methods):
+    while is_call(node, "call_method", *methods):
         node = node.args[0]
     return node
 
 
 def _sort_order(order: Node) -> Optional[Node]:
     """The (T, k) ids whose flattening ``order`` sorts: ``argsort(flat)`` or ``sort(flat)[1]``."""
-    if _is(order, "call_function", torch.argsort) and len(order.args) == 1 and set(order.kwargs) <= {"stable"}:
+    if is_call(order, "call_function", torch.argsort) and len(order.args) == 1 and set(order.kwargs) <= {"stable"}:
         return _flat(order.args[0])
-    if _is(order, "call_function", operator.getitem) and order.args[1] == 1:
+    if is_call(order, "call_function", operator.getitem) and order.args[1] == 1:
         sort = order.args[0]
-        if _is(sort, "call_function", torch.sort) and len(sort.args) == 1 and set(sort.kwargs) <= {"stable"}:
+        if is_call(sort, "call_function", torch.sort) and len(sort.args) == 1 and set(sort.kwargs) <= {"stable"}:
             return _flat(sort.args[0])
     return None
 
 
 def _token_rows(index: Node) -> Optional[Node]:
     """``tok`` for ``tok.reshape(-1, 1).expand(-1, H)`` (the gather/scatter index) or ``tok`` itself."""
-    if _is(index, "call_method", "expand") and _is(index.args[0], "call_method", "reshape", "view"):
+    if is_call(index, "call_method", "expand") and is_call(index.args[0], "call_method", "reshape", "view"):
         if tuple(index.args[0].args[1:]) == (-1, 1) and index.args[1] == -1:
             return index.args[0].args[0]
         return None
@@ -76,7 +72,7 @@ def _token_rows(index: Node) -> Optional[Node]:
 
 def _token_of(tok: Node) -> Optional[tuple[Node, Node]]:
     """(order, ids) for ``tok = order // k`` with k the ids' width."""
-    if not (_is(tok, "call_function", operator.floordiv) and isinstance(tok.args[1], int)):
+    if not (is_call(tok, "call_function", operator.floordiv) and isinstance(tok.args[1], int)):
         return None
     order = tok.args[0]
     ids = _sort_order(order)
@@ -88,12 +84,12 @@ def _token_of(tok: Node) -> Optional[tuple[Node, Node]]:
 
 def _offsets_of(offs, ids: Node, num_experts: int) -> bool:
     """``cumsum(counts, 0, dtype=int32)`` of per-expert counts of the same flattened ids."""
-    if not (_is(offs, "call_function", torch.cumsum) and offs.kwargs.get("dtype") == torch.int32):
+    if not (is_call(offs, "call_function", torch.cumsum) and offs.kwargs.get("dtype") == torch.int32):
         return False
     if (offs.args[1:] or (offs.kwargs.get("dim"),))[0] != 0:
         return False
     counts = offs.args[0]
-    if _is(counts, "call_function", torch.histc):
+    if is_call(counts, "call_function", torch.histc):
         bins = counts.kwargs.get("bins", counts.args[1] if len(counts.args) > 1 else None)
         lo = counts.kwargs.get("min", counts.args[2] if len(counts.args) > 2 else None)
         hi = counts.kwargs.get("max", counts.args[3] if len(counts.args) > 3 else None)
@@ -105,11 +101,11 @@ def _offsets_of(offs, ids: Node, num_experts: int) -> bool:
 
 def _grouped(node: Node, offs_ids: Node, num_experts: Optional[int]) -> Optional[tuple[Node, Node, str, Node]]:
     """(input, stacked weight, layout, offs) of ``torch._grouped_mm(a, w or w.transpose(-2, -1), offs=offs)``."""
-    if not _is(node, "call_function", torch._grouped_mm) or len(node.args) != 2 or set(node.kwargs) != {"offs"}:
+    if not is_call(node, "call_function", torch._grouped_mm) or len(node.args) != 2 or set(node.kwargs) != {"offs"}:
         return None
     a, w = node.args
     layout = "kn"
-    if _is(w, "call_method", "transpose") and set(w.args[1:]) in ({-2, -1}, {1, 2}):
+    if is_call(w, "call_method", "transpose") and set(w.args[1:]) in ({-2, -1}, {1, 2}):
         w, layout = w.args[0], "nk"
     wv = val(w)
     if wv is None or wv.dim() != 3:
@@ -123,12 +119,12 @@ def _grouped(node: Node, offs_ids: Node, num_experts: Optional[int]) -> Optional
 def _scaled_by(node: Node, scores: Node) -> Optional[Node]:
     """``t`` when ``node`` is ``t * scores.reshape(-1, 1)`` (or ``scores[:, None]``), possibly inside casts."""
     node = _strip(node, "to")
-    if not _is(node, "call_function", operator.mul):
+    if not is_call(node, "call_function", operator.mul):
         return None
     for t, s in (node.args, node.args[::-1]):
         s = _strip(s, "to", "float")
-        if (_is(s, "call_method", "reshape", "view") and tuple(s.args[1:]) == (-1, 1) and s.args[0] is scores) or (
-                _is(s, "call_function", operator.getitem) and s.args[0] is scores
+        if (is_call(s, "call_method", "reshape", "view") and tuple(s.args[1:]) == (-1, 1) and s.args[0] is scores) or (
+                is_call(s, "call_function", operator.getitem) and s.args[0] is scores
                 and s.args[1] == (slice(None, None, None), None)):
             return _strip(t, "float", "to")
     return None
@@ -136,15 +132,15 @@ def _scaled_by(node: Node, scores: Node) -> Optional[Node]:
 
 def _scores_of(order: Node) -> list[Node]:
     """The ``weights.view(-1)[order]`` gathers that read the routing weights in sorted order."""
-    return [u for u in order.users if _is(u, "call_function", operator.getitem) and u.args[1] is order
+    return [u for u in order.users if is_call(u, "call_function", operator.getitem) and u.args[1] is order
             and _flat(u.args[0]) is not None]
 
 
 def match(acc: Node) -> Optional[tuple[MoESpec, Node]]:
     """(spec, the combine node) for an accumulator filled by one scatter_add_/index_add_ of sorted expert outputs."""
-    if not _is(acc, "call_function", torch.zeros_like):
+    if not is_call(acc, "call_function", torch.zeros_like):
         return None
-    mutations = [u for u in acc.users if u.op == "call_method" and str(u.target).endswith("_")]
+    mutations = inplace_users(acc)
     if len(mutations) != 1 or mutations[0].target not in ("scatter_add_", "index_add_"):
         return None
     add = mutations[0]
@@ -185,9 +181,9 @@ def match(acc: Node) -> Optional[tuple[MoESpec, Node]]:
         xs = _scaled_by(xs, score)
         if xs is None:
             return None
-    if _is(xs, "call_function", torch.gather) and xs.args[1] == 0 and _token_rows(xs.args[2]) is tok:
+    if is_call(xs, "call_function", torch.gather) and xs.args[1] == 0 and _token_rows(xs.args[2]) is tok:
         x = xs.args[0]
-    elif _is(xs, "call_function", operator.getitem) and xs.args[1] is tok:
+    elif is_call(xs, "call_function", operator.getitem) and xs.args[1] is tok:
         x = xs.args[0]
     else:
         return None
@@ -206,7 +202,7 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
     """Replace every provable sort + grouped_mm MoE in ``gm``; returns what was rewritten."""
     done = []
     graph = gm.graph
-    for acc in [n for n in graph.nodes if _is(n, "call_function", torch.zeros_like)]:
+    for acc in [n for n in graph.nodes if is_call(n, "call_function", torch.zeros_like)]:
         got = match(acc)
         if got is None:
             continue

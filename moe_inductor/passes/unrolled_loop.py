@@ -29,25 +29,21 @@ from torch.fx import GraphModule, Node
 from ..report import Rewrite
 from ..spec import MoESpec
 from .emit import emit_experts
-from .fx_utils import source_line, split_gated, val
+from .fx_utils import inplace_users, is_call, source_line, split_gated, val
 
 FORM = "unrolled_loop"
-
-
-def _is(node, op: str, *targets) -> bool:
-    return isinstance(node, Node) and node.op == op and node.target in targets
 
 
 def _selected_ids(cond: Node) -> Optional[tuple[Node, int, bool]]:
     """(ids, e, token_first) for a selection condition: ``ids == e`` (rows are (token, choice)), or HF's
     ``one_hot(ids, E).permute(2, 1, 0)[e]`` (rows are (choice, token))."""
-    if _is(cond, "call_function", operator.eq, torch.eq) and isinstance(cond.args[1], int):
+    if is_call(cond, "call_function", operator.eq, torch.eq) and isinstance(cond.args[1], int):
         return cond.args[0], cond.args[1], True
-    if _is(cond, "call_function", operator.getitem) and isinstance(cond.args[1], int):
+    if is_call(cond, "call_function", operator.getitem) and isinstance(cond.args[1], int):
         perm = cond.args[0]
-        if _is(perm, "call_method", "permute") and tuple(perm.args[1:]) in ((2, 1, 0), ((2, 1, 0),)):
+        if is_call(perm, "call_method", "permute") and tuple(perm.args[1:]) in ((2, 1, 0), ((2, 1, 0),)):
             hot = perm.args[0]
-            if _is(hot, "call_function", torch.nn.functional.one_hot) and len(hot.args) >= 1:
+            if is_call(hot, "call_function", torch.nn.functional.one_hot) and len(hot.args) >= 1:
                 num_classes = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)
                 ids = hot.args[0]
                 if isinstance(num_classes, int) and 0 <= cond.args[1] < num_classes:
@@ -58,11 +54,11 @@ def _selected_ids(cond: Node) -> Optional[tuple[Node, int, bool]]:
 def _selection(tok: Node) -> Optional[tuple[Node, Node, int, int]]:
     """(where node, ids, e, index of pos in the where result) for ``tok, pos = torch.where(ids == e)`` (or
     nonzero(as_tuple=True)), or ``pos, tok = torch.where(one_hot(ids, E).permute(2, 1, 0)[e])``."""
-    if not (_is(tok, "call_function", operator.getitem) and tok.args[1] in (0, 1)):
+    if not (is_call(tok, "call_function", operator.getitem) and tok.args[1] in (0, 1)):
         return None
     where = tok.args[0]
-    one_arg_where = _is(where, "call_function", torch.where) and len(where.args) == 1 and not where.kwargs
-    nonzero = (_is(where, "call_method", "nonzero") and where.kwargs == {"as_tuple": True} and len(where.args) == 1)
+    one_arg_where = is_call(where, "call_function", torch.where) and len(where.args) == 1 and not where.kwargs
+    nonzero = (is_call(where, "call_method", "nonzero") and where.kwargs == {"as_tuple": True} and len(where.args) == 1)
     if not (one_arg_where or nonzero):
         return None
     selected = _selected_ids(where.args[0])
@@ -79,11 +75,11 @@ def _selection(tok: Node) -> Optional[tuple[Node, Node, int, int]]:
 
 def _token_rows_of(xe: Node, tok: Node) -> Optional[Node]:
     """``x`` for ``x[tok]`` or HF's ``x[None, tok].reshape(-1, H)``."""
-    if _is(xe, "call_function", operator.getitem) and xe.args[1] is tok:
+    if is_call(xe, "call_function", operator.getitem) and xe.args[1] is tok:
         return xe.args[0]
-    if _is(xe, "call_method", "reshape", "view") and len(xe.args) == 3 and xe.args[1] == -1:
+    if is_call(xe, "call_method", "reshape", "view") and len(xe.args) == 3 and xe.args[1] == -1:
         inner = xe.args[0]
-        if _is(inner, "call_function", operator.getitem) and inner.args[1] == (None, tok):
+        if is_call(inner, "call_function", operator.getitem) and inner.args[1] == (None, tok):
             x = inner.args[0]
             xv = val(x)
             if xv is not None and xv.dim() == 2 and xe.args[2] == xv.shape[1]:
@@ -95,12 +91,12 @@ def _expert_weight(node: Node, e: int) -> Optional[tuple[Node, bool, bool]]:
     """(weight, transposed?, stacked?) for ``w[e]`` of a stacked (E, ., .) weight, or a per-expert 2D weight (an
     nn.Linear's), each optionally as ``.T``, ``.t()`` or ``.transpose(0, 1)``."""
     transposed = False
-    if _is(node, "call_function", getattr) and node.args[1] in ("T", "mT"):
+    if is_call(node, "call_function", getattr) and node.args[1] in ("T", "mT"):
         node, transposed = node.args[0], True
-    elif _is(node, "call_method", "t") or (_is(node, "call_method", "transpose") and set(node.args[1:]) in ({0, 1},
+    elif is_call(node, "call_method", "t") or (is_call(node, "call_method", "transpose") and set(node.args[1:]) in ({0, 1},
                                                                                                         {-1, -2})):
         node, transposed = node.args[0], True
-    if _is(node, "call_function", operator.getitem) and node.args[1] == e:
+    if is_call(node, "call_function", operator.getitem) and node.args[1] == e:
         w = node.args[0]
         wv = val(w)
         return (w, transposed, True) if wv is not None and wv.dim() == 3 and wv.is_floating_point() else None
@@ -113,12 +109,12 @@ def _expert_weight(node: Node, e: int) -> Optional[tuple[Node, bool, bool]]:
 def _linear(node: Node, e: int) -> Optional[tuple[Node, Node, str, bool]]:
     """(input, weight, layout, stacked?) for ``a @ w.T`` / ``F.linear(a, w)`` ("nk") or ``a @ w`` ("kn"), where w is
     ``w[e]`` of a stacked weight or a per-expert one."""
-    if _is(node, "call_function", torch._C._nn.linear, torch.nn.functional.linear):
+    if is_call(node, "call_function", torch._C._nn.linear, torch.nn.functional.linear):
         if len(node.args) > 2 and node.args[2] is not None or node.kwargs:
             return None
         got = _expert_weight(node.args[1], e)
         return (node.args[0], got[0], "nk", got[2]) if got and not got[1] else None
-    if _is(node, "call_function", operator.matmul, torch.matmul) and len(node.args) == 2:
+    if is_call(node, "call_function", operator.matmul, torch.matmul) and len(node.args) == 2:
         got = _expert_weight(node.args[1], e)
         if got is None:
             return None
@@ -141,24 +137,24 @@ class _Body:
 def _accumulation(add: Node, acc: Node) -> Optional[tuple[Node, Node, Optional[Node]]]:
     """(tok, contribution, the read of acc it adds to) for ``acc.index_add_(0, tok, c)`` or ``acc[tok] += c``
     (Dynamo: ``acc.__setitem__(tok, acc[tok].__iadd__(c))``)."""
-    if _is(add, "call_method", "index_add_") and len(add.args) == 4 and add.args[0] is acc and add.args[1] == 0 and (
+    if is_call(add, "call_method", "index_add_") and len(add.args) == 4 and add.args[0] is acc and add.args[1] == 0 and (
             not add.kwargs):
         return add.args[2], add.args[3], None
-    if _is(add, "call_function", operator.setitem) and add.args[0] is acc and isinstance(add.args[1], Node):
+    if is_call(add, "call_function", operator.setitem) and add.args[0] is acc and isinstance(add.args[1], Node):
         tok, value = add.args[1], add.args[2]
-        if _is(value, "call_function", operator.iadd, operator.add) and len(value.users) == 1:
+        if is_call(value, "call_function", operator.iadd, operator.add) and len(value.users) == 1:
             read, contribution = value.args
-            if _is(read, "call_function", operator.getitem) and read.args == (acc, tok) and len(read.users) == 1:
+            if is_call(read, "call_function", operator.getitem) and read.args == (acc, tok) and len(read.users) == 1:
                 return tok, contribution, read
     return None
 
 
 def _topk_ids(ids: Node) -> bool:
     """``ids`` are ``topk(...).indices``: distinct within a row, so ``acc[tok] += c`` never writes a row twice."""
-    if not (_is(ids, "call_function", operator.getitem) and ids.args[1] == 1):
+    if not (is_call(ids, "call_function", operator.getitem) and ids.args[1] == 1):
         return False
     topk = ids.args[0]
-    return _is(topk, "call_function", torch.topk) or _is(topk, "call_method", "topk")
+    return is_call(topk, "call_function", torch.topk) or is_call(topk, "call_method", "topk")
 
 
 def _body(add: Node, acc: Node) -> Optional[_Body]:
@@ -167,18 +163,18 @@ def _body(add: Node, acc: Node) -> Optional[_Body]:
     if accumulated is None:
         return None
     tok, contribution, read = accumulated
-    if _is(contribution, "call_method", "to") and len(contribution.args) == 2 and val(acc) is not None and (
+    if is_call(contribution, "call_method", "to") and len(contribution.args) == 2 and val(acc) is not None and (
             contribution.args[1] == val(acc).dtype):  # HF v4 casts each expert's output to the buffer's dtype
         contribution = contribution.args[0]
     sel = _selection(tok)
-    if sel is None or not _is(contribution, "call_function", operator.mul):
+    if sel is None or not is_call(contribution, "call_function", operator.mul):
         return None
     where, ids, e, pos_index = sel
     if read is not None and not _topk_ids(ids):  # with repeated ids, acc[tok] += c drops all but one write
         return None
     for expert_out, scale in (contribution.args, contribution.args[::-1]):
-        index = scale.args[1] if _is(scale, "call_function", operator.getitem) else None
-        if isinstance(index, tuple) and len(index) == 3 and index[0] is tok and index[2] is None and _is(
+        index = scale.args[1] if is_call(scale, "call_function", operator.getitem) else None
+        if isinstance(index, tuple) and len(index) == 3 and index[0] is tok and index[2] is None and is_call(
                 index[1], "call_function", operator.getitem) and index[1].args == (where, pos_index):
             break
     else:
@@ -229,7 +225,7 @@ def _per_expert_spec(bodies: list[_Body]) -> Optional[MoESpec]:
 
 
 def _zeros_like_x(acc: Node) -> bool:
-    return (_is(acc, "call_function", torch.zeros_like, torch.zeros) or _is(acc, "call_method", "new_zeros")) and (
+    return (is_call(acc, "call_function", torch.zeros_like, torch.zeros) or is_call(acc, "call_method", "new_zeros")) and (
         "fill_value" not in acc.kwargs)
 
 
@@ -239,8 +235,7 @@ def match(acc: Node, position: dict[Node, int]) -> Optional[tuple[MoESpec, list[
     ``position`` gives each node's index in graph order."""
     if not _zeros_like_x(acc):
         return None
-    mutations = [u for u in acc.users if (u.op == "call_method" and str(u.target).endswith("_")) or _is(
-        u, "call_function", operator.setitem)]
+    mutations = inplace_users(acc) + [u for u in acc.users if is_call(u, "call_function", operator.setitem)]
     if not mutations or any(u.target not in ("index_add_", operator.setitem) for u in mutations):
         return None
     bodies = [_body(add, acc) for add in mutations]
