@@ -81,3 +81,12 @@ def make_problem(
         for t in p.leaves():
             t.requires_grad_(True)
     return p
+
+
+def compile_moe(model, *args, inner: str = "eager"):
+    """Fresh Dynamo state and counters, then ``model`` compiled with moe_inductor (light inner compiler) on args."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    return torch.compile(model, backend="moe_inductor", options={"inner": inner})(*args)

@@ -5,6 +5,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from tests.helpers import compile_moe
+
 E, H, I = 6, 16, 8
 
 
@@ -47,12 +49,6 @@ class DenseMoE(nn.Module):
         raise ValueError(self.style)
 
 
-def run(model, x, inner="eager"):
-    torch._dynamo.reset()
-    counters.clear()
-    return torch.compile(model, backend="moe_inductor", options={"inner": inner})(x)
-
-
 @pytest.mark.parametrize("style", ["einsum", "kn_mulsum"])
 @pytest.mark.parametrize("k", [1, 2, E], ids=["k1", "k2", "k-eq-E"])
 def test_styles_are_rewritten_and_equal(style, k):
@@ -60,7 +56,7 @@ def test_styles_are_rewritten_and_equal(style, k):
     model = DenseMoE(style, k)
     for T in (1, 7, 20):
         x = torch.randn(T, H)
-        out, ref = run(model, x), model(x)
+        out, ref = compile_moe(model, x), model(x)
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5
         assert counters["moe_inductor"]["dense_experts"] == 1
         assert sum(counters["graph_break"].values()) == 0
@@ -71,7 +67,7 @@ def test_gradients_match_eager():
     model = DenseMoE("einsum")
     x = torch.randn(9, H, requires_grad=True)
     params = [x, model.router.weight, model.w1, model.w2, model.w3]
-    out = run(model, x, inner="aot_eager")
+    out = compile_moe(model, x, inner="aot_eager")
     assert counters["moe_inductor"]["dense_experts"] == 1
     grads = torch.autograd.grad(out.square().sum(), params)
     ref_grads = torch.autograd.grad(model(x).square().sum(), params)
@@ -84,5 +80,5 @@ def test_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = DenseMoE(style)
     x = torch.randn(7, H)
-    assert torch.allclose(run(model, x), model(x), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(compile_moe(model, x), model(x), rtol=1e-6, atol=1e-6)
     assert not counters["moe_inductor"]

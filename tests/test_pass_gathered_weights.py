@@ -5,6 +5,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from tests.helpers import compile_moe
+
 E, D, I, K = 5, 16, 8, 2
 
 
@@ -47,19 +49,13 @@ class GatheredMoE(nn.Module):
         raise ValueError(self.style)
 
 
-def run(model, x, inner="eager"):
-    torch._dynamo.reset()
-    counters.clear()
-    return torch.compile(model, backend="moe_inductor", options={"inner": inner})(x)
-
-
 @pytest.mark.parametrize("style", ["gptfast", "kn_swapped", "plain_act"])
 def test_styles_are_rewritten_and_equal(style):
     torch.manual_seed(0)
     model = GatheredMoE(style)
     for T in (3, 9, 17):
         x = torch.randn(T, D)
-        out = run(model, x)
+        out = compile_moe(model, x)
         ref = model(x)
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5
     assert counters["moe_inductor"]["gathered_weights"] == 1
@@ -70,7 +66,7 @@ def test_gradients_match_eager():
     torch.manual_seed(0)
     model = GatheredMoE("gptfast")
     x = torch.randn(11, D, requires_grad=True)
-    out = run(model, x, inner="aot_eager")
+    out = compile_moe(model, x, inner="aot_eager")
     params = [x, model.gate.weight, model.w1, model.w2, model.w3]
     grads = torch.autograd.grad(out.square().sum(), params)
     ref_grads = torch.autograd.grad(model(x).square().sum(), params)
@@ -84,7 +80,7 @@ def test_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = GatheredMoE(style)
     x = torch.randn(7, D)
-    assert torch.allclose(run(model, x), model(x), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(compile_moe(model, x), model(x), rtol=1e-6, atol=1e-6)
     assert not counters["moe_inductor"]
 
 

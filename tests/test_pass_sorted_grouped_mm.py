@@ -6,6 +6,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from tests.helpers import compile_moe
+
 E, H, I = 4, 32, 16
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs torch._grouped_mm")
 
@@ -52,12 +54,6 @@ class SortedMoE(nn.Module):
         raise ValueError(self.style)
 
 
-def run(model, x):
-    torch._dynamo.reset()
-    counters.clear()
-    return torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x)
-
-
 @pytest.mark.parametrize("style", ["titan", "hf"])
 @pytest.mark.parametrize("k", [1, 2])
 def test_styles_are_rewritten_and_equal(style, k):
@@ -65,7 +61,7 @@ def test_styles_are_rewritten_and_equal(style, k):
     model = SortedMoE(style, k).bfloat16()
     for T in (5, 19):
         x = torch.randn(T, H, dtype=torch.bfloat16)
-        out, ref = run(model, x).float(), model(x).float()
+        out, ref = compile_moe(model, x).float(), model(x).float()
         assert ((out - ref).norm() / ref.norm()).item() < 2e-2
         assert counters["moe_inductor"]["sorted_grouped_mm"] == 1
         assert sum(counters["graph_break"].values()) == 0
@@ -75,7 +71,7 @@ def test_offsets_from_other_ids_are_left_alone():
     torch.manual_seed(0)
     model = SortedMoE("wrong_offsets").bfloat16()
     x = torch.randn(9, H, dtype=torch.bfloat16)
-    assert torch.equal(run(model, x), model(x))
+    assert torch.equal(compile_moe(model, x), model(x))
     assert not counters["moe_inductor"]
 
 

@@ -5,6 +5,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from tests.helpers import compile_moe
+
 H, I = 16, 8
 
 
@@ -59,12 +61,6 @@ class LoopMoE(nn.Module):
         return out
 
 
-def run(model, x, inner="eager"):
-    torch._dynamo.reset()
-    counters.clear()
-    return torch.compile(model, backend="moe_inductor", options={"inner": inner})(x)
-
-
 @pytest.mark.parametrize("style", ["where_matmul", "linear_plain", "nonzero_kn", "hf_v4_mask", "setitem_add"])
 @pytest.mark.parametrize("E,k", [(3, 2), (5, 1), (4, 4)], ids=["E3-k2", "E5-k1", "k-eq-E"])
 def test_styles_are_rewritten_and_equal(style, E, k):
@@ -72,7 +68,7 @@ def test_styles_are_rewritten_and_equal(style, E, k):
     model = LoopMoE(style, E, k)
     for T in (3, 11):
         x = torch.randn(T, H)
-        out, ref = run(model, x), model(x)
+        out, ref = compile_moe(model, x), model(x)
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5
         assert counters["moe_inductor"]["unrolled_loop"] == 1
         assert sum(counters["graph_break"].values()) == 0
@@ -104,7 +100,7 @@ def test_gradients_match_eager():
     model = LoopMoE("where_matmul", 4, 2)
     x = torch.randn(9, H, requires_grad=True)
     params = [x, model.router.weight, model.w1, model.w2, model.w3]
-    out = run(model, x, inner="aot_eager")
+    out = compile_moe(model, x, inner="aot_eager")
     assert counters["moe_inductor"]["unrolled_loop"] == 1
     grads = torch.autograd.grad(out.square().sum(), params)
     ref_grads = torch.autograd.grad(model(x).square().sum(), params)
@@ -117,7 +113,7 @@ def test_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = LoopMoE(style, 4, 2)
     x = torch.randn(7, H)
-    assert torch.allclose(run(model, x), model(x), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(compile_moe(model, x), model(x), rtol=1e-6, atol=1e-6)
     assert not counters["moe_inductor"]
 
 
@@ -162,7 +158,7 @@ def test_module_list_experts_are_rewritten_and_equal(E, k):
     model = ModuleListMoE("hf_v4", E, k)
     for T in (4, 13):
         x = torch.randn(T, H)
-        out, ref = run(model, x), model(x)
+        out, ref = compile_moe(model, x), model(x)
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5
         assert counters["moe_inductor"]["unrolled_loop"] == 1
 
@@ -172,7 +168,7 @@ def test_module_list_gradients_match_eager():
     model = ModuleListMoE("hf_v4", 4, 2)
     x = torch.randn(10, H, requires_grad=True)
     params = [x] + list(model.parameters())
-    out = run(model, x, inner="aot_eager")
+    out = compile_moe(model, x, inner="aot_eager")
     assert counters["moe_inductor"]["unrolled_loop"] == 1
     dy = torch.randn_like(out)
     for g, r in zip(torch.autograd.grad(out, params, dy), torch.autograd.grad(model(x), params, dy)):
@@ -183,5 +179,5 @@ def test_module_list_with_a_shared_weight_is_left_alone():
     torch.manual_seed(0)
     model = ModuleListMoE("shared_weight", 4, 2)
     x = torch.randn(7, H)
-    assert torch.allclose(run(model, x), model(x), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(compile_moe(model, x), model(x), rtol=1e-6, atol=1e-6)
     assert not counters["moe_inductor"]
