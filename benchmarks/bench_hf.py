@@ -15,6 +15,7 @@ import sys
 import time
 
 import torch
+from torch._dynamo.utils import counters
 
 
 def build(tiny: bool, layers: int, device: str, dtype: torch.dtype):
@@ -73,6 +74,7 @@ def decode(model, cfg, batches, new_tokens, device) -> dict:
     for name in ("eager", "inductor", "moe_inductor"):
         mode = "reduce-overhead" if device == "cuda" else None
         torch._dynamo.reset()
+        counters["inductor"].clear()
         if name == "eager":
             model.forward = plain
         else:
@@ -90,7 +92,9 @@ def decode(model, cfg, batches, new_tokens, device) -> dict:
                     torch.cuda.synchronize()
             tps = B * new_tokens / (time.perf_counter() - t0)
             rows.setdefault(B, {})[name] = tps
-            print(f"decode  B={B:<6} {name:<13} {tps:10.1f} new tokens/s", flush=True)
+            skips = counters["inductor"]["cudagraph_skips"]
+            rows[B][f"{name}_cudagraph_skips"] = skips
+            print(f"decode  B={B:<6} {name:<13} {tps:10.1f} new tokens/s  cudagraph skips so far: {skips}", flush=True)
     model.forward = plain
     return rows
 

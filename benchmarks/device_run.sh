@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything a GPU session should run, in one device call (sized for the 10-minute per-command limit).
-#   bash benchmarks/device_run.sh tests      # GPU suite + memcheck                       (~4 min)
+#   bash benchmarks/device_run.sh tests      # the GPU suite                                (~6 min)
+#   bash benchmarks/device_run.sh examples   # memcheck of the kernel tests + every example  (~4 min)
 #   bash benchmarks/device_run.sh experts    # bench_experts.py, the RESULTS.md table       (~5 min)
 #   bash benchmarks/device_run.sh hf         # bench_hf.py, whole-model prefill and decode  (not yet timed)
 # Outputs go to $OUT (the device tool brings them back). The project must be installed for the entry point.
@@ -11,10 +12,14 @@ mkdir -p "$OUT"
 python -m pip install --no-build-isolation --no-deps -e . -q >/dev/null 2>&1
 case "${1:-tests}" in
   tests)
-    timeout 330 python -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_routing.py -q -p no:warnings \
-      2>&1 | grep -v torch.__trace | tee "$OUT/gpu_tests.log" | tail -15
-    timeout 150 compute-sanitizer --tool memcheck python -m pytest tests/test_kernels.py -q -p no:warnings -x \
-      2>&1 | tee "$OUT/sanitizer.log" | tail -4 ;;
+    timeout 560 python -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_routing.py -q -p no:warnings \
+      --durations=10 2>&1 | grep -v torch.__trace | tee "$OUT/gpu_tests.log" | tail -30 ;;
+  examples)
+    timeout 200 compute-sanitizer --tool memcheck python -m pytest tests/test_kernels.py -q -p no:warnings -x \
+      2>&1 | tee "$OUT/sanitizer.log" | tail -4
+    for ex in quickstart generate train_step inspect_hf; do
+      echo "== examples/$ex.py"; timeout 120 python "examples/$ex.py" 2>&1 | tee "$OUT/example_$ex.log" | tail -12
+    done ;;
   experts)
     timeout 560 python benchmarks/bench_experts.py --tokens 16 512 4096 16384 --skew-tokens 4096 \
       --hf-shapes qwen3 mixtral --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$OUT/bench.log" 2>&1

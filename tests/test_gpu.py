@@ -112,10 +112,11 @@ def test_bad_ids_raise_in_eager_without_illegal_access():
     assert torch.isfinite(y).all()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "olmoe", "deepseek_v3",
+                                    "granitemoe", "phimoe"])
 @pytest.mark.parametrize("implementation", ["grouped_mm", "eager", "batched_mm"])
 def test_hf_models_rewritten_on_gpu_bf16(family, implementation):
-    """Each rewritten HF form runs the Triton kernels on the GPU and matches eager in bf16."""
+    """Every HF family in every experts implementation runs the Triton kernels on the GPU and matches eager in bf16."""
     from torch._dynamo.utils import counters
 
     from tests.hf_models import tiny
@@ -132,6 +133,31 @@ def test_hf_models_rewritten_on_gpu_bf16(family, implementation):
         assert ((out - ref).norm() / ref.norm()).item() < 2e-2
     assert sum(counters["moe_inductor"].values()) >= 2
     assert sum(counters["graph_break"].values()) == 0
+
+
+def test_static_cache_decode_reduce_overhead_has_no_cudagraph_skips():
+    """generate() with a static cache under mode="reduce-overhead": same tokens as eager, 0 cudagraph skips."""
+    from torch._dynamo.utils import counters
+
+    from tests.hf_models import tiny
+
+    model = tiny("qwen3_moe").to("cuda")
+    prompt = torch.randint(0, 64, (2, 7), device="cuda")
+    gen = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        expected = model.generate(prompt, **gen)
+        torch._dynamo.reset()
+        counters.clear()
+        plain = model.forward
+        model.forward = torch.compile(plain, backend="moe_inductor", mode="reduce-overhead")
+        try:
+            got = model.generate(prompt, **gen)
+            got_again = model.generate(prompt, **gen)  # replays the recorded graphs
+        finally:
+            model.forward = plain
+    assert torch.equal(got, expected) and torch.equal(got_again, expected)
+    assert counters["moe_inductor"]["hf_grouped_mm"] >= 2
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
 @pytest.mark.parametrize("form", ["unrolled_loop", "gathered_weights", "dense_experts", "sorted_grouped_mm"])
