@@ -136,25 +136,23 @@ def test_hf_models_rewritten_on_gpu_bf16(family, implementation):
 
 
 def test_static_cache_decode_reduce_overhead_has_no_cudagraph_skips():
-    """generate() with a static cache under mode="reduce-overhead": same tokens as eager, 0 cudagraph skips."""
+    """HF's own compiled decode (static cache, CompileConfig(backend="moe_inductor", mode="reduce-overhead")):
+    the same tokens as eager, the MoE layers rewritten, and 0 cudagraph skips."""
     from torch._dynamo.utils import counters
+    from transformers.generation.configuration_utils import CompileConfig
 
     from tests.hf_models import tiny
 
     model = tiny("qwen3_moe").to("cuda")
     prompt = torch.randint(0, 64, (2, 7), device="cuda")
     gen = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+    torch._dynamo.reset()
+    counters.clear()
     with torch.no_grad():
-        expected = model.generate(prompt, **gen)
-        torch._dynamo.reset()
-        counters.clear()
-        plain = model.forward
-        model.forward = torch.compile(plain, backend="moe_inductor", mode="reduce-overhead")
-        try:
-            got = model.generate(prompt, **gen)
-            got_again = model.generate(prompt, **gen)  # replays the recorded graphs
-        finally:
-            model.forward = plain
+        expected = model.generate(prompt, disable_compile=True, **gen)
+        config = CompileConfig(backend="moe_inductor", mode="reduce-overhead", fullgraph=True)
+        got = model.generate(prompt, compile_config=config, **gen)
+        got_again = model.generate(prompt, compile_config=config, **gen)  # replays the recorded graphs
     assert torch.equal(got, expected) and torch.equal(got_again, expected)
     assert counters["moe_inductor"]["hf_grouped_mm"] >= 2
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
