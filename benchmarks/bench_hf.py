@@ -122,6 +122,7 @@ def main(argv=None) -> None:
     import transformers
 
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "transformers": transformers.__version__,
+            "triton": __import__("triton").__version__,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "command": " ".join(sys.argv)}
     print(meta, flush=True)
     result = {"meta": meta, "prefill_ms": prefill(model, cfg, tokens, args.device),
