@@ -51,6 +51,11 @@ def route_reference(topk_ids: Tensor, num_experts: int, capacity: Optional[int] 
     return order.to(torch.int32), sorted_keys.to(torch.int32), offsets
 
 
+# Up to this many routed rows one program does everything in one launch; above it, programs of CHUNK_ROWS rows.
+SINGLE_LAUNCH_MAX_ROWS = 4096
+CHUNK_ROWS = 1024
+
+
 def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Routing metadata by the Triton kernels on the GPU (two launches), by ``route_reference`` elsewhere."""
     from .grouped import use_triton
@@ -69,7 +74,7 @@ def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] =
     sorted_expert = ids.new_empty(M, dtype=torch.int32)
     offsets = ids.new_empty(num_experts + 1, dtype=torch.int32)
     # One chunk (and one launch) covers small batches; large ones are split so the per-program sort stays small.
-    chunk = 16 if _interpreting() else (4096 if M <= 4096 else 1024)
+    chunk = 16 if _interpreting() else (SINGLE_LAUNCH_MAX_ROWS if M <= SINGLE_LAUNCH_MAX_ROWS else CHUNK_ROWS)
     num_chunks = max(triton.cdiv(M, chunk), 1)
     bins = triton.next_power_of_2(num_experts + 1)
     counts = ids.new_empty(num_chunks, bins, dtype=torch.int32)

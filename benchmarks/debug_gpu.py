@@ -1,0 +1,118 @@
+"""One-off GPU diagnostics (kept so the next session can rerun them): DBRX views through the op, the unrolled-loop
+graph on CUDA, HF's compiled decode with our backend, and a host-side profile of one fused_experts call.
+
+    python benchmarks/debug_gpu.py dbrx loop decode host
+"""
+import cProfile
+import pstats
+import sys
+
+import torch
+from torch._dynamo.utils import counters
+
+sys.path.insert(0, ".")
+
+
+def dbrx():
+    import moe_inductor
+    from moe_inductor.ops import moe_reference
+
+    torch.manual_seed(0)
+    E, I, H, T, k = 4, 16, 32, 24, 2
+    for dtype in (torch.float32, torch.bfloat16):
+        w1, v1, w2 = (torch.randn(E * I, H, device="cuda", dtype=dtype) * 0.2 for _ in range(3))
+        x = torch.randn(T, H, device="cuda", dtype=dtype)
+        ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
+        tw = torch.rand(T, k, device="cuda", dtype=dtype)
+        g, u, d = w1.view(E, I, H).transpose(1, 2), v1.view(E, I, H).transpose(1, 2), w2.view(E, I, H)
+        y = moe_inductor.fused_experts(x, ids, tw, (g, u), d, activation="silu_glu", layout="kn")
+        ref = moe_reference(x.double(), ids, tw.double(), g.double(), u.double(), d.double(), None, None, None,
+                            "silu_glu")
+        gc, uc = g.contiguous(), u.contiguous()
+        y2 = moe_inductor.fused_experts(x, ids, tw, (gc, uc), d, activation="silu_glu", layout="kn")
+        print("dbrx", dtype, "strided", ((y.double() - ref).norm() / ref.norm()).item(),
+              "contiguous", ((y2.double() - ref).norm() / ref.norm()).item(), flush=True)
+
+
+def loop():
+    from tests.test_pass_unrolled_loop import LoopMoE
+
+    torch.manual_seed(0)
+    m = LoopMoE("where_matmul", 4, 2).to("cuda", torch.bfloat16)
+    from moe_inductor.backend import moe_inductor_backend
+
+    def show(gm, inputs):
+        print(gm.code[:3000], flush=True)
+        return moe_inductor_backend(gm, inputs, options={"inner": "eager"})
+
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        torch.compile(m, backend=show)(torch.randn(8, 16, device="cuda", dtype=torch.bfloat16))
+    print("loop rewrites", dict(counters["moe_inductor"]), flush=True)
+
+
+def decode():
+    from transformers.generation.configuration_utils import CompileConfig
+
+    from tests.hf_models import tiny
+
+    model = tiny("qwen3_moe").to("cuda")
+    prompt = torch.randint(0, 64, (2, 7), device="cuda")
+    gen = dict(max_new_tokens=4, do_sample=False, cache_implementation="static")
+    for how in ("kwarg", "attribute"):
+        torch._dynamo.reset()
+        counters.clear()
+        cc = CompileConfig(backend="moe_inductor", mode="reduce-overhead", fullgraph=True)
+        with torch.no_grad():
+            if how == "kwarg":
+                got = model.generate(prompt, compile_config=cc, **gen)
+            else:
+                model.generation_config.compile_config = cc
+                got = model.generate(prompt, **gen)
+        print("decode", how, got[0].tolist(), dict(counters["moe_inductor"]), "skips",
+              counters["inductor"]["cudagraph_skips"], "graphs", counters["stats"]["unique_graphs"], flush=True)
+
+
+def host():
+    import moe_inductor
+    from tests.helpers import make_problem
+
+    p = make_problem(16, 2048, 768, 128, 8, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    moe_inductor.config.validate_routing = False
+    f = lambda: moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2)  # noqa: E731
+    for _ in range(20):
+        f()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        f()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+def route():
+    from triton.testing import do_bench
+
+    from moe_inductor.ops import routing
+
+    for single_max, chunk in ((4096, 1024), (1024, 1024), (512, 512), (256, 256)):
+        routing.SINGLE_LAUNCH_MAX_ROWS, routing.CHUNK_ROWS = single_max, chunk
+        row = []
+        for T, E, k in ((16, 128, 8), (64, 128, 8), (512, 128, 8), (2048, 8, 2), (4096, 128, 8), (16384, 128, 8)):
+            ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
+            ms = do_bench(lambda: routing.route_metadata(ids, E), warmup=5, rep=30, return_mode="median")
+            row.append(f"M={T * k}:{ms * 1e3:.1f}us")
+        print(f"route single<={single_max} chunk={chunk}:", " ".join(row), flush=True)
+    routing.SINGLE_LAUNCH_MAX_ROWS, routing.CHUNK_ROWS = 4096, 1024
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:]:
+        try:
+            globals()[name]()
+        except Exception as exc:  # keep going: each diagnostic is independent
+            print(name, "FAILED", type(exc).__name__, str(exc)[:500], flush=True)
+
