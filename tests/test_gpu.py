@@ -154,7 +154,8 @@ def test_static_cache_decode_reduce_overhead_has_no_cudagraph_skips():
         got = model.generate(prompt, compile_config=config, **gen)
         got_again = model.generate(prompt, compile_config=config, **gen)  # replays the recorded graphs
     assert torch.equal(got, expected) and torch.equal(got_again, expected)
-    assert counters["moe_inductor"]["hf_grouped_mm"] >= 2
+    # transformers picks the experts implementation per step (5.17 decodes small batches with batched_mm)
+    assert sum(counters["moe_inductor"].values()) >= 2, dict(counters["moe_inductor"])
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
@@ -181,6 +182,7 @@ def test_fx_forms_run_the_gpu_kernels(form):
         with torch.no_grad():
             out, ref = compiled(x).float(), model(x).float()
         assert ((out - ref).norm() / ref.norm()).item() < 2e-2
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["moe_inductor"][form] >= 1
 
 
@@ -198,6 +200,9 @@ def test_wrapped_hf_blocks_on_gpu_bf16(family):
     ids = torch.randint(0, 64, (2, 12), device="cuda")
     kwargs = {"decoder_input_ids": ids} if family == "switch" else {}
     with torch.no_grad():
-        out, ref = compiled(ids, **kwargs).logits.float(), model(ids, **kwargs).logits.float()
+        # eager first: Switch's router casts its classifier to fp32 on its first call (a module .to() that Dynamo
+        # breaks the graph on, with any backend)
+        ref = model(ids, **kwargs).logits.float()
+        out = compiled(ids, **kwargs).logits.float()
     assert ((out - ref).norm() / ref.norm()).item() < 2e-2
     assert sum(counters["moe_inductor"].values()) >= 2

@@ -62,9 +62,14 @@ def launch_grouped_gemm(
     has_bias = bias is not None
     dummy = offsets
     bucket = configs.rows_bucket(num_rows / max(num_experts, 1))
-    key = f"gemm|E{num_experts}|N{n_dim}|K{k_dim}|{a.dtype}|g{int(gated)}|a{a_rows}|c{c_rows}|m{bucket}"
+    # Every launch decision below depends only on this tuple, so it is made once per tuple: the per-call host work
+    # is then one dict lookup, the argument list and the Triton launch (small T is host-bound).
+    decision_key = (num_experts, n_dim, k_dim, a.dtype, gated, a_rows, c_rows, bucket, scale_mode, act_id, has_bias,
+                    pre is not None, accumulate, a.device, moe_config.autotune,
+                    configs.interpreting())
+    decided = _GEMM_DECISIONS.get(decision_key)
 
-    def run(cfg: configs.LaunchConfig) -> None:
+    def run(cfg: configs.LaunchConfig, meta: dict) -> None:
         grid = ((triton.cdiv(num_rows, cfg.BLOCK_M) + num_experts) * triton.cdiv(n_dim, cfg.BLOCK_N),)
         b2_ = b2 if gated else b
         bias_ = bias if has_bias else dummy
@@ -80,22 +85,36 @@ def launch_grouped_gemm(
             bias2_.stride(0) if has_bias else 0, bias2_.stride(-1) if has_bias else 0,
             out.stride(0), out.stride(1), pre_.stride(0), pre_.stride(1),
             float(alpha), float(limit),
-            NUM_EXPERTS=num_experts, E_POW2=triton.next_power_of_2(num_experts),
-            A_ROWS=a_rows, C_ROWS=c_rows, SCALE_MODE=scale_mode,
-            GATED=gated, ACT=act_id, HAS_BIAS=has_bias, SAVE_PRE=pre is not None,
-            ACCUMULATE=accumulate, UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-            EVEN_K=k_dim % cfg.BLOCK_K == 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **meta,
         )
 
-    default = configs.default_gemm_config(bucket, n_dim, k_dim, a.dtype)
-    # Tuning re-runs the launch, so an accumulating launch borrows the config of its plain twin.
-    cfg = configs.TABLE.lookup(key) or (
-        default if accumulate else _pick(key, default, lambda: configs.gemm_candidates(a.dtype), run)
-    )
+    if decided is None:
+        def meta_for(cfg: configs.LaunchConfig) -> dict:
+            return dict(
+                NUM_EXPERTS=num_experts, E_POW2=triton.next_power_of_2(num_experts),
+                A_ROWS=a_rows, C_ROWS=c_rows, SCALE_MODE=scale_mode,
+                GATED=gated, ACT=act_id, HAS_BIAS=has_bias, SAVE_PRE=pre is not None,
+                ACCUMULATE=accumulate, UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
+                BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+                EVEN_K=k_dim % cfg.BLOCK_K == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+
+        key = f"gemm|E{num_experts}|N{n_dim}|K{k_dim}|{a.dtype}|g{int(gated)}|a{a_rows}|c{c_rows}|m{bucket}"
+        default = configs.default_gemm_config(bucket, n_dim, k_dim, a.dtype)
+        # Tuning re-runs the launch, so an accumulating launch borrows the config of its plain twin.
+        cfg = configs.TABLE.lookup(key) or (
+            default if accumulate else _pick(key, default, lambda: configs.gemm_candidates(a.dtype),
+                                             lambda c: run(c, meta_for(c)))
+        )
+        decided = (cfg, meta_for(cfg))
+        if not moe_config.autotune or accumulate or configs.TABLE.lookup(key) is not None:
+            _GEMM_DECISIONS[decision_key] = decided  # not a default that a later tuning run (after capture) replaces
     with device_guard(a):
-        run(cfg)
+        run(*decided)
+
+
+# (shape, dtype, flags, bucket, device) -> (config, the kernel's constexpr arguments); see launch_grouped_gemm.
+_GEMM_DECISIONS: dict[tuple, tuple[configs.LaunchConfig, dict]] = {}
 
 
 def launch_grouped_weight_grad(
