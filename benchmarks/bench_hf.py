@@ -45,19 +45,20 @@ def timed_ms(fn, device: str) -> float:
     return (time.perf_counter() - t0) / 3 * 1e3
 
 
-def variants(model):
+VARIANTS = ("eager", "inductor", "moe_inductor")
+
+
+def variants(model, names=VARIANTS):
     """(name, forward); Dynamo's caches are reset between variants so each gets its own recompile budget."""
     plain = model.forward
-    yield "eager", plain
-    torch._dynamo.reset()
-    yield "inductor", torch.compile(plain)
-    torch._dynamo.reset()
-    yield "moe_inductor", torch.compile(plain, backend="moe_inductor")
+    for name in names:
+        torch._dynamo.reset()
+        yield name, (plain if name == "eager" else torch.compile(plain, **({"backend": name} if name != "inductor" else {})))
 
 
-def prefill(model, cfg, tokens, device) -> dict:
+def prefill(model, cfg, tokens, device, names=VARIANTS) -> dict:
     rows = {}
-    for name, fwd in variants(model):
+    for name, fwd in variants(model, names):
         for T in tokens:
             ids = torch.randint(0, cfg.vocab_size, (1, T), device=device)
             with torch.no_grad():
@@ -68,13 +69,13 @@ def prefill(model, cfg, tokens, device) -> dict:
     return rows
 
 
-def decode(model, cfg, batches, new_tokens, device) -> dict:
+def decode(model, cfg, batches, new_tokens, device, names=VARIANTS) -> dict:
     """Greedy decode with a static cache. The compiled columns use HF's own compiled decode step (generate compiles the
     forward itself when the cache is static), with the backend chosen through its CompileConfig."""
     from transformers.generation.configuration_utils import CompileConfig
 
     rows = {}
-    for name in ("eager", "inductor", "moe_inductor"):
+    for name in names:
         torch._dynamo.reset()
         counters["inductor"].clear()
         if name == "eager":
@@ -113,6 +114,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", nargs="*", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--skip-decode", action="store_true")
     args = ap.parse_args(argv)
     tokens = args.tokens or ([16, 64] if args.tiny else [512, 4096, 16384])
     batches = args.batches or ([1, 2] if args.tiny else [1, 16])
@@ -125,14 +128,16 @@ def main(argv=None) -> None:
             "triton": __import__("triton").__version__,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "command": " ".join(sys.argv)}
     print(meta, flush=True)
-    result = {"meta": meta, "prefill_ms": prefill(model, cfg, tokens, args.device),
-              "decode_tokens_per_s": decode(model, cfg, batches, new_tokens, args.device)}
+    result = {"meta": meta, "prefill_ms": prefill(model, cfg, tokens, args.device, args.variants)}
+    if not args.skip_decode:
+        result["decode_tokens_per_s"] = decode(model, cfg, batches, new_tokens, args.device, args.variants)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     for T, r in result["prefill_ms"].items():
-        print(f"prefill T={T}: moe_inductor vs inductor {r['inductor'] / r['moe_inductor']:.2f}x, "
-              f"vs eager {r['eager'] / r['moe_inductor']:.2f}x")
+        if "moe_inductor" in r:
+            print(f"prefill T={T}: moe_inductor " + ", ".join(
+                f"vs {n} {r[n] / r['moe_inductor']:.2f}x" for n in r if n != "moe_inductor"))
 
 
 if __name__ == "__main__":
