@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 FORMS = ("hf_grouped_mm", "hf_batched_mm", "hf_eager_loop", "hf_llama4_dense", "hf_switch", "hf_dbrx", "gathered_weights",
-         "dense_experts", "unrolled_loop", "sorted_grouped_mm")
+         "dense_experts", "unrolled_loop", "sorted_grouped_mm", "padded_capacity")
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 
 

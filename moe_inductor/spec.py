@@ -3,12 +3,13 @@
 Fields are FX nodes of the Dynamo graph: ``x`` (T, H) tokens, ``ids``/``weights`` (T, k) routing, and the expert
 weights as the user holds them: one stacked (E, ., .) node per projection in ``layout`` "nk" (E, out, in) or "kn"
 (E, in, out), or a tuple of E per-expert (out, in) nodes (nn.Linear weights). ``weight_position`` says whether the
-routing weight scales the expert output or input.
+routing weight scales the expert output or input; ``capacity``, when set, drops assignments past it per expert in
+GShard/Switch priority order (choice-major: every token's first choice before any second choice).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from torch.fx import Node
 
@@ -24,3 +25,4 @@ class MoESpec:
     layout: str
     activation: str
     weight_position: str = "output"
+    capacity: Optional[Any] = None  # an int (or a symbolic size node): drop past it in choice-major order

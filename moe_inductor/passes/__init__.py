@@ -5,11 +5,12 @@ the invariants every pass keeps.
 """
 from __future__ import annotations
 
-from . import dense_experts, gathered_weights, sorted_grouped_mm, unrolled_loop
+from . import dense_experts, gathered_weights, padded_capacity, sorted_grouped_mm, unrolled_loop
 
 FX_PASSES = {
     gathered_weights.FORM: gathered_weights.rewrite,
     dense_experts.FORM: dense_experts.rewrite,
     unrolled_loop.FORM: unrolled_loop.rewrite,
     sorted_grouped_mm.FORM: sorted_grouped_mm.rewrite,
+    padded_capacity.FORM: padded_capacity.rewrite,
 }

@@ -25,6 +25,8 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
     save_pre = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in map(val, weight_nodes))
     with graph.inserting_before(before):
         weights = graph.call_method("to", (spec.weights, x_dtype))
+        if per_expert and spec.capacity is not None:
+            raise ValueError("the per-expert list op has no capacity; a matcher must not produce this spec")
         if per_expert:  # nn.Linear weights: the list op stacks them once and caches the stack
             op = graph.call_function(torch.ops.moe_inductor.experts_forward_list.default, (
                 spec.x, spec.ids, weights, list(spec.gate), list(spec.up or ()), list(spec.down), spec.activation,
@@ -34,7 +36,7 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
                      for w in (spec.gate, spec.up, spec.down)]
             op = graph.call_function(torch.ops.moe_inductor.experts_forward.default, (
                 spec.x, spec.ids, weights, views[0], views[1], views[2], None, None, None, spec.activation,
-                spec.weight_position, 1.702, 7.0, None, save_pre))
+                spec.weight_position, 1.702, 7.0, spec.capacity, save_pre))
         out = graph.call_function(operator.getitem, (op, 0))
         if out_dtype != x_dtype:
             out = graph.call_method("to", (out, out_dtype))
