@@ -6,8 +6,9 @@ import expecttest
 import torch
 from torch.fx import GraphModule, Node
 
-from moe_inductor.passes import gathered_weights
+from moe_inductor.passes import gathered_weights, padded_capacity
 from tests.test_pass_gathered_weights import GatheredMoE
+from tests.test_pass_padded_capacity import CapacityMoE
 
 
 def _short(target) -> str:
@@ -43,11 +44,11 @@ def normalise(gm: GraphModule) -> str:
     return "\n".join(lines)
 
 
-def rewritten(model, x) -> str:
+def rewritten(model, x, rewrite=gathered_weights.rewrite) -> str:
     captured = []
 
     def backend(gm, example_inputs):
-        gathered_weights.rewrite(gm)
+        rewrite(gm)
         captured.append(normalise(gm))
         return gm.forward
 
@@ -74,3 +75,31 @@ v10 = .transpose(in3, 1, 2)
 v11 = .transpose(in4, 1, 2)
 v12 = moe_inductor.experts_forward(v0, v5, v8, v9, v10, v11, None, None, None, 'silu_glu', 'output', 1.702, 7.0, None, True)
 v13 = getitem(v12, 0)""")
+
+    def test_switch_top1_padded_capacity(self):
+        """The dispatch einsum, the padded expert buffer and the combine go; the routing that made the drops stays
+        only as far as the op needs it (ids, gate, capacity 3)."""
+        torch.manual_seed(0)
+        with torch.no_grad():
+            graph = rewritten(CapacityMoE("top1"), torch.randn(6, 16), padded_capacity.rewrite)
+        self.assertExpectedInline(graph, """\
+v0 = linear(in1, in0, None)
+v1 = softmax(v0, dim=-1)
+v2 = argmax(v1, dim=-1)
+v3 = one_hot(v2, num_classes=5)
+v4 = cumsum(v3, dim=0)
+v5 = sub(v4, 1)
+v6 = lt(v5, 3)
+v7 = mul(v3, v6)
+v8 = mul(v1, v7)
+v9 = .sum(v8, dim=1)
+v10 = getitem(v9, (slice(None, None, None), None, None))
+v11 = stack((v2), dim=1)
+v12 = .reshape(v10, -1)
+v13 = stack((v12), dim=1)
+v14 = .to(v13, torch.float32)
+v15 = .transpose(in2, 1, 2)
+v16 = .transpose(in3, 1, 2)
+v17 = .transpose(in4, 1, 2)
+v18 = moe_inductor.experts_forward(in1, v11, v14, v15, v16, v17, None, None, None, 'silu_glu', 'output', 1.702, 7.0, 3, False)
+v19 = getitem(v18, 0)""")
