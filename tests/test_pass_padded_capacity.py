@@ -28,11 +28,12 @@ class CapacityMoE(nn.Module):
         gates = F.softmax(self.router(x), dim=-1)
         idx1 = torch.argmax(gates, dim=-1)
         mask1 = F.one_hot(idx1, num_classes=E)
-        if self.style in ("top1", "top1_gt_dispatch", "top1_no_drop"):  # Switch Transformers' top-1
+        if self.style.startswith("top1"):  # Switch Transformers' top-1
             loc1 = torch.cumsum(mask1, dim=0) - 1
             if self.style != "top1_no_drop":
                 mask1 = mask1 * torch.lt(loc1, C)
-            gate1 = (gates * mask1).sum(dim=1)
+            # the raw gate (not zeroed for dropped tokens): only the mask in combine drops them
+            gate1 = gates.max(dim=-1).values if self.style == "top1_raw_gate" else (gates * mask1).sum(dim=1)
             loc1_s = torch.sum(loc1 * mask1, dim=1)
             return gate1[:, None, None] * mask1[:, :, None] * F.one_hot(loc1_s, num_classes=C)[:, None, :]
         # fairseq's top2gating: the second choice is the best expert other than the first
@@ -76,7 +77,7 @@ def _check(model, lengths, tol=1e-5):
         torch.testing.assert_close(compiled(x), model(x), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("style", ["top1", "top2"])
+@pytest.mark.parametrize("style", ["top1", "top2", "top1_raw_gate"])
 def test_padded_capacity_is_rewritten_and_equal(style):
     torch.manual_seed(0)
     model = CapacityMoE(style)

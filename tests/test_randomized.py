@@ -83,3 +83,54 @@ def test_generated_op_calls_match_the_reference(E, k_frac, T, act, layout, gate_
     views = expert_weight_views(w1, w2, b1, activation=act, layout=layout, gate_up=gate_up)
     ref = moe_reference(x, ids, weights, *views, b2, act, position, 1.702, 7.0, capacity)
     assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+class GeneratedCapacityMoE(nn.Module):
+    """GShard-style gating with a capacity: top-1 or top-2 into (T, E, C) dispatch and combine tensors."""
+
+    def __init__(self, E, C, k, H, I, act, gated):
+        super().__init__()
+        self.E, self.C, self.k, self.act, self.gated = E, C, k, act, gated
+        self.router = nn.Linear(H, E, bias=False)
+        self.w1 = nn.Parameter(torch.randn(E, H, I) * H ** -0.5)  # (E, in, out) this time
+        self.w3 = nn.Parameter(torch.randn(E, H, I) * H ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(E, I, H) * I ** -0.5)
+
+    def forward(self, x):
+        E, C = self.E, self.C
+        gates = F.softmax(self.router(x), dim=-1)
+        remaining, masks, combine = gates, [], 0
+        for _ in range(self.k):
+            mask = F.one_hot(torch.argmax(remaining, dim=-1), num_classes=E)
+            loc = torch.cumsum(mask, dim=0) - 1
+            for earlier in masks:
+                loc = loc + torch.sum(earlier, dim=0, keepdim=True)
+            remaining = remaining.masked_fill(mask.bool(), 0.0)
+            masks.append(mask)
+            kept = mask * torch.lt(loc, C)
+            gate = (gates * kept).sum(dim=1)
+            slot = F.one_hot(torch.sum(loc * kept, dim=1), num_classes=C)
+            combine = combine + gate[:, None, None] * kept[:, :, None] * slot[:, None, :]
+        dispatch = (combine != 0).to(x.dtype)
+        xin = torch.einsum("tec,th->ech", dispatch, x)
+        h = ACTS[self.act](torch.einsum("ech,ehi->eci", xin, self.w1))
+        if self.gated:
+            h = h * torch.einsum("ech,ehi->eci", xin, self.w3)
+        return torch.einsum("tec,ech->th", combine, torch.einsum("eci,eih->ech", h, self.w2))
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    E=st.integers(2, 7), C=st.integers(1, 5), k=st.integers(1, 2), T=st.integers(1, 24),
+    act=st.sampled_from(sorted(ACTS)), gated=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_generated_capacity_moe_compiles_to_the_same_function(E, C, k, T, act, gated, seed):
+    torch.manual_seed(seed)
+    model = GeneratedCapacityMoE(E, C, k, 16, 8, act, gated)
+    x = torch.randn(T, 16)
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x)
+    ref = model(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert counters["moe_inductor"]["padded_capacity"] == 1

@@ -321,7 +321,9 @@ def _match_routing(combine: Node, xin: Node, T, E, C) -> Optional[tuple[Node, li
                 x = ops[xi]
     if x is None or _shape(x) is None or len(_shape(x)) != 2 or _shape(x)[0] != T:
         return None
-    terms = _flatten(combine, _ADD, lambda n: _shape(n) == (T, E, C))
+    # a sum started from 0 (``combine = 0`` then ``combine = combine + term`` per choice) adds a literal zero
+    terms = [t for t in _flatten(combine, _ADD, lambda n: _shape(n) == (T, E, C))
+             if not (type(t) in (int, float) and t == 0)]
     choices = [_choice(t, T, E, C) if isinstance(t, Node) else None for t in terms]
     if not choices or any(c is None for c in choices):
         return None
