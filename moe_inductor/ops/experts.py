@@ -22,6 +22,7 @@ from torch import Tensor
 from .activations import activation_backward, apply_activation, check_activation, is_gated
 from .grouped import (
     ROWS_ASSIGNMENT,
+    use_triton,
     ROWS_SORTED,
     ROWS_TOKEN,
     SCALE_ACC,
@@ -62,6 +63,52 @@ def _forward_gemms(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2,
     return combine(out, topk_ids, w1.shape[0])
 
 
+def _forward_per_expert(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation,
+                        weight_position, alpha, limit, pre) -> Tensor:
+    """The CPU forward: plain torch, one expert at a time, each expert's rows added straight into y.
+
+    The same arithmetic as the two grouped GEMMs + combine (see ``grouped_gemm_reference``), without their (T*k, I)
+    and (T*k, H) buffers, whose fresh pages cost more than the work at small sizes. Sums run in fp32 for 16-bit x.
+    """
+    T, H = x.shape
+    acc_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    y = torch.zeros(T, H, dtype=acc_dtype, device=x.device)
+    bounds = offsets.tolist()  # CPU only
+    order_l = order.long()
+    n = w1.shape[2]
+    for e in range(w1.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if lo == hi:
+            continue
+        assignment = order_l[lo:hi]
+        token = assignment // topk
+        rows = x[token]
+        s = scale_flat[assignment].to(x.dtype)[:, None]
+        acc = rows @ w1[e]
+        acc2 = rows @ w1_up[e] if w1_up is not None else None
+        if pre is not None:
+            pre[lo:hi, :n] = acc
+            if acc2 is not None:
+                pre[lo:hi, n:] = acc2
+        if weight_position == "input":
+            acc = acc * s
+            acc2 = acc2 * s if acc2 is not None else None
+        if b1 is not None:
+            acc = acc + b1[e]
+            if acc2 is not None:
+                acc2 = acc2 + b1_up[e]
+        h = apply_activation(activation, acc, acc2, alpha, limit)
+        if weight_position == "between":
+            h = h * s
+        o = h.to(x.dtype) @ w2[e]
+        if b2 is not None:
+            o = o + b2[e]
+        if weight_position == "output":
+            o = o * s
+        y.index_add_(0, token, o.to(acc_dtype))
+    return y.to(x.dtype)
+
+
 def experts_forward_impl(
     x: Tensor,
     topk_ids: Tensor,
@@ -92,8 +139,10 @@ def experts_forward_impl(
     # rows of dropped assignments are never written by the kernel: zero them so the output is fully defined
     alloc = x.new_zeros if capacity is not None else x.new_empty
     pre = alloc(order.shape[0], n_pre) if save_pre else x.new_empty(0)
-    y = _forward_gemms(x, topk_ids, topk_weights.contiguous().view(-1), order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation,
-                       weight_position, alpha, limit, pre if save_pre else None, capacity is not None)
+    forward = _forward_gemms if use_triton(x) else _forward_per_expert
+    extra = (capacity is not None,) if forward is _forward_gemms else ()
+    y = forward(x, topk_ids, topk_weights.contiguous().view(-1), order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2,
+                activation, weight_position, alpha, limit, pre if save_pre else None, *extra)
     return y, pre, order, sorted_expert, offsets
 
 
