@@ -51,6 +51,17 @@ def test_hf_model_is_rewritten_and_equal(family, implementation):
     assert set(counters["moe_inductor"]) == {IMPLEMENTATIONS[implementation]}
 
 
+def test_twenty_sequence_lengths_compile_at_most_twice():
+    """Issue 4's bound on a whole causal LM: 20 sequence lengths, at most 2 compiles, every one rewritten."""
+    model = tiny("qwen3_moe")
+    err = compile_and_compare(model, lengths=range(3, 43, 2))
+    assert err < 1e-4
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs <= 2
+    assert counters["moe_inductor"]["hf_grouped_mm"] == 2 * graphs
+    assert sum(counters["graph_break"].values()) == 0
+
+
 @pytest.mark.parametrize("num_experts_per_tok", [1, 2])
 def test_llama4_dense_block_is_rewritten_and_equal(num_experts_per_tok):
     model = tiny("llama4")

@@ -6,6 +6,8 @@ from torch._dynamo.utils import counters
 
 from tests.test_pass_dense_experts import DenseMoE
 from tests.test_pass_gathered_weights import GatheredMoE
+from tests.test_pass_padded_capacity import CapacityMoE
+from tests.test_pass_sorted_grouped_mm import SortedMoE
 from tests.test_pass_unrolled_loop import LoopMoE, ModuleListMoE
 
 MODELS = {  # name: (form counted, model)
@@ -13,6 +15,8 @@ MODELS = {  # name: (form counted, model)
     "module_list_loop": ("unrolled_loop", lambda: ModuleListMoE("hf_v4", 4, 2)),
     "gathered_weights": ("gathered_weights", lambda: GatheredMoE("gptfast")),
     "dense_experts": ("dense_experts", lambda: DenseMoE("einsum")),
+    "sorted_grouped_mm": ("sorted_grouped_mm", lambda: SortedMoE("titan", 2).bfloat16()),  # _grouped_mm wants bf16
+    "padded_capacity": ("padded_capacity", lambda: CapacityMoE("top2")),
 }
 TOKENS = (2, 3, 5, 8, 13, 21, 34, 55)
 
@@ -26,8 +30,10 @@ def test_compiles_are_bounded(name, dynamic, bound):
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend="moe_inductor", dynamic=dynamic, options={"inner": "eager"})
+    dtype = next(model.parameters()).dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     for T in TOKENS:
-        x = torch.randn(T, 16)
-        assert torch.allclose(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+        x = torch.randn(T, model.w1.shape[-1] if name == "sorted_grouped_mm" else 16, dtype=dtype)
+        torch.testing.assert_close(compiled(x), model(x), rtol=tol, atol=tol)
     assert counters["stats"]["unique_graphs"] <= bound
     assert counters["moe_inductor"][form] == counters["stats"]["unique_graphs"]
