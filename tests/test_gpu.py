@@ -159,18 +159,21 @@ def test_static_cache_decode_reduce_overhead_has_no_cudagraph_skips():
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
-@pytest.mark.parametrize("form", ["unrolled_loop", "gathered_weights", "dense_experts", "sorted_grouped_mm"])
+@pytest.mark.parametrize("form", ["unrolled_loop", "gathered_weights", "dense_experts", "sorted_grouped_mm",
+                                  "padded_capacity"])
 def test_fx_forms_run_the_gpu_kernels(form):
     """Each FX-matched form, rewritten and run on the GPU in bf16, against eager."""
     from torch._dynamo.utils import counters
 
     from tests.test_pass_dense_experts import DenseMoE
     from tests.test_pass_gathered_weights import GatheredMoE
+    from tests.test_pass_padded_capacity import CapacityMoE
     from tests.test_pass_sorted_grouped_mm import SortedMoE
     from tests.test_pass_unrolled_loop import LoopMoE
 
     make = {"unrolled_loop": lambda: LoopMoE("where_matmul", 4, 2), "gathered_weights": lambda: GatheredMoE("gptfast"),
-            "dense_experts": lambda: DenseMoE("einsum"), "sorted_grouped_mm": lambda: SortedMoE("titan", 2)}[form]
+            "dense_experts": lambda: DenseMoE("einsum"), "sorted_grouped_mm": lambda: SortedMoE("titan", 2),
+            "padded_capacity": lambda: CapacityMoE("top2")}[form]
     torch.manual_seed(0)
     model = make().to("cuda", torch.bfloat16)
     width = model.w1.shape[-1] if form == "sorted_grouped_mm" else 16
