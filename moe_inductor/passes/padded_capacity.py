@@ -354,8 +354,14 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
         spec = MoESpec(x, ids, weights, gate_w, up_w, down_w, layout, activation, capacity=found.capacity)
         node.replace_all_uses_with(emit_experts(graph, spec, node, val(node).dtype))
         E, k = int(val(gate_w).shape[0]), len(found.choices)
-        done.append(Rewrite(FORM, source_line(node), E, k, activation, (tuple(val(gate_w).shape), tuple(val(down_w).shape)),
-                            note=f"capacity {found.capacity}: no (E, C, H) padding, the same drops"))
+        gv, dv = val(gate_w), val(down_w)
+        # multiply-adds of one slot through the experts: the up projection(s) and the down projection
+        slot_flops = 2 * (gv[0].numel() * (2 if up_w is not None else 1) + dv[0].numel())
+        padded = f"{E} x {found.capacity} slots = {E * found.capacity * slot_flops / 1e6:.2f} MFLOP per call" \
+            if isinstance(found.capacity, int) else "the padded slots"
+        done.append(Rewrite(FORM, source_line(node), E, k, activation, (tuple(gv.shape), tuple(dv.shape)),
+                            note=f"capacity {found.capacity}, the same drops; runs the T*k routed rows instead of "
+                                 f"{padded}, no (T, E, C) dispatch einsum"))
     if done:
         graph.eliminate_dead_code()
         gm.recompile()
