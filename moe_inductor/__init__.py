@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from . import config
 from .backend import moe_inductor_backend
+from .bucketing import bucketed
 from .explain import _register_logging, explain
 from .ops import fused_experts, grouped_mm, route
 from .report import Report
@@ -13,5 +14,5 @@ from .report import Report
 _register_logging()
 
 __version__ = "0.1.0"
-__all__ = ["Report", "config", "explain", "fused_experts", "grouped_mm", "moe_inductor_backend", "route",
+__all__ = ["Report", "bucketed", "config", "explain", "fused_experts", "grouped_mm", "moe_inductor_backend", "route",
            "__version__"]
