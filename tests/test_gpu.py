@@ -209,3 +209,23 @@ def test_wrapped_hf_blocks_on_gpu_bf16(family):
         out = compiled(ids, **kwargs).logits.float()
     assert ((out - ref).norm() / ref.norm()).item() < 2e-2
     assert sum(counters["moe_inductor"].values()) >= 2
+
+
+def test_bucketed_prefill_under_cuda_graphs():
+    """moe_inductor.bucketed over a reduce-overhead compile: one CUDA graph per bucket, 0 skips, eager logits."""
+    from torch._dynamo.utils import counters
+
+    from tests.hf_models import tiny
+
+    model = tiny("qwen3_moe").to("cuda")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor", dynamic=False, mode="reduce-overhead")
+    runner = moe_inductor.bucketed(compiled, buckets=(16, 32))
+    for T in (5, 16, 21, 9, 30):
+        ids = torch.randint(0, 64, (2, T), device="cuda")
+        with torch.no_grad():
+            got, ref = runner(ids).logits.clone(), model(ids).logits
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 2
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
