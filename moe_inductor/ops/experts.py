@@ -31,6 +31,7 @@ from .grouped import (
     combine,
     grouped_gemm,
     grouped_weight_grad,
+    project_reference,
 )
 from .routing import route_metadata
 
@@ -75,36 +76,20 @@ def _forward_per_expert(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up
     y = torch.zeros(T, H, dtype=acc_dtype, device=x.device)
     bounds = offsets.tolist()  # CPU only
     order_l = order.long()
-    n = w1.shape[2]
+    up_mode = {"input": SCALE_ACC, "between": SCALE_OUT}.get(weight_position, SCALE_NONE)
+    down_mode = SCALE_OUT if weight_position == "output" else SCALE_NONE
     for e in range(w1.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if lo == hi:
             continue
         assignment = order_l[lo:hi]
         token = assignment // topk
-        rows = x[token]
-        s = scale_flat[assignment].to(x.dtype)[:, None]
-        acc = rows @ w1[e]
-        acc2 = rows @ w1_up[e] if w1_up is not None else None
-        if pre is not None:
-            pre[lo:hi, :n] = acc
-            if acc2 is not None:
-                pre[lo:hi, n:] = acc2
-        if weight_position == "input":
-            acc = acc * s
-            acc2 = acc2 * s if acc2 is not None else None
-        if b1 is not None:
-            acc = acc + b1[e]
-            if acc2 is not None:
-                acc2 = acc2 + b1_up[e]
-        h = apply_activation(activation, acc, acc2, alpha, limit)
-        if weight_position == "between":
-            h = h * s
-        o = h.to(x.dtype) @ w2[e]
-        if b2 is not None:
-            o = o + b2[e]
-        if weight_position == "output":
-            o = o * s
+        s = scale_flat[assignment][:, None]
+        h = project_reference(x[token], w1[e], w1_up[e] if w1_up is not None else None,
+                              b1[e] if b1 is not None else None, b1_up[e] if b1_up is not None else None,
+                              s, up_mode, activation, alpha, limit, pre[lo:hi] if pre is not None else None)
+        o = project_reference(h.to(x.dtype), w2[e], None, b2[e] if b2 is not None else None, None, s, down_mode,
+                              "none", alpha, limit)
         y.index_add_(0, token, o.to(acc_dtype))
     return y.to(x.dtype)
 

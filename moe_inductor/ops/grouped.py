@@ -72,6 +72,29 @@ def grouped_gemm(
     )
 
 
+def project_reference(rows, w, w2, bias, bias2, s, scale_mode, activation, alpha, limit, pre=None) -> torch.Tensor:
+    """One expert's rows through one projection as the kernel's epilogues define it: ``rows @ w`` (and ``@ w2``,
+    the up half of a gated activation), raw results into ``pre``, then the routing scale ``s`` when SCALE_ACC, the
+    bias, the activation, and ``s`` when SCALE_OUT."""
+    acc = rows @ w
+    acc2 = rows @ w2 if w2 is not None else None
+    if pre is not None:
+        pre[:, :w.shape[1]] = acc
+        if acc2 is not None:
+            pre[:, w.shape[1]:] = acc2
+    if scale_mode != SCALE_NONE:
+        s = s.to(acc.dtype)
+    if scale_mode == SCALE_ACC:
+        acc = acc * s
+        acc2 = acc2 * s if acc2 is not None else None
+    if bias is not None:
+        acc = acc + bias
+        if acc2 is not None:
+            acc2 = acc2 + bias2
+    h = apply_activation(activation, acc, acc2, alpha, limit)
+    return h * s if scale_mode == SCALE_OUT else h
+
+
 def grouped_gemm_reference(
     a, b, offsets, order, topk, out, *, a_rows, c_rows, b2=None, bias=None, bias2=None, scale=None,
     scale_mode=SCALE_NONE, activation="none", alpha=1.702, limit=7.0, pre=None, accumulate=False,
@@ -79,7 +102,6 @@ def grouped_gemm_reference(
     """Plain torch, one matmul per non-empty expert, in the input dtype like the eager modules."""
     bounds = offsets.tolist()  # CPU only: the reference may read sizes back
     order_l = order.long()
-    n = b.shape[2]
     for e in range(b.shape[0]):
         lo, hi = bounds[e], bounds[e + 1]
         if lo == hi:
@@ -87,24 +109,10 @@ def grouped_gemm_reference(
         positions = torch.arange(lo, hi, device=a.device)
         assignment = order_l[lo:hi]
         rows_a = a[_rows(a_rows, positions, assignment, topk)]
-        acc = rows_a @ b[e]
-        acc2 = rows_a @ b2[e] if b2 is not None else None
-        if pre is not None:
-            pre[lo:hi, :n] = acc
-            if acc2 is not None:
-                pre[lo:hi, n:] = acc2
-        if scale_mode != SCALE_NONE:
-            s = scale[assignment].to(acc.dtype)[:, None]
-        if scale_mode == SCALE_ACC:
-            acc = acc * s
-            acc2 = acc2 * s if acc2 is not None else None
-        if bias is not None:
-            acc = acc + bias[e]
-            if acc2 is not None:
-                acc2 = acc2 + bias2[e]
-        h = apply_activation(activation, acc, acc2, alpha, limit)
-        if scale_mode == SCALE_OUT:
-            h = h * s
+        s = scale[assignment][:, None] if scale_mode != SCALE_NONE else None
+        h = project_reference(rows_a, b[e], b2[e] if b2 is not None else None,
+                              bias[e] if bias is not None else None, bias2[e] if bias2 is not None else None,
+                              s, scale_mode, activation, alpha, limit, pre[lo:hi] if pre is not None else None)
         rows_c = _rows(c_rows, positions, assignment, topk)
         if accumulate:
             out[rows_c] += h.to(out.dtype)
