@@ -3,7 +3,10 @@
 #   bash benchmarks/device_run.sh tests      # the GPU suite                                (~6 min)
 #   bash benchmarks/device_run.sh examples   # memcheck of the kernel tests + every example  (~4 min)
 #   bash benchmarks/device_run.sh experts    # bench_experts.py, the RESULTS.md table       (~5 min)
-#   bash benchmarks/device_run.sh hf         # bench_hf.py, whole-model prefill and decode  (not yet timed)
+#   bash benchmarks/device_run.sh hf         # bench_hf.py, whole-model prefill and decode  (~3 min warm)
+#   bash benchmarks/device_run.sh open       # only the GPU tests that failed last session, with full messages,
+#                                            # then the diagnostics (debug_gpu.py)            (~3 min)
+# A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
 # Outputs go to $OUT (the device tool brings them back). The project must be installed for the entry point.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -25,5 +28,12 @@ case "${1:-tests}" in
       --hf-shapes qwen3 mixtral --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$OUT/bench.log" 2>&1
     tail -30 "$OUT/bench.md" ;;
   hf)
-    timeout 560 python benchmarks/bench_hf.py --json "$OUT/hf.json" 2>&1 | tee "$OUT/hf.log" | tail -20 ;;
+    timeout 560 python benchmarks/bench_hf.py --json "$OUT/hf.json" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
+      | tee "$OUT/hf.log" | tail -20 ;;
+  open)
+    timeout 300 python -m pytest tests/test_gpu.py -q -p no:warnings --tb=long -k \
+      "unrolled_loop or padded_capacity or switch or dbrx or bucketed" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
+      > "$OUT/open_tests.log"; grep -E "^E |passed|failed" "$OUT/open_tests.log" | cut -c1-400 | tail -40
+    timeout 200 python benchmarks/debug_gpu.py dbrx loop 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/debug.log"
+    grep -v "^ " "$OUT/debug.log" | tail -40 | cut -c1-300 ;;
 esac
