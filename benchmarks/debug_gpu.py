@@ -35,21 +35,24 @@ def dbrx():
 
 
 def loop():
+    """The unrolled-loop model on CUDA: the Dynamo graph our passes see, the graph breaks, and the rewrites."""
+    from moe_inductor.backend import moe_inductor_backend
+    from moe_inductor.capture import BACKEND_MARKER
     from tests.test_pass_unrolled_loop import LoopMoE
 
     torch.manual_seed(0)
     m = LoopMoE("where_matmul", 4, 2).to("cuda", torch.bfloat16)
-    from moe_inductor.backend import moe_inductor_backend
 
-    def show(gm, inputs):
-        print(gm.code[:3000], flush=True)
+    def show(gm, inputs, **kwargs):
+        print("LOOP GRAPH\n" + gm.code.replace("\n    ", "\n  | ")[:4000], flush=True)
         return moe_inductor_backend(gm, inputs, options={"inner": "eager"})
 
+    setattr(show, BACKEND_MARKER, True)  # so that scoped capture treats this compile as ours
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
         torch.compile(m, backend=show)(torch.randn(8, 16, device="cuda", dtype=torch.bfloat16))
-    print("loop rewrites", dict(counters["moe_inductor"]), flush=True)
+    print("loop rewrites", dict(counters["moe_inductor"]), "graph breaks", dict(counters["graph_break"]), flush=True)
 
 
 def decode():

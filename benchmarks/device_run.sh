@@ -35,5 +35,5 @@ case "${1:-tests}" in
       "unrolled_loop or padded_capacity or switch or dbrx or bucketed" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       > "$OUT/open_tests.log"; grep -E "^E |passed|failed" "$OUT/open_tests.log" | cut -c1-400 | tail -40
     timeout 200 python benchmarks/debug_gpu.py dbrx loop 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/debug.log"
-    grep -v "^ " "$OUT/debug.log" | tail -40 | cut -c1-300 ;;
+    tail -80 "$OUT/debug.log" | cut -c1-300 ;;
 esac
