@@ -20,7 +20,7 @@ case "${1:-tests}" in
   examples)
     timeout 200 compute-sanitizer --tool memcheck python -m pytest tests/test_kernels.py -q -p no:warnings -x \
       2>&1 | tee "$OUT/sanitizer.log" | tail -4
-    for ex in quickstart generate train_step inspect_hf; do
+    for ex in quickstart generate train_step inspect_hf gshard_capacity; do
       echo "== examples/$ex.py"; timeout 120 python "examples/$ex.py" 2>&1 | tee "$OUT/example_$ex.log" | tail -12
     done ;;
   experts)

@@ -28,3 +28,8 @@ def test_train_step_tracks_eager():
 def test_inspect_hf_shows_the_rewrite():
     report = load("inspect_hf").main("eager")
     assert [r.form for r in report.rewrites] == ["hf_eager_loop"]
+
+
+def test_gshard_capacity_example_is_rewritten():
+    report = load("gshard_capacity").main(tokens=40, inner_compiler="eager")
+    assert [r.form for r in report.rewrites] == ["padded_capacity"]
