@@ -15,7 +15,7 @@ class LoopMoE(nn.Module):
         super().__init__()
         self.style, self.E, self.k = style, E, k
         self.router = nn.Linear(H, E, bias=False)
-        kn = style == "nonzero_kn"
+        kn = style in ("nonzero_kn", "torch_nonzero_kn")
         self.w1 = nn.Parameter(torch.randn((E, H, I) if kn else (E, I, H)) * H ** -0.5)
         self.w3 = nn.Parameter(torch.randn((E, H, I) if kn else (E, I, H)) * H ** -0.5)
         self.w2 = nn.Parameter(torch.randn((E, I, H) if kn else (E, H, I)) * I ** -0.5)
@@ -38,8 +38,11 @@ class LoopMoE(nn.Module):
                 tok, pos = torch.where(ids == e)
                 h = F.gelu(F.linear(x[tok], self.w1[e]))
                 out.index_add_(0, tok, weights[tok, pos, None] * F.linear(h, self.w2[e]))
-            elif self.style == "nonzero_kn":  # nonzero(as_tuple=True), weights stored (E, in, out)
-                tok, pos = (ids == e).nonzero(as_tuple=True)
+            elif self.style in ("nonzero_kn", "torch_nonzero_kn"):  # nonzero(as_tuple=True), weights (E, in, out)
+                if self.style == "torch_nonzero_kn":
+                    tok, pos = torch.nonzero(ids == e, as_tuple=True)
+                else:
+                    tok, pos = (ids == e).nonzero(as_tuple=True)
                 xe = x[tok]
                 h = (xe @ self.w3[e]) * F.relu(xe @ self.w1[e])
                 out.index_add_(0, tok, (h @ self.w2[e]) * weights[tok, pos, None])
@@ -61,7 +64,8 @@ class LoopMoE(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("style", ["where_matmul", "linear_plain", "nonzero_kn", "hf_v4_mask", "setitem_add"])
+@pytest.mark.parametrize(
+    "style", ["where_matmul", "linear_plain", "nonzero_kn", "torch_nonzero_kn", "hf_v4_mask", "setitem_add"])
 @pytest.mark.parametrize("E,k", [(3, 2), (5, 1), (4, 4)], ids=["E3-k2", "E5-k1", "k-eq-E"])
 def test_styles_are_rewritten_and_equal(style, E, k):
     torch.manual_seed(0)

@@ -58,7 +58,8 @@ def _selection(tok: Node) -> Optional[tuple[Node, Node, int, int]]:
         return None
     where = tok.args[0]
     one_arg_where = is_call(where, "call_function", torch.where) and len(where.args) == 1 and not where.kwargs
-    nonzero = (is_call(where, "call_method", "nonzero") and where.kwargs == {"as_tuple": True} and len(where.args) == 1)
+    nonzero = ((is_call(where, "call_method", "nonzero") or is_call(where, "call_function", torch.nonzero))
+               and where.kwargs == {"as_tuple": True} and len(where.args) == 1)
     if not (one_arg_where or nonzero):
         return None
     selected = _selected_ids(where.args[0])
