@@ -1,7 +1,7 @@
 """One-off GPU diagnostics (kept so the next session can rerun them): DBRX views through the op, the unrolled-loop
 graph on CUDA, HF's compiled decode with our backend, and a host-side profile of one fused_experts call.
 
-    python benchmarks/debug_gpu.py dbrx loop decode host
+    python benchmarks/debug_gpu.py dbrx dbrx_model loop decode host route
 """
 import cProfile
 import pstats
@@ -32,6 +32,25 @@ def dbrx():
         y2 = moe_inductor.fused_experts(x, ids, tw, (gc, uc), d, activation="silu_glu", layout="kn")
         print("dbrx", dtype, "strided", ((y.double() - ref).norm() / ref.norm()).item(),
               "contiguous", ((y2.double() - ref).norm() / ref.norm()).item(), flush=True)
+
+
+def dbrx_model():
+    """Whole tiny DBRX on the GPU, compiled vs eager, fp32 and bf16, error per position: a few large rows and a
+    clean fp32 run would mean bf16 router near-ties flipping an expert choice, not a wrong op."""
+    from tests.hf_models import tiny
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny("dbrx").to("cuda", dtype)
+        ids = torch.randint(0, 64, (2, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})
+        with torch.no_grad():
+            ref = model(ids).logits.float()
+            out = compiled(ids).logits.float()
+        rows = ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten()
+        print("dbrx model", dtype, "total", ((out - ref).norm() / ref.norm()).item(), "per position",
+              [round(v, 4) for v in rows.tolist()], dict(counters["moe_inductor"]), flush=True)
 
 
 def loop():
