@@ -68,7 +68,7 @@ def gemm_candidates(dtype: torch.dtype) -> list[LaunchConfig]:
             for bk in (64, 128):
                 if dtype == torch.float32 and bk * max(bm, bn) > 128 * 64:
                     continue
-                if bm * bn > 128 * 256 // (1 if bm < 128 else 2) and bn == 256 and bm >= 128:
+                if bm >= 128 and bn == 256 and bk > 64:  # 128x256 only with 64-deep K steps (shared memory)
                     continue
                 for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4)):
                     if bm * bn >= 128 * 128 and warps == 4:
