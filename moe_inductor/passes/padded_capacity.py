@@ -54,7 +54,7 @@ def _shape(node: Any) -> Optional[tuple]:
 
 
 def _strip_casts(node: Any, exact_only: bool = True) -> Any:
-    """The tensor under dtype casts. ``exact_only=False`` is for 0/1 tensors (masks, one-hots), where every cast is
+    """The tensor under dtype casts. ``zero_one=True`` is for 0/1 tensors (masks, one-hots), where every cast is
     exact; otherwise only float-to-float casts go (the emitter casts the routing weights to x's dtype the same way)."""
     while isinstance(node, Node) and node.args and isinstance(node.args[0], Node) and not node.kwargs:
         is_cast = (node.op == "call_method" and (
@@ -63,7 +63,7 @@ def _strip_casts(node: Any, exact_only: bool = True) -> Any:
             or (node.target in _CASTS and len(node.args) == 1)))
         if not is_cast:
             break
-        if exact_only:
+        if not zero_one:
             src, dst = val(node.args[0]), val(node)
             if src is None or dst is None or not (src.is_floating_point() and dst.is_floating_point()):
                 break
@@ -108,7 +108,7 @@ def _dim_arg(node: Node, position: int, default=None):
 
 def _cumsum_over_tokens(node: Any) -> Optional[Node]:
     if _call(node, torch.cumsum, "cumsum") and _dim_arg(node, 1) == 0 and set(node.kwargs) <= {"dim"}:
-        return _strip_casts(node.args[0], exact_only=False)
+        return _strip_casts(node.args[0], zero_one=True)
     return None
 
 
@@ -116,7 +116,7 @@ def _token_count(node: Any) -> Optional[Node]:
     """``m`` for ``sum(m, dim=0, keepdim=True)``."""
     if _call(node, torch.sum, "sum") and _dim_arg(node, 1) == 0 and node.kwargs.get("keepdim") is True \
             and set(node.kwargs) <= {"dim", "keepdim"} and len(node.args) <= 2:
-        return _strip_casts(node.args[0], exact_only=False)
+        return _strip_casts(node.args[0], zero_one=True)
     return None
 
 
@@ -151,7 +151,7 @@ def _dropped_mask(mask: Node, capacity) -> Optional[tuple[Node, Node, Node, list
     if not (_call(mask, *_MUL) and len(mask.args) == 2 and not mask.kwargs):
         return None
     for a, b in (mask.args, mask.args[::-1]):
-        hot, keep = _strip_casts(a, exact_only=False), _strip_casts(b, exact_only=False)
+        hot, keep = _strip_casts(a, zero_one=True), _strip_casts(b, zero_one=True)
         if not (_call(hot, *_ONE_HOT) and isinstance(hot.args[0], Node)):
             continue
         if not (_call(keep, torch.lt, operator.lt, "lt") and len(keep.args) == 2 and not keep.kwargs):
@@ -178,9 +178,9 @@ def _choice(term: Node, T, E, C) -> Optional[_Choice]:
     for leaf in leaves:
         axis = _new_axis(leaf)
         if axis is not None and axis[1] == 2 and _shape(leaf) == (T, E, 1):
-            mask = _strip_casts(axis[0], exact_only=False)
+            mask = _strip_casts(axis[0], zero_one=True)
         elif axis is not None and axis[1] == 1 and _shape(leaf) == (T, 1, C):
-            slot = _strip_casts(axis[0], exact_only=False)
+            slot = _strip_casts(axis[0], zero_one=True)
         elif _shape(leaf) == (T, 1, 1):
             gate = leaf
     if gate is None or mask is None or slot is None:
@@ -192,7 +192,7 @@ def _choice(term: Node, T, E, C) -> Optional[_Choice]:
         return None
     idx, hot, loc, earlier = dropped
     # the slot is the queue position of the kept (token, expert): sum(loc * mask, dim=1)
-    position = _strip_casts(slot.args[0], exact_only=False)
+    position = _strip_casts(slot.args[0], zero_one=True)
     if not (_call(position, torch.sum, "sum") and _dim_arg(position, 1) in (1, -1) and set(position.kwargs) <= {"dim"}):
         return None
     prod = position.args[0]
@@ -248,7 +248,7 @@ def _dispatch_of(node: Any) -> Optional[Node]:
         if _call(node, operator.ne, torch.ne, "ne") and len(node.args) == 2 and node.args[1] in (0, 0.0) \
                 and not node.kwargs:
             return node.args[0]
-        under = _strip_casts(node, exact_only=False)
+        under = _strip_casts(node, zero_one=True)
         if under is node:
             return None
         node = node.args[0]  # one cast at a time, so the test itself is seen
