@@ -53,8 +53,8 @@ def _shape(node: Any) -> Optional[tuple]:
     return tuple(v.shape) if v is not None else None
 
 
-def _strip_casts(node: Any, exact_only: bool = True) -> Any:
-    """The tensor under dtype casts. ``zero_one=True`` is for 0/1 tensors (masks, one-hots), where every cast is
+def _strip_casts(node: Any, zero_one: bool = False) -> Any:
+    """The tensor under dtype casts. ``zero_one`` is for tensors of 0s and 1s (masks, one-hots), where every cast is
     exact; otherwise only float-to-float casts go (the emitter casts the routing weights to x's dtype the same way)."""
     while isinstance(node, Node) and node.args and isinstance(node.args[0], Node) and not node.kwargs:
         is_cast = (node.op == "call_method" and (
