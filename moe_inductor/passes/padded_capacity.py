@@ -100,6 +100,7 @@ class _Choice:
     one_hot: Node  # one_hot(idx, E) before the drop
     mask: Node  # after the drop
     earlier: list  # the (dropped or not) masks of the earlier choices this one queues behind
+    capacity: Any  # C as the graph holds it: an int, or the node of a symbolic size
 
 
 def _dim_arg(node: Node, position: int, default=None):
@@ -146,8 +147,21 @@ def _queue_position(loc: Node, one_hot: Node) -> Optional[list]:
     return earlier
 
 
-def _dropped_mask(mask: Node, capacity) -> Optional[tuple[Node, Node, Node, list]]:
-    """(idx, one_hot, loc, earlier) for ``mask = one_hot(idx, E) * lt(loc, capacity)`` with loc a queue position."""
+def _same_size(handle: Any, size: Any) -> bool:
+    """``handle`` (an int in the graph, or the node of a symbolic size) is the size ``size`` of a traced tensor."""
+    if isinstance(handle, int) and not isinstance(handle, bool):
+        return isinstance(size, int) and handle == size
+    traced = handle.meta.get("example_value", handle.meta.get("val")) if isinstance(handle, Node) else None
+    if not isinstance(traced, torch.SymInt):
+        return False
+    if isinstance(size, torch.SymInt):
+        return str(traced.node.expr) == str(size.node.expr)
+    # a plain int size made from a symbolic one: Dynamo specialised it (one_hot's num_classes), under a guard
+    return isinstance(size, int) and traced.node.hint == size
+
+
+def _dropped_mask(mask: Node, capacity) -> Optional[tuple[Node, Node, Node, list, Any]]:
+    """(idx, one_hot, loc, earlier, the capacity as written) for ``mask = one_hot(idx, E) * lt(loc, capacity)`` with loc a queue position."""
     if not (_call(mask, *_MUL) and len(mask.args) == 2 and not mask.kwargs):
         return None
     for a, b in (mask.args, mask.args[::-1]):
@@ -157,11 +171,11 @@ def _dropped_mask(mask: Node, capacity) -> Optional[tuple[Node, Node, Node, list
         if not (_call(keep, torch.lt, operator.lt, "lt") and len(keep.args) == 2 and not keep.kwargs):
             continue
         loc, cap = keep.args
-        if not isinstance(loc, Node) or cap != capacity:
+        if not isinstance(loc, Node) or not _same_size(cap, capacity):
             continue
         earlier = _queue_position(loc, hot)
         if earlier is not None:
-            return hot.args[0], hot, loc, earlier
+            return hot.args[0], hot, loc, earlier, cap
     return None
 
 
@@ -185,12 +199,12 @@ def _choice(term: Node, T, E, C) -> Optional[_Choice]:
             gate = leaf
     if gate is None or mask is None or slot is None:
         return None
-    if not (_call(slot, *_ONE_HOT) and _num_classes(slot) == C and isinstance(slot.args[0], Node)):
+    if not (_call(slot, *_ONE_HOT) and _same_size(_num_classes(slot), C) and isinstance(slot.args[0], Node)):
         return None
     dropped = _dropped_mask(mask, C)
     if dropped is None or _num_classes(dropped[1]) != E:
         return None
-    idx, hot, loc, earlier = dropped
+    idx, hot, loc, earlier, cap = dropped
     # the slot is the queue position of the kept (token, expert): sum(loc * mask, dim=1)
     position = _strip_casts(slot.args[0], zero_one=True)
     if not (_call(position, torch.sum, "sum") and _dim_arg(position, 1) in (1, -1) and set(position.kwargs) <= {"dim"}):
@@ -198,7 +212,7 @@ def _choice(term: Node, T, E, C) -> Optional[_Choice]:
     prod = position.args[0]
     if not (_call(prod, *_MUL) and len(prod.args) == 2 and set(prod.args) == {loc, mask}):
         return None
-    return _Choice(gate, idx, hot, mask, earlier)
+    return _Choice(gate, idx, hot, mask, earlier, cap)
 
 
 def _order_choices(choices: list[_Choice]) -> Optional[list[_Choice]]:
@@ -302,7 +316,9 @@ def _match_parts(combine: Node, out: Node) -> Optional[_Match]:
                 wv = val(down_w)
                 if wv is None or wv.shape[0] != E or val(g[1]).shape[0] != E:
                     continue
-                return _Match((x, g[1], u[1] if u is not None else None, down_w, layout, activation), choices, C)
+                capacity = C if isinstance(C, int) else choices[0].capacity  # the op takes an int or a size node
+                return _Match((x, g[1], u[1] if u is not None else None, down_w, layout, activation), choices,
+                              capacity)
     return None
 
 
@@ -328,7 +344,7 @@ def _match_routing(combine: Node, xin: Node, T, E, C) -> Optional[tuple[Node, li
     if not choices or any(c is None for c in choices):
         return None
     ordered = _order_choices(choices)
-    if ordered is None:
+    if ordered is None or len({c.capacity for c in ordered}) != 1:  # one capacity for every choice
         return None
     proven = [combine, *terms] + [n for c in ordered for n in (c.one_hot, c.mask, c.idx)]
     if any(inplace_users(n) for n in proven):  # nothing the proof read may change afterwards
