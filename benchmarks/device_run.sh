@@ -15,7 +15,8 @@ mkdir -p "$OUT"
 python -m pip install --no-build-isolation --no-deps -e . -q >/dev/null 2>&1
 case "${1:-tests}" in
   tests)
-    timeout 560 python -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_routing.py -q -p no:warnings \
+    timeout 560 python -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_routing.py \
+      tests/test_rewritten_graphs.py -q -p no:warnings \
       --durations=10 2>&1 | grep -v torch.__trace | tee "$OUT/gpu_tests.log" | tail -30 ;;
   examples)
     timeout 200 compute-sanitizer --tool memcheck python -m pytest tests/test_kernels.py -q -p no:warnings -x \
@@ -31,8 +32,8 @@ case "${1:-tests}" in
     timeout 560 python benchmarks/bench_hf.py --json "$OUT/hf.json" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       | tee "$OUT/hf.log" | tail -20 ;;
   open)
-    timeout 300 python -m pytest tests/test_gpu.py -q -p no:warnings --tb=long -k \
-      "unrolled_loop or padded_capacity or switch or dbrx or bucketed" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
+    timeout 300 python -m pytest tests/test_gpu.py tests/test_rewritten_graphs.py -q -p no:warnings --tb=long -k \
+      "unrolled_loop or padded_capacity or switch or dbrx or bucketed or Rewritten" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       > "$OUT/open_tests.log"; grep -E "^E |passed|failed" "$OUT/open_tests.log" | cut -c1-400 | tail -40
     timeout 200 python benchmarks/debug_gpu.py dbrx dbrx_model loop 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/debug.log"
     tail -80 "$OUT/debug.log" | cut -c1-300 ;;
