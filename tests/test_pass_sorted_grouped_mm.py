@@ -38,6 +38,18 @@ class SortedMoE(nn.Module):
             out = torch.zeros_like(x)
             out.scatter_add_(0, tok.reshape(-1, 1).expand(-1, H), ys)
             return out
+        if self.style in ("hf_fallback_fp32", "functional_fp32"):  # transformers' own fp32 path / F.grouped_mm
+            gmm = _hf_fallback() if self.style == "hf_fallback_fp32" else F.grouped_mm
+            flat = ids.view(-1)
+            order = torch.sort(flat)[1]
+            tok = order // k
+            offs = torch.cumsum(torch.histc(flat.float(), bins=E, min=0, max=E - 1), dim=0, dtype=torch.int32)
+            xs = x[tok]
+            h = F.silu(gmm(xs, self.w1.transpose(-2, -1), offs=offs)) * gmm(xs, self.w3.transpose(-2, -1), offs=offs)
+            ys = gmm(h, self.w2.transpose(-2, -1), offs=offs) * top.view(-1)[order][:, None].to(x.dtype)
+            out = torch.zeros_like(x)
+            out.index_add_(0, tok, ys)
+            return out
         if self.style in ("hf", "wrong_offsets"):  # score on the output, sort()[1], x[tok], index_add_
             flat = ids.view(-1)
             order = torch.sort(flat)[1]
@@ -52,6 +64,30 @@ class SortedMoE(nn.Module):
             out.index_add_(0, tok, ys)
             return out
         raise ValueError(self.style)
+
+
+def _hf_fallback():
+    """transformers' ``transformers::grouped_mm_fallback`` op (its grouped_mm path when _grouped_mm cannot run)."""
+    return torch.ops.transformers.grouped_mm_fallback
+
+
+@pytest.mark.parametrize("style", ["hf_fallback_fp32", "functional_fp32"])
+def test_fp32_grouped_mm_ops_are_rewritten_and_equal(style):
+    if style == "hf_fallback_fp32":
+        pytest.importorskip("transformers.integrations.moe")  # registers the op
+    if style == "functional_fp32" and not hasattr(F, "grouped_mm"):
+        pytest.skip("torch.nn.functional.grouped_mm is newer than this torch")
+    torch.manual_seed(0)
+    model = SortedMoE(style, 2)
+    if style == "functional_fp32":  # F.grouped_mm takes bf16 on CPU, like _grouped_mm
+        model = model.bfloat16()
+    dtype = model.w1.dtype
+    for T in (5, 19):
+        x = torch.randn(T, H, dtype=dtype)
+        out, ref = compile_moe(model, x).float(), model(x).float()
+        assert ((out - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 2e-2)
+        assert counters["moe_inductor"]["sorted_grouped_mm"] == 1
+        assert sum(counters["graph_break"].values()) == 0
 
 
 @pytest.mark.parametrize("style", ["titan", "hf"])

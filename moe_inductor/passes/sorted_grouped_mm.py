@@ -99,9 +99,26 @@ def _offsets_of(offs, ids: Node, num_experts: int) -> bool:
     return False
 
 
+def _grouped_mm_ops() -> tuple:
+    """The grouped-GEMM calls with ``_grouped_mm``'s meaning (rows [offs[e-1], offs[e]) times w[e]): the aten op,
+    ``F.grouped_mm`` where torch has it, and transformers' ``grouped_mm_fallback`` op once transformers registered it."""
+    ops = [torch._grouped_mm]
+    if hasattr(torch.nn.functional, "grouped_mm"):
+        ops.append(torch.nn.functional.grouped_mm)
+    try:
+        fallback = torch.ops.transformers.grouped_mm_fallback
+        ops += [fallback, fallback.default]
+    except (AttributeError, RuntimeError):
+        pass
+    return tuple(ops)
+
+
 def _grouped(node: Node, offs_ids: Node, num_experts: Optional[int]) -> Optional[tuple[Node, Node, str, Node]]:
     """(input, stacked weight, layout, offs) of ``torch._grouped_mm(a, w or w.transpose(-2, -1), offs=offs)``."""
-    if not is_call(node, "call_function", torch._grouped_mm) or len(node.args) != 2 or set(node.kwargs) != {"offs"}:
+    if not is_call(node, "call_function", *_grouped_mm_ops()) or len(node.args) != 2 or "offs" not in node.kwargs:
+        return None
+    # F.grouped_mm traces to _grouped_mm with its defaults spelled out; a bias or another out_dtype is not ours
+    if set(node.kwargs) - {"offs", "bias", "out_dtype"} or any(node.kwargs.get(k) is not None for k in ("bias", "out_dtype")):
         return None
     a, w = node.args
     layout = "kn"
