@@ -189,14 +189,16 @@ def test_fx_forms_run_the_gpu_kernels(form):
     assert counters["moe_inductor"][form] >= 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", ["llama4", "switch", "dbrx"])
-def test_wrapped_hf_blocks_on_gpu_bf16(family):
-    """The class-wrapped HF MoE blocks (written this session, not yet run on the GPU)."""
+def test_wrapped_hf_blocks_on_gpu(family, dtype):
+    """The class-wrapped HF MoE blocks. fp32 as well: if fp32 holds and bf16 does not, look at bf16 router near-ties
+    (debug_gpu.py dbrx_model) before the op."""
     from torch._dynamo.utils import counters
 
     from tests.hf_models import tiny
 
-    model = tiny(family).to("cuda", torch.bfloat16)
+    model = tiny(family).to("cuda", dtype)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})
@@ -207,7 +209,8 @@ def test_wrapped_hf_blocks_on_gpu_bf16(family):
         # breaks the graph on, with any backend)
         ref = model(ids, **kwargs).logits.float()
         out = compiled(ids, **kwargs).logits.float()
-    assert ((out - ref).norm() / ref.norm()).item() < 2e-2
+    assert ((out - ref).norm() / ref.norm()).item() < (1e-4 if dtype == torch.float32 else 2e-2)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert sum(counters["moe_inductor"].values()) >= 2
 
 
