@@ -195,6 +195,8 @@ def experts_backward(
         tmp = x.new_empty(M, I)
         grouped_gemm(x, w1, offsets, order, topk, tmp, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED, b2=w1_up, pre=pre,
                      activation="none" if not gated else activation, alpha=alpha, limit=limit)
+    # The elementwise middle runs in fp32 on (M, I) tensors; each one is released (or reused in place) as soon as it
+    # is dead, which keeps the backward's transient memory to a few of them.
     u_gate = pre[:, :I].to(f32)
     u_up = pre[:, I:].to(f32) if gated else None
     p_gate, p_up = u_gate, u_up
@@ -205,38 +207,40 @@ def experts_backward(
         p_gate = p_gate + b1[expert_c].to(f32)
         if gated:
             p_up = p_up + b1_up[expert_c].to(f32)
+    if weight_position != "input":  # only the "input" position reads the raw projections again (d_scale)
+        del u_gate, u_up
     act = apply_activation(activation, p_gate, p_up, alpha, limit)
     h = act * s_sorted if weight_position == "between" else act
 
     # g = dy[token] @ w2^T: the gradient of h before any routing-weight scaling
     g = torch.empty(M, I, dtype=f32, device=x.device)
     grouped_gemm(dy, w2.transpose(1, 2), offsets, order, topk, g, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED)
-    g = torch.where(valid[:, None], g, 0.0)
+    g.masked_fill_(~valid[:, None], 0.0)
 
     d_scale_sorted = None
     if weight_position == "output":
-        dh = g * s_sorted
         d_scale_sorted = (h * g).sum(-1)
         if b2 is not None:
             d_scale_sorted = d_scale_sorted + (dy[token].to(f32) * b2[expert_c].to(f32)).sum(-1)
-        dact = dh
     elif weight_position == "between":
         d_scale_sorted = (act * g).sum(-1)
-        dact = g * s_sorted
-    else:
-        dact = g
+    del act
+    dact = g.mul_(s_sorted) if weight_position in ("output", "between") else g  # g itself is dead after this
+    del g
 
     dw2 = db2 = None
     if needs[4]:
         dw2 = grouped_weight_grad(h.to(x.dtype), dy, offsets, order, topk, _grad_buffer(w2), a_rows=ROWS_SORTED,
                                   g_rows=ROWS_TOKEN, scale=scale if weight_position == "output" else None)
+    del h
     if b2 is not None and needs[7]:
         rows = dy[token].to(f32) * (s_sorted if weight_position == "output" else valid[:, None].to(f32))
         db2 = torch.zeros(E + 1, H, dtype=f32, device=x.device).index_add_(0, expert, rows)[:E].to(b2.dtype)
 
     d_gate, d_up = activation_backward(activation, p_gate, p_up, dact, alpha, limit)
-    d_gate = torch.where(valid[:, None], d_gate, 0.0)
-    d_up = torch.where(valid[:, None], d_up, 0.0) if gated else None
+    del dact, p_gate, p_up
+    d_gate = d_gate.masked_fill(~valid[:, None], 0.0)
+    d_up = d_up.masked_fill(~valid[:, None], 0.0) if gated else None
     db1 = db1_up = None
     if b1 is not None and needs[5]:
         db1 = torch.zeros(E + 1, I, dtype=f32, device=x.device).index_add_(0, expert, d_gate)[:E].to(b1.dtype)
@@ -244,6 +248,7 @@ def experts_backward(
         db1_up = torch.zeros(E + 1, I, dtype=f32, device=x.device).index_add_(0, expert, d_up)[:E].to(b1_up.dtype)
     if weight_position == "input":
         d_scale_sorted = (d_gate * u_gate).sum(-1) + ((d_up * u_up).sum(-1) if gated else 0.0)
+        del u_gate, u_up
         d_gate = d_gate * s_sorted
         d_up = d_up * s_sorted if gated else None
     d_gate = d_gate.to(x.dtype)
