@@ -11,6 +11,16 @@ from . import configs
 from .grouped_gemm import grouped_gemm_kernel, grouped_weight_grad_kernel
 
 
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` for host code: Triton's is a constexpr function, several microseconds a call."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """``triton.next_power_of_2`` for host code (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
 def device_guard(t: torch.Tensor):
     """Make ``t``'s GPU current for a launch; a no-op (no context switch) when it already is."""
     if t.is_cuda and t.device.index != torch.cuda.current_device():
@@ -70,7 +80,7 @@ def launch_grouped_gemm(
     decided = _GEMM_DECISIONS.get(decision_key)
 
     def run(cfg: configs.LaunchConfig, meta: dict) -> None:
-        grid = ((triton.cdiv(num_rows, cfg.BLOCK_M) + num_experts) * triton.cdiv(n_dim, cfg.BLOCK_N),)
+        grid = ((cdiv(num_rows, cfg.BLOCK_M) + num_experts) * cdiv(n_dim, cfg.BLOCK_N),)
         b2_ = b2 if gated else b
         bias_ = bias if has_bias else dummy
         bias2_ = bias2 if (has_bias and gated) else bias_
@@ -91,7 +101,7 @@ def launch_grouped_gemm(
     if decided is None:
         def meta_for(cfg: configs.LaunchConfig) -> dict:
             return dict(
-                NUM_EXPERTS=num_experts, E_POW2=triton.next_power_of_2(num_experts),
+                NUM_EXPERTS=num_experts, E_POW2=next_pow2(num_experts),
                 A_ROWS=a_rows, C_ROWS=c_rows, SCALE_MODE=scale_mode,
                 GATED=gated, ACT=act_id, HAS_BIAS=has_bias, SAVE_PRE=pre is not None,
                 ACCUMULATE=accumulate, UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
@@ -134,7 +144,7 @@ def launch_grouped_weight_grad(
     key = f"wgrad|E{num_experts}|N{n_dim}|K{k_dim}|{a.dtype}|a{a_rows}|g{g_rows}"
 
     def run(cfg: configs.LaunchConfig) -> None:
-        grid = (num_experts * triton.cdiv(k_dim, cfg.BLOCK_K) * triton.cdiv(n_dim, cfg.BLOCK_N),)
+        grid = (num_experts * cdiv(k_dim, cfg.BLOCK_K) * cdiv(n_dim, cfg.BLOCK_N),)
         grouped_weight_grad_kernel[grid](
             a, g, dw, order, scale if scale is not None else offsets, offsets,
             k_dim, n_dim, topk,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from .. import config
+from ..kernels.combine import combine_kernel
+from ..kernels.launch import cdiv, device_guard, launch_grouped_gemm, launch_grouped_weight_grad, next_pow2
 from ..kernels.grouped_gemm import (  # noqa: F401  (re-exported constants)
     ROWS_ASSIGNMENT,
     ROWS_SORTED,
@@ -58,8 +60,6 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """Writes into ``out`` and returns it. ``b`` is (E, K, N) in any strides; ``pre`` gets the raw GEMM results."""
     if use_triton(a):
-        from ..kernels.launch import launch_grouped_gemm
-
         launch_grouped_gemm(
             a, b, offsets, order, topk, out, a_rows=a_rows, c_rows=c_rows, num_rows=order.shape[0], b2=b2,
             bias=bias, bias2=bias2, scale=scale, scale_mode=scale_mode, act_id=ACTIVATIONS[activation][1],
@@ -135,8 +135,6 @@ def grouped_weight_grad(
 ) -> torch.Tensor:
     """Writes ``dw`` (E, K, N), zeros for empty experts, and returns it."""
     if use_triton(a):
-        from ..kernels.launch import launch_grouped_weight_grad
-
         launch_grouped_weight_grad(a, g, offsets, order, topk, dw, a_rows=a_rows, g_rows=g_rows, scale=scale)
         return dw
     return grouped_weight_grad_reference(a, g, offsets, order, topk, dw, a_rows=a_rows, g_rows=g_rows, scale=scale)
@@ -165,15 +163,10 @@ def combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> tor
     H = rows.shape[1]
     y = rows.new_empty(T, H)
     if use_triton(rows):
-        import triton
-
-        from ..kernels.combine import combine_kernel
-        from ..kernels.launch import device_guard
-
         if T > 0:
-            block_h = min(1024, triton.next_power_of_2(H))
+            block_h = min(1024, next_pow2(H))
             with device_guard(rows):
-                combine_kernel[(T, triton.cdiv(H, block_h))](
+                combine_kernel[(T, cdiv(H, block_h))](
                     rows, topk_ids.contiguous(), y, H, rows.stride(0), y.stride(0),
                     NUM_EXPERTS=num_experts, TOPK=k, BLOCK_H=block_h,
                 )

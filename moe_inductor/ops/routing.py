@@ -15,6 +15,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..kernels.configs import interpreting
+from ..kernels.launch import cdiv, device_guard, next_pow2
+from ..kernels.routing import route_count_kernel, route_place_kernel
+from .grouped import use_triton
+
 
 def route_reference(topk_ids: Tensor, num_experts: int, capacity: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
     """The implementation (plain torch, any device). Out-of-range ids are treated as dropped: never read out of bounds.
@@ -58,15 +63,8 @@ CHUNK_ROWS = 1024
 
 def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Routing metadata by the Triton kernels on the GPU (two launches), by ``route_reference`` elsewhere."""
-    from .grouped import use_triton
-
     if not use_triton(topk_ids):
         return route_reference(topk_ids, num_experts, capacity)
-    import triton
-
-    from ..kernels.launch import device_guard
-    from ..kernels.routing import route_count_kernel, route_place_kernel
-
     T, k = topk_ids.shape
     M = T * k
     ids = topk_ids.contiguous()
@@ -74,9 +72,9 @@ def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] =
     sorted_expert = ids.new_empty(M, dtype=torch.int32)
     offsets = ids.new_empty(num_experts + 1, dtype=torch.int32)
     # One chunk (and one launch) covers small batches; large ones are split so the per-program sort stays small.
-    chunk = 16 if _interpreting() else (SINGLE_LAUNCH_MAX_ROWS if M <= SINGLE_LAUNCH_MAX_ROWS else CHUNK_ROWS)
-    num_chunks = max(triton.cdiv(M, chunk), 1)
-    bins = triton.next_power_of_2(num_experts + 1)
+    chunk = 16 if interpreting() else (SINGLE_LAUNCH_MAX_ROWS if M <= SINGLE_LAUNCH_MAX_ROWS else CHUNK_ROWS)
+    num_chunks = max(cdiv(M, chunk), 1)
+    bins = next_pow2(num_experts + 1)
     counts = ids.new_empty(num_chunks, bins, dtype=torch.int32)
     meta = dict(CHOICE_MAJOR=capacity is not None, TOPK=k, CHUNK=chunk, BINS=bins, SINGLE=num_chunks == 1,
                 num_warps=8 if chunk > 1024 else 4)
@@ -88,12 +86,6 @@ def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] =
         route_place_kernel[(num_chunks,)](ids, counts, order, sorted_expert, offsets, M, max(T, 1), num_experts, cap,
                                           num_chunks, **meta)
     return order, sorted_expert, offsets
-
-
-def _interpreting() -> bool:
-    from ..kernels.configs import interpreting
-
-    return interpreting()
 
 
 @torch.library.custom_op("moe_inductor::route", mutates_args=())
