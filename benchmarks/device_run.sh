@@ -33,7 +33,7 @@ case "${1:-tests}" in
       | tee "$OUT/hf.log" | tail -20 ;;
   open)
     timeout 300 python -m pytest tests/test_gpu.py tests/test_rewritten_graphs.py -q -p no:warnings --tb=long -k \
-      "unrolled_loop or padded_capacity or wrapped or bucketed or Rewritten" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
+      "unrolled_loop or padded_capacity or wrapped or bucketed or fast_launch or Rewritten" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       > "$OUT/open_tests.log"; grep -E "^E |passed|failed" "$OUT/open_tests.log" | cut -c1-400 | tail -40
     timeout 200 python benchmarks/debug_gpu.py dbrx dbrx_model loop 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/debug.log"
     tail -80 "$OUT/debug.log" | cut -c1-300 ;;

@@ -85,7 +85,7 @@ def launch_grouped_gemm(
         bias_ = bias if has_bias else dummy
         bias2_ = bias2 if (has_bias and gated) else bias_
         pre_ = pre if pre is not None else out
-        grouped_gemm_kernel[grid](
+        args = (
             a, b, b2_, bias_, bias2_, out, pre_, order, scale if scale is not None else dummy, offsets,
             n_dim, k_dim, topk,
             a.stride(0), a.stride(1),
@@ -95,8 +95,11 @@ def launch_grouped_gemm(
             bias2_.stride(0) if has_bias else 0, bias2_.stride(-1) if has_bias else 0,
             out.stride(0), out.stride(1), pre_.stride(0), pre_.stride(1),
             float(alpha), float(limit),
-            **meta,
         )
+        if moe_config.fast_launch and not configs.interpreting():
+            _fast_launch(grouped_gemm_kernel, grid, args, meta, decision_key)
+        else:
+            grouped_gemm_kernel[grid](*args, **meta)
 
     if decided is None:
         def meta_for(cfg: configs.LaunchConfig) -> dict:
@@ -125,6 +128,39 @@ def launch_grouped_gemm(
 
 # (shape, dtype, flags, bucket, device) -> (config, the kernel's constexpr arguments); see launch_grouped_gemm.
 _GEMM_DECISIONS: dict[tuple, tuple[configs.LaunchConfig, dict]] = {}
+
+# (decision key, argument specialisation) -> Triton's CompiledKernel; see _fast_launch.
+_COMPILED: dict[tuple, object] = {}
+
+
+def _specialisation(args: tuple) -> tuple:
+    """What Triton specialises a compiled kernel on, for the non-constexpr arguments, spelled conservatively:
+    a tensor's dtype and 16-byte alignment; an int's width and its divisibility by 16 (and == 1); floats nothing."""
+    key = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
+        elif isinstance(arg, int):
+            key.append((-2**31 <= arg < 2**31, arg % 16 == 0, arg == 1))
+        else:
+            key.append(None)
+    return tuple(key)
+
+
+def _fast_launch(kernel, grid: tuple, args: tuple, meta: dict, decision_key: tuple) -> None:
+    """Launch through Triton's CompiledKernel directly once it is known, skipping ``JITFunction.run`` (argument
+    binding, cache-key hashing): the first launch per (decision, specialisation) goes the normal way and keeps the
+    compiled kernel it returns. EXPERIMENTAL (``config.fast_launch``): written against triton 3.6's
+    ``CompiledKernel.__getitem__``, which takes every parameter, constexprs included, in signature order."""
+    key = (decision_key, _specialisation(args))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, **meta)
+        if compiled is not None:
+            _COMPILED[key] = (compiled, tuple(meta[name] for name in kernel.arg_names[len(args):]))
+        return
+    compiled, constexprs = compiled
+    compiled[(grid[0], 1, 1)](*args, *constexprs)
 
 
 def launch_grouped_weight_grad(
