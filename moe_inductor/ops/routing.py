@@ -75,7 +75,8 @@ def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] =
     chunk = 16 if interpreting() else (SINGLE_LAUNCH_MAX_ROWS if M <= SINGLE_LAUNCH_MAX_ROWS else CHUNK_ROWS)
     num_chunks = max(cdiv(M, chunk), 1)
     bins = next_pow2(num_experts + 1)
-    counts = ids.new_empty(num_chunks, bins, dtype=torch.int32)
+    # the per-chunk histograms; one chunk counts in registers, and its kernel never reads this (order stands in)
+    counts = ids.new_empty(num_chunks, bins, dtype=torch.int32) if num_chunks > 1 else order
     meta = dict(CHOICE_MAJOR=capacity is not None, TOPK=k, CHUNK=chunk, BINS=bins, SINGLE=num_chunks == 1,
                 num_warps=8 if chunk > 1024 else 4)
     cap = M + 1 if capacity is None else capacity
