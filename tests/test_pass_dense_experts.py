@@ -46,6 +46,15 @@ class DenseMoE(nn.Module):
             routing = base.scatter(1, ids, values)
             h = F.silu(torch.einsum("th,eih->tei", x, self.w1)) * torch.einsum("th,eih->tei", x, self.w3)
             return torch.einsum("teh,te->th", torch.einsum("tei,ehi->teh", h, self.w2), routing)
+        if self.style in ("view_mutated_base", "view_mutated_routing"):  # changed in place through a view
+            base = torch.zeros_like(probs)
+            if self.style == "view_mutated_base":
+                base[:, :1].add_(0.1)  # expert 0 counts for every token
+            routing = base.scatter(1, ids, values)
+            if self.style == "view_mutated_routing":
+                routing[:, :1].mul_(0.5)
+            h = F.silu(torch.einsum("th,eih->tei", x, self.w1)) * torch.einsum("th,eih->tei", x, self.w3)
+            return torch.einsum("teh,te->th", torch.einsum("tei,ehi->teh", h, self.w2), routing)
         raise ValueError(self.style)
 
 
@@ -75,7 +84,7 @@ def test_gradients_match_eager():
         assert ((g - r).norm() / r.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("style", ["soft", "ones_base", "mutated_base"])
+@pytest.mark.parametrize("style", ["soft", "ones_base", "mutated_base", "view_mutated_base", "view_mutated_routing"])
 def test_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = DenseMoE(style)

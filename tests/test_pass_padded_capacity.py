@@ -35,6 +35,11 @@ class CapacityMoE(nn.Module):
                 mask1 = mask1 * torch.lt(loc1, C)
             # the raw gate (not zeroed for dropped tokens): only the mask in combine drops them
             gate1 = gates.max(dim=-1).values if self.style == "top1_raw_gate" else (gates * mask1).sum(dim=1)
+            if self.style == "top1_gate_mutated":  # combine is built, then its gate changes in place
+                gate_b = gate1[:, None, None]
+                combine = gate_b * mask1[:, :, None] * F.one_hot(torch.sum(loc1 * mask1, dim=1), C)[:, None, :]
+                gate1.mul_(2.0)
+                return combine
             loc1_s = torch.sum(loc1 * mask1, dim=1)
             return gate1[:, None, None] * mask1[:, :, None] * F.one_hot(loc1_s, num_classes=C)[:, None, :]
         # fairseq's top2gating: the second choice is the best expert other than the first
@@ -105,7 +110,7 @@ def test_padded_capacity_backward_matches_eager(style):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("style", ["top1_gt_dispatch", "top1_no_drop", "top2_second_first"])
+@pytest.mark.parametrize("style", ["top1_gt_dispatch", "top1_no_drop", "top2_second_first", "top1_gate_mutated"])
 def test_padded_capacity_look_alikes_are_left_alone(style):
     """A dispatch that is not combine's support, a slot one-hot over undropped positions, and second choices that do
     not queue behind the first ones: none is the op's drop rule, so none may be rewritten."""

@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 from ..report import Rewrite
 from ..spec import MoESpec
 from .emit import replace_matches
-from .fx_utils import einsum_parts, inplace_users, single_use, source_line, split_gated, val, weighted_sum
+from .fx_utils import alias_mutations, einsum_parts, single_use, source_line, split_gated, val, weighted_sum
 
 FORM = "dense_experts"
 
@@ -65,7 +65,7 @@ def _inplace_scatter_of(base: Node) -> Optional[Node]:
 
     Dynamo records ``routing.scatter_(1, ids, v)`` as a node, while later reads of ``routing`` point at ``base``.
     """
-    mutations = inplace_users(base)
+    mutations = alias_mutations(base)
     if len(mutations) != 1 or mutations[0].target != "scatter_":
         return None
     scatter = mutations[0]
@@ -93,8 +93,10 @@ def _topk_scatter(routing: Node) -> Optional[tuple[Node, Node]]:
         base.op == "call_method" and base.target == "new_zeros")
     if not zeros or "fill_value" in base.kwargs:
         return None
-    mutations = inplace_users(base)
+    mutations = alias_mutations(base)  # through any view of it, too
     if mutations != ([routing] if routing.target == "scatter_" else []):  # zeros stay zeros until the scatter
+        return None
+    if routing.target == "scatter" and alias_mutations(routing):  # and the routing matrix stays as made
         return None
     if routing.target == "scatter_" and _inplace_scatter_of(base) is not routing:  # and it runs before any read
         return None

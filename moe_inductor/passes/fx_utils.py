@@ -19,6 +19,41 @@ def inplace_users(node: Node) -> list[Node]:
     return [u for u in node.users if u.op == "call_method" and str(u.target).endswith("_")]
 
 
+_VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "transpose", "permute", "t", "flatten",
+          "unflatten", "narrow", "select", "as_strided", "contiguous", "detach", "split", "chunk", "unbind", "view_as"}
+
+
+def _is_view(node: Node) -> bool:
+    return (node.op == "call_method" and node.target in _VIEWS) or (
+        node.op == "call_function" and node.target in (operator.getitem, torch.unsqueeze, torch.squeeze,
+                                                          torch.transpose, torch.permute, torch.reshape,
+                                                          torch.flatten, torch.narrow, torch.select))
+
+
+def alias_mutations(node: Node) -> list[Node]:
+    """Every in-place change (an ``x.op_(...)`` method or ``x[i] = v``) of ``node`` or of any tensor that may share
+    its memory through view ops: up to its base, then down to every view of that base. Conservative: getitem counts
+    as a view."""
+    base = node
+    while _is_view(base) and base.args and isinstance(base.args[0], Node):
+        base = base.args[0]
+    seen, stack, found = set(), [base], []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        found += inplace_users(n)
+        found += [u for u in n.users if is_call(u, "call_function", operator.setitem) and u.args[0] is n]
+        stack.extend(u for u in n.users if _is_view(u) and u.args and u.args[0] is n)
+    return list(dict.fromkeys(found))
+
+
+def mutated_alias(node: Node) -> bool:
+    """Whether ``node`` or a view-alias of it is changed in place anywhere in the graph (see ``alias_mutations``)."""
+    return bool(alias_mutations(node))
+
+
 def val(node) -> Optional[torch.Tensor]:
     """The fake tensor Dynamo traced for ``node`` (``example_value`` in Dynamo graphs, ``val`` after aot)."""
     if not isinstance(node, Node):

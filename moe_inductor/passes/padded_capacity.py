@@ -34,7 +34,7 @@ from torch.fx import GraphModule, Node
 from ..report import Rewrite
 from ..spec import MoESpec
 from .emit import emit_experts
-from .fx_utils import einsum_parts, inplace_users, source_line, split_gated, val
+from .fx_utils import einsum_parts, mutated_alias, source_line, split_gated, val
 
 FORM = "padded_capacity"
 
@@ -101,6 +101,7 @@ class _Choice:
     mask: Node  # after the drop
     earlier: list  # the (dropped or not) masks of the earlier choices this one queues behind
     capacity: Any  # C as the graph holds it: an int, or the node of a symbolic size
+    loc: Node  # the queue positions the drop and the slot were computed from
 
 
 def _dim_arg(node: Node, position: int, default=None):
@@ -212,7 +213,7 @@ def _choice(term: Node, T, E, C) -> Optional[_Choice]:
     prod = position.args[0]
     if not (_call(prod, *_MUL) and len(prod.args) == 2 and set(prod.args) == {loc, mask}):
         return None
-    return _Choice(gate, idx, hot, mask, earlier, cap)
+    return _Choice(gate, idx, hot, mask, earlier, cap, loc)
 
 
 def _order_choices(choices: list[_Choice]) -> Optional[list[_Choice]]:
@@ -346,8 +347,8 @@ def _match_routing(combine: Node, xin: Node, T, E, C) -> Optional[tuple[Node, li
     ordered = _order_choices(choices)
     if ordered is None or len({c.capacity for c in ordered}) != 1:  # one capacity for every choice
         return None
-    proven = [combine, *terms] + [n for c in ordered for n in (c.one_hot, c.mask, c.idx)]
-    if any(inplace_users(n) for n in proven):  # nothing the proof read may change afterwards
+    proven = [combine, *terms] + [n for c in ordered for n in (c.one_hot, c.mask, c.idx, c.loc, c.gate)]
+    if any(mutated_alias(n) for n in proven):  # nothing the proof read may change afterwards, through any view
         return None
     if any(val(c.idx) is None or tuple(val(c.idx).shape) != (T,) or val(c.idx).is_floating_point() for c in ordered):
         return None

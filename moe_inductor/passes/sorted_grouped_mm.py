@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 from ..report import Rewrite
 from ..spec import MoESpec
 from .emit import emit_experts
-from .fx_utils import inplace_users, is_call, source_line, split_gated, val
+from .fx_utils import alias_mutations, is_call, source_line, split_gated, val
 
 FORM = "sorted_grouped_mm"
 
@@ -157,7 +157,7 @@ def match(acc: Node) -> Optional[tuple[MoESpec, Node]]:
     """(spec, the combine node) for an accumulator filled by one scatter_add_/index_add_ of sorted expert outputs."""
     if not is_call(acc, "call_function", torch.zeros_like):
         return None
-    mutations = inplace_users(acc)
+    mutations = alias_mutations(acc)  # through any view of it, too
     if len(mutations) != 1 or mutations[0].target not in ("scatter_add_", "index_add_"):
         return None
     add = mutations[0]

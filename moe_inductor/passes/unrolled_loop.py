@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 from ..report import Rewrite
 from ..spec import MoESpec
 from .emit import emit_experts
-from .fx_utils import inplace_users, is_call, source_line, split_gated, val
+from .fx_utils import alias_mutations, is_call, source_line, split_gated, val
 
 FORM = "unrolled_loop"
 
@@ -236,7 +236,7 @@ def match(acc: Node, position: dict[Node, int]) -> Optional[tuple[MoESpec, list[
     ``position`` gives each node's index in graph order."""
     if not _zeros_like_x(acc):
         return None
-    mutations = inplace_users(acc) + [u for u in acc.users if is_call(u, "call_function", operator.setitem)]
+    mutations = alias_mutations(acc)  # index_add_ / out[tok] += ..., on acc or through any view of it
     if not mutations or any(u.target not in ("index_add_", operator.setitem) for u in mutations):
         return None
     bodies = [_body(add, acc) for add in mutations]
