@@ -9,7 +9,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..report import Rewrite
 from ..spec import MoESpec
-from .fx_utils import val
+from .fx_utils import mutated_alias, val
 
 
 def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dtype) -> Node:
@@ -43,6 +43,16 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
     return out
 
 
+def inputs_unchanged(spec: MoESpec) -> bool:
+    """No input of the region (tokens, routing, expert weights) is changed in place anywhere in the graph, through
+    any view. The op reads its inputs where the region's output was, so a change between the user's reads and that
+    point would give it other values than the user's code saw."""
+    nodes = [spec.x, spec.ids, spec.weights]
+    for w in (spec.gate, spec.up, spec.down):
+        nodes += list(w) if isinstance(w, tuple) else [w]
+    return not any(isinstance(n, Node) and mutated_alias(n) for n in nodes)
+
+
 def replace_matches(gm: GraphModule, match: Callable[[Node], Optional[MoESpec]],
                     describe: Callable[[Node, MoESpec], Rewrite]) -> list[Rewrite]:
     """For passes whose match ends at the node that yields the MoE output: replace each matched node by the op and
@@ -50,7 +60,7 @@ def replace_matches(gm: GraphModule, match: Callable[[Node], Optional[MoESpec]],
     done = []
     for node in list(gm.graph.nodes):
         spec = match(node)
-        if spec is None:
+        if spec is None or not inputs_unchanged(spec):
             continue
         out_val = val(node) if val(node) is not None else val(spec.x)
         node.replace_all_uses_with(emit_experts(gm.graph, spec, node, out_val.dtype))

@@ -16,7 +16,8 @@ def is_call(node, op: str, *targets) -> bool:
 
 def inplace_users(node: Node) -> list[Node]:
     """The users of ``node`` that mutate it through an in-place method (``x.index_add_(...)``, ``x.scatter_(...)``)."""
-    return [u for u in node.users if u.op == "call_method" and str(u.target).endswith("_")]
+    return [u for u in node.users
+            if u.op == "call_method" and str(u.target).endswith("_") and u.args and u.args[0] is node]
 
 
 _VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "transpose", "permute", "t", "flatten",

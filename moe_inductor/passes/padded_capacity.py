@@ -364,6 +364,8 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
         if found is None:
             continue
         x, gate_w, up_w, down_w, layout, activation = found.spec_parts
+        if any(isinstance(n, Node) and mutated_alias(n) for n in (x, gate_w, up_w, down_w)):
+            continue  # the op would read them later than the user's code did
         with graph.inserting_before(node):
             ids = graph.call_function(torch.stack, ([c.idx for c in found.choices],), {"dim": 1})
             columns = [graph.call_method("reshape", (c.gate, -1)) for c in found.choices]

@@ -28,7 +28,7 @@ from torch.fx import GraphModule, Node
 
 from ..report import Rewrite
 from ..spec import MoESpec
-from .emit import emit_experts
+from .emit import emit_experts, inputs_unchanged
 from .fx_utils import alias_mutations, is_call, source_line, split_gated, val
 
 FORM = "sorted_grouped_mm"
@@ -221,7 +221,7 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
     graph = gm.graph
     for acc in [n for n in graph.nodes if is_call(n, "call_function", torch.zeros_like)]:
         got = match(acc)
-        if got is None:
+        if got is None or not inputs_unchanged(got[0]):
             continue
         spec, add = got
         reads = [u for u in acc.users if u is not add]

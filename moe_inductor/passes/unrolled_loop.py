@@ -28,7 +28,7 @@ from torch.fx import GraphModule, Node
 
 from ..report import Rewrite
 from ..spec import MoESpec
-from .emit import emit_experts
+from .emit import emit_experts, inputs_unchanged
 from .fx_utils import alias_mutations, is_call, source_line, split_gated, val
 
 FORM = "unrolled_loop"
@@ -296,7 +296,7 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
         if acc not in position:  # erased by an earlier rewrite
             continue
         got = match(acc, position)
-        if got is None:
+        if got is None or not inputs_unchanged(got[0]):
             continue
         spec, bodies = got
         adds = {b.add for b in bodies}
