@@ -46,6 +46,14 @@ class DenseMoE(nn.Module):
             routing = base.scatter(1, ids, values)
             h = F.silu(torch.einsum("th,eih->tei", x, self.w1)) * torch.einsum("th,eih->tei", x, self.w3)
             return torch.einsum("teh,te->th", torch.einsum("tei,ehi->teh", h, self.w2), routing)
+        if self.style in ("topk_over_tokens", "second_scatter"):
+            if self.style == "topk_over_tokens":  # each expert picks its tokens (dim 0), not each token its experts
+                v0, i0 = torch.topk(probs, 2, dim=0)
+                routing = torch.zeros_like(probs).scatter(0, i0, v0)
+            else:  # a second scatter adds onto the first: a choice counts twice
+                routing = torch.zeros_like(probs).scatter(1, ids, values).scatter_add(1, ids[:, :1], values[:, :1])
+            h = F.silu(torch.einsum("th,eih->tei", x, self.w1)) * torch.einsum("th,eih->tei", x, self.w3)
+            return torch.einsum("teh,te->th", torch.einsum("tei,ehi->teh", h, self.w2), routing)
         if self.style in ("view_mutated_base", "view_mutated_routing"):  # changed in place through a view
             base = torch.zeros_like(probs)
             if self.style == "view_mutated_base":
@@ -84,7 +92,8 @@ def test_gradients_match_eager():
         assert ((g - r).norm() / r.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("style", ["soft", "ones_base", "mutated_base", "view_mutated_base", "view_mutated_routing"])
+@pytest.mark.parametrize("style", ["soft", "ones_base", "mutated_base", "view_mutated_base", "view_mutated_routing",
+                                   "topk_over_tokens", "second_scatter"])
 def test_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = DenseMoE(style)

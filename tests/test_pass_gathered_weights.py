@@ -46,6 +46,11 @@ class GatheredMoE(nn.Module):
             ids[:, 0] = ids[:, -1]
             h = F.silu(torch.einsum("ti,taoi->tao", x, w1)) * torch.einsum("ti,taoi->tao", x, w3)
             return torch.einsum("tai,ta->ti", torch.einsum("tao,taio->tai", h, w2), weights)
+        if self.style in ("up_other_ids", "up_other_x"):  # the up branch reads other experts / other tokens
+            w3_ = self.w3[(ids + 1) % E] if self.style == "up_other_ids" else w3
+            x_up = x * 2 if self.style == "up_other_x" else x
+            h = F.silu(torch.einsum("ti,taoi->tao", x, w1)) * torch.einsum("ti,taoi->tao", x_up, w3_)
+            return torch.einsum("tai,ta->ti", torch.einsum("tao,taio->tai", h, w2), weights)
         if self.style == "mixed_ids":  # the down projection reads other experts than the up projection
             w2_other = self.w2[(ids + 1) % E]
             h = F.silu(torch.einsum("ti,taoi->tao", x, w1)) * torch.einsum("ti,taoi->tao", x, w3)
@@ -79,7 +84,8 @@ def test_gradients_match_eager():
         assert ((g - r).norm() / r.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("style", ["wrong_contraction", "mixed_ids", "ids_changed_after_gather"])
+@pytest.mark.parametrize("style", ["wrong_contraction", "mixed_ids", "ids_changed_after_gather",
+                                   "up_other_ids", "up_other_x"])
 def test_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = GatheredMoE(style)

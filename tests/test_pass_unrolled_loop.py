@@ -54,6 +54,10 @@ class LoopMoE(nn.Module):
             elif self.style in ("setitem_add", "setitem_repeated_ids"):  # out[tok] += ..., a plain activation
                 tok, pos = torch.where(ids == e)
                 out[tok] += (F.relu(x[tok] @ self.w1[e].T) @ self.w2[e].T) * weights[tok, pos, None]
+            elif self.style == "up_shifted":  # only the up projection reads the next expert's weights
+                tok, pos = torch.where(ids == e)
+                h = F.silu(x[tok] @ self.w1[e].T) * (x[tok] @ self.w3[(e + 1) % self.E].T)
+                out.index_add_(0, tok, (h @ self.w2[e].T) * weights[tok, pos, None])
             elif self.style == "shifted_expert":  # expert e reads the weights of expert e+1: not an MoE we know
                 tok, pos = torch.where(ids == e)
                 nxt = (e + 1) % self.E
@@ -112,7 +116,7 @@ def test_gradients_match_eager():
         assert ((g - r).norm() / r.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("style", ["partial", "shifted_expert", "extra_write", "setitem_repeated_ids"])
+@pytest.mark.parametrize("style", ["partial", "shifted_expert", "up_shifted", "extra_write", "setitem_repeated_ids"])
 def test_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = LoopMoE(style, 4, 2)
