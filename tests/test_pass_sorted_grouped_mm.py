@@ -50,6 +50,18 @@ class SortedMoE(nn.Module):
             out = torch.zeros_like(x)
             out.index_add_(0, tok, ys)
             return out
+        if self.style in ("unsorted_scores", "scatter_other_rows"):  # look-alikes: scores or rows out of step
+            flat = ids.view(-1)
+            order = torch.sort(flat)[1]
+            tok = order // k
+            offs = torch.cumsum(torch.histc(flat.float(), bins=E, min=0, max=E - 1), dim=0, dtype=torch.int32)
+            xs = x[tok]
+            h = F.gelu(torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs))
+            scores = top.view(-1) if self.style == "unsorted_scores" else top.view(-1)[order]  # not in sorted order
+            ys = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs) * scores[:, None].to(x.dtype)
+            out = torch.zeros_like(x)
+            out.index_add_(0, torch.flip(tok, [0]) if self.style == "scatter_other_rows" else tok, ys)
+            return out
         if self.style in ("hf", "wrong_offsets"):  # score on the output, sort()[1], x[tok], index_add_
             flat = ids.view(-1)
             order = torch.sort(flat)[1]
@@ -103,9 +115,11 @@ def test_styles_are_rewritten_and_equal(style, k):
         assert sum(counters["graph_break"].values()) == 0
 
 
-def test_offsets_from_other_ids_are_left_alone():
+@pytest.mark.parametrize("style", ["wrong_offsets", "unsorted_scores", "scatter_other_rows"])
+def test_look_alikes_are_left_alone(style):
+    """Offsets of other ids, scores not in the sorted order, results added to other rows: none is this MoE."""
     torch.manual_seed(0)
-    model = SortedMoE("wrong_offsets").bfloat16()
+    model = SortedMoE(style).bfloat16()
     x = torch.randn(9, H, dtype=torch.bfloat16)
     assert torch.equal(compile_moe(model, x), model(x))
     assert not counters["moe_inductor"]
