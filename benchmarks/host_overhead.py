@@ -4,6 +4,9 @@
 """
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import argparse
 import cProfile
 import pstats
@@ -12,6 +15,7 @@ import time
 import torch
 
 import moe_inductor
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from benchmarks.bench_experts import SHAPES, make_routing
 
 
