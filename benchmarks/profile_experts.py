@@ -4,17 +4,16 @@
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 import moe_inductor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from benchmarks.bench_experts import SHAPES, make_routing
+from benchmarks.bench_experts import SHAPES, make_routing  # noqa: E402
 
 
 def main() -> None:

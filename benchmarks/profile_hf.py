@@ -4,16 +4,15 @@
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
-
-import argparse
 
 import torch
 from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from benchmarks.bench_hf import build
+from benchmarks.bench_hf import build  # noqa: E402
 
 
 def main(argv=None) -> None:
