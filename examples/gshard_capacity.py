@@ -3,6 +3,7 @@ dispatch and combine einsums over a padded (E, C, H) buffer. moe_inductor finds 
 and runs the routed tokens only.
 
     python examples/gshard_capacity.py
+    python -m moe_inductor inspect examples/gshard_capacity.py:make     # the report, with the graphs before/after
 """
 from __future__ import annotations
 
@@ -38,6 +39,12 @@ class GShardMoE(nn.Module):
         expert_in = torch.einsum("tec,th->ech", dispatch, x)                      # (E, C, H), mostly padding
         h = F.gelu(torch.einsum("ech,ehi->eci", expert_in, self.w_in))
         return torch.einsum("tec,ech->th", combine, torch.einsum("eci,eih->ech", h, self.w_out))
+
+
+def make(tokens: int = 96) -> tuple[GShardMoE, tuple[torch.Tensor]]:
+    """For the CLI: ``python -m moe_inductor inspect examples/gshard_capacity.py:make``."""
+    torch.manual_seed(0)
+    return GShardMoE(), (torch.randn(tokens, 64),)
 
 
 def main(tokens: int = 96, inner_compiler: str = "inductor") -> moe_inductor.Report:
