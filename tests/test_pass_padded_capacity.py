@@ -58,6 +58,13 @@ class CapacityMoE(nn.Module):
         g2 = (gates * mask2).sum(dim=1)
         denom = torch.clamp(g1 + g2, min=torch.finfo(gates.dtype).eps)
         g1, g2 = g1 / denom, g2 / denom
+        if self.style == "top2_fairseq":  # fairseq's spelling: gates folded into the masks, bmm outer products
+            gates1 = g1.unsqueeze(-1) * mask1.to(g1.dtype)
+            gates2 = g2.unsqueeze(-1) * mask2.to(g2.dtype)
+            slot1 = F.one_hot(loc1_s, num_classes=C).float()
+            slot2 = F.one_hot(loc2_s, num_classes=C).float()
+            return (torch.bmm(gates1.unsqueeze(-1), slot1.to(gates1.dtype).unsqueeze(1))
+                    + torch.bmm(gates2.unsqueeze(-1), slot2.to(gates2.dtype).unsqueeze(1)))
         slot1 = F.one_hot(loc1_s, num_classes=C).unsqueeze(1)
         slot2 = F.one_hot(loc2_s, num_classes=C).unsqueeze(1)
         return g1[:, None, None] * (mask1.unsqueeze(-1) * slot1) + (g2.view(-1, 1, 1) * mask2[:, :, None]) * slot2
@@ -83,7 +90,7 @@ def _check(model, lengths, tol=1e-5):
         torch.testing.assert_close(compiled(x), model(x), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("style", ["top1", "top2", "top1_raw_gate"])
+@pytest.mark.parametrize("style", ["top1", "top2", "top1_raw_gate", "top2_fairseq"])
 def test_padded_capacity_is_rewritten_and_equal(style):
     torch.manual_seed(0)
     model = CapacityMoE(style)

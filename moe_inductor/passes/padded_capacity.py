@@ -184,22 +184,54 @@ def _num_classes(one_hot: Node):
     return one_hot.kwargs.get("num_classes", one_hot.args[1] if len(one_hot.args) > 1 else None)
 
 
+def _term_factors(node: Any, T, E, C) -> list:
+    """The factors of one combine term, through products of (T, E, C) or (T, E, 1) tensors and batched outer products
+    ``bmm(a (T, E, 1), b (T, 1, C))`` (fairseq's spelling: a sum over a size-1 axis is a plain product)."""
+    if _call(node, *_MUL) and len(node.args) == 2 and not node.kwargs and _shape(node) in ((T, E, C), (T, E, 1)):
+        return _term_factors(node.args[0], T, E, C) + _term_factors(node.args[1], T, E, C)
+    if (_call(node, torch.bmm, torch.matmul, operator.matmul, "bmm", "matmul") and len(node.args) == 2
+            and not node.kwargs and _shape(node.args[0]) == (T, E, 1) and _shape(node.args[1]) == (T, 1, C)):
+        return _term_factors(node.args[0], T, E, C) + _term_factors(node.args[1], T, E, C)
+    return [node]
+
+
+def _gate_folded(node: Any, T, E) -> list:
+    """``[gate (T, 1), mask]`` for ``gate[:, None] * mask`` (either order), else ``[node]``: only a (T, 1) factor is
+    split off, so the dropped mask's own product ``one_hot * lt(...)`` stays whole."""
+    if _call(node, *_MUL) and len(node.args) == 2 and not node.kwargs and _shape(node) == (T, E):
+        for g, rest in (node.args, node.args[::-1]):
+            if _shape(g) == (T, 1):
+                return [g] + _gate_folded(rest, T, E)
+    return [node]
+
+
 def _choice(term: Node, T, E, C) -> Optional[_Choice]:
-    """One ``gate[:, None, None] * mask[:, :, None] * one_hot(slot, C)[:, None, :]`` term of combine."""
-    leaves = _flatten(term, _MUL, lambda n: _shape(n) in ((T, E, C), (T, E, 1)))
-    if len(leaves) != 3 or not all(isinstance(n, Node) for n in leaves):
+    """One ``gate[:, None, None] * mask[:, :, None] * one_hot(slot, C)[:, None, :]`` term of combine; the gate may
+    also be folded into the mask first (``(gate[:, None] * mask)[:, :, None]``)."""
+    leaves = _term_factors(term, T, E, C)
+    if not all(isinstance(n, Node) for n in leaves):
         return None
-    gate = mask = slot = None
+    gates, masks, slots = [], [], []
     for leaf in leaves:
         axis = _new_axis(leaf)
         if axis is not None and axis[1] == 2 and _shape(leaf) == (T, E, 1):
-            mask = _strip_casts(axis[0], zero_one=True)
+            inner = _strip_casts(axis[0])  # float casts only: it may carry the gate
+            for part in _gate_folded(inner, T, E):
+                if _shape(part) == (T, E):
+                    masks.append(_strip_casts(part, zero_one=True))
+                elif _shape(part) == (T, 1):
+                    gates.append(part)
+                else:
+                    return None
         elif axis is not None and axis[1] == 1 and _shape(leaf) == (T, 1, C):
-            slot = _strip_casts(axis[0], zero_one=True)
+            slots.append(_strip_casts(axis[0], zero_one=True))
         elif _shape(leaf) == (T, 1, 1):
-            gate = leaf
-    if gate is None or mask is None or slot is None:
+            gates.append(leaf)
+        else:
+            return None
+    if len(gates) != 1 or len(masks) != 1 or len(slots) != 1:
         return None
+    gate, mask, slot = gates[0], masks[0], slots[0]
     if not (_call(slot, *_ONE_HOT) and _same_size(_num_classes(slot), C) and isinstance(slot.args[0], Node)):
         return None
     dropped = _dropped_mask(mask, C)
