@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 from ..report import Rewrite
 from ..spec import MoESpec
 from .emit import replace_matches
-from .fx_utils import alias_mutations, einsum_parts, single_use, source_line, split_gated, val, weighted_sum
+from .fx_utils import alias_mutations, einsum_parts, read_gated, single_use, source_line, val, weighted_sum
 
 FORM = "dense_experts"
 
@@ -122,13 +122,11 @@ def match(y: Node) -> Optional[MoESpec]:
     down = _dense_projection(out, 3)
     if routed is None or down is None or not single_use(out):
         return None
-    split = split_gated(down.x)
-    if split is None:
+    gated = read_gated(down.x, lambda n: _dense_projection(n, 2))
+    if gated is None:
         return None
-    activation, _, gate_in, up_node = split
-    gate = _dense_projection(gate_in, 2)
-    up = _dense_projection(up_node, 2) if up_node is not None else None
-    if gate is None or (up_node is not None and (up is None or up.x is not gate.x)):
+    activation, gate, up = gated.activation, gated.gate, gated.up
+    if up is not None and up.x is not gate.x:
         return None
     if any(p.layout != gate.layout for p in (up, down) if p is not None):
         return None

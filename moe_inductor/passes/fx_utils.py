@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import operator
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -166,3 +167,30 @@ def split_gated(h: Node) -> Optional[tuple[str, Node, Node, Optional[Node]]]:
                 return f"{act[0]}_glu", a, act[1], b
     act = activation_of(h) if isinstance(h, Node) else None
     return (act[0], h, act[1], None) if act is not None else None
+
+
+@dataclass
+class GatedRead:
+    """``h = act(gate_in) [* up_in]`` with both projections read (see ``read_gated``)."""
+
+    activation: str
+    act: Node
+    gate_in: Node
+    up_in: Optional[Node]
+    gate: Any  # what ``read`` returned for gate_in
+    up: Any  # and for up_in; None for a plain activation
+
+
+def read_gated(h: Node, read: Callable[[Node], Any]) -> Optional[GatedRead]:
+    """``split_gated(h)`` with the projection(s) under the activation read by the pass's own ``read`` (None when it
+    does not recognise one). The checks between the readings (same input, same layout) stay with each pass."""
+    split = split_gated(h)
+    if split is None:
+        return None
+    activation, act, gate_in, up_in = split
+    gate = read(gate_in)
+    up = read(up_in) if up_in is not None else None
+    if gate is None or (up_in is not None and up is None):
+        return None
+    return GatedRead(activation, act, gate_in, up_in, gate, up)
+

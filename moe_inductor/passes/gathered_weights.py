@@ -23,7 +23,7 @@ from torch.fx import GraphModule, Node
 from ..report import Rewrite
 from ..spec import MoESpec
 from .emit import replace_matches
-from .fx_utils import einsum_parts, single_use, source_line, split_gated, val, weighted_sum
+from .fx_utils import einsum_parts, read_gated, single_use, source_line, val, weighted_sum
 
 FORM = "gathered_weights"
 
@@ -82,27 +82,23 @@ def match(y: Node) -> Optional[MoESpec]:
     if down is None or not single_use(out):
         return None
     h = down.x
-    split = split_gated(h)
-    if split is None:
+    gated = read_gated(h, _projection)
+    if gated is None:
         return None
-    activation, act_node, gate_in, up_node = split
-    gate = _projection(gate_in)
-    up = _projection(up_node) if up_node is not None else None
-    if gate is None or (up_node is not None and up is None):
-        return None
+    gate, up = gated.gate, gated.up
     projections = [p for p in (gate, up, down) if p is not None]
     if any(p.ids is not gate.ids for p in projections) or any(p.layout != gate.layout for p in projections):
         return None
     if up is not None and up.x is not gate.x:
         return None
-    chain = [out, h, act_node, gate_in] + ([up_node] if up_node is not None else [])
+    chain = [out, h, gated.act, gated.gate_in] + ([gated.up_in] if gated.up_in is not None else [])
     if not single_use(*{id(n): n for n in chain}.values()):
         return None
     ids_val, w_val, x_val = val(gate.ids), val(weights), val(gate.x)
     if ids_val is None or w_val is None or x_val is None or x_val.dim() != 2 or tuple(w_val.shape) != tuple(ids_val.shape):
         return None
     return MoESpec(gate.x, gate.ids, weights, gate.weight, up.weight if up else None, down.weight, gate.layout,
-                   activation)
+                   gated.activation)
 
 
 def _describe(node: Node, spec: MoESpec) -> Rewrite:

@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 from ..report import Rewrite
 from ..spec import MoESpec
 from .emit import emit_experts, inputs_unchanged
-from .fx_utils import alias_mutations, is_call, source_line, split_gated, val
+from .fx_utils import alias_mutations, is_call, read_gated, source_line, val
 
 FORM = "sorted_grouped_mm"
 
@@ -182,14 +182,12 @@ def match(acc: Node) -> Optional[tuple[MoESpec, Node]]:
     if down is None:
         return None
     h, w_down, layout, offs = down
-    split = split_gated(h)
-    if split is None:
-        return None
-    activation, _, gate_in, up_node = split
     num_experts = val(w_down).shape[0]
-    gate = _grouped(gate_in, ids, num_experts)
-    up = _grouped(up_node, ids, num_experts) if up_node is not None else None
-    if gate is None or (up_node is not None and (up is None or up[0] is not gate[0])):
+    gated = read_gated(h, lambda n: _grouped(n, ids, num_experts))
+    if gated is None:
+        return None
+    activation, gate, up = gated.activation, gated.gate, gated.up
+    if up is not None and up[0] is not gate[0]:
         return None
     if any(p[2] != layout for p in (gate, up) if p is not None):
         return None

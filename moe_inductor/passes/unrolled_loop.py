@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 from ..report import Rewrite
 from ..spec import MoESpec
 from .emit import emit_experts, inputs_unchanged
-from .fx_utils import alias_mutations, is_call, source_line, split_gated, val
+from .fx_utils import alias_mutations, is_call, read_gated, source_line, val
 
 FORM = "unrolled_loop"
 
@@ -185,14 +185,10 @@ def _body(add: Node, acc: Node) -> Optional[_Body]:
     if down is None:
         return None
     h, w_down, layout, _ = down
-    split = split_gated(h)
-    if split is None:
+    gated = read_gated(h, lambda n: _linear(n, e))
+    if gated is None:
         return None
-    activation, _, gate_in, up_node = split
-    gate = _linear(gate_in, e)
-    up = _linear(up_node, e) if up_node is not None else None
-    if gate is None or (up_node is not None and up is None):
-        return None
+    activation, gate, up = gated.activation, gated.gate, gated.up
     xe = gate[0]
     if up is not None and up[0] is not xe:
         return None
