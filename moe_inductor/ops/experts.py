@@ -124,10 +124,12 @@ def experts_forward_impl(
     # rows of dropped assignments are never written by the kernel: zero them so the output is fully defined
     alloc = x.new_zeros if capacity is not None else x.new_empty
     pre = alloc(order.shape[0], n_pre) if save_pre else x.new_empty(0)
-    forward = _forward_gemms if use_triton(x) else _forward_per_expert
-    extra = (capacity is not None,) if forward is _forward_gemms else ()
-    y = forward(x, topk_ids, topk_weights.contiguous().view(-1), order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2,
-                activation, weight_position, alpha, limit, pre if save_pre else None, *extra)
+    args = (x, topk_ids, topk_weights.contiguous().view(-1), order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2,
+            activation, weight_position, alpha, limit, pre if save_pre else None)
+    if use_triton(x):
+        y = _forward_gemms(*args, dropped=capacity is not None)
+    else:
+        y = _forward_per_expert(*args)
     return y, pre, order, sorted_expert, offsets
 
 
