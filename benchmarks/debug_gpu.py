@@ -53,6 +53,35 @@ def dbrx_model():
               [round(v, 4) for v in rows.tolist()], dict(counters["moe_inductor"]), flush=True)
 
 
+def dbrx_spread():
+    """How far apart are HF's own bf16 eager implementations of tiny DBRX? If eager-vs-eager already differs at a few
+    positions as much as ours does, those positions are router near-ties, not a wrong rewrite."""
+    from tests.hf_models import tiny
+
+    ids = torch.randint(0, 64, (2, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    logits = {}
+    for impl in ("eager", "grouped_mm", "batched_mm"):
+        model = tiny("dbrx", experts_implementation=impl).to("cuda", torch.bfloat16)
+        with torch.no_grad():
+            logits[impl] = model(ids).logits.float()
+    model = tiny("dbrx").to("cuda", torch.bfloat16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        logits["moe_inductor"] = torch.compile(model, backend="moe_inductor")(ids).logits.float()
+    model32 = tiny("dbrx").to("cuda")
+    with torch.no_grad():
+        truth = model32(ids).logits.float()
+    for impl, got in logits.items():
+        rows = ((got - truth).norm(dim=-1) / truth.norm(dim=-1)).flatten()
+        print("dbrx bf16", impl, "vs fp32 truth", round(((got - truth).norm() / truth.norm()).item(), 4),
+              [round(v, 3) for v in rows.tolist()], flush=True)
+    for impl in ("grouped_mm", "batched_mm"):
+        ref = logits["eager"]
+        rows = ((logits[impl] - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten()
+        print("dbrx bf16", impl, "vs eager", round(((logits[impl] - ref).norm() / ref.norm()).item(), 4),
+              [round(v, 3) for v in rows.tolist()], flush=True)
+
+
 def loop():
     """The unrolled-loop model on CUDA: the Dynamo graph our passes see, the graph breaks, and the rewrites."""
     from moe_inductor.backend import moe_inductor_backend

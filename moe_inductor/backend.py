@@ -18,6 +18,7 @@ from . import capture, hf
 from .explain import log_rewrites
 from .options import BackendOptions
 from .passes import FX_PASSES
+from .passes.fx_utils import canonicalize_operators
 from .report import GraphRecord, Rewrite, current_report
 
 log = logging.getLogger("moe_inductor")
@@ -41,6 +42,7 @@ def _run_pass(form: str, rewrite: Callable, gm: torch.fx.GraphModule) -> tuple[t
     graph.output(graph.graph_copy(gm.graph, {}))
     candidate = torch.fx.GraphModule(gm, graph)
     try:
+        canonicalize_operators(candidate.graph)
         found = rewrite(candidate)
     except Exception as exc:
         if config.strict_passes:

@@ -4,7 +4,7 @@ import torch
 
 import moe_inductor
 from moe_inductor.ops import expert_weight_views, moe_reference
-from tests.helpers import assert_close, make_problem
+from tests.helpers import assert_bf16_logits_match, assert_close, make_problem
 
 pytestmark = pytest.mark.gpu
 
@@ -209,9 +209,23 @@ def test_wrapped_hf_blocks_on_gpu(family, dtype):
         # breaks the graph on, with any backend)
         ref = model(ids, **kwargs).logits.float()
         out = compiled(ids, **kwargs).logits.float()
-    assert ((out - ref).norm() / ref.norm()).item() < (1e-4 if dtype == torch.float32 else 2e-2)
-    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    assert sum(counters["moe_inductor"].values()) >= 2
+        ref_fp32 = tiny(family).to("cuda")(ids, **kwargs).logits.float()
+    if dtype == torch.float32:
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-4
+    else:
+        assert_bf16_logits_match(out, ref, ref_fp32, family)
+    rewrites, breaks = sum(counters["moe_inductor"].values()), dict(counters["graph_break"])
+    assert rewrites >= 2
+    if breaks and family == "switch" and torch.__version__ < "2.13":
+        # HF's Switch router runs self.classifier.to(dtype) in forward; Dynamo before 2.13 breaks on the
+        # nn.Parameter it builds there (pytorch#161207), under every backend. Ours must add no break of its own.
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad():
+            torch.compile(model, backend="eager")(ids, **kwargs)
+        assert breaks == dict(counters["graph_break"])
+    else:
+        assert not breaks, breaks
 
 
 def test_bucketed_prefill_under_cuda_graphs():

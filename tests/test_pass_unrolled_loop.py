@@ -87,7 +87,9 @@ def test_no_nonzero_left_in_the_graph():
 
     def backend(gm, example_inputs):
         from moe_inductor.passes import unrolled_loop
+        from moe_inductor.passes.fx_utils import canonicalize_operators
 
+        canonicalize_operators(gm.graph)  # as the backend does first (torch 2.11 spells ids == e as __eq__)
         unrolled_loop.rewrite(gm)
         captured.append([n.target for n in gm.graph.nodes])
         return gm.forward
@@ -101,6 +103,36 @@ def test_no_nonzero_left_in_the_graph():
     assert torch.ops.moe_inductor.experts_forward.default in targets
     assert torch.where not in targets and "index_add_" not in targets
     assert not any("assert" in str(t) for t in targets)
+
+
+@pytest.mark.parametrize("style", ["where_matmul", "setitem_add"])
+def test_torch_2_11_dunder_spelling_is_rewritten(style):
+    """Dynamo in torch 2.11 records ``ids == e`` as ``call_method __eq__`` (seen on the H200), 2.13 as
+    ``operator.eq``; both must be rewritten. The graph is respelled the 2.11 way before the backend sees it."""
+    import operator
+
+    from moe_inductor import capture
+    from moe_inductor.backend import moe_inductor_backend
+
+    respelled = []
+
+    def as_torch_2_11(gm, example_inputs):
+        for node in list(gm.graph.nodes):  # on torch 2.11 most are spelled so already
+            if node.op == "call_function" and node.target in (operator.eq, operator.mul):
+                node.op, node.target = "call_method", {operator.eq: "__eq__", operator.mul: "__mul__"}[node.target]
+        gm.recompile()
+        respelled.extend(n.target for n in gm.graph.nodes if n.op == "call_method")
+        return moe_inductor_backend(gm, example_inputs, options={"inner": "eager"})
+
+    setattr(as_torch_2_11, capture.BACKEND_MARKER, True)
+    torch.manual_seed(0)
+    model, x = LoopMoE(style, 4, 2), torch.randn(9, H)
+    torch._dynamo.reset()
+    counters.clear()
+    out, ref = torch.compile(model, backend=as_torch_2_11)(x), model(x)
+    assert "__eq__" in respelled
+    assert counters["moe_inductor"]["unrolled_loop"] == 1
+    torch.testing.assert_close(out, ref)
 
 
 def test_gradients_match_eager():

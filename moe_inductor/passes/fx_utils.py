@@ -15,6 +15,39 @@ def is_call(node, op: str, *targets) -> bool:
     return isinstance(node, Node) and node.op == op and node.target in targets
 
 
+# Tensor dunder methods and the operator functions they equal. Dynamo in torch 2.11 records ``ids == e`` as
+# ``call_method __eq__``, 2.13 as ``call_function operator.eq``; the matchers are written for the latter.
+_DUNDER_OPERATORS = {
+    "__eq__": operator.eq, "__ne__": operator.ne, "__lt__": operator.lt, "__le__": operator.le,
+    "__gt__": operator.gt, "__ge__": operator.ge, "__add__": operator.add, "__sub__": operator.sub,
+    "__mul__": operator.mul, "__truediv__": operator.truediv, "__floordiv__": operator.floordiv,
+    "__matmul__": operator.matmul, "__pow__": operator.pow, "__and__": operator.and_, "__or__": operator.or_,
+    "__xor__": operator.xor, "__getitem__": operator.getitem, "__neg__": operator.neg, "__invert__": operator.invert,
+}
+
+
+def canonicalize_operators(graph: torch.fx.Graph) -> int:
+    """Respell ``call_method __eq__(a, b)`` (and the other tensor dunders) as ``call_function operator.eq(a, b)``.
+
+    The two mean the same thing when the receiver is a tensor, which is the only case changed. Returns how many
+    nodes were respelled."""
+    changed = 0
+    for node in list(graph.nodes):
+        fn = _DUNDER_OPERATORS.get(node.target) if node.op == "call_method" else None
+        arity = 1 if fn in (operator.neg, operator.invert) else 2
+        if fn is None or node.kwargs or len(node.args) != arity or not isinstance(node.args[0], Node):
+            continue
+        if not isinstance(node.args[0].meta.get("val", node.args[0].meta.get("example_value")), torch.Tensor):
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(fn, node.args)
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        changed += 1
+    return changed
+
+
 def inplace_users(node: Node) -> list[Node]:
     """The users of ``node`` that mutate it through an in-place method (``x.index_add_(...)``, ``x.scatter_(...)``)."""
     return [u for u in node.users
