@@ -1,7 +1,7 @@
 """One-off GPU diagnostics (kept so the next session can rerun them): DBRX views through the op, the unrolled-loop
 graph on CUDA, HF's compiled decode with our backend, and a host-side profile of one fused_experts call.
 
-    python benchmarks/debug_gpu.py dbrx dbrx_model loop decode host route
+    python benchmarks/debug_gpu.py dbrx dbrx_model dbrx_spread loop decode host route prefill_host
 """
 import cProfile
 import pstats
@@ -142,6 +142,28 @@ def host():
     prof.disable()
     torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+def prefill_host():
+    """Where the host time of one T = 512 prefill goes (bench_hf's 4-layer Qwen3 model), for both compiled variants:
+    cProfile over 20 forwards, the top entries by own time."""
+    from benchmarks.bench_hf import build, variants
+
+    model, cfg = build(False, 4, "cuda", torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (1, 512), device="cuda")
+    for name, fwd in variants(model, ("inductor", "moe_inductor")):
+        with torch.no_grad():
+            for _ in range(5):
+                fwd(input_ids=ids)
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(20):
+                fwd(input_ids=ids)
+            prof.disable()
+            torch.cuda.synchronize()
+        print("PREFILL HOST", name, flush=True)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
 def route():
