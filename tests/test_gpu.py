@@ -224,12 +224,14 @@ def test_wrapped_hf_blocks_on_gpu(family, dtype, monkeypatch):
     assert len(gpu_runs) >= 2 and rewrites >= 1  # after a graph break, layers can share one compiled (rewritten) frame
     if breaks and family == "switch" and torch.__version__ < "2.13":
         # HF's Switch router runs self.classifier.to(dtype) in forward; Dynamo before 2.13 breaks on the
-        # nn.Parameter it builds there (pytorch#161207), under every backend. Ours must add no break of its own.
+        # nn.Parameter it builds there (pytorch#161207), under every backend. Ours must add no break of its own
+        # (backend="eager" also breaks on the experts loop's nonzero, which our capture makes traceable).
         torch._dynamo.reset()
         counters.clear()
         with torch.no_grad():
             torch.compile(model, backend="eager")(ids, **kwargs)
-        assert breaks == dict(counters["graph_break"])
+        plain = dict(counters["graph_break"])
+        assert all(n <= plain.get(reason, 0) for reason, n in breaks.items()), (breaks, plain)
     else:
         assert not breaks, breaks
 
