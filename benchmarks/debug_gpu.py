@@ -166,6 +166,40 @@ def prefill_host():
         pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
+def op_overhead():
+    """Host wall time per call, Qwen3 shape at T = 512: the op's body called directly vs through the dispatcher
+    (what Inductor's wrapper does), under no_grad; then a cProfile of the dispatched calls by cumulative time."""
+    import time
+
+    from moe_inductor.ops import expert_weight_views, experts_forward_impl
+    from tests.helpers import make_problem
+
+    p = make_problem(512, 2048, 768, 128, 8, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
+    args = (p.x, p.topk_ids, p.topk_weights, g, u, d, None, None, None, "silu_glu", "output", 1.702, 7.0, None, False)
+    op = torch.ops.moe_inductor.experts_forward.default
+    with torch.no_grad():
+        for name, fn in (("direct", lambda: experts_forward_impl(*args)), ("op", lambda: op(*args)),
+                         ("direct", lambda: experts_forward_impl(*args)), ("op", lambda: op(*args))):
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(200):
+                fn()
+            host = (time.perf_counter() - t0) / 200 * 1e6
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / 200 * 1e6
+            print(f"op_overhead {name}: host {host:.1f} us/call, wall {wall:.1f} us/call", flush=True)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(100):
+            op(*args)
+        prof.disable()
+        torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+
+
 def route():
     from triton.testing import do_bench
 
