@@ -256,12 +256,17 @@ def test_bucketed_prefill_under_cuda_graphs():
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
-@pytest.mark.parametrize("T", [1, 37, 300])
+@pytest.mark.parametrize("T", [1, 37, 300, 700])
 def test_experimental_fast_launch_matches_the_normal_launch(T, monkeypatch):
     """config.fast_launch (off by default) must give bit-identical results, also for views whose data pointer is
     not 16-byte aligned (a different Triton specialisation) and when the cached kernel is replayed."""
     from moe_inductor import config
+    from moe_inductor.kernels import launch
+    from moe_inductor.kernels.combine import combine_kernel
+    from moe_inductor.kernels.routing import route_count_kernel, route_place_kernel
+    from moe_inductor.ops import routing
 
+    monkeypatch.setattr(launch, "_COMPILED", {})
     p = make_problem(T, 256, 128, 12, 2, dtype=torch.bfloat16, device="cuda", bias=True, requires_grad=False)
     x_misaligned = torch.randn(T * 256 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(T, 256)
     for x in (p.x, x_misaligned, p.x):
@@ -271,3 +276,6 @@ def test_experimental_fast_launch_matches_the_normal_launch(T, monkeypatch):
         for _ in range(2):  # the first launch compiles and caches, the second replays
             got = moe_inductor.fused_experts(x, p.topk_ids, p.topk_weights, p.w1, p.w2, b1=p.b1, b2=p.b2)
             assert torch.equal(got, ref)
+    launched_fast = {key[0] for key in launch._COMPILED}  # every kernel of the forward takes the fast path
+    assert {launch.grouped_gemm_kernel, route_place_kernel, combine_kernel} <= launched_fast
+    assert (route_count_kernel in launched_fast) == (T * 2 > routing.SINGLE_LAUNCH_MAX_ROWS)  # chunked routing

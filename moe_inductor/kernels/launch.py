@@ -96,10 +96,7 @@ def launch_grouped_gemm(
             out.stride(0), out.stride(1), pre_.stride(0), pre_.stride(1),
             float(alpha), float(limit),
         )
-        if moe_config.fast_launch and not configs.interpreting():
-            _fast_launch(grouped_gemm_kernel, grid, args, meta, decision_key)
-        else:
-            grouped_gemm_kernel[grid](*args, **meta)
+        launch_kernel(grouped_gemm_kernel, grid, args, meta)
 
     if decided is None:
         def meta_for(cfg: configs.LaunchConfig) -> dict:
@@ -129,8 +126,9 @@ def launch_grouped_gemm(
 # (shape, dtype, flags, bucket, device) -> (config, the kernel's constexpr arguments); see launch_grouped_gemm.
 _GEMM_DECISIONS: dict[tuple, tuple[configs.LaunchConfig, dict]] = {}
 
-# (decision key, argument specialisation) -> Triton's CompiledKernel; see _fast_launch.
-_COMPILED: dict[tuple, object] = {}
+# (kernel, its constexpr arguments, argument specialisation) -> (Triton's CompiledKernel, constexprs in signature
+# order); see _fast_launch.
+_COMPILED: dict[tuple, tuple] = {}
 
 
 def _specialisation(args: tuple) -> tuple:
@@ -147,20 +145,30 @@ def _specialisation(args: tuple) -> tuple:
     return tuple(key)
 
 
-def _fast_launch(kernel, grid: tuple, args: tuple, meta: dict, decision_key: tuple) -> None:
+def launch_kernel(kernel, grid: tuple, args: tuple, meta: dict) -> None:
+    """``kernel[grid](*args, **meta)``: every launch of ours goes through here, so that ``config.fast_launch`` covers
+    them all (routing, GEMMs, combine)."""
+    if moe_config.fast_launch and not configs.interpreting():
+        _fast_launch(kernel, grid, args, meta)
+    else:
+        kernel[grid](*args, **meta)
+
+
+def _fast_launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     """Launch through Triton's CompiledKernel directly once it is known, skipping ``JITFunction.run`` (argument
-    binding, cache-key hashing): the first launch per (decision, specialisation) goes the normal way and keeps the
-    compiled kernel it returns. EXPERIMENTAL (``config.fast_launch``): written against triton 3.6's
+    binding, cache-key hashing): the first launch per (kernel, constexprs, specialisation) goes the normal way and
+    keeps the compiled kernel it returns. EXPERIMENTAL (``config.fast_launch``): written against triton 3.6's
     ``CompiledKernel.__getitem__``, which takes every parameter, constexprs included, in signature order."""
-    key = (decision_key, _specialisation(args))
-    compiled = _COMPILED.get(key)
-    if compiled is None:
+    key = (kernel, tuple(meta.items()), _specialisation(args))
+    cached = _COMPILED.get(key)
+    if cached is None:
         compiled = kernel[grid](*args, **meta)
-        if compiled is not None:
-            _COMPILED[key] = (compiled, tuple(meta[name] for name in kernel.arg_names[len(args):]))
+        names = kernel.arg_names[len(args):]
+        if compiled is not None and all(name in meta for name in names):  # else: always the normal launch
+            _COMPILED[key] = (compiled, tuple(meta[name] for name in names))
         return
-    compiled, constexprs = compiled
-    compiled[(grid[0], 1, 1)](*args, *constexprs)
+    compiled, constexprs = cached
+    compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs)
 
 
 def launch_grouped_weight_grad(

@@ -13,7 +13,8 @@ import torch
 
 from .. import config
 from ..kernels.combine import combine_kernel
-from ..kernels.launch import cdiv, device_guard, launch_grouped_gemm, launch_grouped_weight_grad, next_pow2
+from ..kernels.launch import (cdiv, device_guard, launch_grouped_gemm, launch_grouped_weight_grad, launch_kernel,
+                              next_pow2)
 from ..kernels.grouped_gemm import (  # noqa: F401  (re-exported constants)
     ROWS_ASSIGNMENT,
     ROWS_SORTED,
@@ -166,10 +167,9 @@ def combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> tor
         if T > 0:
             block_h = min(1024, next_pow2(H))
             with device_guard(rows):
-                combine_kernel[(T, cdiv(H, block_h))](
-                    rows, topk_ids.contiguous(), y, H, rows.stride(0), y.stride(0),
-                    NUM_EXPERTS=num_experts, TOPK=k, BLOCK_H=block_h,
-                )
+                launch_kernel(combine_kernel, (T, cdiv(H, block_h)),
+                              (rows, topk_ids.contiguous(), y, H, rows.stride(0), y.stride(0)),
+                              dict(NUM_EXPERTS=num_experts, TOPK=k, BLOCK_H=block_h))
         return y
     valid = ((topk_ids >= 0) & (topk_ids < num_experts))[..., None]
     return torch.where(valid, rows.view(T, k, H).float(), 0.0).sum(1).to(rows.dtype)

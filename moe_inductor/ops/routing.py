@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.configs import interpreting
-from ..kernels.launch import cdiv, device_guard, next_pow2
+from ..kernels.launch import cdiv, device_guard, launch_kernel, next_pow2
 from ..kernels.routing import route_count_kernel, route_place_kernel
 from .grouped import use_triton
 
@@ -82,10 +82,10 @@ def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] =
     cap = M + 1 if capacity is None else capacity
     with device_guard(ids):
         if num_chunks > 1:
-            route_count_kernel[(num_chunks,)](ids, counts, M, max(T, 1), num_experts, CHOICE_MAJOR=meta["CHOICE_MAJOR"],
-                                              TOPK=k, CHUNK=chunk, BINS=bins)
-        route_place_kernel[(num_chunks,)](ids, counts, order, sorted_expert, offsets, M, max(T, 1), num_experts, cap,
-                                          num_chunks, **meta)
+            launch_kernel(route_count_kernel, (num_chunks,), (ids, counts, M, max(T, 1), num_experts),
+                          dict(CHOICE_MAJOR=meta["CHOICE_MAJOR"], TOPK=k, CHUNK=chunk, BINS=bins))
+        launch_kernel(route_place_kernel, (num_chunks,),
+                      (ids, counts, order, sorted_expert, offsets, M, max(T, 1), num_experts, cap, num_chunks), meta)
     return order, sorted_expert, offsets
 
 
