@@ -71,9 +71,10 @@ def test_styles_are_rewritten_and_equal(style):
     assert sum(counters["graph_break"].values()) == 0
 
 
-def test_gradients_match_eager():
+@pytest.mark.parametrize("style", ["gptfast", "kn_swapped"])
+def test_gradients_match_eager(style):
     torch.manual_seed(0)
-    model = GatheredMoE("gptfast")
+    model = GatheredMoE(style)
     x = torch.randn(11, D, requires_grad=True)
     out = compile_moe(model, x, inner="aot_eager")
     params = [x, model.gate.weight, model.w1, model.w2, model.w3]

@@ -135,9 +135,10 @@ def test_torch_2_11_dunder_spelling_is_rewritten(style):
     torch.testing.assert_close(out, ref)
 
 
-def test_gradients_match_eager():
+@pytest.mark.parametrize("style", ["where_matmul", "hf_v4_mask"])
+def test_gradients_match_eager(style):
     torch.manual_seed(0)
-    model = LoopMoE("where_matmul", 4, 2)
+    model = LoopMoE(style, 4, 2)
     x = torch.randn(9, H, requires_grad=True)
     params = [x, model.router.weight, model.w1, model.w2, model.w3]
     out = compile_moe(model, x, inner="aot_eager")

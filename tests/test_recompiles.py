@@ -17,6 +17,11 @@ MODELS = {  # name: (form counted, model)
     "dense_experts": ("dense_experts", lambda: DenseMoE("einsum")),
     "sorted_grouped_mm": ("sorted_grouped_mm", lambda: SortedMoE("titan", 2).bfloat16()),  # _grouped_mm wants bf16
     "padded_capacity": ("padded_capacity", lambda: CapacityMoE("top2")),
+    # a second style of each form (the issue asks for two)
+    "gathered_kn_swapped": ("gathered_weights", lambda: GatheredMoE("kn_swapped")),
+    "dense_kn_mulsum": ("dense_experts", lambda: DenseMoE("kn_mulsum")),
+    "sorted_hf": ("sorted_grouped_mm", lambda: SortedMoE("hf", 2).bfloat16()),
+    "padded_top1": ("padded_capacity", lambda: CapacityMoE("top1")),
 }
 TOKENS = (2, 3, 5, 8, 13, 21, 34, 55)
 
@@ -33,7 +38,7 @@ def test_compiles_are_bounded(name, dynamic, bound):
     dtype = next(model.parameters()).dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for T in TOKENS:
-        x = torch.randn(T, model.w1.shape[-1] if name == "sorted_grouped_mm" else 16, dtype=dtype)
+        x = torch.randn(T, model.w1.shape[-1] if name.startswith("sorted") else 16, dtype=dtype)
         torch.testing.assert_close(compiled(x), model(x), rtol=tol, atol=tol)
     assert counters["stats"]["unique_graphs"] <= bound
     assert counters["moe_inductor"][form] == counters["stats"]["unique_graphs"]
