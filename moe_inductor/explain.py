@@ -1,4 +1,4 @@
-"""``moe_inductor.explain``, the ``moe_rewrites`` TORCH_LOGS artifact, and the CLI behind ``python -m moe_inductor``."""
+"""``moe_inductor.explain``, the ``moe_inductor`` and ``moe_rewrites`` logs, and the CLI behind ``python -m moe_inductor``."""
 from __future__ import annotations
 
 import logging
@@ -12,28 +12,28 @@ log = logging.getLogger("moe_inductor")
 
 
 def _register_logging() -> None:
-    """Register the ``moe_inductor`` log and the ``moe_rewrites`` artifact with torch's logging.
+    """Register the ``moe_inductor`` log with torch's logging.
 
-    ``TORCH_LOGS="moe_inductor"`` prints a line per rewrite and ``"+moe_inductor"`` also the rewritten graph; both
-    work from the shell because TORCH_LOGS takes module names. The artifact name is only known once this package is
-    imported, so it is for ``torch._logging`` users in-process, not for TORCH_LOGS at ``import torch``.
+    From the shell: ``TORCH_LOGS="moe_inductor"`` prints a line per rewrite, ``"+moe_inductor"`` adds the rewritten
+    graph, and ``TORCH_LOGS="moe_rewrites"`` prints each rewrite with its graph. TORCH_LOGS is read at
+    ``import torch``, before this package loads, and takes importable module names: both names are modules of this
+    distribution (``moe_rewrites.py`` exists for that alone).
     """
     try:
-        from torch._logging._internal import register_artifact, register_log
+        from torch._logging._internal import register_log
 
         register_log("moe_inductor", "moe_inductor")
-        register_artifact("moe_rewrites", "Each MoE region moe_inductor rewrote, with its graph", off_by_default=True)
     except Exception:  # an API change in torch._logging must never break compiles
         pass
+
+
+_rewrites_log = logging.getLogger("moe_rewrites")
 
 
 def log_rewrites(report_line: str, code: str) -> None:
     log.info("%s", report_line)
     log.debug("rewritten graph:\n%s", code)
-    try:
-        torch._logging.getArtifactLogger("moe_inductor", "moe_rewrites").debug("%s\n%s", report_line, code)
-    except Exception:
-        pass
+    _rewrites_log.info("%s\n%s", report_line, code)
 
 
 def _compile_and_run(fn: Callable, args, kwargs, options: dict, report: Report) -> None:
