@@ -158,6 +158,52 @@ def test_look_alikes_are_left_alone(style):
     assert not counters["moe_inductor"]
 
 
+class HeadLoop(nn.Module):
+    """Not an MoE, though it is a loop of where + index_add_ over stacked weights: each of 3 heads adds its MLP to the
+    rows where its score is positive, so a token takes any number of heads (no top-k). "ids_not_topk" selects with
+    ids == h for ids from a threshold: that one is an MoE after all (see the test)."""
+
+    def __init__(self, style="threshold"):
+        super().__init__()
+        self.style = style
+        self.q = nn.Parameter(torch.randn(H, 3))
+        self.w1 = nn.Parameter(torch.randn(3, I, H) * H ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(3, H, I) * I ** -0.5)
+
+    def forward(self, x):
+        scores = x @ self.q
+        out = torch.zeros_like(x)
+        ids = (scores > 0).long() + (scores > 1).long()  # (T, 3) values in {0, 1, 2}, shaped like top-k ids
+        for h in range(3):
+            if self.style == "threshold":
+                tok = torch.where(scores[:, h] > 0)[0]
+                out.index_add_(0, tok, F.silu(x[tok] @ self.w1[h].T) @ self.w2[h].T)
+            else:
+                tok, pos = torch.where(ids == h)
+                out.index_add_(0, tok, (F.silu(x[tok] @ self.w1[h].T) @ self.w2[h].T) * scores[tok, pos, None])
+        return out
+
+
+def test_a_loop_over_heads_is_left_alone():
+    torch.manual_seed(0)
+    model = HeadLoop("threshold")
+    x = torch.randn(9, H)
+    torch.testing.assert_close(compile_moe(model, x), model(x))
+    assert not counters["moe_inductor"]
+
+
+def test_index_add_loop_over_any_ids_is_an_moe():
+    """With ``index_add_`` the ids need not come from a top-k, nor be distinct in a row: the loop still computes
+    sum over (t, j) of score[t, j] * mlp_{ids[t, j]}(x_t), which is what the op computes. So it is rewritten."""
+    torch.manual_seed(0)
+    model = HeadLoop("ids_not_topk")
+    x = torch.randn(9, H)
+    ids = (x @ model.q > 0).long() + (x @ model.q > 1).long()
+    assert any(len(set(row)) < 3 for row in ids.tolist())  # repeated ids within a row are exercised
+    torch.testing.assert_close(compile_moe(model, x), model(x))
+    assert counters["moe_inductor"]["unrolled_loop"] == 1
+
+
 class Expert(nn.Module):
     def __init__(self, act=F.silu):
         super().__init__()
