@@ -126,8 +126,8 @@ def launch_grouped_gemm(
 # (shape, dtype, flags, bucket, device) -> (config, the kernel's constexpr arguments); see launch_grouped_gemm.
 _GEMM_DECISIONS: dict[tuple, tuple[configs.LaunchConfig, dict]] = {}
 
-# (kernel, its constexpr arguments, argument specialisation) -> (Triton's CompiledKernel, constexprs in signature
-# order); see _fast_launch.
+# (kernel, device, its constexpr arguments, argument specialisation) -> (Triton's CompiledKernel, constexprs in
+# signature order); see _fast_launch.
 _COMPILED: dict[tuple, tuple] = {}
 
 
@@ -159,7 +159,8 @@ def _fast_launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     binding, cache-key hashing): the first launch per (kernel, constexprs, specialisation) goes the normal way and
     keeps the compiled kernel it returns. EXPERIMENTAL (``config.fast_launch``): written against triton 3.6's
     ``CompiledKernel.__getitem__``, which takes every parameter, constexprs included, in signature order."""
-    key = (kernel, tuple(meta.items()), _specialisation(args))
+    # a compiled kernel is loaded per device: the first argument (a tensor in every launch of ours) names it
+    key = (kernel, args[0].device, tuple(meta.items()), _specialisation(args))
     cached = _COMPILED.get(key)
     if cached is None:
         compiled = kernel[grid](*args, **meta)
