@@ -145,9 +145,14 @@ def host():
 
 
 def prefill_host():
-    """Where the host time of one T = 512 prefill goes (bench_hf's 4-layer Qwen3 model), for both compiled variants:
-    cProfile over 20 forwards, the top entries by own time."""
+    """Is the T = 512 prefill (bench_hf's 4-layer Qwen3 model) host-bound, and by how much? For both compiled variants:
+    host time to enqueue one forward (no sync) against wall time per forward (synced), over 30 forwards, with the
+    experimental fast launch off and on alternately in the same process (separate processes differ by more than the
+    effect). Then a cProfile of 20 forwards, top entries by own time."""
+    import time
+
     from benchmarks.bench_hf import build, variants
+    from moe_inductor import config
 
     model, cfg = build(False, 4, "cuda", torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (1, 512), device="cuda")
@@ -155,7 +160,20 @@ def prefill_host():
         with torch.no_grad():
             for _ in range(5):
                 fwd(input_ids=ids)
-            torch.cuda.synchronize()
+            for rep in range(3):
+                for fast in (False, True):
+                    config.fast_launch = fast
+                    fwd(input_ids=ids)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(30):
+                        fwd(input_ids=ids)
+                    host = (time.perf_counter() - t0) / 30 * 1e3
+                    torch.cuda.synchronize()
+                    wall = (time.perf_counter() - t0) / 30 * 1e3
+                    print(f"PREFILL512 {name:<13} rep {rep} fast_launch={int(fast)}: host enqueue {host:.3f} ms, "
+                          f"wall {wall:.3f} ms per forward", flush=True)
+            config.fast_launch = False
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(20):

@@ -36,7 +36,7 @@ case "${1:-tests}" in
       | tee "$OUT/hf.log" | tail -20 ;;
   perf)  # the host-bound T = 512 prefill: where its host time goes, and the experimental fast launch against none
     timeout 200 python benchmarks/debug_gpu.py prefill_host 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/prefill_host.log"
-    grep -A30 "PREFILL HOST" "$OUT/prefill_host.log" | cut -c1-200 | head -70
+    grep PREFILL512 "$OUT/prefill_host.log"; grep -A30 "PREFILL HOST" "$OUT/prefill_host.log" | cut -c1-200 | head -70
     for fast in 0 1; do
       MOE_INDUCTOR_FAST_LAUNCH=$fast timeout 180 python benchmarks/bench_hf.py --variants inductor moe_inductor \
         --skip-decode --tokens 512 4096 --json "$OUT/hf_fast$fast.json" 2>&1 | grep "prefill T" | sed "s/^/fast=$fast /"
