@@ -3,6 +3,7 @@ decode, eager vs torch.compile (Inductor, HF's default grouped_mm experts) vs ba
 
     python benchmarks/bench_hf.py --json hf.json --markdown hf.md      # on the GPU
     python benchmarks/bench_hf.py --tiny --device cpu                   # a smoke run of the script itself
+    python benchmarks/bench_hf.py --skip-decode --prefill-mode reduce-overhead   # prefill under CUDA graphs, both
 
 Prefill: one forward over (1, T) tokens, do_bench median on the GPU. Decode: greedy ``generate`` with a static cache,
 new tokens per second, at batch 1 and 16 (compiled forward; "reduce-overhead" for both compiled columns).
@@ -48,17 +49,19 @@ def timed_ms(fn, device: str) -> float:
 VARIANTS = ("eager", "inductor", "moe_inductor")
 
 
-def variants(model, names=VARIANTS):
-    """(name, forward); Dynamo's caches are reset between variants so each gets its own recompile budget."""
+def variants(model, names=VARIANTS, mode=None):
+    """(name, forward); Dynamo's caches are reset between variants so each gets its own recompile budget. ``mode``
+    (e.g. "reduce-overhead") applies to both compiled variants alike."""
     plain = model.forward
     for name in names:
         torch._dynamo.reset()
-        yield name, (plain if name == "eager" else torch.compile(plain, **({"backend": name} if name != "inductor" else {})))
+        kwargs = ({"backend": name} if name != "inductor" else {}) | ({"mode": mode} if mode else {})
+        yield name, (plain if name == "eager" else torch.compile(plain, **kwargs))
 
 
-def prefill(model, cfg, tokens, device, names=VARIANTS) -> dict:
+def prefill(model, cfg, tokens, device, names=VARIANTS, mode=None) -> dict:
     rows = {}
-    for name, fwd in variants(model, names):
+    for name, fwd in variants(model, names, mode):
         for T in tokens:
             ids = torch.randint(0, cfg.vocab_size, (1, T), device=device)
             with torch.no_grad():
@@ -116,6 +119,8 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--prefill-mode", default=None, choices=[None, "reduce-overhead"],
+                    help="torch.compile mode of both compiled prefill columns (default: the default mode)")
     args = ap.parse_args(argv)
     tokens = args.tokens or ([16, 64] if args.tiny else [512, 4096, 16384])
     batches = args.batches or ([1, 2] if args.tiny else [1, 16])
@@ -128,7 +133,8 @@ def main(argv=None) -> None:
             "triton": __import__("triton").__version__,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "command": " ".join(sys.argv)}
     print(meta, flush=True)
-    result = {"meta": meta, "prefill_ms": prefill(model, cfg, tokens, args.device, args.variants)}
+    result = {"meta": meta, "prefill_ms": prefill(model, cfg, tokens, args.device, args.variants,
+                                                      args.prefill_mode)}
     if not args.skip_decode:
         result["decode_tokens_per_s"] = decode(model, cfg, batches, new_tokens, args.device, args.variants)
     if args.json:

@@ -4,7 +4,7 @@
 #   bash benchmarks/device_run.sh examples   # memcheck of the kernel tests + every example  (~4 min)
 #   bash benchmarks/device_run.sh experts    # bench_experts.py, the RESULTS.md table       (~5 min)
 #   bash benchmarks/device_run.sh hf         # bench_hf.py, whole-model prefill and decode  (~3 min warm)
-#   bash benchmarks/device_run.sh perf       # host profile of the T=512 prefill, fast launch on/off   (~5 min)
+#   bash benchmarks/device_run.sh perf       # T=512 prefill: host vs wall, fast launch A/B, CUDA graphs (~6 min)
 #   bash benchmarks/device_run.sh open       # only the GPU tests that failed last session, with full messages,
 #                                            # then the diagnostics (debug_gpu.py)            (~3 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -37,10 +37,8 @@ case "${1:-tests}" in
   perf)  # the host-bound T = 512 prefill: where its host time goes, and the experimental fast launch against none
     timeout 200 python benchmarks/debug_gpu.py prefill_host 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/prefill_host.log"
     grep PREFILL512 "$OUT/prefill_host.log"; grep -A30 "PREFILL HOST" "$OUT/prefill_host.log" | cut -c1-200 | head -70
-    for fast in 0 1; do
-      MOE_INDUCTOR_FAST_LAUNCH=$fast timeout 180 python benchmarks/bench_hf.py --variants inductor moe_inductor \
-        --skip-decode --tokens 512 4096 --json "$OUT/hf_fast$fast.json" 2>&1 | grep "prefill T" | sed "s/^/fast=$fast /"
-    done ;;
+    timeout 240 python benchmarks/bench_hf.py --variants inductor moe_inductor --skip-decode --tokens 512 4096 \
+      --prefill-mode reduce-overhead --json "$OUT/hf_cudagraphs.json" 2>&1 | grep "prefill T" | sed "s/^/cudagraphs /" ;;
   open)
     timeout 300 python -m pytest tests/test_gpu.py tests/test_rewritten_graphs.py tests/test_pass_unrolled_loop.py -q -p no:warnings --tb=short -k \
       "unrolled_loop or padded_capacity or wrapped or bucketed or fast_launch or rewritten or dunder" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
