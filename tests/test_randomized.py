@@ -134,3 +134,68 @@ def test_generated_capacity_moe_compiles_to_the_same_function(E, C, k, T, act, g
     ref = model(x)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     assert counters["moe_inductor"]["padded_capacity"] == 1
+
+
+class GeneratedLoopOrDenseMoE(nn.Module):
+    """The per-expert loop (where + index_add_, or out[tok] += ...) or the dense all-experts form (a scattered
+    routing matrix), with a generated E, k, activation, gating, weight layout and weight renormalisation."""
+
+    def __init__(self, form, E, k, H, I, act, gated, layout, renormalise):
+        super().__init__()
+        self.form, self.E, self.k, self.act, self.gated, self.renormalise = form, E, k, act, gated, renormalise
+        self.kn = layout == "kn"
+        self.router = nn.Linear(H, E, bias=False)
+        up, down = ((E, H, I), (E, I, H)) if self.kn else ((E, I, H), (E, H, I))
+        self.w1 = nn.Parameter(torch.randn(up) * H ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(up) * H ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(down) * I ** -0.5)
+
+    def _mlp(self, xe, e):
+        w1, w3, w2 = ((w[e] if self.kn else w[e].T) for w in (self.w1, self.w3, self.w2))
+        h = ACTS[self.act](xe @ w1)
+        return (h * (xe @ w3) if self.gated else h) @ w2
+
+    def forward(self, x):
+        probs = F.softmax(self.router(x), dim=-1)
+        weights, ids = torch.topk(probs, self.k, dim=-1)
+        if self.renormalise:
+            weights = weights / weights.sum(-1, keepdim=True)
+        if self.form == "dense":
+            routing = torch.zeros_like(probs).scatter(1, ids, weights)
+            eq_up, eq_down = ("th,ehi->tei", "tei,eih->teh") if self.kn else ("th,eih->tei", "tei,ehi->teh")
+            w1, w3, w2 = self.w1, self.w3, self.w2
+            h = ACTS[self.act](torch.einsum(eq_up, x, w1))
+            if self.gated:
+                h = h * torch.einsum(eq_up, x, w3)
+            return torch.einsum("teh,te->th", torch.einsum(eq_down, h, w2), routing)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            tok, pos = torch.where(ids == e)
+            if self.form == "loop_index_add":
+                out.index_add_(0, tok, self._mlp(x[tok], e) * weights[tok, pos, None])
+            else:  # "loop_setitem"
+                out[tok] += self._mlp(x[tok], e) * weights[tok, pos, None]
+        return out
+
+
+FORM_COUNTERS = {"dense": "dense_experts", "loop_index_add": "unrolled_loop", "loop_setitem": "unrolled_loop"}
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    form=st.sampled_from(sorted(FORM_COUNTERS)), E=st.integers(2, 7), k_frac=st.floats(0, 1), T=st.integers(1, 20),
+    act=st.sampled_from(sorted(ACTS)), gated=st.booleans(), layout=st.sampled_from(["nk", "kn"]),
+    renormalise=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_generated_loop_and_dense_moe_compile_to_the_same_function(form, E, k_frac, T, act, gated, layout,
+                                                                    renormalise, seed):
+    torch.manual_seed(seed)
+    k = 1 + int(k_frac * (E - 1))
+    model = GeneratedLoopOrDenseMoE(form, E, k, 16, 8, act, gated, layout, renormalise)
+    x = torch.randn(T, 16)
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x)
+    ref = model(x)
+    assert ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item() < 1e-5
+    assert counters["moe_inductor"][FORM_COUNTERS[form]] == 1
