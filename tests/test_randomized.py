@@ -1,5 +1,6 @@
 """Randomised equivalence (hypothesis): generated MoE modules across forms, routing, E, k, T and activations must
 compile to the same function as eager. Examples are few: each one compiles."""
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -199,3 +200,55 @@ def test_generated_loop_and_dense_moe_compile_to_the_same_function(form, E, k_fr
     ref = model(x)
     assert ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item() < 1e-5
     assert counters["moe_inductor"][FORM_COUNTERS[form]] == 1
+
+
+class GeneratedSortedMoE(nn.Module):
+    """Sort + torch._grouped_mm (bf16, what _grouped_mm takes), with a generated E, k, activation, gating, and the
+    score applied to the expert input (torchtitan) or to its output (HF)."""
+
+    def __init__(self, E, k, H, I, act, gated, score_on):
+        super().__init__()
+        self.E, self.k, self.act, self.gated, self.score_on = E, k, act, gated, score_on
+        self.router = nn.Linear(H, E, bias=False)
+        self.w1 = nn.Parameter(torch.randn(E, I, H) * H ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(E, I, H) * H ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
+
+    def forward(self, x):
+        top, ids = torch.topk(torch.sigmoid(self.router(x).float()), self.k, dim=1)
+        flat = ids.view(-1)
+        order = torch.sort(flat)[1]
+        tok = order // self.k
+        offs = torch.cumsum(torch.histc(flat.float(), bins=self.E, min=0, max=self.E - 1), dim=0, dtype=torch.int32)
+        scores = top.view(-1)[order][:, None]
+        xs = x[tok]
+        if self.score_on == "input":
+            xs = (xs.float() * scores).to(x.dtype)
+        h = ACTS[self.act](torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs))
+        if self.gated:
+            h = h * torch._grouped_mm(xs, self.w3.transpose(-2, -1), offs=offs)
+        ys = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+        if self.score_on == "output":
+            ys = ys * scores.to(x.dtype)
+        out = torch.zeros_like(x)
+        out.index_add_(0, tok, ys)
+        return out
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs torch._grouped_mm")
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    E=st.integers(2, 7), k_frac=st.floats(0, 1), T=st.integers(1, 20), act=st.sampled_from(sorted(ACTS)),
+    gated=st.booleans(), score_on=st.sampled_from(["input", "output"]), seed=st.integers(0, 2**16),
+)
+def test_generated_sorted_moe_compiles_to_the_same_function(E, k_frac, T, act, gated, score_on, seed):
+    torch.manual_seed(seed)
+    k = 1 + int(k_frac * (E - 1))
+    model = GeneratedSortedMoE(E, k, 32, 16, act, gated, score_on).bfloat16()
+    x = torch.randn(T, 32, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x).float()
+    ref = model(x).float()
+    assert ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item() < 2e-2
+    assert counters["moe_inductor"]["sorted_grouped_mm"] == 1
