@@ -35,6 +35,9 @@ def _fwd_bwd(p, **kw):
         pytest.param(4, 3, 1, torch.float16, "gelu", True, "input", None, "nk", "concat", id="fp16-gelu-input"),
         pytest.param(7, 3, 2, torch.float32, "relu", True, "between", 3, "kn", "concat", id="fp32-capacity"),
         pytest.param(0, 3, 2, torch.float32, "silu_glu", False, "output", None, "nk", "concat", id="T0"),
+        # the fused backward middle (weight on the output): a unary activation with bias and drops, a bf16 glu
+        pytest.param(7, 3, 2, torch.float32, "gelu_tanh", True, "output", 3, "nk", "concat", id="fp32-output-capacity"),
+        pytest.param(6, 4, 2, torch.bfloat16, "relu_glu", False, "output", None, "nk", "interleaved", id="bf16-relu-glu"),
     ],
 )
 def test_fused_experts_triton_vs_reference(T, E, k, dtype, activation, bias, weight_position, capacity, layout,
@@ -72,3 +75,47 @@ def test_grouped_mm_triton_vs_reference(dtype, triton_kernels):
     ra, rb = torch.autograd.grad(grouped_mm_reference(a, b, offs), (a, b), dout)
     assert_close(da, ra, dtype, "da")
     assert_close(db, rb, dtype, "db")
+
+
+@pytest.mark.parametrize("activation", ["silu_glu", "gelu_glu", "gelu_tanh_glu", "relu_glu", "gptoss_glu", "silu",
+                                        "gelu", "gelu_tanh", "relu", "none"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_fused_backward_middle_matches_the_torch_formulas(activation, bias, triton_kernels):
+    """kernels/backward_middle.py against ops/activations.py's definitions: h, d(scale), d(gate), d(up), with rows
+    past the experts (dropped) zeroed, and an I that is not a multiple of the column block."""
+    from moe_inductor.ops.activations import activation_backward, apply_activation, is_gated
+    from moe_inductor.ops.experts import _backward_middle
+
+    gen = torch.Generator().manual_seed(3)
+    E, I, T, k = 3, 40, 9, 2
+    M = T * k
+    gated = is_gated(activation)
+    pre = (torch.randn(M, 2 * I if gated else I, generator=gen) * 3).to(DEVICE)  # wide enough to cross the clamps
+    g = torch.randn(M, I, generator=gen).to(DEVICE)
+    scale = torch.rand(M, generator=gen).to(DEVICE)
+    order = torch.randperm(M, generator=gen).to(torch.int32).to(DEVICE)
+    sorted_expert = torch.sort(torch.randint(0, E, (M,), generator=gen))[0].to(torch.int32)
+    sorted_expert[-3:] = E  # dropped rows
+    sorted_expert = sorted_expert.to(DEVICE)
+    b1 = torch.randn(E, I, generator=gen).to(DEVICE) if bias else None
+    b1_up = torch.randn(E, I, generator=gen).to(DEVICE) if bias and gated else None
+    h, d_gate, d_up, d_scale = _backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation, 1.702, 7.0,
+                                                E, torch.float32)
+
+    valid = (sorted_expert < E)[:, None]
+    expert_c = sorted_expert.long().clamp(max=E - 1)
+    p_gate, p_up = pre[:, :I], (pre[:, I:] if gated else None)
+    if bias:
+        p_gate = p_gate + b1[expert_c]
+        p_up = p_up + b1_up[expert_c] if gated else None
+    act = apply_activation(activation, p_gate, p_up, 1.702, 7.0)
+    g_valid = g.masked_fill(~valid, 0.0)
+    s = torch.where(valid[:, 0], scale[order.long()], 0.0)[:, None]
+    ref_gate, ref_up = activation_backward(activation, p_gate, p_up, g_valid * s, 1.702, 7.0)
+    torch.testing.assert_close(h, act, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d_scale, (act * g_valid).sum(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(d_gate, ref_gate.masked_fill(~valid, 0.0), rtol=1e-5, atol=1e-5)
+    if gated:
+        torch.testing.assert_close(d_up, ref_up.masked_fill(~valid, 0.0), rtol=1e-5, atol=1e-5)
+    else:
+        assert d_up is None

@@ -19,7 +19,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .activations import activation_backward, apply_activation, check_activation, is_gated
+from ..kernels.backward_middle import backward_middle_kernel
+from ..kernels.configs import interpreting
+from ..kernels.launch import cdiv, device_guard, launch_kernel
+from .activations import ACTIVATIONS, activation_backward, apply_activation, check_activation, is_gated
 from .grouped import (
     ROWS_ASSIGNMENT,
     use_triton,
@@ -179,7 +182,7 @@ def experts_backward(
     Returns:
         dx, d_topk_weights, dw1, dw1_up, dw2, db1, db1_up, db2; an empty tensor where none is wanted.
     """
-    T, H = x.shape
+    H = x.shape[1]
     topk = topk_weights.shape[1]
     M = order.shape[0]
     E, _, I = w1.shape
@@ -197,6 +200,70 @@ def experts_backward(
         tmp = x.new_empty(M, I)
         grouped_gemm(x, w1, offsets, order, topk, tmp, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED, b2=w1_up, pre=pre,
                      activation="none" if not gated else activation, alpha=alpha, limit=limit)
+    if weight_position == "output" and use_triton(x):
+        # the common case, fused: one pass over (M, I) instead of ~20 (kernels/backward_middle.py)
+        g = torch.empty(M, I, dtype=f32, device=x.device)
+        grouped_gemm(dy, w2.transpose(1, 2), offsets, order, topk, g, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED)
+        h, d_gate, d_up, d_scale_sorted = _backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation,
+                                                           alpha, limit, E, x.dtype)
+        del g
+        if b2 is not None:
+            d_scale_sorted = d_scale_sorted + (dy[token].to(f32) * b2[expert_c].to(f32)).sum(-1)
+        dw2 = db2 = db1 = db1_up = None
+        if needs[4]:
+            dw2 = grouped_weight_grad(h, dy, offsets, order, topk, _grad_buffer(w2), a_rows=ROWS_SORTED,
+                                      g_rows=ROWS_TOKEN, scale=scale)
+        del h
+        if b2 is not None and needs[7]:
+            rows = dy[token].to(f32) * s_sorted
+            db2 = torch.zeros(E + 1, H, dtype=f32, device=x.device).index_add_(0, expert, rows)[:E].to(b2.dtype)
+        if b1 is not None and needs[5]:
+            db1 = torch.zeros(E + 1, I, dtype=f32, device=x.device).index_add_(0, expert, d_gate.to(f32))[:E].to(
+                b1.dtype)
+        if b1_up is not None and needs[6]:
+            db1_up = torch.zeros(E + 1, I, dtype=f32, device=x.device).index_add_(0, expert, d_up.to(f32))[:E].to(
+                b1_up.dtype)
+    else:
+        d_gate, d_up, d_scale_sorted, dw2, db2, db1, db1_up = _backward_middle_torch(
+            dy, x, pre, w2, b1, b1_up, b2, scale, order, offsets, topk, expert, expert_c, valid, s_sorted, token,
+            gated, activation, weight_position, alpha, limit, needs)
+    return _backward_through_up(x, topk_ids, topk_weights, w1, w1_up, order, offsets, topk, valid, d_gate, d_up,
+                                d_scale_sorted, dw2, db2, db1, db1_up, dropped, needs)
+
+
+def _backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation, alpha, limit, num_experts, dtype):
+    """(h, d_gate, d_up, d_scale) of the fused middle (kernels/backward_middle.py); h and the gradients in ``dtype``,
+    d_up None when the activation is not gated."""
+    M, I = g.shape
+    gated, act_id = ACTIVATIONS[activation]
+    h = g.new_empty(M, I, dtype=dtype)
+    d_gate = g.new_empty(M, I, dtype=dtype)
+    d_up = g.new_empty(M, I, dtype=dtype) if gated else None
+    d_scale = g.new_empty(M)
+    has_bias = b1 is not None
+    b1c = b1.contiguous() if has_bias else g
+    b1_upc = b1_up.contiguous() if has_bias and gated else b1c
+    if M:
+        block_m, block_i = (16, 32) if interpreting() else (16, 256)
+        with device_guard(g):
+            launch_kernel(
+                backward_middle_kernel, (cdiv(M, block_m),),
+                (pre, g, scale, order, sorted_expert, b1c, b1_upc, h, d_gate, d_up if gated else d_gate, d_scale,
+                 M, I, pre.stride(0), g.stride(0), h.stride(0), d_gate.stride(0), b1c.stride(0) if has_bias else 0,
+                 float(alpha), float(limit)),
+                dict(NUM_EXPERTS=num_experts, GATED=gated, ACT=act_id, HAS_BIAS=has_bias, BLOCK_M=block_m,
+                     BLOCK_I=block_i, num_warps=4),
+            )
+    return h, d_gate, d_up, d_scale
+
+
+def _backward_middle_torch(dy, x, pre, w2, b1, b1_up, b2, scale, order, offsets, topk, expert, expert_c, valid,
+                           s_sorted, token, gated, activation, weight_position, alpha, limit, needs):
+    """The middle of the backward in plain torch (the CPU path, and the weight positions "between" and "input"):
+    returns d_gate, d_up (in x's dtype), d_scale_sorted, dw2, db2, db1, db1_up."""
+    M = order.shape[0]
+    E, I, H = w2.shape
+    f32 = torch.float32
     # The elementwise middle runs in fp32 on (M, I) tensors; each one is released (or reused in place) as soon as it
     # is dead, which keeps the backward's transient memory to a few of them.
     u_gate = pre[:, :I].to(f32)
@@ -255,7 +322,17 @@ def experts_backward(
         d_up = d_up * s_sorted if gated else None
     d_gate = d_gate.to(x.dtype)
     d_up = d_up.to(x.dtype) if gated else None
+    return d_gate, d_up, d_scale_sorted, dw2, db2, db1, db1_up
 
+
+def _backward_through_up(x, topk_ids, topk_weights, w1, w1_up, order, offsets, topk, valid, d_gate, d_up,
+                         d_scale_sorted, dw2, db2, db1, db1_up, dropped, needs):
+    """The rest of the backward, from the gradients of the raw up projections: dW1, dx and d(routing weights)."""
+    T, H = x.shape
+    M = order.shape[0]
+    E = w1.shape[0]
+    gated = w1_up is not None
+    f32 = torch.float32
     dw1 = dw1_up = None
     if needs[2]:
         dw1 = grouped_weight_grad(x, d_gate, offsets, order, topk, _grad_buffer(w1), a_rows=ROWS_TOKEN,
