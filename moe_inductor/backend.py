@@ -22,7 +22,7 @@ from .passes.fx_utils import canonicalize_operators
 from .report import GraphRecord, Rewrite, current_report
 
 log = logging.getLogger("moe_inductor")
-_MOE_OPS = ("experts_forward", "experts_forward_list")
+_MOE_OPS = ("experts_forward", "experts_forward_list", "experts_forward_visible")
 
 
 def _moe_ops_in(gm: torch.fx.GraphModule) -> int:
@@ -86,6 +86,12 @@ def moe_inductor_backend(
     report = current_report()
     if report is not None:
         report.graphs.append(GraphRecord(code=gm.code, rewrites=rewrites, moe_ops=_moe_ops_in(gm)))
+    from . import config
+
+    if config.visible_kernels and opts.inner != "eager":
+        from .lowerings.visible import swap_in_visible_ops
+
+        swap_in_visible_ops(gm)
     return _inner_compile(opts.inner, gm, example_inputs, mode)
 
 

@@ -18,3 +18,7 @@ strict_passes: bool = os.environ.get("MOE_INDUCTOR_STRICT_PASSES", "0") == "1"
 #: EXPERIMENTAL, off until the GPU suite has run with it: launch the grouped GEMM through Triton's compiled kernel
 #: directly after its first launch (skips ``JITFunction.run``'s per-call binding; see kernels/launch.py).
 fast_launch: bool = os.environ.get("MOE_INDUCTOR_FAST_LAUNCH", "0") == "1"
+
+#: EXPERIMENTAL, off until measured on the GPU: hand Inductor our experts forward as a ``triton_op`` it traces into,
+#: so that its generated wrapper launches our kernels (no dispatcher or Python of ours per call; lowerings/visible.py).
+visible_kernels: bool = os.environ.get("MOE_INDUCTOR_VISIBLE_KERNELS", "0") == "1"

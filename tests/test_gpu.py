@@ -279,3 +279,37 @@ def test_experimental_fast_launch_matches_the_normal_launch(T, monkeypatch):
     launched_fast = {key[0] for key in launch._COMPILED}  # every kernel of the forward takes the fast path
     assert {launch.grouped_gemm_kernel, route_place_kernel, combine_kernel} <= launched_fast
     assert (route_count_kernel in launched_fast) == (T * 2 > routing.SINGLE_LAUNCH_MAX_ROWS)  # chunked routing
+
+
+def test_experimental_visible_kernels_run_from_inductors_wrapper(monkeypatch):
+    """config.visible_kernels (off by default): Inductor traces into the experts forward and launches our Triton
+    kernels from its generated code; the results, the gradients and the compile count stay as with the opaque op."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    from moe_inductor import config
+    from moe_inductor.lowerings import visible
+    from tests.test_pass_gathered_weights import GatheredMoE
+
+    monkeypatch.setattr(config, "visible_kernels", True)
+    torch.manual_seed(0)
+    model = GatheredMoE("gptfast").cuda()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor")
+    codes = []
+    for T in (5, 17, 33, 64):
+        x = torch.randn(T, 16, device="cuda", requires_grad=True)
+        out, code = run_and_get_code(compiled, x)
+        codes += code
+        ref = model(x)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], torch.autograd.grad(ref.sum(), x)[0],
+                                   rtol=1e-4, atol=1e-4)
+    text = "\n".join(codes)
+    assert "grouped_gemm_kernel" in text and "torch.ops.moe_inductor.experts_forward" not in text  # no op call left
+    assert counters["stats"]["unique_graphs"] <= 2
+    p = make_problem(9, 64, 32, 5, 2, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
+    torch.library.opcheck(visible.experts_forward_visible, (p.x, p.topk_ids, p.topk_weights, g, u, d, None, None,
+                                                            None, "silu_glu", "output", 1.702, 7.0, None, False))

@@ -28,6 +28,35 @@ def device_guard(t: torch.Tensor):
     return contextlib.nullcontext()
 
 
+# Set while the Inductor-visible op's body runs (lowerings/visible.py): every launch then goes through
+# ``torch.library.wrap_triton`` so that Inductor can trace it, and decisions that would read a (symbolic) token count
+# read its hint instead, or take the path that is right for every count.
+_traceable = False
+
+
+@contextlib.contextmanager
+def traceable_launches():
+    """Launch through ``wrap_triton`` and decide from size hints, for the duration (see ``_traceable``)."""
+    global _traceable
+    previous, _traceable = _traceable, True
+    try:
+        yield
+    finally:
+        _traceable = previous
+
+
+def tracing_launches() -> bool:
+    return _traceable
+
+
+def size_hint(n, fallback: int = 64) -> int:
+    """``n`` as a plain int: a SymInt's example value (no guard is added), ``fallback`` when it has none."""
+    if isinstance(n, int):
+        return n
+    hint = getattr(getattr(n, "node", None), "hint", None)
+    return int(hint) if hint is not None else fallback
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 must match eager fp32 matmuls, which do not use tf32 by default
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -39,7 +68,7 @@ def _pick(key: str, default: configs.LaunchConfig, candidates, run) -> configs.L
     if cfg is not None:
         return cfg
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    if moe_config.autotune and not capturing and not configs.interpreting():
+    if moe_config.autotune and not capturing and not configs.interpreting() and not _traceable:
         return configs.tune(key, candidates, run)
     return default
 
@@ -71,7 +100,8 @@ def launch_grouped_gemm(
     gated = b2 is not None
     has_bias = bias is not None
     dummy = offsets
-    bucket = configs.rows_bucket(num_rows / max(num_experts, 1))
+    # the config only changes speed, so a traced (symbolic) row count may pick it from its example value
+    bucket = configs.rows_bucket(size_hint(num_rows) / max(num_experts, 1))
     # Every launch decision below depends only on this tuple, so it is made once per tuple: the per-call host work
     # is then one dict lookup, the argument list and the Triton launch (small T is host-bound).
     decision_key = (num_experts, n_dim, k_dim, a.dtype, gated, a_rows, c_rows, bucket, scale_mode, act_id, has_bias,
@@ -148,7 +178,11 @@ def _specialisation(args: tuple) -> tuple:
 def launch_kernel(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     """``kernel[grid](*args, **meta)``: every launch of ours goes through here, so that ``config.fast_launch`` covers
     them all (routing, GEMMs, combine)."""
-    if moe_config.fast_launch and not configs.interpreting():
+    if _traceable:
+        from torch.library import wrap_triton
+
+        wrap_triton(kernel)[grid](*args, **meta)
+    elif moe_config.fast_launch and not configs.interpreting():
         _fast_launch(kernel, grid, args, meta)
     else:
         kernel[grid](*args, **meta)

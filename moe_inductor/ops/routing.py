@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.configs import interpreting
-from ..kernels.launch import cdiv, device_guard, launch_kernel, next_pow2
+from ..kernels.launch import cdiv, device_guard, launch_kernel, next_pow2, tracing_launches
 from ..kernels.routing import route_count_kernel, route_place_kernel
 from .grouped import use_triton
 
@@ -71,21 +71,26 @@ def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] =
     order = ids.new_empty(M, dtype=torch.int32)
     sorted_expert = ids.new_empty(M, dtype=torch.int32)
     offsets = ids.new_empty(num_experts + 1, dtype=torch.int32)
-    # One chunk (and one launch) covers small batches; large ones are split so the per-program sort stays small.
-    chunk = 16 if interpreting() else (SINGLE_LAUNCH_MAX_ROWS if M <= SINGLE_LAUNCH_MAX_ROWS else CHUNK_ROWS)
-    num_chunks = max(cdiv(M, chunk), 1)
     bins = next_pow2(num_experts + 1)
+    if tracing_launches():  # a symbolic M: the two-launch path, right for every M, and no guard on M
+        chunk = 16 if interpreting() else CHUNK_ROWS
+        num_chunks, single, t_rows = torch.sym_max(cdiv(M, chunk), 1), False, torch.sym_max(T, 1)
+    else:
+        # One chunk (and one launch) covers small batches; large ones are split so the per-program sort stays small.
+        chunk = 16 if interpreting() else (SINGLE_LAUNCH_MAX_ROWS if M <= SINGLE_LAUNCH_MAX_ROWS else CHUNK_ROWS)
+        num_chunks, t_rows = max(cdiv(M, chunk), 1), max(T, 1)
+        single = num_chunks == 1
     # the per-chunk histograms; one chunk counts in registers, and its kernel never reads this (order stands in)
-    counts = ids.new_empty(num_chunks, bins, dtype=torch.int32) if num_chunks > 1 else order
-    meta = dict(CHOICE_MAJOR=capacity is not None, TOPK=k, CHUNK=chunk, BINS=bins, SINGLE=num_chunks == 1,
+    counts = order if single else ids.new_empty(num_chunks, bins, dtype=torch.int32)
+    meta = dict(CHOICE_MAJOR=capacity is not None, TOPK=k, CHUNK=chunk, BINS=bins, SINGLE=single,
                 num_warps=8 if chunk > 1024 else 4)
     cap = M + 1 if capacity is None else capacity
     with device_guard(ids):
-        if num_chunks > 1:
-            launch_kernel(route_count_kernel, (num_chunks,), (ids, counts, M, max(T, 1), num_experts),
+        if not single:
+            launch_kernel(route_count_kernel, (num_chunks,), (ids, counts, M, t_rows, num_experts),
                           dict(CHOICE_MAJOR=meta["CHOICE_MAJOR"], TOPK=k, CHUNK=chunk, BINS=bins))
         launch_kernel(route_place_kernel, (num_chunks,),
-                      (ids, counts, order, sorted_expert, offsets, M, max(T, 1), num_experts, cap, num_chunks), meta)
+                      (ids, counts, order, sorted_expert, offsets, M, t_rows, num_experts, cap, num_chunks), meta)
     return order, sorted_expert, offsets
 
 

@@ -1,0 +1,65 @@
+"""EXPERIMENTAL (``config.visible_kernels``, off): the experts forward as a ``torch.library.triton_op``, so that
+Inductor traces into it and launches our Triton kernels from its own generated wrapper.
+
+Why: ``moe_inductor::experts_forward`` is opaque to Inductor, so every call crosses the dispatcher into our Python
+(launch decisions, argument lists, Triton's ``JITFunction.run`` per kernel): about 195 us of host time a layer on
+the H200, which makes short prefills host-bound (benchmarks/RESULTS.md). Inside Inductor's wrapper the same
+launches cost a few microseconds each and no Python of ours runs.
+
+What changes under tracing (``kernels.launch.traceable_launches``): launches go through ``wrap_triton``; routing
+always takes its two-launch path (right for every token count, no guard on it); a GEMM config is picked from the
+token count's example value, since it only changes speed. The op has the same schema, outputs and autograd as
+``experts_forward``; ``swap_in_visible_ops`` swaps it into a graph just before the inner compile.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..kernels.launch import traceable_launches
+from ..ops.experts import _backward, _setup_context, experts_forward_impl
+from ..ops.grouped import use_triton
+
+
+@torch.library.triton_op("moe_inductor::experts_forward_visible", mutates_args=())
+def experts_forward_visible(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w1: Tensor,
+    w1_up: Optional[Tensor],
+    w2: Tensor,
+    b1: Optional[Tensor],
+    b1_up: Optional[Tensor],
+    b2: Optional[Tensor],
+    activation: str,
+    weight_position: str,
+    alpha: float,
+    limit: float,
+    capacity: Optional[int],
+    save_pre: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``experts_forward`` with its Triton launches visible to Inductor (GPU tensors, or CPU under the interpreter
+    with ``config.triton_on_cpu``)."""
+    with traceable_launches():
+        return experts_forward_impl(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation,
+                                    weight_position, alpha, limit, capacity, save_pre)
+
+
+experts_forward_visible.register_autograd(_backward, setup_context=_setup_context)
+
+
+def swap_in_visible_ops(gm: torch.fx.GraphModule) -> int:
+    """Point every ``experts_forward`` call on Triton-run tensors at ``experts_forward_visible``; returns how many."""
+    swapped = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.moe_inductor.experts_forward.default:
+            x = node.args[0].meta.get("val", node.args[0].meta.get("example_value"))
+            if isinstance(x, torch.Tensor) and use_triton(x):
+                node.target = torch.ops.moe_inductor.experts_forward_visible.default
+                swapped += 1
+    if swapped:
+        gm.recompile()
+    return swapped

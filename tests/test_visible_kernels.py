@@ -1,0 +1,56 @@
+"""The experimental Inductor-visible experts forward (lowerings/visible.py, ``config.visible_kernels``).
+
+On the CPU only its eager behaviour and the graph swap are testable: tracing into it needs compiled Triton kernels
+(under TRITON_INTERPRET=1 ``wrap_triton`` hands back the interpreted kernel, which cannot take fake tensors). The
+compiled path is tested on the GPU (tests/test_gpu.py).
+"""
+import pytest
+import torch
+
+from moe_inductor import config
+from moe_inductor.ops import expert_weight_views
+from tests.helpers import make_problem
+
+
+@pytest.fixture
+def triton_kernels(monkeypatch):
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+
+
+@pytest.mark.parametrize("T,k,capacity", [(3, 2, None), (11, 3, None), (9, 2, 4)], ids=["one-chunk", "chunks", "capacity"])
+def test_visible_op_equals_the_opaque_op(T, k, capacity, triton_kernels):
+    """Eagerly, the visible op runs the same kernels, except that routing always takes its two-launch path (the one
+    that is right for every token count), here with one chunk and with several (16 rows a chunk under the
+    interpreter)."""
+    import moe_inductor.lowerings.visible  # noqa: F401  (registers the op)
+
+    p = make_problem(T, 16, 8, 5, k, requires_grad=False)
+    g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
+    args = (p.x, p.topk_ids, p.topk_weights, g, u, d, None, None, None, "silu_glu", "output", 1.702, 7.0, capacity,
+            True)
+    got = torch.ops.moe_inductor.experts_forward_visible(*args)
+    ref = torch.ops.moe_inductor.experts_forward(*args)
+    for a, b, name in zip(got, ref, ("y", "pre", "order", "sorted_expert", "offsets")):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_the_swap_only_touches_triton_run_tensors(monkeypatch):
+    from moe_inductor.lowerings.visible import swap_in_visible_ops
+
+    def moe(x, ids, w, g, u, d):
+        return torch.ops.moe_inductor.experts_forward.default(x, ids, w, g, u, d, None, None, None, "silu_glu",
+                                                              "output", 1.702, 7.0, None, False)[0]
+
+    p = make_problem(7, 16, 8, 5, 2, requires_grad=False)
+    g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
+    inputs = (p.x, p.topk_ids, p.topk_weights, g, u, d)
+    for on_triton in (False, True):
+        monkeypatch.setattr(config, "triton_on_cpu", on_triton)
+        gm = torch.fx.symbolic_trace(moe)
+        for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs):
+            node.meta["val"] = value
+        assert swap_in_visible_ops(gm) == int(on_triton)
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        visible = torch.ops.moe_inductor.experts_forward_visible.default
+        assert (visible in targets) == on_triton
+        torch.testing.assert_close(gm(*inputs), moe(*inputs))  # eagerly the same function either way
