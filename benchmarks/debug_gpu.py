@@ -145,18 +145,22 @@ def host():
 
 
 def prefill_host():
-    """Is the T = 512 prefill (bench_hf's 4-layer Qwen3 model) host-bound, and by how much? For both compiled variants:
+    """Is the T = 512 prefill (bench_hf's 4-layer Qwen3 model) host-bound, and by how much? For inductor, moe_inductor
+    and moe_inductor with the experimental visible kernels:
     host time to enqueue one forward (no sync) against wall time per forward (synced), over 30 forwards, with the
     experimental fast launch off and on alternately in the same process (separate processes differ by more than the
     effect). Then a cProfile of 20 forwards, top entries by own time."""
     import time
 
-    from benchmarks.bench_hf import build, variants
+    from benchmarks.bench_hf import build
     from moe_inductor import config
 
     model, cfg = build(False, 4, "cuda", torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (1, 512), device="cuda")
-    for name, fwd in variants(model, ("inductor", "moe_inductor")):
+    for name in ("inductor", "moe_inductor", "moe_inductor_visible"):  # the last: config.visible_kernels
+        torch._dynamo.reset()
+        config.visible_kernels = name == "moe_inductor_visible"
+        fwd = torch.compile(model.forward, **({} if name == "inductor" else {"backend": "moe_inductor"}))
         with torch.no_grad():
             for _ in range(5):
                 fwd(input_ids=ids)
@@ -173,7 +177,7 @@ def prefill_host():
                     wall = (time.perf_counter() - t0) / 30 * 1e3
                     print(f"PREFILL512 {name:<13} rep {rep} fast_launch={int(fast)}: host enqueue {host:.3f} ms, "
                           f"wall {wall:.3f} ms per forward", flush=True)
-            config.fast_launch = False
+            config.fast_launch = config.visible_kernels = False
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(20):
