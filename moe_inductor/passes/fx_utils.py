@@ -37,7 +37,7 @@ def canonicalize_operators(graph: torch.fx.Graph) -> int:
         arity = 1 if fn in (operator.neg, operator.invert) else 2
         if fn is None or node.kwargs or len(node.args) != arity or not isinstance(node.args[0], Node):
             continue
-        if not isinstance(node.args[0].meta.get("val", node.args[0].meta.get("example_value")), torch.Tensor):
+        if val(node.args[0]) is None:  # only a tensor receiver makes the two spellings equal
             continue
         with graph.inserting_before(node):
             new = graph.call_function(fn, node.args)
