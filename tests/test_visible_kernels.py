@@ -17,14 +17,17 @@ def triton_kernels(monkeypatch):
     monkeypatch.setattr(config, "triton_on_cpu", True)
 
 
-@pytest.mark.parametrize("T,k,capacity", [(3, 2, None), (11, 3, None), (9, 2, 4)], ids=["one-chunk", "chunks", "capacity"])
-def test_visible_op_equals_the_opaque_op(T, k, capacity, triton_kernels):
+@pytest.mark.parametrize("T,k,capacity,routing", [
+    (3, 2, None, "random"), (11, 3, None, "random"), (9, 2, 4, "random"), (0, 2, None, "random"),
+    (1, 1, None, "random"), (10, 2, None, "one_expert"), (10, 2, None, "skip_odd"),
+], ids=["one-chunk", "chunks", "capacity", "T0", "T1", "all-on-one-expert", "empty-experts"])
+def test_visible_op_equals_the_opaque_op(T, k, capacity, routing, triton_kernels):
     """Eagerly, the visible op runs the same kernels, except that routing always takes its two-launch path (the one
     that is right for every token count), here with one chunk and with several (16 rows a chunk under the
     interpreter)."""
     import moe_inductor.lowerings.visible  # noqa: F401  (registers the op)
 
-    p = make_problem(T, 16, 8, 5, k, requires_grad=False)
+    p = make_problem(T, 16, 8, 5, k, routing=routing, requires_grad=False)  # E = 5, not a power of two
     g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
     args = (p.x, p.topk_ids, p.topk_weights, g, u, d, None, None, None, "silu_glu", "output", 1.702, 7.0, capacity,
             True)
@@ -54,3 +57,17 @@ def test_the_swap_only_touches_triton_run_tensors(monkeypatch):
         visible = torch.ops.moe_inductor.experts_forward_visible.default
         assert (visible in targets) == on_triton
         torch.testing.assert_close(gm(*inputs), moe(*inputs))  # eagerly the same function either way
+
+
+def test_visible_op_has_the_opaque_ops_gradients(triton_kernels):
+    import moe_inductor.lowerings.visible  # noqa: F401  (registers the op)
+
+    p = make_problem(7, 16, 8, 5, 2)
+    leaves = p.leaves()
+    g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
+    args = (p.x, p.topk_ids, p.topk_weights, g, u, d, None, None, None, "silu_glu", "output", 1.702, 7.0, None, True)
+    dy = torch.randn(7, 16)
+    got = torch.autograd.grad(torch.ops.moe_inductor.experts_forward_visible(*args)[0], leaves, dy)
+    ref = torch.autograd.grad(torch.ops.moe_inductor.experts_forward(*args)[0], leaves, dy)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b)
