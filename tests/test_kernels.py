@@ -119,3 +119,17 @@ def test_fused_backward_middle_matches_the_torch_formulas(activation, bias, trit
         torch.testing.assert_close(d_up, ref_up.masked_fill(~valid, 0.0), rtol=1e-5, atol=1e-5)
     else:
         assert d_up is None
+
+
+@pytest.mark.parametrize("sizes", [[1, 17, 0, 33, 1], [1, 1, 1, 1, 1, 1, 1], [0, 0, 49, 0]],
+                         ids=["ragged", "one-row-each", "one-hot-expert"])
+def test_grouped_mm_grid_covers_every_tile(sizes, triton_kernels):
+    """The grid has cdiv(M, BLOCK_M) + min(E, M) m-tiles; group sizes of 1 (mod 16, the interpreter's BLOCK_M) are
+    the worst case for that bound: every row must still be computed."""
+    gen = torch.Generator().manual_seed(1)
+    M = sum(sizes)
+    a = torch.randn(M, 32, generator=gen).to(DEVICE)
+    b = torch.randn(len(sizes), 32, 16, generator=gen).to(DEVICE)
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+    out = grouped_mm(a, b, offs)
+    assert_close(out, grouped_mm_reference(a.double(), b.double(), offs), torch.float32, "out")

@@ -11,7 +11,7 @@ Row modes say which row of a tensor a sorted position ``i`` reads or writes:
 
 The forward kernel walks a flattened tile list: m-tile ``i_m`` belongs to the expert whose cumulative tile count
 passes it. The list is derived inside the kernel from ``offsets``, so the host never reads a count back and the grid
-is sized by the worst case ``cdiv(M, BLOCK_M) + E``; tiles past the real count exit at once. That is what keeps the
+is sized by the worst case ``cdiv(M, BLOCK_M) + min(E, M)``; tiles past the real count exit at once. That is what keeps the
 op free of host syncs and safe under CUDA graphs, and it spreads a hot expert over the whole grid.
 """
 from __future__ import annotations

@@ -110,7 +110,10 @@ def launch_grouped_gemm(
     decided = _GEMM_DECISIONS.get(decision_key)
 
     def run(cfg: configs.LaunchConfig, meta: dict) -> None:
-        grid = ((cdiv(num_rows, cfg.BLOCK_M) + num_experts) * cdiv(n_dim, cfg.BLOCK_N),)
+        # m-tiles: sum over experts of cdiv(rows_e, BLOCK_M) < cdiv(M, BLOCK_M) + (experts with rows), and at most
+        # min(E, M) experts have rows: at decode (M = T*k small, E large) most of the E extra tiles never exist
+        busy = torch.sym_min(num_experts, num_rows) if _traceable else min(num_experts, num_rows)
+        grid = ((cdiv(num_rows, cfg.BLOCK_M) + busy) * cdiv(n_dim, cfg.BLOCK_N),)
         b2_ = b2 if gated else b
         bias_ = bias if has_bias else dummy
         bias2_ = bias2 if (has_bias and gated) else bias_
