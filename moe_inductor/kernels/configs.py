@@ -5,6 +5,7 @@ T reuses a config and never recompiles or re-tunes.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -35,7 +36,10 @@ def rows_bucket(rows_per_expert: float) -> int:
     return b
 
 
+@functools.lru_cache(maxsize=None)
 def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter. Triton reads TRITON_INTERPRET when a kernel is decorated, at
+    import, so the answer cannot change afterwards; cached because launches ask it several times a call."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
