@@ -38,6 +38,8 @@ def _fwd_bwd(p, **kw):
         # the fused backward middle (weight on the output): a unary activation with bias and drops, a bf16 glu
         pytest.param(7, 3, 2, torch.float32, "gelu_tanh", True, "output", 3, "nk", "concat", id="fp32-output-capacity"),
         pytest.param(6, 4, 2, torch.bfloat16, "relu_glu", False, "output", None, "nk", "interleaved", id="bf16-relu-glu"),
+        # one choice per token: the down GEMM writes y (and dx) directly, no combine; with drops, rows stay zero
+        pytest.param(9, 3, 1, torch.float32, "silu_glu", True, "output", 2, "nk", "concat", id="k1-capacity"),
     ],
 )
 def test_fused_experts_triton_vs_reference(T, E, k, dtype, activation, bias, weight_position, capacity, layout,

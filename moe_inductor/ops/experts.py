@@ -58,13 +58,15 @@ def _forward_gemms(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2,
         scale=scale_flat, scale_mode={"input": SCALE_ACC, "between": SCALE_OUT}.get(weight_position, SCALE_NONE),
         activation=activation, alpha=alpha, limit=limit, pre=pre,
     )
-    # Dropped assignments (capacity) are never written by the kernel, so their rows must start at zero.
-    out = x.new_zeros(M, H) if dropped else x.new_empty(M, H)
+    # Dropped assignments (capacity) are never written by the kernel, so their rows must start at zero. With one
+    # choice per token the assignment rows are the token rows: the GEMM writes y itself, and no combine is needed
+    # (rows it never writes, dropped or of an out-of-range id, stay zero as the combine would leave them).
+    out = x.new_zeros(M, H) if dropped or topk == 1 else x.new_empty(M, H)
     grouped_gemm(
         h, w2, offsets, order, topk, out, a_rows=ROWS_SORTED, c_rows=ROWS_ASSIGNMENT, bias=b2, scale=scale_flat,
         scale_mode=SCALE_OUT if weight_position == "output" else SCALE_NONE,
     )
-    return combine(out, topk_ids, w1.shape[0])
+    return out if topk == 1 else combine(out, topk_ids, w1.shape[0])
 
 
 def _forward_per_expert(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation,
@@ -342,13 +344,13 @@ def _backward_through_up(x, topk_ids, topk_weights, w1, w1_up, order, offsets, t
                                      g_rows=ROWS_SORTED)
     dx = None
     if needs[0]:
-        dx_rows = x.new_zeros(M, H) if dropped else x.new_empty(M, H)
+        dx_rows = x.new_zeros(M, H) if dropped or topk == 1 else x.new_empty(M, H)  # k = 1: the rows are dx
         grouped_gemm(d_gate, w1.transpose(1, 2), offsets, order, topk, dx_rows, a_rows=ROWS_SORTED,
                      c_rows=ROWS_ASSIGNMENT)
         if gated:
             grouped_gemm(d_up, w1_up.transpose(1, 2), offsets, order, topk, dx_rows, a_rows=ROWS_SORTED,
                          c_rows=ROWS_ASSIGNMENT, accumulate=True)
-        dx = combine(dx_rows, topk_ids, E)
+        dx = dx_rows if topk == 1 else combine(dx_rows, topk_ids, E)
     d_weights = None
     if needs[1] and d_scale_sorted is not None:
         d_flat = torch.zeros(M, dtype=f32, device=x.device).index_put_((order.long(),), torch.where(valid, d_scale_sorted, 0.0))
