@@ -143,7 +143,7 @@ def launch_grouped_gemm(
             )
 
         key = f"gemm|E{num_experts}|N{n_dim}|K{k_dim}|{a.dtype}|g{int(gated)}|a{a_rows}|c{c_rows}|m{bucket}"
-        default = configs.default_gemm_config(bucket, n_dim, k_dim, a.dtype)
+        default = configs.default_gemm_config(bucket, n_dim, k_dim, a.dtype, gated)
         # Tuning re-runs the launch, so an accumulating launch borrows the config of its plain twin.
         cfg = configs.TABLE.lookup(key) or (
             default if accumulate else _pick(key, default, lambda: configs.gemm_candidates(a.dtype),
