@@ -4,7 +4,8 @@
 #   bash benchmarks/device_run.sh examples   # memcheck of the kernel tests + every example  (~4 min)
 #   bash benchmarks/device_run.sh experts    # bench_experts.py, the RESULTS.md table       (~5 min)
 #   bash benchmarks/device_run.sh hf         # bench_hf.py, whole-model prefill and decode  (~3 min warm)
-#   bash benchmarks/device_run.sh perf       # T=512 prefill: host vs wall, fast launch A/B, CUDA graphs (~6 min)
+#   bash benchmarks/device_run.sh perf       # T=512 prefill: host vs wall, fast launch A/B, CUDA graphs,
+#                                            # visible kernels                                  (~8 min)
 #   bash benchmarks/device_run.sh experimental  # GPU tests of the fused backward middle, visible kernels, fast
 #                                            # launch; the backward's memory on the GPU            (~5 min)
 #   bash benchmarks/device_run.sh open       # only the GPU tests that failed last session, with full messages,
@@ -37,10 +38,12 @@ case "${1:-tests}" in
     timeout 560 python benchmarks/bench_hf.py --json "$OUT/hf.json" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       | tee "$OUT/hf.log" | tail -20 ;;
   perf)  # the host-bound T = 512 prefill: where its host time goes, and the experimental fast launch against none
-    timeout 200 python benchmarks/debug_gpu.py prefill_host 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/prefill_host.log"
+    timeout 190 python benchmarks/debug_gpu.py prefill_host 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/prefill_host.log"
     grep PREFILL512 "$OUT/prefill_host.log"; grep -A30 "PREFILL HOST" "$OUT/prefill_host.log" | cut -c1-200 | head -70
-    timeout 240 python benchmarks/bench_hf.py --variants inductor moe_inductor --skip-decode --tokens 512 4096 \
-      --prefill-mode reduce-overhead --json "$OUT/hf_cudagraphs.json" 2>&1 | grep "prefill T" | sed "s/^/cudagraphs /" ;;
+    timeout 190 python benchmarks/bench_hf.py --variants inductor moe_inductor --skip-decode --tokens 512 4096 \
+      --prefill-mode reduce-overhead --json "$OUT/hf_cudagraphs.json" 2>&1 | grep "prefill T" | sed "s/^/cudagraphs /"
+    MOE_INDUCTOR_VISIBLE_KERNELS=1 timeout 190 python benchmarks/bench_hf.py --variants inductor moe_inductor \
+      --skip-decode --tokens 512 4096 --json "$OUT/hf_visible.json" 2>&1 | grep "prefill T" | sed "s/^/visible /" ;;
   experimental)  # this session's unmeasured work: the fused backward middle, visible kernels, fast launch
     timeout 380 python -m pytest tests/test_gpu.py tests/test_kernels.py -q -p no:warnings --tb=short -k \
       "visible or fast_launch or backward or fp64 or fused_experts or hf_models_rewritten_on_gpu_bf16" 2>&1 \
