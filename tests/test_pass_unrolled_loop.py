@@ -118,8 +118,9 @@ def test_torch_2_11_dunder_spelling_is_rewritten(style):
 
     def as_torch_2_11(gm, example_inputs):
         for node in list(gm.graph.nodes):  # on torch 2.11 most are spelled so already
-            if node.op == "call_function" and node.target in (operator.eq, operator.mul):
-                node.op, node.target = "call_method", {operator.eq: "__eq__", operator.mul: "__mul__"}[node.target]
+            spelled = {operator.eq: "__eq__", operator.mul: "__mul__", operator.setitem: "__setitem__"}
+            if node.op == "call_function" and node.target in spelled:
+                node.op, node.target = "call_method", spelled[node.target]
         gm.recompile()
         respelled.extend(n.target for n in gm.graph.nodes if n.op == "call_method")
         return moe_inductor_backend(gm, example_inputs, options={"inner": "eager"})

@@ -22,7 +22,8 @@ _DUNDER_OPERATORS = {
     "__gt__": operator.gt, "__ge__": operator.ge, "__add__": operator.add, "__sub__": operator.sub,
     "__mul__": operator.mul, "__truediv__": operator.truediv, "__floordiv__": operator.floordiv,
     "__matmul__": operator.matmul, "__pow__": operator.pow, "__and__": operator.and_, "__or__": operator.or_,
-    "__xor__": operator.xor, "__getitem__": operator.getitem, "__neg__": operator.neg, "__invert__": operator.invert,
+    "__xor__": operator.xor, "__getitem__": operator.getitem, "__setitem__": operator.setitem,
+    "__neg__": operator.neg, "__invert__": operator.invert,
 }
 
 
@@ -34,7 +35,7 @@ def canonicalize_operators(graph: torch.fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
         fn = _DUNDER_OPERATORS.get(node.target) if node.op == "call_method" else None
-        arity = 1 if fn in (operator.neg, operator.invert) else 2
+        arity = {operator.neg: 1, operator.invert: 1, operator.setitem: 3}.get(fn, 2)
         if fn is None or node.kwargs or len(node.args) != arity or not isinstance(node.args[0], Node):
             continue
         if val(node.args[0]) is None:  # only a tensor receiver makes the two spellings equal
