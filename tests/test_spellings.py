@@ -57,3 +57,22 @@ def test_every_form_survives_the_dunder_spelling(name):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, model(x), rtol=tol, atol=tol)
     assert counters["moe_inductor"][form] == 1
+
+
+LOOK_ALIKES = {
+    "shifted_expert": lambda: LoopMoE("shifted_expert", 4, 2),
+    "extra_write": lambda: LoopMoE("extra_write", 4, 2),
+    "soft_dense": lambda: DenseMoE("soft"),
+    "no_drop_capacity": lambda: CapacityMoE("top1_no_drop"),
+}
+
+
+@pytest.mark.parametrize("name", list(LOOK_ALIKES))
+def test_look_alikes_stay_untouched_in_the_dunder_spelling(name):
+    torch.manual_seed(0)
+    model = LOOK_ALIKES[name]()
+    x = torch.randn(11, 16)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.testing.assert_close(torch.compile(model, backend=_as_torch_2_11)(x), model(x), rtol=1e-5, atol=1e-5)
+    assert not counters["moe_inductor"]
