@@ -1,7 +1,7 @@
 """One-off GPU diagnostics (kept so the next session can rerun them): DBRX views through the op, the unrolled-loop
 graph on CUDA, HF's compiled decode with our backend, and a host-side profile of one fused_experts call.
 
-    python benchmarks/debug_gpu.py dbrx dbrx_model dbrx_spread loop decode host route prefill_host
+    python benchmarks/debug_gpu.py dbrx dbrx_model dbrx_spread loop decode host route prefill_host op_overhead tma_ab
 """
 import cProfile
 import pstats
@@ -220,6 +220,34 @@ def op_overhead():
         prof.disable()
         torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+
+
+def tma_ab():
+    """config.tma_weights off vs on in one process (alternating, do_bench medians): forward and forward+backward of
+    the fused experts at Mixtral and Qwen3 shapes, with the outputs compared bit for bit."""
+    from triton.testing import do_bench
+
+    import moe_inductor
+    from tests.helpers import make_problem
+
+    moe_inductor.config.validate_routing = False
+    for name, (H, I, E, k), T in (("mixtral", (4096, 14336, 8, 2), 4096), ("mixtral", (4096, 14336, 8, 2), 16384),
+                                  ("qwen3", (2048, 768, 128, 8), 4096)):
+        p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        fwd = lambda: moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2)  # noqa: E731
+        dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        both = lambda: torch.autograd.grad(fwd(), p.leaves(), dy)  # noqa: E731
+        outs, row = {}, []
+        for rep in range(2):
+            for tma in (False, True):
+                moe_inductor.config.tma_weights = tma
+                with torch.no_grad():
+                    outs[tma] = fwd()
+                    ms = do_bench(fwd, warmup=5, rep=40, return_mode="median")
+                ms_b = do_bench(both, warmup=3, rep=40, return_mode="median")
+                row.append(f"tma={int(tma)} fwd {ms:.3f} fwd+bwd {ms_b:.3f}")
+        moe_inductor.config.tma_weights = False
+        print(f"TMA {name} T={T}:", " | ".join(row), "| equal:", torch.equal(outs[False], outs[True]), flush=True)
 
 
 def route():

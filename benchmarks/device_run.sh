@@ -7,7 +7,7 @@
 #   bash benchmarks/device_run.sh perf       # T=512 prefill: host vs wall, fast launch A/B, CUDA graphs,
 #                                            # visible kernels                                  (~8 min)
 #   bash benchmarks/device_run.sh experimental  # GPU tests of the fused backward middle, visible kernels, fast
-#                                            # launch; the backward's memory on the GPU            (~5 min)
+#                                            # launch, TMA weights; the backward's GPU memory; TMA A/B (~8 min)
 #   bash benchmarks/device_run.sh open       # only the GPU tests that failed last session, with full messages,
 #                                            # then the diagnostics (debug_gpu.py)            (~3 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -46,9 +46,10 @@ case "${1:-tests}" in
       --skip-decode --tokens 512 4096 --json "$OUT/hf_visible.json" 2>&1 | grep "prefill T" | sed "s/^/visible /" ;;
   experimental)  # this session's unmeasured work: the fused backward middle, visible kernels, fast launch
     timeout 380 python -m pytest tests/test_gpu.py tests/test_kernels.py -q -p no:warnings --tb=short -k \
-      "visible or fast_launch or backward or fp64 or fused_experts or hf_models_rewritten_on_gpu_bf16" 2>&1 \
+      "visible or fast_launch or backward or fp64 or fused_experts or tma or hf_models_rewritten_on_gpu_bf16" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" > "$OUT/experimental_tests.log"; grep -E "^E |passed|failed" "$OUT/experimental_tests.log" | cut -c1-300 | tail -30
-    timeout 150 python benchmarks/mem_backward.py --device cuda --dtype bfloat16 2>&1 | tail -12 ;;
+    timeout 150 python benchmarks/mem_backward.py --device cuda --dtype bfloat16 2>&1 | tail -12
+    timeout 60 python benchmarks/debug_gpu.py tma_ab 2>&1 | grep -E "^TMA|FAILED" ;;
   open)
     timeout 300 python -m pytest tests/test_gpu.py tests/test_rewritten_graphs.py tests/test_pass_unrolled_loop.py -q -p no:warnings --tb=short -k \
       "unrolled_loop or padded_capacity or wrapped or bucketed or fast_launch or rewritten or dunder" 2>&1 | grep -v "torch.__trace\|^DEBUG" \

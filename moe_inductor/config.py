@@ -22,3 +22,7 @@ fast_launch: bool = os.environ.get("MOE_INDUCTOR_FAST_LAUNCH", "0") == "1"
 #: EXPERIMENTAL, off until measured on the GPU: hand Inductor our experts forward as a ``triton_op`` it traces into,
 #: so that its generated wrapper launches our kernels (no dispatcher or Python of ours per call; lowerings/visible.py).
 visible_kernels: bool = os.environ.get("MOE_INDUCTOR_VISIBLE_KERNELS", "0") == "1"
+
+#: EXPERIMENTAL, off until measured on the GPU: load the grouped GEMM's weight tiles through TMA descriptors (Hopper's
+#: bulk tensor copies) where the weight layout allows (kernels/launch.py ``_weight_descriptor``).
+tma_weights: bool = os.environ.get("MOE_INDUCTOR_TMA", "0") == "1"

@@ -81,6 +81,8 @@ def _expert_of_tile(p_offsets, i_m, NUM_EXPERTS: tl.constexpr, E_POW2: tl.conste
 def grouped_gemm_kernel(
     # pointers
     p_a, p_b, p_b2, p_bias, p_bias2, p_c, p_pre, p_order, p_scale, p_offsets,
+    # TMA descriptors of the weights (B_TMA != 0), else None
+    d_b, d_b2,
     # sizes
     N, K, topk,
     # strides
@@ -96,9 +98,13 @@ def grouped_gemm_kernel(
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr,
     ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, B_TMA: tl.constexpr = 0,
 ):
-    """c[rows_c(i)] (+)= epilogue(a[rows_a(i)] @ b[e(i)] [, a[rows_a(i)] @ b2[e(i)]]) for every kept row i."""
+    """c[rows_c(i)] (+)= epilogue(a[rows_a(i)] @ b[e(i)] [, a[rows_a(i)] @ b2[e(i)]]) for every kept row i.
+
+    B_TMA (EXPERIMENTAL, config.tma_weights): the weight tiles come through TMA descriptors over the (E, ., .)
+    weights, 1 when K is their contiguous dimension (described as (E, N, K)), 2 when N is (described as (E, K, N));
+    out-of-range rows and columns of an expert read as zeros, so no masks are needed."""
     # Grouped ordering: GROUP_M consecutive m-tiles share each weight n-block while it is hot in L2. Without it an
     # expert's whole weight matrix is streamed from HBM once per m-tile.
     i_pid = tl.program_id(0)
@@ -131,17 +137,27 @@ def grouped_gemm_kernel(
     for i_k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             b_a = tl.load(p_a_blk, mask=m_m[:, None], other=0.0)
-            b_b = tl.load(p_b_blk, mask=m_n[None, :], other=0.0)
         else:
             m_k = o_k < K - i_k * BLOCK_K
             b_a = tl.load(p_a_blk, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        if B_TMA == 1:
+            b_b = tl.trans(d_b.load([expert, i_n * BLOCK_N, i_k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K))
+        elif B_TMA == 2:
+            b_b = d_b.load([expert, i_k * BLOCK_K, i_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+        elif EVEN_K:
+            b_b = tl.load(p_b_blk, mask=m_n[None, :], other=0.0)
+        else:
             b_b = tl.load(p_b_blk, mask=m_k[:, None] & m_n[None, :], other=0.0)
         if UPCAST:  # the interpreter's bf16 dot is wrong
             b_a = b_a.to(tl.float32)
             b_b = b_b.to(tl.float32)
         acc = tl.dot(b_a, b_b, acc, input_precision=DOT_PRECISION)
         if GATED:
-            if EVEN_K:
+            if B_TMA == 1:
+                b_b2 = tl.trans(d_b2.load([expert, i_n * BLOCK_N, i_k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K))
+            elif B_TMA == 2:
+                b_b2 = d_b2.load([expert, i_k * BLOCK_K, i_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+            elif EVEN_K:
                 b_b2 = tl.load(p_b2_blk, mask=m_n[None, :], other=0.0)
             else:
                 b_b2 = tl.load(p_b2_blk, mask=m_k[:, None] & m_n[None, :], other=0.0)

@@ -118,8 +118,18 @@ def launch_grouped_gemm(
         bias_ = bias if has_bias else dummy
         bias2_ = bias2 if (has_bias and gated) else bias_
         pre_ = pre if pre is not None else out
+        d_b = d_b2 = None
+        if moe_config.tma_weights and not _traceable:
+            d_b, mode = _weight_descriptor(b, cfg.BLOCK_K, cfg.BLOCK_N)
+            if gated:
+                d_b2, mode2 = _weight_descriptor(b2, cfg.BLOCK_K, cfg.BLOCK_N)
+                if mode2 != mode:
+                    d_b = d_b2 = None
+            if d_b is not None:
+                meta = {**meta, "B_TMA": mode}
         args = (
             a, b, b2_, bias_, bias2_, out, pre_, order, scale if scale is not None else dummy, offsets,
+            d_b, d_b2,
             n_dim, k_dim, topk,
             a.stride(0), a.stride(1),
             b.stride(0), b.stride(1), b.stride(2),
@@ -139,7 +149,7 @@ def launch_grouped_gemm(
                 GATED=gated, ACT=act_id, HAS_BIAS=has_bias, SAVE_PRE=pre is not None,
                 ACCUMULATE=accumulate, UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-                EVEN_K=k_dim % cfg.BLOCK_K == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                EVEN_K=k_dim % cfg.BLOCK_K == 0, B_TMA=0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
         key = f"gemm|E{num_experts}|N{n_dim}|K{k_dim}|{a.dtype}|g{int(gated)}|a{a_rows}|c{c_rows}|m{bucket}"
@@ -154,6 +164,24 @@ def launch_grouped_gemm(
             _GEMM_DECISIONS[decision_key] = decided  # not a default that a later tuning run (after capture) replaces
     with device_guard(a):
         run(*decided)
+
+
+def _weight_descriptor(w: torch.Tensor, block_k: int, block_n: int):
+    """(a TMA descriptor over the (E, K, N) weight view ``w``, its B_TMA mode), or (None, 0) when the layout does not
+    allow one: TMA needs a contiguous last dimension, 16-byte aligned base and strides, and rows of >= 16 bytes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_experts, k_dim, n_dim = w.shape
+    size = w.element_size()
+    if w.stride(1) == 1:  # K contiguous: nn.Linear-style (E, N, K) storage seen through a transpose
+        shape, strides, block, mode = [num_experts, n_dim, k_dim], [w.stride(0), w.stride(2), 1], [1, block_n, block_k], 1
+    elif w.stride(2) == 1:
+        shape, strides, block, mode = [num_experts, k_dim, n_dim], [w.stride(0), w.stride(1), 1], [1, block_k, block_n], 2
+    else:
+        return None, 0
+    if w.data_ptr() % 16 or any(s * size % 16 for s in strides[:-1]) or block[-1] * size < 16:
+        return None, 0
+    return TensorDescriptor(w, shape, strides, block), mode
 
 
 # (shape, dtype, flags, bucket, device) -> (config, the kernel's constexpr arguments); see launch_grouped_gemm.
@@ -197,6 +225,9 @@ def _fast_launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     keeps the compiled kernel it returns. EXPERIMENTAL (``config.fast_launch``): written against triton 3.6's
     ``CompiledKernel.__getitem__``, which takes every parameter, constexprs included, in signature order."""
     # a compiled kernel is loaded per device: the first argument (a tensor in every launch of ours) names it
+    if any(arg is not None and not isinstance(arg, (torch.Tensor, int, float)) for arg in args):
+        kernel[grid](*args, **meta)  # e.g. TMA descriptors: Triton's own launch
+        return
     key = (kernel, args[0].device, tuple(meta.items()), _specialisation(args))
     cached = _COMPILED.get(key)
     if cached is None:
