@@ -45,11 +45,11 @@ case "${1:-tests}" in
     MOE_INDUCTOR_VISIBLE_KERNELS=1 timeout 190 python benchmarks/bench_hf.py --variants inductor moe_inductor \
       --skip-decode --tokens 512 4096 --json "$OUT/hf_visible.json" 2>&1 | grep "prefill T" | sed "s/^/visible /" ;;
   experimental)  # this session's unmeasured work: the fused backward middle, visible kernels, fast launch
-    timeout 380 python -m pytest tests/test_gpu.py tests/test_kernels.py -q -p no:warnings --tb=short -k \
+    timeout 330 python -m pytest tests/test_gpu.py tests/test_kernels.py -q -p no:warnings --tb=short -k \
       "visible or fast_launch or backward or fp64 or fused_experts or tma or hf_models_rewritten_on_gpu_bf16" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" > "$OUT/experimental_tests.log"; grep -E "^E |passed|failed" "$OUT/experimental_tests.log" | cut -c1-300 | tail -30
-    timeout 150 python benchmarks/mem_backward.py --device cuda --dtype bfloat16 2>&1 | tail -12
-    timeout 60 python benchmarks/debug_gpu.py tma_ab 2>&1 | grep -E "^TMA|FAILED" ;;
+    timeout 90 python benchmarks/mem_backward.py --device cuda --dtype bfloat16 2>&1 | tail -12
+    timeout 150 python benchmarks/debug_gpu.py tma_ab 2>&1 | grep -E "^TMA|FAILED" ;;
   open)
     timeout 300 python -m pytest tests/test_gpu.py tests/test_rewritten_graphs.py tests/test_pass_unrolled_loop.py -q -p no:warnings --tb=short -k \
       "unrolled_loop or padded_capacity or wrapped or bucketed or fast_launch or rewritten or dunder" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
