@@ -81,8 +81,8 @@ def _expert_of_tile(p_offsets, i_m, NUM_EXPERTS: tl.constexpr, E_POW2: tl.conste
 def grouped_gemm_kernel(
     # pointers
     p_a, p_b, p_b2, p_bias, p_bias2, p_c, p_pre, p_order, p_scale, p_offsets,
-    # TMA descriptors of the weights (B_TMA != 0), else None
-    d_b, d_b2,
+    # TMA descriptors of the weights (B_TMA != 0) and of a (A_TMA), else None
+    d_b, d_b2, d_a,
     # sizes
     N, K, topk,
     # strides
@@ -98,13 +98,15 @@ def grouped_gemm_kernel(
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr,
     ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, B_TMA: tl.constexpr = 0,
+    EVEN_K: tl.constexpr, B_TMA: tl.constexpr = 0, A_TMA: tl.constexpr = False,
 ):
     """c[rows_c(i)] (+)= epilogue(a[rows_a(i)] @ b[e(i)] [, a[rows_a(i)] @ b2[e(i)]]) for every kept row i.
 
     B_TMA (EXPERIMENTAL, config.tma_weights): the weight tiles come through TMA descriptors over the (E, ., .)
     weights, 1 when K is their contiguous dimension (described as (E, N, K)), 2 when N is (described as (E, K, N));
-    out-of-range rows and columns of an expert read as zeros, so no masks are needed."""
+    out-of-range rows and columns of an expert read as zeros, so no masks are needed. A_TMA: the same for a when
+    its rows are read in sorted order (A_ROWS == ROWS_SORTED), a (M, K) descriptor; rows past the expert belong to
+    the next one or read as zeros, and never reach c (the store is masked)."""
     # Grouped ordering: GROUP_M consecutive m-tiles share each weight n-block while it is hot in L2. Without it an
     # expert's whole weight matrix is streamed from HBM once per m-tile.
     i_pid = tl.program_id(0)
@@ -135,7 +137,11 @@ def grouped_gemm_kernel(
         p_b2_blk = p_b2 + e64 * stride_b2e + o_k[:, None] * stride_b2k + o_n[None, :] * stride_b2n
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
+        if A_TMA:
+            b_a = d_a.load([row_start, i_k * BLOCK_K])
+            if not EVEN_K:
+                m_k = o_k < K - i_k * BLOCK_K
+        elif EVEN_K:
             b_a = tl.load(p_a_blk, mask=m_m[:, None], other=0.0)
         else:
             m_k = o_k < K - i_k * BLOCK_K

@@ -8,7 +8,7 @@ import triton
 
 from .. import config as moe_config
 from . import configs
-from .grouped_gemm import grouped_gemm_kernel, grouped_weight_grad_kernel
+from .grouped_gemm import ROWS_SORTED as ROWS_SORTED_MODE, grouped_gemm_kernel, grouped_weight_grad_kernel
 
 
 def cdiv(a: int, b: int) -> int:
@@ -118,8 +118,12 @@ def launch_grouped_gemm(
         bias_ = bias if has_bias else dummy
         bias2_ = bias2 if (has_bias and gated) else bias_
         pre_ = pre if pre is not None else out
-        d_b = d_b2 = None
+        d_b = d_b2 = d_a = None
         if moe_config.tma_weights and not _traceable:
+            if a_rows == ROWS_SORTED_MODE:
+                d_a = _rows_descriptor(a, cfg.BLOCK_M, cfg.BLOCK_K)
+                if d_a is not None:
+                    meta = {**meta, "A_TMA": True}
             d_b, mode = _weight_descriptor(b, cfg.BLOCK_K, cfg.BLOCK_N)
             if gated:
                 d_b2, mode2 = _weight_descriptor(b2, cfg.BLOCK_K, cfg.BLOCK_N)
@@ -129,7 +133,7 @@ def launch_grouped_gemm(
                 meta = {**meta, "B_TMA": mode}
         args = (
             a, b, b2_, bias_, bias2_, out, pre_, order, scale if scale is not None else dummy, offsets,
-            d_b, d_b2,
+            d_b, d_b2, d_a,
             n_dim, k_dim, topk,
             a.stride(0), a.stride(1),
             b.stride(0), b.stride(1), b.stride(2),
@@ -149,7 +153,7 @@ def launch_grouped_gemm(
                 GATED=gated, ACT=act_id, HAS_BIAS=has_bias, SAVE_PRE=pre is not None,
                 ACCUMULATE=accumulate, UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-                EVEN_K=k_dim % cfg.BLOCK_K == 0, B_TMA=0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                EVEN_K=k_dim % cfg.BLOCK_K == 0, B_TMA=0, A_TMA=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
         key = f"gemm|E{num_experts}|N{n_dim}|K{k_dim}|{a.dtype}|g{int(gated)}|a{a_rows}|c{c_rows}|m{bucket}"
@@ -182,6 +186,16 @@ def _weight_descriptor(w: torch.Tensor, block_k: int, block_n: int):
     if w.data_ptr() % 16 or any(s * size % 16 for s in strides[:-1]) or block[-1] * size < 16:
         return None, 0
     return TensorDescriptor(w, shape, strides, block), mode
+
+
+def _rows_descriptor(a: torch.Tensor, block_m: int, block_k: int):
+    """A TMA descriptor over the (M, K) matrix ``a`` read in row order, or None when its layout does not allow one."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    size = a.element_size()
+    if a.stride(1) != 1 or a.data_ptr() % 16 or a.stride(0) * size % 16 or block_k * size < 16 or a.shape[0] == 0:
+        return None
+    return TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [block_m, block_k])
 
 
 # (shape, dtype, flags, bucket, device) -> (config, the kernel's constexpr arguments); see launch_grouped_gemm.
