@@ -213,6 +213,8 @@ def grouped_gemm_kernel(
 def grouped_weight_grad_kernel(
     # pointers
     p_a, p_g, p_dw, p_order, p_scale, p_offsets,
+    # TMA descriptors of a and g when their rows are read in sorted order (A_TMA, G_TMA), else None
+    d_a, d_g,
     # sizes
     K, N, topk,
     # strides
@@ -221,8 +223,12 @@ def grouped_weight_grad_kernel(
     A_ROWS: tl.constexpr, G_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    A_TMA: tl.constexpr = False, G_TMA: tl.constexpr = False,
 ):
-    """dw[e] = sum over rows i of expert e of a[rows_a(i)]^T (scale[i] * g[rows_g(i)]): grouped over K and N."""
+    """dw[e] = sum over rows i of expert e of a[rows_a(i)]^T (scale[i] * g[rows_g(i)]): grouped over K and N.
+
+    A_TMA / G_TMA (EXPERIMENTAL, config.tma_weights): that operand's tile comes through a TMA descriptor; rows past
+    the expert (the next expert's, or never written) are zeroed in registers, as the masked loads would."""
     i_pid = tl.program_id(0)
     num_k = tl.cdiv(K, BLOCK_K)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -245,10 +251,16 @@ def grouped_weight_grad_kernel(
         assignment = tl.load(p_order + o_m, mask=m_m, other=0)
         a_rows = _rows(A_ROWS, o_m, assignment, topk)
         g_rows = _rows(G_ROWS, o_m, assignment, topk)
-        b_at = tl.load(p_a + a_rows[None, :] * stride_am + o_k[:, None] * stride_ak,
-                       mask=m_k[:, None] & m_m[None, :], other=0.0)
-        b_g = tl.load(p_g + g_rows[:, None] * stride_gm + o_n[None, :] * stride_gn,
-                      mask=m_m[:, None] & m_n[None, :], other=0.0)
+        if A_TMA:
+            b_at = tl.trans(tl.where(m_m[:, None], d_a.load([m0, i_k * BLOCK_K]), 0.0))
+        else:
+            b_at = tl.load(p_a + a_rows[None, :] * stride_am + o_k[:, None] * stride_ak,
+                           mask=m_k[:, None] & m_m[None, :], other=0.0)
+        if G_TMA:
+            b_g = tl.where(m_m[:, None], d_g.load([m0, i_n * BLOCK_N]), 0.0)
+        else:
+            b_g = tl.load(p_g + g_rows[:, None] * stride_gm + o_n[None, :] * stride_gn,
+                          mask=m_m[:, None] & m_n[None, :], other=0.0)
         if HAS_SCALE:
             b_s = tl.load(p_scale + assignment, mask=m_m, other=0.0).to(tl.float32)
             b_g = (b_g.to(tl.float32) * b_s[:, None]).to(b_at.dtype)
