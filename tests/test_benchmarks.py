@@ -1,0 +1,40 @@
+"""Smoke runs of the benchmark scripts on the CPU, so that a broken script is found here and not on the GPU, where
+every minute is budgeted. They check that each script runs end to end and prints its rows; they measure nothing."""
+import pytest
+
+
+def test_bench_hf_runs_on_a_tiny_model(capsys, tmp_path):
+    import json
+
+    from benchmarks import bench_hf
+
+    out = tmp_path / "hf.json"
+    bench_hf.main(["--tiny", "--device", "cpu", "--skip-decode", "--tokens", "8", "--variants", "eager",
+                   "moe_inductor", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "prefill T=8" in printed and "moe_inductor vs eager" in printed
+    assert set(json.loads(out.read_text())["prefill_ms"]["8"]) == {"eager", "moe_inductor"}
+
+
+def test_host_python_runs(capsys, monkeypatch):
+    import moe_inductor
+    from benchmarks import host_python
+
+    monkeypatch.setattr(moe_inductor.config, "triton_on_cpu", moe_inductor.config.triton_on_cpu)  # restored after
+    with monkeypatch.context() as m:
+        from moe_inductor.kernels import launch
+        from moe_inductor.ops import grouped, routing
+
+        for module, name in ((launch, "grouped_gemm_kernel"), (routing, "route_count_kernel"),
+                             (routing, "route_place_kernel"), (grouped, "combine_kernel")):
+            m.setattr(module, name, getattr(module, name))  # the script stubs them: put them back afterwards
+        host_python.main(reps=20)
+    assert capsys.readouterr().out.count("us per call") == 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mem_backward_runs(capsys, dtype):
+    from benchmarks import mem_backward
+
+    mem_backward.main(["--dtype", dtype, "--shape", "64", "32", "64", "4", "2"])
+    assert capsys.readouterr().out.strip()
