@@ -38,3 +38,17 @@ def test_mem_backward_runs(capsys, dtype):
 
     mem_backward.main(["--dtype", dtype, "--shape", "64", "32", "64", "4", "2"])
     assert capsys.readouterr().out.strip()
+
+
+def test_device_run_script_names_only_existing_diagnostics():
+    """device_run.sh calls debug_gpu.py by function name; a typo there would cost a GPU call to find."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from benchmarks import debug_gpu
+
+    script = Path(__file__).parents[1] / "benchmarks" / "device_run.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    called = {name for line in re.findall(r"debug_gpu\.py ([\w ]+)", script.read_text()) for name in line.split()}
+    assert called and all(callable(getattr(debug_gpu, name, None)) for name in called), called
