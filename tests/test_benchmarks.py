@@ -50,5 +50,5 @@ def test_device_run_script_names_only_existing_diagnostics():
 
     script = Path(__file__).parents[1] / "benchmarks" / "device_run.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
-    called = {name for line in re.findall(r"debug_gpu\.py ([\w ]+)", script.read_text()) for name in line.split()}
+    called = {name for line in re.findall(r"debug_gpu\.py((?: [a-z_]+)+)", script.read_text()) for name in line.split()}
     assert called and all(callable(getattr(debug_gpu, name, None)) for name in called), called
