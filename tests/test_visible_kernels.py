@@ -11,6 +11,8 @@ from moe_inductor import config
 from moe_inductor.ops import expert_weight_views
 from tests.helpers import make_problem
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs the kernels only without a GPU
+
 
 @pytest.fixture
 def triton_kernels(monkeypatch):
@@ -27,7 +29,7 @@ def test_visible_op_equals_the_opaque_op(T, k, capacity, routing, triton_kernels
     interpreter)."""
     import moe_inductor.lowerings.visible  # noqa: F401  (registers the op)
 
-    p = make_problem(T, 16, 8, 5, k, routing=routing, requires_grad=False)  # E = 5, not a power of two
+    p = make_problem(T, 16, 8, 5, k, routing=routing, device=DEVICE, requires_grad=False)  # E = 5: not a power of 2
     g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
     args = (p.x, p.topk_ids, p.topk_weights, g, u, d, None, None, None, "silu_glu", "output", 1.702, 7.0, capacity,
             True)
@@ -44,11 +46,11 @@ def test_the_swap_only_touches_triton_run_tensors(monkeypatch):
         return torch.ops.moe_inductor.experts_forward.default(x, ids, w, g, u, d, None, None, None, "silu_glu",
                                                               "output", 1.702, 7.0, None, False)[0]
 
-    p = make_problem(7, 16, 8, 5, 2, requires_grad=False)
-    g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
-    inputs = (p.x, p.topk_ids, p.topk_weights, g, u, d)
-    for on_triton in (False, True):
+    for on_triton in (False, True):  # CPU tensors without Triton: left alone; Triton-run tensors: swapped
         monkeypatch.setattr(config, "triton_on_cpu", on_triton)
+        p = make_problem(7, 16, 8, 5, 2, device=DEVICE if on_triton else "cpu", requires_grad=False)
+        g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
+        inputs = (p.x, p.topk_ids, p.topk_weights, g, u, d)
         gm = torch.fx.symbolic_trace(moe)
         for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs):
             node.meta["val"] = value
@@ -62,11 +64,11 @@ def test_the_swap_only_touches_triton_run_tensors(monkeypatch):
 def test_visible_op_has_the_opaque_ops_gradients(triton_kernels):
     import moe_inductor.lowerings.visible  # noqa: F401  (registers the op)
 
-    p = make_problem(7, 16, 8, 5, 2)
+    p = make_problem(7, 16, 8, 5, 2, device=DEVICE)
     leaves = p.leaves()
     g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
     args = (p.x, p.topk_ids, p.topk_weights, g, u, d, None, None, None, "silu_glu", "output", 1.702, 7.0, None, True)
-    dy = torch.randn(7, 16)
+    dy = torch.randn(7, 16, device=DEVICE)
     got = torch.autograd.grad(torch.ops.moe_inductor.experts_forward_visible(*args)[0], leaves, dy)
     ref = torch.autograd.grad(torch.ops.moe_inductor.experts_forward(*args)[0], leaves, dy)
     for a, b in zip(got, ref):
