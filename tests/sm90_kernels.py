@@ -1,13 +1,17 @@
 """Compile every Triton kernel of moe_inductor for the H200 (sm_90) without a GPU, with the launch configs the
 launchers would pick: the defaults per rows-per-expert bucket, every entry of the shipped tuned table, the
 experimental TMA variants, routing and combine. Run as a script (``python -m tests.sm90_kernels``) in a process
-without TRITON_INTERPRET; prints one JSON line per kernel: name, shared memory, and whether the PTX uses wgmma and
-TMA. ``tests/test_sm90_compile.py`` runs it and checks the lines.
+without TRITON_INTERPRET; prints one JSON line per kernel: name, shared memory, whether the PTX uses wgmma and TMA,
+and registers and stack bytes (spills) per thread. ``tests/test_sm90_compile.py`` runs it and checks the lines.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 assert os.environ.get("TRITON_INTERPRET", "0") != "1", "compiling for sm_90 needs the real Triton front end"
 
@@ -48,7 +52,20 @@ def _compile(name, fn, pointer_types, constexprs, *, floats=(), descriptors=None
                             options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = kernel.asm["ptx"]
     print(json.dumps({"name": name, "shared": kernel.metadata.shared, "wgmma": "wgmma" in ptx,
-                      "tma": "cp.async.bulk.tensor" in ptx}), flush=True)
+                      "tma": "cp.async.bulk.tensor" in ptx, **_resource_usage(kernel.asm["cubin"])}), flush=True)
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    """Registers per thread and stack bytes (register spills) from the cubin, by the cuobjdump Triton ships."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return {"registers": int(found.group(1)), "stack": int(found.group(2))} if found else {}
 
 
 def gemm(name, cfg, dtype, *, gated, a_rows, c_rows, b_tma=0, a_tma=False, save_pre=False, k_dim=4096):
