@@ -78,6 +78,22 @@ def _expert_of_tile(p_offsets, i_m, NUM_EXPERTS: tl.constexpr, E_POW2: tl.conste
 
 
 @triton.jit
+def _weight_tile(d_w, p_w_blk, expert, i_n, i_k, m_k, m_n, B_TMA: tl.constexpr, EVEN_K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The (BLOCK_K, BLOCK_N) tile of expert ``expert``'s weights at (i_k, i_n): through its TMA descriptor (B_TMA 1:
+    described as (E, N, K); 2: as (E, K, N)) or by masked pointer loads."""
+    if B_TMA == 1:
+        tile = tl.trans(d_w.load([expert, i_n * BLOCK_N, i_k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K))
+    elif B_TMA == 2:
+        tile = d_w.load([expert, i_k * BLOCK_K, i_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
+    elif EVEN_K:
+        tile = tl.load(p_w_blk, mask=m_n[None, :], other=0.0)
+    else:
+        tile = tl.load(p_w_blk, mask=m_k[:, None] & m_n[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
 def grouped_gemm_kernel(
     # pointers
     p_a, p_b, p_b2, p_bias, p_bias2, p_c, p_pre, p_order, p_scale, p_offsets,
@@ -137,36 +153,20 @@ def grouped_gemm_kernel(
         p_b2_blk = p_b2 + e64 * stride_b2e + o_k[:, None] * stride_b2k + o_n[None, :] * stride_b2n
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BLOCK_K)):
+        m_k = o_k < K - i_k * BLOCK_K  # unused (and dropped by the compiler) when EVEN_K
         if A_TMA:
             b_a = d_a.load([row_start, i_k * BLOCK_K])
-            if not EVEN_K:
-                m_k = o_k < K - i_k * BLOCK_K
         elif EVEN_K:
             b_a = tl.load(p_a_blk, mask=m_m[:, None], other=0.0)
         else:
-            m_k = o_k < K - i_k * BLOCK_K
             b_a = tl.load(p_a_blk, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        if B_TMA == 1:
-            b_b = tl.trans(d_b.load([expert, i_n * BLOCK_N, i_k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K))
-        elif B_TMA == 2:
-            b_b = d_b.load([expert, i_k * BLOCK_K, i_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
-        elif EVEN_K:
-            b_b = tl.load(p_b_blk, mask=m_n[None, :], other=0.0)
-        else:
-            b_b = tl.load(p_b_blk, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_b = _weight_tile(d_b, p_b_blk, expert, i_n, i_k, m_k, m_n, B_TMA, EVEN_K, BLOCK_N, BLOCK_K)
         if UPCAST:  # the interpreter's bf16 dot is wrong
             b_a = b_a.to(tl.float32)
             b_b = b_b.to(tl.float32)
         acc = tl.dot(b_a, b_b, acc, input_precision=DOT_PRECISION)
         if GATED:
-            if B_TMA == 1:
-                b_b2 = tl.trans(d_b2.load([expert, i_n * BLOCK_N, i_k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K))
-            elif B_TMA == 2:
-                b_b2 = d_b2.load([expert, i_k * BLOCK_K, i_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
-            elif EVEN_K:
-                b_b2 = tl.load(p_b2_blk, mask=m_n[None, :], other=0.0)
-            else:
-                b_b2 = tl.load(p_b2_blk, mask=m_k[:, None] & m_n[None, :], other=0.0)
+            b_b2 = _weight_tile(d_b2, p_b2_blk, expert, i_n, i_k, m_k, m_n, B_TMA, EVEN_K, BLOCK_N, BLOCK_K)
             if UPCAST:
                 b_b2 = b_b2.to(tl.float32)
             acc2 = tl.dot(b_a, b_b2, acc2, input_precision=DOT_PRECISION)

@@ -23,6 +23,7 @@ from ..ops.experts import _backward, _setup_context, experts_forward_impl
 from ..ops.grouped import use_triton
 
 
+# The signature repeats experts_forward_impl's: triton_op infers the op schema from these annotations.
 @torch.library.triton_op("moe_inductor::experts_forward_visible", mutates_args=())
 def experts_forward_visible(
     x: Tensor,
