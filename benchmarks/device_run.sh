@@ -46,7 +46,7 @@ case "${1:-tests}" in
       --skip-decode --tokens 512 4096 --json "$OUT/hf_visible.json" 2>&1 | grep "prefill T" | sed "s/^/visible /" ;;
   experimental)  # this session's unmeasured work: the fused backward middle, visible kernels, fast launch
     timeout 330 python -m pytest tests/test_gpu.py tests/test_kernels.py -q -p no:warnings --tb=short -k \
-      "visible or fast_launch or backward or fp64 or fused_experts or tma or hf_models_rewritten_on_gpu_bf16" 2>&1 \
+      "visible or fast_launch or backward or fp64 or fused_experts or tma or wrapped or grid_covers" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" > "$OUT/experimental_tests.log"; grep -E "^E |passed|failed" "$OUT/experimental_tests.log" | cut -c1-300 | tail -30
     timeout 90 python benchmarks/mem_backward.py --device cuda --dtype bfloat16 2>&1 | tail -12
     timeout 150 python benchmarks/debug_gpu.py tma_ab 2>&1 | grep -E "^TMA|FAILED" ;;
