@@ -22,8 +22,8 @@ def _reference64(p, **kw):
 @pytest.mark.parametrize(
     "T,E,k,routing",
     [(1, 8, 2, "random"), (300, 7, 2, "random"), (1000, 60, 8, "random"), (256, 16, 4, "one_expert"),
-     (128, 12, 2, "skip_odd")],
-    ids=["T1", "E7", "E60-k8", "all-on-one", "empty-experts"],
+     (128, 12, 2, "skip_odd"), (200, 6, 1, "random")],
+    ids=["T1", "E7", "E60-k8", "all-on-one", "empty-experts", "k1"],  # k1: y and dx written without a combine
 )
 def test_forward_backward_matches_fp64(T, E, k, routing, dtype):
     p = make_problem(T, 256, 128, E, k, dtype=dtype, device="cuda", routing=routing, bias=True)
