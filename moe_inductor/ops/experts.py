@@ -184,7 +184,6 @@ def experts_backward(
     Returns:
         dx, d_topk_weights, dw1, dw1_up, dw2, db1, db1_up, db2; an empty tensor where none is wanted.
     """
-    H = x.shape[1]
     topk = topk_weights.shape[1]
     M = order.shape[0]
     E, _, I = w1.shape
@@ -218,19 +217,24 @@ def experts_backward(
         del h
         if b2 is not None and needs[7]:
             rows = dy[token].to(f32) * s_sorted
-            db2 = torch.zeros(E + 1, H, dtype=f32, device=x.device).index_add_(0, expert, rows)[:E].to(b2.dtype)
+            db2 = _sum_by_expert(rows, expert, E, b2.dtype)
         if b1 is not None and needs[5]:
-            db1 = torch.zeros(E + 1, I, dtype=f32, device=x.device).index_add_(0, expert, d_gate.to(f32))[:E].to(
-                b1.dtype)
+            db1 = _sum_by_expert(d_gate, expert, E, b1.dtype)
         if b1_up is not None and needs[6]:
-            db1_up = torch.zeros(E + 1, I, dtype=f32, device=x.device).index_add_(0, expert, d_up.to(f32))[:E].to(
-                b1_up.dtype)
+            db1_up = _sum_by_expert(d_up, expert, E, b1_up.dtype)
     else:
         d_gate, d_up, d_scale_sorted, dw2, db2, db1, db1_up = _backward_middle_torch(
             dy, x, pre, w2, b1, b1_up, b2, scale, order, offsets, topk, expert, expert_c, valid, s_sorted, token,
             gated, activation, weight_position, alpha, limit, needs)
     return _backward_through_up(x, topk_ids, topk_weights, w1, w1_up, order, offsets, topk, valid, d_gate, d_up,
                                 d_scale_sorted, dw2, db2, db1, db1_up, dropped, needs)
+
+
+def _sum_by_expert(rows: Tensor, expert: Tensor, num_experts: int, dtype: torch.dtype) -> Tensor:
+    """(E, width) sums of the sorted ``rows`` per expert, in fp32, cast to ``dtype`` (a bias gradient). Rows past
+    the experts (expert id E, dropped) land in a spare row that is cut off."""
+    sums = torch.zeros(num_experts + 1, rows.shape[1], dtype=torch.float32, device=rows.device)
+    return sums.index_add_(0, expert, rows.to(torch.float32))[:num_experts].to(dtype)
 
 
 def _backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation, alpha, limit, num_experts, dtype):
@@ -306,7 +310,7 @@ def _backward_middle_torch(dy, x, pre, w2, b1, b1_up, b2, scale, order, offsets,
     del h
     if b2 is not None and needs[7]:
         rows = dy[token].to(f32) * (s_sorted if weight_position == "output" else valid[:, None].to(f32))
-        db2 = torch.zeros(E + 1, H, dtype=f32, device=x.device).index_add_(0, expert, rows)[:E].to(b2.dtype)
+        db2 = _sum_by_expert(rows, expert, E, b2.dtype)
 
     d_gate, d_up = activation_backward(activation, p_gate, p_up, dact, alpha, limit)
     del dact, p_gate, p_up
@@ -314,9 +318,9 @@ def _backward_middle_torch(dy, x, pre, w2, b1, b1_up, b2, scale, order, offsets,
     d_up = d_up.masked_fill(~valid[:, None], 0.0) if gated else None
     db1 = db1_up = None
     if b1 is not None and needs[5]:
-        db1 = torch.zeros(E + 1, I, dtype=f32, device=x.device).index_add_(0, expert, d_gate)[:E].to(b1.dtype)
+        db1 = _sum_by_expert(d_gate, expert, E, b1.dtype)
     if b1_up is not None and needs[6]:
-        db1_up = torch.zeros(E + 1, I, dtype=f32, device=x.device).index_add_(0, expert, d_up)[:E].to(b1_up.dtype)
+        db1_up = _sum_by_expert(d_up, expert, E, b1_up.dtype)
     if weight_position == "input":
         d_scale_sorted = (d_gate * u_gate).sum(-1) + ((d_up * u_up).sum(-1) if gated else 0.0)
         del u_gate, u_up
