@@ -21,6 +21,7 @@ from torch import Tensor
 from ..kernels.launch import traceable_launches
 from ..ops.experts import _backward, _setup_context, experts_forward_impl
 from ..ops.grouped import use_triton
+from ..passes.fx_utils import val
 
 
 # The signature repeats experts_forward_impl's: triton_op infers the op schema from these annotations.
@@ -57,8 +58,8 @@ def swap_in_visible_ops(gm: torch.fx.GraphModule) -> int:
     swapped = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.moe_inductor.experts_forward.default:
-            x = node.args[0].meta.get("val", node.args[0].meta.get("example_value"))
-            if isinstance(x, torch.Tensor) and use_triton(x):
+            x = val(node.args[0])
+            if x is not None and use_triton(x):
                 node.target = torch.ops.moe_inductor.experts_forward_visible.default
                 swapped += 1
     if swapped:
