@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
-import triton
 
 from .. import config as moe_config
 from . import configs
@@ -206,17 +206,20 @@ _GEMM_DECISIONS: dict[tuple, tuple[configs.LaunchConfig, dict]] = {}
 _COMPILED: dict[tuple, tuple] = {}
 
 
-def _specialisation(args: tuple) -> tuple:
+def _specialisation(args: tuple) -> Optional[tuple]:
     """What Triton specialises a compiled kernel on, for the non-constexpr arguments, spelled conservatively:
-    a tensor's dtype and 16-byte alignment; an int's width and its divisibility by 16 (and == 1); floats nothing."""
+    a tensor's dtype and 16-byte alignment; an int's width and its divisibility by 16 (and == 1); floats and None
+    nothing. None when an argument is of another kind (a TMA descriptor, say), whose launch stays Triton's own."""
     key = []
     for arg in args:
         if isinstance(arg, torch.Tensor):
             key.append((arg.dtype, arg.data_ptr() % 16 == 0))
         elif isinstance(arg, int):
             key.append((-2**31 <= arg < 2**31, arg % 16 == 0, arg == 1))
-        else:
+        elif arg is None or isinstance(arg, float):
             key.append(None)
+        else:
+            return None
     return tuple(key)
 
 
@@ -238,11 +241,12 @@ def _fast_launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     binding, cache-key hashing): the first launch per (kernel, constexprs, specialisation) goes the normal way and
     keeps the compiled kernel it returns. EXPERIMENTAL (``config.fast_launch``): written against triton 3.6's
     ``CompiledKernel.__getitem__``, which takes every parameter, constexprs included, in signature order."""
-    # a compiled kernel is loaded per device: the first argument (a tensor in every launch of ours) names it
-    if any(arg is not None and not isinstance(arg, (torch.Tensor, int, float)) for arg in args):
-        kernel[grid](*args, **meta)  # e.g. TMA descriptors: Triton's own launch
+    specialisation = _specialisation(args)
+    if specialisation is None:
+        kernel[grid](*args, **meta)
         return
-    key = (kernel, args[0].device, tuple(meta.items()), _specialisation(args))
+    # a compiled kernel is loaded per device: the first argument (a tensor in every launch of ours) names it
+    key = (kernel, args[0].device, tuple(meta.items()), specialisation)
     cached = _COMPILED.get(key)
     if cached is None:
         compiled = kernel[grid](*args, **meta)
