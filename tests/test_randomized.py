@@ -10,6 +10,7 @@ from torch._dynamo.utils import counters
 
 import moe_inductor
 from moe_inductor.ops import expert_weight_views, moe_reference
+from tests.helpers import compile_moe
 
 ACTS = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu}
 
@@ -51,9 +52,7 @@ def test_generated_gathered_moe_compiles_to_the_same_function(E, k_frac, T, act,
     k = 1 + int(k_frac * (E - 1))
     model = GeneratedGatheredMoE(E, k, 16, 8, act, gated, layout, combine, renormalise)
     x = torch.randn(T, 16)
-    torch._dynamo.reset()
-    counters.clear()
-    out = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x)
+    out = compile_moe(model, x)
     ref = model(x)
     assert ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item() < 1e-5
     assert counters["moe_inductor"]["gathered_weights"] == 1
@@ -129,9 +128,7 @@ def test_generated_capacity_moe_compiles_to_the_same_function(E, C, k, T, act, g
     torch.manual_seed(seed)
     model = GeneratedCapacityMoE(E, C, k, 16, 8, act, gated)
     x = torch.randn(T, 16)
-    torch._dynamo.reset()
-    counters.clear()
-    out = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x)
+    out = compile_moe(model, x)
     ref = model(x)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     assert counters["moe_inductor"]["padded_capacity"] == 1
@@ -194,9 +191,7 @@ def test_generated_loop_and_dense_moe_compile_to_the_same_function(form, E, k_fr
     k = 1 + int(k_frac * (E - 1))
     model = GeneratedLoopOrDenseMoE(form, E, k, 16, 8, act, gated, layout, renormalise)
     x = torch.randn(T, 16)
-    torch._dynamo.reset()
-    counters.clear()
-    out = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x)
+    out = compile_moe(model, x)
     ref = model(x)
     assert ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item() < 1e-5
     assert counters["moe_inductor"][FORM_COUNTERS[form]] == 1
@@ -246,9 +241,7 @@ def test_generated_sorted_moe_compiles_to_the_same_function(E, k_frac, T, act, g
     k = 1 + int(k_frac * (E - 1))
     model = GeneratedSortedMoE(E, k, 32, 16, act, gated, score_on).bfloat16()
     x = torch.randn(T, 32, dtype=torch.bfloat16)
-    torch._dynamo.reset()
-    counters.clear()
-    out = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x).float()
+    out = compile_moe(model, x).float()
     ref = model(x).float()
     assert ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item() < 2e-2
     assert counters["moe_inductor"]["sorted_grouped_mm"] == 1
