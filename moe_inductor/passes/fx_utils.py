@@ -25,6 +25,7 @@ _DUNDER_OPERATORS = {
     "__xor__": operator.xor, "__getitem__": operator.getitem, "__setitem__": operator.setitem,
     "__neg__": operator.neg, "__invert__": operator.invert,
 }
+_OPERATOR_ARITY = {operator.neg: 1, operator.invert: 1, operator.setitem: 3}  # 2 for every other one
 
 
 def canonicalize_operators(graph: torch.fx.Graph) -> int:
@@ -35,7 +36,7 @@ def canonicalize_operators(graph: torch.fx.Graph) -> int:
     changed = 0
     for node in list(graph.nodes):
         fn = _DUNDER_OPERATORS.get(node.target) if node.op == "call_method" else None
-        arity = {operator.neg: 1, operator.invert: 1, operator.setitem: 3}.get(fn, 2)
+        arity = _OPERATOR_ARITY.get(fn, 2)
         if fn is None or node.kwargs or len(node.args) != arity or not isinstance(node.args[0], Node):
             continue
         if val(node.args[0]) is None:  # only a tensor receiver makes the two spellings equal
