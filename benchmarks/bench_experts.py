@@ -4,7 +4,9 @@
     python benchmarks/bench_experts.py --shapes qwen3 --tokens 4096  # one row
 
 Columns, all from one run (do_bench medians, ms):
-  ours          moe_inductor.fused_experts
+  ours          moe_inductor.fused_experts (its default engine choice; ``engine`` says which ran)
+  ours_fused    the same with config.gemm_engine = "triton" (our fused kernels only), where "auto" chose
+                torch._grouped_mm for the GEMMs (ops/grouped_mm_engine.py)
   sort_gmm      sort + torch._grouped_mm twice + unpermute (the reference path)
   hf_eager      transformers' grouped_mm experts forward (a Qwen3MoeExperts module of this shape)
   hf_compile    the same under torch.compile (Inductor, static shapes)
@@ -15,6 +17,7 @@ Peak memory is torch.cuda.max_memory_allocated above the inputs, in MiB.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -98,6 +101,25 @@ def hf_experts_module(H, I, E, k, w1, w2):
     return mod
 
 
+@contextlib.contextmanager
+def gemm_engine(name: str):
+    old = moe_inductor.config.gemm_engine
+    moe_inductor.config.gemm_engine = name
+    try:
+        yield
+    finally:
+        moe_inductor.config.gemm_engine = old
+
+
+def engine_chosen(x, ids, w1, w2) -> str:
+    """Which engine the op's default rule picks for these inputs (the fused_experts call's own views)."""
+    from moe_inductor.ops import expert_weight_views, grouped_mm_engine
+
+    g, u, d, _, _ = expert_weight_views(w1, w2, None, activation="silu_glu", layout="nk", gate_up="concat")
+    picked = grouped_mm_engine.grouped_mm_weights(x, g, u, d, None, None, "output", False, ids.numel())
+    return "grouped_mm" if picked is not None else "triton"
+
+
 def run_shape(name, tokens, skews, do_backward, do_hf, rows, skew_tokens=None):
     H, I, E, k = SHAPES[name]
     dev, dt = "cuda", torch.bfloat16
@@ -128,6 +150,10 @@ def run_shape(name, tokens, skews, do_backward, do_hf, rows, skew_tokens=None):
                 row["ours"] = bench(ours)
                 row["sort_gmm"] = bench(ref)
                 row["mem_ours_mib"] = peak_mib(ours)
+                row["engine"] = engine_chosen(x, ids, w1, w2)
+                if row["engine"] != "triton":
+                    with gemm_engine("triton"):
+                        row["ours_fused"] = bench(ours)
                 row["mem_sort_gmm_mib"] = peak_mib(ref)
                 if hf_fwd is not None:
                     row["hf_eager"] = bench(lambda: hf_fwd(x, ids, weights))
@@ -142,12 +168,16 @@ def run_shape(name, tokens, skews, do_backward, do_hf, rows, skew_tokens=None):
             row["floor"] = floor_ms(T, H, I, E, k)
             if do_backward and not skew and T in (4096,):
                 row.update(bench_backward(x, ids, weights, w1, w2, w1_kn, w2_kn))
+                if row["engine"] != "triton":
+                    with gemm_engine("triton"):
+                        fused = bench_backward(x, ids, weights, w1, w2, w1_kn, w2_kn, ours_only=True)
+                    row["fwdbwd_ours_fused"] = fused["fwdbwd_ours"]
             rows.append(row)
             print(format_row(row), flush=True)
     torch.cuda.empty_cache()
 
 
-def bench_backward(x, ids, weights, w1, w2, w1_kn, w2_kn):
+def bench_backward(x, ids, weights, w1, w2, w1_kn, w2_kn, ours_only=False):
     xg = x.detach().requires_grad_()
     wg = weights.detach().requires_grad_()
     w1g = w1.detach().requires_grad_()
@@ -162,6 +192,8 @@ def bench_backward(x, ids, weights, w1, w2, w1_kn, w2_kn):
         y = sort_grouped_mm(xg, ids, wg, w1g.transpose(1, 2), w2g.transpose(1, 2))
         torch.autograd.grad(y, (xg, wg, w1g, w2g), dy)
 
+    if ours_only:
+        return {"fwdbwd_ours": bench(ours, 10, 50)}
     return {"fwdbwd_ours": bench(ours, 10, 50), "fwdbwd_sort_gmm": bench(ref, 10, 50),
             "mem_fwdbwd_ours_mib": peak_mib(ours), "mem_fwdbwd_sort_gmm_mib": peak_mib(ref)}
 
@@ -174,24 +206,29 @@ def format_row(r) -> str:
     for c in COLUMNS:
         cells.append(f"{c}={r[c]:.3f}" if c in r else f"{c}=-")
     best_other = min((r[c] for c in ("sort_gmm", "hf_eager", "hf_compile") if c in r), default=float("nan"))
-    cells.append(f"ours/best={r['ours'] / best_other:.2f}")
+    cells.append(f"ours/best={r['ours'] / best_other:.2f} engine={r['engine']}")
+    if "ours_fused" in r:
+        cells.append(f"ours_fused={r['ours_fused']:.3f}")
     if "fwdbwd_ours" in r:
-        cells.append(f"fwdbwd ours={r['fwdbwd_ours']:.3f} ref={r['fwdbwd_sort_gmm']:.3f}")
+        cells.append(f"fwdbwd ours={r['fwdbwd_ours']:.3f} ref={r['fwdbwd_sort_gmm']:.3f}"
+                     f" fused={r.get('fwdbwd_ours_fused', float('nan')):.3f}")
     cells.append(f"mem ours={r['mem_ours_mib']:.0f}MiB ref={r['mem_sort_gmm_mib']:.0f}MiB err={r['rel_err_vs_ref']:.1e}")
     return " ".join(cells)
 
 
 def markdown(rows) -> str:
-    head = ("| shape | T | routing | ours | sort+_grouped_mm | HF eager | HF compile | dense | floor | ours / best other "
-            "| fwd+bwd ours | fwd+bwd sort+gmm | peak MiB ours / ref |")
-    lines = [head, "|" + "---|" * 13]
+    head = ("| shape | T | routing | ours | engine | ours, fused kernels only | sort+_grouped_mm | HF eager | HF compile "
+            "| dense | floor | ours / best other | fwd+bwd ours | fwd+bwd fused only | fwd+bwd sort+gmm "
+            "| peak MiB ours / ref |")
+    lines = [head, "|" + "---|" * 16]
     for r in rows:
         others = [r[c] for c in ("sort_gmm", "hf_eager", "hf_compile") if c in r]
         f = lambda c: f"{r[c]:.3f}" if c in r else "–"  # noqa: E731
         lines.append(
-            f"| {r['shape']} | {r['T']} | {r['routing']} | {f('ours')} | {f('sort_gmm')} | {f('hf_eager')} | "
-            f"{f('hf_compile')} | {f('dense')} | {f('floor')} | {r['ours'] / min(others):.2f} | {f('fwdbwd_ours')} | "
-            f"{f('fwdbwd_sort_gmm')} | {r['mem_ours_mib']:.0f} / {r['mem_sort_gmm_mib']:.0f} |"
+            f"| {r['shape']} | {r['T']} | {r['routing']} | {f('ours')} | {r['engine']} | {f('ours_fused')} | "
+            f"{f('sort_gmm')} | {f('hf_eager')} | {f('hf_compile')} | {f('dense')} | {f('floor')} | "
+            f"{r['ours'] / min(others):.2f} | {f('fwdbwd_ours')} | {f('fwdbwd_ours_fused')} | {f('fwdbwd_sort_gmm')} | "
+            f"{r['mem_ours_mib']:.0f} / {r['mem_sort_gmm_mib']:.0f} |"
         )
     return "\n".join(lines)
 

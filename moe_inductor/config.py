@@ -26,3 +26,15 @@ visible_kernels: bool = os.environ.get("MOE_INDUCTOR_VISIBLE_KERNELS", "0") == "
 #: EXPERIMENTAL, off until measured on the GPU: load the grouped GEMM's weight tiles through TMA descriptors (Hopper's
 #: bulk tensor copies) where the weight layout allows (kernels/launch.py ``_weight_descriptor``).
 tma_weights: bool = os.environ.get("MOE_INDUCTOR_TMA", "0") == "1"
+
+#: Who runs the experts op's GEMMs: "auto" (our fused Triton kernels, except in the compute-bound regime below, where
+#: ``torch._grouped_mm`` does; ops/grouped_mm_engine.py), "triton" (always ours), "grouped_mm" (torch's wherever the
+#: layout allows).
+gemm_engine: str = os.environ.get("MOE_INDUCTOR_GEMM_ENGINE", "auto")
+
+#: "auto"'s compute-bound regime: at least this many rows (token choices) per expert on average ...
+grouped_mm_min_rows_per_expert: int = 1024
+
+#: ... and experts of at least this many weights per projection (H * I). Measured on the H200: Mixtral's 4096 x 14336
+#: experts go faster through CUTLASS at 1024 rows each, while Qwen3's and OLMoE's small ones stay faster fused.
+grouped_mm_min_expert_weights: int = 32 * 1024 * 1024

@@ -21,6 +21,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def triton_kernels(monkeypatch):
+    """Run our Triton kernels on CPU tensors too (under the interpreter); on a GPU they run anyway."""
+    from moe_inductor import config
+
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+
+
+@pytest.fixture
 def nan_empty(monkeypatch):
     """Fill fresh float buffers with NaN (ints with a huge value), so rows a kernel never writes show up."""
     real_empty, real_new_empty, real_empty_like = torch.empty, torch.Tensor.new_empty, torch.empty_like

@@ -14,11 +14,6 @@ from tests.helpers import assert_close, make_problem
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture
-def triton_kernels(monkeypatch):
-    monkeypatch.setattr(config, "triton_on_cpu", True)
-
-
 def _fwd_bwd(p, **kw):
     y = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2, b1=p.b1, b2=p.b2,
                                    activation=p.activation, layout=p.layout, gate_up=p.gate_up, **kw)

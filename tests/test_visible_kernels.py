@@ -14,11 +14,6 @@ from tests.helpers import make_problem
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs the kernels only without a GPU
 
 
-@pytest.fixture
-def triton_kernels(monkeypatch):
-    monkeypatch.setattr(config, "triton_on_cpu", True)
-
-
 @pytest.mark.parametrize("T,k,capacity,routing", [
     (3, 2, None, "random"), (11, 3, None, "random"), (9, 2, 4, "random"), (0, 2, None, "random"),
     (1, 1, None, "random"), (10, 2, None, "one_expert"), (10, 2, None, "skip_odd"),

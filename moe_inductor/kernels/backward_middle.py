@@ -5,6 +5,7 @@ Between the two GEMMs of the backward, per sorted row r and column j of the inte
   h = act(p)                                   re-made for dW2
   d_scale[r] = sum_j h * g                     g = dy[token] @ W2^T, the gradient of h before the routing weight
   d_gate, d_up = act'(p) * (g * scale[r])      the gradients of the raw projections
+(with SCALE_H, h is stored as h * scale[r]: d_scale is summed before that.)
 Done in torch this is some twenty passes over (M, I) fp32 tensors; here it is one read of pre and g and one write
 of h, d_gate and d_up in the input dtype. Rows past the experts (dropped by a capacity) get zero gradients.
 The arithmetic is ops/activations.py's, in fp32.
@@ -44,7 +45,7 @@ def backward_middle_kernel(
     stride_pre_m, stride_g_m, stride_h_m, stride_d_m, stride_b_e,
     alpha, limit,
     NUM_EXPERTS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, SCALE_H: tl.constexpr = False,
 ):
     o_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
@@ -92,6 +93,8 @@ def backward_middle_kernel(
             d_gate = g * scale[:, None] * _unary_grad(gate, ACT)
         d_scale += tl.sum(h * g, axis=1)
         d_gate = tl.where(m_valid, d_gate, 0.0)
+        if SCALE_H:  # h * scale, the A operand of dW2 = (h * scale)^T @ dy[token] when dy is not scaled
+            h = h * scale[:, None]
         tl.store(p_h + rows[:, None] * stride_h_m + o_i[None, :], h.to(p_h.dtype.element_ty), mask=m_all)
         tl.store(p_d_gate + rows[:, None] * stride_d_m + o_i[None, :], d_gate.to(p_d_gate.dtype.element_ty),
                  mask=m_all)

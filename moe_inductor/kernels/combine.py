@@ -1,5 +1,8 @@
 """The deterministic combine: y[t] = sum_j rows[t*k + j], skipping assignments whose expert id is out of range.
 
+With INDEXED, row t*k + j is read at ``row_of[t*k + j]`` instead (rows left in expert-sorted order, as
+``torch._grouped_mm`` writes them), and with SCALED it is multiplied by ``scale[t*k + j]`` (the routing weight) in fp32.
+
 Skipping by id (not trusting the row) matters: a row of an out-of-range id is never written by the GEMMs, so this
 keeps garbage out of y without a memset of the whole (T*k, H) buffer.
 """
@@ -11,10 +14,11 @@ import triton.language as tl
 
 @triton.jit
 def combine_kernel(
-    p_rows, p_ids, p_y,
+    p_rows, p_ids, p_y, p_row_of, p_scale,
     H,
     stride_rows_m, stride_y_t,
     NUM_EXPERTS: tl.constexpr, TOPK: tl.constexpr, BLOCK_H: tl.constexpr,
+    INDEXED: tl.constexpr = False, SCALED: tl.constexpr = False,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -24,6 +28,11 @@ def combine_kernel(
     for j in tl.static_range(TOPK):
         e = tl.load(p_ids + i_t * TOPK + j)
         valid = (e >= 0) & (e < NUM_EXPERTS)
-        b_row = tl.load(p_rows + (i_t * TOPK + j) * stride_rows_m + o_h, mask=m_h & valid, other=0.0)
-        acc += b_row.to(tl.float32)
+        row = i_t * TOPK + j
+        if INDEXED:
+            row = tl.load(p_row_of + row, mask=valid, other=0).to(tl.int64)
+        b_row = tl.load(p_rows + row * stride_rows_m + o_h, mask=m_h & valid, other=0.0).to(tl.float32)
+        if SCALED:
+            b_row = b_row * tl.load(p_scale + i_t * TOPK + j, mask=valid, other=0.0).to(tl.float32)
+        acc += b_row
     tl.store(p_y + i_t * stride_y_t + o_h, acc.to(p_y.dtype.element_ty), mask=m_h)

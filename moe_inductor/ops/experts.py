@@ -36,6 +36,7 @@ from .grouped import (
     grouped_weight_grad,
     project_reference,
 )
+from . import grouped_mm_engine
 from .routing import route_metadata
 
 WEIGHT_POSITIONS = ("output", "between", "input")
@@ -125,11 +126,18 @@ def experts_forward_impl(
     topk = topk_ids.shape[1]
     # the implementation, not the op: a nested op call would only add dispatch overhead here
     order, sorted_expert, offsets = route_metadata(topk_ids, w1.shape[0], capacity)
+    scale_flat = topk_weights.contiguous().view(-1)
+    w_up = grouped_mm_engine.grouped_mm_weights(x, w1, w1_up, w2, b1, b2, weight_position, capacity is not None,
+                                                order.shape[0])
+    if w_up is not None:  # the compute-bound regime: torch._grouped_mm runs the GEMMs
+        y, pre_full = grouped_mm_engine.forward(x, topk_ids, scale_flat, order, offsets, w_up, w2, activation, alpha,
+                                                limit)
+        return y, pre_full if save_pre else x.new_empty(0), order, sorted_expert, offsets
     n_pre = w1.shape[2] * (2 if w1_up is not None else 1)
     # rows of dropped assignments are never written by the kernel: zero them so the output is fully defined
     alloc = x.new_zeros if capacity is not None else x.new_empty
     pre = alloc(order.shape[0], n_pre) if save_pre else x.new_empty(0)
-    args = (x, topk_ids, topk_weights.contiguous().view(-1), order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2,
+    args = (x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2,
             activation, weight_position, alpha, limit, pre if save_pre else None)
     if use_triton(x):
         y = _forward_gemms(*args, dropped=capacity is not None)
@@ -196,6 +204,10 @@ def experts_backward(
     s_sorted = torch.where(valid, scale[order.long()].to(f32), 0.0)[:, None]
     token = (order.long() // topk)
 
+    w_up = grouped_mm_engine.grouped_mm_weights(x, w1, w1_up, w2, b1, b2, weight_position, dropped, M)
+    if w_up is not None:  # the compute-bound regime, as in the forward
+        return grouped_mm_engine.backward(dy, x, topk_ids, topk_weights, w1, w1_up, w_up, w2, pre, order,
+                                          sorted_expert, offsets, activation, alpha, limit, needs, _backward_middle)
     if pre.shape[0] != M:  # the forward did not keep it: recompute the raw up projection
         pre = x.new_empty(M, I * (2 if gated else 1))
         tmp = x.new_empty(M, I)
@@ -237,15 +249,25 @@ def _sum_by_expert(rows: Tensor, expert: Tensor, num_experts: int, dtype: torch.
     return sums.index_add_(0, expert, rows.to(torch.float32))[:num_experts].to(dtype)
 
 
-def _backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation, alpha, limit, num_experts, dtype):
+def _backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation, alpha, limit, num_experts, dtype,
+                     out: Optional[tuple] = None, scale_h: bool = False):
     """(h, d_gate, d_up, d_scale) of the fused middle (kernels/backward_middle.py); h and the gradients in ``dtype``,
-    d_up None when the activation is not gated."""
+    d_up None when the activation is not gated.
+
+    Args:
+        out: (d_gate, d_up) buffers to write into (two column halves of one (M, 2I) tensor, say); d_gate's row
+            stride is used for both.
+        scale_h: store h multiplied by its routing weight.
+    """
     M, I = g.shape
     gated, act_id = ACTIVATIONS[activation]
     h = g.new_empty(M, I, dtype=dtype)
-    d_gate = g.new_empty(M, I, dtype=dtype)
-    d_up = g.new_empty(M, I, dtype=dtype) if gated else None
-    d_scale = g.new_empty(M)
+    if out is not None:
+        d_gate, d_up = out
+    else:
+        d_gate = g.new_empty(M, I, dtype=dtype)
+        d_up = g.new_empty(M, I, dtype=dtype) if gated else None
+    d_scale = g.new_empty(M, dtype=torch.float32)
     has_bias = b1 is not None
     b1c = b1.contiguous() if has_bias else g
     b1_upc = b1_up.contiguous() if has_bias and gated else b1c
@@ -258,7 +280,7 @@ def _backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation,
                  M, I, pre.stride(0), g.stride(0), h.stride(0), d_gate.stride(0), b1c.stride(0) if has_bias else 0,
                  float(alpha), float(limit)),
                 dict(NUM_EXPERTS=num_experts, GATED=gated, ACT=act_id, HAS_BIAS=has_bias, BLOCK_M=block_m,
-                     BLOCK_I=block_i, num_warps=4),
+                     BLOCK_I=block_i, SCALE_H=scale_h, num_warps=4),
             )
     return h, d_gate, d_up, d_scale
 

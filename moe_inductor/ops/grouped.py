@@ -9,6 +9,8 @@ the Triton kernels; CPU tensors run the reference, or the kernels under the inte
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .. import config
@@ -158,8 +160,13 @@ def grouped_weight_grad_reference(a, g, offsets, order, topk, dw, *, a_rows, g_r
     return dw
 
 
-def combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """y (T, H) = sum over k of rows (T*k, H), skipping assignments with an id outside [0, E) (rows never written)."""
+def combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, row_of: Optional[torch.Tensor] = None,
+            scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y (T, H) = sum over k of rows (T*k, H), skipping assignments with an id outside [0, E) (rows never written).
+
+    ``row_of`` (T*k,): assignment t*k + j is read from row ``row_of[t*k + j]`` (rows in expert-sorted order);
+    ``scale`` (T*k,): each assignment's row is multiplied by it, in fp32, before the sum.
+    """
     T, k = topk_ids.shape
     H = rows.shape[1]
     y = rows.new_empty(T, H)
@@ -168,8 +175,12 @@ def combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> tor
             block_h = min(1024, next_pow2(H))
             with device_guard(rows):
                 launch_kernel(combine_kernel, (T, cdiv(H, block_h)),
-                              (rows, topk_ids.contiguous(), y, H, rows.stride(0), y.stride(0)),
-                              dict(NUM_EXPERTS=num_experts, TOPK=k, BLOCK_H=block_h))
+                              (rows, topk_ids.contiguous(), y, row_of if row_of is not None else rows,
+                               scale if scale is not None else rows, H, rows.stride(0), y.stride(0)),
+                              dict(NUM_EXPERTS=num_experts, TOPK=k, BLOCK_H=block_h, INDEXED=row_of is not None,
+                                   SCALED=scale is not None))
         return y
-    valid = ((topk_ids >= 0) & (topk_ids < num_experts))[..., None]
-    return torch.where(valid, rows.view(T, k, H).float(), 0.0).sum(1).to(rows.dtype)
+    valid = ((topk_ids >= 0) & (topk_ids < num_experts)).reshape(-1)
+    picked = rows[row_of.long().clamp(0, max(rows.shape[0] - 1, 0))] if row_of is not None else rows
+    picked = picked.float() * (scale.float()[:, None] if scale is not None else 1.0)
+    return torch.where(valid[:, None], picked, 0.0).view(T, k, H).sum(1).to(rows.dtype)

@@ -1,0 +1,174 @@
+"""The experts op's GEMMs through ``torch._grouped_mm`` (CUTLASS on Hopper), for the compute-bound regime.
+
+Why: with few large experts and many rows each (Mixtral at T >= 4096: 8 experts, ~1000 rows each, 4096 x 14336
+weights) the GEMMs are compute-bound, and there our Triton grouped GEMM reaches about 480 TFLOP/s against CUTLASS's
+~650 (benchmarks/RESULTS.md). Fusing the gather into the GEMM saves little there, since the GEMM dwarfs a copy of x.
+So in that regime the op keeps its routing, activation, combine and backward middle (our kernels) and hands the
+four GEMMs to ``torch._grouped_mm``. Everywhere else (small experts, short batches, biases, capacity, other
+weight positions) the fused Triton kernels stay: they win there.
+
+``config.gemm_engine`` picks: "auto" (the rule in ``grouped_mm_weights``), "triton" (never this), "grouped_mm"
+(whenever the layout allows; also on the CPU with ``config.triton_on_cpu``, where the tests drive it).
+
+Nothing here reads a tensor's values on the host: the choice depends on shapes, dtypes and strides only, and the
+group boundaries are the device offsets of the routing metadata.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import config
+from ..kernels.activation import activation_kernel
+from ..kernels.configs import interpreting
+from ..kernels.launch import cdiv, device_guard, launch_kernel, tracing_launches
+from .activations import ACTIVATIONS
+from .grouped import combine, use_triton
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def _dense_enough(w: Tensor) -> bool:
+    """``torch._grouped_mm``'s layout rule for a (E, K, N) operand: one of the two inner strides is 1, the other a
+    multiple of 16 bytes that covers the row, and experts do not overlap."""
+    E, K, N = w.shape
+    s0, s1, s2 = w.stride()
+    inner_ok = (s2 == 1 and s1 >= N and s1 % 8 == 0) or (s1 == 1 and s2 >= K and s2 % 8 == 0)
+    return inner_ok and s0 >= K * N and s0 % 8 == 0 and w.data_ptr() % 16 == 0
+
+
+def combined_up_weights(w1: Tensor, w1_up: Optional[Tensor]) -> Optional[Tensor]:
+    """The (E, H, 2I) [gate | up] view when ``w1`` and ``w1_up`` are the two halves of one tensor (HF's
+    ``gate_up_proj``, either layout), ``w1`` itself when not gated, else None. No copy is made."""
+    if w1_up is None:
+        return w1
+    E, H, I = w1.shape
+    if w1_up.stride() != w1.stride() or w1_up.dtype != w1.dtype:
+        return None
+    if w1_up.untyped_storage().data_ptr() != w1.untyped_storage().data_ptr():
+        return None
+    s0, s1, s2 = w1.stride()
+    if w1_up.storage_offset() - w1.storage_offset() != I * s2:  # up's columns start right after gate's
+        return None
+    return w1.as_strided((E, H, 2 * I), (s0, s1, s2))
+
+
+def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tensor, b1: Optional[Tensor],
+                       b2: Optional[Tensor], weight_position: str, dropped: bool, num_rows) -> Optional[Tensor]:
+    """The (E, H, n_pre) up weights to run through ``torch._grouped_mm`` when this call should, else None.
+
+    "auto" takes this path only where it was measured to win on the H200: bf16 on Hopper, at least
+    ``config.grouped_mm_min_rows_per_expert`` rows per expert on average, and experts of at least
+    ``config.grouped_mm_min_expert_weights`` weights per projection (H * I).
+    """
+    mode = config.gemm_engine
+    if mode == "triton" or tracing_launches() or isinstance(num_rows, torch.SymInt) or num_rows == 0:
+        return None
+    if weight_position != "output" or dropped or b1 is not None or b2 is not None:
+        return None
+    if x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm") or not use_triton(x):
+        return None
+    if x.is_cuda and not _is_hopper(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+        return None
+    if not x.is_cuda and mode != "grouped_mm":
+        return None
+    E, H, I = w1.shape
+    if H % 8 or I % 8:
+        return None
+    if mode == "auto" and (num_rows < config.grouped_mm_min_rows_per_expert * E
+                           or H * I < config.grouped_mm_min_expert_weights):
+        return None
+    w_up = combined_up_weights(w1, w1_up)
+    if w_up is None or not _dense_enough(w_up) or not _dense_enough(w2):
+        return None
+    return w_up
+
+
+def _activation(pre: Tensor, activation: str, alpha: float, limit: float) -> Tensor:
+    gated, act_id = ACTIVATIONS[activation]
+    M = pre.shape[0]
+    I = pre.shape[1] // (2 if gated else 1)
+    h = pre.new_empty(M, I)
+    if M:
+        block_m, block_i = (16, 32) if interpreting() else (8, 512)
+        with device_guard(pre):
+            launch_kernel(activation_kernel, (cdiv(M, block_m), cdiv(I, block_i)),
+                          (pre, h, M, I, pre.stride(0), h.stride(0), float(alpha), float(limit)),
+                          dict(GATED=gated, ACT=act_id, BLOCK_M=block_m, BLOCK_I=block_i, num_warps=4))
+    return h
+
+
+def _row_of(order: Tensor) -> Tensor:
+    """The inverse permutation of ``order``: the sorted row of each assignment."""
+    M = order.shape[0]
+    return torch.empty_like(order).scatter_(0, order.long(), torch.arange(M, dtype=order.dtype, device=order.device))
+
+
+def forward(x: Tensor, topk_ids: Tensor, scale_flat: Tensor, order: Tensor, offsets: Tensor, w_up: Tensor,
+            w2: Tensor, activation: str, alpha: float, limit: float) -> tuple[Tensor, Tensor]:
+    """(y, pre): the experts forward with "output" routing weights; pre (M, n_pre) is the raw up projection."""
+    topk = topk_ids.shape[1]
+    group_ends = offsets[1:]
+    x_sorted = x.index_select(0, order.long() // topk)
+    pre = torch._grouped_mm(x_sorted, w_up, offs=group_ends)
+    del x_sorted
+    h = _activation(pre, activation, alpha, limit)
+    out_sorted = torch._grouped_mm(h, w2, offs=group_ends)
+    del h
+    y = combine(out_sorted, topk_ids, w2.shape[0], row_of=_row_of(order), scale=scale_flat)
+    return y, pre
+
+
+def _weight_grad(a: Tensor, g: Tensor, group_ends: Tensor, like: Tensor) -> Tensor:
+    """Per expert a_e^T @ g_e, (E, K, N), computed in the layout of ``like`` (a transposed weight gets a transposed
+    gradient, so that autograd does not copy it)."""
+    if like.stride(1) == 1:  # (E, K, N) is the transpose of a dense (E, N, K)
+        return torch._grouped_mm(g.t(), a, offs=group_ends).transpose(1, 2)
+    return torch._grouped_mm(a.t(), g, offs=group_ends)
+
+
+def backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w1_up: Optional[Tensor],
+             w_up: Tensor, w2: Tensor, pre: Tensor, order: Tensor, sorted_expert: Tensor, offsets: Tensor,
+             activation: str, alpha: float, limit: float, needs: list[bool], middle) -> tuple:
+    """The gradients of ``forward`` (see ``experts_backward`` for ``needs`` and the returned tuple); ``middle`` is
+    ops/experts.py's ``_backward_middle`` (the fused elementwise pass between the GEMMs)."""
+    T, H = x.shape
+    topk = topk_ids.shape[1]
+    M = order.shape[0]
+    E, _, I = w1.shape
+    gated = w1_up is not None
+    group_ends = offsets[1:]
+    token = order.long() // topk
+    scale = topk_weights.contiguous().view(-1)
+    x_sorted = x.index_select(0, token)
+    if pre.shape[0] != M:  # the forward did not keep it
+        pre = torch._grouped_mm(x_sorted, w_up, offs=group_ends)
+    dy_sorted = dy.index_select(0, token)
+    g = torch._grouped_mm(dy_sorted, w2.transpose(1, 2), offs=group_ends)  # d h, before the routing weight
+    d_pre = x.new_empty(M, pre.shape[1])
+    h_scaled, _, _, d_scale_sorted = middle(pre, g, scale, order, sorted_expert, None, None, activation, alpha, limit,
+                                            E, x.dtype, out=(d_pre[:, :I], d_pre[:, I:] if gated else None),
+                                            scale_h=True)
+    del g
+    dw2 = _weight_grad(h_scaled, dy_sorted, group_ends, w2) if needs[4] else None
+    del h_scaled, dy_sorted
+    # two GEMMs, not one over d_pre: the gradients of an op must not be views of one tensor
+    dw1 = _weight_grad(x_sorted, d_pre[:, :I], group_ends, w1) if needs[2] else None
+    dw1_up = _weight_grad(x_sorted, d_pre[:, I:], group_ends, w1_up) if needs[3] else None
+    del x_sorted
+    dx = None
+    if needs[0]:
+        dx_sorted = torch._grouped_mm(d_pre, w_up.transpose(1, 2), offs=group_ends)
+        dx = combine(dx_sorted, topk_ids, E, row_of=_row_of(order))
+    d_weights = None
+    if needs[1]:
+        d_flat = torch.zeros(M, dtype=torch.float32, device=x.device).index_put_((order.long(),), d_scale_sorted)
+        d_weights = d_flat.view(T, topk).to(topk_weights.dtype)
+    grads = (dx, d_weights, dw1, dw1_up, dw2, None, None, None)  # no biases on this path
+    return tuple(t if t is not None else x.new_empty(0) for t in grads)  # distinct empties: outputs may not alias

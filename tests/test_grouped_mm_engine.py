@@ -1,0 +1,131 @@
+"""The compute-bound engine (ops/grouped_mm_engine.py): the experts op with ``torch._grouped_mm`` as its GEMMs.
+
+On the CPU it runs with ``config.gemm_engine = "grouped_mm"`` and our kernels under the interpreter (torch's CPU
+``_grouped_mm``); on the GPU the same tests run CUTLASS and the compiled kernels. Every case checks that the engine
+really ran, so a silent fallback to the fused kernels cannot pass for it.
+"""
+import pytest
+import torch
+
+import moe_inductor
+from moe_inductor import config
+from moe_inductor.ops import expert_weight_views, grouped_mm_engine, moe_reference
+from tests.helpers import assert_close, make_problem
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_grouped_mm = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is missing")
+if torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
+    needs_grouped_mm = pytest.mark.skip(reason="torch._grouped_mm runs on Hopper only")
+
+
+@pytest.fixture
+def engine_calls(monkeypatch, triton_kernels):
+    """Force the engine and count its forward and backward calls."""
+    monkeypatch.setattr(config, "gemm_engine", "grouped_mm")
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        real = getattr(grouped_mm_engine, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(grouped_mm_engine, name, spy)
+    return calls
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("T,E,k,activation,layout,routing", [
+    pytest.param(6, 3, 2, "silu_glu", "nk", "random", id="glu-nk"),
+    pytest.param(5, 5, 2, "gelu_glu", "kn", "random", id="glu-kn-E5"),
+    pytest.param(4, 3, 1, "silu", "nk", "random", id="unary-k1"),
+    pytest.param(1, 3, 2, "silu_glu", "nk", "random", id="T1"),
+    pytest.param(5, 3, 2, "silu_glu", "nk", "one_expert", id="all-on-one-expert"),
+    pytest.param(6, 4, 2, "gptoss_glu", "nk", "skip_odd", id="empty-experts"),
+])
+def test_grouped_mm_engine_matches_the_reference(T, E, k, activation, layout, routing, engine_calls, nan_empty):
+    """bf16, forward and every gradient against the float64 reference on the same inputs."""
+    p = make_problem(T, 32, 16, E, k, dtype=torch.bfloat16, device=DEVICE, activation=activation, layout=layout,
+                     routing=routing)
+    y = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2, activation=activation,
+                                   layout=layout)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y)
+    grads = torch.autograd.grad(y, p.leaves(), dy)
+    assert engine_calls == {"forward": 1, "backward": 1}
+    names = ["x", "topk_weights", "w1", "w2"]
+    leaves64 = {n: t.detach().double().requires_grad_() for n, t in zip(names, p.leaves())}
+    views = expert_weight_views(leaves64["w1"], leaves64["w2"], None, activation=activation, layout=layout,
+                                gate_up="concat")
+    ref = moe_reference(leaves64["x"], p.topk_ids, leaves64["topk_weights"], *views, None, activation, "output",
+                        1.702, 7.0, None)
+    assert_close(y, ref, torch.bfloat16, "y")
+    for name, got, want in zip(names, grads, torch.autograd.grad(ref, list(leaves64.values()), dy.double())):
+        assert_close(got, want.to(got.dtype), torch.bfloat16, f"d{name}")
+
+
+@needs_grouped_mm
+def test_grouped_mm_engine_passes_opcheck(engine_calls):
+    """A unary activation: opcheck copies its arguments, which would split a gate/up pair into two tensors."""
+    p = make_problem(5, 32, 16, 3, 2, dtype=torch.bfloat16, device=DEVICE, activation="gelu", requires_grad=False)
+    g, _, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="gelu", layout="nk", gate_up="concat")
+    args = (p.x, p.topk_ids, p.topk_weights, g, None, d, None, None, None, "gelu", "output", 1.702, 7.0, None, True)
+    torch.library.opcheck(torch.ops.moe_inductor.experts_forward.default, args)
+    assert engine_calls["forward"] > 0
+
+
+def _weights(activation="silu_glu", layout="nk", gate_up="concat", dtype=torch.bfloat16, bias=False):
+    p = make_problem(4, 32, 16, 3, 2, dtype=dtype, device=DEVICE, activation=activation, layout=layout,
+                     gate_up=gate_up, bias=bias, requires_grad=False)
+    return p, expert_weight_views(p.w1, p.w2, p.b1, activation=activation, layout=layout, gate_up=gate_up)
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_combined_up_weights_is_a_view_of_gate_up(layout):
+    """HF's concatenated gate_up_proj, either layout, becomes one (E, H, 2I) operand without a copy."""
+    p, (g, u, _, _, _) = _weights(layout=layout)
+    both = grouped_mm_engine.combined_up_weights(g, u)
+    assert both is not None and both.data_ptr() == g.data_ptr()
+    torch.testing.assert_close(both, torch.cat([g, u], 2), rtol=0, atol=0)
+
+
+def test_combined_up_weights_refuses_what_is_not_one_tensor():
+    _, (g, u, _, _, _) = _weights(gate_up="interleaved")
+    assert grouped_mm_engine.combined_up_weights(g, u) is None
+    _, (g, u, _, _, _) = _weights()
+    assert grouped_mm_engine.combined_up_weights(g, u.clone()) is None  # two separate tensors
+    assert grouped_mm_engine.combined_up_weights(u, g) is None  # the halves the wrong way round
+
+
+@pytest.mark.parametrize("case", ["bias", "capacity", "input", "between", "fp32", "interleaved", "triton", "auto-cpu"])
+def test_grouped_mm_engine_is_not_chosen_where_it_does_not_apply(case, monkeypatch, triton_kernels):
+    """Negative cases: whatever the engine cannot run exactly as the fused op does stays on the fused kernels."""
+    monkeypatch.setattr(config, "gemm_engine", {"triton": "triton", "auto-cpu": "auto"}.get(case, "grouped_mm"))
+    p, (g, u, d, b1, _) = _weights(bias=case == "bias", dtype=torch.float32 if case == "fp32" else torch.bfloat16,
+                                   gate_up="interleaved" if case == "interleaved" else "concat")
+    position = case if case in ("input", "between") else "output"
+    got = grouped_mm_engine.grouped_mm_weights(p.x, g, u, d, b1, p.b2, position, case == "capacity", 8)
+    if case == "auto-cpu" and torch.cuda.is_available():
+        pytest.skip("the CPU case of auto")
+    assert got is None
+    monkeypatch.setattr(config, "gemm_engine", "grouped_mm")
+    _, (g, u, d, _, _) = _weights()
+    assert grouped_mm_engine.grouped_mm_weights(p.x.bfloat16(), g, u, d, None, None, "output", False, 8) is not None
+
+
+@pytest.mark.gpu
+def test_auto_engine_takes_grouped_mm_only_for_large_experts_with_many_rows(monkeypatch):
+    """"auto" on the H200: Mixtral-sized experts at 1024 rows each go to torch._grouped_mm; the same rows with small
+    experts, or few rows with large ones, stay fused."""
+    monkeypatch.setattr(config, "gemm_engine", "auto")
+    E, k = 2, 2
+
+    def chosen(T, H, I):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        return grouped_mm_engine.grouped_mm_weights(x, w1[..., :I], w1[..., I:], w2, None, None, "output", False,
+                                                    T * k) is not None
+
+    assert chosen(1024, 4096, 8192)
+    assert not chosen(1024, 2048, 768)
+    assert not chosen(256, 4096, 8192)
