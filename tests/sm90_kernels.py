@@ -21,6 +21,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from moe_inductor.kernels import configs  # noqa: E402
 from moe_inductor.kernels.backward_middle import backward_middle_kernel  # noqa: E402
+from moe_inductor.kernels.activation import activation_kernel  # noqa: E402
 from moe_inductor.kernels.combine import combine_kernel  # noqa: E402
 from moe_inductor.kernels.grouped_gemm import grouped_gemm_kernel, grouped_weight_grad_kernel  # noqa: E402
 from moe_inductor.kernels.routing import route_count_kernel, route_place_kernel  # noqa: E402
@@ -150,6 +151,12 @@ def main() -> None:
     _compile("route count", route_count_kernel, {}, dict(CHOICE_MAJOR=False, TOPK=8, CHUNK=1024, BINS=256))
     _compile("combine", combine_kernel, {"p_rows": "*bf16", "p_ids": "*i64", "p_y": "*bf16"},
              dict(NUM_EXPERTS=128, TOPK=8, BLOCK_H=1024))
+    _compile("combine indexed scaled", combine_kernel,
+             {"p_rows": "*bf16", "p_ids": "*i64", "p_y": "*bf16", "p_scale": "*bf16"},
+             dict(NUM_EXPERTS=8, TOPK=2, BLOCK_H=1024, INDEXED=True, SCALED=True))
+    for act in (4, 5):
+        _compile(f"activation act={act}", activation_kernel, {"p_pre": "*bf16", "p_h": "*bf16"},
+                 dict(GATED=True, ACT=act, BLOCK_M=8, BLOCK_I=512), floats=("alpha", "limit"))
 
 
 if __name__ == "__main__":
