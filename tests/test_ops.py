@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import moe_inductor
-from moe_inductor.ops import experts_backward, experts_forward, moe_reference, route
+from moe_inductor.ops import expert_weight_views, experts_backward, experts_forward, moe_reference, route
 from tests.helpers import assert_close, make_problem
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -167,15 +167,59 @@ def test_opcheck_experts_forward(gated, bias, capacity):
     torch.library.opcheck(experts_forward, _opcheck_args(gated=gated, bias=bias, capacity=capacity))
 
 
-def test_opcheck_experts_backward():
+def _backward_args(combined_gate_up: bool):
     args = _opcheck_args()
     with torch.no_grad():
         y, pre, order, sorted_expert, offsets = experts_forward(*args)
     x, ids, tw, g, u, d, bg, bu, b2 = args[:9]
-    bargs = (torch.randn_like(y), x.detach(), ids, tw.detach(), g.detach(), u.detach(), d.detach(), bg.detach(),
-             bu.detach(), b2.detach(), pre, order, sorted_expert, offsets, "silu_glu", "output", 1.702, 7.0, False,
-             [True] * 8)
-    torch.library.opcheck(experts_backward, bargs)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    return (dy, x.detach(), ids, tw.detach(), g.detach(), u.detach(), d.detach(), bg.detach(),
+            bu.detach(), b2.detach(), pre, order, sorted_expert, offsets, "silu_glu", "output", 1.702, 7.0, False,
+            [True] * 8 + [combined_gate_up])
+
+
+@pytest.mark.parametrize("combined_gate_up", [False, True], ids=["separate", "combined-gate-up"])
+def test_opcheck_experts_backward(combined_gate_up):
+    torch.library.opcheck(experts_backward, _backward_args(combined_gate_up))
+
+
+@pytest.mark.parametrize("on_triton", [False, True], ids=["torch", "triton"])
+def test_combined_gate_up_gradient_is_the_two_halves(on_triton, monkeypatch):
+    """The ninth ``needs`` flag: dw1 comes back as one (E, H, 2I) tensor, laid out as the (E, 2I, H) parameter is,
+    holding exactly the separate gate and up gradients."""
+    monkeypatch.setattr(moe_inductor.config, "triton_on_cpu", on_triton)
+    separate = experts_backward(*_backward_args(False))
+    combined = experts_backward(*_backward_args(True))
+    I = separate[2].shape[2]
+    assert combined[2].shape[2] == 2 * I and combined[3].numel() == 0
+    assert combined[2].stride(1) == 1  # the transpose of a dense (E, 2I, H), like the nn.Linear-style parameter
+    torch.testing.assert_close(combined[2][:, :, :I], separate[2])
+    torch.testing.assert_close(combined[2][:, :, I:], separate[3])
+    for a, b in zip(combined[4:] + combined[:2], separate[4:] + separate[:2]):
+        torch.testing.assert_close(a, b)
+
+
+def test_split_gate_up_hands_one_gradient_to_the_parameter_without_a_copy():
+    from moe_inductor.ops import _SplitGateUp
+
+    w = torch.randn(3, 8, 4).transpose(1, 2).requires_grad_()  # (E, H, 2I) as an (E, 2I, H) parameter's transpose
+    gate, up = _SplitGateUp.apply(w)
+    torch.testing.assert_close(torch.cat([gate, up], 2), w)
+    one = torch.randn(3, 8, 4).transpose(1, 2)
+    grad = _SplitGateUp.backward(_Ctx(w), one[:, :, :4], one[:, :, 4:])
+    assert grad.data_ptr() == one.data_ptr() and torch.equal(grad, one)
+    # separate gradients are stitched; a missing one counts as zeros
+    a, b = torch.randn(3, 4, 4), torch.randn(3, 4, 4)
+    torch.testing.assert_close(_SplitGateUp.backward(_Ctx(w), a, b), torch.cat([a, b], 2))
+    torch.testing.assert_close(_SplitGateUp.backward(_Ctx(w), None, b), torch.cat([torch.zeros_like(a), b], 2))
+    # through autograd, end to end
+    (gate * 2 + 0).sum().backward()
+    torch.testing.assert_close(w.grad, torch.cat([torch.full((3, 4, 4), 2.0), torch.zeros(3, 4, 4)], 2))
+
+
+class _Ctx:
+    def __init__(self, w):
+        self.w_shape, self.w_stride = w.shape, w.stride()
 
 
 def test_opcheck_route():
@@ -219,3 +263,26 @@ def test_opcheck_expert_list_op():
     w2 = [t.detach().requires_grad_() for t in p.w2.unbind(0)]
     torch.library.opcheck(expert_lists.experts_forward_list, (p.x, p.topk_ids, p.topk_weights, w1, w3, w2, "silu_glu",
                                                               True))
+
+
+def test_fused_experts_asks_for_one_gate_up_gradient(monkeypatch):
+    """Eager training through fused_experts with HF's concatenated gate_up weight: the op is asked for the combined
+    gradient, and the parameter's gradient matches the reference's."""
+    from moe_inductor.ops import experts as experts_module
+
+    seen = []
+    real = experts_module.experts_backward
+
+    def spy(*args):
+        seen.append(list(args[-1]))
+        return real(*args)
+
+    monkeypatch.setattr(experts_module, "experts_backward", spy)
+    p = make_problem(6, 16, 8, 5, 2)
+    moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2).sum().backward()
+    assert seen and seen[0][8] is True
+    w1 = p.w1.detach().clone().requires_grad_()
+    g, u, d, _, _ = expert_weight_views(w1, p.w2.detach(), None, activation="silu_glu", layout="nk", gate_up="concat")
+    moe_reference(p.x.detach(), p.topk_ids, p.topk_weights.detach(), g, u, d, None, None, None, "silu_glu", "output",
+                  1.702, 7.0, None).sum().backward()
+    torch.testing.assert_close(p.w1.grad, w1.grad, rtol=1e-4, atol=1e-5)

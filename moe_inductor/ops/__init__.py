@@ -30,6 +30,37 @@ def _to_kn(w: Tensor, layout: str) -> Tensor:
     raise ValueError(f"layout={layout!r}; choose 'nk' (E, out, in), as nn.Linear stores it, or 'kn' (E, in, out)")
 
 
+class _SplitGateUp(torch.autograd.Function):
+    """(gate, up) = the two column halves of a concatenated (E, H, 2I) gate/up weight, as views.
+
+    Autograd's own slicing would give the parameter two full-size zero-filled gradients (one per slice) and then add
+    them: for Mixtral's 1.9 GB gate_up_proj that is several extra passes and as much transient memory. Here the two
+    gradients, which the experts op returns as the halves of one tensor, become the parameter's gradient as they
+    are, and other gradients are stitched into one fresh tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, w: Tensor) -> tuple[Tensor, Tensor]:
+        half = w.shape[2] // 2
+        ctx.w_shape, ctx.w_stride = w.shape, w.stride()
+        return w[:, :, :half], w[:, :, half:]
+
+    @staticmethod
+    def backward(ctx, d_gate: Optional[Tensor], d_up: Optional[Tensor]) -> Tensor:
+        half = ctx.w_shape[2] // 2
+        if (d_gate is not None and d_up is not None and d_gate.stride() == d_up.stride()
+                and d_gate.untyped_storage().data_ptr() == d_up.untyped_storage().data_ptr()
+                and d_up.storage_offset() - d_gate.storage_offset() == half * d_gate.stride(2)):
+            return d_gate.as_strided(ctx.w_shape, d_gate.stride(), d_gate.storage_offset())
+        ref = d_gate if d_gate is not None else d_up
+        grad = ref.new_zeros(ctx.w_shape) if d_gate is None or d_up is None else ref.new_empty(ctx.w_shape)
+        if d_gate is not None:
+            grad[:, :, :half] = d_gate
+        if d_up is not None:
+            grad[:, :, half:] = d_up
+        return grad
+
+
 def expert_weight_views(
     w1: WeightArg,
     w2: Tensor,
@@ -53,7 +84,9 @@ def expert_weight_views(
         return w1, None, _to_kn(w2, layout), b1, None
     if gate_up == "concat":
         half = w1.shape[2] // 2
-        views = (w1[:, :, :half], w1[:, :, half:])
+        # eagerly, with a gradient to make, the split is ours (see _SplitGateUp); traced, the compiler's slices are fine
+        split_here = w1.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        views = _SplitGateUp.apply(w1) if split_here else (w1[:, :, :half], w1[:, :, half:])
         bias = (b1[:, :half], b1[:, half:]) if b1 is not None else (None, None)
     elif gate_up == "interleaved":
         views = (w1[:, :, 0::2], w1[:, :, 1::2])

@@ -49,6 +49,23 @@ def _grad_buffer(w: Tensor) -> Tensor:
     return w.new_empty(w.shape)
 
 
+def _combined_grad_buffer(w1: Tensor) -> Tensor:
+    """An empty (E, H, 2I) gradient for a gate/up pair held as one tensor, laid out as such a tensor is: the transpose
+    of a dense (E, 2I, H) when ``w1`` is column-major (nn.Linear style), dense (E, H, 2I) otherwise."""
+    E, H, I = w1.shape
+    if w1.stride(1) == 1:
+        return w1.new_empty(E, 2 * I, H).transpose(1, 2)
+    return w1.new_empty(E, H, 2 * I)
+
+
+def _gate_up_is_one_tensor(w1: Tensor, w1_up: Optional[Tensor]) -> bool:
+    """Whether gate and up are the two halves of one real tensor (never true for fake or functional tensors: under
+    tracing the halves' gradients stay separate and the compiler handles the slices)."""
+    if w1_up is None or type(w1) is not torch.Tensor or type(w1_up) is not torch.Tensor or w1.is_meta:
+        return False
+    return grouped_mm_engine.combined_up_weights(w1, w1_up) is not None
+
+
 def _forward_gemms(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position,
                    alpha, limit, pre, dropped: bool) -> Tensor:
     T, H = x.shape
@@ -188,7 +205,9 @@ def experts_backward(
     """Gradients of ``experts_forward``.
 
     Args:
-        needs: which of (x, topk_weights, w1, w1_up, w2, b1, b1_up, b2) want a gradient.
+        needs: which of (x, topk_weights, w1, w1_up, w2, b1, b1_up, b2) want a gradient; an optional ninth flag asks
+            for the gate and up gradients as one (E, H, 2I) tensor in the dw1 slot (gate and up being the halves of
+            one tensor, ``_gate_up_is_one_tensor``), so that nothing has to stitch them together afterwards.
     Returns:
         dx, d_topk_weights, dw1, dw1_up, dw2, db1, db1_up, db2; an empty tensor where none is wanted.
     """
@@ -362,10 +381,15 @@ def _backward_through_up(x, topk_ids, topk_weights, w1, w1_up, order, offsets, t
     gated = w1_up is not None
     f32 = torch.float32
     dw1 = dw1_up = None
-    if needs[2]:
+    if len(needs) > 8 and needs[8]:  # one (E, H, 2I) gradient for the gate/up pair, written as its two halves
+        I = w1.shape[2]
+        dw1 = _combined_grad_buffer(w1)
+        grouped_weight_grad(x, d_gate, offsets, order, topk, dw1[:, :, :I], a_rows=ROWS_TOKEN, g_rows=ROWS_SORTED)
+        grouped_weight_grad(x, d_up, offsets, order, topk, dw1[:, :, I:], a_rows=ROWS_TOKEN, g_rows=ROWS_SORTED)
+    elif needs[2]:
         dw1 = grouped_weight_grad(x, d_gate, offsets, order, topk, _grad_buffer(w1), a_rows=ROWS_TOKEN,
                                   g_rows=ROWS_SORTED)
-    if gated and needs[3]:
+    if gated and needs[3] and not (len(needs) > 8 and needs[8]):
         dw1_up = grouped_weight_grad(x, d_up, offsets, order, topk, _grad_buffer(w1_up), a_rows=ROWS_TOKEN,
                                      g_rows=ROWS_SORTED)
     dx = None
@@ -393,11 +417,12 @@ def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, s
     def maybe(flag, t, like):
         return like(t) if (flag and t is not None) else x.new_empty(0)
 
+    combined = len(needs) > 8 and needs[8]
     return (
         maybe(needs[0], x, torch.empty_like),
         maybe(needs[1], topk_weights, torch.empty_like),
-        maybe(needs[2], w1, _grad_buffer),
-        maybe(needs[3], w1_up, _grad_buffer),
+        maybe(needs[2], w1, _combined_grad_buffer if combined else _grad_buffer),
+        maybe(needs[3] and not combined, w1_up, _grad_buffer),
         maybe(needs[4], w2, _grad_buffer),
         maybe(needs[5], b1, torch.empty_like),
         maybe(needs[6], b1_up, torch.empty_like),
@@ -421,9 +446,14 @@ def _backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
              ni[7] and b1_up is not None, ni[8] and b2 is not None]
     if dy is None:
         dy = torch.zeros_like(x)
+    combined = needs[2] and needs[3] and _gate_up_is_one_tensor(w1, w1_up)
     grads = experts_backward(dy.contiguous(), x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order,
-                             sorted_expert, offsets, activation, weight_position, alpha, limit, dropped, needs)
+                             sorted_expert, offsets, activation, weight_position, alpha, limit, dropped,
+                             needs + [combined])
     dx, dtw, dw1, dw1_up, dw2, db1, db1_up, db2 = (g if need else None for g, need in zip(grads, needs))
+    if combined:  # two views of one gradient: ops.fused_experts hands it to the parameter without a copy
+        I = w1.shape[2]
+        dw1, dw1_up = dw1[:, :, :I], dw1[:, :, I:]
     return dx, None, dtw, dw1, dw1_up, dw2, db1, db1_up, db2, None, None, None, None, None, None
 
 
