@@ -81,7 +81,8 @@ def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] =
         num_chunks, t_rows = max(cdiv(M, chunk), 1), max(T, 1)
         single = num_chunks == 1
     # the per-chunk histograms; one chunk counts in registers, and its kernel never reads this (order stands in)
-    counts = order if single else ids.new_empty(num_chunks, bins, dtype=torch.int32)
+    # (flat: a symbolic (num_chunks, bins) shape would make tracing guard on num_chunks == 1, i.e. on the token count)
+    counts = order if single else ids.new_empty(num_chunks * bins, dtype=torch.int32)
     meta = dict(CHOICE_MAJOR=capacity is not None, TOPK=k, CHUNK=chunk, BINS=bins, SINGLE=single,
                 num_warps=8 if chunk > 1024 else 4)
     cap = M + 1 if capacity is None else capacity
