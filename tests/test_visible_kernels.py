@@ -68,3 +68,23 @@ def test_visible_op_has_the_opaque_ops_gradients(triton_kernels):
     ref = torch.autograd.grad(torch.ops.moe_inductor.experts_forward(*args)[0], leaves, dy)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b)
+
+
+def test_tracing_into_the_visible_op_adds_no_token_count_guard():
+    """Traced with a dynamic token count (in a process without the interpreter, see tests/visible_guards.py), the
+    op adds no shape guard: a guard on T would recompile the model at each new range of sequence lengths. (The
+    routing buffer once gave `num_chunks == 1`, i.e. T <= 512.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-m", "tests.visible_guards"], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    guards = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [g for g in guards if "2147483647" not in g] == []  # int32-range checks of kernel arguments are fine
