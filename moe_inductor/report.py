@@ -46,6 +46,8 @@ class Report:
     def __str__(self) -> str:
         lines = [f"moe_inductor: {len(self.graphs)} graph(s), {len(self.graph_breaks)} graph break(s), "
                  f"{len(self.rewrites)} MoE rewrite(s)"]
+        if self.rewrites:
+            lines.append(f"  GEMMs: {gemm_engine_summary()}")
         for reason in self.graph_breaks:
             lines.append(f"  graph break: {reason.splitlines()[0]}")
         for i, r in enumerate(self.rewrites):
@@ -60,6 +62,19 @@ class Report:
                 lines.append("after:")
             lines.append(g.code.strip())
         return "\n".join(lines)
+
+
+def gemm_engine_summary() -> str:
+    """Who runs the rewritten layers' GEMMs, as ``config.gemm_engine`` says (decided per call, from shapes)."""
+    from . import config
+
+    if config.gemm_engine == "triton":
+        return "our fused Triton kernels (gemm_engine='triton')"
+    if config.gemm_engine == "grouped_mm":
+        return "torch._grouped_mm wherever the layout allows, our kernels around it (gemm_engine='grouped_mm')"
+    return (f"our fused Triton kernels; torch._grouped_mm for bf16 on Hopper when experts have H*I >= "
+            f"{config.grouped_mm_min_expert_weights} and >= {config.grouped_mm_min_rows_per_expert} rows each "
+            f"(gemm_engine='auto')")
 
 
 def current_report() -> Optional[Report]:

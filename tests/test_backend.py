@@ -216,6 +216,7 @@ def test_explain_report():
     assert "hf_grouped_mm" in text and "MixtralExperts" in text and "E=3 k=2 act=silu_glu" in text
     assert "experts_forward" in report.graphs[0].code and "experts_forward" not in report.graph_before[0]
     assert report.summary() in text and "def forward" not in report.summary()
+    assert "GEMMs: our fused Triton kernels; torch._grouped_mm for bf16 on Hopper" in report.summary()
 
 
 def test_cli_inspect(tmp_path):
