@@ -70,19 +70,18 @@ def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tenso
     mode = config.gemm_engine
     if mode == "triton" or tracing_launches() or isinstance(num_rows, torch.SymInt) or num_rows == 0:
         return None
+    E, H, I = w1.shape
+    # the size rule first: it is the cheapest test, and most calls (decode, small experts) stop here
+    if mode == "auto" and (num_rows < config.grouped_mm_min_rows_per_expert * E
+                           or H * I < config.grouped_mm_min_expert_weights):
+        return None
     if weight_position != "output" or dropped or b1 is not None or b2 is not None:
         return None
-    if x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm") or not use_triton(x):
+    if x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm") or not use_triton(x) or H % 8 or I % 8:
         return None
     if x.is_cuda and not _is_hopper(x.device.index if x.device.index is not None else torch.cuda.current_device()):
         return None
     if not x.is_cuda and mode != "grouped_mm":
-        return None
-    E, H, I = w1.shape
-    if H % 8 or I % 8:
-        return None
-    if mode == "auto" and (num_rows < config.grouped_mm_min_rows_per_expert * E
-                           or H * I < config.grouped_mm_min_expert_weights):
         return None
     w_up = combined_up_weights(w1, w1_up)
     if w_up is None or not _dense_enough(w_up) or not _dense_enough(w2):
