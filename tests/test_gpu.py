@@ -281,14 +281,11 @@ def test_experimental_fast_launch_matches_the_normal_launch(T, monkeypatch):
     assert (route_count_kernel in launched_fast) == (T * 2 > routing.SINGLE_LAUNCH_MAX_ROWS)  # chunked routing
 
 
-def test_experimental_visible_kernels_run_from_inductors_wrapper(monkeypatch):
-    """config.visible_kernels (off by default): Inductor traces into the experts forward and launches our Triton
-    kernels from its generated code; the results and the gradients stay as with the opaque op."""
+def _compiled_with_visible_kernels(monkeypatch):
+    """A gathered-weights MoE on the GPU and its moe_inductor compile with config.visible_kernels, fresh counters."""
     from torch._dynamo.utils import counters
-    from torch._inductor.utils import run_and_get_code
 
     from moe_inductor import config
-    from moe_inductor.lowerings import visible
     from tests.test_pass_gathered_weights import GatheredMoE
 
     monkeypatch.setattr(config, "visible_kernels", True)
@@ -296,7 +293,17 @@ def test_experimental_visible_kernels_run_from_inductors_wrapper(monkeypatch):
     model = GatheredMoE("gptfast").cuda()
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model, backend="moe_inductor")
+    return model, torch.compile(model, backend="moe_inductor")
+
+
+def test_experimental_visible_kernels_run_from_inductors_wrapper(monkeypatch):
+    """config.visible_kernels (off by default): Inductor traces into the experts forward and launches our Triton
+    kernels from its generated code; the results and the gradients stay as with the opaque op."""
+    from torch._inductor.utils import run_and_get_code
+
+    from moe_inductor.lowerings import visible
+
+    model, compiled = _compiled_with_visible_kernels(monkeypatch)
     codes = []
     for T in (5, 17, 33, 64):
         x = torch.randn(T, 16, device="cuda", requires_grad=True)
@@ -320,15 +327,7 @@ def test_experimental_visible_kernels_run_from_inductors_wrapper(monkeypatch):
 def test_experimental_visible_kernels_compile_at_most_twice(monkeypatch):
     from torch._dynamo.utils import counters
 
-    from moe_inductor import config
-    from tests.test_pass_gathered_weights import GatheredMoE
-
-    monkeypatch.setattr(config, "visible_kernels", True)
-    torch.manual_seed(0)
-    model = GatheredMoE("gptfast").cuda()
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(model, backend="moe_inductor")
+    _, compiled = _compiled_with_visible_kernels(monkeypatch)
     for T in (5, 17, 33, 64):
         compiled(torch.randn(T, 16, device="cuda", requires_grad=True)).sum().backward()
     assert counters["stats"]["unique_graphs"] <= 2

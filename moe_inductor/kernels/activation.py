@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .grouped_gemm import _sigmoid, _unary_act
+from .grouped_gemm import _activation
 
 
 @triton.jit
@@ -27,12 +27,7 @@ def activation_kernel(
     gate = tl.load(p_gate, mask=mask, other=0.0).to(tl.float32)
     if GATED:
         up = tl.load(p_gate + I, mask=mask, other=0.0).to(tl.float32)
-        if ACT == 5:  # GPT-OSS glu: clamp, gate * sigmoid(alpha * gate) * (up + 1)
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            h = (up + 1.0) * (gate * _sigmoid(gate * alpha))
-        else:
-            h = _unary_act(gate, ACT) * up
     else:
-        h = _unary_act(gate, ACT)
+        up = gate
+    h = _activation(gate, up, GATED, ACT, alpha, limit)
     tl.store(p_h + rows[:, None] * stride_h_m + o_i[None, :], h.to(p_h.dtype.element_ty), mask=mask)

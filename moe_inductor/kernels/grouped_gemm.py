@@ -49,6 +49,22 @@ def _unary_act(x, ACT: tl.constexpr):
 
 
 @triton.jit
+def _activation(gate, up, GATED: tl.constexpr, ACT: tl.constexpr, alpha, limit):
+    """act(gate, up) for a gated activation, act(gate) otherwise (``up`` unused), in fp32; ids as in
+    ops/activations.py, 5 being GPT-OSS's glu: clamp, gate * sigmoid(alpha * gate) * (up + 1)."""
+    if GATED:
+        if ACT == 5:
+            gate_c = tl.minimum(gate, limit)
+            up_c = tl.minimum(tl.maximum(up, -limit), limit)
+            out = (up_c + 1.0) * (gate_c * _sigmoid(gate_c * alpha))
+        else:
+            out = _unary_act(gate, ACT) * up
+    else:
+        out = _unary_act(gate, ACT)
+    return out
+
+
+@triton.jit
 def _rows(MODE: tl.constexpr, o_m, assignment, topk):
     """Row index, as int64, that sorted position o_m reads or writes under row mode MODE (see the module doc)."""
     if MODE == 0:
@@ -191,14 +207,9 @@ def grouped_gemm_kernel(
         if GATED:
             acc2 += tl.load(p_bias2 + e64 * stride_bias2_e + o_n * stride_bias2_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        if ACT == 5:  # GPT-OSS glu: clamp, gate * sigmoid(alpha * gate) * (up + 1)
-            gate = tl.minimum(acc, limit)
-            up = tl.minimum(tl.maximum(acc2, -limit), limit)
-            acc = (up + 1.0) * (gate * _sigmoid(gate * alpha))
-        else:
-            acc = _unary_act(acc, ACT) * acc2
+        acc = _activation(acc, acc2, True, ACT, alpha, limit)
     else:
-        acc = _unary_act(acc, ACT)
+        acc = _activation(acc, acc, False, ACT, alpha, limit)
     if SCALE_MODE == 2:
         acc = acc * b_s[:, None]
 
