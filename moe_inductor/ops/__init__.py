@@ -31,34 +31,38 @@ def _to_kn(w: Tensor, layout: str) -> Tensor:
 
 
 class _SplitGateUp(torch.autograd.Function):
-    """(gate, up) = the two column halves of a concatenated (E, H, 2I) gate/up weight, as views.
+    """(gate, up) = the two column halves (or the even and odd columns) of a (E, H, 2I) gate/up weight, as views.
 
     Autograd's own slicing would give the parameter two full-size zero-filled gradients (one per slice) and then add
-    them: for Mixtral's 1.9 GB gate_up_proj that is several extra passes and as much transient memory. Here the two
-    gradients, which the experts op returns as the halves of one tensor, become the parameter's gradient as they
-    are, and other gradients are stitched into one fresh tensor.
+    them: for Mixtral's 1.9 GB gate_up_proj (DeepSeek-V3's is 15 GB) that is several extra passes and as much
+    transient memory. Here two gradients that the experts op returns as the halves of one tensor become the
+    parameter's gradient as they are, and other gradients are written into one fresh tensor.
     """
 
     @staticmethod
-    def forward(ctx, w: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(ctx, w: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
+        ctx.w_shape, ctx.interleaved = w.shape, interleaved
+        if interleaved:
+            return w[:, :, 0::2], w[:, :, 1::2]
         half = w.shape[2] // 2
-        ctx.w_shape, ctx.w_stride = w.shape, w.stride()
         return w[:, :, :half], w[:, :, half:]
 
     @staticmethod
-    def backward(ctx, d_gate: Optional[Tensor], d_up: Optional[Tensor]) -> Tensor:
+    def backward(ctx, d_gate: Optional[Tensor], d_up: Optional[Tensor]) -> tuple[Tensor, None]:
         half = ctx.w_shape[2] // 2
-        if (d_gate is not None and d_up is not None and d_gate.stride() == d_up.stride()
+        if (not ctx.interleaved and d_gate is not None and d_up is not None and d_gate.stride() == d_up.stride()
                 and d_gate.untyped_storage().data_ptr() == d_up.untyped_storage().data_ptr()
                 and d_up.storage_offset() - d_gate.storage_offset() == half * d_gate.stride(2)):
-            return d_gate.as_strided(ctx.w_shape, d_gate.stride(), d_gate.storage_offset())
+            return d_gate.as_strided(ctx.w_shape, d_gate.stride(), d_gate.storage_offset()), None
         ref = d_gate if d_gate is not None else d_up
         grad = ref.new_zeros(ctx.w_shape) if d_gate is None or d_up is None else ref.new_empty(ctx.w_shape)
+        gate_cols, up_cols = (slice(0, None, 2), slice(1, None, 2)) if ctx.interleaved else (
+            slice(0, half), slice(half, None))
         if d_gate is not None:
-            grad[:, :, :half] = d_gate
+            grad[:, :, gate_cols] = d_gate
         if d_up is not None:
-            grad[:, :, half:] = d_up
-        return grad
+            grad[:, :, up_cols] = d_up
+        return grad, None
 
 
 def expert_weight_views(
@@ -82,19 +86,24 @@ def expert_weight_views(
     w1 = _to_kn(w1, layout)
     if not gated:
         return w1, None, _to_kn(w2, layout), b1, None
-    if gate_up == "concat":
-        half = w1.shape[2] // 2
-        # eagerly, with a gradient to make, the split is ours (see _SplitGateUp); traced, the compiler's slices are fine
-        split_here = w1.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        views = _SplitGateUp.apply(w1) if split_here else (w1[:, :, :half], w1[:, :, half:])
-        bias = (b1[:, :half], b1[:, half:]) if b1 is not None else (None, None)
-    elif gate_up == "interleaved":
-        views = (w1[:, :, 0::2], w1[:, :, 1::2])
-        bias = (b1[:, 0::2], b1[:, 1::2]) if b1 is not None else (None, None)
-    else:
+    if gate_up not in ("concat", "interleaved"):
         raise ValueError(f"gate_up={gate_up!r}; choose 'concat' (gate then up) or 'interleaved'")
     if w1.shape[2] % 2:
         raise ValueError(f"a gated activation needs an even up width; w1 has {w1.shape[2]} output columns")
+    interleaved = gate_up == "interleaved"
+    # eagerly, with a gradient to make, the split is ours (see _SplitGateUp); traced, the compiler's slices are fine
+    if w1.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        views = _SplitGateUp.apply(w1, interleaved)
+    elif interleaved:
+        views = (w1[:, :, 0::2], w1[:, :, 1::2])
+    else:
+        views = (w1[:, :, :w1.shape[2] // 2], w1[:, :, w1.shape[2] // 2:])
+    if b1 is None:
+        bias = (None, None)
+    elif interleaved:
+        bias = (b1[:, 0::2], b1[:, 1::2])
+    else:
+        bias = (b1[:, :b1.shape[1] // 2], b1[:, b1.shape[1] // 2:])
     return views[0], views[1], _to_kn(w2, layout), bias[0], bias[1]
 
 
