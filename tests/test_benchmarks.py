@@ -52,3 +52,10 @@ def test_device_run_script_names_only_existing_diagnostics():
     subprocess.run(["bash", "-n", str(script)], check=True)
     called = {name for line in re.findall(r"debug_gpu\.py((?: [a-z_]+)+)", script.read_text()) for name in line.split()}
     assert called and all(callable(getattr(debug_gpu, name, None)) for name in called), called
+
+
+def test_fwd_bwd_cpu_runs(capsys):
+    from benchmarks import fwd_bwd_cpu
+
+    fwd_bwd_cpu.main(["--shape", "8", "16", "8", "3", "2", "--reps", "2"])
+    assert "fwd+bwd median" in capsys.readouterr().out
