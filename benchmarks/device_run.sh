@@ -8,8 +8,7 @@
 #                                            # visible kernels                                  (~8 min)
 #   bash benchmarks/device_run.sh experimental  # GPU tests of the fused backward middle, visible kernels, fast
 #                                            # launch, TMA weights; the backward's GPU memory; TMA A/B (~8 min)
-#   bash benchmarks/device_run.sh open       # only the GPU tests that failed last session, with full messages,
-#                                            # then the diagnostics (debug_gpu.py)            (~3 min)
+#   bash benchmarks/device_run.sh open       # the visible kernels' recompiles, with the failing guards (~2 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
 # Outputs go to $OUT (the device tool brings them back). The project must be installed for the entry point.
 set -uo pipefail
@@ -51,10 +50,8 @@ case "${1:-tests}" in
       | grep -v "torch.__trace\|^DEBUG" > "$OUT/experimental_tests.log"; grep -E "^E |passed|failed" "$OUT/experimental_tests.log" | cut -c1-300 | tail -30
     timeout 90 python benchmarks/mem_backward.py --device cuda --dtype bfloat16 2>&1 | tail -12
     timeout 150 python benchmarks/debug_gpu.py tma_ab 2>&1 | grep -E "^TMA|FAILED" ;;
-  open)
-    timeout 300 python -m pytest tests/test_gpu.py tests/test_rewritten_graphs.py tests/test_pass_unrolled_loop.py -q -p no:warnings --tb=short -k \
-      "unrolled_loop or padded_capacity or wrapped or bucketed or fast_launch or rewritten or dunder" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
-      > "$OUT/open_tests.log"; grep -E "^E |passed|failed" "$OUT/open_tests.log" | cut -c1-400 | tail -40
-    timeout 200 python benchmarks/debug_gpu.py dbrx_spread loop 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/debug.log"
-    grep -E "dbrx|rewrites|FAILED" "$OUT/debug.log" | cut -c1-400 ;;
+  open)  # what is still open on the GPU: why the visible kernels recompile (the guard that fails), with full logs
+    TORCH_LOGS="recompiles" timeout -s INT 200 python -m pytest tests/test_gpu.py -q -p no:warnings --tb=short -rxX \
+      -k "visible" 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/open_tests.log"
+    grep -E "triggered by|guard failure|^ *- |passed|failed|xfail|XPASS" "$OUT/open_tests.log" | cut -c1-400 | head -40 ;;
 esac
