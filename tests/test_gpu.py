@@ -321,10 +321,9 @@ def test_experimental_visible_kernels_run_from_inductors_wrapper(monkeypatch):
                                                             None, "silu_glu", "output", 1.702, 7.0, None, False))
 
 
-@pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="known bug of the experimental visible kernels (off by default): on the H200 "
-                   "4 token counts gave 4 compiles, against <= 2 for the opaque op; the guard is not found yet")
 def test_experimental_visible_kernels_compile_at_most_twice(monkeypatch):
+    """Over four token counts: one static compile, then one dynamic. (Not checked with run_and_get_code above: it
+    resets Dynamo before every call, which is what once read as four compiles.)"""
     from torch._dynamo.utils import counters
 
     _, compiled = _compiled_with_visible_kernels(monkeypatch)
