@@ -58,6 +58,11 @@ def _combined_grad_buffer(w1: Tensor) -> Tensor:
     return w1.new_empty(E, H, 2 * I)
 
 
+def _wants_combined_gate_up(needs: list[bool]) -> bool:
+    """The optional ninth ``needs`` flag of ``experts_backward``."""
+    return len(needs) > 8 and needs[8]
+
+
 def _gate_up_is_one_tensor(w1: Tensor, w1_up: Optional[Tensor]) -> bool:
     """Whether gate and up are the two halves of one real tensor (never true for fake or functional tensors: under
     tracing the halves' gradients stay separate and the compiler handles the slices)."""
@@ -213,6 +218,10 @@ def experts_backward(
     """
     topk = topk_weights.shape[1]
     M = order.shape[0]
+    w_up = grouped_mm_engine.grouped_mm_weights(x, w1, w1_up, w2, b1, b2, weight_position, dropped, M)
+    if w_up is not None:  # the compute-bound regime, as in the forward
+        return grouped_mm_engine.backward(dy, x, topk_ids, topk_weights, w1, w1_up, w_up, w2, pre, order,
+                                          sorted_expert, offsets, activation, alpha, limit, needs, _backward_middle)
     E, _, I = w1.shape
     gated = w1_up is not None
     f32 = torch.float32
@@ -223,10 +232,6 @@ def experts_backward(
     s_sorted = torch.where(valid, scale[order.long()].to(f32), 0.0)[:, None]
     token = (order.long() // topk)
 
-    w_up = grouped_mm_engine.grouped_mm_weights(x, w1, w1_up, w2, b1, b2, weight_position, dropped, M)
-    if w_up is not None:  # the compute-bound regime, as in the forward
-        return grouped_mm_engine.backward(dy, x, topk_ids, topk_weights, w1, w1_up, w_up, w2, pre, order,
-                                          sorted_expert, offsets, activation, alpha, limit, needs, _backward_middle)
     if pre.shape[0] != M:  # the forward did not keep it: recompute the raw up projection
         pre = x.new_empty(M, I * (2 if gated else 1))
         tmp = x.new_empty(M, I)
@@ -381,7 +386,7 @@ def _backward_through_up(x, topk_ids, topk_weights, w1, w1_up, order, offsets, t
     gated = w1_up is not None
     f32 = torch.float32
     dw1 = dw1_up = None
-    if len(needs) > 8 and needs[8]:  # one (E, H, 2I) gradient for the gate/up pair, written as its two halves
+    if _wants_combined_gate_up(needs):  # one (E, H, 2I) gradient for the gate/up pair, written as its two halves
         I = w1.shape[2]
         dw1 = _combined_grad_buffer(w1)
         grouped_weight_grad(x, d_gate, offsets, order, topk, dw1[:, :, :I], a_rows=ROWS_TOKEN, g_rows=ROWS_SORTED)
@@ -389,7 +394,7 @@ def _backward_through_up(x, topk_ids, topk_weights, w1, w1_up, order, offsets, t
     elif needs[2]:
         dw1 = grouped_weight_grad(x, d_gate, offsets, order, topk, _grad_buffer(w1), a_rows=ROWS_TOKEN,
                                   g_rows=ROWS_SORTED)
-    if gated and needs[3] and not (len(needs) > 8 and needs[8]):
+    if gated and needs[3] and not _wants_combined_gate_up(needs):
         dw1_up = grouped_weight_grad(x, d_up, offsets, order, topk, _grad_buffer(w1_up), a_rows=ROWS_TOKEN,
                                      g_rows=ROWS_SORTED)
     dx = None
@@ -417,7 +422,7 @@ def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, s
     def maybe(flag, t, like):
         return like(t) if (flag and t is not None) else x.new_empty(0)
 
-    combined = len(needs) > 8 and needs[8]
+    combined = _wants_combined_gate_up(needs)
     return (
         maybe(needs[0], x, torch.empty_like),
         maybe(needs[1], topk_weights, torch.empty_like),

@@ -158,7 +158,7 @@ def backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: 
     dw2 = _weight_grad(h_scaled, dy_sorted, group_ends, w2) if needs[4] else None
     del h_scaled, dy_sorted
     dw1 = dw1_up = None
-    if len(needs) > 8 and needs[8]:  # asked for as one (E, H, 2I) tensor: one GEMM over d_pre
+    if len(needs) > 8 and needs[8]:  # asked for as one (E, H, 2I) tensor (experts_backward): one GEMM over d_pre
         dw1 = _weight_grad(x_sorted, d_pre, group_ends, w_up)
     else:  # two GEMMs: the gradients of an op must not be views of one tensor
         dw1 = _weight_grad(x_sorted, d_pre[:, :I], group_ends, w1) if needs[2] else None
