@@ -32,7 +32,7 @@ case "${1:-tests}" in
     done ;;
   experts)  # the engine's own GPU tests first: a table of a broken engine would be worthless
     timeout -s INT 150 python -m pytest tests/test_grouped_mm_engine.py -q -p no:warnings 2>&1 | tail -3
-    timeout 500 python benchmarks/bench_experts.py --tokens 16 512 4096 16384 --skew-tokens 4096 \
+    timeout 420 python benchmarks/bench_experts.py --tokens 16 512 4096 16384 --skew-tokens 4096 \
       --hf-shapes qwen3 mixtral --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$OUT/bench.log" 2>&1
     tail -30 "$OUT/bench.md" ;;
   hf)
