@@ -11,6 +11,7 @@ new tokens per second, at batch 1 and 16 (compiled forward; "reduce-overhead" fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -47,15 +48,32 @@ def timed_ms(fn, device: str) -> float:
 
 
 VARIANTS = ("eager", "inductor", "moe_inductor")
+# moe_inductor_visible: moe_inductor with config.visible_kernels (experimental), measured in the same process as the
+# others, since host-bound rows move between processes
+ALL_VARIANTS = VARIANTS + ("moe_inductor_visible",)
+
+
+@contextlib.contextmanager
+def variant_config(name: str):
+    """The moe_inductor config a variant runs (and compiles) under."""
+    import moe_inductor
+
+    old = moe_inductor.config.visible_kernels
+    moe_inductor.config.visible_kernels = name == "moe_inductor_visible"
+    try:
+        yield
+    finally:
+        moe_inductor.config.visible_kernels = old
 
 
 def variants(model, names=VARIANTS, mode=None):
     """(name, forward); Dynamo's caches are reset between variants so each gets its own recompile budget. ``mode``
-    (e.g. "reduce-overhead") applies to both compiled variants alike."""
+    (e.g. "reduce-overhead") applies to every compiled variant alike."""
     plain = model.forward
     for name in names:
         torch._dynamo.reset()
-        kwargs = ({"backend": name} if name != "inductor" else {}) | ({"mode": mode} if mode else {})
+        backend = "moe_inductor" if name.startswith("moe_inductor") else name
+        kwargs = ({"backend": backend} if name != "inductor" else {}) | ({"mode": mode} if mode else {})
         yield name, (plain if name == "eager" else torch.compile(plain, **kwargs))
 
 
@@ -64,7 +82,7 @@ def prefill(model, cfg, tokens, device, names=VARIANTS, mode=None) -> dict:
     for name, fwd in variants(model, names, mode):
         for T in tokens:
             ids = torch.randint(0, cfg.vocab_size, (1, T), device=device)
-            with torch.no_grad():
+            with torch.no_grad(), variant_config(name):
                 fwd(input_ids=ids)  # compile / warm up
                 ms = timed_ms(lambda: fwd(input_ids=ids), device)
             rows.setdefault(T, {})[name] = ms
@@ -84,7 +102,7 @@ def decode(model, cfg, batches, new_tokens, device, names=VARIANTS) -> dict:
         if name == "eager":
             extra = {"disable_compile": True}
         else:
-            backend = "inductor" if name == "inductor" else "moe_inductor"
+            backend = "inductor" if name == "inductor" else "moe_inductor"  # (decode runs no visible variant)
             mode = "reduce-overhead" if device == "cuda" else None
             extra = {"compile_config": CompileConfig(backend=backend, mode=mode, fullgraph=True)}
             if device != "cuda":
@@ -117,7 +135,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", nargs="*", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=ALL_VARIANTS)
     ap.add_argument("--skip-decode", action="store_true")
     ap.add_argument("--prefill-mode", default=None, choices=[None, "reduce-overhead"],
                     help="torch.compile mode of both compiled prefill columns (default: the default mode)")
@@ -136,7 +154,8 @@ def main(argv=None) -> None:
     result = {"meta": meta, "prefill_ms": prefill(model, cfg, tokens, args.device, args.variants,
                                                       args.prefill_mode)}
     if not args.skip_decode:
-        result["decode_tokens_per_s"] = decode(model, cfg, batches, new_tokens, args.device, args.variants)
+        result["decode_tokens_per_s"] = decode(model, cfg, batches, new_tokens, args.device,
+                                               [n for n in args.variants if n in VARIANTS])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -43,7 +43,7 @@ case "${1:-tests}" in
     grep PREFILL512 "$OUT/prefill_host.log"; grep -A30 "PREFILL HOST" "$OUT/prefill_host.log" | cut -c1-200 | head -70
     timeout 190 python benchmarks/bench_hf.py --variants inductor moe_inductor --skip-decode --tokens 512 4096 \
       --prefill-mode reduce-overhead --json "$OUT/hf_cudagraphs.json" 2>&1 | grep "prefill T" | sed "s/^/cudagraphs /"
-    MOE_INDUCTOR_VISIBLE_KERNELS=1 timeout 190 python benchmarks/bench_hf.py --variants inductor moe_inductor \
+    timeout 220 python benchmarks/bench_hf.py --variants inductor moe_inductor moe_inductor_visible \
       --skip-decode --tokens 512 4096 --json "$OUT/hf_visible.json" 2>&1 | grep "prefill T" | sed "s/^/visible /" ;;
   experimental)  # this session's unmeasured work: the fused backward middle, visible kernels, fast launch
     timeout 330 python -m pytest tests/test_gpu.py tests/test_kernels.py -q -p no:warnings --tb=short -k \

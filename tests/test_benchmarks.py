@@ -59,3 +59,16 @@ def test_fwd_bwd_cpu_runs(capsys):
 
     fwd_bwd_cpu.main(["--shape", "8", "16", "8", "3", "2", "--reps", "2"])
     assert "fwd+bwd median" in capsys.readouterr().out
+
+
+def test_bench_hf_visible_variant_compiles_under_its_config():
+    """The visible variant runs (and compiles) with config.visible_kernels on, and puts the setting back."""
+    import moe_inductor
+    from benchmarks import bench_hf
+
+    before = moe_inductor.config.visible_kernels
+    with bench_hf.variant_config("moe_inductor_visible"):
+        assert moe_inductor.config.visible_kernels
+    with bench_hf.variant_config("moe_inductor"):
+        assert not moe_inductor.config.visible_kernels
+    assert moe_inductor.config.visible_kernels == before
