@@ -38,13 +38,14 @@ case "${1:-tests}" in
   hf)
     timeout 560 python benchmarks/bench_hf.py --json "$OUT/hf.json" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       | tee "$OUT/hf.log" | tail -20 ;;
-  perf)  # the host-bound T = 512 prefill: where its host time goes, and the experimental fast launch against none
-    timeout 190 python benchmarks/debug_gpu.py prefill_host 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/prefill_host.log"
-    grep PREFILL512 "$OUT/prefill_host.log"; grep -A30 "PREFILL HOST" "$OUT/prefill_host.log" | cut -c1-200 | head -70
+  perf)  # the host-bound T = 512 prefill: visible kernels and CUDA graphs against inductor (one process each), then
+         # where the host time goes (prefill_host: host vs wall, fast launch A/B)
+    timeout 220 python benchmarks/bench_hf.py --variants inductor moe_inductor moe_inductor_visible \
+      --skip-decode --tokens 512 4096 --json "$OUT/hf_visible.json" 2>&1 | grep "prefill T" | sed "s/^/visible /"
     timeout 190 python benchmarks/bench_hf.py --variants inductor moe_inductor --skip-decode --tokens 512 4096 \
       --prefill-mode reduce-overhead --json "$OUT/hf_cudagraphs.json" 2>&1 | grep "prefill T" | sed "s/^/cudagraphs /"
-    timeout 220 python benchmarks/bench_hf.py --variants inductor moe_inductor moe_inductor_visible \
-      --skip-decode --tokens 512 4096 --json "$OUT/hf_visible.json" 2>&1 | grep "prefill T" | sed "s/^/visible /" ;;
+    timeout 150 python benchmarks/debug_gpu.py prefill_host 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/prefill_host.log"
+    grep PREFILL512 "$OUT/prefill_host.log"; grep -A30 "PREFILL HOST" "$OUT/prefill_host.log" | cut -c1-200 | head -40 ;;
   experimental)  # this session's unmeasured work: the fused backward middle, visible kernels, fast launch
     timeout 330 python -m pytest tests/test_gpu.py tests/test_kernels.py -q -p no:warnings --tb=short -k \
       "visible or fast_launch or backward or fp64 or fused_experts or tma or wrapped or grid_covers" 2>&1 \
