@@ -40,12 +40,16 @@ class _SplitGateUp(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, w: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
-        ctx.w_shape, ctx.interleaved = w.shape, interleaved
+    def forward(w: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
         if interleaved:
             return w[:, :, 0::2], w[:, :, 1::2]
         half = w.shape[2] // 2
         return w[:, :, :half], w[:, :, half:]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # (a separate setup_context lets torch.func transforms use it)
+        w, interleaved = inputs
+        ctx.w_shape, ctx.interleaved = w.shape, interleaved
 
     @staticmethod
     def backward(ctx, d_gate: Optional[Tensor], d_up: Optional[Tensor]) -> tuple[Tensor, None]:
