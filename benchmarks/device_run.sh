@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # Everything a GPU session should run, in one device call (sized for the 10-minute per-command limit).
-#   bash benchmarks/device_run.sh tests      # the GPU suite                                (~6 min)
+#   bash benchmarks/device_run.sh tests      # the GPU suite, part 1 (tests/test_gpu.py)     (~6 min)
+#   bash benchmarks/device_run.sh kernels    # the GPU suite, part 2 (kernels, routing, engine) (~3 min)
 #   bash benchmarks/device_run.sh examples   # memcheck of the kernel tests + every example  (~4 min)
 #   bash benchmarks/device_run.sh experts    # bench_experts.py, the RESULTS.md table       (~5 min)
 #   bash benchmarks/device_run.sh hf         # bench_hf.py, whole-model prefill and decode  (~3 min warm)
-#   bash benchmarks/device_run.sh perf       # T=512 prefill: host vs wall, fast launch A/B, CUDA graphs,
-#                                            # visible kernels                                  (~8 min)
-#   bash benchmarks/device_run.sh experimental  # GPU tests of the fused backward middle, visible kernels, fast
-#                                            # launch, TMA weights; the backward's GPU memory; TMA A/B (~8 min)
+#   bash benchmarks/device_run.sh perf       # T=512 prefill: visible kernels and CUDA graphs against inductor,
+#                                            # then host vs wall                                (~9 min)
 #   bash benchmarks/device_run.sh open       # the visible kernels' recompiles, with the failing guards (~2 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
 # Outputs go to $OUT (the device tool brings them back). The project must be installed for the entry point.
@@ -19,10 +18,13 @@ python -m pip install --no-build-isolation --no-deps -e . -q >/dev/null 2>&1
 # the device has no internet: test-only wheels (expecttest, hypothesis) come along in .wheels/ (carry=[".wheels"])
 if [ -d .wheels ]; then python -m pip install --no-deps -q .wheels/*.whl >/dev/null 2>&1; fi
 case "${1:-tests}" in
-  tests)
-    timeout -s INT 560 python -m pytest tests/test_gpu.py tests/test_kernels.py tests/test_routing.py \
-      tests/test_rewritten_graphs.py tests/test_grouped_mm_engine.py -q -p no:warnings \
+  tests)  # the GPU suite, part 1: the op on the GPU, HF models, FX forms, CUDA graphs, compile counts
+    timeout -s INT 560 python -m pytest tests/test_gpu.py -q -p no:warnings \
       --durations=10 2>&1 | grep -v torch.__trace | tee "$OUT/gpu_tests.log" | tail -30 ;;
+  kernels)  # the GPU suite, part 2: kernels, routing, rewritten graphs, the grouped_mm engine, visible kernels
+    timeout -s INT 560 python -m pytest tests/test_kernels.py tests/test_routing.py tests/test_rewritten_graphs.py \
+      tests/test_grouped_mm_engine.py tests/test_visible_kernels.py -q -p no:warnings \
+      --durations=10 2>&1 | grep -v torch.__trace | tee "$OUT/gpu_kernel_tests.log" | tail -30 ;;
   examples)
     timeout 260 compute-sanitizer --tool memcheck python -m pytest tests/test_kernels.py tests/test_grouped_mm_engine.py \
       -q -p no:warnings -x -k "not inductor_graph" \
@@ -46,12 +48,6 @@ case "${1:-tests}" in
       --prefill-mode reduce-overhead --json "$OUT/hf_cudagraphs.json" 2>&1 | grep "prefill T" | sed "s/^/cudagraphs /"
     timeout 150 python benchmarks/debug_gpu.py prefill_host 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/prefill_host.log"
     grep PREFILL512 "$OUT/prefill_host.log"; grep -A30 "PREFILL HOST" "$OUT/prefill_host.log" | cut -c1-200 | head -40 ;;
-  experimental)  # this session's unmeasured work: the fused backward middle, visible kernels, fast launch
-    timeout 330 python -m pytest tests/test_gpu.py tests/test_kernels.py -q -p no:warnings --tb=short -k \
-      "visible or fast_launch or backward or fp64 or fused_experts or tma or wrapped or grid_covers" 2>&1 \
-      | grep -v "torch.__trace\|^DEBUG" > "$OUT/experimental_tests.log"; grep -E "^E |passed|failed" "$OUT/experimental_tests.log" | cut -c1-300 | tail -30
-    timeout 90 python benchmarks/mem_backward.py --device cuda --dtype bfloat16 2>&1 | tail -12
-    timeout 150 python benchmarks/debug_gpu.py tma_ab 2>&1 | grep -E "^TMA|FAILED" ;;
   open)  # what is still open on the GPU: why the visible kernels recompile (the guard that fails), with full logs
     TORCH_LOGS="recompiles" timeout -s INT 200 python -m pytest tests/test_gpu.py -q -p no:warnings --tb=short -rxX \
       -k "visible" 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/open_tests.log"
