@@ -7,7 +7,7 @@
 #   bash benchmarks/device_run.sh hf         # bench_hf.py, whole-model prefill and decode  (~3 min warm)
 #   bash benchmarks/device_run.sh perf       # T=512 prefill: visible kernels and CUDA graphs against inductor,
 #                                            # then host vs wall                                (~9 min)
-#   bash benchmarks/device_run.sh open       # the visible kernels' recompiles, with the failing guards (~2 min)
+#   bash benchmarks/device_run.sh open       # the visible-kernel GPU tests with recompile logs  (~2 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
 # Outputs go to $OUT (the device tool brings them back). The project must be installed for the entry point.
 set -uo pipefail
@@ -48,7 +48,7 @@ case "${1:-tests}" in
       --prefill-mode reduce-overhead --json "$OUT/hf_cudagraphs.json" 2>&1 | grep "prefill T" | sed "s/^/cudagraphs /"
     timeout 150 python benchmarks/debug_gpu.py prefill_host 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/prefill_host.log"
     grep PREFILL512 "$OUT/prefill_host.log"; grep -A30 "PREFILL HOST" "$OUT/prefill_host.log" | cut -c1-200 | head -40 ;;
-  open)  # what is still open on the GPU: why the visible kernels recompile (the guard that fails), with full logs
+  open)  # the visible-kernel GPU tests with recompile logs (which guard failed, if one does)
     TORCH_LOGS="recompiles" timeout -s INT 200 python -m pytest tests/test_gpu.py -q -p no:warnings --tb=short -rxX \
       -k "visible" 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/open_tests.log"
     grep -E "triggered by|guard failure|^ *- |passed|failed|xfail|XPASS" "$OUT/open_tests.log" | cut -c1-400 | head -40 ;;
