@@ -156,3 +156,23 @@ def test_auto_engine_runs_inside_an_inductor_graph(engine_calls, monkeypatch):
     assert_close(got, want, torch.bfloat16, "y")
     for name, a, b in zip(("dx", "dw1", "dw2"), got_grads, want_grads):
         assert_close(a, b, torch.bfloat16, name)
+
+
+@needs_grouped_mm
+def test_engine_runs_inside_a_traced_graph(engine_calls):
+    """Under AOT autograd (functionalised views), gate and up still reach the op as views of one weight tensor; the
+    engine runs forward and backward there, with the eager results."""
+    p = make_problem(6, 32, 16, 3, 2, dtype=torch.bfloat16, device=DEVICE)
+
+    def moe(x, w1, w2):
+        return moe_inductor.fused_experts(x, p.topk_ids, p.topk_weights, w1, w2)
+
+    torch._dynamo.reset()
+    got = torch.compile(moe, backend="aot_eager", fullgraph=True)(p.x, p.w1, p.w2)
+    got_grads = torch.autograd.grad(got.float().sum(), (p.x, p.w1, p.w2))
+    assert engine_calls == {"forward": 1, "backward": 1}
+    want = moe(p.x, p.w1, p.w2)
+    want_grads = torch.autograd.grad(want.float().sum(), (p.x, p.w1, p.w2))
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b)
