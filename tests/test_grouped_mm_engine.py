@@ -176,3 +176,27 @@ def test_engine_runs_inside_a_traced_graph(engine_calls):
     torch.testing.assert_close(got, want)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b)
+
+
+@needs_grouped_mm
+def test_engine_skips_out_of_range_ids(engine_calls, nan_empty):
+    """A masked choice (id -1, as expert parallelism leaves them) adds nothing to y and gets a zero routing-weight
+    gradient, even though its sorted row is never computed (fresh buffers hold NaN here)."""
+    p = make_problem(6, 32, 16, 3, 2, dtype=torch.bfloat16, device=DEVICE)
+    ids = p.topk_ids.clone()
+    ids[1, 0] = -1
+    ids[4, 1] = -1
+    g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
+    args = (p.x, ids, p.topk_weights, g, u, d, None, None, None, "silu_glu", "output", 1.702, 7.0, None, True)
+    y = torch.ops.moe_inductor.experts_forward(*args)[0]
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y)
+    grads = torch.autograd.grad(y, (p.x, p.topk_weights, p.w1, p.w2), dy)
+    assert engine_calls == {"forward": 1, "backward": 1}
+    leaves64 = [t.detach().double().requires_grad_() for t in (p.x, p.topk_weights, p.w1, p.w2)]
+    views = expert_weight_views(leaves64[2], leaves64[3], None, activation="silu_glu", layout="nk", gate_up="concat")
+    ref = moe_reference(leaves64[0], ids, leaves64[1], *views, None, "silu_glu", "output", 1.702, 7.0, None)
+    assert_close(y, ref, torch.bfloat16, "y")
+    ref_grads = torch.autograd.grad(ref, leaves64, dy.double())
+    for name, got, want in zip(("dx", "dtopk_weights", "dw1", "dw2"), grads, ref_grads):
+        assert_close(got, want.to(got.dtype), torch.bfloat16, name)
+    assert grads[1][1, 0] == 0 and grads[1][4, 1] == 0

@@ -170,6 +170,8 @@ def backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: 
         dx = combine(dx_sorted, topk_ids, E, row_of=_row_of(order))
     d_weights = None
     if needs[1]:
+        # rows of out-of-range ids (masked choices) were never computed: their h, and so their sum, may be garbage
+        d_scale_sorted = torch.where(sorted_expert < E, d_scale_sorted, 0.0)
         d_flat = torch.zeros(M, dtype=torch.float32, device=x.device).index_put_((order.long(),), d_scale_sorted)
         d_weights = d_flat.view(T, topk).to(topk_weights.dtype)
     grads = (dx, d_weights, dw1, dw1_up, dw2, None, None, None)  # no biases on this path
