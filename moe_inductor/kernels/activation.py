@@ -22,12 +22,12 @@ def activation_kernel(
     o_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     o_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     rows = o_m.to(tl.int64)
-    mask = (o_m < M)[:, None] & (o_i < I)[None, :]
+    m_all = (o_m < M)[:, None] & (o_i < I)[None, :]
     p_gate = p_pre + rows[:, None] * stride_pre_m + o_i[None, :]
-    gate = tl.load(p_gate, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(p_gate, mask=m_all, other=0.0).to(tl.float32)
     if GATED:
-        up = tl.load(p_gate + I, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(p_gate + I, mask=m_all, other=0.0).to(tl.float32)
     else:
         up = gate
     h = _activation(gate, up, GATED, ACT, alpha, limit)
-    tl.store(p_h + rows[:, None] * stride_h_m + o_i[None, :], h.to(p_h.dtype.element_ty), mask=mask)
+    tl.store(p_h + rows[:, None] * stride_h_m + o_i[None, :], h.to(p_h.dtype.element_ty), mask=m_all)
