@@ -256,3 +256,46 @@ def test_fused_experts_asks_for_one_gate_up_gradient(monkeypatch):
     moe_reference(p.x.detach(), p.topk_ids, p.topk_weights.detach(), g, u, d, None, None, None, "silu_glu", "output",
                   1.702, 7.0, None).sum().backward()
     torch.testing.assert_close(p.w1.grad, w1.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_opcheck_route():
+    ids = torch.randint(0, 5, (9, 2))
+    torch.library.opcheck(route, (ids, 5, None))
+    torch.library.opcheck(route, (ids, 5, 2))
+
+
+def test_expert_list_op_matches_reference_and_caches_the_stack():
+    from moe_inductor.ops import expert_lists
+
+    torch.manual_seed(0)
+    T, H, I, E, k = 9, 16, 8, 4, 2
+    x = torch.randn(T, H, requires_grad=True)
+    ids = torch.randn(T, E).topk(k).indices
+    w = torch.rand(T, k, requires_grad=True)
+    w1, w3, w2 = ([(torch.randn(*shape) * 0.3).requires_grad_() for _ in range(E)] for shape in ((I, H), (I, H), (H, I)))
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", True)
+    ref = moe_reference(x, ids, w, *(torch.stack(ws).transpose(1, 2) for ws in (w1, w3, w2)))
+    assert_close(y, ref, torch.float32, "y")
+    dy = torch.randn_like(y)
+    leaves = [x, w] + w1 + w3 + w2
+    for a, b in zip(torch.autograd.grad(y, leaves, dy), torch.autograd.grad(ref, leaves, dy)):
+        assert_close(a, b, torch.float32, "grad")
+    first = expert_lists.stacked(w1)
+    assert expert_lists.stacked(w1) is first  # cached while the weights are unchanged
+    entries = len(expert_lists._STACKS)
+    with torch.no_grad():
+        w1[0].add_(1.0)  # an in-place update bumps the version: the stack must be rebuilt
+    assert expert_lists.stacked(w1) is not first
+    assert torch.equal(expert_lists.stacked(w1)[0], w1[0].detach())
+    assert len(expert_lists._STACKS) == entries  # replaced, not added: training does not pile up stale stacks
+
+
+def test_opcheck_expert_list_op():
+    from moe_inductor.ops import expert_lists
+
+    p = make_problem(7, 16, 8, 3, 2)
+    w1 = [t.detach().requires_grad_() for t in p.w1[:, :8].unbind(0)]
+    w3 = [t.detach().requires_grad_() for t in p.w1[:, 8:].unbind(0)]
+    w2 = [t.detach().requires_grad_() for t in p.w2.unbind(0)]
+    torch.library.opcheck(expert_lists.experts_forward_list, (p.x, p.topk_ids, p.topk_weights, w1, w3, w2, "silu_glu",
+                                                              True))
