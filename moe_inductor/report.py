@@ -72,9 +72,10 @@ def gemm_engine_summary() -> str:
         return "our fused Triton kernels (gemm_engine='triton')"
     if config.gemm_engine == "grouped_mm":
         return "torch._grouped_mm wherever the layout allows, our kernels around it (gemm_engine='grouped_mm')"
-    return (f"our fused Triton kernels; torch._grouped_mm for bf16 on Hopper when experts have H*I >= "
-            f"{config.grouped_mm_min_expert_weights} and >= {config.grouped_mm_min_rows_per_expert} rows each "
-            f"(gemm_engine='auto')")
+    weights = config.grouped_mm_min_expert_weights
+    size = f"{weights / 2**20:g}Mi" if weights % 2**20 == 0 else str(weights)
+    return (f"our fused Triton kernels; torch._grouped_mm for bf16 on Hopper when experts have H*I >= {size} and "
+            f">= {config.grouped_mm_min_rows_per_expert} rows each (gemm_engine='auto')")
 
 
 def current_report() -> Optional[Report]:
