@@ -35,18 +35,22 @@ def engine_calls(monkeypatch, triton_kernels):
 
 
 @needs_grouped_mm
-@pytest.mark.parametrize("T,E,k,activation,layout,routing", [
-    pytest.param(6, 3, 2, "silu_glu", "nk", "random", id="glu-nk"),
-    pytest.param(5, 5, 2, "gelu_glu", "kn", "random", id="glu-kn-E5"),
-    pytest.param(4, 3, 1, "silu", "nk", "random", id="unary-k1"),
-    pytest.param(1, 3, 2, "silu_glu", "nk", "random", id="T1"),
-    pytest.param(5, 3, 2, "silu_glu", "nk", "one_expert", id="all-on-one-expert"),
-    pytest.param(6, 4, 2, "gptoss_glu", "nk", "skip_odd", id="empty-experts"),
+@pytest.mark.parametrize("T,E,k,activation,layout,routing,weights_dtype", [
+    pytest.param(6, 3, 2, "silu_glu", "nk", "random", torch.bfloat16, id="glu-nk"),
+    pytest.param(5, 5, 2, "gelu_glu", "kn", "random", torch.bfloat16, id="glu-kn-E5"),
+    pytest.param(4, 3, 1, "silu", "nk", "random", torch.bfloat16, id="unary-k1"),
+    pytest.param(1, 3, 2, "silu_glu", "nk", "random", torch.bfloat16, id="T1"),
+    pytest.param(5, 3, 2, "silu_glu", "nk", "one_expert", torch.bfloat16, id="all-on-one-expert"),
+    pytest.param(6, 4, 2, "gptoss_glu", "nk", "skip_odd", torch.bfloat16, id="empty-experts"),
+    # routers often keep their weights in fp32 while x is bf16
+    pytest.param(6, 3, 2, "silu_glu", "nk", "random", torch.float32, id="fp32-routing-weights"),
 ])
-def test_grouped_mm_engine_matches_the_reference(T, E, k, activation, layout, routing, engine_calls, nan_empty):
+def test_grouped_mm_engine_matches_the_reference(T, E, k, activation, layout, routing, weights_dtype, engine_calls,
+                                                  nan_empty):
     """bf16, forward and every gradient against the float64 reference on the same inputs."""
     p = make_problem(T, 32, 16, E, k, dtype=torch.bfloat16, device=DEVICE, activation=activation, layout=layout,
                      routing=routing)
+    p.topk_weights = p.topk_weights.detach().to(weights_dtype).requires_grad_()
     y = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2, activation=activation,
                                    layout=layout)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y)
