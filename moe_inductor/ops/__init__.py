@@ -30,6 +30,14 @@ def _to_kn(w: Tensor, layout: str) -> Tensor:
     raise ValueError(f"layout={layout!r}; choose 'nk' (E, out, in), as nn.Linear stores it, or 'kn' (E, in, out)")
 
 
+def _split_gate_up(t: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
+    """(gate, up) views of ``t``'s last dimension: its even and odd columns when interleaved, else its two halves."""
+    if interleaved:
+        return t[..., 0::2], t[..., 1::2]
+    half = t.shape[-1] // 2
+    return t[..., :half], t[..., half:]
+
+
 class _SplitGateUp(torch.autograd.Function):
     """(gate, up) = the two column halves (or the even and odd columns) of a (E, H, 2I) gate/up weight, as views.
 
@@ -41,10 +49,7 @@ class _SplitGateUp(torch.autograd.Function):
 
     @staticmethod
     def forward(w: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
-        if interleaved:
-            return w[:, :, 0::2], w[:, :, 1::2]
-        half = w.shape[2] // 2
-        return w[:, :, :half], w[:, :, half:]
+        return _split_gate_up(w, interleaved)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:  # (a separate setup_context lets torch.func transforms use it)
@@ -60,12 +65,9 @@ class _SplitGateUp(torch.autograd.Function):
             return d_gate.as_strided(ctx.w_shape, d_gate.stride(), d_gate.storage_offset()), None
         ref = d_gate if d_gate is not None else d_up
         grad = ref.new_zeros(ctx.w_shape) if d_gate is None or d_up is None else ref.new_empty(ctx.w_shape)
-        gate_cols, up_cols = (slice(0, None, 2), slice(1, None, 2)) if ctx.interleaved else (
-            slice(0, half), slice(half, None))
-        if d_gate is not None:
-            grad[:, :, gate_cols] = d_gate
-        if d_up is not None:
-            grad[:, :, up_cols] = d_up
+        for part, d_part in zip(_split_gate_up(grad, ctx.interleaved), (d_gate, d_up)):
+            if d_part is not None:
+                part.copy_(d_part)
         return grad, None
 
 
@@ -98,16 +100,9 @@ def expert_weight_views(
     # eagerly, with a gradient to make, the split is ours (see _SplitGateUp); traced, the compiler's slices are fine
     if w1.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         views = _SplitGateUp.apply(w1, interleaved)
-    elif interleaved:
-        views = (w1[:, :, 0::2], w1[:, :, 1::2])
     else:
-        views = (w1[:, :, :w1.shape[2] // 2], w1[:, :, w1.shape[2] // 2:])
-    if b1 is None:
-        bias = (None, None)
-    elif interleaved:
-        bias = (b1[:, 0::2], b1[:, 1::2])
-    else:
-        bias = (b1[:, :b1.shape[1] // 2], b1[:, b1.shape[1] // 2:])
+        views = _split_gate_up(w1, interleaved)
+    bias = _split_gate_up(b1, interleaved) if b1 is not None else (None, None)
     return views[0], views[1], _to_kn(w2, layout), bias[0], bias[1]
 
 
