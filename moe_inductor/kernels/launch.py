@@ -280,16 +280,17 @@ def launch_grouped_weight_grad(
         if moe_config.tma_weights and not _traceable:
             d_a = _rows_descriptor(a, cfg.BLOCK_M, cfg.BLOCK_K) if a_rows == ROWS_SORTED_MODE else None
             d_g = _rows_descriptor(g, cfg.BLOCK_M, cfg.BLOCK_N) if g_rows == ROWS_SORTED_MODE else None
-        grouped_weight_grad_kernel[grid](
-            a, g, dw, order, scale if scale is not None else offsets, offsets,
-            d_a, d_g,
-            k_dim, n_dim, topk,
-            a.stride(0), a.stride(1), g.stride(0), g.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
-            A_ROWS=a_rows, G_ROWS=g_rows, HAS_SCALE=scale is not None,
-            UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
-            BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N,
-            A_TMA=d_a is not None, G_TMA=d_g is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_kernel(
+            grouped_weight_grad_kernel, grid,
+            (a, g, dw, order, scale if scale is not None else offsets, offsets,
+             d_a, d_g,
+             k_dim, n_dim, topk,
+             a.stride(0), a.stride(1), g.stride(0), g.stride(1), dw.stride(0), dw.stride(1), dw.stride(2)),
+            dict(A_ROWS=a_rows, G_ROWS=g_rows, HAS_SCALE=scale is not None,
+                 UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
+                 BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N,
+                 A_TMA=d_a is not None, G_TMA=d_g is not None,
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
 
     default = configs.default_weight_grad_config(k_dim, n_dim, a.dtype)
