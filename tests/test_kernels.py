@@ -81,7 +81,7 @@ def test_fused_backward_middle_matches_the_torch_formulas(activation, bias, trit
     """kernels/backward_middle.py against ops/activations.py's definitions: h, d(scale), d(gate), d(up), with rows
     past the experts (dropped) zeroed, and an I that is not a multiple of the column block."""
     from moe_inductor.ops.activations import activation_backward, apply_activation, is_gated
-    from moe_inductor.ops.experts import _backward_middle
+    from moe_inductor.ops.grouped import backward_middle
 
     gen = torch.Generator().manual_seed(3)
     E, I, T, k = 3, 40, 9, 2
@@ -96,7 +96,7 @@ def test_fused_backward_middle_matches_the_torch_formulas(activation, bias, trit
     sorted_expert = sorted_expert.to(DEVICE)
     b1 = torch.randn(E, I, generator=gen).to(DEVICE) if bias else None
     b1_up = torch.randn(E, I, generator=gen).to(DEVICE) if bias and gated else None
-    h, d_gate, d_up, d_scale = _backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation, 1.702, 7.0,
+    h, d_gate, d_up, d_scale = backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation, 1.702, 7.0,
                                                 E, torch.float32)
 
     valid = (sorted_expert < E)[:, None]

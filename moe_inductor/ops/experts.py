@@ -19,10 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.backward_middle import backward_middle_kernel
-from ..kernels.configs import interpreting
-from ..kernels.launch import cdiv, device_guard, launch_kernel
-from .activations import ACTIVATIONS, activation_backward, apply_activation, check_activation, is_gated
+from .activations import activation_backward, apply_activation, check_activation, is_gated
 from .grouped import (
     ROWS_ASSIGNMENT,
     use_triton,
@@ -31,6 +28,7 @@ from .grouped import (
     SCALE_ACC,
     SCALE_NONE,
     SCALE_OUT,
+    backward_middle,
     combine,
     grouped_gemm,
     grouped_weight_grad,
@@ -221,7 +219,8 @@ def experts_backward(
     w_up = grouped_mm_engine.grouped_mm_weights(x, w1, w1_up, w2, b1, b2, weight_position, dropped, M)
     if w_up is not None:  # the compute-bound regime, as in the forward
         return grouped_mm_engine.backward(dy, x, topk_ids, topk_weights, w1, w1_up, w_up, w2, pre, order,
-                                          sorted_expert, offsets, activation, alpha, limit, needs, _backward_middle)
+                                          sorted_expert, offsets, activation, alpha, limit, needs,
+                                          _wants_combined_gate_up(needs))
     E, _, I = w1.shape
     gated = w1_up is not None
     f32 = torch.float32
@@ -241,7 +240,7 @@ def experts_backward(
         # the common case, fused: one pass over (M, I) instead of ~20 (kernels/backward_middle.py)
         g = torch.empty(M, I, dtype=f32, device=x.device)
         grouped_gemm(dy, w2.transpose(1, 2), offsets, order, topk, g, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED)
-        h, d_gate, d_up, d_scale_sorted = _backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation,
+        h, d_gate, d_up, d_scale_sorted = backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation,
                                                            alpha, limit, E, x.dtype)
         del g
         if b2 is not None:
@@ -271,42 +270,6 @@ def _sum_by_expert(rows: Tensor, expert: Tensor, num_experts: int, dtype: torch.
     the experts (expert id E, dropped) land in a spare row that is cut off."""
     sums = torch.zeros(num_experts + 1, rows.shape[1], dtype=torch.float32, device=rows.device)
     return sums.index_add_(0, expert, rows.to(torch.float32))[:num_experts].to(dtype)
-
-
-def _backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation, alpha, limit, num_experts, dtype,
-                     out: Optional[tuple] = None, scale_h: bool = False):
-    """(h, d_gate, d_up, d_scale) of the fused middle (kernels/backward_middle.py); h and the gradients in ``dtype``,
-    d_up None when the activation is not gated.
-
-    Args:
-        out: (d_gate, d_up) buffers to write into (two column halves of one (M, 2I) tensor, say); d_gate's row
-            stride is used for both.
-        scale_h: store h multiplied by its routing weight.
-    """
-    M, I = g.shape
-    gated, act_id = ACTIVATIONS[activation]
-    h = g.new_empty(M, I, dtype=dtype)
-    if out is not None:
-        d_gate, d_up = out
-    else:
-        d_gate = g.new_empty(M, I, dtype=dtype)
-        d_up = g.new_empty(M, I, dtype=dtype) if gated else None
-    d_scale = g.new_empty(M, dtype=torch.float32)
-    has_bias = b1 is not None
-    b1c = b1.contiguous() if has_bias else g
-    b1_upc = b1_up.contiguous() if has_bias and gated else b1c
-    if M:
-        block_m, block_i = (16, 32) if interpreting() else (16, 256)
-        with device_guard(g):
-            launch_kernel(
-                backward_middle_kernel, (cdiv(M, block_m),),
-                (pre, g, scale, order, sorted_expert, b1c, b1_upc, h, d_gate, d_up if gated else d_gate, d_scale,
-                 M, I, pre.stride(0), g.stride(0), h.stride(0), d_gate.stride(0), b1c.stride(0) if has_bias else 0,
-                 float(alpha), float(limit)),
-                dict(NUM_EXPERTS=num_experts, GATED=gated, ACT=act_id, HAS_BIAS=has_bias, BLOCK_M=block_m,
-                     BLOCK_I=block_i, SCALE_H=scale_h, num_warps=4),
-            )
-    return h, d_gate, d_up, d_scale
 
 
 def _backward_middle_torch(dy, x, pre, w2, b1, b1_up, b2, scale, order, offsets, topk, expert, expert_c, valid,

@@ -14,7 +14,9 @@ from typing import Optional
 import torch
 
 from .. import config
+from ..kernels.backward_middle import backward_middle_kernel
 from ..kernels.combine import combine_kernel
+from ..kernels.configs import interpreting
 from ..kernels.launch import (cdiv, device_guard, launch_grouped_gemm, launch_grouped_weight_grad, launch_kernel,
                               next_pow2)
 from ..kernels.grouped_gemm import (  # noqa: F401  (re-exported constants)
@@ -181,6 +183,42 @@ def combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, row_of
                                    SCALED=scale is not None))
         return y
     valid = ((topk_ids >= 0) & (topk_ids < num_experts)).reshape(-1)
-    picked = rows[row_of.long().clamp(0, max(rows.shape[0] - 1, 0))] if row_of is not None else rows
+    picked = rows[row_of.long()] if row_of is not None else rows  # row_of is a permutation of the rows
     picked = picked.float() * (scale.float()[:, None] if scale is not None else 1.0)
     return torch.where(valid[:, None], picked, 0.0).view(T, k, H).sum(1).to(rows.dtype)
+
+
+def backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation, alpha, limit, num_experts, dtype,
+                     out: Optional[tuple] = None, scale_h: bool = False):
+    """(h, d_gate, d_up, d_scale) of the fused middle (kernels/backward_middle.py); h and the gradients in ``dtype``,
+    d_up None when the activation is not gated.
+
+    Args:
+        out: (d_gate, d_up) buffers to write into (two column halves of one (M, 2I) tensor, say); d_gate's row
+            stride is used for both.
+        scale_h: store h multiplied by its routing weight.
+    """
+    M, I = g.shape
+    gated, act_id = ACTIVATIONS[activation]
+    h = g.new_empty(M, I, dtype=dtype)
+    if out is not None:
+        d_gate, d_up = out
+    else:
+        d_gate = g.new_empty(M, I, dtype=dtype)
+        d_up = g.new_empty(M, I, dtype=dtype) if gated else None
+    d_scale = g.new_empty(M, dtype=torch.float32)
+    has_bias = b1 is not None
+    b1c = b1.contiguous() if has_bias else g
+    b1_upc = b1_up.contiguous() if has_bias and gated else b1c
+    if M:
+        block_m, block_i = (16, 32) if interpreting() else (16, 256)
+        with device_guard(g):
+            launch_kernel(
+                backward_middle_kernel, (cdiv(M, block_m),),
+                (pre, g, scale, order, sorted_expert, b1c, b1_upc, h, d_gate, d_up if gated else d_gate, d_scale,
+                 M, I, pre.stride(0), g.stride(0), h.stride(0), d_gate.stride(0), b1c.stride(0) if has_bias else 0,
+                 float(alpha), float(limit)),
+                dict(NUM_EXPERTS=num_experts, GATED=gated, ACT=act_id, HAS_BIAS=has_bias, BLOCK_M=block_m,
+                     BLOCK_I=block_i, SCALE_H=scale_h, num_warps=4),
+            )
+    return h, d_gate, d_up, d_scale

@@ -26,7 +26,7 @@ from ..kernels.activation import activation_kernel
 from ..kernels.configs import interpreting
 from ..kernels.launch import cdiv, device_guard, launch_kernel, tracing_launches
 from .activations import ACTIVATIONS
-from .grouped import combine, use_triton
+from .grouped import backward_middle, combine, use_triton
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,9 +134,9 @@ def _weight_grad(a: Tensor, g: Tensor, group_ends: Tensor, like: Tensor) -> Tens
 
 def backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w1_up: Optional[Tensor],
              w_up: Tensor, w2: Tensor, pre: Tensor, order: Tensor, sorted_expert: Tensor, offsets: Tensor,
-             activation: str, alpha: float, limit: float, needs: list[bool], middle) -> tuple:
-    """The gradients of ``forward`` (see ``experts_backward`` for ``needs`` and the returned tuple); ``middle`` is
-    ops/experts.py's ``_backward_middle`` (the fused elementwise pass between the GEMMs)."""
+             activation: str, alpha: float, limit: float, needs: list[bool], combined_gate_up: bool) -> tuple:
+    """The gradients of ``forward`` (see ``experts_backward`` for ``needs`` and the returned tuple);
+    ``combined_gate_up``: the gate and up gradients as one (E, H, 2I) tensor in the dw1 slot."""
     T, H = x.shape
     topk = topk_ids.shape[1]
     M = order.shape[0]
@@ -151,14 +151,14 @@ def backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: 
     dy_sorted = dy.index_select(0, token)
     g = torch._grouped_mm(dy_sorted, w2.transpose(1, 2), offs=group_ends)  # d h, before the routing weight
     d_pre = x.new_empty(M, pre.shape[1])
-    h_scaled, _, _, d_scale_sorted = middle(pre, g, scale, order, sorted_expert, None, None, activation, alpha, limit,
-                                            E, x.dtype, out=(d_pre[:, :I], d_pre[:, I:] if gated else None),
-                                            scale_h=True)
+    h_scaled, _, _, d_scale_sorted = backward_middle(pre, g, scale, order, sorted_expert, None, None, activation, alpha,
+                                                     limit, E, x.dtype, out=(d_pre[:, :I], d_pre[:, I:] if gated else None),
+                                                     scale_h=True)
     del g
     dw2 = _weight_grad(h_scaled, dy_sorted, group_ends, w2) if needs[4] else None
     del h_scaled, dy_sorted
     dw1 = dw1_up = None
-    if len(needs) > 8 and needs[8]:  # asked for as one (E, H, 2I) tensor (experts_backward): one GEMM over d_pre
+    if combined_gate_up:  # one GEMM over d_pre
         dw1 = _weight_grad(x_sorted, d_pre, group_ends, w_up)
     else:  # two GEMMs: the gradients of an op must not be views of one tensor
         dw1 = _weight_grad(x_sorted, d_pre[:, :I], group_ends, w1) if needs[2] else None
