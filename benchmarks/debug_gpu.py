@@ -157,9 +157,9 @@ def prefill_host():
 
     model, cfg = build(False, 4, "cuda", torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (1, 512), device="cuda")
-    for name in ("inductor", "moe_inductor", "moe_inductor_visible"):  # the last: config.visible_kernels
+    for name in ("inductor", "moe_inductor", "moe_inductor_opaque"):  # the last: config.visible_kernels off
         torch._dynamo.reset()
-        config.visible_kernels = name == "moe_inductor_visible"
+        config.visible_kernels = name != "moe_inductor_opaque"
         fwd = torch.compile(model.forward, **({} if name == "inductor" else {"backend": "moe_inductor"}))
         with torch.no_grad():
             for _ in range(5):
@@ -177,7 +177,8 @@ def prefill_host():
                     wall = (time.perf_counter() - t0) / 30 * 1e3
                     print(f"PREFILL512 {name:<13} rep {rep} fast_launch={int(fast)}: host enqueue {host:.3f} ms, "
                           f"wall {wall:.3f} ms per forward", flush=True)
-            config.fast_launch = config.visible_kernels = False
+            config.fast_launch = False
+            config.visible_kernels = True
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(20):

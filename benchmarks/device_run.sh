@@ -8,6 +8,8 @@
 #   bash benchmarks/device_run.sh perf       # T=512 prefill: visible kernels and CUDA graphs against inductor,
 #                                            # then host vs wall                                (~9 min)
 #   bash benchmarks/device_run.sh open       # the visible-kernel GPU tests with recompile logs  (~2 min)
+#   bash benchmarks/device_run.sh verify     # bench_hf (with the opaque-op column), then the GPU suite's compile-
+#                                            # heavy files in 4 parallel shards                 (~9 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
 # Outputs go to $OUT (the device tool brings them back). The project must be installed for the entry point.
 set -uo pipefail
@@ -42,12 +44,25 @@ case "${1:-tests}" in
       | tee "$OUT/hf.log" | tail -20 ;;
   perf)  # the host-bound T = 512 prefill: visible kernels and CUDA graphs against inductor (one process each), then
          # where the host time goes (prefill_host: host vs wall, fast launch A/B)
-    timeout 220 python benchmarks/bench_hf.py --variants inductor moe_inductor moe_inductor_visible \
+    timeout 220 python benchmarks/bench_hf.py --variants inductor moe_inductor moe_inductor_opaque \
       --skip-decode --tokens 512 4096 --json "$OUT/hf_visible.json" 2>&1 | grep "prefill T" | sed "s/^/visible /"
     timeout 190 python benchmarks/bench_hf.py --variants inductor moe_inductor --skip-decode --tokens 512 4096 \
       --prefill-mode reduce-overhead --json "$OUT/hf_cudagraphs.json" 2>&1 | grep "prefill T" | sed "s/^/cudagraphs /"
     timeout 150 python benchmarks/debug_gpu.py prefill_host 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/prefill_host.log"
     grep PREFILL512 "$OUT/prefill_host.log"; grep -A30 "PREFILL HOST" "$OUT/prefill_host.log" | cut -c1-200 | head -40 ;;
+  verify)  # the benchmark first, alone on the machine; then tests, sharded: compiles are CPU-bound and it has 16 cores
+    timeout 270 python benchmarks/bench_hf.py --variants eager inductor moe_inductor moe_inductor_opaque \
+      --json "$OUT/hf.json" 2>&1 | grep -v "torch.__trace\|^DEBUG" | tee "$OUT/hf.log" | grep -E "prefill|decode|torch"
+    python -m pytest --collect-only -q -o addopts="" tests/test_gpu.py tests/test_visible_kernels.py \
+      tests/test_grouped_mm_engine.py \
+      2>/dev/null | grep "::" > "$OUT/test_ids.txt"
+    for i in 0 1 2 3; do
+      awk -v i=$i 'NR % 4 == i' "$OUT/test_ids.txt" > "$OUT/shard_$i.txt"
+      timeout -s INT 290 python -m pytest $(cat "$OUT/shard_$i.txt") -q -p no:warnings -p no:cacheprovider \
+        > "$OUT/shard_$i.log" 2>&1 &
+    done
+    wait
+    for i in 0 1 2 3; do grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/shard_$i.log" | tail -8; done ;;
   open)  # the visible-kernel GPU tests with recompile logs (which guard failed, if one does)
     TORCH_LOGS="recompiles" timeout -s INT 200 python -m pytest tests/test_gpu.py -q -p no:warnings --tb=short -rxX \
       -k "visible" 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/open_tests.log"

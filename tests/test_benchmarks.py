@@ -61,14 +61,15 @@ def test_fwd_bwd_cpu_runs(capsys):
     assert "fwd+bwd median" in capsys.readouterr().out
 
 
-def test_bench_hf_visible_variant_compiles_under_its_config():
-    """The visible variant runs (and compiles) with config.visible_kernels on, and puts the setting back."""
+def test_bench_hf_opaque_variant_compiles_under_its_config(monkeypatch):
+    """The opaque variant runs (and compiles) with config.visible_kernels off, the others under the default, and the
+    setting is put back."""
     import moe_inductor
     from benchmarks import bench_hf
 
-    before = moe_inductor.config.visible_kernels
-    with bench_hf.variant_config("moe_inductor_visible"):
-        assert moe_inductor.config.visible_kernels
-    with bench_hf.variant_config("moe_inductor"):
+    monkeypatch.setattr(moe_inductor.config, "visible_kernels", True)
+    with bench_hf.variant_config("moe_inductor_opaque"):
         assert not moe_inductor.config.visible_kernels
-    assert moe_inductor.config.visible_kernels == before
+    with bench_hf.variant_config("moe_inductor"):
+        assert moe_inductor.config.visible_kernels
+    assert moe_inductor.config.visible_kernels

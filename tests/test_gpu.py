@@ -297,7 +297,7 @@ def _compiled_with_visible_kernels(monkeypatch):
 
 
 def test_experimental_visible_kernels_run_from_inductors_wrapper(monkeypatch):
-    """config.visible_kernels (off by default): Inductor traces into the experts forward and launches our Triton
+    """config.visible_kernels (on by default): Inductor traces into the experts forward and launches our Triton
     kernels from its generated code; the results and the gradients stay as with the opaque op."""
     from torch._inductor.utils import run_and_get_code
 

@@ -204,3 +204,28 @@ def test_engine_skips_out_of_range_ids(engine_calls, nan_empty):
     for name, got, want in zip(("dx", "dtopk_weights", "dw1", "dw2"), grads, ref_grads):
         assert_close(got, want.to(got.dtype), torch.bfloat16, name)
     assert grads[1][1, 0] == 0 and grads[1][4, 1] == 0
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("combined", [False, True], ids=["separate-grads", "one-grad"])
+def test_engine_gradient_layouts_match_the_fake_kernel(layout, combined, engine_calls):
+    """Inductor checks every output of the op against the fake kernel's strides. Compiled, gate and up arrive as two
+    graph inputs, so the combined flag is off while they are still halves of one tensor; the engine once returned
+    their gradients transposed there while the fake kernel said dense (found on the H200 by
+    test_auto_engine_runs_inside_an_inductor_graph)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    p = make_problem(6, 32, 16, 3, 2, dtype=torch.bfloat16, device=DEVICE, layout=layout, requires_grad=False)
+    g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout=layout, gate_up="concat")
+    fwd = torch.ops.moe_inductor.experts_forward(p.x, p.topk_ids, p.topk_weights, g, u, d, None, None, None,
+                                                 "silu_glu", "output", 1.702, 7.0, None, True)
+    args = (torch.randn_like(fwd[0]), p.x, p.topk_ids, p.topk_weights, g, u, d, None, None, None, *fwd[1:],
+            "silu_glu", "output", 1.702, 7.0, False, [True, True, True, True, True, False, False, False, combined])
+    real = torch.ops.moe_inductor.experts_backward(*args)
+    assert engine_calls == {"forward": 1, "backward": 1}
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = torch.ops.moe_inductor.experts_backward(
+            *(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    for name, r, f in zip(("dx", "dtw", "dw1", "dw1_up", "dw2"), real, fake):
+        assert (r.shape, r.stride()) == (f.shape, f.stride()), name

@@ -1,4 +1,4 @@
-"""The experimental Inductor-visible experts forward (lowerings/visible.py, ``config.visible_kernels``).
+"""The Inductor-visible experts forward (lowerings/visible.py, ``config.visible_kernels``, on by default).
 
 On the CPU only its eager behaviour and the graph swap are testable: tracing into it needs compiled Triton kernels
 (under TRITON_INTERPRET=1 ``wrap_triton`` hands back the interpreted kernel, which cannot take fake tensors). The
@@ -56,6 +56,35 @@ def test_the_swap_only_touches_triton_run_tensors(monkeypatch):
         torch.testing.assert_close(gm(*inputs), moe(*inputs))  # eagerly the same function either way
 
 
+@pytest.mark.parametrize("engine,swapped,swapped_below_rule", [("auto", 0, 1), ("grouped_mm", 0, 0), ("triton", 1, 1)])
+def test_experts_the_grouped_mm_engine_may_take_stay_opaque(engine, swapped, swapped_below_rule, monkeypatch):
+    """The engine decides per call from the token count, which a traced graph cannot: experts at or above its size
+    rule (lowered here to this problem's H * I) keep the opaque op unless the engine is off ("triton"); a forced
+    engine ("grouped_mm") keeps every size opaque."""
+    from moe_inductor.lowerings.visible import swap_in_visible_ops
+
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    monkeypatch.setattr(config, "gemm_engine", engine)
+    monkeypatch.setattr(config, "grouped_mm_min_expert_weights", 16 * 8)
+    p = make_problem(7, 16, 8, 5, 2, device=DEVICE, requires_grad=False)
+    g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
+
+    def moe(x, ids, w, g, u, d):
+        return torch.ops.moe_inductor.experts_forward.default(x, ids, w, g, u, d, None, None, None, "silu_glu",
+                                                              "output", 1.702, 7.0, None, False)[0]
+
+    def graph():
+        gm = torch.fx.symbolic_trace(moe)
+        for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"),
+                               (p.x, p.topk_ids, p.topk_weights, g, u, d)):
+            node.meta["val"] = value
+        return gm
+
+    assert swap_in_visible_ops(graph()) == swapped
+    monkeypatch.setattr(config, "grouped_mm_min_expert_weights", 16 * 8 + 1)  # one weight short of the rule
+    assert swap_in_visible_ops(graph()) == swapped_below_rule
+
+
 def test_visible_op_has_the_opaque_ops_gradients(triton_kernels):
     import moe_inductor.lowerings.visible  # noqa: F401  (registers the op)
 
@@ -70,10 +99,7 @@ def test_visible_op_has_the_opaque_ops_gradients(triton_kernels):
         torch.testing.assert_close(a, b)
 
 
-def test_tracing_into_the_visible_op_adds_no_token_count_guard():
-    """Traced with a dynamic token count (in a process without the interpreter, see tests/visible_guards.py), the
-    op adds no shape guard: a guard on T would recompile the model at each new range of sequence lengths. (The
-    routing buffer once gave `num_chunks == 1`, i.e. T <= 512.)"""
+def _guards_of_a_traced_visible_op(*args: str):
     import json
     import os
     import subprocess
@@ -83,8 +109,25 @@ def test_tracing_into_the_visible_op_adds_no_token_count_guard():
     root = Path(__file__).parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-m", "tests.visible_guards"], capture_output=True, text=True, env=env,
-                         cwd=root, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "tests.visible_guards", *args], capture_output=True, text=True,
+                         env=env, cwd=root, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    guards = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_dimension_symbolic_specialises_only_the_weight_dims():
+    """With every dimension symbolic (opcheck's test_aot_dispatch_dynamic; it once failed on the H200 with
+    "unhashable type: SymInt"), the launchers specialise k, E, H and I, which pick constexprs and configs, and
+    never the token count. (T = 17, k = 2, E = 5, H = 16, I = 8 in tests/visible_guards.py.)"""
+    traced = _guards_of_a_traced_visible_op("every-dim")
+    specialised = sorted(int(g.split(", ")[1].rstrip(")")) for g in traced["guards"])
+    assert specialised == [2, 5, 8, 16], traced["guards"]
+    assert not any(traced["tokens"] in g.replace("(", " ").replace(",", " ").split() for g in traced["guards"])
+
+
+def test_tracing_into_the_visible_op_adds_no_token_count_guard():
+    """Traced with a dynamic token count (in a process without the interpreter, see tests/visible_guards.py), the
+    op adds no shape guard: a guard on T would recompile the model at each new range of sequence lengths. (The
+    routing buffer once gave `num_chunks == 1`, i.e. T <= 512.)"""
+    guards = _guards_of_a_traced_visible_op()
     assert [g for g in guards if "2147483647" not in g] == []  # int32-range checks of kernel arguments are fine

@@ -1,10 +1,14 @@
-"""Trace into the visible experts op symbolically (Dynamo and AOT autograd, the token count dynamic) and print the
-shape guards that added.
+"""Trace into the visible experts op symbolically and print the shape guards that added, as JSON.
+
+    python -m tests.visible_guards             # Dynamo and AOT autograd, the token count dynamic
+    python -m tests.visible_guards every-dim   # make_fx with every dimension symbolic (what opcheck's
+                                               # test_aot_dispatch_dynamic does), weights included
 
 Run in a process without TRITON_INTERPRET (tests/test_visible_kernels.py does): Dynamo runs the op's fake
 implementation through ``wrap_triton``, which the interpreter cannot do. Nothing is launched.
 """
 import json
+import sys
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -21,7 +25,27 @@ class _Captured(Exception):
     pass
 
 
+def every_dim_symbolic() -> dict:
+    """The guards of a make_fx trace in which every input dimension is symbolic, and the token count's symbol."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    p = make_problem(17, 16, 8, 5, 2, requires_grad=False)
+    g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
+
+    def f(x, ids, tw, g, u, d):
+        return torch.ops.moe_inductor.experts_forward_visible(x, ids, tw, g, u, d, None, None, None, "silu_glu",
+                                                              "output", 1.702, 7.0, None, False)[0]
+
+    gm = make_fx(f, tracing_mode="symbolic")(p.x, p.topk_ids, p.topk_weights, g, u, d)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tokens = placeholders[0].meta["val"].shape[0]
+    return {"guards": [str(guard.expr) for guard in tokens.node.shape_env.guards], "tokens": str(tokens)}
+
+
 def main() -> None:
+    if sys.argv[1:] == ["every-dim"]:
+        print(json.dumps(every_dim_symbolic()))
+        return
     guards = []
 
     def read_guards(gm, example_inputs):  # after AOT autograd traced into the op: its guards are in the shape env

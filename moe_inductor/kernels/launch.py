@@ -49,6 +49,13 @@ def tracing_launches() -> bool:
     return _traceable
 
 
+def static_dim(n) -> int:
+    """A weight or hidden dimension as a plain int. These pick constexprs and cache keys; a symbolic one (a graph
+    traced with every dimension dynamic) is specialised, i.e. guarded on, which is right for a weight's shape. Never
+    call it on the token count: that is what ``size_hint`` is for."""
+    return n if isinstance(n, int) else int(n)
+
+
 def size_hint(n, fallback: int = 64) -> int:
     """``n`` as a plain int: a SymInt's example value (no guard is added), ``fallback`` when it has none."""
     if isinstance(n, int):
@@ -96,7 +103,7 @@ def launch_grouped_gemm(
     accumulate: bool = False,
 ) -> None:
     """See ``grouped_gemm_kernel``. ``num_rows`` is M, the length of ``order``; it only sizes the grid."""
-    num_experts, k_dim, n_dim = b.shape
+    num_experts, k_dim, n_dim = (static_dim(d) for d in b.shape)
     gated = b2 is not None
     has_bias = bias is not None
     dummy = offsets
@@ -271,7 +278,7 @@ def launch_grouped_weight_grad(
     scale: torch.Tensor | None = None,
 ) -> None:
     """dw[e] (K, N) = a_e^T @ (scale * g_e); every expert's block is written, zeros for empty experts."""
-    num_experts, k_dim, n_dim = dw.shape
+    num_experts, k_dim, n_dim = (static_dim(d) for d in dw.shape)
     key = f"wgrad|E{num_experts}|N{n_dim}|K{k_dim}|{a.dtype}|a{a_rows}|g{g_rows}"
 
     def run(cfg: configs.LaunchConfig) -> None:

@@ -32,6 +32,7 @@ from .grouped import (
     combine,
     grouped_gemm,
     grouped_weight_grad,
+    is_dense_transpose,
     project_reference,
 )
 from . import grouped_mm_engine
@@ -42,7 +43,7 @@ WEIGHT_POSITIONS = ("output", "between", "input")
 
 def _grad_buffer(w: Tensor) -> Tensor:
     """An empty gradient for ``w`` laid out like it where it is dense (a transposed view stays transposed)."""
-    if w.dim() == 3 and w.stride(1) == 1 and w.stride(2) == w.shape[1] and w.stride(0) == w.shape[1] * w.shape[2]:
+    if is_dense_transpose(w):
         return w.new_empty(w.shape[0], w.shape[2], w.shape[1]).transpose(1, 2)
     return w.new_empty(w.shape)
 

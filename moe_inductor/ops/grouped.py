@@ -18,7 +18,7 @@ from ..kernels.backward_middle import backward_middle_kernel
 from ..kernels.combine import combine_kernel
 from ..kernels.configs import interpreting
 from ..kernels.launch import (cdiv, device_guard, launch_grouped_gemm, launch_grouped_weight_grad, launch_kernel,
-                              next_pow2)
+                              next_pow2, static_dim)
 from ..kernels.grouped_gemm import (  # noqa: F401  (re-exported constants)
     ROWS_ASSIGNMENT,
     ROWS_SORTED,
@@ -28,6 +28,15 @@ from ..kernels.grouped_gemm import (  # noqa: F401  (re-exported constants)
     SCALE_OUT,
 )
 from .activations import ACTIVATIONS, apply_activation
+
+
+def is_dense_transpose(w: torch.Tensor) -> bool:
+    """Whether the (E, K, N) weight view ``w`` is the transpose of a dense (E, N, K) tensor (nn.Linear-style storage).
+    A gradient for such a weight is allocated transposed too, so that autograd does not copy it; every other layout
+    (a half of a gate_up tensor, say) gets a dense (E, K, N) gradient. The real and the fake kernels both follow this
+    rule: the layouts they return must agree."""
+    return (w.dim() == 3 and w.stride(1) == 1 and w.stride(2) == w.shape[1]
+            and w.stride(0) == w.shape[1] * w.shape[2])
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -172,6 +181,7 @@ def combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, row_of
     T, k = topk_ids.shape
     H = rows.shape[1]
     y = rows.new_empty(T, H)
+    k, H, num_experts = static_dim(k), static_dim(H), static_dim(num_experts)
     if use_triton(rows):
         if T > 0:
             block_h = min(1024, next_pow2(H))
@@ -199,6 +209,7 @@ def backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation, 
         scale_h: store h multiplied by its routing weight.
     """
     M, I = g.shape
+    I, num_experts = static_dim(I), static_dim(num_experts)
     gated, act_id = ACTIVATIONS[activation]
     h = g.new_empty(M, I, dtype=dtype)
     if out is not None:

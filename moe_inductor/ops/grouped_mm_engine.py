@@ -26,7 +26,7 @@ from ..kernels.activation import activation_kernel
 from ..kernels.configs import interpreting
 from ..kernels.launch import cdiv, device_guard, launch_kernel, tracing_launches
 from .activations import ACTIVATIONS
-from .grouped import backward_middle, combine, use_triton
+from .grouped import backward_middle, combine, is_dense_transpose, use_triton
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,6 +57,13 @@ def combined_up_weights(w1: Tensor, w1_up: Optional[Tensor]) -> Optional[Tensor]
     if w1_up.storage_offset() - w1.storage_offset() != I * s2:  # up's columns start right after gate's
         return None
     return w1.as_strided((E, H, 2 * I), (s0, s1, s2))
+
+
+def may_take_experts_of(w1: Tensor) -> bool:
+    """Whether experts of this size can take the engine at some token count (its size rule alone, shapes only)."""
+    E, H, I = w1.shape
+    return config.gemm_engine == "grouped_mm" or (
+        config.gemm_engine == "auto" and H * I >= config.grouped_mm_min_expert_weights)
 
 
 def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tensor, b1: Optional[Tensor],
@@ -126,8 +133,8 @@ def forward(x: Tensor, topk_ids: Tensor, scale_flat: Tensor, order: Tensor, offs
 
 def _weight_grad(a: Tensor, g: Tensor, group_ends: Tensor, like: Tensor) -> Tensor:
     """Per expert a_e^T @ g_e, (E, K, N), computed in the layout of ``like`` (a transposed weight gets a transposed
-    gradient, so that autograd does not copy it)."""
-    if like.stride(1) == 1:  # (E, K, N) is the transpose of a dense (E, N, K)
+    gradient, so that autograd does not copy it): ``is_dense_transpose``'s rule, which the fake kernel follows."""
+    if is_dense_transpose(like):
         return torch._grouped_mm(g.t(), a, offs=group_ends).transpose(1, 2)
     return torch._grouped_mm(a.t(), g, offs=group_ends)
 

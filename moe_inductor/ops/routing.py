@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.configs import interpreting
-from ..kernels.launch import cdiv, device_guard, launch_kernel, next_pow2, tracing_launches
+from ..kernels.launch import cdiv, device_guard, launch_kernel, next_pow2, static_dim, tracing_launches
 from ..kernels.routing import route_count_kernel, route_place_kernel
 from .grouped import use_triton
 
@@ -66,6 +66,7 @@ def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] =
     if not use_triton(topk_ids):
         return route_reference(topk_ids, num_experts, capacity)
     T, k = topk_ids.shape
+    k, num_experts = static_dim(k), static_dim(num_experts)
     M = T * k
     ids = topk_ids.contiguous()
     order = ids.new_empty(M, dtype=torch.int32)
