@@ -131,3 +131,25 @@ def test_tracing_into_the_visible_op_adds_no_token_count_guard():
     routing buffer once gave `num_chunks == 1`, i.e. T <= 512.)"""
     guards = _guards_of_a_traced_visible_op()
     assert [g for g in guards if "2147483647" not in g] == []  # int32-range checks of kernel arguments are fine
+
+
+@pytest.mark.parametrize("inner,mode,swapped", [
+    ("inductor", None, True), ("inductor", "default", True), ("inductor", "reduce-overhead", False),
+    ("inductor", "max-autotune", False), ("aot_eager", None, False), ("eager", None, False),
+])
+def test_the_backend_swaps_only_for_inductor_without_cuda_graphs(inner, mode, swapped, monkeypatch):
+    """The visible kernels cut host time per call; CUDA graph replay removes that anyway, and only Inductor launches
+    them from its wrapper. So the backend swaps for Inductor in modes without CUDA graphs, and nowhere else."""
+    from moe_inductor import backend
+    from moe_inductor.lowerings import visible
+
+    calls = []
+    monkeypatch.setattr(visible, "swap_in_visible_ops", lambda gm: calls.append(gm) or 0)
+    monkeypatch.setattr(backend, "_inner_compile", lambda name, gm, inputs, mode: gm.forward)
+    monkeypatch.setattr(config, "visible_kernels", True)
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    backend.moe_inductor_backend(gm, [torch.ones(2)], options={"inner": inner}, mode=mode)
+    assert bool(calls) == swapped
+    monkeypatch.setattr(config, "visible_kernels", False)
+    backend.moe_inductor_backend(gm, [torch.ones(2)], options={"inner": inner}, mode=mode)
+    assert len(calls) == int(swapped)  # off: never
