@@ -1,11 +1,13 @@
 """Whole-model HF benchmark: a Qwen3-MoE-shaped model (real widths, random bf16 weights, no download), prefill and
 decode, eager vs torch.compile (Inductor, HF's default grouped_mm experts) vs backend="moe_inductor".
 
-    python benchmarks/bench_hf.py --json hf.json --markdown hf.md      # on the GPU
+    python benchmarks/bench_hf.py --json hf.json                        # on the GPU
     python benchmarks/bench_hf.py --tiny --device cpu                   # a smoke run of the script itself
     python benchmarks/bench_hf.py --skip-decode --prefill-mode reduce-overhead   # prefill under CUDA graphs, both
 
-Prefill: one forward over (1, T) tokens, do_bench median on the GPU. Decode: greedy ``generate`` with a static cache,
+Prefill: one forward over (1, T) tokens, two ways: the do_bench median on the GPU (the latency of one forward, L2
+flushed before each), and back to back (the wall time of 30 forwards enqueued one after the other, divided by 30: a
+prefill loop's throughput, where host time can overlap the previous forward's GPU work). Decode: greedy ``generate`` with a static cache,
 new tokens per second, at batch 1 and 16 (compiled forward; "reduce-overhead" for both compiled columns).
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import gc
 import json
 import sys
 import time
+from typing import Optional
 
 import torch
 from torch._dynamo.utils import counters
@@ -34,6 +37,18 @@ def build(tiny: bool, layers: int, device: str, dtype: torch.dtype):
                              num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                              num_experts=128, num_experts_per_tok=8, max_position_embeddings=32768)
     return Qwen3MoeForCausalLM(cfg).to(device, dtype).eval(), cfg
+
+
+def back_to_back_ms(fn, device: str, calls: int = 30) -> float:
+    """Wall time per call of ``calls`` calls enqueued back to back (synced before and after)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / calls * 1e3
 
 
 def timed_ms(fn, device: str) -> float:
@@ -78,7 +93,8 @@ def variants(model, names=VARIANTS, mode=None):
         yield name, (plain if name == "eager" else torch.compile(plain, **kwargs))
 
 
-def prefill(model, cfg, tokens, device, names=VARIANTS, mode=None) -> dict:
+def prefill(model, cfg, tokens, device, names=VARIANTS, mode=None, back_to_back: Optional[dict] = None) -> dict:
+    """{T: {variant: do_bench ms}}; ``back_to_back``, when given, is filled with the back-to-back ms alike."""
     rows = {}
     for name, fwd in variants(model, names, mode):
         for T in tokens:
@@ -87,8 +103,13 @@ def prefill(model, cfg, tokens, device, names=VARIANTS, mode=None) -> dict:
                 fwd(input_ids=ids)  # compile / warm up
                 gc.collect()  # the compile's garbage: its collection pauses would land in the host-bound rows
                 ms = timed_ms(lambda: fwd(input_ids=ids), device)
+                steady = back_to_back_ms(lambda: fwd(input_ids=ids), device) if back_to_back is not None else None
             rows.setdefault(T, {})[name] = ms
-            print(f"prefill T={T:<6} {name:<13} {ms:9.3f} ms  {T / ms * 1e3:10.0f} tokens/s", flush=True)
+            line = f"prefill T={T:<6} {name:<13} {ms:9.3f} ms  {T / ms * 1e3:10.0f} tokens/s"
+            if steady is not None:
+                back_to_back.setdefault(T, {})[name] = steady
+                line += f"   back to back {steady:9.3f} ms  {T / steady * 1e3:10.0f} tokens/s"
+            print(line, flush=True)
     return rows
 
 
@@ -154,18 +175,21 @@ def main(argv=None) -> None:
             "triton": __import__("triton").__version__,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "command": " ".join(sys.argv)}
     print(meta, flush=True)
+    steady: dict = {}
     result = {"meta": meta, "prefill_ms": prefill(model, cfg, tokens, args.device, args.variants,
-                                                      args.prefill_mode)}
+                                                      args.prefill_mode, steady)}
+    result["prefill_back_to_back_ms"] = steady
     if not args.skip_decode:
         result["decode_tokens_per_s"] = decode(model, cfg, batches, new_tokens, args.device,
                                                args.variants)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
-    for T, r in result["prefill_ms"].items():
-        if "moe_inductor" in r:
-            print(f"prefill T={T}: moe_inductor " + ", ".join(
-                f"vs {n} {r[n] / r['moe_inductor']:.2f}x" for n in r if n != "moe_inductor"))
+    for label, table in (("do_bench", result["prefill_ms"]), ("back to back", steady)):
+        for T, r in table.items():
+            if "moe_inductor" in r:
+                print(f"prefill T={T} ({label}): moe_inductor " + ", ".join(
+                    f"vs {n} {r[n] / r['moe_inductor']:.2f}x" for n in r if n != "moe_inductor"))
 
 
 if __name__ == "__main__":

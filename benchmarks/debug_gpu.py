@@ -1,7 +1,8 @@
 """One-off GPU diagnostics (kept so the next session can rerun them): DBRX views through the op, the unrolled-loop
 graph on CUDA, HF's compiled decode with our backend, and a host-side profile of one fused_experts call.
 
-    python benchmarks/debug_gpu.py dbrx dbrx_model dbrx_spread loop decode host route prefill_host op_overhead tma_ab
+    python benchmarks/debug_gpu.py dbrx dbrx_model dbrx_spread loop decode host route prefill_host op_overhead tma_ab \
+        decode_visible
 """
 import cProfile
 import pstats
@@ -265,6 +266,52 @@ def route():
             row.append(f"M={T * k}:{ms * 1e3:.1f}us")
         print(f"route single<={single_max} chunk={chunk}:", " ".join(row), flush=True)
     routing.SINGLE_LAUNCH_MAX_ROWS, routing.CHUNK_ROWS = 4096, 1024
+
+
+def decode_visible():
+    """Why the visible op decoded batch 16 at a third of the opaque op's speed under reduce-overhead (RESULTS.md,
+    fifth session). Greedy decode of 32 new tokens at batch 16, visible kernels on (forced, under CUDA graphs too)
+    and off, with HF's compiled decode in reduce-overhead and in the default mode: new tokens/s of a second
+    generate, graphs Dynamo compiled during it (a recompile inside the timed call would explain a slow column), how
+    many ops were swapped, and the top CUDA kernels of a third generate under the profiler."""
+    import time
+
+    from transformers.generation.configuration_utils import CompileConfig
+
+    from benchmarks.bench_hf import build
+    from moe_inductor import backend, config
+
+    model, cfg = build(False, 4, "cuda", torch.bfloat16)
+    prompt = torch.randint(0, cfg.vocab_size, (16, 32), device="cuda")
+    real_rule = backend._uses_cuda_graphs
+    try:
+        for mode in ("reduce-overhead", "default"):
+            for visible in (True, False):
+                torch._dynamo.reset()
+                counters.clear()
+                config.visible_kernels = visible
+                backend._uses_cuda_graphs = (lambda m: False) if visible else real_rule
+                gen = dict(max_new_tokens=32, do_sample=False, cache_implementation="static",
+                           compile_config=CompileConfig(backend="moe_inductor", mode=mode, fullgraph=True))
+                with torch.no_grad():
+                    model.generate(prompt, **gen)  # compile, warm up, capture
+                    torch.cuda.synchronize()
+                    graphs_before = counters["stats"]["unique_graphs"]
+                    t0 = time.perf_counter()
+                    model.generate(prompt, **gen)
+                    torch.cuda.synchronize()
+                    tps = 16 * 32 / (time.perf_counter() - t0)
+                    new_graphs = counters["stats"]["unique_graphs"] - graphs_before
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                        model.generate(prompt, **gen)
+                        torch.cuda.synchronize()
+                print(f"DECODE16 mode={mode} visible={int(visible)}: {tps:.0f} new tokens/s; graphs compiled in the "
+                      f"timed call {new_graphs}; ops swapped {counters['moe_inductor_visible']['swapped']}; "
+                      f"cudagraph skips {counters['inductor']['cudagraph_skips']}", flush=True)
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12), flush=True)
+    finally:
+        config.visible_kernels = True
+        backend._uses_cuda_graphs = real_rule
 
 
 if __name__ == "__main__":

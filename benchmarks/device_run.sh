@@ -8,6 +8,8 @@
 #   bash benchmarks/device_run.sh perf       # T=512 prefill: visible kernels and CUDA graphs against inductor,
 #                                            # then host vs wall                                (~9 min)
 #   bash benchmarks/device_run.sh open       # the visible-kernel GPU tests with recompile logs  (~2 min)
+#   bash benchmarks/device_run.sh decode     # why the visible op decoded slowly under CUDA graphs (debug_gpu.py
+#                                            # decode_visible)                                   (~5 min)
 #   bash benchmarks/device_run.sh verify     # bench_hf (with the opaque-op column), then the GPU suite's compile-
 #                                            # heavy files in 4 parallel shards                 (~9 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -63,6 +65,9 @@ case "${1:-tests}" in
     done
     wait
     for i in 0 1 2 3; do grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/shard_$i.log" | tail -8; done ;;
+  decode)
+    timeout 500 python benchmarks/debug_gpu.py decode_visible 2>&1 | grep -v "torch.__trace\|^DEBUG" \
+      | tee "$OUT/decode_visible.log" | grep -E "DECODE16|FAILED" ;;
   open)  # the visible-kernel GPU tests with recompile logs (which guard failed, if one does)
     TORCH_LOGS="recompiles" timeout -s INT 200 python -m pytest tests/test_gpu.py -q -p no:warnings --tb=short -rxX \
       -k "visible" 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/open_tests.log"

@@ -12,8 +12,10 @@ def test_bench_hf_runs_on_a_tiny_model(capsys, tmp_path):
     bench_hf.main(["--tiny", "--device", "cpu", "--skip-decode", "--tokens", "8", "--variants", "eager",
                    "moe_inductor", "--json", str(out)])
     printed = capsys.readouterr().out
-    assert "prefill T=8" in printed and "moe_inductor vs eager" in printed
-    assert set(json.loads(out.read_text())["prefill_ms"]["8"]) == {"eager", "moe_inductor"}
+    assert "prefill T=8" in printed and "moe_inductor vs eager" in printed and "(back to back)" in printed
+    result = json.loads(out.read_text())
+    assert set(result["prefill_ms"]["8"]) == set(result["prefill_back_to_back_ms"]["8"]) == {"eager", "moe_inductor"}
+    assert all(ms > 0 for ms in result["prefill_back_to_back_ms"]["8"].values())
 
 
 def test_host_python_runs(capsys, monkeypatch):

@@ -6,6 +6,7 @@ compiled path is tested on the GPU (tests/test_gpu.py).
 """
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from moe_inductor import config
 from moe_inductor.ops import expert_weight_views
@@ -49,7 +50,9 @@ def test_the_swap_only_touches_triton_run_tensors(monkeypatch):
         gm = torch.fx.symbolic_trace(moe)
         for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs):
             node.meta["val"] = value
+        counters.clear()
         assert swap_in_visible_ops(gm) == int(on_triton)
+        assert counters["moe_inductor_visible"]["swapped"] == int(on_triton)
         targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         visible = torch.ops.moe_inductor.experts_forward_visible.default
         assert (visible in targets) == on_triton

@@ -73,5 +73,8 @@ def swap_in_visible_ops(gm: torch.fx.GraphModule) -> int:
                 node.target = torch.ops.moe_inductor.experts_forward_visible.default
                 swapped += 1
     if swapped:
+        from torch._dynamo.utils import counters
+
+        counters["moe_inductor_visible"]["swapped"] += swapped
         gm.recompile()
     return swapped
