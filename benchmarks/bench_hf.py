@@ -51,11 +51,24 @@ def back_to_back_ms(fn, device: str, calls: int = 30) -> float:
     return (time.perf_counter() - t0) / calls * 1e3
 
 
+def warm_up(fn, device: str, seconds: float = 1.0, min_calls: int = 3) -> None:
+    """Call ``fn`` for about ``seconds`` (at least ``min_calls`` times). On the H200 the first ~30 forwards after a
+    compile ran up to 1.7x slower than later ones (debug_gpu.py prefill_host, repeat 0 against 1 and 2), and a
+    do_bench window of 30 ms holds only ~10 forwards at T = 512: without this the rows measured the transient."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    calls = 0
+    while calls < min_calls or time.perf_counter() - t0 < seconds:
+        fn()
+        calls += 1
+    sync()
+
+
 def timed_ms(fn, device: str) -> float:
     if device == "cuda":
         from triton.testing import do_bench
 
-        return do_bench(fn, warmup=5, rep=30, return_mode="median")
+        return do_bench(fn, warmup=25, rep=200, return_mode="median")
     fn()
     t0 = time.perf_counter()
     for _ in range(3):
@@ -100,7 +113,8 @@ def prefill(model, cfg, tokens, device, names=VARIANTS, mode=None, back_to_back:
         for T in tokens:
             ids = torch.randint(0, cfg.vocab_size, (1, T), device=device)
             with torch.no_grad(), variant_config(name):
-                fwd(input_ids=ids)  # compile / warm up
+                fwd(input_ids=ids)  # compile
+                warm_up(lambda: fwd(input_ids=ids), device, seconds=1.0 if device == "cuda" else 0.0)
                 gc.collect()  # the compile's garbage: its collection pauses would land in the host-bound rows
                 ms = timed_ms(lambda: fwd(input_ids=ids), device)
                 steady = back_to_back_ms(lambda: fwd(input_ids=ids), device) if back_to_back is not None else None
