@@ -84,14 +84,15 @@ def moe_inductor_backend(
         log_rewrites(f"moe_inductor rewrote {r.where} ({r.form}, E={r.num_experts}, k={r.top_k}, {r.activation})",
                      gm.code)
     report = current_report()
+    record = GraphRecord(code=gm.code, rewrites=rewrites, moe_ops=_moe_ops_in(gm))
     if report is not None:
-        report.graphs.append(GraphRecord(code=gm.code, rewrites=rewrites, moe_ops=_moe_ops_in(gm)))
+        report.graphs.append(record)
     from . import config
 
     if config.visible_kernels and opts.inner == "inductor" and not _uses_cuda_graphs(mode):
         from .lowerings.visible import swap_in_visible_ops
 
-        swap_in_visible_ops(gm)
+        record.visible_ops = swap_in_visible_ops(gm)
     return _inner_compile(opts.inner, gm, example_inputs, mode)
 
 

@@ -27,6 +27,8 @@ class GraphRecord:
     code: str
     rewrites: list[Rewrite]
     moe_ops: int
+    #: of those, how many Inductor launches from its own wrapper (``config.visible_kernels``; lowerings/visible.py)
+    visible_ops: int = 0
 
 
 @dataclass
@@ -55,7 +57,8 @@ class Report:
             lines.append(f"  [{i}] {r.form:<14} {r.where}  E={r.num_experts} k={r.top_k} act={r.activation} "
                          f"weights {shapes}" + (f"  ({r.note})" if r.note else ""))
         for i, g in enumerate(self.graphs):
-            lines.append(f"--- graph {i}: {g.moe_ops} moe_inductor op call(s) ---")
+            visible = f", {g.visible_ops} launched from Inductor's wrapper" if g.visible_ops else ""
+            lines.append(f"--- graph {i}: {g.moe_ops} moe_inductor op call(s){visible} ---")
             if self.graph_before and i < len(self.graph_before):
                 lines.append("before:")
                 lines.append(self.graph_before[i].strip())

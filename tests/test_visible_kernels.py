@@ -146,13 +146,18 @@ def test_the_backend_swaps_only_for_inductor_without_cuda_graphs(inner, mode, sw
     from moe_inductor import backend
     from moe_inductor.lowerings import visible
 
+    from moe_inductor.report import Report, collecting
+
     calls = []
-    monkeypatch.setattr(visible, "swap_in_visible_ops", lambda gm: calls.append(gm) or 0)
+    monkeypatch.setattr(visible, "swap_in_visible_ops", lambda gm: calls.append(gm) or 3)  # "swapped three ops"
     monkeypatch.setattr(backend, "_inner_compile", lambda name, gm, inputs, mode: gm.forward)
     monkeypatch.setattr(config, "visible_kernels", True)
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
-    backend.moe_inductor_backend(gm, [torch.ones(2)], options={"inner": inner}, mode=mode)
+    with collecting(Report()) as report:
+        backend.moe_inductor_backend(gm, [torch.ones(2)], options={"inner": inner}, mode=mode)
     assert bool(calls) == swapped
+    assert report.graphs[0].visible_ops == (3 if swapped else 0)  # explain() says how many Inductor launches
+    assert ("3 launched from Inductor's wrapper" in str(report)) == swapped
     monkeypatch.setattr(config, "visible_kernels", False)
     backend.moe_inductor_backend(gm, [torch.ones(2)], options={"inner": inner}, mode=mode)
     assert len(calls) == int(swapped)  # off: never
