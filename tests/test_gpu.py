@@ -296,7 +296,7 @@ def _compiled_with_visible_kernels(monkeypatch):
     return model, torch.compile(model, backend="moe_inductor")
 
 
-def test_experimental_visible_kernels_run_from_inductors_wrapper(monkeypatch):
+def test_visible_kernels_run_from_inductors_wrapper(monkeypatch):
     """config.visible_kernels (on by default): Inductor traces into the experts forward and launches our Triton
     kernels from its generated code; the results and the gradients stay as with the opaque op."""
     from torch._inductor.utils import run_and_get_code
@@ -321,7 +321,7 @@ def test_experimental_visible_kernels_run_from_inductors_wrapper(monkeypatch):
                                                             None, "silu_glu", "output", 1.702, 7.0, None, False))
 
 
-def test_experimental_visible_kernels_compile_at_most_twice(monkeypatch):
+def test_visible_kernels_compile_at_most_twice(monkeypatch):
     """Over four token counts: one static compile, then one dynamic. (Not checked with run_and_get_code above: it
     resets Dynamo before every call, which is what once read as four compiles.)"""
     from torch._dynamo.utils import counters
