@@ -4,7 +4,8 @@
 #   bash benchmarks/device_run.sh kernels    # the GPU suite, part 2 (kernels, routing, engine) (~3 min)
 #   bash benchmarks/device_run.sh examples   # memcheck of the kernel tests + every example  (~4 min)
 #   bash benchmarks/device_run.sh experts    # bench_experts.py, the RESULTS.md table       (~5 min)
-#   bash benchmarks/device_run.sh hf         # bench_hf.py, whole-model prefill and decode  (~3 min warm)
+#   bash benchmarks/device_run.sh hf         # bench_hf.py, whole-model prefill and decode, with the opaque-op
+#                                            # column                                          (~5 min warm)
 #   bash benchmarks/device_run.sh perf       # T=512 prefill: visible kernels and CUDA graphs against inductor,
 #                                            # then host vs wall                                (~9 min)
 #   bash benchmarks/device_run.sh open       # the visible-kernel GPU tests with recompile logs  (~2 min)
@@ -42,8 +43,8 @@ case "${1:-tests}" in
       --hf-shapes qwen3 mixtral --json "$OUT/bench.json" --markdown "$OUT/bench.md" > "$OUT/bench.log" 2>&1
     tail -30 "$OUT/bench.md" ;;
   hf)
-    timeout 560 python benchmarks/bench_hf.py --json "$OUT/hf.json" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
-      | tee "$OUT/hf.log" | tail -20 ;;
+    timeout 560 python benchmarks/bench_hf.py --variants eager inductor moe_inductor moe_inductor_opaque \
+      --json "$OUT/hf.json" 2>&1 | grep -v "torch.__trace\|^DEBUG" | tee "$OUT/hf.log" | tail -24 ;;
   perf)  # the host-bound T = 512 prefill: visible kernels and CUDA graphs against inductor (one process each), then
          # where the host time goes (prefill_host: host vs wall, fast launch A/B)
     timeout 220 python benchmarks/bench_hf.py --variants inductor moe_inductor moe_inductor_opaque \
