@@ -58,11 +58,12 @@ case "${1:-tests}" in
       --json "$OUT/hf.json" 2>&1 | grep -v "torch.__trace\|^DEBUG" | tee "$OUT/hf.log" | grep -E "prefill|decode|torch"
     python -m pytest --collect-only -q -o addopts="" tests/test_gpu.py tests/test_visible_kernels.py \
       tests/test_grouped_mm_engine.py \
-      2>/dev/null | grep "::" > "$OUT/test_ids.txt"
+      2>/dev/null | grep "::" > /tmp/test_ids.txt
+    # (ids and shards outside $OUT: the device tool brings back only a few files)
     for i in 0 1 2 3; do
-      awk -v i=$i 'NR % 4 == i' "$OUT/test_ids.txt" > "$OUT/shard_$i.txt"
-      timeout -s INT 290 python -m pytest $(cat "$OUT/shard_$i.txt") -q -p no:warnings -p no:cacheprovider \
-        > "$OUT/shard_$i.log" 2>&1 &
+      awk -v i=$i 'NR % 4 == i' /tmp/test_ids.txt > /tmp/shard_$i.txt
+      timeout -s INT 290 python -m pytest $(cat /tmp/shard_$i.txt) -o addopts="--strict-markers" -q -p no:warnings \
+        -p no:cacheprovider > "$OUT/shard_$i.log" 2>&1 &
     done
     wait
     for i in 0 1 2 3; do grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/shard_$i.log" | tail -8; done ;;
