@@ -133,6 +133,8 @@ def test_hf_models_rewritten_on_gpu_bf16(family, implementation):
         assert ((out - ref).norm() / ref.norm()).item() < 2e-2
     assert sum(counters["moe_inductor"].values()) >= 2
     assert sum(counters["graph_break"].values()) == 0
+    if inner == "inductor":  # the default: Inductor launches every rewritten layer's kernels itself
+        assert counters["moe_inductor_visible"]["swapped"] == sum(counters["moe_inductor"].values())
 
 
 def test_static_cache_decode_reduce_overhead_has_no_cudagraph_skips():
