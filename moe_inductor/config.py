@@ -20,8 +20,9 @@ strict_passes: bool = os.environ.get("MOE_INDUCTOR_STRICT_PASSES", "0") == "1"
 fast_launch: bool = os.environ.get("MOE_INDUCTOR_FAST_LAUNCH", "0") == "1"
 
 #: Hand Inductor our experts forward as a ``triton_op`` it traces into, so that its generated wrapper launches our
-#: kernels (no dispatcher or Python of ours per call; lowerings/visible.py). On: it took the host-bound T = 512
-#: prefill from 0.71x to 1.05x of torch.compile's default on the H200. Only the Inductor inner compiler is affected.
+#: kernels (no dispatcher or Python of ours per call; lowerings/visible.py). On: on the H200 it beat the opaque op
+#: at T = 512 in every same-process measurement (1.08x to 2.4x) and tied it at T >= 4096 (RESULTS.md). Only the
+#: Inductor inner compiler in modes without CUDA graphs is affected (backend.py).
 visible_kernels: bool = os.environ.get("MOE_INDUCTOR_VISIBLE_KERNELS", "1") == "1"
 
 #: EXPERIMENTAL, off until measured on the GPU: load the grouped GEMM's weight tiles through TMA descriptors (Hopper's
