@@ -119,7 +119,8 @@ def launch_grouped_gemm(
     def run(cfg: configs.LaunchConfig, meta: dict) -> None:
         # m-tiles: sum over experts of cdiv(rows_e, BLOCK_M) < cdiv(M, BLOCK_M) + (experts with rows), and at most
         # min(E, M) experts have rows: at decode (M = T*k small, E large) most of the E extra tiles never exist
-        busy = num_experts if _traceable else min(num_experts, num_rows)  # traced: keep the grid a plain expression
+        # (a symbolic row count keeps the grid a plain expression: no min() over a symbol in Inductor's wrapper)
+        busy = min(num_experts, num_rows) if isinstance(num_rows, int) else num_experts
         grid = ((cdiv(num_rows, cfg.BLOCK_M) + busy) * cdiv(n_dim, cfg.BLOCK_N),)
         b2_ = b2 if gated else b
         bias_ = bias if has_bias else dummy
