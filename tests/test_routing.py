@@ -43,7 +43,9 @@ def test_out_of_range_ids_are_dropped_not_read():
     [(0, 4, 2, None), (1, 3, 1, None), (37, 7, 2, None), (37, 7, 2, 5), (9, 4, 4, 2)],
     ids=["T0", "T1", "E7-several-chunks", "capacity", "k-eq-E-capacity"],
 )
-def test_triton_routing_equals_reference(T, E, k, capacity, monkeypatch):
+@pytest.mark.parametrize("chunked", [None, True], ids=["chosen", "count-then-place"])
+def test_triton_routing_equals_reference(T, E, k, capacity, chunked, monkeypatch):
+    """Both launch paths; count-then-place is what a dynamic graph runs at every row count, one chunk included."""
     from moe_inductor import config
     from moe_inductor.ops.routing import route_metadata, route_reference
 
@@ -53,5 +55,5 @@ def test_triton_routing_equals_reference(T, E, k, capacity, monkeypatch):
     if T > 3:
         ids[3, 0] = E + 2  # an out-of-range id goes to the very end
     ids = ids.to(device)
-    for got, want in zip(route_metadata(ids, E, capacity), route_reference(ids, E, capacity)):
+    for got, want in zip(route_metadata(ids, E, capacity, chunked), route_reference(ids, E, capacity)):
         assert got.tolist() == want.tolist()

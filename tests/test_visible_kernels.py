@@ -20,9 +20,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs 
     (1, 1, None, "random"), (10, 2, None, "one_expert"), (10, 2, None, "skip_odd"),
 ], ids=["one-chunk", "chunks", "capacity", "T0", "T1", "all-on-one-expert", "empty-experts"])
 def test_visible_op_equals_the_opaque_op(T, k, capacity, routing, triton_kernels):
-    """Eagerly, the visible op runs the same kernels, except that routing always takes its two-launch path (the one
-    that is right for every token count), here with one chunk and with several (16 rows a chunk under the
-    interpreter)."""
+    """Eagerly (a known token count), the visible op runs the same kernels as the opaque op. (The routing path that
+    a symbolic token count takes is tested in tests/test_routing.py, count-then-place.)"""
     import moe_inductor.lowerings.visible  # noqa: F401  (registers the op)
 
     p = make_problem(T, 16, 8, 5, k, routing=routing, device=DEVICE, requires_grad=False)  # E = 5: not a power of 2

@@ -12,10 +12,11 @@ Experts large enough for the ``torch._grouped_mm`` engine (ops/grouped_mm_engine
 per call from the token count, which a traced graph cannot, and at their size the host time is small against the GPU
 time. The backward stays the opaque ``experts_backward``.
 
-What changes under tracing (``kernels.launch.traceable_launches``): launches go through ``wrap_triton``; routing
-always takes its two-launch path (right for every token count, no guard on it); a GEMM config is picked from the
-token count's example value, since it only changes speed. The op has the same schema, outputs and autograd as
-``experts_forward``; ``swap_in_visible_ops`` swaps it into a graph just before the inner compile.
+What changes under tracing (``kernels.launch.traceable_launches``): launches go through ``wrap_triton``; with a
+symbolic token count (a dynamic graph), routing takes its two-launch path (right for every token count, no guard on
+it), the GEMM grid covers all E experts, and a GEMM config is picked from the token count's example value, since it
+only changes speed. A static graph makes the same choices as the opaque op. The op has the same schema, outputs
+and autograd as ``experts_forward``; ``swap_in_visible_ops`` swaps it into a graph just before the inner compile.
 """
 from __future__ import annotations
 

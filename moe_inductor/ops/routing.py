@@ -61,8 +61,13 @@ SINGLE_LAUNCH_MAX_ROWS = 1024  # measured on the H200: one program over 4096 row
 CHUNK_ROWS = 1024
 
 
-def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Routing metadata by the Triton kernels on the GPU (two launches), by ``route_reference`` elsewhere."""
+def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] = None,
+                   chunked: Optional[bool] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Routing metadata by the Triton kernels on the GPU, by ``route_reference`` elsewhere.
+
+    ``chunked``: take the count-then-place path (two launches), which is right for every row count; by default only
+    a symbolic row count (a dynamic graph) does, and a known one picks one launch when it fits in one chunk.
+    """
     if not use_triton(topk_ids):
         return route_reference(topk_ids, num_experts, capacity)
     T, k = topk_ids.shape
@@ -73,7 +78,9 @@ def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] =
     sorted_expert = ids.new_empty(M, dtype=torch.int32)
     offsets = ids.new_empty(num_experts + 1, dtype=torch.int32)
     bins = next_pow2(num_experts + 1)
-    if tracing_launches():  # a symbolic M: the two-launch path, right for every M, and no guard on M
+    if chunked is None:
+        chunked = tracing_launches() and not isinstance(M, int)  # deciding on a symbolic M would guard on it
+    if chunked:
         chunk = 16 if interpreting() else CHUNK_ROWS
         num_chunks, single, t_rows = torch.sym_max(cdiv(M, chunk), 1), False, torch.sym_max(T, 1)
     else:
