@@ -103,7 +103,9 @@ def launch_grouped_gemm(
     accumulate: bool = False,
 ) -> None:
     """See ``grouped_gemm_kernel``. ``num_rows`` is M, the length of ``order``; it only sizes the grid."""
-    num_experts, k_dim, n_dim = (static_dim(d) for d in b.shape)
+    num_experts, k_dim, n_dim = b.shape
+    if _traceable:  # (eager shapes are ints already: this stays off the hot path)
+        num_experts, k_dim, n_dim = static_dim(num_experts), static_dim(k_dim), static_dim(n_dim)
     gated = b2 is not None
     has_bias = bias is not None
     dummy = offsets
@@ -279,7 +281,9 @@ def launch_grouped_weight_grad(
     scale: torch.Tensor | None = None,
 ) -> None:
     """dw[e] (K, N) = a_e^T @ (scale * g_e); every expert's block is written, zeros for empty experts."""
-    num_experts, k_dim, n_dim = (static_dim(d) for d in dw.shape)
+    num_experts, k_dim, n_dim = dw.shape
+    if _traceable:
+        num_experts, k_dim, n_dim = static_dim(num_experts), static_dim(k_dim), static_dim(n_dim)
     key = f"wgrad|E{num_experts}|N{n_dim}|K{k_dim}|{a.dtype}|a{a_rows}|g{g_rows}"
 
     def run(cfg: configs.LaunchConfig) -> None:

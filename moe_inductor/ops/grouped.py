@@ -18,7 +18,7 @@ from ..kernels.backward_middle import backward_middle_kernel
 from ..kernels.combine import combine_kernel
 from ..kernels.configs import interpreting
 from ..kernels.launch import (cdiv, device_guard, launch_grouped_gemm, launch_grouped_weight_grad, launch_kernel,
-                              next_pow2, static_dim)
+                              next_pow2, static_dim, tracing_launches)
 from ..kernels.grouped_gemm import (  # noqa: F401  (re-exported constants)
     ROWS_ASSIGNMENT,
     ROWS_SORTED,
@@ -181,7 +181,8 @@ def combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, row_of
     T, k = topk_ids.shape
     H = rows.shape[1]
     y = rows.new_empty(T, H)
-    k, H, num_experts = static_dim(k), static_dim(H), static_dim(num_experts)
+    if tracing_launches():
+        k, H, num_experts = static_dim(k), static_dim(H), static_dim(num_experts)
     if use_triton(rows):
         if T > 0:
             block_h = min(1024, next_pow2(H))
@@ -209,7 +210,8 @@ def backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation, 
         scale_h: store h multiplied by its routing weight.
     """
     M, I = g.shape
-    I, num_experts = static_dim(I), static_dim(num_experts)
+    if tracing_launches():
+        I, num_experts = static_dim(I), static_dim(num_experts)
     gated, act_id = ACTIVATIONS[activation]
     h = g.new_empty(M, I, dtype=dtype)
     if out is not None:

@@ -71,7 +71,8 @@ def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] =
     if not use_triton(topk_ids):
         return route_reference(topk_ids, num_experts, capacity)
     T, k = topk_ids.shape
-    k, num_experts = static_dim(k), static_dim(num_experts)
+    if tracing_launches():
+        k, num_experts = static_dim(k), static_dim(num_experts)
     M = T * k
     ids = topk_ids.contiguous()
     order = ids.new_empty(M, dtype=torch.int32)
