@@ -101,7 +101,8 @@ def test_visible_op_has_the_opaque_ops_gradients(triton_kernels):
         torch.testing.assert_close(a, b)
 
 
-def _guards_of_a_traced_visible_op(*args: str):
+def _trace_the_visible_op_in_a_subprocess(*args: str):
+    """Run tests/visible_guards.py with ``args`` in a process without the interpreter; its JSON answer."""
     import json
     import os
     import subprocess
@@ -121,17 +122,26 @@ def test_every_dimension_symbolic_specialises_only_the_weight_dims():
     """With every dimension symbolic (opcheck's test_aot_dispatch_dynamic; it once failed on the H200 with
     "unhashable type: SymInt"), the launchers specialise k, E, H and I, which pick constexprs and configs, and
     never the token count. (T = 17, k = 2, E = 5, H = 16, I = 8 in tests/visible_guards.py.)"""
-    traced = _guards_of_a_traced_visible_op("every-dim")
+    traced = _trace_the_visible_op_in_a_subprocess("every-dim")
     specialised = sorted(int(g.split(", ")[1].rstrip(")")) for g in traced["guards"])
     assert specialised == [2, 5, 8, 16], traced["guards"]
     assert not any(traced["tokens"] in g.replace("(", " ").replace(",", " ").split() for g in traced["guards"])
+
+
+def test_a_static_graph_routes_in_one_launch_and_a_dynamic_one_in_two():
+    """A known token count makes the opaque op's choice (6 rows fit one routing chunk: one launch); a symbolic one
+    takes count-then-place, which is right for every count and adds no guard."""
+    gemms = ["grouped_gemm_kernel", "grouped_gemm_kernel", "combine_kernel"]
+    assert _trace_the_visible_op_in_a_subprocess("launches", "static") == ["route_place_kernel", *gemms]
+    assert _trace_the_visible_op_in_a_subprocess("launches", "symbolic") == ["route_count_kernel", "route_place_kernel",
+                                                                        *gemms]
 
 
 def test_tracing_into_the_visible_op_adds_no_token_count_guard():
     """Traced with a dynamic token count (in a process without the interpreter, see tests/visible_guards.py), the
     op adds no shape guard: a guard on T would recompile the model at each new range of sequence lengths. (The
     routing buffer once gave `num_chunks == 1`, i.e. T <= 512.)"""
-    guards = _guards_of_a_traced_visible_op()
+    guards = _trace_the_visible_op_in_a_subprocess()
     assert [g for g in guards if "2147483647" not in g] == []  # int32-range checks of kernel arguments are fine
 
 
