@@ -11,6 +11,7 @@
 #   bash benchmarks/device_run.sh open       # the visible-kernel GPU tests with recompile logs  (~2 min)
 #   bash benchmarks/device_run.sh decode     # why the visible op decoded slowly under CUDA graphs (debug_gpu.py
 #                                            # decode_visible)                                   (~5 min)
+#   bash benchmarks/device_run.sh close4     # hf, then the GPU tests of the fifth session's changes   (~8 min)
 #   bash benchmarks/device_run.sh verify     # bench_hf (with the opaque-op column), then the GPU suite's compile-
 #                                            # heavy files in 4 parallel shards                 (~9 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -67,6 +68,13 @@ case "${1:-tests}" in
     done
     wait
     for i in 0 1 2 3; do grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/shard_$i.log" | tail -8; done ;;
+  close4)  # issue 4's benchmark first (alone on the machine), then the GPU tests that cover this session's changes
+    timeout 380 python benchmarks/bench_hf.py --variants eager inductor moe_inductor moe_inductor_opaque \
+      --json "$OUT/hf.json" 2>&1 | grep -v "torch.__trace\|^DEBUG" | tee "$OUT/hf.log" | grep -E "prefill|decode"
+    timeout -s INT 180 python -m pytest tests/test_gpu.py tests/test_grouped_mm_engine.py tests/test_visible_kernels.py \
+      -o addopts="--strict-markers" -q -p no:warnings --tb=short \
+      -k "visible or inductor_graph or (hf_models_rewritten_on_gpu_bf16 and qwen3) or static_cache_decode or layouts" 2>&1 \
+      | grep -v "torch.__trace" | tee "$OUT/close4_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
   decode)
     timeout 500 python benchmarks/debug_gpu.py decode_visible 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       | tee "$OUT/decode_visible.log" | grep -E "DECODE16|FAILED" ;;
