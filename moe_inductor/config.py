@@ -15,8 +15,9 @@ validate_routing: bool = True
 #: Raise when an FX pass fails instead of logging a warning and leaving the graph unchanged (the tests set it).
 strict_passes: bool = os.environ.get("MOE_INDUCTOR_STRICT_PASSES", "0") == "1"
 
-#: EXPERIMENTAL, off until the GPU suite has run with it: launch the grouped GEMM through Triton's compiled kernel
-#: directly after its first launch (skips ``JITFunction.run``'s per-call binding; see kernels/launch.py).
+#: EXPERIMENTAL, off: launch our kernels through Triton's compiled kernel directly after their first launch (skips
+#: ``JITFunction.run``'s per-call binding; see kernels/launch.py). Bit-identical on the H200, but it did not move the
+#: host-bound T = 512 prefill beyond run-to-run noise (RESULTS.md).
 fast_launch: bool = os.environ.get("MOE_INDUCTOR_FAST_LAUNCH", "0") == "1"
 
 #: Hand Inductor our experts forward as a ``triton_op`` it traces into, so that its generated wrapper launches our
