@@ -59,11 +59,15 @@ def combined_up_weights(w1: Tensor, w1_up: Optional[Tensor]) -> Optional[Tensor]
     return w1.as_strided((E, H, 2 * I), (s0, s1, s2))
 
 
+def _large_experts(H: int, I: int) -> bool:
+    """"auto"'s size rule: experts of at least ``config.grouped_mm_min_expert_weights`` weights per projection."""
+    return H * I >= config.grouped_mm_min_expert_weights
+
+
 def may_take_experts_of(w1: Tensor) -> bool:
     """Whether experts of this size can take the engine at some token count (its size rule alone, shapes only)."""
     E, H, I = w1.shape
-    return config.gemm_engine == "grouped_mm" or (
-        config.gemm_engine == "auto" and H * I >= config.grouped_mm_min_expert_weights)
+    return config.gemm_engine == "grouped_mm" or (config.gemm_engine == "auto" and _large_experts(H, I))
 
 
 def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tensor, b1: Optional[Tensor],
@@ -79,8 +83,7 @@ def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tenso
         return None
     E, H, I = w1.shape
     # the size rule first: it is the cheapest test, and most calls (decode, small experts) stop here
-    if mode == "auto" and (num_rows < config.grouped_mm_min_rows_per_expert * E
-                           or H * I < config.grouped_mm_min_expert_weights):
+    if mode == "auto" and (num_rows < config.grouped_mm_min_rows_per_expert * E or not _large_experts(H, I)):
         return None
     if weight_position != "output" or dropped or b1 is not None or b2 is not None:
         return None
