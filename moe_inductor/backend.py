@@ -53,6 +53,10 @@ def _run_pass(form: str, rewrite: Callable, gm: torch.fx.GraphModule) -> tuple[t
     return (candidate, found) if found else (gm, [])
 
 
+#: torch.compile modes in which Inductor replays the graph as CUDA graphs
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 def _inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs: list[Any], mode: Optional[str]) -> Callable:
     if name == "eager":
         return gm.forward
@@ -62,7 +66,7 @@ def _inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs: list[Any
         return lookup_backend("aot_eager")(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
-    patches = {"triton.cudagraphs": True} if mode in ("reduce-overhead", "max-autotune") else None
+    patches = {"triton.cudagraphs": True} if mode in _CUDA_GRAPH_MODES else None
     if mode == "max-autotune":
         patches = dict(patches or {}, max_autotune=True)
     return compile_fx(gm, example_inputs, config_patches=patches)
@@ -104,7 +108,7 @@ def _uses_cuda_graphs(mode: Optional[str]) -> bool:
     the cause is not known yet."""
     import torch._inductor.config as inductor_config
 
-    return mode in ("reduce-overhead", "max-autotune") or bool(inductor_config.triton.cudagraphs)
+    return mode in _CUDA_GRAPH_MODES or bool(inductor_config.triton.cudagraphs)
 
 
 setattr(moe_inductor_backend, capture.BACKEND_MARKER, True)
