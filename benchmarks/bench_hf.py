@@ -41,7 +41,7 @@ def build(tiny: bool, layers: int, device: str, dtype: torch.dtype):
 
 def back_to_back_ms(fn, device: str, calls: int = 30) -> float:
     """Wall time per call of ``calls`` calls enqueued back to back (synced before and after)."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
     fn()
     sync()
     t0 = time.perf_counter()
@@ -51,11 +51,15 @@ def back_to_back_ms(fn, device: str, calls: int = 30) -> float:
     return (time.perf_counter() - t0) / calls * 1e3
 
 
+def _synchronizer(device: str):
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
 def warm_up(fn, device: str, seconds: float = 1.0, min_calls: int = 3) -> None:
     """Call ``fn`` for about ``seconds`` (at least ``min_calls`` times). On the H200 the first ~30 forwards after a
     compile ran up to 1.7x slower than later ones (debug_gpu.py prefill_host, repeat 0 against 1 and 2), and a
     do_bench window of 30 ms holds only ~10 forwards at T = 512: without this the rows measured the transient."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
     t0 = time.perf_counter()
     calls = 0
     while calls < min_calls or time.perf_counter() - t0 < seconds:
