@@ -34,28 +34,35 @@ def test_visible_op_equals_the_opaque_op(T, k, capacity, routing, triton_kernels
         torch.testing.assert_close(a, b, msg=name)
 
 
+def _opaque_moe(x, ids, w, g, u, d):
+    return torch.ops.moe_inductor.experts_forward.default(x, ids, w, g, u, d, None, None, None, "silu_glu", "output",
+                                                          1.702, 7.0, None, False)[0]
+
+
+def _graph_of_the_opaque_op(inputs: tuple) -> torch.fx.GraphModule:
+    """``_opaque_moe`` as an FX graph whose placeholders carry ``inputs`` as example values, as Dynamo's do."""
+    gm = torch.fx.symbolic_trace(_opaque_moe)
+    for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs):
+        node.meta["val"] = value
+    return gm
+
+
 def test_the_swap_only_touches_triton_run_tensors(monkeypatch):
     from moe_inductor.lowerings.visible import swap_in_visible_ops
-
-    def moe(x, ids, w, g, u, d):
-        return torch.ops.moe_inductor.experts_forward.default(x, ids, w, g, u, d, None, None, None, "silu_glu",
-                                                              "output", 1.702, 7.0, None, False)[0]
 
     for on_triton in (False, True):  # CPU tensors without Triton: left alone; Triton-run tensors: swapped
         monkeypatch.setattr(config, "triton_on_cpu", on_triton)
         p = make_problem(7, 16, 8, 5, 2, device=DEVICE if on_triton else "cpu", requires_grad=False)
         g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
         inputs = (p.x, p.topk_ids, p.topk_weights, g, u, d)
-        gm = torch.fx.symbolic_trace(moe)
-        for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs):
-            node.meta["val"] = value
+        gm = _graph_of_the_opaque_op(inputs)
         counters.clear()
         assert swap_in_visible_ops(gm) == int(on_triton)
         assert counters["moe_inductor_visible"]["swapped"] == int(on_triton)
         targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
         visible = torch.ops.moe_inductor.experts_forward_visible.default
         assert (visible in targets) == on_triton
-        torch.testing.assert_close(gm(*inputs), moe(*inputs))  # eagerly the same function either way
+        torch.testing.assert_close(gm(*inputs), _opaque_moe(*inputs))  # eagerly the same function either way
 
 
 @pytest.mark.parametrize("engine,swapped,swapped_below_rule", [("auto", 0, 1), ("grouped_mm", 0, 0), ("triton", 1, 1)])
@@ -70,21 +77,10 @@ def test_experts_the_grouped_mm_engine_may_take_stay_opaque(engine, swapped, swa
     monkeypatch.setattr(config, "grouped_mm_min_expert_weights", 16 * 8)
     p = make_problem(7, 16, 8, 5, 2, device=DEVICE, requires_grad=False)
     g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
-
-    def moe(x, ids, w, g, u, d):
-        return torch.ops.moe_inductor.experts_forward.default(x, ids, w, g, u, d, None, None, None, "silu_glu",
-                                                              "output", 1.702, 7.0, None, False)[0]
-
-    def graph():
-        gm = torch.fx.symbolic_trace(moe)
-        for node, value in zip((n for n in gm.graph.nodes if n.op == "placeholder"),
-                               (p.x, p.topk_ids, p.topk_weights, g, u, d)):
-            node.meta["val"] = value
-        return gm
-
-    assert swap_in_visible_ops(graph()) == swapped
+    inputs = (p.x, p.topk_ids, p.topk_weights, g, u, d)
+    assert swap_in_visible_ops(_graph_of_the_opaque_op(inputs)) == swapped
     monkeypatch.setattr(config, "grouped_mm_min_expert_weights", 16 * 8 + 1)  # one weight short of the rule
-    assert swap_in_visible_ops(graph()) == swapped_below_rule
+    assert swap_in_visible_ops(_graph_of_the_opaque_op(inputs)) == swapped_below_rule
 
 
 def test_visible_op_has_the_opaque_ops_gradients(triton_kernels):
