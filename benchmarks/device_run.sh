@@ -11,6 +11,11 @@
 #   bash benchmarks/device_run.sh open       # the visible-kernel GPU tests with recompile logs  (~2 min)
 #   bash benchmarks/device_run.sh decode     # why the visible op decoded slowly under CUDA graphs (debug_gpu.py
 #                                            # decode_visible)                                   (~5 min)
+#   bash benchmarks/device_run.sh bwd        # forward + backward kernel breakdown, ours against sort + _grouped_mm
+#                                            # (profile_experts.py, Qwen3, GPT-OSS, DeepSeek-V3 at T=4096) (~3 min)
+#   bash benchmarks/device_run.sh tunewg     # tune the weight-gradient kernel (tune_weight_grad.py: fwd+bwd before,
+#                                            # after, sort+_grouped_mm), merge into the table, rerun the backward
+#                                            # GPU tests with it                                 (~8 min)
 #   bash benchmarks/device_run.sh close4     # hf, then the GPU tests of the fifth session's changes   (~8 min)
 #   bash benchmarks/device_run.sh verify     # bench_hf (with the opaque-op column), then the GPU suite's compile-
 #                                            # heavy files in 4 parallel shards                 (~9 min)
@@ -75,6 +80,19 @@ case "${1:-tests}" in
       -o addopts="--strict-markers" -q -p no:warnings --tb=short \
       -k "visible or inductor_graph or (hf_models_rewritten_on_gpu_bf16 and qwen3) or static_cache_decode or layouts" 2>&1 \
       | grep -v "torch.__trace" | tee "$OUT/close4_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
+  bwd)
+    for shape in qwen3 gptoss deepseekv3; do
+      timeout 150 python benchmarks/profile_experts.py --shape $shape --tokens 4096 --backward --reference 2>&1 \
+        | grep -v "torch.__trace" | tee -a "$OUT/bwd_profile.log" | grep -E "^==|Self CUDA time total" | cut -c1-160
+    done ;;
+  tunewg)
+    timeout 400 python benchmarks/tune_weight_grad.py --shapes qwen3 gptoss deepseekv3 --tokens 4096 16384 \
+      --json "$OUT/tuned_wgrad.json" --merge 2>&1 | grep -v "torch.__trace" | tee "$OUT/tune_wgrad.log" \
+      | grep -v "autotuning "
+    cp moe_inductor/kernels/tuned/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+    timeout -s INT 120 python -m pytest tests/test_kernels.py tests/test_gpu.py -o addopts="--strict-markers" -q \
+      -p no:warnings --tb=short -k "backward or weight_grad or wgrad or fp64" 2>&1 | grep -v "torch.__trace" \
+      | tee "$OUT/tunewg_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
   decode)
     timeout 500 python benchmarks/debug_gpu.py decode_visible 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       | tee "$OUT/decode_visible.log" | grep -E "DECODE16|FAILED" ;;

@@ -1,6 +1,10 @@
 """Where the time of one fused_experts call goes: GPU kernels (torch.profiler) and host overhead.
 
     python benchmarks/profile_experts.py --shape qwen3 --tokens 16 4096
+    python benchmarks/profile_experts.py --shape qwen3 --tokens 4096 --backward --reference
+
+--backward times forward + backward with gradients for x, the routing weights and both weights (what training
+asks); --reference profiles sort + torch._grouped_mm (bench_experts.py's reference column) the same way.
 """
 from __future__ import annotations
 
@@ -10,50 +14,70 @@ import time
 from pathlib import Path
 
 import torch
+from triton.testing import do_bench
 
 import moe_inductor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from benchmarks.bench_experts import SHAPES, make_routing  # noqa: E402
+from benchmarks.bench_experts import SHAPES, make_routing, sort_grouped_mm  # noqa: E402
+
+
+def profile(label: str, call) -> None:
+    """Host launch time, wall time, do_bench median and the top GPU kernels of ``call``."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        call()
+    host = (time.perf_counter() - t0) / 20
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / 20
+    median = do_bench(call, warmup=10, rep=100)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            call()
+        torch.cuda.synchronize()
+    print(f"== {label}: host launch {host * 1e3:.3f} ms/call, wall {wall * 1e3:.3f} ms/call, "
+          f"do_bench median {median:.3f} ms")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=70))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3", choices=list(SHAPES))
     ap.add_argument("--tokens", nargs="*", type=int, default=[16, 4096])
-    ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--backward", action="store_true", help="forward + backward, gradients for every input")
+    ap.add_argument("--reference", action="store_true", help="also profile sort + torch._grouped_mm")
     args = ap.parse_args()
     moe_inductor.config.validate_routing = False
     H, I, E, k = SHAPES[args.shape]
     dev, dt = "cuda", torch.bfloat16
-    w1 = torch.randn(E, 2 * I, H, device=dev, dtype=dt) * H ** -0.5
+    w1 = torch.randn(E, 2 * I, H, device=dev, dtype=dt) * H ** -0.5  # HF's gate_up_proj layout
     w2 = torch.randn(E, H, I, device=dev, dtype=dt) * I ** -0.5
     gen = torch.Generator().manual_seed(0)
     for T in args.tokens:
-        x = torch.randn(T, H, device=dev, dtype=dt, requires_grad=args.backward)
+        x = torch.randn(T, H, device=dev, dtype=dt)
         ids, weights = make_routing(T, E, k, False, gen, dev)
         weights = weights.to(dt)
+        dy = torch.randn_like(x)
+        leaves = [t.detach().requires_grad_(args.backward) for t in (x, weights, w1, w2)]
 
-        def call():
-            y = moe_inductor.fused_experts(x, ids, weights, w1, w2)
+        def run(experts):
+            y = experts(*leaves)
             if args.backward:
-                y.backward(torch.ones_like(y))
+                torch.autograd.grad(y, leaves, dy)
             return y
 
-        for _ in range(3):
-            call()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            call()
-        host = (time.perf_counter() - t0) / 50
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / 50
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                call()
-            torch.cuda.synchronize()
-        print(f"== {args.shape} T={T}: host launch {host * 1e3:.3f} ms/call, wall {wall * 1e3:.3f} ms/call")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+        def ours(xg, wg, w1g, w2g):
+            return moe_inductor.fused_experts(xg, ids, wg, w1g, w2g)
+
+        def reference(xg, wg, w1g, w2g):
+            return sort_grouped_mm(xg, ids, wg, w1g.transpose(1, 2), w2g.transpose(1, 2))
+
+        what = "fwd+bwd" if args.backward else "fwd"
+        profile(f"{args.shape} T={T} {what} moe_inductor", lambda: run(ours))
+        if args.reference:
+            profile(f"{args.shape} T={T} {what} sort+_grouped_mm", lambda: run(reference))
 
 
 if __name__ == "__main__":

@@ -93,10 +93,12 @@ def gemm(name, cfg, dtype, *, gated, a_rows, c_rows, b_tma=0, a_tma=False, save_
              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def weight_grad(name, cfg, dtype, *, a_tma=False, g_tma=False):
+def weight_grad(name, cfg, dtype, *, a_tma=False, g_tma=False, a_rows=None, g_rows=None, has_scale=True):
     t = {"bf16": "bf16", "fp32": "fp32"}[dtype]
-    constexprs = dict(stride_ak=1, stride_gn=1, stride_wn=1, A_ROWS=0 if a_tma else 1, G_ROWS=0 if not a_tma else 1,
-                      HAS_SCALE=True, UPCAST=False, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+    a_rows = (0 if a_tma else 1) if a_rows is None else a_rows
+    g_rows = (0 if not a_tma else 1) if g_rows is None else g_rows
+    constexprs = dict(stride_ak=1, stride_gn=1, stride_wn=1, A_ROWS=a_rows, G_ROWS=g_rows,
+                      HAS_SCALE=has_scale, UPCAST=False, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
                       BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N, A_TMA=a_tma, G_TMA=g_tma)
     descriptors = {}
     for arg, on, block in (("d_a", a_tma, (cfg.BLOCK_M, cfg.BLOCK_K)), ("d_g", g_tma, (cfg.BLOCK_M, cfg.BLOCK_N))):
@@ -122,6 +124,10 @@ def main() -> None:
     for key, fields in sorted(table.items()):
         cfg = configs.LaunchConfig(**fields)
         parts = {p[0]: p[1:] for p in key.split("|")[1:]}  # "gemm|E8|N14336|K4096|torch.bfloat16|g1|a1|c0|m1024"
+        if key.startswith("wgrad|"):  # "wgrad|E128|N768|K2048|torch.bfloat16|a1|g0|m256"; the scale rides on dW2,
+            a_rows, g_rows = int(parts["a"]), int(parts["g"])  # whose a operand is the sorted rows (mode 0)
+            weight_grad(f"wgrad tuned {key}", cfg, "bf16", a_rows=a_rows, g_rows=g_rows, has_scale=a_rows == 0)
+            continue
         gated, a_rows, c_rows = parts["g"] == "1", int(parts["a"]), int(parts["c"])
         gemm(f"gemm tuned {key}", cfg, "bf16", gated=gated, a_rows=a_rows, c_rows=c_rows, save_pre=gated,
              k_dim=int(parts["K"]))

@@ -60,7 +60,8 @@ def default_gemm_config(bucket: int, n: int, k: int, dtype: torch.dtype, gated: 
     return LaunchConfig(128, 128, 64 if not wide else 32, 8, 3)
 
 
-def default_weight_grad_config(k: int, n: int, dtype: torch.dtype) -> LaunchConfig:
+def default_weight_grad_config(k: int, n: int, dtype: torch.dtype, rows_bucket: int = 0) -> LaunchConfig:
+    """The weight-gradient config for a key the tuned table lacks."""
     if interpreting():
         return LaunchConfig(16, 32, 32, 1, 1)
     if dtype == torch.float32:
@@ -88,12 +89,18 @@ def gemm_candidates(dtype: torch.dtype) -> list[LaunchConfig]:
 
 
 def weight_grad_candidates(dtype: torch.dtype) -> list[LaunchConfig]:
+    """The weight-gradient tuner's search space. Two pipeline stages are in it because a few hundred rows per expert
+    make the reduction loop only a few steps long: less shared memory per program then buys more programs per SM."""
     out = []
     for bm in (32, 64, 128):
         for bk, bn in ((64, 64), (128, 64), (64, 128), (128, 128)):
             if dtype == torch.float32 and bk * bn > 64 * 64:
                 continue
-            for warps, stages in ((4, 3), (8, 3), (8, 4)):
+            for warps, stages in ((4, 2), (4, 3), (8, 2), (8, 3), (8, 4)):
+                if warps == 4 and bk * bn >= 128 * 128:  # 128 fp32 accumulator registers per thread, before operands
+                    continue
+                if stages * bm * (bk + bn) * dtype.itemsize > 200 * 1024:  # over the H200's shared memory
+                    continue
                 out.append(LaunchConfig(bm, bn, bk, warps, stages))
     return out
 

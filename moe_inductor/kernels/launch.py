@@ -284,7 +284,9 @@ def launch_grouped_weight_grad(
     num_experts, k_dim, n_dim = dw.shape
     if _traceable:
         num_experts, k_dim, n_dim = static_dim(num_experts), static_dim(k_dim), static_dim(n_dim)
-    key = f"wgrad|E{num_experts}|N{n_dim}|K{k_dim}|{a.dtype}|a{a_rows}|g{g_rows}"
+    # rows per expert is the kernel's reduction length: a few hundred rows want other tiles than thousands
+    bucket = configs.rows_bucket(size_hint(order.shape[0]) / max(num_experts, 1))
+    key = f"wgrad|E{num_experts}|N{n_dim}|K{k_dim}|{a.dtype}|a{a_rows}|g{g_rows}|m{bucket}"
 
     def run(cfg: configs.LaunchConfig) -> None:
         grid = (num_experts * cdiv(k_dim, cfg.BLOCK_K) * cdiv(n_dim, cfg.BLOCK_N),)
@@ -305,7 +307,7 @@ def launch_grouped_weight_grad(
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
 
-    default = configs.default_weight_grad_config(k_dim, n_dim, a.dtype)
+    default = configs.default_weight_grad_config(k_dim, n_dim, a.dtype, bucket)
     cfg = _pick(key, default, lambda: configs.weight_grad_candidates(a.dtype), run)
     with device_guard(a):
         run(cfg)
