@@ -16,6 +16,8 @@
 #   bash benchmarks/device_run.sh tunewg     # tune the weight-gradient kernel (tune_weight_grad.py: fwd+bwd before,
 #                                            # after, sort+_grouped_mm), merge into the table, rerun the backward
 #                                            # GPU tests with it                                 (~8 min)
+#   bash benchmarks/device_run.sh bwdengine  # fwd+bwd with each pairing of GEMM engines vs sort+_grouped_mm
+#                                            # (bench_backward_engine.py), then the engine's GPU tests (~5 min)
 #   bash benchmarks/device_run.sh close4     # hf, then the GPU tests of the fifth session's changes   (~8 min)
 #   bash benchmarks/device_run.sh verify     # bench_hf (with the opaque-op column), then the GPU suite's compile-
 #                                            # heavy files in 4 parallel shards                 (~9 min)
@@ -93,6 +95,10 @@ case "${1:-tests}" in
     timeout -s INT 120 python -m pytest tests/test_kernels.py tests/test_gpu.py -o addopts="--strict-markers" -q \
       -p no:warnings --tb=short -k "backward or weight_grad or wgrad or fp64" 2>&1 | grep -v "torch.__trace" \
       | tee "$OUT/tunewg_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
+  bwdengine)
+    timeout 330 python benchmarks/bench_backward_engine.py 2>&1 | grep -v "torch.__trace" | tee "$OUT/bwd_engine.log"
+    timeout -s INT 100 python -m pytest tests/test_grouped_mm_engine.py -o addopts="--strict-markers" -q \
+      -p no:warnings --tb=short 2>&1 | tee "$OUT/engine_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
   decode)
     timeout 500 python benchmarks/debug_gpu.py decode_visible 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       | tee "$OUT/decode_visible.log" | grep -E "DECODE16|FAILED" ;;

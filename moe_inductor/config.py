@@ -35,6 +35,11 @@ tma_weights: bool = os.environ.get("MOE_INDUCTOR_TMA", "0") == "1"
 #: layout allows).
 gemm_engine: str = os.environ.get("MOE_INDUCTOR_GEMM_ENGINE", "auto")
 
+#: Who runs the backward's GEMMs: None follows ``gemm_engine``; "auto", "triton" or "grouped_mm" choose for the
+#: backward alone (its weight gradients are where CUTLASS leads most; the forward may stay fused). The forward keeps
+#: the raw up projection in the same sorted layout either way, so any pairing is valid.
+gemm_engine_backward: str | None = os.environ.get("MOE_INDUCTOR_GEMM_ENGINE_BACKWARD") or None
+
 #: "auto"'s compute-bound regime: at least this many rows (token choices) per expert on average ...
 grouped_mm_min_rows_per_expert: int = 1024
 

@@ -229,3 +229,37 @@ def test_engine_gradient_layouts_match_the_fake_kernel(layout, combined, engine_
             *(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
     for name, r, f in zip(("dx", "dtw", "dw1", "dw1_up", "dw2"), real, fake):
         assert (r.shape, r.stride()) == (f.shape, f.stride()), name
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("forward_engine,backward_engine,expected", [
+    pytest.param("triton", "grouped_mm", {"forward": 0, "backward": 1}, id="fused-fwd-gmm-bwd"),
+    pytest.param("grouped_mm", "triton", {"forward": 1, "backward": 0}, id="gmm-fwd-fused-bwd"),
+])
+def test_backward_engine_can_differ_from_the_forwards(forward_engine, backward_engine, expected, engine_calls,
+                                                       monkeypatch, nan_empty):
+    """``config.gemm_engine_backward``: the forward saves the raw up projection in one sorted layout whoever ran it,
+    so either engine's backward can follow either forward; every gradient still matches the float64 reference."""
+    monkeypatch.setattr(config, "gemm_engine", forward_engine)
+    monkeypatch.setattr(config, "gemm_engine_backward", backward_engine)
+    p = make_problem(7, 32, 16, 5, 2, dtype=torch.bfloat16, device=DEVICE, routing="skip_odd")
+    y = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(y)
+    grads = torch.autograd.grad(y, p.leaves(), dy)
+    assert engine_calls == expected
+    names = ["x", "topk_weights", "w1", "w2"]
+    leaves64 = {n: t.detach().double().requires_grad_() for n, t in zip(names, p.leaves())}
+    views = expert_weight_views(leaves64["w1"], leaves64["w2"], None, activation="silu_glu", layout="nk",
+                                gate_up="concat")
+    ref = moe_reference(leaves64["x"], p.topk_ids, leaves64["topk_weights"], *views, None, "silu_glu", "output",
+                        1.702, 7.0, None)
+    assert_close(y, ref, torch.bfloat16, "y")
+    for name, got, want in zip(names, grads, torch.autograd.grad(ref, list(leaves64.values()), dy.double())):
+        assert_close(got, want.to(got.dtype), torch.bfloat16, f"d{name}")
+
+
+def test_an_unknown_engine_name_is_an_error(monkeypatch):
+    monkeypatch.setattr(config, "gemm_engine_backward", "cutlass")
+    p, (g, u, d, _, _) = _weights()
+    with pytest.raises(ValueError, match="gemm engine must be"):
+        grouped_mm_engine.grouped_mm_weights(p.x, g, u, d, None, None, "output", False, 8, backward=True)

@@ -217,7 +217,7 @@ def experts_backward(
     """
     topk = topk_weights.shape[1]
     M = order.shape[0]
-    w_up = grouped_mm_engine.grouped_mm_weights(x, w1, w1_up, w2, b1, b2, weight_position, dropped, M)
+    w_up = grouped_mm_engine.grouped_mm_weights(x, w1, w1_up, w2, b1, b2, weight_position, dropped, M, backward=True)
     if w_up is not None:  # the compute-bound regime, as in the forward
         return grouped_mm_engine.backward(dy, x, topk_ids, topk_weights, w1, w1_up, w_up, w2, pre, order,
                                           sorted_expert, offsets, activation, alpha, limit, needs,

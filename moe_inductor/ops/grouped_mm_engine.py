@@ -71,14 +71,20 @@ def may_take_experts_of(w1: Tensor) -> bool:
 
 
 def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tensor, b1: Optional[Tensor],
-                       b2: Optional[Tensor], weight_position: str, dropped: bool, num_rows) -> Optional[Tensor]:
+                       b2: Optional[Tensor], weight_position: str, dropped: bool, num_rows,
+                       backward: bool = False) -> Optional[Tensor]:
     """The (E, H, n_pre) up weights to run through ``torch._grouped_mm`` when this call should, else None.
+    ``backward``: decide for the backward's GEMMs (``config.gemm_engine_backward``, when set, overrides the mode).
 
     "auto" takes this path only where it was measured to win on the H200: bf16 on Hopper, at least
     ``config.grouped_mm_min_rows_per_expert`` rows per expert on average, and experts of at least
     ``config.grouped_mm_min_expert_weights`` weights per projection (H * I).
     """
     mode = config.gemm_engine
+    if backward and config.gemm_engine_backward is not None:
+        mode = config.gemm_engine_backward
+    if mode not in ("auto", "triton", "grouped_mm"):
+        raise ValueError(f"moe_inductor: gemm engine must be 'auto', 'triton' or 'grouped_mm', got {mode!r}")
     if mode == "triton" or tracing_launches() or isinstance(num_rows, torch.SymInt) or num_rows == 0:
         return None
     E, H, I = w1.shape
