@@ -99,6 +99,11 @@ case "${1:-tests}" in
     timeout 330 python benchmarks/bench_backward_engine.py 2>&1 | grep -v "torch.__trace" | tee "$OUT/bwd_engine.log"
     timeout -s INT 100 python -m pytest tests/test_grouped_mm_engine.py -o addopts="--strict-markers" -q \
       -p no:warnings --tb=short 2>&1 | tee "$OUT/engine_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
+  autobwd)  # the backward's "auto" rule, measured as shipped (auto column), and its GPU tests
+    timeout 100 python benchmarks/bench_backward_engine.py --shapes qwen3 gptoss --tokens 4096 2>&1 \
+      | grep -v "torch.__trace" | tee "$OUT/bwd_auto.log"
+    timeout -s INT 60 python -m pytest tests/test_grouped_mm_engine.py -o addopts="--strict-markers" -q \
+      -p no:warnings --tb=short -k "auto or differ" 2>&1 | grep -E "^(FAILED|ERROR)|passed|failed|Error" ;;
   decode)
     timeout 500 python benchmarks/debug_gpu.py decode_visible 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       | tee "$OUT/decode_visible.log" | grep -E "DECODE16|FAILED" ;;

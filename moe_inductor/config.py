@@ -36,9 +36,15 @@ tma_weights: bool = os.environ.get("MOE_INDUCTOR_TMA", "0") == "1"
 gemm_engine: str = os.environ.get("MOE_INDUCTOR_GEMM_ENGINE", "auto")
 
 #: Who runs the backward's GEMMs: None follows ``gemm_engine``; "auto", "triton" or "grouped_mm" choose for the
-#: backward alone (its weight gradients are where CUTLASS leads most; the forward may stay fused). The forward keeps
-#: the raw up projection in the same sorted layout either way, so any pairing is valid.
+#: backward alone. The forward keeps the raw up projection in one sorted layout whoever ran it, so any pairing is
+#: valid. With "auto" (either way) the backward has its own rule: ``grouped_mm_backward_min_rows_per_expert`` rows
+#: and no size rule, because on the H200 our fused forward followed by CUTLASS's backward GEMMs beat the fused
+#: backward on every measured shape, small experts included (1.17-1.34x fwd+bwd; RESULTS.md, sixth session).
 gemm_engine_backward: str | None = os.environ.get("MOE_INDUCTOR_GEMM_ENGINE_BACKWARD") or None
+
+#: The backward's "auto" rule: at least this many rows per expert on average (the fewest measured: DeepSeek-V3 at
+#: T = 4096, 128 rows each, 1.17x). Below it the backward stays on the fused kernels (not measured there).
+grouped_mm_backward_min_rows_per_expert: int = 128
 
 #: "auto"'s compute-bound regime: at least this many rows (token choices) per expert on average ...
 grouped_mm_min_rows_per_expert: int = 1024

@@ -123,16 +123,22 @@ def test_auto_engine_takes_grouped_mm_only_for_large_experts_with_many_rows(monk
     monkeypatch.setattr(config, "gemm_engine", "auto")
     E, k = 2, 2
 
-    def chosen(T, H, I):
+    def chosen(T, H, I, backward=False):
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         w1 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         return grouped_mm_engine.grouped_mm_weights(x, w1[..., :I], w1[..., I:], w2, None, None, "output", False,
-                                                    T * k) is not None
+                                                    T * k, backward=backward) is not None
 
     assert chosen(1024, 4096, 8192)
     assert not chosen(1024, 2048, 768)
     assert not chosen(256, 4096, 8192)
+    # the backward's own rule: 128 rows per expert, any expert size
+    assert chosen(128, 2048, 768, backward=True)
+    assert chosen(256, 4096, 8192, backward=True)
+    assert not chosen(64, 2048, 768, backward=True)
+    monkeypatch.setattr(config, "gemm_engine_backward", "triton")
+    assert not chosen(1024, 4096, 8192, backward=True)
 
 
 @pytest.mark.gpu

@@ -74,7 +74,8 @@ def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tenso
                        b2: Optional[Tensor], weight_position: str, dropped: bool, num_rows,
                        backward: bool = False) -> Optional[Tensor]:
     """The (E, H, n_pre) up weights to run through ``torch._grouped_mm`` when this call should, else None.
-    ``backward``: decide for the backward's GEMMs (``config.gemm_engine_backward``, when set, overrides the mode).
+    ``backward``: decide for the backward's GEMMs (``config.gemm_engine_backward``, when set, overrides the mode;
+    "auto" then asks ``config.grouped_mm_backward_min_rows_per_expert`` rows per expert and no size rule).
 
     "auto" takes this path only where it was measured to win on the H200: bf16 on Hopper, at least
     ``config.grouped_mm_min_rows_per_expert`` rows per expert on average, and experts of at least
@@ -89,7 +90,10 @@ def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tenso
         return None
     E, H, I = w1.shape
     # the size rule first: it is the cheapest test, and most calls (decode, small experts) stop here
-    if mode == "auto" and (num_rows < config.grouped_mm_min_rows_per_expert * E or not _large_experts(H, I)):
+    if mode == "auto" and backward:  # the backward's weight gradients favour CUTLASS at any expert size measured
+        if num_rows < config.grouped_mm_backward_min_rows_per_expert * E:
+            return None
+    elif mode == "auto" and (num_rows < config.grouped_mm_min_rows_per_expert * E or not _large_experts(H, I)):
         return None
     if weight_position != "output" or dropped or b1 is not None or b2 is not None:
         return None
