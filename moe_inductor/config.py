@@ -39,7 +39,7 @@ gemm_engine: str = os.environ.get("MOE_INDUCTOR_GEMM_ENGINE", "auto")
 #: backward alone. The forward keeps the raw up projection in one sorted layout whoever ran it, so any pairing is
 #: valid. With "auto" (either way) the backward has its own rule: ``grouped_mm_backward_min_rows_per_expert`` rows
 #: and no size rule, because on the H200 our fused forward followed by CUTLASS's backward GEMMs beat the fused
-#: backward on every measured shape, small experts included (1.17-1.34x fwd+bwd; RESULTS.md, sixth session).
+#: backward on every measured shape, small experts included (1.17-1.35x fwd+bwd; RESULTS.md, sixth session).
 gemm_engine_backward: str | None = os.environ.get("MOE_INDUCTOR_GEMM_ENGINE_BACKWARD") or None
 
 #: The backward's "auto" rule: at least this many rows per expert on average (the fewest measured: DeepSeek-V3 at
