@@ -6,6 +6,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+from . import config
+
 _local = threading.local()
 
 
@@ -68,17 +70,29 @@ class Report:
 
 
 def gemm_engine_summary() -> str:
-    """Who runs the rewritten layers' GEMMs, as ``config.gemm_engine`` says (decided per call, from shapes)."""
-    from . import config
+    """Who runs the rewritten layers' GEMMs, forward and backward, as ``config.gemm_engine`` and
+    ``config.gemm_engine_backward`` say (decided per call, from shapes)."""
+    forward = _engine_rule(config.gemm_engine, backward=False)
+    backward_mode = config.gemm_engine_backward or config.gemm_engine
+    backward = _engine_rule(backward_mode, backward=True)
+    modes = f"gemm_engine={config.gemm_engine!r}"
+    if config.gemm_engine_backward is not None:
+        modes += f", gemm_engine_backward={config.gemm_engine_backward!r}"
+    return f"forward: {forward}; backward: {backward} ({modes})"
 
-    if config.gemm_engine == "triton":
-        return "our fused Triton kernels (gemm_engine='triton')"
-    if config.gemm_engine == "grouped_mm":
-        return "torch._grouped_mm wherever the layout allows, our kernels around it (gemm_engine='grouped_mm')"
+
+def _engine_rule(mode: str, backward: bool) -> str:
+    if mode == "triton":
+        return "our fused Triton kernels"
+    if mode == "grouped_mm":
+        return "torch._grouped_mm wherever the layout allows, our kernels around it"
+    if backward:
+        return (f"torch._grouped_mm for bf16 on Hopper at >= {config.grouped_mm_backward_min_rows_per_expert}"
+                " rows per expert, else our fused Triton kernels")
     weights = config.grouped_mm_min_expert_weights
     size = f"{weights / 2**20:g}Mi" if weights % 2**20 == 0 else str(weights)
     return (f"our fused Triton kernels; torch._grouped_mm for bf16 on Hopper when experts have H*I >= {size} and "
-            f">= {config.grouped_mm_min_rows_per_expert} rows each (gemm_engine='auto')")
+            f">= {config.grouped_mm_min_rows_per_expert} rows each")
 
 
 def current_report() -> Optional[Report]:

@@ -8,6 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import moe_inductor
+from moe_inductor.report import gemm_engine_summary
 from tests.hf_models import tiny
 
 LIGHT = {"inner": "eager"}  # the rewrite happens before the inner compiler; Inductor adds nothing to these checks
@@ -216,7 +217,20 @@ def test_explain_report():
     assert "hf_grouped_mm" in text and "MixtralExperts" in text and "E=3 k=2 act=silu_glu" in text
     assert "experts_forward" in report.graphs[0].code and "experts_forward" not in report.graph_before[0]
     assert report.summary() in text and "def forward" not in report.summary()
-    assert "GEMMs: our fused Triton kernels; torch._grouped_mm for bf16 on Hopper" in report.summary()
+    assert "GEMMs: forward: our fused Triton kernels; torch._grouped_mm for bf16 on Hopper" in report.summary()
+    assert "backward: torch._grouped_mm for bf16 on Hopper at >= 128 rows per expert" in report.summary()
+
+
+@pytest.mark.parametrize("forward,backward,expected", [
+    ("triton", None, "forward: our fused Triton kernels; backward: our fused Triton kernels (gemm_engine='triton')"),
+    ("triton", "grouped_mm", "backward: torch._grouped_mm wherever the layout allows, our kernels around it "
+                             "(gemm_engine='triton', gemm_engine_backward='grouped_mm')"),
+    ("auto", "triton", "backward: our fused Triton kernels (gemm_engine='auto', gemm_engine_backward='triton')"),
+])
+def test_explain_names_each_directions_gemm_engine(forward, backward, expected, monkeypatch):
+    monkeypatch.setattr(moe_inductor.config, "gemm_engine", forward)
+    monkeypatch.setattr(moe_inductor.config, "gemm_engine_backward", backward)
+    assert expected in gemm_engine_summary()
 
 
 def test_cli_inspect(tmp_path):
