@@ -165,9 +165,10 @@ def backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: 
     group_ends = offsets[1:]
     token = order.long() // topk
     scale = topk_weights.contiguous().view(-1)
-    x_sorted = x.index_select(0, token)
+    # Workspace is freed as soon as it is dead, and x sorted (M x H) is gathered only for dW1, after dy sorted (also
+    # M x H) is gone: one fewer such tensor at the backward's peak than gathering both up front.
     if pre.shape[0] != M:  # the forward did not keep it
-        pre = torch._grouped_mm(x_sorted, w_up, offs=group_ends)
+        pre = torch._grouped_mm(x.index_select(0, token), w_up, offs=group_ends)
     dy_sorted = dy.index_select(0, token)
     g = torch._grouped_mm(dy_sorted, w2.transpose(1, 2), offs=group_ends)  # d h, before the routing weight
     d_pre = x.new_empty(M, pre.shape[1])
@@ -176,17 +177,20 @@ def backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: 
                                                      scale_h=True)
     del g
     dw2 = _weight_grad(h_scaled, dy_sorted, group_ends, w2) if needs[4] else None
-    del h_scaled, dy_sorted
+    del h_scaled, dy_sorted, pre
     dw1 = dw1_up = None
-    if combined_gate_up:  # one GEMM over d_pre
-        dw1 = _weight_grad(x_sorted, d_pre, group_ends, w_up)
-    else:  # two GEMMs: the gradients of an op must not be views of one tensor
-        dw1 = _weight_grad(x_sorted, d_pre[:, :I], group_ends, w1) if needs[2] else None
-        dw1_up = _weight_grad(x_sorted, d_pre[:, I:], group_ends, w1_up) if needs[3] else None
-    del x_sorted
+    if combined_gate_up or needs[2] or needs[3]:
+        x_sorted = x.index_select(0, token)
+        if combined_gate_up:  # one GEMM over d_pre
+            dw1 = _weight_grad(x_sorted, d_pre, group_ends, w_up)
+        else:  # two GEMMs: the gradients of an op must not be views of one tensor
+            dw1 = _weight_grad(x_sorted, d_pre[:, :I], group_ends, w1) if needs[2] else None
+            dw1_up = _weight_grad(x_sorted, d_pre[:, I:], group_ends, w1_up) if needs[3] else None
+        del x_sorted
     dx = None
     if needs[0]:
         dx_sorted = torch._grouped_mm(d_pre, w_up.transpose(1, 2), offs=group_ends)
+        del d_pre
         dx = combine(dx_sorted, topk_ids, E, row_of=_row_of(order))
     d_weights = None
     if needs[1]:
