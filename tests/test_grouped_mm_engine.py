@@ -4,8 +4,11 @@ On the CPU it runs with ``config.gemm_engine = "grouped_mm"`` and our kernels un
 ``_grouped_mm``); on the GPU the same tests run CUTLASS and the compiled kernels. Every case checks that the engine
 really ran, so a silent fallback to the fused kernels cannot pass for it.
 """
+import weakref
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_inductor
 from moe_inductor import config
@@ -269,3 +272,61 @@ def test_an_unknown_engine_name_is_an_error(monkeypatch):
     p, (g, u, d, _, _) = _weights()
     with pytest.raises(ValueError, match="gemm engine must be"):
         grouped_mm_engine.grouped_mm_weights(p.x, g, u, d, None, None, "output", False, 8, backward=True)
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of the tensors that torch ops allocate while the mode is on (what the op's own code holds at
+    once; the Triton interpreter's numpy copies are not torch tensors and do not count). A storage counts from the op
+    that creates it until the last tensor viewing it is collected."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.views, self.now, self.peak = {}, {}, 0, 0
+
+    def _drop(self, ptr):
+        self.views[ptr] -= 1
+        if self.views[ptr] == 0:
+            self.now -= self.live.pop(ptr)
+            del self.views[ptr]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for ret, t in zip(func._schema.returns, outs):
+            if not isinstance(t, torch.Tensor):
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            if ret.alias_info is None and ptr not in self.live:  # a fresh allocation
+                self.live[ptr] = t.untyped_storage().nbytes()
+                self.views[ptr] = 0
+                self.now += self.live[ptr]
+                self.peak = max(self.peak, self.now)
+            if ptr in self.live:
+                self.views[ptr] += 1
+                weakref.finalize(t, self._drop, ptr)
+        return out
+
+
+@needs_grouped_mm
+def test_engine_backward_holds_one_sorted_copy_of_the_rows_at_a_time(engine_calls, monkeypatch):
+    """The backward gathers x in expert order (M x H) only for dW1, after the sorted dy (also M x H) is freed.
+    Holding both at once, as it used to, peaks near 2 M H bytes on top of the gradients; now it stays near M H."""
+    peaks = []
+    real = grouped_mm_engine.backward
+
+    def measured(*args, **kwargs):
+        with LiveTensorBytes() as mode:
+            grads = real(*args, **kwargs)
+        peaks.append(mode.peak)
+        return grads
+
+    monkeypatch.setattr(grouped_mm_engine, "backward", measured)
+    T, H, I, E, k = 512, 256, 16, 4, 2
+    p = make_problem(T, H, I, E, k, dtype=torch.bfloat16, device=DEVICE)
+    y = moe_inductor.fused_experts(p.x.detach(), p.topk_ids, p.topk_weights, p.w1, p.w2)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y)
+    grads = torch.autograd.grad(y, [p.topk_weights, p.w1, p.w2], dy)
+    assert engine_calls["backward"] == 1 and len(peaks) == 1
+    sorted_rows = T * k * H * 2  # M x H in bf16
+    gradients = sum(g.numel() * g.element_size() for g in grads)
+    assert peaks[0] < 1.5 * sorted_rows + gradients, (peaks[0], sorted_rows, gradients)
