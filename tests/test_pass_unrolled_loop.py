@@ -58,6 +58,44 @@ class LoopMoE(nn.Module):
                 tok, pos = torch.where(ids == e)
                 h = F.silu(x[tok] @ self.w1[e].T) * (x[tok] @ self.w3[(e + 1) % self.E].T)
                 out.index_add_(0, tok, (h @ self.w2[e].T) * weights[tok, pos, None])
+            elif self.style == "weight_on_input":  # the routing weight scales the expert's input (Llama4 style)
+                tok, pos = torch.where(ids == e)
+                xe = x[tok] * weights[tok, pos, None]
+                h = F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)
+                out.index_add_(0, tok, h @ self.w2[e].T)
+            elif self.style == "weight_between":  # ... or the hidden state before the down projection
+                tok, pos = torch.where(ids == e)
+                xe = x[tok]
+                h = F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)
+                out.index_add_(0, tok, (weights[tok, pos, None] * h) @ self.w2[e].T)
+            elif self.style == "rows_gathered_twice":  # x[tok] written out for each projection
+                tok, pos = torch.where(ids == e)
+                h = F.silu(F.linear(x[tok], self.w1[e])) * F.linear(x[tok], self.w3[e])
+                out.index_add_(0, tok, F.linear(h, self.w2[e]) * weights[tok, pos, None])
+            elif self.style == "up_reads_other_rows":  # the up projection reads x[pos] instead: not an MoE
+                tok, pos = torch.where(ids == e)
+                h = F.silu(F.linear(x[tok], self.w1[e])) * F.linear(x[pos], self.w3[e])
+                out.index_add_(0, tok, F.linear(h, self.w2[e]) * weights[tok, pos, None])
+            elif self.style == "weight_twice":  # input and output both scaled: w^2, not an MoE the op computes
+                tok, pos = torch.where(ids == e)
+                xe = x[tok] * weights[tok, pos, None]
+                h = F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)
+                out.index_add_(0, tok, (h @ self.w2[e].T) * weights[tok, pos, None])
+            elif self.style == "weight_on_up_only":  # scales only the up half: equal to "between", but not proven
+                tok, pos = torch.where(ids == e)
+                xe = x[tok]
+                h = F.silu(xe @ self.w1[e].T) * ((xe @ self.w3[e].T) * weights[tok, pos, None])
+                out.index_add_(0, tok, h @ self.w2[e].T)
+            elif self.style == "unweighted":  # no routing weight anywhere
+                tok, pos = torch.where(ids == e)
+                xe = x[tok]
+                h = F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)
+                out.index_add_(0, tok, h @ self.w2[e].T)
+            elif self.style == "input_weight_of_first_choice":  # every row scaled by choice 0's weight, not its own
+                tok, pos = torch.where(ids == e)
+                xe = x[tok] * weights[tok, torch.zeros_like(pos), None]
+                h = F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)
+                out.index_add_(0, tok, h @ self.w2[e].T)
             elif self.style == "shifted_expert":  # expert e reads the weights of expert e+1: not an MoE we know
                 tok, pos = torch.where(ids == e)
                 nxt = (e + 1) % self.E
@@ -69,7 +107,8 @@ class LoopMoE(nn.Module):
 
 
 @pytest.mark.parametrize(
-    "style", ["where_matmul", "linear_plain", "nonzero_kn", "torch_nonzero_kn", "hf_v4_mask", "setitem_add"])
+    "style", ["where_matmul", "linear_plain", "nonzero_kn", "torch_nonzero_kn", "hf_v4_mask", "setitem_add",
+              "weight_on_input", "weight_between", "rows_gathered_twice"])
 @pytest.mark.parametrize("E,k", [(3, 2), (5, 1), (4, 4)], ids=["E3-k2", "E5-k1", "k-eq-E"])
 def test_styles_are_rewritten_and_equal(style, E, k):
     torch.manual_seed(0)
@@ -136,7 +175,7 @@ def test_torch_2_11_dunder_spelling_is_rewritten(style):
     torch.testing.assert_close(out, ref)
 
 
-@pytest.mark.parametrize("style", ["where_matmul", "hf_v4_mask"])
+@pytest.mark.parametrize("style", ["where_matmul", "hf_v4_mask", "weight_on_input", "weight_between"])
 def test_gradients_match_eager(style):
     torch.manual_seed(0)
     model = LoopMoE(style, 4, 2)
@@ -150,7 +189,9 @@ def test_gradients_match_eager(style):
         assert ((g - r).norm() / r.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("style", ["partial", "shifted_expert", "up_shifted", "extra_write", "setitem_repeated_ids"])
+@pytest.mark.parametrize("style", ["partial", "shifted_expert", "up_shifted", "extra_write", "setitem_repeated_ids",
+                                   "weight_twice", "weight_on_up_only", "unweighted", "input_weight_of_first_choice",
+                                   "up_reads_other_rows"])
 def test_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = LoopMoE(style, 4, 2)

@@ -12,6 +12,9 @@ with a data-dependent size instead of a graph break):
         out.index_add_(0, tok, (h @ w2[e].T) * weights[tok, pos, None])   # or out[tok] += ... (ids from topk)
     return out
 
+The routing weight may instead scale the expert's input (``xe = x[tok] * weights[tok, pos, None]``) or the hidden
+state before the down projection (stacked weights only); the op takes it at the same place.
+
 The E bodies must agree on everything but e (same x, ids, weights, weights tensors, activation, layout), e must run
 over all of range(E), and the accumulator must start from zeros and be changed by nothing else. Then the loop
 becomes one ``moe_inductor::experts_forward``, and with it go the E nonzero calls (host syncs) and their unbacked
@@ -168,37 +171,60 @@ def _body(add: Node, acc: Node) -> Optional[_Body]:
             contribution.args[1] == val(acc).dtype):  # HF v4 casts each expert's output to the buffer's dtype
         contribution = contribution.args[0]
     sel = _selection(tok)
-    if sel is None or not is_call(contribution, "call_function", operator.mul):
+    if sel is None:
         return None
     where, ids, e, pos_index = sel
     if read is not None and not _topk_ids(ids):  # with repeated ids, acc[tok] += c drops all but one write
         return None
-    for expert_out, scale in (contribution.args, contribution.args[::-1]):
-        index = scale.args[1] if is_call(scale, "call_function", operator.getitem) else None
-        if isinstance(index, tuple) and len(index) == 3 and index[0] is tok and index[2] is None and is_call(
-                index[1], "call_function", operator.getitem) and index[1].args == (where, pos_index):
-            break
-    else:
-        return None
-    weights = scale.args[0]
+    # the routing weight scales the expert's output (the usual place), its input, or the hidden state between the
+    # projections; exactly one of the three, and always this body's own weights[tok, pos]
+    position, weights = "output", None
+    scaled = _routing_scaled(contribution, tok, where, pos_index)
+    expert_out = contribution
+    if scaled is not None:
+        expert_out, weights = scaled
     down = _linear(expert_out, e)
     if down is None:
         return None
     h, w_down, layout, _ = down
+    if weights is None and (scaled := _routing_scaled(h, tok, where, pos_index)) is not None:
+        (h, weights), position = scaled, "between"
     gated = read_gated(h, lambda n: _linear(n, e))
     if gated is None:
         return None
     activation, gate, up = gated.activation, gated.gate, gated.up
     xe = gate[0]
-    if up is not None and up[0] is not xe:
+    # gate and up read the same rows: one node, or x[tok] written out twice (two identical gathers of x)
+    if up is not None and up[0] is not xe and not (
+            _token_rows_of(xe, tok) is not None and _token_rows_of(xe, tok) is _token_rows_of(up[0], tok)):
+        return None
+    if weights is None and (scaled := _routing_scaled(xe, tok, where, pos_index)) is not None:
+        (xe, weights), position = scaled, "input"
+    if weights is None:  # no routing weight at all: not a weighted MoE we can prove
         return None
     x = _token_rows_of(xe, tok)
     if x is None or any(p[2] != layout for p in (gate, up) if p is not None):
         return None
     if any(p[3] != down[3] for p in (gate, up) if p is not None):  # all stacked, or all per-expert
         return None
-    spec = MoESpec(x, ids, weights, gate[1], up[1] if up else None, w_down, layout, activation)
+    if position != "output" and not down[3]:  # the per-expert list op scales outputs only
+        return None
+    spec = MoESpec(x, ids, weights, gate[1], up[1] if up else None, w_down, layout, activation,
+                   weight_position=position)
     return _Body(e, spec, where, add, stacked=down[3], read=read)
+
+
+def _routing_scaled(node: Node, tok: Node, where: Node, pos_index: int) -> Optional[tuple[Node, Node]]:
+    """(what is scaled, weights) for ``value * weights[tok, pos, None]`` (either order), where tok and pos are this
+    body's own selection: the routing weight of each selected (token, choice) row."""
+    if not is_call(node, "call_function", operator.mul) or len(node.args) != 2 or node.kwargs:
+        return None
+    for value, scale in (node.args, node.args[::-1]):
+        index = scale.args[1] if is_call(scale, "call_function", operator.getitem) else None
+        if isinstance(index, tuple) and len(index) == 3 and index[0] is tok and index[2] is None and is_call(
+                index[1], "call_function", operator.getitem) and index[1].args == (where, pos_index):
+            return value, scale.args[0]
+    return None
 
 
 def _per_expert_spec(bodies: list[_Body]) -> Optional[MoESpec]:
