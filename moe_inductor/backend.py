@@ -19,7 +19,7 @@ from .explain import log_rewrites
 from .options import BackendOptions
 from .passes import FX_PASSES
 from .passes.fx_utils import canonicalize_operators
-from .report import GraphRecord, Rewrite, current_report
+from .report import GraphRecord, LeftAlone, Rewrite, collecting_left_alone, current_report
 
 log = logging.getLogger("moe_inductor")
 _MOE_OPS = ("experts_forward", "experts_forward_list", "experts_forward_visible")
@@ -30,8 +30,10 @@ def _moe_ops_in(gm: torch.fx.GraphModule) -> int:
                and getattr(n.target, "namespace", None) == "moe_inductor" and n.target._opname in _MOE_OPS)
 
 
-def _run_pass(form: str, rewrite: Callable, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[Rewrite]]:
-    """Run one FX pass on a copy of the graph and keep the copy only if the pass succeeded.
+def _run_pass(form: str, rewrite: Callable,
+              gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[Rewrite], list[LeftAlone]]:
+    """Run one FX pass on a copy of the graph and keep the copy only if the pass succeeded. Also returns the
+    MoE-looking regions the pass left alone, with its reasons.
 
     A matcher meeting a graph it was not written for must never break the user's compile: it is logged and the
     graph goes on as it was. ``moe_inductor.config.strict_passes`` turns that into an error (for the tests).
@@ -43,14 +45,15 @@ def _run_pass(form: str, rewrite: Callable, gm: torch.fx.GraphModule) -> tuple[t
     candidate = torch.fx.GraphModule(gm, graph)
     try:
         canonicalize_operators(candidate.graph)
-        found = rewrite(candidate)
+        with collecting_left_alone() as left_alone:
+            found = rewrite(candidate)
     except Exception as exc:
         if config.strict_passes:
             raise
         log.warning("moe_inductor: the %s pass failed (%s: %s); this graph is left as it was",
                     form, type(exc).__name__, exc)
-        return gm, []
-    return (candidate, found) if found else (gm, [])
+        return gm, [], []
+    return (candidate if found else gm), found, left_alone
 
 
 #: torch.compile modes in which Inductor replays the graph as CUDA graphs
@@ -79,16 +82,21 @@ def moe_inductor_backend(
     to the inner compiler."""
     opts = BackendOptions.parse(options)
     rewrites = capture.take_rewrites()
+    left_alone = []
     for form, rewrite in FX_PASSES.items():
         if form in opts.forms:
-            gm, found = _run_pass(form, rewrite, gm)
+            gm, found, missed = _run_pass(form, rewrite, gm)
             rewrites += found
+            left_alone += missed
     for r in rewrites:
         counters["moe_inductor"][r.form] += 1
         log_rewrites(f"moe_inductor rewrote {r.where} ({r.form}, E={r.num_experts}, k={r.top_k}, {r.activation})",
                      gm.code)
+    for m in left_alone:
+        counters["moe_inductor_left_alone"][m.form] += 1
+        log.info("moe_inductor left alone %s (%s): %s", m.where, m.form, m.reason)
     report = current_report()
-    record = GraphRecord(code=gm.code, rewrites=rewrites, moe_ops=_moe_ops_in(gm))
+    record = GraphRecord(code=gm.code, rewrites=rewrites, moe_ops=_moe_ops_in(gm), left_alone=left_alone)
     if report is not None:
         report.graphs.append(record)
     from . import config

@@ -25,12 +25,22 @@ class Rewrite:
 
 
 @dataclass
+class LeftAlone:
+    """A region that looked like an MoE to a pass, which could not prove it one and left it as it was."""
+
+    form: str
+    where: str
+    reason: str
+
+
+@dataclass
 class GraphRecord:
     code: str
     rewrites: list[Rewrite]
     moe_ops: int
     #: of those, how many Inductor launches from its own wrapper (``config.visible_kernels``; lowerings/visible.py)
     visible_ops: int = 0
+    left_alone: list[LeftAlone] = field(default_factory=list)
 
 
 @dataclass
@@ -42,6 +52,10 @@ class Report:
     @property
     def rewrites(self) -> list[Rewrite]:
         return [r for g in self.graphs for r in g.rewrites]
+
+    @property
+    def left_alone(self) -> list[LeftAlone]:
+        return [m for g in self.graphs for m in g.left_alone]
 
     def summary(self) -> str:
         """The counts, graph breaks and rewrites, without the graph code."""
@@ -58,6 +72,8 @@ class Report:
             shapes = " ".join("x".join(map(str, s)) for s in r.weight_shapes)
             lines.append(f"  [{i}] {r.form:<14} {r.where}  E={r.num_experts} k={r.top_k} act={r.activation} "
                          f"weights {shapes}" + (f"  ({r.note})" if r.note else ""))
+        for m in self.left_alone:
+            lines.append(f"  left alone: {m.form:<14} {m.where}  ({m.reason})")
         for i, g in enumerate(self.graphs):
             visible = f", {g.visible_ops} launched from Inductor's wrapper" if g.visible_ops else ""
             lines.append(f"--- graph {i}: {g.moe_ops} moe_inductor op call(s){visible} ---")
@@ -93,6 +109,24 @@ def _engine_rule(mode: str, backward: bool) -> str:
     size = f"{weights / 2**20:g}Mi" if weights % 2**20 == 0 else str(weights)
     return (f"our fused Triton kernels; torch._grouped_mm for bf16 on Hopper when experts have H*I >= {size} and "
             f">= {config.grouped_mm_min_rows_per_expert} rows each")
+
+
+def note_left_alone(form: str, where: str, reason: str) -> None:
+    """Called by a pass that met an MoE-looking region it could not prove: kept for explain() and the log."""
+    sink = getattr(_local, "left_alone", None)
+    if sink is not None:
+        sink.append(LeftAlone(form, where, reason))
+
+
+@contextlib.contextmanager
+def collecting_left_alone() -> Iterator[list[LeftAlone]]:
+    """The regions the passes run inside this block leave alone, with their reasons."""
+    previous = getattr(_local, "left_alone", None)
+    _local.left_alone = []
+    try:
+        yield _local.left_alone
+    finally:
+        _local.left_alone = previous
 
 
 def current_report() -> Optional[Report]:

@@ -5,6 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+import moe_inductor
 from tests.helpers import compile_moe
 
 H, I = 16, 8
@@ -198,6 +199,35 @@ def test_look_alikes_are_left_alone(style):
     x = torch.randn(7, H)
     assert torch.allclose(compile_moe(model, x), model(x), rtol=1e-6, atol=1e-6)
     assert not counters["moe_inductor"]
+    assert counters["moe_inductor_left_alone"] == {"unrolled_loop": 1}  # and explain() says why (below)
+
+
+@pytest.mark.parametrize("style,reason", [
+    ("partial", "not each of range(E) once"),
+    ("shifted_expert", "output is not a bias-free matmul or F.linear on w[0]"),
+    ("up_shifted", "hidden state is not a known activation"),
+    ("extra_write", "also changed by something other than the loop's writes"),
+    ("setitem_repeated_ids", "ids not from topk"),
+    ("weight_twice", "input is not x[tok]"),
+    ("weight_on_up_only", "hidden state is not a known activation"),
+    ("unweighted", "no routing weight"),
+    ("input_weight_of_first_choice", "no routing weight"),
+    ("up_reads_other_rows", "read different rows"),
+])
+def test_explain_says_why_a_loop_was_left_alone(style, reason):
+    torch.manual_seed(0)
+    report = moe_inductor.explain(LoopMoE(style, 4, 2), torch.randn(7, H))
+    assert not report.rewrites
+    (left,) = report.left_alone
+    assert left.form == "unrolled_loop" and reason in left.reason, left
+    assert "test_pass_unrolled_loop.py" in left.where  # the user's line, from Dynamo's stack trace
+    assert "left alone: unrolled_loop" in report.summary() and reason in report.summary()
+
+
+def test_a_rewritten_loop_reports_nothing_left_alone():
+    torch.manual_seed(0)
+    report = moe_inductor.explain(LoopMoE("where_matmul", 4, 2), torch.randn(7, H))
+    assert len(report.rewrites) == 1 and not report.left_alone and "left alone" not in str(report)
 
 
 class HeadLoop(nn.Module):

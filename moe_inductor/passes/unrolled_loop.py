@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch.fx import GraphModule, Node
 
-from ..report import Rewrite
+from ..report import Rewrite, note_left_alone
 from ..spec import MoESpec
 from .emit import emit_experts, inputs_unchanged
 from .fx_utils import alias_mutations, is_call, read_gated, source_line, val
@@ -161,21 +161,22 @@ def _topk_ids(ids: Node) -> bool:
     return is_call(topk, "call_function", torch.topk) or is_call(topk, "call_method", "topk")
 
 
-def _body(add: Node, acc: Node) -> Optional[_Body]:
-    """One expert's body, read backwards from ``acc.index_add_(0, tok, contribution)`` or ``acc[tok] += ...``."""
+def _body(add: Node, acc: Node) -> Union[_Body, str]:
+    """One expert's body, read backwards from ``acc.index_add_(0, tok, contribution)`` or ``acc[tok] += ...``; or,
+    when it is not one we can prove, why not (explain() reports it)."""
     accumulated = _accumulation(add, acc)
     if accumulated is None:
-        return None
+        return "a write to the accumulator is neither acc.index_add_(0, tok, ...) nor acc[tok] += ..."
     tok, contribution, read = accumulated
     if is_call(contribution, "call_method", "to") and len(contribution.args) == 2 and val(acc) is not None and (
             contribution.args[1] == val(acc).dtype):  # HF v4 casts each expert's output to the buffer's dtype
         contribution = contribution.args[0]
     sel = _selection(tok)
     if sel is None:
-        return None
+        return "the rows are not selected by torch.where(ids == e) or (ids == e).nonzero(as_tuple=True)"
     where, ids, e, pos_index = sel
     if read is not None and not _topk_ids(ids):  # with repeated ids, acc[tok] += c drops all but one write
-        return None
+        return "acc[tok] += ... with ids not from topk: a token choosing an expert twice would be written once"
     # the routing weight scales the expert's output (the usual place), its input, or the hidden state between the
     # projections; exactly one of the three, and always this body's own weights[tok, pos]
     position, weights = "output", None
@@ -185,30 +186,32 @@ def _body(add: Node, acc: Node) -> Optional[_Body]:
         expert_out, weights = scaled
     down = _linear(expert_out, e)
     if down is None:
-        return None
+        return f"expert {e}'s output is not a bias-free matmul or F.linear on w[{e}] (stacked) or a per-expert weight"
     h, w_down, layout, _ = down
     if weights is None and (scaled := _routing_scaled(h, tok, where, pos_index)) is not None:
         (h, weights), position = scaled, "between"
     gated = read_gated(h, lambda n: _linear(n, e))
     if gated is None:
-        return None
+        return f"expert {e}'s hidden state is not a known activation of its own up projection(s)"
     activation, gate, up = gated.activation, gated.gate, gated.up
     xe = gate[0]
     # gate and up read the same rows: one node, or x[tok] written out twice (two identical gathers of x)
     if up is not None and up[0] is not xe and not (
             _token_rows_of(xe, tok) is not None and _token_rows_of(xe, tok) is _token_rows_of(up[0], tok)):
-        return None
+        return f"expert {e}'s gate and up projections read different rows"
     if weights is None and (scaled := _routing_scaled(xe, tok, where, pos_index)) is not None:
         (xe, weights), position = scaled, "input"
     if weights is None:  # no routing weight at all: not a weighted MoE we can prove
-        return None
+        return "no routing weight weights[tok, pos, None] scales the output, the input or the hidden state"
     x = _token_rows_of(xe, tok)
-    if x is None or any(p[2] != layout for p in (gate, up) if p is not None):
-        return None
+    if x is None:
+        return f"expert {e}'s input is not x[tok] (its own selected rows of one (T, H) tensor)"
+    if any(p[2] != layout for p in (gate, up) if p is not None):
+        return "the projections mix weight layouts"
     if any(p[3] != down[3] for p in (gate, up) if p is not None):  # all stacked, or all per-expert
-        return None
+        return "the projections mix stacked and per-expert weights"
     if position != "output" and not down[3]:  # the per-expert list op scales outputs only
-        return None
+        return f"a routing weight on the {position} with per-expert weights (only the output is supported there)"
     spec = MoESpec(x, ids, weights, gate[1], up[1] if up else None, w_down, layout, activation,
                    weight_position=position)
     return _Body(e, spec, where, add, stacked=down[3], read=read)
@@ -252,41 +255,52 @@ def _zeros_like_x(acc: Node) -> bool:
         "fill_value" not in acc.kwargs)
 
 
-def match(acc: Node, position: dict[Node, int]) -> Optional[tuple[MoESpec, list[_Body]]]:
-    """(the MoE, its E loop bodies) accumulating into ``acc``, when they form a complete, consistent MoE.
+def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Body]], str, None]:
+    """(the MoE, its E loop bodies) accumulating into ``acc``, when they form a complete, consistent MoE; else why
+    not (a string) when ``acc`` looked like a per-expert loop's accumulator, None when it never did.
 
     ``position`` gives each node's index in graph order."""
     if not _zeros_like_x(acc):
         return None
     mutations = alias_mutations(acc)  # index_add_ / out[tok] += ..., on acc or through any view of it
-    if not mutations or any(u.target not in ("index_add_", operator.setitem) for u in mutations):
+    if not any(_looks_like_a_body(m, acc) for m in mutations):
         return None
+    if any(u.target not in ("index_add_", operator.setitem) for u in mutations):
+        return "the accumulator is also changed by something other than the loop's writes"
     bodies = [_body(add, acc) for add in mutations]
-    if any(b is None for b in bodies):
-        return None
+    reasons = [b for b in bodies if isinstance(b, str)]
+    if reasons:
+        return reasons[0]
     spec = bodies[0].spec
     if all(b.stacked for b in bodies):
         if any(b.spec != spec for b in bodies):  # the same region but for e (MoESpec compares its nodes)
-            return None
+            return "the loop bodies differ in more than the expert index"
         if sorted(b.e for b in bodies) != list(range(val(spec.gate).shape[0])):
-            return None
+            return f"the loop runs over experts {sorted(b.e for b in bodies)}, not each of range(E) once"
     elif not any(b.stacked for b in bodies):
         spec = _per_expert_spec(bodies)
         if spec is None:
-            return None
+            return "the per-expert weights are not one distinct (out, in) weight per expert and projection"
     else:
-        return None
+        return "some bodies use stacked weights and others per-expert ones"
     xv, av, wv, iv = val(spec.x), val(acc), val(spec.weights), val(spec.ids)
     if xv is None or av is None or xv.dim() != 2 or tuple(av.shape) != tuple(xv.shape) or av.dtype != xv.dtype:
-        return None
+        return "the accumulator does not have x's (T, H) shape and dtype"
     if wv is None or tuple(wv.shape) != tuple(iv.shape):  # weights[tok, pos] must be the (T, k) routing weights
-        return None
+        return "the routing weights are not (T, k) like the ids"
     # every read of the accumulator must come after the last index_add_
     last_add = max(position[b.add] for b in bodies)
     own_reads = {b.read for b in bodies if b.read is not None}
     if any(position[u] < last_add for u in acc.users if u not in mutations and u not in own_reads):
-        return None
+        return "the accumulator is read before the loop ends"
     return spec, bodies
+
+
+def _looks_like_a_body(write: Node, acc: Node) -> bool:
+    """Whether a write to ``acc`` is at rows picked by ``torch.where(ids == e)`` (or nonzero): the mark of a
+    per-expert loop, worth a reason in explain() when it is not rewritten."""
+    accumulated = _accumulation(write, acc)
+    return accumulated is not None and _selection(accumulated[0]) is not None
 
 
 def _erase_loop(graph, bodies: list[_Body]) -> None:
@@ -318,7 +332,13 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
         if acc not in position:  # erased by an earlier rewrite
             continue
         got = match(acc, position)
-        if got is None or not inputs_unchanged(got[0]):
+        if isinstance(got, str):
+            note_left_alone(FORM, source_line(acc), got)
+            continue
+        if got is None:
+            continue
+        if not inputs_unchanged(got[0]):
+            note_left_alone(FORM, source_line(acc), "an input of the loop is changed in place elsewhere in the graph")
             continue
         spec, bodies = got
         adds = {b.add for b in bodies}
@@ -334,7 +354,9 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
                        for w in (spec.gate, spec.down))
         done.append(Rewrite(FORM, where, len(bodies), int(val(spec.ids).shape[-1]), spec.activation, shapes,
                             note=f"{len(bodies)} nonzero host syncs and data-dependent sizes removed"
-                            + ("; per-expert weights stacked once, cached" if per_expert else "")))
+                            + ("; per-expert weights stacked once, cached" if per_expert else "")
+                            + (f"; routing weight on the {spec.weight_position}" if spec.weight_position != "output"
+                               else "")))
     if done:
         graph.lint()
         gm.recompile()
