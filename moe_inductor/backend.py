@@ -82,7 +82,7 @@ def moe_inductor_backend(
     to the inner compiler."""
     opts = BackendOptions.parse(options)
     rewrites = capture.take_rewrites()
-    left_alone = []
+    left_alone = capture.take_left_alone()
     for form, rewrite in FX_PASSES.items():
         if form in opts.forms:
             gm, found, missed = _run_pass(form, rewrite, gm)

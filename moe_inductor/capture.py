@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from .report import Rewrite
+from .report import LeftAlone, Rewrite
 
 BACKEND_MARKER = "_is_moe_inductor_backend"
 
@@ -28,6 +28,7 @@ class _CompileState:
     forms: frozenset = frozenset()
     patch: Any = None
     rewrites: list[Rewrite] = field(default_factory=list)
+    left_alone: list[LeftAlone] = field(default_factory=list)
 
 
 _local = threading.local()
@@ -141,6 +142,23 @@ def take_rewrites() -> list[Rewrite]:
     if state is None:
         return []
     out, state.rewrites = state.rewrites, []
+    return out
+
+
+@torch._dynamo.assume_constant_result
+def record_left_alone(form: str, where: str, reason: str) -> bool:
+    """Note, at trace time, a module a substitution would have rewritten but could not prove (explain() says why)."""
+    state = current()
+    if state is not None and state.ours:
+        state.left_alone.append(LeftAlone(form, where, reason))
+    return True
+
+
+def take_left_alone() -> list[LeftAlone]:
+    state = current()
+    if state is None:
+        return []
+    out, state.left_alone = state.left_alone, []
     return out
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -53,10 +53,19 @@ def _unary_activation(act_fn: Any) -> Optional[str]:
 
 def experts_spec(module: torch.nn.Module) -> Optional[dict]:
     """The fused_experts keyword arguments equal to this HF experts module, or None when not provably equal."""
-    if getattr(module, "_is_expert_parallel", False) or getattr(module, "has_post_expert_norm", False):
-        return None
+    got = experts_spec_or_reason(module)
+    return got if isinstance(got, dict) else None
+
+
+def experts_spec_or_reason(module: torch.nn.Module) -> Union[dict, str]:
+    """``experts_spec``'s answer, or why the module is not provably one the op computes (explain() reports it)."""
+    name = type(module).__name__
+    if getattr(module, "_is_expert_parallel", False):
+        return f"{name} is expert-parallel"
+    if getattr(module, "has_post_expert_norm", False):
+        return f"{name} normalises after the experts (has_post_expert_norm)"
     if not hasattr(module, "has_gate") or not hasattr(module, "down_proj"):
-        return None
+        return f"{name} lacks transformers' experts attributes (has_gate, down_proj)"
     from transformers.integrations.moe import _default_apply_gate
 
     gate_fn = getattr(type(module), "_apply_gate", None)
@@ -65,19 +74,21 @@ def experts_spec(module: torch.nn.Module) -> Optional[dict]:
     if module.has_gate:
         if gate_fn is _default_apply_gate:
             unary = _unary_activation(module.act_fn)
-            if unary is None or not module.is_concatenated:  # the default gate chunks: concatenated only
-                return None
+            if unary is None:
+                return f"{name}'s activation {type(module.act_fn).__name__} is not one the op knows"
+            if not module.is_concatenated:  # the default gate chunks: concatenated only
+                return f"{name} applies the default (chunking) gate to interleaved gate/up weights"
             kw["activation"] = f"{unary}_glu"
-        elif type(module).__name__ == "GptOssExperts" and not module.is_concatenated:
+        elif name == "GptOssExperts" and not module.is_concatenated:
             kw.update(activation="gptoss_glu", alpha=float(module.alpha), limit=float(module.limit))
         else:
-            return None
+            return f"{name} has its own _apply_gate"
         kw["w1"] = module.gate_up_proj
         kw["b1"] = module.gate_up_proj_bias if module.has_bias else None
     else:
         unary = _unary_activation(module.act_fn)
         if unary is None:
-            return None
+            return f"{name}'s activation {type(module.act_fn).__name__} is not one the op knows"
         kw["activation"] = unary
         kw["w1"] = module.up_proj
         kw["b1"] = module.up_proj_bias if module.has_bias else None
@@ -106,8 +117,11 @@ def moe_inductor_experts_forward(module, hidden_states, top_k_index, top_k_weigh
 def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
     def make(original_clone: Callable) -> Callable:
         def polyfill(self, hidden_states, top_k_index, top_k_weights):
-            kw = experts_spec(self) if capture.rewriting_enabled(form) else None
-            if kw is None:
+            if not capture.rewriting_enabled(form):
+                return original_clone(self, hidden_states, top_k_index, top_k_weights)
+            kw = experts_spec_or_reason(self)
+            if isinstance(kw, str):
+                capture.record_left_alone(form, type(self).__qualname__, kw)
                 return original_clone(self, hidden_states, top_k_index, top_k_weights)
             capture.record_rewrite(form, type(self).__qualname__, int(kw["w1"].shape[0]), int(top_k_index.shape[-1]),
                                    kw["activation"], (tuple(kw["w1"].shape), tuple(kw["w2"].shape)))

@@ -173,6 +173,27 @@ def test_unsupported_variant_is_left_alone():
                                  {"_apply_gate": lambda self, gu: torch.sigmoid(gu[..., ::2]) * gu[..., 1::2]})
     assert compile_and_compare(model, lengths=(6,)) < 1e-6
     assert not counters["moe_inductor"]
+    assert counters["moe_inductor_left_alone"]["hf_grouped_mm"] == len(model.model.layers)
+
+
+@pytest.mark.parametrize("change,reason", [
+    ("gate", "CustomGateExperts has its own _apply_gate"),
+    ("activation", "activation Tanh is not one the op knows"),
+])
+def test_explain_says_why_hf_experts_were_left_alone(change, reason):
+    model = tiny("qwen3_moe", "grouped_mm")
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        if change == "gate":
+            experts.__class__ = type("CustomGateExperts", (type(experts),),
+                                     {"_apply_gate": lambda self, gu: torch.sigmoid(gu[..., ::2]) * gu[..., 1::2]})
+        else:
+            experts.act_fn = torch.nn.Tanh()
+    report = moe_inductor.explain(model, torch.randint(0, 64, (1, 5)))
+    assert not report.rewrites
+    assert len(report.left_alone) == len(model.model.layers)
+    assert all(m.form == "hf_grouped_mm" and reason in m.reason for m in report.left_alone), report.left_alone
+    assert "left alone: hf_grouped_mm" in report.summary()
 
 
 def test_non_moe_model_is_left_alone():
