@@ -321,3 +321,15 @@ def test_a_failing_pass_leaves_the_graph_unchanged(monkeypatch, caplog):
     assert torch.allclose(out, model(x), rtol=1e-6, atol=1e-6)
     assert not counters["moe_inductor"]
     assert "the gathered_weights pass failed" in caplog.text
+
+
+def test_torch_logs_names_what_was_left_alone():
+    """TORCH_LOGS="moe_inductor" (INFO) gives one line per MoE-looking region left alone, with its reason."""
+    script = textwrap.dedent("""
+        import torch
+        from tests.test_pass_unrolled_loop import LoopMoE
+        torch.compile(LoopMoE("partial", 4, 2), backend="moe_inductor", options={"inner": "eager"})(torch.randn(5, 16))
+    """)
+    env = dict(__import__("os").environ, TORCH_LOGS="moe_inductor")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
+    assert "moe_inductor left alone" in out.stderr and "not each of range(E) once" in out.stderr, out.stderr[-2000:]
