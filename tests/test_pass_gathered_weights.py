@@ -5,6 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+import moe_inductor
 from tests.helpers import compile_moe
 
 E, D, I, K = 5, 16, 8, 2
@@ -69,6 +70,17 @@ def test_styles_are_rewritten_and_equal(style):
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5
     assert counters["moe_inductor"]["gathered_weights"] == 1
     assert sum(counters["graph_break"].values()) == 0
+    assert not counters["moe_inductor_left_alone"]
+
+
+def test_two_look_alike_layers_are_reported_once_each():
+    """Left-alone notes group by the module the gathers sit in: two unprovable MoE layers, two notes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(GatheredMoE("mixed_ids"), GatheredMoE("up_other_ids"))
+    report = moe_inductor.explain(model, torch.randn(5, D))
+    assert not report.rewrites
+    assert [m.form for m in report.left_alone] == ["gathered_weights", "gathered_weights"]
+    assert all("test_pass_gathered_weights.py" in m.where for m in report.left_alone)
 
 
 @pytest.mark.parametrize("style", ["gptfast", "kn_swapped"])
@@ -93,6 +105,7 @@ def test_look_alikes_are_left_alone(style):
     x = torch.randn(7, D)
     assert torch.allclose(compile_moe(model, x), model(x), rtol=1e-6, atol=1e-6)
     assert not counters["moe_inductor"]
+    assert counters["moe_inductor_left_alone"]["gathered_weights"] == 1  # explain() and the log say so
 
 
 def test_form_can_be_turned_off():

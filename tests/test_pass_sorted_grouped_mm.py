@@ -123,6 +123,7 @@ def test_look_alikes_are_left_alone(style):
     x = torch.randn(9, H, dtype=torch.bfloat16)
     assert torch.equal(compile_moe(model, x), model(x))
     assert not counters["moe_inductor"]
+    assert counters["moe_inductor_left_alone"]["sorted_grouped_mm"] == 1  # explain() and the log say so
 
 
 @pytest.mark.parametrize("style", ["titan", "hf"])

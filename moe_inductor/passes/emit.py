@@ -7,9 +7,9 @@ from typing import Callable, Optional
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from ..report import Rewrite
+from ..report import Rewrite, note_left_alone
 from ..spec import MoESpec
-from .fx_utils import mutated_alias, val
+from .fx_utils import mutated_alias, source_function, source_line, val
 
 
 def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dtype) -> Node:
@@ -69,3 +69,26 @@ def replace_matches(gm: GraphModule, match: Callable[[Node], Optional[MoESpec]],
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return done
+
+
+#: transformers' own experts code: when it is still in the graph, the HF substitution left that module alone and
+#: said why (hf.py); the FX passes do not report it a second time
+_HF_EXPERTS_SOURCE = "transformers/integrations/moe.py"
+
+
+def note_unmatched(gm: GraphModule, form: str, marker: Callable[[Node], Optional[Node]], reason: str) -> None:
+    """After a pass: each region still holding its form's marker (a grouped GEMM, a weight gathered by routing ids)
+    was MoE-looking code the pass could not prove; note it for explain() and the log, once per module the markers
+    sit in (outside any submodule: once per function of the user's source, else per node ``marker`` returns, such
+    as the shared ids or offsets)."""
+    seen = set()
+    for node in gm.graph.nodes:
+        group = marker(node)
+        if group is None or _HF_EXPERTS_SOURCE in (node.meta.get("stack_trace") or ""):
+            continue
+        modules = node.meta.get("nn_module_stack") or {}
+        region = next(reversed(modules)) if modules else (source_function(node) or group)  # innermost module
+        if region in seen:
+            continue
+        seen.add(region)
+        note_left_alone(form, source_line(node), reason)

@@ -177,6 +177,15 @@ def unsqueezed_last(node) -> Optional[Node]:
     return None
 
 
+def source_function(node: Node) -> Optional[str]:
+    """``file:function`` of the innermost user frame in a node's stack trace (Dynamo's), else None."""
+    for line in reversed((node.meta.get("stack_trace") or "").splitlines()):
+        head = line.strip()
+        if head.startswith('File "') and ", in " in head:
+            return head[len('File "'):head.index('"', len('File "'))] + ":" + head.rsplit(", in ", 1)[1]
+    return None
+
+
 def source_line(node: Node) -> str:
     """``file:line: code`` of the user's source for a node, from Dynamo's stack trace, else the node name."""
     lines = (node.meta.get("stack_trace") or "").splitlines()

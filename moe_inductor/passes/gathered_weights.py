@@ -22,7 +22,7 @@ from torch.fx import GraphModule, Node
 
 from ..report import Rewrite
 from ..spec import MoESpec
-from .emit import replace_matches
+from .emit import note_unmatched, replace_matches
 from .fx_utils import einsum_parts, read_gated, single_use, source_line, val, weighted_sum
 
 FORM = "gathered_weights"
@@ -111,4 +111,8 @@ def _describe(node: Node, spec: MoESpec) -> Rewrite:
 
 def rewrite(gm: GraphModule) -> list[Rewrite]:
     """Replace every provable gathered-weights MoE in ``gm``; returns what was rewritten."""
-    return replace_matches(gm, match, _describe)
+    done = replace_matches(gm, match, _describe)
+    note_unmatched(gm, FORM, lambda n: (_gathered(n) or (None, None))[1],
+                   "expert weights gathered by routing ids (w[ids]), but the einsums around them are not the "
+                   "gated/plain up, down and weighted sum over k this form proves, each used once")
+    return done

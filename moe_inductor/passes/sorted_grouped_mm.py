@@ -28,7 +28,7 @@ from torch.fx import GraphModule, Node
 
 from ..report import Rewrite
 from ..spec import MoESpec
-from .emit import emit_experts, inputs_unchanged
+from .emit import emit_experts, inputs_unchanged, note_unmatched
 from .fx_utils import alias_mutations, is_call, read_gated, source_line, val
 
 FORM = "sorted_grouped_mm"
@@ -235,4 +235,14 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
     if done:
         graph.lint()
         gm.recompile()
+    note_unmatched(gm, FORM, _grouped_mm_offsets,
+                   "torch._grouped_mm over expert offsets, but not the sort, histc + cumsum offsets, gather and "
+                   "scatter-back of one set of routing ids that this form proves")
     return done
+
+
+def _grouped_mm_offsets(node: Node) -> Optional[Node]:
+    """The offsets of a grouped-GEMM call (what the calls of one MoE share), else None."""
+    if is_call(node, "call_function", *_grouped_mm_ops()) and "offs" in node.kwargs:
+        return node.kwargs["offs"]
+    return None
