@@ -138,9 +138,10 @@ class GeneratedLoopOrDenseMoE(nn.Module):
     """The per-expert loop (where + index_add_, or out[tok] += ...) or the dense all-experts form (a scattered
     routing matrix), with a generated E, k, activation, gating, weight layout and weight renormalisation."""
 
-    def __init__(self, form, E, k, H, I, act, gated, layout, renormalise):
+    def __init__(self, form, E, k, H, I, act, gated, layout, renormalise, position="output"):
         super().__init__()
         self.form, self.E, self.k, self.act, self.gated, self.renormalise = form, E, k, act, gated, renormalise
+        self.position = position  # where the loop applies the routing weight (the dense form: the output only)
         self.kn = layout == "kn"
         self.router = nn.Linear(H, E, bias=False)
         up, down = ((E, H, I), (E, I, H)) if self.kn else ((E, I, H), (E, H, I))
@@ -148,10 +149,16 @@ class GeneratedLoopOrDenseMoE(nn.Module):
         self.w3 = nn.Parameter(torch.randn(up) * H ** -0.5)
         self.w2 = nn.Parameter(torch.randn(down) * I ** -0.5)
 
-    def _mlp(self, xe, e):
+    def _mlp(self, xe, e, scale):
+        """Expert e on rows xe, the routing weight ``scale`` applied at ``self.position``."""
         w1, w3, w2 = ((w[e] if self.kn else w[e].T) for w in (self.w1, self.w3, self.w2))
+        if self.position == "input":
+            xe = xe * scale
         h = ACTS[self.act](xe @ w1)
-        return (h * (xe @ w3) if self.gated else h) @ w2
+        h = h * (xe @ w3) if self.gated else h
+        if self.position == "between":
+            h = h * scale
+        return h @ w2 * scale if self.position == "output" else h @ w2
 
     def forward(self, x):
         probs = F.softmax(self.router(x), dim=-1)
@@ -170,9 +177,9 @@ class GeneratedLoopOrDenseMoE(nn.Module):
         for e in range(self.E):
             tok, pos = torch.where(ids == e)
             if self.form == "loop_index_add":
-                out.index_add_(0, tok, self._mlp(x[tok], e) * weights[tok, pos, None])
+                out.index_add_(0, tok, self._mlp(x[tok], e, weights[tok, pos, None]))
             else:  # "loop_setitem"
-                out[tok] += self._mlp(x[tok], e) * weights[tok, pos, None]
+                out[tok] += self._mlp(x[tok], e, weights[tok, pos, None])
         return out
 
 
@@ -183,13 +190,14 @@ FORM_COUNTERS = {"dense": "dense_experts", "loop_index_add": "unrolled_loop", "l
 @given(
     form=st.sampled_from(sorted(FORM_COUNTERS)), E=st.integers(2, 7), k_frac=st.floats(0, 1), T=st.integers(1, 20),
     act=st.sampled_from(sorted(ACTS)), gated=st.booleans(), layout=st.sampled_from(["nk", "kn"]),
-    renormalise=st.booleans(), seed=st.integers(0, 2**16),
+    renormalise=st.booleans(), position=st.sampled_from(["output", "input", "between"]), seed=st.integers(0, 2**16),
 )
 def test_generated_loop_and_dense_moe_compile_to_the_same_function(form, E, k_frac, T, act, gated, layout,
-                                                                    renormalise, seed):
+                                                                    renormalise, position, seed):
     torch.manual_seed(seed)
     k = 1 + int(k_frac * (E - 1))
-    model = GeneratedLoopOrDenseMoE(form, E, k, 16, 8, act, gated, layout, renormalise)
+    position = "output" if form == "dense" else position
+    model = GeneratedLoopOrDenseMoE(form, E, k, 16, 8, act, gated, layout, renormalise, position)
     x = torch.randn(T, 16)
     out = compile_moe(model, x)
     ref = model(x)
