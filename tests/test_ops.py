@@ -273,7 +273,7 @@ def test_expert_list_op_matches_reference_and_caches_the_stack():
     ids = torch.randn(T, E).topk(k).indices
     w = torch.rand(T, k, requires_grad=True)
     w1, w3, w2 = ([(torch.randn(*shape) * 0.3).requires_grad_() for _ in range(E)] for shape in ((I, H), (I, H), (H, I)))
-    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", True)
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", True, "output")
     ref = moe_reference(x, ids, w, *(torch.stack(ws).transpose(1, 2) for ws in (w1, w3, w2)))
     assert_close(y, ref, torch.float32, "y")
     dy = torch.randn_like(y)
@@ -290,12 +290,36 @@ def test_expert_list_op_matches_reference_and_caches_the_stack():
     assert len(expert_lists._STACKS) == entries  # replaced, not added: training does not pile up stale stacks
 
 
-def test_opcheck_expert_list_op():
+@pytest.mark.parametrize("position", ["output", "input", "between"])
+def test_opcheck_expert_list_op(position):
     from moe_inductor.ops import expert_lists
 
     p = make_problem(7, 16, 8, 3, 2)
     w1 = [t.detach().requires_grad_() for t in p.w1[:, :8].unbind(0)]
     w3 = [t.detach().requires_grad_() for t in p.w1[:, 8:].unbind(0)]
     w2 = [t.detach().requires_grad_() for t in p.w2.unbind(0)]
-    torch.library.opcheck(expert_lists.experts_forward_list, (p.x, p.topk_ids, p.topk_weights, w1, w3, w2, "silu_glu",
-                                                              True))
+    args = (p.x, p.topk_ids, p.topk_weights, w1, w3, w2, "silu_glu", True, position)
+    torch.library.opcheck(expert_lists.experts_forward_list, args)
+
+
+@pytest.mark.parametrize("position", ["input", "between"])
+def test_expert_list_op_takes_every_weight_position(position):
+    """Forward and every gradient against the reference, which applies the weight at the same place."""
+    from moe_inductor.ops import expert_lists
+
+    torch.manual_seed(1)
+    T, H, I, E, k = 8, 16, 8, 5, 2  # E not a power of two
+    x = torch.randn(T, H, requires_grad=True)
+    ids = torch.randn(T, E).topk(k).indices
+    w = torch.rand(T, k, requires_grad=True)
+    w1, w3, w2 = ([(torch.randn(*shape) * 0.3).requires_grad_() for _ in range(E)] for shape in ((I, H), (I, H), (H, I)))
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", True, position)
+    stacks = [torch.stack(ws).transpose(1, 2) for ws in (w1, w3, w2)]
+    ref = moe_reference(x, ids, w, *stacks, activation="silu_glu", weight_position=position)
+    assert_close(y, ref, torch.float32, "y")
+    dy = torch.randn_like(y)
+    leaves = [x, w] + w1 + w3 + w2
+    for a, b in zip(torch.autograd.grad(y, leaves, dy), torch.autograd.grad(ref, leaves, dy)):
+        assert_close(a, b, torch.float32, "grad")
+    with pytest.raises(ValueError, match="weight_position must be one of"):
+        expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", True, "before")

@@ -306,15 +306,19 @@ class ModuleListMoE(nn.Module):
         for e in range(self.E):
             idx, top_x = torch.where(mask[e])
             cur = x[None, top_x].reshape(-1, H)
-            y = self.experts[e](cur) * weights[top_x, idx, None]
+            if self.style == "weight_on_input":  # the routing weight scales what each expert reads
+                y = self.experts[e](cur * weights[top_x, idx, None])
+            else:
+                y = self.experts[e](cur) * weights[top_x, idx, None]
             out.index_add_(0, top_x, y.to(x.dtype))
         return out
 
 
+@pytest.mark.parametrize("style", ["hf_v4", "weight_on_input"])
 @pytest.mark.parametrize("E,k", [(4, 2), (3, 1)])
-def test_module_list_experts_are_rewritten_and_equal(E, k):
+def test_module_list_experts_are_rewritten_and_equal(E, k, style):
     torch.manual_seed(0)
-    model = ModuleListMoE("hf_v4", E, k)
+    model = ModuleListMoE(style, E, k)
     for T in (4, 13):
         x = torch.randn(T, H)
         out, ref = compile_moe(model, x), model(x)
@@ -322,9 +326,10 @@ def test_module_list_experts_are_rewritten_and_equal(E, k):
         assert counters["moe_inductor"]["unrolled_loop"] == 1
 
 
-def test_module_list_gradients_match_eager():
+@pytest.mark.parametrize("style", ["hf_v4", "weight_on_input"])
+def test_module_list_gradients_match_eager(style):
     torch.manual_seed(0)
-    model = ModuleListMoE("hf_v4", 4, 2)
+    model = ModuleListMoE(style, 4, 2)
     x = torch.randn(10, H, requires_grad=True)
     params = [x] + list(model.parameters())
     out = compile_moe(model, x, inner="aot_eager")

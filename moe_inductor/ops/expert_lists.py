@@ -13,7 +13,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from .experts import experts_backward, experts_forward_impl
+from .experts import WEIGHT_POSITIONS, experts_backward, experts_forward_impl
 
 _STACKS: "OrderedDict[tuple, tuple[list, tuple, Tensor]]" = OrderedDict()
 _MAX_STACKS = 4096  # a safety bound; entries of freed weights are dropped as soon as they are seen
@@ -44,6 +44,11 @@ def stacked(ws: list[Tensor]) -> Tensor:
     return entry[2]
 
 
+def check_weight_position(weight_position: str) -> None:
+    if weight_position not in WEIGHT_POSITIONS:
+        raise ValueError(f"moe_inductor: weight_position must be one of {WEIGHT_POSITIONS}, got {weight_position!r}")
+
+
 def _views(w1: list[Tensor], w1_up: list[Tensor], w2: list[Tensor]):
     return (stacked(w1).transpose(1, 2), stacked(w1_up).transpose(1, 2) if w1_up else None,
             stacked(w2).transpose(1, 2))
@@ -51,20 +56,22 @@ def _views(w1: list[Tensor], w1_up: list[Tensor], w2: list[Tensor]):
 
 @torch.library.custom_op("moe_inductor::experts_forward_list", mutates_args=())
 def experts_forward_list(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: list[Tensor], w1_up: list[Tensor],
-                         w2: list[Tensor], activation: str, save_pre: bool
+                         w2: list[Tensor], activation: str, save_pre: bool, weight_position: str
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``experts_forward`` on per-expert nn.Linear weights (``w1_up`` empty for a plain activation).
+    """``experts_forward`` on per-expert nn.Linear weights (``w1_up`` empty for a plain activation); the routing
+    weight scales the expert's output, input or hidden state (``weight_position``), as in ``experts_forward``.
 
     Returns:
         y (T, H), pre, order, sorted_expert, offsets, as ``experts_forward``.
     """
+    check_weight_position(weight_position)
     g, u, d = _views(w1, w1_up, w2)
-    return experts_forward_impl(x, topk_ids, topk_weights, g, u, d, None, None, None, activation, "output", 1.702, 7.0,
-                                None, save_pre)
+    return experts_forward_impl(x, topk_ids, topk_weights, g, u, d, None, None, None, activation, weight_position,
+                                1.702, 7.0, None, save_pre)
 
 
 @experts_forward_list.register_fake
-def _(x, topk_ids, topk_weights, w1, w1_up, w2, activation, save_pre):
+def _(x, topk_ids, topk_weights, w1, w1_up, w2, activation, save_pre, weight_position):
     M = topk_ids.shape[0] * topk_ids.shape[1]
     n_pre = w1[0].shape[0] * (2 if w1_up else 1)
     ids = topk_ids.new_empty(M, dtype=torch.int32)
@@ -75,19 +82,21 @@ def _(x, topk_ids, topk_weights, w1, w1_up, w2, activation, save_pre):
 @torch.library.custom_op("moe_inductor::experts_backward_list", mutates_args=())
 def experts_backward_list(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: list[Tensor],
                           w1_up: list[Tensor], w2: list[Tensor], pre: Tensor, order: Tensor, sorted_expert: Tensor,
-                          offsets: Tensor, activation: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                          offsets: Tensor, activation: str, weight_position: str
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``experts_forward_list``: dx, d_topk_weights, and the stacked (E, N, K) dw1, dw1_up, dw2
     (dw1_up empty for a plain activation)."""
     g, u, d = _views(w1, w1_up, w2)
     dx, dtw, dg, du, dd, *_ = experts_backward(dy, x, topk_ids, topk_weights, g, u, d, None, None, None, pre, order,
-                                               sorted_expert, offsets, activation, "output", 1.702, 7.0, False,
+                                               sorted_expert, offsets, activation, weight_position, 1.702, 7.0, False,
                                                [True, True, True, u is not None, True, False, False, False])
     # the grads of the (E, K, N) views, laid out as (E, N, K) like the weights
     return dx, dtw, dg.transpose(1, 2).contiguous(), du.transpose(1, 2).contiguous(), dd.transpose(1, 2).contiguous()
 
 
 @experts_backward_list.register_fake
-def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, pre, order, sorted_expert, offsets, activation):
+def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, pre, order, sorted_expert, offsets, activation,
+      weight_position):
     E = len(w1)
 
     def stack_like(ws):
@@ -97,11 +106,14 @@ def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, pre, order, sorted_expert, o
 
 
 def _setup(ctx, inputs, output):
-    x, topk_ids, topk_weights, w1, w1_up, w2, activation, save_pre = inputs
+    # (no argument has a default: the dispatcher drops arguments equal to their defaults before autograd, which
+    # would make the number of gradients to return depend on the values passed)
+    x, topk_ids, topk_weights, w1, w1_up, w2, activation, save_pre, weight_position = inputs
     _, pre, order, sorted_expert, offsets = output
     ctx.save_for_backward(x, topk_ids, topk_weights, pre, order, sorted_expert, offsets, *w1, *w1_up, *w2)
     ctx.sizes = (len(w1), len(w1_up))
     ctx.activation = activation
+    ctx.weight_position = weight_position
 
 
 def _backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
@@ -109,9 +121,10 @@ def _backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
     n1, n_up = ctx.sizes
     w1, w1_up, w2 = ws[:n1], ws[n1:n1 + n_up], ws[n1 + n_up:]
     dx, dtw, dw1, dw1_up, dw2 = experts_backward_list(dy.contiguous(), x, topk_ids, topk_weights, w1, w1_up, w2, pre,
-                                                      order, sorted_expert, offsets, ctx.activation)
+                                                      order, sorted_expert, offsets, ctx.activation,
+                                                      ctx.weight_position)
     return (dx, None, dtw, list(dw1.unbind(0)), list(dw1_up.unbind(0)) if n_up else [], list(dw2.unbind(0)), None,
-            None)
+            None, None)
 
 
 experts_forward_list.register_autograd(_backward, setup_context=_setup)

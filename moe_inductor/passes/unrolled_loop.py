@@ -13,7 +13,7 @@ with a data-dependent size instead of a graph break):
     return out
 
 The routing weight may instead scale the expert's input (``xe = x[tok] * weights[tok, pos, None]``) or the hidden
-state before the down projection (stacked weights only); the op takes it at the same place.
+state before the down projection; the op takes it at the same place.
 
 The E bodies must agree on everything but e (same x, ids, weights, weights tensors, activation, layout), e must run
 over all of range(E), and the accumulator must start from zeros and be changed by nothing else. Then the loop
@@ -210,8 +210,6 @@ def _body(add: Node, acc: Node) -> Union[_Body, str]:
         return "the projections mix weight layouts"
     if any(p[3] != down[3] for p in (gate, up) if p is not None):  # all stacked, or all per-expert
         return "the projections mix stacked and per-expert weights"
-    if position != "output" and not down[3]:  # the per-expert list op scales outputs only
-        return f"a routing weight on the {position} with per-expert weights (only the output is supported there)"
     spec = MoESpec(x, ids, weights, gate[1], up[1] if up else None, w_down, layout, activation,
                    weight_position=position)
     return _Body(e, spec, where, add, stacked=down[3], read=read)
@@ -234,9 +232,10 @@ def _per_expert_spec(bodies: list[_Body]) -> Optional[MoESpec]:
     """One spec over per-expert (nn.Linear) weights: tuples ordered by e, every e of range(E) once, one weight per
     expert and projection, (out, in) weights only (what the list op takes)."""
     first = bodies[0].spec
-    shared = (first.x, first.ids, first.weights, first.layout, first.activation, first.up is None)
-    if any((b.spec.x, b.spec.ids, b.spec.weights, b.spec.layout, b.spec.activation, b.spec.up is None) != shared
-           for b in bodies):
+    shared = (first.x, first.ids, first.weights, first.layout, first.activation, first.up is None,
+              first.weight_position)
+    if any((b.spec.x, b.spec.ids, b.spec.weights, b.spec.layout, b.spec.activation, b.spec.up is None,
+            b.spec.weight_position) != shared for b in bodies):
         return None
     if first.layout != "nk" or sorted(b.e for b in bodies) != list(range(len(bodies))):
         return None
@@ -247,7 +246,8 @@ def _per_expert_spec(bodies: list[_Body]) -> Optional[MoESpec]:
         return None  # a weight shared between experts or projections is not the per-expert form
     if len({tuple(val(w).shape) for w in gate}) != 1 or len({tuple(val(w).shape) for w in down}) != 1:
         return None
-    return MoESpec(first.x, first.ids, first.weights, gate, up, down, "nk", first.activation)
+    return MoESpec(first.x, first.ids, first.weights, gate, up, down, "nk", first.activation,
+                   weight_position=first.weight_position)
 
 
 def _zeros_like_x(acc: Node) -> bool:
