@@ -5,6 +5,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+import moe_inductor
 from tests.helpers import compile_moe
 
 E, H, I = 6, 16, 8
@@ -77,6 +78,7 @@ def test_styles_are_rewritten_and_equal(style, k):
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5
         assert counters["moe_inductor"]["dense_experts"] == 1
         assert sum(counters["graph_break"].values()) == 0
+        assert not counters["moe_inductor_left_alone"]
 
 
 @pytest.mark.parametrize("style", ["einsum", "kn_mulsum"])
@@ -101,3 +103,13 @@ def test_look_alikes_are_left_alone(style):
     x = torch.randn(7, H)
     assert torch.allclose(compile_moe(model, x), model(x), rtol=1e-6, atol=1e-6)
     assert not counters["moe_inductor"]
+    # every one of them mixes all experts by a matrix that is not a provable top-k scatter: said so, once
+    assert counters["moe_inductor_left_alone"] == {"dense_experts": 1}
+
+
+def test_explain_says_a_soft_mixture_is_not_sparse():
+    torch.manual_seed(0)
+    report = moe_inductor.explain(DenseMoE("soft"), torch.randn(5, H))
+    (left,) = report.left_alone
+    assert left.form == "dense_experts" and "soft mixture of every expert is not sparse" in left.reason
+    assert "test_pass_dense_experts.py" in left.where

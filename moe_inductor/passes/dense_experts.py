@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch.fx import GraphModule, Node
 
-from ..report import Rewrite
+from ..report import Rewrite, note_left_alone
 from ..spec import MoESpec
 from .emit import replace_matches
 from .fx_utils import alias_mutations, einsum_parts, read_gated, single_use, source_line, val, weighted_sum
@@ -114,26 +114,38 @@ def _topk_scatter(routing: Node) -> Optional[tuple[Node, Node]]:
 
 
 def match(y: Node) -> Optional[MoESpec]:
+    got = match_or_reason(y)
+    return got if isinstance(got, MoESpec) else None
+
+
+def match_or_reason(y: Node) -> Union[MoESpec, str, None]:
+    """The MoE ending at ``y``; or why not (a string) when ``y`` mixes every expert's down projection by a (T, E)
+    matrix, the form's mark; None when ``y`` is no such mix."""
     combined = weighted_sum(y)
     if combined is None:
         return None
     out, routing = combined
-    routed = _topk_scatter(routing)
     down = _dense_projection(out, 3)
-    if routed is None or down is None or not single_use(out):
+    if down is None:
         return None
+    routed = _topk_scatter(routing)
+    if routed is None:
+        return ("the (T, E) mixing matrix is not zeros scattered with topk ids (a soft mixture of every expert is "
+                "not sparse: nothing to skip)")
+    if not single_use(out):
+        return "the experts' (T, E, H) outputs are used elsewhere too"
     gated = read_gated(down.x, lambda n: _dense_projection(n, 2))
     if gated is None:
-        return None
+        return "the hidden state is not a known activation of an all-experts up projection"
     activation, gate, up = gated.activation, gated.gate, gated.up
     if up is not None and up.x is not gate.x:
-        return None
+        return "the gate and up projections read different inputs"
     if any(p.layout != gate.layout for p in (up, down) if p is not None):
-        return None
+        return "the projections mix weight layouts"
     ids, values = routed
     xv, wv = val(gate.x), val(down.weight)
     if xv is None or xv.dim() != 2 or val(ids).shape[0] != xv.shape[0] or val(routing).shape[1] != wv.shape[0]:
-        return None
+        return "the tokens, routing matrix and expert weights do not agree in T and E"
     return MoESpec(gate.x, ids, values, gate.weight, up.weight if up else None, down.weight, gate.layout, activation)
 
 
@@ -146,4 +158,10 @@ def _describe(node: Node, spec: MoESpec) -> Rewrite:
 
 def rewrite(gm: GraphModule) -> list[Rewrite]:
     """Replace every provable dense all-experts MoE in ``gm``; returns what was rewritten."""
-    return replace_matches(gm, match, _describe)
+    reasons = {y: got for y in gm.graph.nodes if isinstance(got := match_or_reason(y), str)}
+    done = replace_matches(gm, match, _describe)
+    live = set(gm.graph.nodes)
+    for y, reason in reasons.items():
+        if y in live:
+            note_left_alone(FORM, source_line(y), reason)
+    return done
