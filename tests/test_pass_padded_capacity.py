@@ -99,6 +99,7 @@ def test_padded_capacity_is_rewritten_and_equal(style):
     assert graphs <= 2, "at most 2 compiles over 4 token counts"
     assert counters["moe_inductor"]["padded_capacity"] == graphs
     assert sum(counters["graph_break"].values()) == 0
+    assert not counters["moe_inductor_left_alone"]
 
 
 @pytest.mark.parametrize("style", ["top1", "top2"])
@@ -133,6 +134,7 @@ def test_padded_capacity_look_alikes_are_left_alone(style):
             continue
         torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)
     assert counters["moe_inductor"]["padded_capacity"] == 0
+    assert counters["moe_inductor_left_alone"]["padded_capacity"] == 1  # explain() says a combine was left alone
 
 
 def test_padded_capacity_bf16_matches_eager():

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from ..report import Rewrite
+from ..report import Rewrite, note_left_alone
 from ..spec import MoESpec
 from .emit import emit_experts
 from .fx_utils import einsum_parts, mutated_alias, source_line, split_gated, val
@@ -309,16 +309,25 @@ class _Match:
     capacity: Any
 
 
-def match(y: Node) -> Optional[_Match]:
+def _capacity_combines(y: Node) -> list[tuple[Node, Node]]:
+    """(combine, slot outputs) operand pairs for which ``y`` is ``einsum("tec,ech->th", combine, out)``: the mark
+    of this form (a (T, E, C) combine over the experts' padded slots), whether or not the rest is provable."""
     parsed = einsum_parts(y)
     if parsed is None or len(parsed[2]) != 2:
-        return None
+        return []
     subs, out_subs, ops = parsed
+    pairs = []
     for ci, oi in ((0, 1), (1, 0)):
         cs, os_ = subs[ci], subs[oi]
-        if len(cs) != 3 or len(os_) != 3 or len(set(cs + os_)) != 4 or os_[:2] != cs[1:] or out_subs != cs[0] + os_[2]:
-            continue
-        found = _match_parts(_strip_casts(ops[ci]), ops[oi])
+        if len(cs) == 3 and len(os_) == 3 and len(set(cs + os_)) == 4 and os_[:2] == cs[1:] and (
+                out_subs == cs[0] + os_[2]):
+            pairs.append((ops[ci], ops[oi]))
+    return pairs
+
+
+def match(y: Node) -> Optional[_Match]:
+    for combine, out in _capacity_combines(y):
+        found = _match_parts(_strip_casts(combine), out)
         if found is not None:
             return found
     return None
@@ -394,10 +403,17 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
     for node in list(graph.nodes):
         found = match(node)
         if found is None:
+            if _capacity_combines(node):
+                note_left_alone(FORM, source_line(node), "a (T, E, C) combine over capacity slots, but its dispatch, "
+                                "slot projections or gating (one_hot, cumsum queue positions, capacity drops, gates) "
+                                "are not the GShard/Switch routing this form proves")
             continue
         x, gate_w, up_w, down_w, layout, activation = found.spec_parts
         if any(isinstance(n, Node) and mutated_alias(n) for n in (x, gate_w, up_w, down_w)):
-            continue  # the op would read them later than the user's code did
+            # the op would read them later than the user's code did
+            note_left_alone(FORM, source_line(node), "an input of the region is changed in place elsewhere in the "
+                            "graph")
+            continue
         with graph.inserting_before(node):
             ids = graph.call_function(torch.stack, ([c.idx for c in found.choices],), {"dim": 1})
             columns = [graph.call_method("reshape", (c.gate, -1)) for c in found.choices]
