@@ -50,6 +50,7 @@ def test_hf_model_is_rewritten_and_equal(family, implementation):
     assert graphs <= 2, "at most 2 compiles over 4 sequence lengths"
     assert counters["moe_inductor"][IMPLEMENTATIONS[implementation]] == 2 * graphs  # 2 MoE layers per graph
     assert set(counters["moe_inductor"]) == {IMPLEMENTATIONS[implementation]}
+    assert not counters["moe_inductor_left_alone"]  # no MoE-looking code was left behind
 
 
 def test_twenty_sequence_lengths_compile_at_most_twice():
