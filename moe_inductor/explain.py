@@ -58,8 +58,9 @@ def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, *
     configured ("after"). Resets Dynamo's caches, like ``torch._dynamo.explain``.
 
     Returns:
-        a Report: graphs, graph breaks with reasons, each rewrite (form, module, E, k, activation, weight shapes) and
-        the graph code before and after; ``print(report)`` reads well in a terminal.
+        a Report: graphs, graph breaks with reasons, each rewrite (form, module, E, k, activation, weight shapes),
+        each MoE-looking region left as it was with the reason (``report.left_alone``), and the graph code before
+        and after; ``print(report)`` reads well in a terminal.
     """
     options = dict(options or {})
     options.setdefault("inner", "eager")
