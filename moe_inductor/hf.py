@@ -201,7 +201,7 @@ def _switch_experts_forward(original: Callable) -> Callable:
         weights = routing_weights.reshape(-1, 1).to(hidden_states.dtype)
         wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or w_in[0].requires_grad)
         y, *_ = torch.ops.moe_inductor.experts_forward_list(hidden_states, ids, weights, w_in, [], w_out, activation,
-                                                            wants_grad, "output")
+                                                            wants_grad, "output", "nk")
         return y
 
     forward._moe_inductor_original = original

@@ -273,7 +273,7 @@ def test_expert_list_op_matches_reference_and_caches_the_stack():
     ids = torch.randn(T, E).topk(k).indices
     w = torch.rand(T, k, requires_grad=True)
     w1, w3, w2 = ([(torch.randn(*shape) * 0.3).requires_grad_() for _ in range(E)] for shape in ((I, H), (I, H), (H, I)))
-    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", True, "output")
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", True, "output", "nk")
     ref = moe_reference(x, ids, w, *(torch.stack(ws).transpose(1, 2) for ws in (w1, w3, w2)))
     assert_close(y, ref, torch.float32, "y")
     dy = torch.randn_like(y)
@@ -290,21 +290,23 @@ def test_expert_list_op_matches_reference_and_caches_the_stack():
     assert len(expert_lists._STACKS) == entries  # replaced, not added: training does not pile up stale stacks
 
 
-@pytest.mark.parametrize("position", ["output", "input", "between"])
-def test_opcheck_expert_list_op(position):
+@pytest.mark.parametrize("position,layout", [("output", "nk"), ("input", "nk"), ("between", "nk"), ("output", "kn")])
+def test_opcheck_expert_list_op(position, layout):
     from moe_inductor.ops import expert_lists
 
-    p = make_problem(7, 16, 8, 3, 2)
-    w1 = [t.detach().requires_grad_() for t in p.w1[:, :8].unbind(0)]
-    w3 = [t.detach().requires_grad_() for t in p.w1[:, 8:].unbind(0)]
+    p = make_problem(7, 16, 8, 3, 2, layout=layout)
+    gate, up = (p.w1[:, :8], p.w1[:, 8:]) if layout == "nk" else (p.w1[..., :8], p.w1[..., 8:])
+    w1 = [t.detach().contiguous().requires_grad_() for t in gate.unbind(0)]
+    w3 = [t.detach().contiguous().requires_grad_() for t in up.unbind(0)]
     w2 = [t.detach().requires_grad_() for t in p.w2.unbind(0)]
-    args = (p.x, p.topk_ids, p.topk_weights, w1, w3, w2, "silu_glu", True, position)
+    args = (p.x, p.topk_ids, p.topk_weights, w1, w3, w2, "silu_glu", True, position, layout)
     torch.library.opcheck(expert_lists.experts_forward_list, args)
 
 
-@pytest.mark.parametrize("position", ["input", "between"])
-def test_expert_list_op_takes_every_weight_position(position):
-    """Forward and every gradient against the reference, which applies the weight at the same place."""
+@pytest.mark.parametrize("position,layout", [("input", "nk"), ("between", "nk"), ("output", "kn"), ("input", "kn")])
+def test_expert_list_op_takes_every_weight_position_and_layout(position, layout):
+    """Forward and every gradient against the reference, which applies the weight at the same place; "kn" weights are
+    (in, out), as experts written ``x @ w`` hold them."""
     from moe_inductor.ops import expert_lists
 
     torch.manual_seed(1)
@@ -312,9 +314,10 @@ def test_expert_list_op_takes_every_weight_position(position):
     x = torch.randn(T, H, requires_grad=True)
     ids = torch.randn(T, E).topk(k).indices
     w = torch.rand(T, k, requires_grad=True)
-    w1, w3, w2 = ([(torch.randn(*shape) * 0.3).requires_grad_() for _ in range(E)] for shape in ((I, H), (I, H), (H, I)))
-    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", True, position)
-    stacks = [torch.stack(ws).transpose(1, 2) for ws in (w1, w3, w2)]
+    shapes = ((I, H), (I, H), (H, I)) if layout == "nk" else ((H, I), (H, I), (I, H))
+    w1, w3, w2 = ([(torch.randn(*shape) * 0.3).requires_grad_() for _ in range(E)] for shape in shapes)
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", True, position, layout)
+    stacks = [torch.stack(ws).transpose(1, 2) if layout == "nk" else torch.stack(ws) for ws in (w1, w3, w2)]
     ref = moe_reference(x, ids, w, *stacks, activation="silu_glu", weight_position=position)
     assert_close(y, ref, torch.float32, "y")
     dy = torch.randn_like(y)
@@ -322,4 +325,6 @@ def test_expert_list_op_takes_every_weight_position(position):
     for a, b in zip(torch.autograd.grad(y, leaves, dy), torch.autograd.grad(ref, leaves, dy)):
         assert_close(a, b, torch.float32, "grad")
     with pytest.raises(ValueError, match="weight_position must be one of"):
-        expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", True, "before")
+        expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", True, "before", layout)
+    with pytest.raises(ValueError, match="layout must be"):
+        expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", True, position, "nn")

@@ -287,6 +287,19 @@ class Expert(nn.Module):
         return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
+class RawExpert(nn.Module):
+    """An expert written with raw (in, out) parameters: ``x @ w``."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(H, I) * H ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(H, I) * H ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(I, H) * I ** -0.5)
+
+    def forward(self, x):
+        return (F.silu(x @ self.w1) * (x @ self.w3)) @ self.w2
+
+
 class ModuleListMoE(nn.Module):
     """Mixtral's reference code (HF v4): experts as a ModuleList of nn.Linear MLPs."""
 
@@ -294,7 +307,12 @@ class ModuleListMoE(nn.Module):
         super().__init__()
         self.style, self.E, self.k = style, E, k
         self.gate = nn.Linear(H, E, bias=False)
-        self.experts = nn.ModuleList(Expert() for _ in range(E))
+        if style == "raw_in_out":
+            self.experts = nn.ModuleList(RawExpert() for _ in range(E))
+        elif style == "mixed_layouts":  # half nn.Linear (out, in), half raw (in, out): not one stack
+            self.experts = nn.ModuleList(Expert() if e % 2 else RawExpert() for e in range(E))
+        else:
+            self.experts = nn.ModuleList(Expert() for _ in range(E))
         if style == "shared_weight":  # two experts share one projection: not the per-expert form
             self.experts[1].w2 = self.experts[0].w2
 
@@ -314,7 +332,7 @@ class ModuleListMoE(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("style", ["hf_v4", "weight_on_input"])
+@pytest.mark.parametrize("style", ["hf_v4", "weight_on_input", "raw_in_out"])
 @pytest.mark.parametrize("E,k", [(4, 2), (3, 1)])
 def test_module_list_experts_are_rewritten_and_equal(E, k, style):
     torch.manual_seed(0)
@@ -326,7 +344,7 @@ def test_module_list_experts_are_rewritten_and_equal(E, k, style):
         assert counters["moe_inductor"]["unrolled_loop"] == 1
 
 
-@pytest.mark.parametrize("style", ["hf_v4", "weight_on_input"])
+@pytest.mark.parametrize("style", ["hf_v4", "weight_on_input", "raw_in_out"])
 def test_module_list_gradients_match_eager(style):
     torch.manual_seed(0)
     model = ModuleListMoE(style, 4, 2)
@@ -339,9 +357,11 @@ def test_module_list_gradients_match_eager(style):
         assert ((g - r).norm() / r.norm().clamp_min(1e-12)).item() < 1e-5
 
 
-def test_module_list_with_a_shared_weight_is_left_alone():
+@pytest.mark.parametrize("style", ["shared_weight", "mixed_layouts"])
+def test_module_lists_that_are_not_one_stack_are_left_alone(style):
+    """A projection shared by two experts, or experts of two weight layouts: no one (E, ., .) stack to take."""
     torch.manual_seed(0)
-    model = ModuleListMoE("shared_weight", 4, 2)
+    model = ModuleListMoE(style, 4, 2)
     x = torch.randn(7, H)
     assert torch.allclose(compile_moe(model, x), model(x), rtol=1e-6, atol=1e-6)
     assert not counters["moe_inductor"]

@@ -1,7 +1,8 @@
 """Experts held as separate per-expert weight tensors (a ModuleList of nn.Linear, HF v4's loop): the same fused op,
 with the weights stacked once and cached against their versions.
 
-Shapes: each ``w1[e]``/``w1_up[e]`` is (I, H) and each ``w2[e]`` (H, I): nn.Linear's (out, in). The stack is rebuilt
+Shapes: with ``layout`` "nk" each ``w1[e]``/``w1_up[e]`` is (I, H) and each ``w2[e]`` (H, I), nn.Linear's (out, in);
+with "kn" they are (in, out): (H, I) and (I, H), for experts written as ``x @ w``. The stack is rebuilt
 only when a weight's storage or version changes (an optimizer step), so inference pays for it once. The cache lives
 inside the ops and is never returned: outputs stay fresh tensors, as custom ops require.
 """
@@ -49,14 +50,22 @@ def check_weight_position(weight_position: str) -> None:
         raise ValueError(f"moe_inductor: weight_position must be one of {WEIGHT_POSITIONS}, got {weight_position!r}")
 
 
-def _views(w1: list[Tensor], w1_up: list[Tensor], w2: list[Tensor]):
-    return (stacked(w1).transpose(1, 2), stacked(w1_up).transpose(1, 2) if w1_up else None,
-            stacked(w2).transpose(1, 2))
+def check_layout(layout: str) -> None:
+    if layout not in ("nk", "kn"):
+        raise ValueError(f"moe_inductor: layout must be 'nk' (out, in) or 'kn' (in, out), got {layout!r}")
+
+
+def _views(w1: list[Tensor], w1_up: list[Tensor], w2: list[Tensor], layout: str):
+    """The (E, K, N) views the op takes: the stacks themselves for (in, out) weights, their transposes for (out, in)."""
+    def view(ws):
+        return stacked(ws).transpose(1, 2) if layout == "nk" else stacked(ws)
+
+    return view(w1), view(w1_up) if w1_up else None, view(w2)
 
 
 @torch.library.custom_op("moe_inductor::experts_forward_list", mutates_args=())
 def experts_forward_list(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: list[Tensor], w1_up: list[Tensor],
-                         w2: list[Tensor], activation: str, save_pre: bool, weight_position: str
+                         w2: list[Tensor], activation: str, save_pre: bool, weight_position: str, layout: str
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``experts_forward`` on per-expert nn.Linear weights (``w1_up`` empty for a plain activation); the routing
     weight scales the expert's output, input or hidden state (``weight_position``), as in ``experts_forward``.
@@ -65,15 +74,16 @@ def experts_forward_list(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: 
         y (T, H), pre, order, sorted_expert, offsets, as ``experts_forward``.
     """
     check_weight_position(weight_position)
-    g, u, d = _views(w1, w1_up, w2)
+    check_layout(layout)
+    g, u, d = _views(w1, w1_up, w2, layout)
     return experts_forward_impl(x, topk_ids, topk_weights, g, u, d, None, None, None, activation, weight_position,
                                 1.702, 7.0, None, save_pre)
 
 
 @experts_forward_list.register_fake
-def _(x, topk_ids, topk_weights, w1, w1_up, w2, activation, save_pre, weight_position):
+def _(x, topk_ids, topk_weights, w1, w1_up, w2, activation, save_pre, weight_position, layout):
     M = topk_ids.shape[0] * topk_ids.shape[1]
-    n_pre = w1[0].shape[0] * (2 if w1_up else 1)
+    n_pre = w1[0].shape[0 if layout == "nk" else 1] * (2 if w1_up else 1)
     ids = topk_ids.new_empty(M, dtype=torch.int32)
     return (x.new_empty(x.shape), x.new_empty(M, n_pre) if save_pre else x.new_empty(0), ids, torch.empty_like(ids),
             topk_ids.new_empty(len(w1) + 1, dtype=torch.int32))
@@ -82,21 +92,24 @@ def _(x, topk_ids, topk_weights, w1, w1_up, w2, activation, save_pre, weight_pos
 @torch.library.custom_op("moe_inductor::experts_backward_list", mutates_args=())
 def experts_backward_list(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: list[Tensor],
                           w1_up: list[Tensor], w2: list[Tensor], pre: Tensor, order: Tensor, sorted_expert: Tensor,
-                          offsets: Tensor, activation: str, weight_position: str
+                          offsets: Tensor, activation: str, weight_position: str, layout: str
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``experts_forward_list``: dx, d_topk_weights, and the stacked (E, N, K) dw1, dw1_up, dw2
     (dw1_up empty for a plain activation)."""
-    g, u, d = _views(w1, w1_up, w2)
+    g, u, d = _views(w1, w1_up, w2, layout)
     dx, dtw, dg, du, dd, *_ = experts_backward(dy, x, topk_ids, topk_weights, g, u, d, None, None, None, pre, order,
                                                sorted_expert, offsets, activation, weight_position, 1.702, 7.0, False,
                                                [True, True, True, u is not None, True, False, False, False])
-    # the grads of the (E, K, N) views, laid out as (E, N, K) like the weights
-    return dx, dtw, dg.transpose(1, 2).contiguous(), du.transpose(1, 2).contiguous(), dd.transpose(1, 2).contiguous()
+    # the grads of the (E, K, N) views, laid out like the weights: (E, N, K) for "nk"
+    def like_weights(grad):
+        return (grad.transpose(1, 2) if layout == "nk" else grad).contiguous()
+
+    return dx, dtw, like_weights(dg), like_weights(du), like_weights(dd)
 
 
 @experts_backward_list.register_fake
 def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, pre, order, sorted_expert, offsets, activation,
-      weight_position):
+      weight_position, layout):
     E = len(w1)
 
     def stack_like(ws):
@@ -108,12 +121,13 @@ def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, pre, order, sorted_expert, o
 def _setup(ctx, inputs, output):
     # (no argument has a default: the dispatcher drops arguments equal to their defaults before autograd, which
     # would make the number of gradients to return depend on the values passed)
-    x, topk_ids, topk_weights, w1, w1_up, w2, activation, save_pre, weight_position = inputs
+    x, topk_ids, topk_weights, w1, w1_up, w2, activation, save_pre, weight_position, layout = inputs
     _, pre, order, sorted_expert, offsets = output
     ctx.save_for_backward(x, topk_ids, topk_weights, pre, order, sorted_expert, offsets, *w1, *w1_up, *w2)
     ctx.sizes = (len(w1), len(w1_up))
     ctx.activation = activation
     ctx.weight_position = weight_position
+    ctx.layout = layout
 
 
 def _backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
@@ -122,9 +136,9 @@ def _backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
     w1, w1_up, w2 = ws[:n1], ws[n1:n1 + n_up], ws[n1 + n_up:]
     dx, dtw, dw1, dw1_up, dw2 = experts_backward_list(dy.contiguous(), x, topk_ids, topk_weights, w1, w1_up, w2, pre,
                                                       order, sorted_expert, offsets, ctx.activation,
-                                                      ctx.weight_position)
+                                                      ctx.weight_position, ctx.layout)
     return (dx, None, dtw, list(dw1.unbind(0)), list(dw1_up.unbind(0)) if n_up else [], list(dw2.unbind(0)), None,
-            None, None)
+            None, None, None)
 
 
 experts_forward_list.register_autograd(_backward, setup_context=_setup)

@@ -30,7 +30,7 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
         if per_expert:  # nn.Linear weights: the list op stacks them once and caches the stack
             op = graph.call_function(torch.ops.moe_inductor.experts_forward_list.default, (
                 spec.x, spec.ids, weights, list(spec.gate), list(spec.up or ()), list(spec.down), spec.activation,
-                save_pre, spec.weight_position))
+                save_pre, spec.weight_position, spec.layout))
         else:
             views = [None if w is None else graph.call_method("transpose", (w, 1, 2)) if spec.layout == "nk" else w
                      for w in (spec.gate, spec.up, spec.down)]

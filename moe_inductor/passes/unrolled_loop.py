@@ -229,15 +229,15 @@ def _routing_scaled(node: Node, tok: Node, where: Node, pos_index: int) -> Optio
 
 
 def _per_expert_spec(bodies: list[_Body]) -> Optional[MoESpec]:
-    """One spec over per-expert (nn.Linear) weights: tuples ordered by e, every e of range(E) once, one weight per
-    expert and projection, (out, in) weights only (what the list op takes)."""
+    """One spec over per-expert weights: tuples ordered by e, every e of range(E) once, one weight per expert and
+    projection, all (out, in) (nn.Linear, ``F.linear``) or all (in, out) (``x @ w``)."""
     first = bodies[0].spec
     shared = (first.x, first.ids, first.weights, first.layout, first.activation, first.up is None,
               first.weight_position)
     if any((b.spec.x, b.spec.ids, b.spec.weights, b.spec.layout, b.spec.activation, b.spec.up is None,
             b.spec.weight_position) != shared for b in bodies):
         return None
-    if first.layout != "nk" or sorted(b.e for b in bodies) != list(range(len(bodies))):
+    if sorted(b.e for b in bodies) != list(range(len(bodies))):
         return None
     ordered = sorted(bodies, key=lambda b: b.e)
     gate, down = tuple(b.spec.gate for b in ordered), tuple(b.spec.down for b in ordered)
@@ -246,7 +246,7 @@ def _per_expert_spec(bodies: list[_Body]) -> Optional[MoESpec]:
         return None  # a weight shared between experts or projections is not the per-expert form
     if len({tuple(val(w).shape) for w in gate}) != 1 or len({tuple(val(w).shape) for w in down}) != 1:
         return None
-    return MoESpec(first.x, first.ids, first.weights, gate, up, down, "nk", first.activation,
+    return MoESpec(first.x, first.ids, first.weights, gate, up, down, first.layout, first.activation,
                    weight_position=first.weight_position)
 
 
@@ -280,7 +280,7 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
     elif not any(b.stacked for b in bodies):
         spec = _per_expert_spec(bodies)
         if spec is None:
-            return "the per-expert weights are not one distinct (out, in) weight per expert and projection"
+            return "the per-expert weights are not one distinct weight per expert and projection, of one shape"
     else:
         return "some bodies use stacked weights and others per-expert ones"
     xv, av, wv, iv = val(spec.x), val(acc), val(spec.weights), val(spec.ids)
