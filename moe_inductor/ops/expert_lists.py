@@ -46,11 +46,13 @@ def stacked(ws: list[Tensor]) -> Tensor:
 
 
 def check_weight_position(weight_position: str) -> None:
+    """A clear error for a routing-weight position the op does not have."""
     if weight_position not in WEIGHT_POSITIONS:
         raise ValueError(f"moe_inductor: weight_position must be one of {WEIGHT_POSITIONS}, got {weight_position!r}")
 
 
 def check_layout(layout: str) -> None:
+    """A clear error for a weight layout other than (out, in) "nk" and (in, out) "kn"."""
     if layout not in ("nk", "kn"):
         raise ValueError(f"moe_inductor: layout must be 'nk' (out, in) or 'kn' (in, out), got {layout!r}")
 
