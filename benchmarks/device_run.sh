@@ -45,7 +45,7 @@ case "${1:-tests}" in
     timeout 260 compute-sanitizer --tool memcheck python -m pytest tests/test_kernels.py tests/test_grouped_mm_engine.py \
       -q -p no:warnings -x -k "not inductor_graph" \
       2>&1 | tee "$OUT/sanitizer.log" | tail -4
-    for ex in quickstart generate train_step inspect_hf gshard_capacity; do
+    for ex in quickstart generate train_step inspect_hf gshard_capacity your_own_loop; do
       echo "== examples/$ex.py"; timeout 120 python "examples/$ex.py" 2>&1 | tee "$OUT/example_$ex.log" | tail -12
     done ;;
   experts)  # the engine's own GPU tests first: a table of a broken engine would be worthless

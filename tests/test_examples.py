@@ -33,3 +33,11 @@ def test_inspect_hf_shows_the_rewrite():
 def test_gshard_capacity_example_is_rewritten():
     report = load("gshard_capacity").main(tokens=40, inner_compiler="eager")
     assert [r.form for r in report.rewrites] == ["padded_capacity"]
+
+
+def test_your_own_loop_is_rewritten_and_its_look_alike_explained():
+    report, look_alike = load("your_own_loop").main(tokens=24, inner_compiler="aot_eager")  # raises on a mismatch
+    assert [r.form for r in report.rewrites] == ["unrolled_loop"]
+    assert "routing weight on the input" in report.rewrites[0].note
+    assert not look_alike.rewrites
+    assert [m.form for m in look_alike.left_alone] == ["unrolled_loop"]
