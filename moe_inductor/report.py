@@ -58,7 +58,7 @@ class Report:
         return [m for g in self.graphs for m in g.left_alone]
 
     def summary(self) -> str:
-        """The counts, graph breaks and rewrites, without the graph code."""
+        """The counts, graph breaks, rewrites and regions left alone, without the graph code."""
         return str(self).split("\n--- graph")[0]
 
     def __str__(self) -> str:
