@@ -75,3 +75,21 @@ def test_bench_hf_opaque_variant_compiles_under_its_config(monkeypatch):
     with bench_hf.variant_config("moe_inductor"):
         assert moe_inductor.config.visible_kernels
     assert moe_inductor.config.visible_kernels
+
+
+def test_every_script_device_run_calls_exists_and_parses_its_arguments():
+    """The GPU-only scripts (they time with CUDA events) cannot run here; each must at least import and parse its
+    command line, so that a typo does not cost a GPU call."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    scripts = set(re.findall(r"benchmarks/([a-z_]+)\.py", (root / "benchmarks" / "device_run.sh").read_text()))
+    scripts.discard("debug_gpu")  # takes diagnostic names, checked above
+    assert {"bench_backward_engine", "tune_weight_grad", "profile_experts", "bench_hf"} <= scripts
+    for name in sorted(scripts):
+        out = subprocess.run([sys.executable, str(root / "benchmarks" / f"{name}.py"), "--help"], capture_output=True,
+                             text=True, cwd=root, timeout=120)
+        assert out.returncode == 0 and "usage:" in out.stdout, (name, out.stderr[-2000:])
