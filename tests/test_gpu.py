@@ -164,7 +164,7 @@ def test_static_cache_decode_reduce_overhead_has_no_cudagraph_skips():
 
 @pytest.mark.parametrize("form", ["unrolled_loop", "gathered_weights", "dense_experts", "sorted_grouped_mm",
                                   "padded_capacity", "unrolled_loop/weight_on_input",
-                                  "unrolled_loop/weight_between"])
+                                  "unrolled_loop/weight_between", "unrolled_loop/module_list_in_out_weight_on_input"])
 def test_fx_forms_run_the_gpu_kernels(form):
     """Each FX-matched form, rewritten and run on the GPU in bf16, against eager."""
     from torch._dynamo.utils import counters
@@ -173,13 +173,14 @@ def test_fx_forms_run_the_gpu_kernels(form):
     from tests.test_pass_gathered_weights import GatheredMoE
     from tests.test_pass_padded_capacity import CapacityMoE
     from tests.test_pass_sorted_grouped_mm import SortedMoE
-    from tests.test_pass_unrolled_loop import LoopMoE
+    from tests.test_pass_unrolled_loop import LoopMoE, ModuleListMoE
 
     make = {"unrolled_loop": lambda: LoopMoE("where_matmul", 4, 2), "gathered_weights": lambda: GatheredMoE("gptfast"),
             "dense_experts": lambda: DenseMoE("einsum"), "sorted_grouped_mm": lambda: SortedMoE("titan", 2),
             "padded_capacity": lambda: CapacityMoE("top2"),
             "unrolled_loop/weight_on_input": lambda: LoopMoE("weight_on_input", 4, 2),
-            "unrolled_loop/weight_between": lambda: LoopMoE("weight_between", 4, 2)}[form]
+            "unrolled_loop/weight_between": lambda: LoopMoE("weight_between", 4, 2),
+            "unrolled_loop/module_list_in_out_weight_on_input": lambda: ModuleListMoE("raw_in_out_input", 4, 2)}[form]
     torch.manual_seed(0)
     model = make().to("cuda", torch.bfloat16)
     width = model.w1.shape[-1] if form == "sorted_grouped_mm" else 16

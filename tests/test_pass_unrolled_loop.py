@@ -307,7 +307,7 @@ class ModuleListMoE(nn.Module):
         super().__init__()
         self.style, self.E, self.k = style, E, k
         self.gate = nn.Linear(H, E, bias=False)
-        if style == "raw_in_out":
+        if style in ("raw_in_out", "raw_in_out_input"):
             self.experts = nn.ModuleList(RawExpert() for _ in range(E))
         elif style == "mixed_layouts":  # half nn.Linear (out, in), half raw (in, out): not one stack
             self.experts = nn.ModuleList(Expert() if e % 2 else RawExpert() for e in range(E))
@@ -324,7 +324,7 @@ class ModuleListMoE(nn.Module):
         for e in range(self.E):
             idx, top_x = torch.where(mask[e])
             cur = x[None, top_x].reshape(-1, H)
-            if self.style == "weight_on_input":  # the routing weight scales what each expert reads
+            if self.style in ("weight_on_input", "raw_in_out_input"):  # the routing weight scales the expert's input
                 y = self.experts[e](cur * weights[top_x, idx, None])
             else:
                 y = self.experts[e](cur) * weights[top_x, idx, None]
@@ -332,7 +332,7 @@ class ModuleListMoE(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("style", ["hf_v4", "weight_on_input", "raw_in_out"])
+@pytest.mark.parametrize("style", ["hf_v4", "weight_on_input", "raw_in_out", "raw_in_out_input"])
 @pytest.mark.parametrize("E,k", [(4, 2), (3, 1)])
 def test_module_list_experts_are_rewritten_and_equal(E, k, style):
     torch.manual_seed(0)
