@@ -111,12 +111,14 @@ def gemm_engine(name: str):
         moe_inductor.config.gemm_engine = old
 
 
-def engine_chosen(x, ids, w1, w2) -> str:
-    """Which engine the op's default rule picks for these inputs (the fused_experts call's own views)."""
+def engine_chosen(x, ids, w1, w2, backward: bool = False) -> str:
+    """Which engine the op's default rule picks for these inputs (the fused_experts call's own views), for the
+    forward or the backward."""
     from moe_inductor.ops import expert_weight_views, grouped_mm_engine
 
     g, u, d, _, _ = expert_weight_views(w1, w2, None, activation="silu_glu", layout="nk", gate_up="concat")
-    picked = grouped_mm_engine.grouped_mm_weights(x, g, u, d, None, None, "output", False, ids.numel())
+    picked = grouped_mm_engine.grouped_mm_weights(x, g, u, d, None, None, "output", False, ids.numel(),
+                                                  backward=backward)
     return "grouped_mm" if picked is not None else "triton"
 
 
@@ -168,7 +170,8 @@ def run_shape(name, tokens, skews, do_backward, do_hf, rows, skew_tokens=None):
             row["floor"] = floor_ms(T, H, I, E, k)
             if do_backward and not skew and T in (4096,):
                 row.update(bench_backward(x, ids, weights, w1, w2, w1_kn, w2_kn))
-                if row["engine"] != "triton":
+                # the fused kernels alone, where the default hands the forward's or the backward's GEMMs to CUTLASS
+                if row["engine"] != "triton" or engine_chosen(x, ids, w1, w2, backward=True) != "triton":
                     with gemm_engine("triton"):
                         fused = bench_backward(x, ids, weights, w1, w2, w1_kn, w2_kn, ours_only=True)
                     row["fwdbwd_ours_fused"] = fused["fwdbwd_ours"]
