@@ -269,6 +269,27 @@ def test_cli_inspect(tmp_path):
     assert "2 MoE rewrite(s)" in out.stdout and "hf_eager_loop" in out.stdout
 
 
+def test_cli_check_fails_on_a_region_left_alone(tmp_path):
+    """``inspect --check`` passes a fully rewritten model and fails (status 1, with the reason) on a look-alike."""
+    target = tmp_path / "target.py"
+    target.write_text(textwrap.dedent("""
+        import torch
+        from tests.test_pass_unrolled_loop import LoopMoE
+
+        def rewritten():
+            return LoopMoE("where_matmul", 4, 2), (torch.randn(5, 16),)
+
+        def look_alike():
+            return LoopMoE("partial", 4, 2), (torch.randn(5, 16),)
+    """))
+    cli = [sys.executable, "-m", "moe_inductor", "inspect", "--summary", "--check"]
+    ok = subprocess.run(cli + [f"{target}:rewritten"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "1 MoE rewrite(s)" in ok.stdout and "--- graph" not in ok.stdout, ok.stderr[-2000:]
+    bad = subprocess.run(cli + [f"{target}:look_alike"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "1 MoE-looking region(s) left alone" in bad.stderr
+    assert "not each of range(E) once" in bad.stdout
+
+
 def test_hf_registry_runs_our_op_in_eager_mode():
     from moe_inductor import hf
 
