@@ -112,7 +112,8 @@ case "${1:-tests}" in
       | grep -v "torch.__trace" | tee "$OUT/bwd_engine_default.log"
     timeout -s INT 200 python -m pytest tests/test_grouped_mm_engine.py tests/test_gpu.py -o addopts="--strict-markers" \
       -q -p no:warnings --tb=short -k "engine or fx_forms or holds" 2>&1 | grep -v "torch.__trace" \
-      | tee "$OUT/pending6_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
+      | tee "$OUT/pending6_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed"
+    timeout 120 python examples/your_own_loop.py 2>&1 | tail -6 ;;
   decode)
     timeout 500 python benchmarks/debug_gpu.py decode_visible 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       | tee "$OUT/decode_visible.log" | grep -E "DECODE16|FAILED" ;;
