@@ -268,9 +268,10 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
     if any(u.target not in ("index_add_", operator.setitem) for u in mutations):
         return "the accumulator is also changed by something other than the loop's writes"
     bodies = [_body(add, acc) for add in mutations]
-    reasons = [b for b in bodies if isinstance(b, str)]
-    if reasons:
-        return reasons[0]
+    failed = [(b, add) for b, add in zip(bodies, mutations) if isinstance(b, str)]
+    if failed:  # the first failing body, at its own line (the write), which is where the user will look
+        reason, add = failed[0]
+        return f"{reason} (at {source_line(add).split(': ', 1)[0]})"
     spec = bodies[0].spec
     if all(b.stacked for b in bodies):
         if any(b.spec != spec for b in bodies):  # the same region but for e (MoESpec compares its nodes)
