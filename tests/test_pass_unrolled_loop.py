@@ -145,7 +145,7 @@ def test_no_nonzero_left_in_the_graph():
     assert not any("assert" in str(t) for t in targets)
 
 
-@pytest.mark.parametrize("style", ["where_matmul", "setitem_add"])
+@pytest.mark.parametrize("style", ["where_matmul", "setitem_add", "weight_on_input", "weight_between"])
 def test_torch_2_11_dunder_spelling_is_rewritten(style):
     """Dynamo in torch 2.11 records ``ids == e`` as ``call_method __eq__`` (seen on the H200), 2.13 as
     ``operator.eq``; both must be rewritten. The graph is respelled the 2.11 way before the backend sees it."""
