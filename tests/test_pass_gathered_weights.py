@@ -73,6 +73,18 @@ def test_styles_are_rewritten_and_equal(style):
     assert not counters["moe_inductor_left_alone"]
 
 
+@pytest.mark.parametrize("style,reason", [
+    ("mixed_ids", "gather their weights with different ids"),
+    ("up_other_ids", "gather their weights with different ids"),
+    ("up_other_x", "read different inputs"),
+])
+def test_explain_says_why_gathered_weights_were_left_alone(style, reason):
+    torch.manual_seed(0)
+    report = moe_inductor.explain(GatheredMoE(style), torch.randn(5, D))
+    (left,) = report.left_alone
+    assert left.form == "gathered_weights" and reason in left.reason, left
+
+
 def test_two_look_alike_layers_are_reported_once_each():
     """Left-alone notes group by the module the gathers sit in: two unprovable MoE layers, two notes."""
     torch.manual_seed(0)

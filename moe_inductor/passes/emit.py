@@ -76,18 +76,25 @@ def replace_matches(gm: GraphModule, match: Callable[[Node], Optional[MoESpec]],
 _HF_EXPERTS_SOURCE = "transformers/integrations/moe.py"
 
 
-def note_unmatched(gm: GraphModule, form: str, marker: Callable[[Node], Optional[Node]], reason: str) -> None:
+def region_of(node: Node, fallback: object = None) -> object:
+    """The user-level region a node belongs to, for left-alone notes: its innermost module's path; outside any
+    submodule, the function of the user's source; else ``fallback``."""
+    modules = node.meta.get("nn_module_stack") or {}
+    return next(reversed(modules)) if modules else (source_function(node) or fallback)
+
+
+def note_unmatched(gm: GraphModule, form: str, marker: Callable[[Node], Optional[Node]], reason: str,
+                   already: Optional[set] = None) -> None:
     """After a pass: each region still holding its form's marker (a grouped GEMM, a weight gathered by routing ids)
-    was MoE-looking code the pass could not prove; note it for explain() and the log, once per module the markers
-    sit in (outside any submodule: once per function of the user's source, else per node ``marker`` returns, such
-    as the shared ids or offsets)."""
-    seen = set()
+    was MoE-looking code the pass could not prove; note it for explain() and the log, once per ``region_of`` (with
+    the node ``marker`` returns, such as the shared ids or offsets, as the fallback). Regions in ``already`` got a
+    more specific note from the pass itself."""
+    seen = set(already or ())
     for node in gm.graph.nodes:
         group = marker(node)
         if group is None or _HF_EXPERTS_SOURCE in (node.meta.get("stack_trace") or ""):
             continue
-        modules = node.meta.get("nn_module_stack") or {}
-        region = next(reversed(modules)) if modules else (source_function(node) or group)  # innermost module
+        region = region_of(node, group)
         if region in seen:
             continue
         seen.add(region)

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch.fx import GraphModule, Node
 
-from ..report import Rewrite
+from ..report import Rewrite, note_left_alone
 from ..spec import MoESpec
-from .emit import note_unmatched, replace_matches
+from .emit import note_unmatched, region_of, replace_matches
 from .fx_utils import einsum_parts, read_gated, single_use, source_line, val, weighted_sum
 
 FORM = "gathered_weights"
@@ -74,29 +74,40 @@ def _projection(node: Node, x_subs_len: int = 2) -> Optional[_Projection]:
 
 
 def match(y: Node) -> Optional[MoESpec]:
+    got = match_or_reason(y)
+    return got if isinstance(got, MoESpec) else None
+
+
+def match_or_reason(y: Node) -> Union[MoESpec, str, None]:
+    """The MoE ending at ``y``; or why not (a string) when ``y`` is a weighted sum over k of a down projection on
+    gathered weights, the form's mark; None when it is no such sum."""
     combined = weighted_sum(y)
     if combined is None:
         return None
     out, weights = combined
     down = _projection(out, x_subs_len=3)
-    if down is None or not single_use(out):
+    if down is None:
         return None
+    if not single_use(out):
+        return "the per-choice expert outputs are used elsewhere too"
     h = down.x
     gated = read_gated(h, _projection)
     if gated is None:
-        return None
+        return "the hidden state is not a known activation of up projection(s) on weights gathered by the same ids"
     gate, up = gated.gate, gated.up
     projections = [p for p in (gate, up, down) if p is not None]
-    if any(p.ids is not gate.ids for p in projections) or any(p.layout != gate.layout for p in projections):
-        return None
+    if any(p.ids is not gate.ids for p in projections):
+        return "the projections gather their weights with different ids"
+    if any(p.layout != gate.layout for p in projections):
+        return "the projections mix weight layouts"
     if up is not None and up.x is not gate.x:
-        return None
+        return "the gate and up projections read different inputs"
     chain = [out, h, gated.act, gated.gate_in] + ([gated.up_in] if gated.up_in is not None else [])
     if not single_use(*{id(n): n for n in chain}.values()):
-        return None
+        return "an intermediate of the experts (hidden state, activation, projection) is used elsewhere too"
     ids_val, w_val, x_val = val(gate.ids), val(weights), val(gate.x)
     if ids_val is None or w_val is None or x_val is None or x_val.dim() != 2 or tuple(w_val.shape) != tuple(ids_val.shape):
-        return None
+        return "the tokens, ids and routing weights do not have (T, H), (T, k) and (T, k) shapes"
     return MoESpec(gate.x, gate.ids, weights, gate.weight, up.weight if up else None, down.weight, gate.layout,
                    gated.activation)
 
@@ -111,8 +122,15 @@ def _describe(node: Node, spec: MoESpec) -> Rewrite:
 
 def rewrite(gm: GraphModule) -> list[Rewrite]:
     """Replace every provable gathered-weights MoE in ``gm``; returns what was rewritten."""
+    reasons = {y: got for y in gm.graph.nodes if isinstance(got := match_or_reason(y), str)}
     done = replace_matches(gm, match, _describe)
+    live = set(gm.graph.nodes)
+    specific = set()
+    for y, reason in reasons.items():
+        if y in live:
+            note_left_alone(FORM, source_line(y), reason)
+            specific.add(region_of(y))
     note_unmatched(gm, FORM, lambda n: (_gathered(n) or (None, None))[1],
                    "expert weights gathered by routing ids (w[ids]), but the einsums around them are not the "
-                   "gated/plain up, down and weighted sum over k this form proves, each used once")
+                   "gated/plain up, down and weighted sum over k this form proves, each used once", already=specific)
     return done
