@@ -60,7 +60,7 @@ def default_gemm_config(bucket: int, n: int, k: int, dtype: torch.dtype, gated: 
     return LaunchConfig(128, 128, 64 if not wide else 32, 8, 3)
 
 
-def default_weight_grad_config(k: int, n: int, dtype: torch.dtype, rows_bucket: int = 0) -> LaunchConfig:
+def default_weight_grad_config(k: int, n: int, dtype: torch.dtype) -> LaunchConfig:
     """The weight-gradient config for a key the tuned table lacks."""
     if interpreting():
         return LaunchConfig(16, 32, 32, 1, 1)

@@ -307,7 +307,7 @@ def launch_grouped_weight_grad(
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
 
-    default = configs.default_weight_grad_config(k_dim, n_dim, a.dtype, bucket)
+    default = configs.default_weight_grad_config(k_dim, n_dim, a.dtype)
     cfg = _pick(key, default, lambda: configs.weight_grad_candidates(a.dtype), run)
     with device_guard(a):
         run(cfg)
