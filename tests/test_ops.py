@@ -324,7 +324,7 @@ def test_expert_list_op_takes_every_weight_position_and_layout(position, layout)
     leaves = [x, w] + w1 + w3 + w2
     for a, b in zip(torch.autograd.grad(y, leaves, dy), torch.autograd.grad(ref, leaves, dy)):
         assert_close(a, b, torch.float32, "grad")
-    with pytest.raises(ValueError, match="weight_position must be one of"):
+    with pytest.raises(ValueError, match="weight_position='before'; choose one of"):
         expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", True, "before", layout)
-    with pytest.raises(ValueError, match="layout must be"):
+    with pytest.raises(ValueError, match="layout='nn'; choose 'nk'"):
         expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", True, position, "nn")

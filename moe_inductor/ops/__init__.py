@@ -9,7 +9,7 @@ from torch import Tensor
 from .. import config
 from .activations import ACTIVATIONS, apply_activation, is_gated
 from . import expert_lists  # noqa: F401  (registers moe_inductor::experts_forward_list)
-from .experts import check_experts_args, experts_backward, experts_forward, experts_forward_impl
+from .experts import check_experts_args, experts_backward, experts_forward, experts_forward_impl, to_kn
 from .grouped_mm import grouped_mm, grouped_mm_reference
 from .reference import moe_reference
 from .routing import check_topk_ids, route, route_reference
@@ -20,14 +20,6 @@ __all__ = [
     "ACTIVATIONS", "apply_activation", "experts_backward", "experts_forward", "expert_weight_views", "fused_experts",
     "grouped_mm", "grouped_mm_reference", "moe_reference", "route", "route_reference",
 ]
-
-
-def _to_kn(w: Tensor, layout: str) -> Tensor:
-    if layout == "kn":
-        return w
-    if layout == "nk":
-        return w.transpose(-1, -2)
-    raise ValueError(f"layout={layout!r}; choose 'nk' (E, out, in), as nn.Linear stores it, or 'kn' (E, in, out)")
 
 
 def _split_gate_up(t: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
@@ -86,12 +78,12 @@ def expert_weight_views(
     """
     gated = is_gated(activation)
     if isinstance(w1, tuple):
-        gate, up = (_to_kn(w, layout) for w in w1)
+        gate, up = (to_kn(w, layout) for w in w1)
         bg, bu = b1 if b1 is not None else (None, None)
-        return gate, up, _to_kn(w2, layout), bg, bu
-    w1 = _to_kn(w1, layout)
+        return gate, up, to_kn(w2, layout), bg, bu
+    w1 = to_kn(w1, layout)
     if not gated:
-        return w1, None, _to_kn(w2, layout), b1, None
+        return w1, None, to_kn(w2, layout), b1, None
     if gate_up not in ("concat", "interleaved"):
         raise ValueError(f"gate_up={gate_up!r}; choose 'concat' (gate then up) or 'interleaved'")
     if w1.shape[2] % 2:
@@ -103,7 +95,7 @@ def expert_weight_views(
     else:
         views = _split_gate_up(w1, interleaved)
     bias = _split_gate_up(b1, interleaved) if b1 is not None else (None, None)
-    return views[0], views[1], _to_kn(w2, layout), bias[0], bias[1]
+    return views[0], views[1], to_kn(w2, layout), bias[0], bias[1]
 
 
 def fused_experts(

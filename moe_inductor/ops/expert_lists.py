@@ -14,7 +14,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from .experts import WEIGHT_POSITIONS, experts_backward, experts_forward_impl
+from .experts import check_weight_position, experts_backward, experts_forward_impl, to_kn
 
 _STACKS: "OrderedDict[tuple, tuple[list, tuple, Tensor]]" = OrderedDict()
 _MAX_STACKS = 4096  # a safety bound; entries of freed weights are dropped as soon as they are seen
@@ -45,24 +45,10 @@ def stacked(ws: list[Tensor]) -> Tensor:
     return entry[2]
 
 
-def check_weight_position(weight_position: str) -> None:
-    """A clear error for a routing-weight position the op does not have."""
-    if weight_position not in WEIGHT_POSITIONS:
-        raise ValueError(f"moe_inductor: weight_position must be one of {WEIGHT_POSITIONS}, got {weight_position!r}")
-
-
-def check_layout(layout: str) -> None:
-    """A clear error for a weight layout other than (out, in) "nk" and (in, out) "kn"."""
-    if layout not in ("nk", "kn"):
-        raise ValueError(f"moe_inductor: layout must be 'nk' (out, in) or 'kn' (in, out), got {layout!r}")
-
-
 def _views(w1: list[Tensor], w1_up: list[Tensor], w2: list[Tensor], layout: str):
-    """The (E, K, N) views the op takes: the stacks themselves for (in, out) weights, their transposes for (out, in)."""
-    def view(ws):
-        return stacked(ws).transpose(1, 2) if layout == "nk" else stacked(ws)
-
-    return view(w1), view(w1_up) if w1_up else None, view(w2)
+    """The (E, K, N) views the op takes, of the stacked per-expert weights."""
+    return (to_kn(stacked(w1), layout), to_kn(stacked(w1_up), layout) if w1_up else None,
+            to_kn(stacked(w2), layout))
 
 
 @torch.library.custom_op("moe_inductor::experts_forward_list", mutates_args=())
@@ -76,7 +62,6 @@ def experts_forward_list(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: 
         y (T, H), pre, order, sorted_expert, offsets, as ``experts_forward``.
     """
     check_weight_position(weight_position)
-    check_layout(layout)
     g, u, d = _views(w1, w1_up, w2, layout)
     return experts_forward_impl(x, topk_ids, topk_weights, g, u, d, None, None, None, activation, weight_position,
                                 1.702, 7.0, None, save_pre)
@@ -102,11 +87,9 @@ def experts_backward_list(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights:
     dx, dtw, dg, du, dd, *_ = experts_backward(dy, x, topk_ids, topk_weights, g, u, d, None, None, None, pre, order,
                                                sorted_expert, offsets, activation, weight_position, 1.702, 7.0, False,
                                                [True, True, True, u is not None, True, False, False, False])
-    # the grads of the (E, K, N) views, laid out like the weights: (E, N, K) for "nk"
-    def like_weights(grad):
-        return (grad.transpose(1, 2) if layout == "nk" else grad).contiguous()
-
-    return dx, dtw, like_weights(dg), like_weights(du), like_weights(dd)
+    # the grads of the (E, K, N) views, laid out like the stacked weights (to_kn is its own inverse)
+    return (dx, dtw, to_kn(dg, layout).contiguous(), to_kn(du, layout).contiguous(),
+            to_kn(dd, layout).contiguous())
 
 
 @experts_backward_list.register_fake

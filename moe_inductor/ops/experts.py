@@ -429,11 +429,26 @@ def _backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
 experts_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+def to_kn(w: Tensor, layout: str) -> Tensor:
+    """A weight (or a stack of them) as (.., in, out), the op's (E, K, N), from its ``layout``: "kn" is that already,
+    "nk" (out, in, as nn.Linear stores it) is transposed; a view either way."""
+    if layout == "kn":
+        return w
+    if layout == "nk":
+        return w.transpose(-1, -2)
+    raise ValueError(f"layout={layout!r}; choose 'nk' (E, out, in), as nn.Linear stores it, or 'kn' (E, in, out)")
+
+
+def check_weight_position(weight_position: str) -> None:
+    """A clear error for a routing-weight position the op does not have."""
+    if weight_position not in WEIGHT_POSITIONS:
+        raise ValueError(f"weight_position={weight_position!r}; choose one of {WEIGHT_POSITIONS}")
+
+
 def check_experts_args(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position):
     """Shape/dtype checks that name the offending argument."""
     check_activation(activation)
-    if weight_position not in WEIGHT_POSITIONS:
-        raise ValueError(f"weight_position={weight_position!r}; choose one of {WEIGHT_POSITIONS}")
+    check_weight_position(weight_position)
     if x.dim() != 2:
         raise ValueError(f"x must be (T, H); got shape {tuple(x.shape)}")
     T, H = x.shape
