@@ -290,6 +290,28 @@ def test_expert_list_op_matches_reference_and_caches_the_stack():
     assert len(expert_lists._STACKS) == entries  # replaced, not added: training does not pile up stale stacks
 
 
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_expert_list_op_with_a_plain_activation_matches_the_reference(layout):
+    """No up weights (``w1_up`` empty, as HF Switch's experts and plain-MLP loops give it): forward and backward."""
+    from moe_inductor.ops import expert_lists
+
+    torch.manual_seed(2)
+    T, H, I, E, k = 7, 16, 8, 3, 1
+    x = torch.randn(T, H, requires_grad=True)
+    ids = torch.randint(0, E, (T, k))
+    w = torch.rand(T, k, requires_grad=True)
+    shapes = ((I, H), (H, I)) if layout == "nk" else ((H, I), (I, H))
+    w1, w2 = ([(torch.randn(*shape) * 0.3).requires_grad_() for _ in range(E)] for shape in shapes)
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, [], w2, "relu", True, "output", layout)
+    stacks = [torch.stack(ws).transpose(1, 2) if layout == "nk" else torch.stack(ws) for ws in (w1, w2)]
+    ref = moe_reference(x, ids, w, stacks[0], None, stacks[1], activation="relu")
+    assert_close(y, ref, torch.float32, "y")
+    dy = torch.randn_like(y)
+    leaves = [x, w] + w1 + w2
+    for a, b in zip(torch.autograd.grad(y, leaves, dy), torch.autograd.grad(ref, leaves, dy)):
+        assert_close(a, b, torch.float32, "grad")
+
+
 @pytest.mark.parametrize("position,layout", [("output", "nk"), ("input", "nk"), ("between", "nk"), ("output", "kn")])
 def test_opcheck_expert_list_op(position, layout):
     from moe_inductor.ops import expert_lists

@@ -87,8 +87,9 @@ def experts_backward_list(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights:
     dx, dtw, dg, du, dd, *_ = experts_backward(dy, x, topk_ids, topk_weights, g, u, d, None, None, None, pre, order,
                                                sorted_expert, offsets, activation, weight_position, 1.702, 7.0, False,
                                                [True, True, True, u is not None, True, False, False, False])
-    # the grads of the (E, K, N) views, laid out like the stacked weights (to_kn is its own inverse)
-    return (dx, dtw, to_kn(dg, layout).contiguous(), to_kn(du, layout).contiguous(),
+    # the grads of the (E, K, N) views, laid out like the stacked weights (to_kn is its own inverse); a plain
+    # activation has no up weights, and du is the empty placeholder
+    return (dx, dtw, to_kn(dg, layout).contiguous(), to_kn(du, layout).contiguous() if u is not None else du,
             to_kn(dd, layout).contiguous())
 
 
