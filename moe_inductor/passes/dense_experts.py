@@ -22,7 +22,7 @@ from typing import Optional, Union
 import torch
 from torch.fx import GraphModule, Node
 
-from ..report import Rewrite, note_left_alone
+from ..report import Rewrite
 from ..spec import MoESpec
 from .emit import replace_matches
 from .fx_utils import alias_mutations, einsum_parts, read_gated, single_use, source_line, val, weighted_sum
@@ -113,11 +113,6 @@ def _topk_scatter(routing: Node) -> Optional[tuple[Node, Node]]:
     return ids, values
 
 
-def match(y: Node) -> Optional[MoESpec]:
-    got = match_or_reason(y)
-    return got if isinstance(got, MoESpec) else None
-
-
 def match_or_reason(y: Node) -> Union[MoESpec, str, None]:
     """The MoE ending at ``y``; or why not (a string) when ``y`` mixes every expert's down projection by a (T, E)
     matrix, the form's mark; None when ``y`` is no such mix."""
@@ -158,10 +153,4 @@ def _describe(node: Node, spec: MoESpec) -> Rewrite:
 
 def rewrite(gm: GraphModule) -> list[Rewrite]:
     """Replace every provable dense all-experts MoE in ``gm``; returns what was rewritten."""
-    reasons = {y: got for y in gm.graph.nodes if isinstance(got := match_or_reason(y), str)}
-    done = replace_matches(gm, match, _describe)
-    live = set(gm.graph.nodes)
-    for y, reason in reasons.items():
-        if y in live:
-            note_left_alone(FORM, source_line(y), reason)
-    return done
+    return replace_matches(gm, match_or_reason, _describe, FORM)[0]

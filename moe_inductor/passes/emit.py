@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -53,13 +53,22 @@ def inputs_unchanged(spec: MoESpec) -> bool:
     return not any(isinstance(n, Node) and mutated_alias(n) for n in nodes)
 
 
-def replace_matches(gm: GraphModule, match: Callable[[Node], Optional[MoESpec]],
-                    describe: Callable[[Node, MoESpec], Rewrite]) -> list[Rewrite]:
+def replace_matches(gm: GraphModule, match: Callable[[Node], Union[MoESpec, str, None]],
+                    describe: Callable[[Node, MoESpec], Rewrite], form: str) -> tuple[list[Rewrite], list[Node]]:
     """For passes whose match ends at the node that yields the MoE output: replace each matched node by the op and
-    drop what only fed it. Returns the rewrites, described by ``describe(node, spec)``."""
-    done = []
+    drop what only fed it. ``match`` gives the spec, or why the node is a candidate it cannot prove (a string, noted
+    as left alone under ``form``), or None.
+
+    Returns:
+        the rewrites, described by ``describe(node, spec)``, and the nodes noted as left alone.
+    """
+    done, left_alone = [], []
     for node in list(gm.graph.nodes):
         spec = match(node)
+        if isinstance(spec, str):
+            note_left_alone(form, source_line(node), spec)
+            left_alone.append(node)
+            continue
         if spec is None or not inputs_unchanged(spec):
             continue
         out_val = val(node) if val(node) is not None else val(spec.x)
@@ -68,7 +77,7 @@ def replace_matches(gm: GraphModule, match: Callable[[Node], Optional[MoESpec]],
     if done:
         gm.graph.eliminate_dead_code()
         gm.recompile()
-    return done
+    return done, left_alone
 
 
 #: transformers' own experts code: when it is still in the graph, the HF substitution left that module alone and

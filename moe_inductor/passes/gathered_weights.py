@@ -20,7 +20,7 @@ from typing import Optional, Union
 import torch
 from torch.fx import GraphModule, Node
 
-from ..report import Rewrite, note_left_alone
+from ..report import Rewrite
 from ..spec import MoESpec
 from .emit import note_unmatched, region_of, replace_matches
 from .fx_utils import einsum_parts, read_gated, single_use, source_line, val, weighted_sum
@@ -73,11 +73,6 @@ def _projection(node: Node, x_subs_len: int = 2) -> Optional[_Projection]:
     return None
 
 
-def match(y: Node) -> Optional[MoESpec]:
-    got = match_or_reason(y)
-    return got if isinstance(got, MoESpec) else None
-
-
 def match_or_reason(y: Node) -> Union[MoESpec, str, None]:
     """The MoE ending at ``y``; or why not (a string) when ``y`` is a weighted sum over k of a down projection on
     gathered weights, the form's mark; None when it is no such sum."""
@@ -122,15 +117,9 @@ def _describe(node: Node, spec: MoESpec) -> Rewrite:
 
 def rewrite(gm: GraphModule) -> list[Rewrite]:
     """Replace every provable gathered-weights MoE in ``gm``; returns what was rewritten."""
-    reasons = {y: got for y in gm.graph.nodes if isinstance(got := match_or_reason(y), str)}
-    done = replace_matches(gm, match, _describe)
-    live = set(gm.graph.nodes)
-    specific = set()
-    for y, reason in reasons.items():
-        if y in live:
-            note_left_alone(FORM, source_line(y), reason)
-            specific.add(region_of(y))
+    done, explained = replace_matches(gm, match_or_reason, _describe, FORM)
     note_unmatched(gm, FORM, lambda n: (_gathered(n) or (None, None))[1],
                    "expert weights gathered by routing ids (w[ids]), but the einsums around them are not the "
-                   "gated/plain up, down and weighted sum over k this form proves, each used once", already=specific)
+                   "gated/plain up, down and weighted sum over k this form proves, each used once",
+                   already={region_of(y) for y in explained})
     return done
