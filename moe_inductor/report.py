@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from . import config
+from .ops.grouped_mm_engine import engine_mode
 
 _local = threading.local()
 
@@ -88,9 +89,8 @@ class Report:
 def gemm_engine_summary() -> str:
     """Who runs the rewritten layers' GEMMs, forward and backward, as ``config.gemm_engine`` and
     ``config.gemm_engine_backward`` say (decided per call, from shapes)."""
-    forward = _engine_rule(config.gemm_engine, backward=False)
-    backward_mode = config.gemm_engine_backward or config.gemm_engine
-    backward = _engine_rule(backward_mode, backward=True)
+    forward = _engine_rule(engine_mode(backward=False), backward=False)
+    backward = _engine_rule(engine_mode(backward=True), backward=True)
     modes = f"gemm_engine={config.gemm_engine!r}"
     if config.gemm_engine_backward is not None:
         modes += f", gemm_engine_backward={config.gemm_engine_backward!r}"

@@ -70,6 +70,15 @@ def may_take_experts_of(w1: Tensor) -> bool:
     return config.gemm_engine == "grouped_mm" or (config.gemm_engine == "auto" and _large_experts(H, I))
 
 
+def engine_mode(backward: bool = False) -> str:
+    """The engine setting in force for the forward or the backward: ``config.gemm_engine``, which
+    ``config.gemm_engine_backward`` overrides for the backward when set."""
+    mode = config.gemm_engine_backward if backward and config.gemm_engine_backward is not None else config.gemm_engine
+    if mode not in ("auto", "triton", "grouped_mm"):
+        raise ValueError(f"moe_inductor: gemm engine must be 'auto', 'triton' or 'grouped_mm', got {mode!r}")
+    return mode
+
+
 def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tensor, b1: Optional[Tensor],
                        b2: Optional[Tensor], weight_position: str, dropped: bool, num_rows,
                        backward: bool = False) -> Optional[Tensor]:
@@ -81,11 +90,7 @@ def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tenso
     ``config.grouped_mm_min_rows_per_expert`` rows per expert on average, and experts of at least
     ``config.grouped_mm_min_expert_weights`` weights per projection (H * I).
     """
-    mode = config.gemm_engine
-    if backward and config.gemm_engine_backward is not None:
-        mode = config.gemm_engine_backward
-    if mode not in ("auto", "triton", "grouped_mm"):
-        raise ValueError(f"moe_inductor: gemm engine must be 'auto', 'triton' or 'grouped_mm', got {mode!r}")
+    mode = engine_mode(backward)
     if mode == "triton" or tracing_launches() or isinstance(num_rows, torch.SymInt) or num_rows == 0:
         return None
     E, H, I = w1.shape
