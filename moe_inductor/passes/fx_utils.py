@@ -177,28 +177,33 @@ def unsqueezed_last(node) -> Optional[Node]:
     return None
 
 
-def source_function(node: Node) -> Optional[str]:
-    """``file:function`` of the innermost user frame in a node's stack trace (Dynamo's), else None."""
-    for line in reversed((node.meta.get("stack_trace") or "").splitlines()):
-        head = line.strip()
-        if head.startswith('File "') and ", in " in head:
-            return head[len('File "'):head.index('"', len('File "'))] + ":" + head.rsplit(", in ", 1)[1]
-    return None
-
-
-def source_line(node: Node) -> str:
-    """``file:line: code`` of the user's source for a node, from Dynamo's stack trace, else the node name."""
+def _user_frame(node: Node) -> Optional[tuple[str, str, str, str]]:
+    """(path, line number, function, code line) of the innermost frame in a node's stack trace (Dynamo's)."""
     lines = (node.meta.get("stack_trace") or "").splitlines()
     for i in range(len(lines) - 1, -1, -1):
         head = lines[i].strip()
         if head.startswith('File "') and ", line " in head:
             path = head[len('File "'):head.index('"', len('File "'))]
             lineno = head.split(", line ")[1].split(",")[0]
+            function = head.rsplit(", in ", 1)[1] if ", in " in head else ""
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{path.rsplit('/', 1)[-1]}:{lineno}: {code}"
-    return node.name
+            return path, lineno, function, code
+    return None
 
 
+def source_function(node: Node) -> Optional[str]:
+    """``file:function`` of the innermost user frame in a node's stack trace, else None."""
+    frame = _user_frame(node)
+    return f"{frame[0]}:{frame[2]}" if frame is not None else None
+
+
+def source_line(node: Node) -> str:
+    """``file:line: code`` of the user's source for a node, from Dynamo's stack trace, else the node name."""
+    frame = _user_frame(node)
+    if frame is None:
+        return node.name
+    path, lineno, _, code = frame
+    return f"{path.rsplit('/', 1)[-1]}:{lineno}: {code}"
 
 
 def split_gated(h: Node) -> Optional[tuple[str, Node, Node, Optional[Node]]]:
