@@ -196,9 +196,10 @@ def _body(add: Node, acc: Node) -> Union[_Body, str]:
     activation, gate, up = gated.activation, gated.gate, gated.up
     xe = gate[0]
     # gate and up read the same rows: one node, or x[tok] written out twice (two identical gathers of x)
-    if up is not None and up[0] is not xe and not (
-            _token_rows_of(xe, tok) is not None and _token_rows_of(xe, tok) is _token_rows_of(up[0], tok)):
-        return f"expert {e}'s gate and up projections read different rows"
+    if up is not None and up[0] is not xe:
+        rows = _token_rows_of(xe, tok)
+        if rows is None or rows is not _token_rows_of(up[0], tok):
+            return f"expert {e}'s gate and up projections read different rows"
     if weights is None and (scaled := _routing_scaled(xe, tok, where, pos_index)) is not None:
         (xe, weights), position = scaled, "input"
     if weights is None:  # no routing weight at all: not a weighted MoE we can prove
