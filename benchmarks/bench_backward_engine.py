@@ -17,7 +17,7 @@ import torch
 
 import moe_inductor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from benchmarks.bench_experts import SHAPES, bench, make_routing, sort_grouped_mm  # noqa: E402
+from benchmarks.bench_experts import SHAPES, bench, hf_expert_weights, make_routing, sort_grouped_mm  # noqa: E402
 
 PAIRINGS = {  # column: (gemm_engine, gemm_engine_backward)
     "fused": ("triton", None),
@@ -40,8 +40,7 @@ def main() -> None:
         H, I, E, k = SHAPES[name]
         dev, dt = "cuda", torch.bfloat16
         gen = torch.Generator().manual_seed(0)
-        w1 = (torch.randn(E, 2 * I, H, device=dev, dtype=dt) * H ** -0.5).requires_grad_()  # HF's gate_up_proj
-        w2 = (torch.randn(E, H, I, device=dev, dtype=dt) * I ** -0.5).requires_grad_()
+        w1, w2 = (w.requires_grad_() for w in hf_expert_weights(name, dev, dt))
         for T in args.tokens:
             x = torch.randn(T, H, device=dev, dtype=dt, requires_grad=True)
             ids, weights = make_routing(T, E, k, False, gen, dev)

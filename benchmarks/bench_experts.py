@@ -54,6 +54,15 @@ def peak_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def hf_expert_weights(shape: str, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (E, 2I, H) gate_up and (E, H, I) down weights of a named shape, in HF's layout, scaled like a
+    trained layer (variance 1/fan-in)."""
+    H, I, E, _ = SHAPES[shape]
+    w1 = torch.randn(E, 2 * I, H, device=device, dtype=dtype) * H ** -0.5
+    w2 = torch.randn(E, H, I, device=device, dtype=dtype) * I ** -0.5
+    return w1, w2
+
+
 def make_routing(T, E, k, skew: bool, gen, device):
     if skew:  # Zipf over experts: expert r gets weight 1/(r+1)
         probs = 1.0 / torch.arange(1, E + 1, dtype=torch.float)
@@ -126,8 +135,7 @@ def run_shape(name, tokens, skews, do_backward, do_hf, rows, skew_tokens=None):
     H, I, E, k = SHAPES[name]
     dev, dt = "cuda", torch.bfloat16
     gen = torch.Generator().manual_seed(0)
-    w1 = (torch.randn(E, 2 * I, H, device=dev, dtype=dt) * H ** -0.5)  # (E, 2I, H): HF's gate_up_proj layout
-    w2 = (torch.randn(E, H, I, device=dev, dtype=dt) * I ** -0.5)
+    w1, w2 = hf_expert_weights(name, dev, dt)
     w1_kn, w2_kn = w1.transpose(1, 2), w2.transpose(1, 2)
     hf_fwd = hf_compiled = None
     if do_hf:

@@ -18,7 +18,7 @@ from triton.testing import do_bench
 
 import moe_inductor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from benchmarks.bench_experts import SHAPES, make_routing, sort_grouped_mm  # noqa: E402
+from benchmarks.bench_experts import SHAPES, hf_expert_weights, make_routing, sort_grouped_mm  # noqa: E402
 
 
 def profile(label: str, call) -> None:
@@ -52,8 +52,7 @@ def main() -> None:
     moe_inductor.config.validate_routing = False
     H, I, E, k = SHAPES[args.shape]
     dev, dt = "cuda", torch.bfloat16
-    w1 = torch.randn(E, 2 * I, H, device=dev, dtype=dt) * H ** -0.5  # HF's gate_up_proj layout
-    w2 = torch.randn(E, H, I, device=dev, dtype=dt) * I ** -0.5
+    w1, w2 = hf_expert_weights(args.shape, dev, dt)
     gen = torch.Generator().manual_seed(0)
     for T in args.tokens:
         x = torch.randn(T, H, device=dev, dtype=dt)

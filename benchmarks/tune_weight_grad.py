@@ -21,7 +21,7 @@ import torch
 import moe_inductor
 from moe_inductor.kernels import configs, launch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from benchmarks.bench_experts import SHAPES, bench_backward, make_routing  # noqa: E402
+from benchmarks.bench_experts import SHAPES, bench_backward, hf_expert_weights, make_routing  # noqa: E402
 
 WGRAD = "wgrad|"
 
@@ -71,8 +71,7 @@ def main() -> None:
         H, I, E, k = SHAPES[name]
         dev, dt = "cuda", torch.bfloat16
         gen = torch.Generator().manual_seed(0)
-        w1 = torch.randn(E, 2 * I, H, device=dev, dtype=dt) * H ** -0.5  # HF's gate_up_proj layout
-        w2 = torch.randn(E, H, I, device=dev, dtype=dt) * I ** -0.5
+        w1, w2 = hf_expert_weights(name, dev, dt)
         for T in args.tokens:
             x = torch.randn(T, H, device=dev, dtype=dt)
             ids, weights = make_routing(T, E, k, False, gen, dev)
