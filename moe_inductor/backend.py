@@ -81,8 +81,7 @@ def moe_inductor_backend(
     """Compile ``gm``: its MoE code was rewritten into moe_inductor ops at trace time; record it, then hand the graph
     to the inner compiler."""
     opts = BackendOptions.parse(options)
-    rewrites = capture.take_rewrites()
-    left_alone = capture.take_left_alone()
+    rewrites, left_alone = capture.take_trace_time_records()
     for form, rewrite in FX_PASSES.items():
         if form in opts.forms:
             gm, found, missed = _run_pass(form, rewrite, gm)

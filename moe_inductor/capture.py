@@ -137,14 +137,6 @@ def record_rewrite(form: str, where: str, num_experts: int, top_k: int, activati
     return True
 
 
-def take_rewrites() -> list[Rewrite]:
-    state = current()
-    if state is None:
-        return []
-    out, state.rewrites = state.rewrites, []
-    return out
-
-
 @torch._dynamo.assume_constant_result
 def record_left_alone(form: str, where: str, reason: str) -> bool:
     """Note, at trace time, a module a substitution would have rewritten but could not prove (explain() says why)."""
@@ -154,11 +146,13 @@ def record_left_alone(form: str, where: str, reason: str) -> bool:
     return True
 
 
-def take_left_alone() -> list[LeftAlone]:
+def take_trace_time_records() -> tuple[list[Rewrite], list[LeftAlone]]:
+    """The rewrites and left-alone modules recorded while tracing the graph now being compiled; clears them."""
     state = current()
     if state is None:
-        return []
-    out, state.left_alone = state.left_alone, []
+        return [], []
+    out = state.rewrites, state.left_alone
+    state.rewrites, state.left_alone = [], []
     return out
 
 
