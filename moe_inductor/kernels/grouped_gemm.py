@@ -19,13 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-ROWS_SORTED = 0
-ROWS_TOKEN = 1
-ROWS_ASSIGNMENT = 2
-
-SCALE_NONE = 0
-SCALE_ACC = 1  # routing weight scales the GEMM result before bias/activation (weight on the expert input)
-SCALE_OUT = 2  # routing weight scales the epilogue output
+from .modes import ROWS_ASSIGNMENT, ROWS_SORTED, ROWS_TOKEN, SCALE_ACC, SCALE_NONE, SCALE_OUT  # noqa: F401
 
 
 @triton.jit

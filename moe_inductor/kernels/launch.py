@@ -2,13 +2,40 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+import importlib
+from typing import Any, Optional
 
 import torch
 
 from .. import config as moe_config
 from . import configs
-from .grouped_gemm import ROWS_SORTED as ROWS_SORTED_MODE, grouped_gemm_kernel, grouped_weight_grad_kernel
+from .modes import ROWS_SORTED as ROWS_SORTED_MODE
+
+
+class LazyKernel:
+    """A Triton kernel named by its module in kernels/ and its name there, imported at its first launch.
+
+    The ops name their kernels this way so that ``import moe_inductor`` and the plain-torch CPU path need no triton
+    (it is absent on macOS, Windows and many CPU-only installs); triton loads when a kernel first runs.
+    """
+
+    __slots__ = ("module", "name", "_kernel")
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name, self._kernel = module, name, None
+
+    def resolve(self) -> Any:
+        """The Triton kernel itself (imports its module, and triton, the first time)."""
+        if self._kernel is None:
+            self._kernel = getattr(importlib.import_module(f"{__package__}.{self.module}"), self.name)
+        return self._kernel
+
+    def __repr__(self) -> str:
+        return f"LazyKernel({self.module}.{self.name})"
+
+
+grouped_gemm_kernel = LazyKernel("grouped_gemm", "grouped_gemm_kernel")
+grouped_weight_grad_kernel = LazyKernel("grouped_gemm", "grouped_weight_grad_kernel")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -236,6 +263,8 @@ def _specialisation(args: tuple) -> Optional[tuple]:
 def launch_kernel(kernel, grid: tuple, args: tuple, meta: dict) -> None:
     """``kernel[grid](*args, **meta)``: every launch of ours goes through here, so that ``config.fast_launch`` covers
     them all (routing, GEMMs, combine)."""
+    if isinstance(kernel, LazyKernel):
+        kernel = kernel.resolve()
     if _traceable:
         from torch.library import wrap_triton
 

@@ -14,12 +14,10 @@ from typing import Optional
 import torch
 
 from .. import config
-from ..kernels.backward_middle import backward_middle_kernel
-from ..kernels.combine import combine_kernel
 from ..kernels.configs import interpreting
-from ..kernels.launch import (cdiv, device_guard, launch_grouped_gemm, launch_grouped_weight_grad, launch_kernel,
-                              next_pow2, static_dim, tracing_launches)
-from ..kernels.grouped_gemm import (  # noqa: F401  (re-exported constants)
+from ..kernels.launch import (LazyKernel, cdiv, device_guard, launch_grouped_gemm, launch_grouped_weight_grad,
+                              launch_kernel, next_pow2, static_dim, tracing_launches)
+from ..kernels.modes import (  # noqa: F401  (re-exported constants)
     ROWS_ASSIGNMENT,
     ROWS_SORTED,
     ROWS_TOKEN,
@@ -28,6 +26,9 @@ from ..kernels.grouped_gemm import (  # noqa: F401  (re-exported constants)
     SCALE_OUT,
 )
 from .activations import ACTIVATIONS, apply_activation
+
+backward_middle_kernel = LazyKernel("backward_middle", "backward_middle_kernel")
+combine_kernel = LazyKernel("combine", "combine_kernel")
 
 
 def is_dense_transpose(w: torch.Tensor) -> bool:

@@ -22,11 +22,12 @@ import torch
 from torch import Tensor
 
 from .. import config
-from ..kernels.activation import activation_kernel
 from ..kernels.configs import interpreting
-from ..kernels.launch import cdiv, device_guard, launch_kernel, tracing_launches
+from ..kernels.launch import LazyKernel, cdiv, device_guard, launch_kernel, tracing_launches
 from .activations import ACTIVATIONS
 from .grouped import backward_middle, combine, is_dense_transpose, use_triton
+
+activation_kernel = LazyKernel("activation", "activation_kernel")
 
 
 @functools.lru_cache(maxsize=None)

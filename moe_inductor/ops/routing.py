@@ -16,9 +16,11 @@ import torch
 from torch import Tensor
 
 from ..kernels.configs import interpreting
-from ..kernels.launch import cdiv, device_guard, launch_kernel, next_pow2, static_dim, tracing_launches
-from ..kernels.routing import route_count_kernel, route_place_kernel
+from ..kernels.launch import LazyKernel, cdiv, device_guard, launch_kernel, next_pow2, static_dim, tracing_launches
 from .grouped import use_triton
+
+route_count_kernel = LazyKernel("routing", "route_count_kernel")
+route_place_kernel = LazyKernel("routing", "route_place_kernel")
 
 
 def route_reference(topk_ids: Tensor, num_experts: int, capacity: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
