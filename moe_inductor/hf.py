@@ -26,6 +26,27 @@ from . import capture
 from .ops import fused_experts
 
 _HF_MOE_MODULE = "transformers.integrations.moe"
+#: the form a model reports whose experts already run the op (``experts_implementation="moe_inductor"``)
+REGISTRY_FORM = "hf_registry"
+
+
+@torch._dynamo.assume_constant_result
+def layer_name(class_name: str) -> str:
+    """``model.layers.3.mlp.experts (Qwen3MoeExperts)``: the path of the module Dynamo is tracing now, read at trace
+    time from Dynamo's module stack, so that logs and explain() tell two layers apart; the class name alone where
+    the stack cannot be read (a function compiled outside any module)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx().output.current_tx  # the innermost translator: its module stack
+        path = next(reversed(tx.nn_module_stack.values()))[0]
+    except Exception:  # not tracing, or Dynamo's internals changed: the class name still says what it is
+        return class_name
+    for root in ("L['self'].", "L['self']", "L['self_']."):
+        if path.startswith(root):
+            path = path[len(root):]
+            break
+    return f"{path} ({class_name})" if path else class_name
 
 
 def _is_decorated_experts_forward(fwd: Any) -> bool:
@@ -111,6 +132,10 @@ def moe_inductor_experts_forward(module, hidden_states, top_k_index, top_k_weigh
         if fallback is None:
             raise NotImplementedError(f"moe_inductor cannot run {type(module).__name__} (unsupported variant)")
         return fallback(module, hidden_states, top_k_index, top_k_weights)
+    if torch.compiler.is_compiling():  # the user's own choice of the op counts as a rewrite in explain() and logs
+        capture.record_rewrite(REGISTRY_FORM, layer_name(type(module).__qualname__), int(kw["w1"].shape[0]),
+                               int(top_k_index.shape[-1]), kw["activation"],
+                               (tuple(kw["w1"].shape), tuple(kw["w2"].shape)), 'experts_implementation="moe_inductor"')
     return _run_spec(kw, hidden_states, top_k_index, top_k_weights)
 
 
@@ -121,9 +146,9 @@ def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
                 return original_clone(self, hidden_states, top_k_index, top_k_weights)
             kw = experts_spec_or_reason(self)
             if isinstance(kw, str):
-                capture.record_left_alone(form, type(self).__qualname__, kw)
+                capture.record_left_alone(form, layer_name(type(self).__qualname__), kw)
                 return original_clone(self, hidden_states, top_k_index, top_k_weights)
-            capture.record_rewrite(form, type(self).__qualname__, int(kw["w1"].shape[0]), int(top_k_index.shape[-1]),
+            capture.record_rewrite(form, layer_name(type(self).__qualname__), int(kw["w1"].shape[0]), int(top_k_index.shape[-1]),
                                    kw["activation"], (tuple(kw["w1"].shape), tuple(kw["w2"].shape)))
             return _run_spec(kw, hidden_states, top_k_index, top_k_weights)
 
@@ -144,7 +169,7 @@ def _llama4_moe_forward(original: Callable) -> Callable:
         if unary is None or not capture.rewriting_enabled("hf_llama4_dense"):
             return original(self, hidden_states)
         experts = self.experts
-        capture.record_rewrite("hf_llama4_dense", type(self).__qualname__, int(experts.gate_up_proj.shape[0]),
+        capture.record_rewrite("hf_llama4_dense", layer_name(type(self).__qualname__), int(experts.gate_up_proj.shape[0]),
                                int(self.router.top_k), f"{unary}_glu",
                                (tuple(experts.gate_up_proj.shape), tuple(experts.down_proj.shape)))
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
@@ -192,7 +217,7 @@ def _switch_experts_forward(original: Callable) -> Callable:
             return original(self, hidden_states, selected_experts, routing_weights)
         activation, w_in, w_out = spec
         E = len(w_in)
-        capture.record_rewrite("hf_switch", type(self).__qualname__, E, 1, activation,
+        capture.record_rewrite("hf_switch", layer_name(type(self).__qualname__), E, 1, activation,
                                ((E,) + tuple(w_in[0].shape), (E,) + tuple(w_out[0].shape)),
                                "capacity drops kept as the router made them")
         mask = selected_experts.reshape(hidden_states.shape[0], E)
@@ -218,7 +243,7 @@ def _dbrx_experts_forward(original: Callable) -> Callable:
         if unary is None:
             return original(self, hidden_states, top_k_index, top_k_weights)
         mlp, E, I, H = self.mlp, self.num_experts, self.ffn_hidden_size, self.hidden_size
-        capture.record_rewrite("hf_dbrx", type(self).__qualname__, E, int(top_k_index.shape[-1]), f"{unary}_glu",
+        capture.record_rewrite("hf_dbrx", layer_name(type(self).__qualname__), E, int(top_k_index.shape[-1]), f"{unary}_glu",
                                ((E, I, H), (E, I, H)))
         x = hidden_states.reshape(-1, H)
         y = fused_experts(x, top_k_index, top_k_weights.to(x.dtype),
@@ -308,8 +333,46 @@ def register_experts_interface() -> bool:
     return True
 
 
+class _RegisterOnImport:
+    """A one-shot meta-path finder: when ``transformers.integrations.moe`` (HF's experts registry) is first imported,
+    it adds "moe_inductor" to the registry right after the module runs.
+
+    So ``from_pretrained(..., experts_implementation="moe_inductor")``, ``_from_config`` and
+    ``set_experts_implementation`` work whether transformers is imported before or after moe_inductor, without
+    moe_inductor importing transformers itself.
+    """
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != _HF_MOE_MODULE:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run_module = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run_module(module)
+            register_experts_interface()
+
+        loader.exec_module = exec_module
+        return spec
+
+
 def install() -> None:
-    """Hook HF experts into moe_inductor compiles. Imports nothing: transformers is looked for at compile start."""
+    """Hook HF experts into moe_inductor compiles, and into HF's experts registry. Imports nothing of transformers:
+    the substitutions are looked for at compile start, and the registry entry is added when HF's registry module
+    loads (now, if it already has)."""
     capture.add_substitution_source(_hf_substitutions)
-    if "transformers" in sys.modules:
+    if _HF_MOE_MODULE in sys.modules:
         register_experts_interface()
+    elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport())

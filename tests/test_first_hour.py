@@ -77,3 +77,65 @@ assert not [m for m in sys.modules if m == "triton" or m.startswith("triton.")]
 print("ok")
 """)
     assert out.stdout.strip().endswith("ok")
+
+
+_TINY_QWEN3 = """
+import torch
+def tiny_qwen3_config():
+    return transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                                       moe_intermediate_size=16, num_experts=5, num_experts_per_tok=2)
+"""
+
+
+@pytest.mark.parametrize("first", ["moe_inductor", "transformers"], ids=["ours-first", "transformers-first"])
+def test_hf_registry_whatever_the_import_order(first):
+    """The README imports moe_inductor before transformers; the registry entry must exist either way, for every
+    path HF offers to pick it."""
+    pytest.importorskip("transformers")
+    imports = "import moe_inductor, transformers" if first == "moe_inductor" else "import transformers, moe_inductor"
+    run_python(imports + _TINY_QWEN3 + """
+import tempfile
+import moe_inductor.hf
+calls = []
+plain = moe_inductor.hf.fused_experts
+moe_inductor.hf.fused_experts = lambda *a, **kw: calls.append(1) or plain(*a, **kw)
+cls = transformers.Qwen3MoeForCausalLM
+torch.manual_seed(0)
+ref = cls._from_config(tiny_qwen3_config()).eval()
+x = torch.randint(0, 64, (2, 7))
+with torch.no_grad():
+    expected = ref(x).logits
+    # _from_config
+    model = cls._from_config(tiny_qwen3_config(), experts_implementation="moe_inductor").eval()
+    model.load_state_dict(ref.state_dict())
+    torch.testing.assert_close(model(x).logits, expected)
+    assert len(calls) == 2, calls
+    # set_experts_implementation
+    ref.set_experts_implementation("moe_inductor")
+    torch.testing.assert_close(ref(x).logits, expected)
+    assert len(calls) == 4, calls
+    # from_pretrained
+    with tempfile.TemporaryDirectory() as d:
+        ref.save_pretrained(d)
+        loaded = cls.from_pretrained(d, experts_implementation="moe_inductor").eval()
+    torch.testing.assert_close(loaded(x).logits, expected)
+    assert len(calls) == 6, calls
+""")
+
+
+def test_cli_checks_a_model_already_on_the_registry(tmp_path):
+    """The CLI imports moe_inductor before the target imports transformers; a model whose experts already run the op
+    counts as rewritten, so ``--check`` passes it, and the report names each layer."""
+    pytest.importorskip("transformers")
+    target = tmp_path / "target.py"
+    target.write_text("import transformers\n" + _TINY_QWEN3 + textwrap.dedent("""
+    def make():
+        model = transformers.Qwen3MoeForCausalLM._from_config(tiny_qwen3_config(),
+                                                              experts_implementation="moe_inductor").eval()
+        return model, (torch.randint(0, 64, (1, 8)),)
+    """))
+    out = run_python("from moe_inductor.__main__ import main; main()", "inspect", f"{target}:make", "--summary",
+                     "--check").stdout
+    assert "2 MoE rewrite(s)" in out, out
+    assert "model.layers.0.mlp.experts" in out and "model.layers.1.mlp.experts" in out, out
