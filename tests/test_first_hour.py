@@ -139,3 +139,49 @@ def test_cli_checks_a_model_already_on_the_registry(tmp_path):
                      "--check").stdout
     assert "2 MoE rewrite(s)" in out, out
     assert "model.layers.0.mlp.experts" in out and "model.layers.1.mlp.experts" in out, out
+
+
+def _readme_setup_install() -> str:
+    """The install part of the README's first set-up command (before the test run)."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Set-up", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    first = block.splitlines()[0]
+    return first.split(" && python -m pytest", 1)[0]
+
+
+def test_ci_installs_exactly_what_the_readme_says():
+    install = _readme_setup_install()
+    assert install.startswith("pip install ")
+    assert install in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_pins_and_pyproject_ranges_hold_the_tested_versions():
+    """Every ``==`` pin of the README's set-up line is the installed version, and pyproject's ranges contain what
+    the suite runs with, each with a ceiling (an unbounded range resolves to a release nobody tested)."""
+    import re
+    import tomllib
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    for name, pinned in re.findall(r'"([a-z_-]+)==([\w.]+)"', _readme_setup_install()):
+        assert Version(version(name)).base_version == pinned, (name, pinned, version(name))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    reqs = [Requirement(r) for r in project["dependencies"]]
+    reqs += [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra]
+    checked = set()
+    for req in reqs:
+        if req.name not in ("torch", "triton", "transformers"):
+            continue
+        if req.name != "triton" or sys.platform == "linux":
+            installed = Version(Version(version(req.name)).base_version)
+            assert req.specifier.contains(installed, prereleases=True), (str(req), str(installed))
+        assert any(s.operator in ("<", "<=", "==", "~=") for s in req.specifier), f"{req} has no ceiling"
+        checked.add(req.name)
+    assert checked == {"torch", "triton", "transformers"}
+    assert project["license"] and (ROOT / "LICENSE").exists()
+    from packaging.specifiers import SpecifierSet
+    import platform
+    assert SpecifierSet(project["requires-python"]).contains(platform.python_version())
+    assert any(c.startswith("Programming Language :: Python :: 3.") for c in project["classifiers"])
