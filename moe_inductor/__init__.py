@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from . import config
-from .backend import moe_inductor_backend
+from .backend import mark_backend, moe_inductor_backend
 from .bucketing import bucketed
 from .explain import _register_logging, explain
 from .ops import fused_experts, grouped_mm, route
@@ -14,5 +14,5 @@ from .report import Report
 _register_logging()
 
 __version__ = "0.1.0"
-__all__ = ["Report", "bucketed", "config", "explain", "fused_experts", "grouped_mm", "moe_inductor_backend", "route",
-           "__version__"]
+__all__ = ["Report", "bucketed", "config", "explain", "fused_experts", "grouped_mm", "mark_backend",
+           "moe_inductor_backend", "route", "__version__"]

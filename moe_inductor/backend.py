@@ -81,7 +81,13 @@ def moe_inductor_backend(
     """Compile ``gm``: its MoE code was rewritten into moe_inductor ops at trace time; record it, then hand the graph
     to the inner compiler."""
     opts = BackendOptions.parse(options)
+    state = capture.current()
+    if state is not None and state.plain:  # a fallback: exactly what the inner compiler does with the graph
+        return _inner_compile(opts.inner, gm, example_inputs, mode)
+    if state is None or not state.ours:
+        _warn_unseen_wrapper()
     rewrites, left_alone = capture.take_trace_time_records()
+    original = gm
     for form, rewrite in FX_PASSES.items():
         if form in opts.forms:
             gm, found, missed = _run_pass(form, rewrite, gm)
@@ -104,7 +110,54 @@ def moe_inductor_backend(
         from .lowerings.visible import swap_in_visible_ops
 
         record.visible_ops = swap_in_visible_ops(gm)
-    return _inner_compile(opts.inner, gm, example_inputs, mode)
+    compiled = _inner_compile(opts.inner, gm, example_inputs, mode)
+    if opts.inner == "eager" and gm is original:
+        return compiled  # the graph as traced, run as it is: nothing of ours can fail in it
+    return _first_call_guarded(compiled, original, state.code if state is not None else None)
+
+
+def _first_call_guarded(compiled: Callable, original: torch.fx.GraphModule, code: Any) -> Callable:
+    """``compiled``, except that a failure on its first call falls back: the call is answered by the graph as Dynamo
+    traced it, run eagerly (whose error, if it raises too, is the user's own and is raised), and the frame is
+    recompiled as plain capture would on its next call. Inductor can generate code that fails at run time for
+    graphs traced under our capture settings (an unbacked size left unbound), which ``backend="inductor"`` never
+    traces. After the first call this costs one Python call and a flag check."""
+    checked = False
+
+    def run(*args: Any) -> Any:
+        nonlocal checked
+        if checked:
+            return compiled(*args)
+        try:
+            out = compiled(*args)
+        except Exception as error:
+            out = original(*args)  # raises the user's own error where eager would
+            capture.note_fallback(code, "first call", error)
+            capture.mark_plain(code)
+            return out
+        checked = True
+        return out
+
+    return run
+
+
+_warned_unseen_wrapper = False
+
+
+def _warn_unseen_wrapper() -> None:
+    """Our backend was reached through a wrapper that hides it (a callable we cannot see into): the graph was traced
+    without our capture settings, so data-dependent expert loops were not captured. Said once, with the fix."""
+    global _warned_unseen_wrapper
+    if _warned_unseen_wrapper:
+        return
+    _warned_unseen_wrapper = True
+    log.warning("moe_inductor was called through a backend wrapper it cannot see into, so this compile traced without "
+                "its capture settings and data-dependent expert loops stay uncaptured. Mark the wrapper: "
+                "moe_inductor.mark_backend(your_backend), or call torch.compile(..., backend='moe_inductor') directly.")
+    report = current_report()
+    if report is not None:
+        report.notes.append("moe_inductor was reached through a backend wrapper it cannot see into: traced without "
+                            "its capture settings (fix: moe_inductor.mark_backend(your_backend))")
 
 
 def _uses_cuda_graphs(mode: Optional[str]) -> bool:
@@ -118,6 +171,13 @@ def _uses_cuda_graphs(mode: Optional[str]) -> bool:
     return mode in _CUDA_GRAPH_MODES or bool(inductor_config.triton.cudagraphs)
 
 
-setattr(moe_inductor_backend, capture.BACKEND_MARKER, True)
+def mark_backend(fn: Callable) -> Callable:
+    """Declare that ``fn``, a backend of the user's, hands its graphs to moe_inductor, so that frames compiled
+    through it get moe_inductor's capture settings. Returns ``fn``; usable as a decorator."""
+    setattr(fn, capture.BACKEND_MARKER, True)
+    return fn
+
+
+mark_backend(moe_inductor_backend)
 capture.install()
 hf.install()

@@ -1,32 +1,48 @@
-"""Scoped capture: Dynamo settings and trace-time substitutions that apply only while moe_inductor compiles.
+"""Scoped capture: Dynamo settings and trace-time substitutions that apply only while moe_inductor compiles, and the
+per-frame fallback that keeps them from ever breaking a model.
 
-``torch.compile`` wraps a backend and drops its ``backend_ctx_ctor``, so "this compile is ours" is decided at the
-start of each Dynamo compile instead: a compile-start callback walks the stack to the frame converter, unwraps its
-backend chain and checks for our marker. Only then are ``capture_dynamic_output_shape_ops`` and
-``capture_scalar_outputs`` patched on (once per compile, not per call), and only then do the substitutions
-registered here take their rewriting branch. ``backend="inductor"`` never sees any of it.
+Dynamo compiles each frame through ``torch._dynamo.convert_frame._compile``, which is handed the frame's backend.
+``install()`` wraps that function once: when the backend is ours (seen through torch.compile's wrappers, partials,
+``CompileCounterWithBackend`` and plain functions that name it), ``capture_dynamic_output_shape_ops`` and
+``capture_scalar_outputs`` are patched on for that frame only (once per compile, not per call), and the
+substitutions registered here take their rewriting branch. ``backend="inductor"`` never sees any of it.
+
+The settings turn a model's own graph breaks (``.tolist()``, ``.item()``, ``one_hot(num_classes=tensor)``) into hard
+errors. So a frame that fails to trace or compile under them is compiled again at once as plain capture would
+(settings off, no rewrites: what ``backend="inductor"`` does), and a frame whose compiled code fails on its first
+call is recompiled the same way (backend.py). Each fallback is logged once, counted in
+``counters["moe_inductor_fallback"]`` and reported by explain().
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
+import logging
 import sys
 import threading
 import types
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+from torch._dynamo.utils import counters
 
-from .report import LeftAlone, Rewrite
+from .report import Fallback, LeftAlone, Rewrite, current_report
 
 BACKEND_MARKER = "_is_moe_inductor_backend"
+BACKEND_NAME = "moe_inductor"
+log = logging.getLogger("moe_inductor")
 
 
 @dataclass
 class _CompileState:
     ours: bool = False
     forms: frozenset = frozenset()
-    patch: Any = None
+    #: the frame is being compiled as plain capture would (a fallback): no capture settings, no rewrites
+    plain: bool = False
+    code: Optional[types.CodeType] = None
     rewrites: list[Rewrite] = field(default_factory=list)
     left_alone: list[LeftAlone] = field(default_factory=list)
 
@@ -45,12 +61,36 @@ def current() -> _CompileState | None:
     return stack[-1] if stack else None
 
 
-def _unwrap_backend(fn: Any) -> tuple[Any, dict]:
-    """(innermost backend, the options torch.compile passed to it)."""
+def _names_our_backend(fn: Callable) -> bool:
+    """Whether a plain function that wraps a backend refers to ours: by name (``lookup_backend("moe_inductor")``), or
+    through a global or closure cell holding our backend."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False
+    if BACKEND_NAME in code.co_consts:
+        return True
+    cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _cell_is_set(c)]
+    globals_ = getattr(fn, "__globals__", {})
+    held = cells + [globals_.get(name) for name in code.co_names]
+    # ``package.backend(...)``: attributes of the modules it names
+    held += [getattr(m, name, None) for m in held if isinstance(m, types.ModuleType) for name in code.co_names]
+    return any(getattr(v, BACKEND_MARKER, False) or (isinstance(v, str) and v == BACKEND_NAME) for v in held)
+
+
+def _cell_is_set(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _unwrap_backend(fn: Any) -> tuple[bool, dict]:
+    """(whether ``fn`` is our backend or wraps it, the options torch.compile passed to it)."""
     options: dict = {}
     for _ in range(16):
         if getattr(fn, BACKEND_MARKER, False):
-            break
+            return True, options
         if hasattr(fn, "_torchdynamo_orig_backend"):
             fn = fn._torchdynamo_orig_backend
         elif hasattr(fn, "compiler_fn"):  # torch.compile's _TorchCompileWrapper holds the options in .kwargs
@@ -59,65 +99,135 @@ def _unwrap_backend(fn: Any) -> tuple[Any, dict]:
         elif isinstance(fn, functools.partial):
             options = dict(fn.keywords.get("options") or options)
             fn = fn.func
+        elif hasattr(fn, "backend"):
+            # CompileCounterWithBackend and the like keep the backend (or its name) as .backend
+            fn = fn.backend
+            if fn == BACKEND_NAME:
+                return True, options
+        elif isinstance(fn, types.FunctionType):
+            return _names_our_backend(fn), options
         else:
-            break
-    return fn, options
+            return False, options
+    return False, options
 
 
-def _backend_of_this_compile() -> tuple[Any, dict]:
-    frame = sys._getframe(2)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if owner is not None and hasattr(owner, "_torchdynamo_orig_backend"):
-            return _unwrap_backend(owner)
-        frame = frame.f_back
-    return None, {}
+#: frames whose compiled code failed on its first call: their next compile is plain (code -> the reason)
+_plain_codes: "weakref.WeakKeyDictionary[types.CodeType, str]" = weakref.WeakKeyDictionary()
 
 
-def _on_compile_start(_args: Any) -> None:
-    from .options import BackendOptions
-
-    backend, options = _backend_of_this_compile()
-    state = _CompileState(ours=bool(getattr(backend, BACKEND_MARKER, False)))
-    if state.ours:
-        try:
-            state.forms = BackendOptions.parse(options).forms
-        except ValueError:
-            state.forms = frozenset()  # the backend raises the error itself, once tracing is done
-        _register_known_substitutions()
-        state.patch = torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
-        state.patch.__enter__()
-    _stack().append(state)
-
-
-def _on_compile_end(_args: Any) -> None:
+@contextlib.contextmanager
+def _compiling(state: _CompileState) -> Iterator[_CompileState]:
     stack = _stack()
-    if not stack:
+    stack.append(state)
+    patch = None
+    if state.ours and not state.plain:
+        _register_known_substitutions()
+        patch = torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
+        patch.__enter__()
+    try:
+        yield state
+    finally:
+        if patch is not None:
+            patch.__exit__(None, None, None)
+        stack.pop()
+
+
+def _no_retry_errors() -> tuple[type, ...]:
+    """Dynamo's own control flow through ``_compile``: skipping a frame or hitting the recompile limit is the same
+    whatever the settings, so it is never retried."""
+    exc = torch._dynamo.exc
+    names = ("SkipFrame", "RecompileLimitExceeded", "CacheLimitExceeded", "ResumePrologueTracingError")
+    return tuple(getattr(exc, n) for n in names if isinstance(getattr(exc, n, None), type))
+
+
+def describe_frame(code: Optional[types.CodeType]) -> str:
+    if code is None:
+        return "<unknown frame>"
+    return f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
+
+
+_logged_fallbacks: "weakref.WeakSet[types.CodeType]" = weakref.WeakSet()
+
+
+def note_fallback(code: Optional[types.CodeType], stage: str, error: BaseException) -> None:
+    """Record that a frame is compiled as plain capture would: logged once per frame, counted, reported."""
+    while getattr(error, "inner_exception", None) is not None:  # BackendCompilerFailed holds what the compiler raised
+        error = error.inner_exception
+    first_line = (str(error).strip().splitlines() or [""])[0][:200]
+    reason = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
+    record = Fallback(describe_frame(code), stage, reason)
+    counters["moe_inductor_fallback"][stage] += 1
+    if code is None or code not in _logged_fallbacks:
+        if code is not None:
+            _logged_fallbacks.add(code)
+        log.warning("moe_inductor: %s failed to %s under its capture settings (%s); compiling it as plain capture "
+                    "would (what backend='inductor' does), without rewrites", record.where, stage, reason)
+    report = current_report()
+    if report is not None:
+        report.fallbacks.append(record)
+
+
+def _wrap_compile(original: Callable) -> Callable:
+    params = list(inspect.signature(original).parameters)
+    index = params.index("compiler_fn")
+
+    @functools.wraps(original)
+    def _compile(*args: Any, **kwargs: Any) -> Any:
+        compiler_fn = args[index] if len(args) > index else kwargs.get("compiler_fn")
+        ours, options = _unwrap_backend(compiler_fn)
+        code = args[0] if args else kwargs.get("code")
+        if not ours:
+            with _compiling(_CompileState()):
+                return original(*args, **kwargs)
+        from .options import BackendOptions
+
+        try:
+            forms = BackendOptions.parse(options).forms
+        except ValueError:
+            forms = frozenset()  # the backend raises the error itself, once tracing is done
+        if code in _plain_codes:
+            with _compiling(_CompileState(ours=True, plain=True, code=code)):
+                return original(*args, **kwargs)
+        report = current_report()
+        graphs_before = len(report.graphs) if report is not None else 0
+        counted = {name: dict(counters[name]) for name in ("moe_inductor", "moe_inductor_left_alone")}
+        try:
+            with _compiling(_CompileState(ours=True, forms=forms, code=code)):
+                return original(*args, **kwargs)
+        except _no_retry_errors():
+            raise
+        except Exception as error:
+            # what the failed attempt recorded did not happen: the plain compile below is what runs
+            if report is not None:
+                del report.graphs[graphs_before:]
+            for name, values in counted.items():
+                counters[name].clear()
+                counters[name].update(values)
+            note_fallback(code, "compile", error)
+        with _compiling(_CompileState(ours=True, plain=True, code=code)):
+            return original(*args, **kwargs)
+
+    _compile._moe_inductor_original = original
+    return _compile
+
+
+def mark_plain(code: Optional[types.CodeType]) -> None:
+    """Compile ``code`` as plain capture would from now on (its compiled code failed on its first call), and drop
+    its compiled entries so that the next call recompiles it."""
+    if code is None:
         return
-    state = stack.pop()
-    if state.patch is not None:
-        state.patch.__exit__(None, None, None)
+    _plain_codes[code] = "first call failed"
+    reset = getattr(torch._C._dynamo.eval_frame, "reset_code", None)
+    if reset is not None:
+        reset(code)
 
 
 def install() -> None:
-    """Register the compile callbacks (idempotent); called when the backend module is imported.
+    """Wrap Dynamo's per-frame compile (idempotent); called when the backend module is imported."""
+    from torch._dynamo import convert_frame
 
-    ``torch._dynamo.reset()`` clears every compile callback; the handler's ``clear`` is wrapped so that ours come
-    back right after, or the next compile would silently not be scoped.
-    """
-    handler = torch._dynamo.callback_handler
-    if _on_compile_start not in handler.start_callbacks:
-        handler.register_start_callback(_on_compile_start)
-        handler.register_end_callback(_on_compile_end)
-    if not getattr(handler.clear, "_keeps_moe_inductor", False):
-        plain_clear = handler.clear
-
-        def clear() -> None:
-            plain_clear()
-            install()
-
-        clear._keeps_moe_inductor = True
-        handler.clear = clear
+    if not hasattr(convert_frame._compile, "_moe_inductor_original"):
+        convert_frame._compile = _wrap_compile(convert_frame._compile)
 
 
 @torch._dynamo.assume_constant_result

@@ -35,6 +35,15 @@ class LeftAlone:
 
 
 @dataclass
+class Fallback:
+    """A frame compiled as plain capture would (no capture settings, no rewrites), because it failed under ours."""
+
+    where: str
+    stage: str  # "compile" (tracing or compiling failed) or "first call" (the compiled code failed when run)
+    reason: str
+
+
+@dataclass
 class GraphRecord:
     code: str
     rewrites: list[Rewrite]
@@ -49,6 +58,9 @@ class Report:
     graphs: list[GraphRecord] = field(default_factory=list)
     graph_breaks: list[str] = field(default_factory=list)
     graph_before: list[str] = field(default_factory=list)
+    fallbacks: list[Fallback] = field(default_factory=list)
+    #: anything else the user must know about how the compile went
+    notes: list[str] = field(default_factory=list)
 
     @property
     def rewrites(self) -> list[Rewrite]:
@@ -75,6 +87,11 @@ class Report:
                          f"weights {shapes}" + (f"  ({r.note})" if r.note else ""))
         for m in self.left_alone:
             lines.append(f"  left alone: {m.form:<14} {m.where}  ({m.reason})")
+        for f in self.fallbacks:
+            lines.append(f"  fallback: {f.where} failed to {f.stage} under moe_inductor's capture settings and was "
+                         f"compiled as backend='inductor' would, without rewrites ({f.reason})")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
         for i, g in enumerate(self.graphs):
             visible = f", {g.visible_ops} launched from Inductor's wrapper" if g.visible_ops else ""
             lines.append(f"--- graph {i}: {g.moe_ops} moe_inductor op call(s){visible} ---")

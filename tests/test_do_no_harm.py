@@ -1,0 +1,246 @@
+"""Do no harm: what runs eagerly (or under backend="inductor") runs under moe_inductor, with the same results or the
+same errors.
+
+- A frame that fails under the scoped capture settings (a model's own ``.tolist()``, ``.item()``,
+  ``one_hot(num_classes=tensor)``) is compiled again as plain capture would, and the fallback is reported.
+- A weight changed in place, by any route, is seen on the next call (no stale cache).
+- Routing ids outside [0, E) raise where the user's code raises.
+- Backends that wrap ours keep the capture.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+
+import moe_inductor
+from helpers import rel_err
+
+LIGHT = {"inner": "aot_eager"}
+
+
+class Expert(nn.Module):
+    def __init__(self, H: int, I: int):
+        super().__init__()
+        self.w1 = nn.Linear(H, I, bias=False)
+        self.w2 = nn.Linear(I, H, bias=False)
+        self.w3 = nn.Linear(H, I, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class ToListMoE(nn.Module):
+    """DeepSeek-V3 reference inference style: per-expert counts read back with ``.tolist()``, empty experts skipped."""
+
+    def __init__(self, H=16, I=24, E=5, k=2):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(Expert(H, I) for _ in range(E))
+        self.k = k
+
+    def forward(self, x):
+        scores = self.gate(x).softmax(-1)
+        weights, ids = scores.topk(self.k, -1)
+        y = torch.zeros_like(x)
+        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
+        for i, expert in enumerate(self.experts):
+            if counts[i] == 0:
+                continue
+            idx, top = torch.where(ids == i)
+            y[idx] += expert(x[idx]) * weights[idx, top, None]
+        return y
+
+
+class TensorCapacityMoE(nn.Module):
+    """DeepSpeed ``top1gating`` style: a capacity computed as a tensor, then ``one_hot(..., num_classes=capacity)``."""
+
+    def __init__(self, H=16, E=4, capacity_factor=1.0, min_capacity=2):
+        super().__init__()
+        self.wg = nn.Linear(H, E, bias=False)
+        self.experts = nn.Parameter(torch.randn(E, H, H) * H ** -0.5)
+        self.capacity_factor = capacity_factor
+        self.min_capacity = min_capacity
+
+    def forward(self, x):
+        T, E = x.shape[0], self.experts.shape[0]
+        gates = self.wg(x).softmax(-1)
+        capacity = torch.ceil(torch.tensor(T / E * self.capacity_factor)).to(torch.int64)
+        if capacity < self.min_capacity:  # a branch on a tensor: a graph break under plain capture
+            capacity = torch.tensor(self.min_capacity, dtype=torch.int64)
+        idx = gates.argmax(-1)
+        mask = F.one_hot(idx, num_classes=E)
+        locations = torch.cumsum(mask, 0) - 1
+        mask = mask * (locations < capacity)
+        locations_s = (locations * mask).sum(1)
+        gate_s = (gates * mask).sum(1)
+        loc_sc = F.one_hot(locations_s, num_classes=capacity).to(x.dtype)
+        combine = gate_s[:, None, None] * mask.to(x.dtype)[:, :, None] * loc_sc[:, None, :]
+        dispatch = combine.bool().to(x.dtype)
+        ex = torch.einsum("sec,sm->ecm", dispatch, x)
+        ey = torch.bmm(ex, self.experts)
+        return torch.einsum("sec,ecm->sm", combine, ey)
+
+
+class ItemSliceMoE(nn.Module):
+    """A sort + per-expert slice form whose slice lengths come from ``counts[e].item()``."""
+
+    def __init__(self, H=16, I=24, E=4, k=2):
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.w_up = nn.Parameter(torch.randn(E, H, I) * H ** -0.5)
+        self.w_down = nn.Parameter(torch.randn(E, I, H) * I ** -0.5)
+        self.k = k
+
+    def forward(self, x):
+        T, H = x.shape
+        E = self.w_up.shape[0]
+        weights, ids = self.router(x).softmax(-1).topk(self.k, -1)
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=E)
+        rows = x[order // self.k]
+        outs, start = [], 0
+        for e in range(E):
+            n = counts[e].item()
+            chunk = rows[start:start + n]
+            outs.append(F.gelu(chunk @ self.w_up[e]) @ self.w_down[e])
+            start += n
+        out = torch.cat(outs)
+        y = torch.zeros(T * self.k, H, dtype=x.dtype).index_copy(0, order, out)
+        return (y.view(T, self.k, H) * weights[..., None]).sum(1)
+
+
+def _eager_and_compiled(model, x, options=LIGHT, backward=True):
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor", options=options)
+    xe, xc = x.clone().requires_grad_(backward), x.clone().requires_grad_(backward)
+    ye, yc = model(xe), compiled(xc)
+    assert rel_err(yc, ye) < 1e-5
+    if backward:
+        grads_e = torch.autograd.grad(ye.square().sum(), [xe, *model.parameters()], allow_unused=True)
+        grads_c = torch.autograd.grad(yc.square().sum(), [xc, *model.parameters()], allow_unused=True)
+        for ge, gc in zip(grads_e, grads_c):
+            if ge is not None:
+                assert rel_err(gc, ge) < 1e-5
+    return compiled
+
+
+FAILING_STYLES = [ToListMoE, TensorCapacityMoE, ItemSliceMoE]
+FAILING_IDS = ["tolist", "one_hot_tensor", "item"]
+
+
+@pytest.mark.parametrize("make", FAILING_STYLES, ids=FAILING_IDS)
+@pytest.mark.parametrize("T", [9, 1, 0], ids=lambda t: f"T{t}")
+def test_a_frame_that_fails_under_our_settings_falls_back(make, T):
+    """Each style fails under the capture settings at T = 9 (a trace error, a compile error inside Inductor, code
+    that fails on its first call); T = 1 and T = 0 are edge cases that must run whatever path they take."""
+    torch.manual_seed(0)
+    model = make()
+    x = torch.randn(T, 16)
+    _eager_and_compiled(model, x, options={"inner": "inductor"}, backward=T > 0)
+    if T == 9:
+        assert sum(counters["moe_inductor_fallback"].values()) >= 1
+
+
+def test_explain_reports_a_fallback_and_it_is_logged_once(caplog):
+    torch.manual_seed(0)
+    model = ToListMoE()
+    x = torch.randn(7, 16)
+    from moe_inductor import capture
+
+    capture._logged_fallbacks.clear()  # earlier tests compiled the same frames
+    with caplog.at_level("WARNING", logger="moe_inductor"):
+        report = moe_inductor.explain(model, x)
+    assert report.fallbacks and report.fallbacks[0].stage == "compile"
+    assert "GuardOnDataDependentSymNode" in report.fallbacks[0].reason
+    assert "fallback: forward" in str(report)
+    logged = [r.getMessage() for r in caplog.records if "failed to compile" in r.getMessage()]
+    # once per frame (the forward, then the resumed rest after plain capture's graph break), though explain()
+    # compiles twice (with rewrites off, the graphs "before", and on)
+    assert len(logged) == 2 and "forward (" in logged[0] and "resume_in_forward" in logged[1]
+
+
+# --- wrapped backends -------------------------------------------------------------------------------------------------
+
+class LoopMoE(nn.Module):
+    """A per-expert loop over ``torch.where``: it needs the capture settings to be one graph and rewritten."""
+
+    def __init__(self, H=16, I=24, E=4, k=2):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(Expert(H, I) for _ in range(E))
+        self.k = k
+
+    def forward(self, x):
+        weights, ids = self.gate(x).softmax(-1).topk(self.k, -1)
+        y = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            idx, top = torch.where(ids == i)
+            y.index_add_(0, idx, expert(x[idx]) * weights[idx, top, None])
+        return y
+
+
+def _lookup_wrapper(gm, example_inputs):
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend("moe_inductor")(gm, example_inputs)
+
+
+def _imported_wrapper(gm, example_inputs):
+    return moe_inductor.moe_inductor_backend(gm, example_inputs)
+
+
+def _wrapped(kind):
+    if kind == "compile_counter":
+        return torch._dynamo.testing.CompileCounterWithBackend("moe_inductor")
+    if kind == "lookup_function":
+        return _lookup_wrapper
+    if kind == "imported_function":
+        return _imported_wrapper
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["compile_counter", "lookup_function", "imported_function", "optimize"])
+def test_wrapped_backends_keep_the_capture(kind):
+    import torch._dynamo.testing  # noqa: F401
+
+    torch.manual_seed(0)
+    model, x = LoopMoE(), torch.randn(9, 16)
+    torch._dynamo.reset()
+    counters.clear()
+    if kind == "optimize":
+        compiled = torch._dynamo.optimize("moe_inductor")(model)
+    else:
+        compiled = torch.compile(model, backend=_wrapped(kind))
+    assert rel_err(compiled(x), model(x)) < 1e-5
+    assert counters["moe_inductor"]["unrolled_loop"] == 1
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def test_a_wrapper_we_cannot_see_into_is_reported_with_the_fix(caplog):
+    from moe_inductor import backend
+
+    class Opaque:  # hides the backend behind an attribute name we do not look at
+        def __init__(self):
+            self.hidden = moe_inductor.moe_inductor_backend
+
+        def __call__(self, gm, example_inputs):
+            return self.hidden(gm, example_inputs)
+
+    torch.manual_seed(0)
+    model, x = LoopMoE(), torch.randn(9, 16)
+    torch._dynamo.reset()
+    backend._warned_unseen_wrapper = False
+    with caplog.at_level("WARNING", logger="moe_inductor"):
+        out = torch.compile(model, backend=Opaque())(x)
+    assert rel_err(out, model(x)) < 1e-5
+    assert any("mark_backend" in r.getMessage() for r in caplog.records)
+    marked = moe_inductor.mark_backend(Opaque())
+    torch._dynamo.reset()
+    counters.clear()
+    assert rel_err(torch.compile(model, backend=marked)(x), model(x)) < 1e-5
+    assert counters["moe_inductor"]["unrolled_loop"] == 1
