@@ -244,3 +244,95 @@ def test_a_wrapper_we_cannot_see_into_is_reported_with_the_fix(caplog):
     counters.clear()
     assert rel_err(torch.compile(model, backend=marked)(x), model(x)) < 1e-5
     assert counters["moe_inductor"]["unrolled_loop"] == 1
+
+
+# --- never stale ------------------------------------------------------------------------------------------------------
+
+def _weights_of(model: nn.Module) -> list[nn.Parameter]:
+    """The expert weights (3-D stacks or per-expert matrices), not the router's."""
+    return [p for name, p in model.named_parameters() if "experts" in name or (p.dim() == 3)]
+
+
+def _change(model: nn.Module, how: str, dtype: torch.dtype = torch.float64) -> None:
+    """Change one expert weight of ``model`` in place, the way users do."""
+    weights = _weights_of(model)
+    target = weights[0]
+    new = torch.randn_like(target)
+    if how == "data_copy":
+        target.data.copy_(new)  # bumps no version counter
+    elif how == "data_assign":
+        target.data = new
+    elif how == "copy_no_grad":
+        with torch.no_grad():
+            target.copy_(new)
+    elif how == "load_state_dict":
+        state = {k: torch.randn_like(v) if v.dtype.is_floating_point else v for k, v in model.state_dict().items()}
+        model.load_state_dict(state)
+    elif how == "optimizer_step":
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    elif how == "view_in_place":
+        with torch.no_grad():
+            target.view(-1)[: target.numel() // 2].mul_(-3.0)
+    elif how == "data_view_in_place":
+        target.data[0].mul_(-3.0)  # through .data and a view: no version counter sees it
+    elif how == "to_dtype":
+        model.to(dtype)
+    else:
+        raise AssertionError(how)
+
+
+CHANGES = ["data_copy", "data_assign", "copy_no_grad", "load_state_dict", "optimizer_step", "view_in_place",
+           "data_view_in_place", "to_dtype"]
+
+
+def _weight_reading_models():
+    from test_pass_dense_experts import DenseMoE
+    from test_pass_gathered_weights import GatheredMoE
+    from test_pass_padded_capacity import CapacityMoE
+    from test_pass_unrolled_loop import LoopMoE as StackedLoopMoE, ModuleListMoE
+
+    return {
+        "module_list_loop": (lambda: ModuleListMoE("hf_v4"), "unrolled_loop", 16),
+        "stacked_loop": (lambda: StackedLoopMoE(), "unrolled_loop", 16),
+        "capacity": (lambda: CapacityMoE("top2"), "padded_capacity", 16),
+        "dense": (lambda: DenseMoE("einsum"), "dense_experts", 16),
+        "gathered": (lambda: GatheredMoE("gptfast"), "gathered_weights", None),
+    }
+
+
+@pytest.mark.parametrize("how", CHANGES)
+@pytest.mark.parametrize("name", ["module_list_loop", "stacked_loop", "capacity", "dense", "gathered"])
+def test_every_weight_change_is_seen_on_the_next_call(name, how):
+    make, form, H = _weight_reading_models()[name]
+    torch.manual_seed(0)
+    model = make()
+    H = H or next(p for p in model.parameters() if p.dim() == 3).shape[-1]
+    x = torch.randn(11, H)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})
+    with torch.no_grad():
+        assert rel_err(compiled(x), model(x)) < 1e-5
+        assert counters["moe_inductor"][form] >= 1
+        _change(model, how)
+        xd = x.to(next(model.parameters()).dtype)
+        assert rel_err(compiled(xd), model(xd)) < 1e-5, f"stale after {how}"
+
+
+@pytest.mark.parametrize("how", ["data_copy", "optimizer_step", "to_dtype"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_hf_experts_see_weight_changes(family, how):
+    from hf_models import tiny
+
+    model = tiny(family).eval()
+    ids = torch.randint(0, 64, (1, 9))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})
+    with torch.no_grad():
+        assert rel_err(compiled(ids).logits, model(ids).logits) < 1e-5
+        _change(model, how, torch.bfloat16)  # HF's experts code has no float64 path
+        tol = 2e-2 if how == "to_dtype" else 1e-5
+        assert rel_err(compiled(ids).logits, model(ids).logits) < tol, f"stale after {how}"

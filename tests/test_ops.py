@@ -264,7 +264,7 @@ def test_opcheck_route():
     torch.library.opcheck(route, (ids, 5, 2))
 
 
-def test_expert_list_op_matches_reference_and_caches_the_stack():
+def test_expert_list_op_matches_reference_and_stacks_the_weights_as_they_are():
     from moe_inductor.ops import expert_lists
 
     torch.manual_seed(0)
@@ -280,14 +280,8 @@ def test_expert_list_op_matches_reference_and_caches_the_stack():
     leaves = [x, w] + w1 + w3 + w2
     for a, b in zip(torch.autograd.grad(y, leaves, dy), torch.autograd.grad(ref, leaves, dy)):
         assert_close(a, b, torch.float32, "grad")
-    first = expert_lists.stacked(w1)
-    assert expert_lists.stacked(w1) is first  # cached while the weights are unchanged
-    entries = len(expert_lists._STACKS)
-    with torch.no_grad():
-        w1[0].add_(1.0)  # an in-place update bumps the version: the stack must be rebuilt
-    assert expert_lists.stacked(w1) is not first
+    w1[0].data.add_(1.0)  # a write through .data bumps no version counter: the stack must still see it
     assert torch.equal(expert_lists.stacked(w1)[0], w1[0].detach())
-    assert len(expert_lists._STACKS) == entries  # replaced, not added: training does not pile up stale stacks
 
 
 @pytest.mark.parametrize("layout", ["nk", "kn"])

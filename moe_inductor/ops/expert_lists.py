@@ -1,48 +1,24 @@
 """Experts held as separate per-expert weight tensors (a ModuleList of nn.Linear, HF v4's loop): the same fused op,
-with the weights stacked once and cached against their versions.
+on a stack of the weights made at each call.
 
 Shapes: with ``layout`` "nk" each ``w1[e]``/``w1_up[e]`` is (I, H) and each ``w2[e]`` (H, I), nn.Linear's (out, in);
-with "kn" they are (in, out): (H, I) and (I, H), for experts written as ``x @ w``. The stack is rebuilt
-only when a weight's storage or version changes (an optimizer step), so inference pays for it once. The cache lives
-inside the ops and is never returned: outputs stay fresh tensors, as custom ops require.
+with "kn" they are (in, out): (H, I) and (I, H), for experts written as ``x @ w``.
+
+The stack is never cached: a cache keyed on the weights' versions misses ``p.data.copy_(new)`` (writes through
+``.data`` bump no version counter), and nothing cheaper than reading the weights tells that they changed.
 """
 from __future__ import annotations
-
-import weakref
-from collections import OrderedDict
 
 import torch
 from torch import Tensor
 
 from .experts import check_weight_position, experts_backward, experts_forward_impl, to_kn
 
-_STACKS: "OrderedDict[tuple, tuple[list, tuple, Tensor]]" = OrderedDict()
-_MAX_STACKS = 4096  # a safety bound; entries of freed weights are dropped as soon as they are seen
-
-
-def _identity(ws: list[Tensor]) -> tuple:
-    return tuple((id(w), w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype, w.device) for w in ws)
-
 
 def stacked(ws: list[Tensor]) -> Tensor:
-    """``torch.stack(ws)``, cached while the very same weights keep their storage and version. Returns (E, N, K).
-
-    One entry per list of weights: an optimizer step (a new version) replaces the entry instead of adding one, and
-    weak references make sure a freed weight whose address is reused by a new tensor never hits a stale stack.
-    """
-    key = _identity(ws)
-    versions = tuple(w._version for w in ws)
-    entry = _STACKS.get(key)
-    if entry is None or entry[1] != versions or any(ref() is not w for ref, w in zip(entry[0], ws)):
-        with torch.no_grad():
-            entry = ([weakref.ref(w) for w in ws], versions, torch.stack([w.detach() for w in ws]))
-        _STACKS[key] = entry
-        for stale in [k for k, (refs, _, _) in _STACKS.items() if any(r() is None for r in refs)]:
-            del _STACKS[stale]
-        while len(_STACKS) > _MAX_STACKS:
-            _STACKS.popitem(last=False)
-    _STACKS.move_to_end(key)
-    return entry[2]
+    """``torch.stack(ws)`` of the weights as they are now: (E, N, K)."""
+    with torch.no_grad():
+        return torch.stack([w.detach() for w in ws])
 
 
 def _views(w1: list[Tensor], w1_up: list[Tensor], w2: list[Tensor], layout: str):
