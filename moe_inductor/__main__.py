@@ -41,7 +41,7 @@ def main(argv=None) -> None:
     report = explain(model, *inputs)
     print(report.summary() if args.summary else report)
     if args.check:
-        problems = [f"{len(report.graph_breaks)} graph break(s)"] if report.graph_breaks else []
+        problems = [f"{report.graph_break_count} graph break(s)"] if report.graph_break_count else []
         problems += [f"{len(report.left_alone)} MoE-looking region(s) left alone"] if report.left_alone else []
         problems += ["no MoE rewrite"] if not report.rewrites else []
         if problems:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Callable, Optional
 
 import torch
@@ -36,26 +37,72 @@ def log_rewrites(report_line: str, code: str) -> None:
     _rewrites_log.info("%s\n%s", report_line, code)
 
 
-def _compile_and_run(fn: Callable, args, kwargs, options: dict, report: Report) -> None:
-    from torch._dynamo.utils import counters
+def _source_lines(gm: torch.fx.GraphModule) -> frozenset:
+    """The user source lines ("file:line") a Dynamo graph was traced from, every frame of every node's stack."""
+    lines = set()
+    for node in gm.graph.nodes:
+        for match in _FRAME.finditer(node.meta.get("stack_trace") or ""):
+            lines.add(f"{match.group(1)}:{match.group(2)}")
+    return frozenset(lines)
 
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _break_line(reason: Any) -> str:
+    """A graph break as one line: Dynamo's reason and the user's file:line where the graph broke."""
+    text = str(getattr(reason, "reason", reason)).strip().splitlines()
+    where = ""
+    stack = getattr(reason, "user_stack", None) or []
+    if stack:
+        frame = stack[-1]
+        where = f" at {frame.filename}:{frame.lineno}"
+    return f"{text[0] if text else 'graph break'}{where}"
+
+
+def _unwrap_compiled(model_or_fn: Callable) -> Callable:
+    """The user's own module or function under a ``torch.compile`` wrapper: explain compiles that, with its own
+    backend, and leaves the wrapper (and its compiled code) as it was."""
+    orig = getattr(model_or_fn, "_orig_mod", None)
+    if isinstance(orig, torch.nn.Module):
+        return orig
+    return torch._dynamo.eval_frame.innermost_fn(model_or_fn)
+
+
+def _compile_and_run(fn: Callable, args, kwargs, options: dict, report: Report) -> None:
+    """Compile ``fn`` with moe_inductor through a backend made for this call and run it once, recording each
+    graph, its source lines and the graph break that ended it (as ``torch._dynamo.explain`` counts them)."""
+    from . import capture
     from .backend import moe_inductor_backend
 
-    torch._dynamo.reset()
-    breaks_before = dict(counters["graph_break"])
-    with collecting(report):
-        compiled = torch.compile(fn, backend=moe_inductor_backend, options=options)
+    def backend(gm: torch.fx.GraphModule, example_inputs: list, options: Optional[dict] = None,
+                mode: Optional[str] = None) -> Callable:
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        if reason is not None and getattr(reason, "graph_break", False):
+            report.graph_breaks.append(_break_line(reason))
+        sources, count = _source_lines(gm), len(report.graphs)
+        compiled = moe_inductor_backend(gm, example_inputs, options=options, mode=mode)
+        for record in report.graphs[count:]:
+            record.sources = sources
+        return compiled
+
+    # A backend of its own gives explain's graphs their own cache entries (Dynamo matches cached code to its
+    # backend): the user's compiled model keeps its code, and explain never reuses it.
+    setattr(backend, capture.BACKEND_MARKER, True)
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    with collecting(report), torch._dynamo.config.patch({limit: getattr(torch._dynamo.config, limit) + 2}):
+        compiled = torch.compile(fn, backend=backend, options=options)
         with torch.no_grad():
             compiled(*args, **kwargs)
-    for reason, count in counters["graph_break"].items():
-        report.graph_breaks += [reason] * (count - breaks_before.get(reason, 0))
 
 
 def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, **kwargs: Any) -> Report:
     """Compile ``model_or_fn`` with moe_inductor on these inputs and say what was done.
 
     Runs it twice under a light inner compiler: once with every rewrite off (the graphs "before") and once as
-    configured ("after"). Resets Dynamo's caches, like ``torch._dynamo.explain``.
+    configured ("after"). Dynamo's caches are not reset: a model the user already compiled stays compiled (warm),
+    and explain's graphs get cache entries of their own. A ``torch.compile`` wrapper is looked through: explain
+    compiles the module or function inside it.
 
     Returns:
         a Report: graphs, graph breaks with reasons, each rewrite (form, module, E, k, activation, weight shapes),
@@ -64,10 +111,21 @@ def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, *
     """
     options = dict(options or {})
     options.setdefault("inner", "eager")
+    fn = _unwrap_compiled(model_or_fn)
     before = Report()
-    _compile_and_run(model_or_fn, args, kwargs, dict(options, forms=()), before)
-    report = Report()
-    _compile_and_run(model_or_fn, args, kwargs, options, report)
-    report.graph_before = [g.code for g in before.graphs]
-    torch._dynamo.reset()
+    _compile_and_run(fn, args, kwargs, dict(options, forms=()), before)
+    report = Report(device=_device_of(fn, args, kwargs))
+    _compile_and_run(fn, args, kwargs, options, report)
+    report.before = before.graphs
     return report
+
+
+def _device_of(fn: Callable, args: tuple, kwargs: dict) -> Optional[torch.device]:
+    """The device the model runs on: its first parameter's, else the first tensor input's."""
+    if isinstance(fn, torch.nn.Module):
+        for p in fn.parameters():
+            return p.device
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None

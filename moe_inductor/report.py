@@ -6,6 +6,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+import torch
+
 from . import config
 from .ops.grouped_mm_engine import engine_mode
 
@@ -51,16 +53,38 @@ class GraphRecord:
     #: of those, how many Inductor launches from its own wrapper (``config.visible_kernels``; lowerings/visible.py)
     visible_ops: int = 0
     left_alone: list[LeftAlone] = field(default_factory=list)
+    #: the user source lines ("file:line") the graph was traced from; explain() pairs graphs before/after by them
+    sources: frozenset = frozenset()
 
 
 @dataclass
 class Report:
     graphs: list[GraphRecord] = field(default_factory=list)
+    #: one line per graph break, as ``torch._dynamo.explain`` counts them: Dynamo's reason, then the user's file:line
     graph_breaks: list[str] = field(default_factory=list)
-    graph_before: list[str] = field(default_factory=list)
+    #: the graphs of the same code compiled with every rewrite off
+    before: list[GraphRecord] = field(default_factory=list)
+    #: the device the model ran on (the GEMM line says what runs there)
+    device: Optional[torch.device] = None
     fallbacks: list[Fallback] = field(default_factory=list)
     #: anything else the user must know about how the compile went
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def graph_break_count(self) -> int:
+        """Graph breaks as ``torch._dynamo.explain`` counts them: one fewer than the graphs (the reasons Dynamo gives
+        are in ``graph_breaks``; a frame Dynamo skips splits the graphs without one)."""
+        return max(len(self.graphs) - 1, len(self.graph_breaks))
+
+    @property
+    def graph_before(self) -> list[str]:
+        """The code of the graphs with every rewrite off."""
+        return [g.code for g in self.before]
+
+    def before_of(self, graph: GraphRecord) -> list[GraphRecord]:
+        """The graphs with rewrites off that cover the same source as ``graph`` (the same region of the model; a
+        graph break present only without the rewrite splits it in several)."""
+        return [b for b in self.before if b.sources & graph.sources]
 
     @property
     def rewrites(self) -> list[Rewrite]:
@@ -75,10 +99,10 @@ class Report:
         return str(self).split("\n--- graph")[0]
 
     def __str__(self) -> str:
-        lines = [f"moe_inductor: {len(self.graphs)} graph(s), {len(self.graph_breaks)} graph break(s), "
+        lines = [f"moe_inductor: {len(self.graphs)} graph(s), {self.graph_break_count} graph break(s), "
                  f"{len(self.rewrites)} MoE rewrite(s)"]
         if self.rewrites:
-            lines.append(f"  GEMMs: {gemm_engine_summary()}")
+            lines.append(f"  GEMMs: {gemm_engine_line(self.device)}")
         for reason in self.graph_breaks:
             lines.append(f"  graph break: {reason.splitlines()[0]}")
         for i, r in enumerate(self.rewrites):
@@ -95,12 +119,39 @@ class Report:
         for i, g in enumerate(self.graphs):
             visible = f", {g.visible_ops} launched from Inductor's wrapper" if g.visible_ops else ""
             lines.append(f"--- graph {i}: {g.moe_ops} moe_inductor op call(s){visible} ---")
-            if self.graph_before and i < len(self.graph_before):
-                lines.append("before:")
-                lines.append(self.graph_before[i].strip())
+            before = self.before_of(g)
+            if before:
+                which = ", ".join(str(self.before.index(b)) for b in before)
+                lines.append(f"before (rewrites off; the graph(s) of the same source: {which}):")
+                lines += [b.code.strip() for b in before]
                 lines.append("after:")
             lines.append(g.code.strip())
         return "\n".join(lines)
+
+
+def gemm_engine_line(device: Optional[torch.device]) -> str:
+    """What runs the rewritten layers' GEMMs on ``device``, in a few words (``gemm_engine_summary`` has the rules)."""
+    if device is None or device.type != "cuda":
+        name = device.type if device is not None else "cpu"
+        if name == "cpu" and config.triton_on_cpu:
+            return "on cpu: our Triton kernels, in Triton's interpreter (config.triton_on_cpu)"
+        return f"on {name}: plain torch (the Triton kernels run on CUDA GPUs)"
+    hopper = torch.cuda.get_device_capability(device)[0] == 9
+    forward, backward = (_engine_short(engine_mode(backward=b), b, hopper) for b in (False, True))
+    where = f"on {device} ({torch.cuda.get_device_name(device)})"
+    if forward == backward:
+        return f"{where}: {forward}"
+    return f"{where}: forward {forward}; backward {backward}"
+
+
+def _engine_short(mode: str, backward: bool, hopper: bool) -> str:
+    if mode == "triton" or not hopper:  # torch._grouped_mm's fast kernel is Hopper's; elsewhere ours always run
+        return "our Triton kernels"
+    if mode == "grouped_mm":
+        return "torch._grouped_mm, our kernels around it"
+    if backward:
+        return f"torch._grouped_mm in bf16 from {config.grouped_mm_backward_min_rows_per_expert} rows/expert, else ours"
+    return "our Triton kernels; torch._grouped_mm for large bf16 experts"
 
 
 def gemm_engine_summary() -> str:

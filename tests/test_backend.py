@@ -239,8 +239,8 @@ def test_explain_report():
     assert "hf_grouped_mm" in text and "MixtralExperts" in text and "E=3 k=2 act=silu_glu" in text
     assert "experts_forward" in report.graphs[0].code and "experts_forward" not in report.graph_before[0]
     assert report.summary() in text and "def forward" not in report.summary()
-    assert "GEMMs: forward: our fused Triton kernels; torch._grouped_mm for bf16 on Hopper" in report.summary()
-    assert "backward: torch._grouped_mm for bf16 on Hopper at >= 128 rows per expert" in report.summary()
+    gemms = next(line for line in report.summary().splitlines() if "GEMMs:" in line)
+    assert gemms == "  GEMMs: on cpu: plain torch (the Triton kernels run on CUDA GPUs)"  # what runs here, in a line
 
 
 @pytest.mark.parametrize("forward,backward,expected", [

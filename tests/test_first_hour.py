@@ -185,3 +185,90 @@ def test_readme_pins_and_pyproject_ranges_hold_the_tested_versions():
     import platform
     assert SpecifierSet(project["requires-python"]).contains(platform.python_version())
     assert any(c.startswith("Programming Language :: Python :: 3.") for c in project["classifiers"])
+
+
+# --- explain() tells the truth -------------------------------------------------------------------------------------
+
+
+def _loop_moe():
+    namespace: dict = {}
+    exec(_LOOP_MOE, namespace)
+    return namespace["LoopMoE"]
+
+
+def test_explain_leaves_the_users_compiled_model_warm():
+    import torch
+    from torch._dynamo.utils import counters
+
+    import moe_inductor
+
+    torch.manual_seed(0)
+    model, x = _loop_moe()(), torch.randn(6, 16)
+    compiled = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})
+    compiled(x)
+    report = moe_inductor.explain(model, x)
+    assert len(report.rewrites) == 1
+    graphs = counters["stats"]["unique_graphs"]
+    compiled(x)  # no recompile: explain reset nothing, and its own graphs do not stand in for the user's
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert len(moe_inductor.explain(compiled, x).rewrites) == 1  # a compiled wrapper is looked through
+    compiled(x)
+    assert counters["stats"]["unique_graphs"] == graphs + 2
+
+
+def test_explain_counts_graph_breaks_as_dynamo_does_with_file_and_line():
+    import torch
+
+    import moe_inductor
+
+    LoopMoE = _loop_moe()
+
+    class TwoLayers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = LoopMoE(), LoopMoE()
+
+        def forward(self, x):
+            x = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(x).sin()
+
+    torch.manual_seed(0)
+    model, x = TwoLayers(), torch.randn(6, 16)
+    report = moe_inductor.explain(model, x)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True):
+        dynamo = torch._dynamo.explain(model)(x)
+    assert report.graph_break_count == dynamo.graph_break_count == 1, (report.graph_breaks, dynamo)
+    assert len(report.graph_breaks) == len(dynamo.break_reasons) == 1
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if "torch._dynamo.graph_break()" in text and "line" not in text)
+    assert f"{__file__}:{line}" in report.graph_breaks[0], report.graph_breaks
+    assert len(report.rewrites) == 2
+
+
+def test_explain_pairs_graphs_before_and_after_by_source():
+    """HF's eager experts loop breaks the graph where it is not rewritten: the one graph after pairs with every
+    graph of the same source before, not with whatever came first."""
+    pytest.importorskip("transformers")
+    import torch
+
+    import moe_inductor
+    from tests.hf_models import tiny
+
+    model = tiny("qwen3_moe", "eager").eval()
+    report = moe_inductor.explain(model, torch.randint(0, 64, (1, 8)))
+    assert len(report.graphs) == 1 and len(report.before) > 1
+    paired = report.before_of(report.graphs[0])
+    assert len(paired) > 1 and all(b.sources & report.graphs[0].sources for b in paired)
+    text = str(report)
+    assert all(b.code.strip() in text for b in paired)
+
+
+def test_explain_names_what_runs_here_in_one_short_line():
+    import torch
+
+    import moe_inductor
+
+    report = moe_inductor.explain(_loop_moe()(), torch.randn(6, 16))
+    gemms = [line for line in report.summary().splitlines() if "GEMMs:" in line]
+    assert gemms == ["  GEMMs: on cpu: plain torch (the Triton kernels run on CUDA GPUs)"]
