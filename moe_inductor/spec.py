@@ -4,7 +4,9 @@ Fields are FX nodes of the Dynamo graph: ``x`` (T, H) tokens, ``ids``/``weights`
 weights as the user holds them: one stacked (E, ., .) node per projection in ``layout`` "nk" (E, out, in) or "kn"
 (E, in, out), or a tuple of E per-expert (out, in) nodes (nn.Linear weights). ``weight_position`` says whether the
 routing weight scales the expert output or input; ``capacity``, when set, drops assignments past it per expert in
-GShard/Switch priority order (choice-major: every token's first choice before any second choice).
+GShard/Switch priority order (choice-major: every token's first choice before any second choice). ``gate_up``, when
+set ("concat": gate then up; "interleaved": even and odd rows), says that ``gate`` holds one fused gate/up
+projection of twice the width (``up`` is None); the emitter passes its halves to the op, as views.
 """
 from __future__ import annotations
 
@@ -26,3 +28,4 @@ class MoESpec:
     activation: str
     weight_position: str = "output"
     capacity: Optional[Any] = None  # an int (or a symbolic size node): drop past it in choice-major order
+    gate_up: Optional[str] = None  # "concat" / "interleaved": gate is a fused gate/up weight, split by the emitter

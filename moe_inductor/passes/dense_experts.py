@@ -141,7 +141,8 @@ def match_or_reason(y: Node) -> Union[MoESpec, str, None]:
     xv, wv = val(gate.x), val(down.weight)
     if xv is None or xv.dim() != 2 or val(ids).shape[0] != xv.shape[0] or val(routing).shape[1] != wv.shape[0]:
         return "the tokens, routing matrix and expert weights do not agree in T and E"
-    return MoESpec(gate.x, ids, values, gate.weight, up.weight if up else None, down.weight, gate.layout, activation)
+    return MoESpec(gate.x, ids, values, gate.weight, up.weight if up else None, down.weight, gate.layout, activation,
+                   gate_up=gated.gate_up)
 
 
 def _describe(node: Node, spec: MoESpec) -> Rewrite:

@@ -1,6 +1,7 @@
 """The one emitter: an MoESpec becomes a ``moe_inductor::experts_forward`` call in the graph."""
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Callable, Optional, Union
 
@@ -21,6 +22,9 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
     per_expert = isinstance(spec.gate, tuple)
     weight_nodes = [spec.x, spec.weights, *((spec.gate + (spec.up or ()) + spec.down) if per_expert
                                              else (spec.gate, spec.up, spec.down))]
+    if spec.gate_up is not None:
+        with graph.inserting_before(before):
+            spec = _split_fused(graph, spec)
     # Dynamo compiles under the grad mode it traced in (and guards on it), so it is the mode the op will run in
     save_pre = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in map(val, weight_nodes))
     with graph.inserting_before(before):
@@ -41,6 +45,33 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
         if out_dtype != x_dtype:
             out = graph.call_method("to", (out, out_dtype))
     return out
+
+
+def _split_fused(graph: Graph, spec: MoESpec) -> MoESpec:
+    """The spec with a fused gate/up weight (``spec.gate_up``) as two views, gate and up, of its output dimension:
+    (E, 2I, K) -> [:, :I] and [:, I:] ("nk"), (E, K, 2I) -> [..., :I] and [..., I:] ("kn"), each nn.Linear's (2I, K)
+    -> [:I] and [I:]; even and odd rows (columns) when interleaved."""
+    def halves(w: Node) -> tuple[Node, Node]:
+        shape = val(w).shape
+        out_dim = (0 if len(shape) == 2 else 1) if spec.layout == "nk" else len(shape) - 1
+        n = shape[out_dim]
+        if spec.gate_up == "concat":
+            parts = (slice(None, n // 2), slice(n // 2, None))
+        elif spec.gate_up == "interleaved":
+            parts = (slice(0, None, 2), slice(1, None, 2))
+        else:
+            raise ValueError(f"gate_up={spec.gate_up!r}")
+        lead = (slice(None),) * out_dim
+        return tuple(graph.call_function(operator.getitem, (w, lead + (part,))) for part in parts)
+
+    if spec.up is not None:
+        raise ValueError("a fused gate/up spec has no separate up weight; a matcher must not produce this spec")
+    if isinstance(spec.gate, tuple):
+        split = [halves(w) for w in spec.gate]
+        gate, up = tuple(g for g, _ in split), tuple(u for _, u in split)
+    else:
+        gate, up = halves(spec.gate)
+    return dataclasses.replace(spec, gate=gate, up=up, gate_up=None)
 
 
 def inputs_unchanged(spec: MoESpec) -> bool:

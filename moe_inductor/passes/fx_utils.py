@@ -226,20 +226,97 @@ class GatedRead:
     act: Node
     gate_in: Node
     up_in: Optional[Node]
-    gate: Any  # what ``read`` returned for gate_in
-    up: Any  # and for up_in; None for a plain activation
+    gate: Any  # what ``read`` returned for gate_in (for a fused gate/up, for the one projection of both)
+    up: Any  # and for up_in; None for a plain activation or a fused gate/up
+    #: "concat" or "interleaved" when gate and up are the two halves of one projection (``gate`` read it); the
+    #: MoESpec then holds the fused weight and the emitter splits it, as views
+    gate_up: Optional[str] = None
+
+
+def _last_dim(node: Node, dim) -> bool:
+    v = val(node)
+    return v is not None and isinstance(dim, int) and dim in (-1, v.dim() - 1)
+
+
+def _part_of(node, index: int) -> Optional[Node]:
+    """``c`` for ``c[index]`` (a getitem of a chunk/split result)."""
+    if is_call(node, "call_function", operator.getitem) and node.args[1] == index and isinstance(node.args[0], Node):
+        return node.args[0]
+    return None
+
+
+def _last_dim_slice(node) -> Optional[tuple[Node, slice]]:
+    """(p, s) for ``p[..., s]`` (or ``p[:, s]`` on a 2D p) with a slice s."""
+    if not is_call(node, "call_function", operator.getitem) or not isinstance(node.args[0], Node):
+        return None
+    p, index = node.args
+    pv = val(p)
+    if pv is None or not isinstance(index, tuple) or len(index) != 2 or not isinstance(index[1], slice):
+        return None
+    if index[0] is Ellipsis or (pv.dim() == 2 and index[0] == slice(None)):
+        return p, index[1]
+    return None
+
+
+def fused_gate_up(gate_in: Node, up_in: Node) -> Optional[tuple[Node, str]]:
+    """(p, "concat" | "interleaved") when ``gate_in`` and ``up_in`` are the first and second halves of one
+    projection p's last dimension, or its even and odd columns:
+
+        gate, up = p.chunk(2, dim=-1)             # or torch.chunk(p, 2, -1), p.split(I, -1), torch.split(p, [I, I], -1)
+        gate, up = p[..., :I], p[..., I:]         # slices; interleaved: p[..., ::2], p[..., 1::2]
+
+    The activation must be on the first half (the gate): the other order is not a spelling this proves."""
+    whole = _part_of(gate_in, 0)
+    if whole is not None and _part_of(up_in, 1) is whole and len(whole.users) == 2:
+        p, args = (whole.args[0], whole.args[1:]) if whole.args else (None, ())
+        dim = whole.kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        pv = val(p) if isinstance(p, Node) else None
+        if pv is None or set(whole.kwargs) - {"dim"} or len(args) < 1 or not _last_dim(p, dim):
+            return None
+        width = pv.shape[-1]
+        if not isinstance(width, int) or width % 2:
+            return None
+        parts = args[0]
+        if is_call(whole, "call_method", "chunk") or is_call(whole, "call_function", torch.chunk):
+            ok = parts == 2
+        elif is_call(whole, "call_method", "split") or is_call(whole, "call_function", torch.split):
+            ok = parts == width // 2 or (isinstance(parts, (list, tuple)) and list(parts) == [width // 2] * 2)
+        else:
+            ok = False
+        return (p, "concat") if ok else None
+    gate_slice, up_slice = _last_dim_slice(gate_in), _last_dim_slice(up_in)
+    if gate_slice is None or up_slice is None or gate_slice[0] is not up_slice[0]:
+        return None
+    p, g, u = gate_slice[0], gate_slice[1], up_slice[1]
+    width = val(p).shape[-1]
+    if not isinstance(width, int) or width % 2:
+        return None
+    half = width // 2
+    if (g.start in (None, 0) and g.stop == half and g.step in (None, 1) and u.start == half
+            and u.stop in (None, width) and u.step in (None, 1)):
+        return p, "concat"
+    if g.start in (None, 0) and g.stop in (None, width) and g.step == 2 and u.start == 1 and u.stop in (
+            None, width) and u.step == 2:
+        return p, "interleaved"
+    return None
 
 
 def read_gated(h: Node, read: Callable[[Node], Any]) -> Optional[GatedRead]:
     """``split_gated(h)`` with the projection(s) under the activation read by the pass's own ``read`` (None when it
-    does not recognise one). The checks between the readings (same input, same layout) stay with each pass."""
+    does not recognise one). The checks between the readings (same input, same layout) stay with each pass.
+
+    When gate and up are the two halves of one projection (``fused_gate_up``), ``read`` reads that projection and
+    the result says how the halves lie (``gate_up``); the pass hands it on to its MoESpec."""
     split = split_gated(h)
     if split is None:
         return None
     activation, act, gate_in, up_in = split
+    fused = fused_gate_up(gate_in, up_in) if up_in is not None else None
+    if fused is not None:
+        gate = read(fused[0])
+        return GatedRead(activation, act, gate_in, up_in, gate, None, fused[1]) if gate is not None else None
     gate = read(gate_in)
     up = read(up_in) if up_in is not None else None
     if gate is None or (up_in is not None and up is None):
         return None
     return GatedRead(activation, act, gate_in, up_in, gate, up)
-

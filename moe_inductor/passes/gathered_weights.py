@@ -104,7 +104,7 @@ def match_or_reason(y: Node) -> Union[MoESpec, str, None]:
     if ids_val is None or w_val is None or x_val is None or x_val.dim() != 2 or tuple(w_val.shape) != tuple(ids_val.shape):
         return "the tokens, ids and routing weights do not have (T, H), (T, k) and (T, k) shapes"
     return MoESpec(gate.x, gate.ids, weights, gate.weight, up.weight if up else None, down.weight, gate.layout,
-                   gated.activation)
+                   gated.activation, gate_up=gated.gate_up)
 
 
 def _describe(node: Node, spec: MoESpec) -> Rewrite:

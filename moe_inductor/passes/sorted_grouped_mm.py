@@ -2,7 +2,7 @@
 (torchtitan's MoE; hand-written versions of HF's grouped_mm path).
 
 The user code this matches (the routing score may scale the expert input, as torchtitan does by default, or its
-output; the combine may be ``scatter_add_`` or ``index_add_``):
+output; the combine may be ``scatter_add_``, ``index_add_`` or torchtitan's unsort, below):
 
     order = torch.argsort(ids.view(-1), stable=True)              # or torch.sort(ids.view(-1))[1]
     tok = order // k
@@ -15,12 +15,20 @@ output; the combine may be ``scatter_add_`` or ``index_add_``):
     ys = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)    # (* scores[:, None] for a score on the output)
     out = torch.zeros_like(x); out.scatter_add_(0, tok.reshape(-1, 1).expand(-1, H), ys)
 
+    # or torchtitan's unsort, the score on the input, or applied here by a bmm:
+    buf = torch.zeros(T * k, H); buf[order] = ys
+    out = buf.reshape(-1, k, H).sum(dim=1)          # or torch.bmm(weights.reshape(-1, 1, k), buf...).squeeze(1)
+
+Same-dtype casts (torchtitan's ``x.bfloat16()``, ``w.bfloat16()``, ``.type_as(x)`` on a bf16 model) are seen
+through; gate and up may be one fused weight split by ``chunk(2, -1)``.
+
 Every piece is checked to come from the same flattened ids: the sort, the counts behind the offsets, the token index
 and the score gather. Anything else is left alone.
 """
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -153,8 +161,20 @@ def _scores_of(order: Node) -> list[Node]:
             and _flat(u.args[0]) is not None]
 
 
-def match(acc: Node) -> Optional[tuple[MoESpec, Node]]:
-    """(spec, the combine node) for an accumulator filled by one scatter_add_/index_add_ of sorted expert outputs."""
+@dataclass
+class _Combine:
+    """How the sorted expert outputs ``ys`` go back to token order, read from the buffer they are written into."""
+
+    ys: Node
+    order: Node  # the sort order of the flat ids
+    end: Node  # the node holding the combined (T, H) result: replaced by the op
+    writes: tuple  # the buffer's in-place writes, erased with the region
+    weights: Optional[Node] = None  # (T, k) routing weights applied after the unsort (a bmm), else None
+
+
+def _scatter_back(acc: Node) -> Optional[_Combine]:
+    """``acc = zeros_like(x); acc.scatter_add_(0, tok.reshape(-1, 1).expand(-1, H), ys)`` (or ``index_add_(0, tok,
+    ys)``) with ``tok = order // k``."""
     if not is_call(acc, "call_function", torch.zeros_like):
         return None
     mutations = alias_mutations(acc)  # through any view of it, too
@@ -169,65 +189,175 @@ def match(acc: Node) -> Optional[tuple[MoESpec, Node]]:
     got = _token_of(tok)
     if got is None:
         return None
-    order, ids = got
-    scores = _scores_of(order)
-    if len(scores) != 1:
+    xv, av = val(add.args[3]), val(acc)
+    if xv is None or av is None or av.dim() != 2:
         return None
-    score = scores[0]
-    ys, position = add.args[3], "input"
-    unscaled = _scaled_by(ys, score)
+    return _Combine(add.args[3], got[0], add, (add,))
+
+
+def _unsort_back(acc: Node) -> Optional[_Combine]:
+    """torchtitan's unsort: ``buf = torch.zeros(T * k, H); buf[order] = ys; buf.reshape(-1, k, H).sum(dim=1)``, or
+    with the scores applied here, ``torch.bmm(scores.reshape(-1, 1, k), buf.reshape(-1, k, H).float())
+    .to(dtype).squeeze(1)``. ``order`` is a permutation of the T*k rows, so every row is written once."""
+    if not (is_call(acc, "call_function", torch.zeros) or is_call(acc, "call_method", "new_zeros")):
+        return None
+    mutations = alias_mutations(acc)
+    if len(mutations) != 1 or not is_call(mutations[0], "call_function", operator.setitem):
+        return None
+    write = mutations[0]
+    if write.args[0] is not acc or not isinstance(write.args[1], Node) or not isinstance(write.args[2], Node):
+        return None
+    order, ys = write.args[1], write.args[2]
+    ids = _sort_order(order)
+    av, yv, iv = val(acc), val(ys), val(ids) if ids is not None else None
+    if av is None or yv is None or iv is None or iv.dim() != 2 or av.dim() != 2 or tuple(yv.shape) != tuple(av.shape):
+        return None
+    rows, k, width = av.shape[0], iv.shape[1], av.shape[1]
+    if rows != iv.shape[0] * k or yv.dtype != av.dtype:
+        return None
+    reads = [u for u in acc.users if u is not write]
+    if len(reads) != 1 or not _after(reads[0], write):
+        return None
+    grouped = reads[0]
+    if not (is_call(grouped, "call_method", "reshape", "view") and len(grouped.args) == 4 and tuple(
+            grouped.args[2:]) == (k, width) and grouped.args[1] in (-1, iv.shape[0]) and len(grouped.users) == 1):
+        return None
+    user = next(iter(grouped.users))
+    if is_call(user, "call_method", "sum") and (user.args[1:] == (1,) and not user.kwargs or (
+            len(user.args) == 1 and user.kwargs == {"dim": 1})):
+        return _Combine(ys, order, user, (write,))
+    # bmm(scores (T, 1, k), buf (T, k, H)) [.to(dtype)] .squeeze(1)
+    bmm_in = user if not is_call(user, "call_method", "float") else (next(iter(user.users)) if len(user.users) == 1
+                                                                      else None)
+    if not (is_call(bmm_in, "call_function", torch.bmm) and len(bmm_in.args) == 2 and bmm_in.args[1] is (
+            user if bmm_in is not user else grouped)) or len(bmm_in.users) != 1:
+        return None
+    scores = bmm_in.args[0]
+    if not (is_call(scores, "call_method", "reshape", "view") and tuple(scores.args[1:]) in ((-1, 1, k),
+                                                                                           (iv.shape[0], 1, k))):
+        return None
+    weights = scores.args[0]
+    wv = val(weights)
+    if wv is None or tuple(wv.shape) != tuple(iv.shape):
+        return None
+    end = next(iter(bmm_in.users))
+    if is_call(end, "call_method", "to") and len(end.users) == 1:
+        end = next(iter(end.users))
+    if not (is_call(end, "call_method", "squeeze") and end.args[1:] == (1,) and not end.kwargs):
+        return None
+    return _Combine(ys, order, end, (write,), weights=weights)
+
+
+def _after(node: Node, other: Node) -> bool:
+    """``node`` comes after ``other`` in graph order."""
+    cur = other.next
+    while cur.op != "root":
+        if cur is node:
+            return True
+        cur = cur.next
+    return False
+
+
+def _no_op_cast(node):
+    """``t`` for ``t.bfloat16()`` / ``t.float()`` / ``t.to(dtype)`` / ``t.type_as(u)`` that keeps t's dtype."""
+    while is_call(node, "call_method", "bfloat16", "float", "half", "to", "type_as") and isinstance(node.args[0], Node):
+        inner, outer = val(node.args[0]), val(node)
+        if inner is None or outer is None or inner.dtype != outer.dtype:
+            break
+        node = node.args[0]
+    return node
+
+
+def match(acc: Node) -> Optional[tuple[MoESpec, _Combine]]:
+    """(spec, combine) for a buffer that takes sorted expert outputs back to token order (scatter_add_/index_add_
+    into zeros, or torchtitan's unsort); None when ``acc`` is no such buffer."""
+    combine = _scatter_back(acc) or _unsort_back(acc)
+    if combine is None:
+        return None
+    order = combine.order
+    ids = _sort_order(order)
+    k = val(ids).shape[1]
+    scores = _scores_of(order)
+    if len(scores) > 1:
+        return None
+    score = scores[0] if scores else None
+    ys, position = _no_op_cast(combine.ys), None
+    unscaled = _scaled_by(ys, score) if score is not None else None
     if unscaled is not None:
         ys, position = unscaled, "output"
-    down = _grouped(ys, ids, None)
+    down = _grouped(_no_op_cast(ys), ids, None)
     if down is None:
         return None
     h, w_down, layout, offs = down
     num_experts = val(w_down).shape[0]
-    gated = read_gated(h, lambda n: _grouped(n, ids, num_experts))
+    gated = read_gated(_no_op_cast(h), lambda n: _grouped(n, ids, num_experts))
     if gated is None:
         return None
     activation, gate, up = gated.activation, gated.gate, gated.up
-    if up is not None and up[0] is not gate[0]:
+    if up is not None and _no_op_cast(up[0]) is not _no_op_cast(gate[0]):
         return None
     if any(p[2] != layout for p in (gate, up) if p is not None):
         return None
-    xs = gate[0]
-    if position == "input":
-        xs = _scaled_by(xs, score)
-        if xs is None:
+    xs = _no_op_cast(gate[0])
+    scaled_in = _scaled_by(xs, score) if score is not None else None
+    if scaled_in is not None:
+        if position is not None:  # the score on the input and the output: w^2, not what the op computes
             return None
-    if is_call(xs, "call_function", torch.gather) and xs.args[1] == 0 and _token_rows(xs.args[2]) is tok:
-        x = xs.args[0]
-    elif is_call(xs, "call_function", operator.getitem) and xs.args[1] is tok:
-        x = xs.args[0]
+        xs, position = _no_op_cast(scaled_in), "input"
+    if combine.weights is not None:
+        if position is not None:  # scaled twice again
+            return None
+        weights, position = combine.weights, "output"
     else:
+        if position is None:  # no routing weight at all
+            return None
+        weights = _flat(score.args[0])
+    tok = None
+    if is_call(xs, "call_function", torch.gather) and xs.args[1] == 0:
+        tok = _token_rows(xs.args[2])
+        x = xs.args[0]
+    elif is_call(xs, "call_function", operator.getitem):
+        tok, x = xs.args[1], xs.args[0]
+    if tok is None or _token_of(tok) != (order, ids):
         return None
-    xv, av = val(x), val(acc)
-    if xv is None or av is None or xv.dim() != 2 or tuple(xv.shape) != tuple(av.shape):
+    if combine.writes[0].target in ("scatter_add_", "index_add_") and _token_rows(combine.writes[0].args[2]) is not tok:
+        return None  # the rows read are not the rows written
+    xv, ev = val(x), val(combine.end if combine.end is not combine.writes[0] else acc)
+    if xv is None or ev is None or xv.dim() != 2 or tuple(ev.shape) != tuple(xv.shape):
         return None
-    weights = _flat(score.args[0])
     wv = val(weights)
-    if wv is None or tuple(wv.shape) != tuple(val(ids).shape):  # flattened like the ids, or the order means nothing
-        return None
-    spec = MoESpec(x, ids, weights, gate[1], up[1] if up else None, w_down, layout, activation, position)
-    return spec, add
+    if wv is None or tuple(wv.shape) != tuple(val(ids).shape) or k != val(ids).shape[1]:
+        return None  # flattened like the ids, or the order means nothing
+    w = lambda n: _no_op_cast(n)  # noqa: E731  (the user's parameter, not a same-dtype cast of it)
+    spec = MoESpec(x, ids, weights, w(gate[1]), w(up[1]) if up else None, w(w_down), layout, activation, position,
+                   gate_up=gated.gate_up)
+    return spec, combine
 
 
 def rewrite(gm: GraphModule) -> list[Rewrite]:
     """Replace every provable sort + grouped_mm MoE in ``gm``; returns what was rewritten."""
     done = []
     graph = gm.graph
-    for acc in [n for n in graph.nodes if is_call(n, "call_function", torch.zeros_like)]:
+    buffers = [n for n in graph.nodes if is_call(n, "call_function", torch.zeros_like, torch.zeros)
+               or is_call(n, "call_method", "new_zeros")]
+    for acc in buffers:
+        if acc not in set(graph.nodes):  # erased with an earlier region
+            continue
         got = match(acc)
         if got is None or not inputs_unchanged(got[0]):
             continue
-        spec, add = got
-        reads = [u for u in acc.users if u is not add]
-        y = emit_experts(graph, spec, add.next, val(acc).dtype)
-        for r in reads:
-            r.replace_input_with(acc, y)
-        where = source_line(add)
-        graph.erase_node(add)
+        spec, combine = got
+        scatter = combine.end is combine.writes[0]
+        out_dtype = val(acc).dtype if scatter else val(combine.end).dtype
+        y = emit_experts(graph, spec, combine.end.next if scatter else combine.end, out_dtype)
+        if scatter:  # the buffer's reads after the scatter now read the op's result
+            for r in [u for u in acc.users if u is not combine.end]:
+                r.replace_input_with(acc, y)
+        else:
+            combine.end.replace_all_uses_with(y)
+        where = source_line(combine.writes[0])
+        for write in combine.writes:
+            graph.erase_node(write)
         graph.eliminate_dead_code()
         done.append(Rewrite(FORM, where, int(val(spec.gate).shape[0]), int(val(spec.ids).shape[-1]), spec.activation,
                             (tuple(val(spec.gate).shape), tuple(val(spec.down).shape)),
