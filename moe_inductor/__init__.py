@@ -8,11 +8,12 @@ from . import config
 from .backend import mark_backend, moe_inductor_backend
 from .bucketing import bucketed
 from .explain import _register_logging, explain
+from .helpers import apply, compile_generate, with_options
 from .ops import fused_experts, grouped_mm, route
 from .report import Report
 
 _register_logging()
 
 __version__ = "0.1.0"
-__all__ = ["Report", "bucketed", "config", "explain", "fused_experts", "grouped_mm", "mark_backend",
-           "moe_inductor_backend", "route", "__version__"]
+__all__ = ["Report", "apply", "bucketed", "compile_generate", "config", "explain", "fused_experts", "grouped_mm",
+           "mark_backend", "moe_inductor_backend", "route", "with_options", "__version__"]

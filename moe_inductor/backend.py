@@ -60,7 +60,11 @@ def _run_pass(form: str, rewrite: Callable,
 _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
-def _inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs: list[Any], mode: Optional[str]) -> Callable:
+def _inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs: list[Any], mode: Optional[str],
+                   inductor_options: Optional[dict] = None) -> Callable:
+    """Hand the rewritten graph to the inner compiler. For Inductor, ``mode`` sets the patches torch.compile's mode
+    would, and ``inductor_options`` (the backend options that are Inductor settings) go on top, as
+    ``torch.compile(..., options=)`` does for ``backend="inductor"``."""
     if name == "eager":
         return gm.forward
     if name == "aot_eager":
@@ -69,10 +73,11 @@ def _inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs: list[Any
         return lookup_backend("aot_eager")(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
-    patches = {"triton.cudagraphs": True} if mode in _CUDA_GRAPH_MODES else None
+    patches = {"triton.cudagraphs": True} if mode in _CUDA_GRAPH_MODES else {}
     if mode == "max-autotune":
-        patches = dict(patches or {}, max_autotune=True)
-    return compile_fx(gm, example_inputs, config_patches=patches)
+        patches["max_autotune"] = True
+    patches.update(inductor_options or {})
+    return compile_fx(gm, example_inputs, config_patches=patches or None)
 
 
 def moe_inductor_backend(
@@ -83,7 +88,7 @@ def moe_inductor_backend(
     opts = BackendOptions.parse(options)
     state = capture.current()
     if state is not None and state.plain:  # a fallback: exactly what the inner compiler does with the graph
-        return _inner_compile(opts.inner, gm, example_inputs, mode)
+        return _inner_compile(opts.inner, gm, example_inputs, mode, opts.inductor)
     if state is None or not state.ours:
         _warn_unseen_wrapper()
     rewrites, left_alone = capture.take_trace_time_records()
@@ -110,7 +115,7 @@ def moe_inductor_backend(
         from .lowerings.visible import swap_in_visible_ops
 
         record.visible_ops = swap_in_visible_ops(gm)
-    compiled = _inner_compile(opts.inner, gm, example_inputs, mode)
+    compiled = _inner_compile(opts.inner, gm, example_inputs, mode, opts.inductor)
     if opts.inner == "eager" and gm is original:
         return compiled  # the graph as traced, run as it is: nothing of ours can fail in it
     return _first_call_guarded(compiled, original, state.code if state is not None else None)

@@ -272,3 +272,82 @@ def test_explain_names_what_runs_here_in_one_short_line():
     report = moe_inductor.explain(_loop_moe()(), torch.randn(6, 16))
     gemms = [line for line in report.summary().splitlines() if "GEMMs:" in line]
     assert gemms == ["  GEMMs: on cpu: plain torch (the Triton kernels run on CUDA GPUs)"]
+
+
+# --- one-call paths: apply(), compile_generate(), with_options() / options= ---------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3"])
+def test_apply_runs_every_hf_experts_module_on_the_op_without_compiling(family, monkeypatch):
+    pytest.importorskip("transformers")
+    import torch
+
+    import moe_inductor
+    import moe_inductor.hf
+    from tests.helpers import assert_close
+    from tests.hf_models import tiny
+
+    calls = []
+    plain = moe_inductor.hf.fused_experts
+    monkeypatch.setattr(moe_inductor.hf, "fused_experts", lambda *a, **kw: calls.append(1) or plain(*a, **kw))
+    model, x = tiny(family).eval(), torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        expected = model(x).logits
+        names = moe_inductor.apply(model)
+        got = model(x).logits
+    assert names == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert len(calls) == 2
+    assert_close(got, expected, torch.float32)
+
+
+def test_apply_refuses_a_model_without_hf_experts():
+    import torch
+
+    import moe_inductor
+
+    with pytest.raises(ValueError, match="no HF experts module"):
+        moe_inductor.apply(torch.nn.Linear(2, 2))
+
+
+def test_compile_generate_compiles_every_step_on_cpu():
+    """``torch.compile(model).generate()`` compiles nothing; compile_generate compiles the forward generate calls."""
+    pytest.importorskip("transformers")
+    import torch
+    from torch._dynamo.utils import counters
+
+    import moe_inductor
+    from tests.hf_models import tiny
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, prompt = tiny("qwen3_moe").eval(), torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        expected = model.generate(prompt, max_new_tokens=4, do_sample=False)
+        assert model is moe_inductor.compile_generate(model, inner="eager")
+        got = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, expected)
+    assert counters["moe_inductor"]["hf_grouped_mm"] >= 2
+
+
+def test_inductor_options_pass_through_and_mode_works_with_them(monkeypatch):
+    import torch
+    from torch._dynamo.utils import counters
+
+    import moe_inductor
+    from torch._inductor import compile_fx
+
+    seen = []
+    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, inputs, config_patches=None: seen.append(config_patches)
+                        or gm.forward)
+    model, x = _loop_moe()(), torch.randn(6, 16)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(model, backend="moe_inductor", options={"max_autotune": True, "epilogue_fusion": False})(x)
+    assert seen == [{"max_autotune": True, "epilogue_fusion": False}]
+    # torch.compile refuses mode= with options=; a backend carrying its options takes a mode
+    torch._dynamo.reset()
+    torch.compile(model, backend=moe_inductor.with_options(coordinate_descent_tuning=True), mode="max-autotune")(x)
+    assert seen[-1] == {"triton.cudagraphs": True, "max_autotune": True, "coordinate_descent_tuning": True}
+    assert counters["moe_inductor"]["unrolled_loop"] == 2  # the capture knows both compiles as ours
+    with pytest.raises(ValueError, match="unknown moe_inductor options"):
+        moe_inductor.with_options(max_autotune_typo=True)
