@@ -34,15 +34,36 @@ def build(device: str) -> tuple[torch.nn.Module, torch.Tensor, torch.dtype]:
     return model, ids, dtype
 
 
-def timed(fn, reps: int) -> float:
+def sample_ms(fn) -> float:
+    """One call of ``fn``, in milliseconds (the GPU's queue drained on both sides)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
+    fn()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps * 1e3
+    return (time.perf_counter() - t0) * 1e3
+
+
+def compare(fns: dict, warmup_s: float = 1.0, reps: int = 30) -> dict:
+    """Median and interquartile range (ms) of each of ``fns``, after ``warmup_s`` seconds of warm-up calls each.
+
+    The calls are interleaved, so that a busy machine slows every candidate alike, and the median with its spread
+    is printed rather than a mean, which one stalled call can move by several times.
+    """
+    for fn in fns.values():
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < warmup_s:
+            fn()
+    samples: dict = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            samples[name].append(sample_ms(fn))
+    out = {}
+    for name, ms in samples.items():
+        q = torch.tensor(ms).quantile(torch.tensor([0.25, 0.5, 0.75])).tolist()
+        out[name] = (q[1], q[0], q[2])
+    return out
 
 
 def main() -> None:
@@ -59,12 +80,11 @@ def main() -> None:
         err = ((out - ref).norm() / ref.norm()).item()
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         print(f"logits vs eager: relative error {err:.2e} ({'OK' if err < tol else 'MISMATCH'}, bound {tol:.0e})")
-        reps = 20 if device == "cuda" else 5
-        for fn in (lambda: ours(ids), lambda: default(ids)):
-            fn()
-        t_ours, t_default = timed(lambda: ours(ids), reps), timed(lambda: default(ids), reps)
-    print(f"forward on {device}: moe_inductor {t_ours:.2f} ms, torch.compile default {t_default:.2f} ms, "
-          f"speedup {t_default / t_ours:.2f}x")
+        times = compare({"moe_inductor": lambda: ours(ids), "torch.compile default": lambda: default(ids)})
+    print(f"forward on {device}, median [interquartile range] of 30 interleaved calls after 1 s of warm-up each:")
+    for name, (median, low, high) in times.items():
+        print(f"  {name:<22} {median:8.2f} ms  [{low:.2f}, {high:.2f}]")
+    print(f"  speedup (ratio of medians) {times['torch.compile default'][0] / times['moe_inductor'][0]:.2f}x")
     if device == "cpu":
         print("(on CPU the experts run moe_inductor's plain-torch reference loop, for correctness; the fused Triton "
               "kernels, and the speed, are on the GPU)")
