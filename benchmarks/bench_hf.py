@@ -1,213 +1,546 @@
-"""Whole-model HF benchmark: a Qwen3-MoE-shaped model (real widths, random bf16 weights, no download), prefill and
-decode, eager vs torch.compile (Inductor, HF's default grouped_mm experts) vs backend="moe_inductor".
+"""Whole-model benchmark: the HF MoE families users run, at their real widths (a few layers, random bf16 weights, a 32k
+vocabulary, no downloads), in the modes users run them, against what they would otherwise use.
 
-    python benchmarks/bench_hf.py --json hf.json                        # on the GPU
-    python benchmarks/bench_hf.py --tiny --device cpu                   # a smoke run of the script itself
-    python benchmarks/bench_hf.py --skip-decode --prefill-mode reduce-overhead   # prefill under CUDA graphs, both
+    python benchmarks/bench_hf.py --json hf.json                          # every family, mode and column (GPU)
+    python benchmarks/bench_hf.py --cells qwen3_moe:prefill:4096 gpt_oss:train:4096 qwen3_moe:decode:1
+    python benchmarks/bench_hf.py --cells qwen3_moe:prefill:4096:max-autotune-no-cudagraphs+moe_inductor
+    python benchmarks/bench_hf.py --tiny --device cpu --families qwen3_moe --tokens 8   # a smoke run of the script
 
-Prefill: one forward over (1, T) tokens, two ways: the do_bench median on the GPU (the latency of one forward, L2
-flushed before each), and back to back (the wall time of 30 forwards enqueued one after the other, divided by 30: a
-prefill loop's throughput, where host time can overlap the previous forward's GPU work). Decode: greedy ``generate`` with a static cache,
-new tokens per second, at batch 1 and 16 (compiled forward; "reduce-overhead" for both compiled columns).
+Modes (a cell is family:mode:size[:column+column...]):
+- prefill T: one forward over (1, T) tokens with ``logits_to_keep=1`` under no_grad; milliseconds.
+- decode B: greedy ``generate`` with a static cache at batch B, the compiled columns under "reduce-overhead" (HF compiles
+  its decode step itself, through its CompileConfig); new tokens per second.
+- train T: ``zero_grad(set_to_none=True)``, forward with ``labels=``, ``loss.backward()``; milliseconds.
+
+Columns: eager, inductor (``torch.compile`` default), max-autotune-no-cudagraphs, moe_inductor (``backend="moe_inductor"``).
+Each (cell, column) compiles afresh with static shapes, so that every size gets the code a user's first call would get.
+Times are ``triton.testing.do_bench`` medians (prefill, train) or the median of three ``generate`` calls (decode), after
+a warm-up: the first forwards after a compile run slower than later ones. Beside each time: the first call's wall time
+(compile included), the error against eager (relative L2 of the last logits or the loss; for decode, the share of tokens
+equal to eager's) and the peak memory of the timed calls.
+
+Several families run one process each, in sequence, each under a time budget (``--budget-s``, ``--deadline-s``): a
+compile's memory and caches stay out of the next family's numbers, and a family that overruns costs only its own cells.
+``--profile`` adds a torch.profiler trace of the timed cells' compiled columns (top kernels by device time, and the step's
+time outside kernels), written beside the JSON.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
+import os
+import statistics
+import subprocess
 import sys
 import time
-from typing import Optional
+from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
 
+MODES = ("prefill", "decode", "train")
+COLUMNS = ("eager", "inductor", "max-autotune-no-cudagraphs", "moe_inductor")
+DEFAULT_COLUMNS = ("eager", "inductor", "moe_inductor")
 
-def build(tiny: bool, layers: int, device: str, dtype: torch.dtype):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+# (transformers class name, real widths, default layers, tiny widths). The real widths are the named checkpoints';
+# the layer counts keep one family's compiles and timings inside a few minutes of the H200.
+FAMILIES = {
+    "qwen3_moe": ("Qwen3Moe", "Qwen3-30B-A3B", 4, dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8), dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=8, num_experts_per_tok=2)),
+    "mixtral": ("Mixtral", "Mixtral-8x7B", 2, dict(
+        hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128), dict(
+        hidden_size=64, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16)),
+    "gpt_oss": ("GptOss", "GPT-OSS-20B", 2, dict(
+        hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, sliding_window=128), dict(
+        hidden_size=64, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8)),
+    "olmoe": ("Olmoe", "OLMoE-1B-7B", 2, dict(
+        hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8, num_attention_heads=16,
+        num_key_value_heads=16), dict(
+        hidden_size=64, intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_attention_heads=4,
+        num_key_value_heads=4)),
+    "qwen2_moe": ("Qwen2Moe", "Qwen1.5-MoE-A2.7B", 2, dict(
+        hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+        num_experts=60, num_experts_per_tok=4, num_attention_heads=16, num_key_value_heads=16), dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=4)),
+    "deepseek_v3": ("DeepseekV3", "DeepSeek-V3", 1, dict(
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+        num_experts_per_tok=8, n_group=8, topk_group=4, n_shared_experts=1, first_k_dense_replace=0,
+        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, routed_scaling_factor=2.5), dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=0, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        routed_scaling_factor=2.5)),
+}
 
+
+def build(family: str, layers: int, tiny: bool, device: str, dtype: torch.dtype):
+    """A randomly initialised model of ``family``, built on ``device`` (so that a 20 GB layer never passes through the
+    host). Every matrix and bias is drawn afresh from N(0, 0.02): HF leaves some at zeros, and zeros time faster."""
+    import transformers
+
+    prefix, _, _, real, small = FAMILIES[family]
+    widths = dict(small if tiny else real, vocab_size=128 if tiny else 32768, num_hidden_layers=layers,
+                  max_position_embeddings=4096 if tiny else 32768, eos_token_id=None)  # decode runs its full length
+    if family == "gpt_oss":
+        widths["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    cfg = getattr(transformers, f"{prefix}Config")(**widths)
     torch.manual_seed(0)
-    if tiny:
-        cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                             num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096)
-    else:  # Qwen3-30B-A3B widths; a 32k vocabulary keeps the LM head from dominating
-        cfg = Qwen3MoeConfig(vocab_size=32768, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                             num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                             num_experts=128, num_experts_per_tok=8, max_position_embeddings=32768)
-    return Qwen3MoeForCausalLM(cfg).to(device, dtype).eval(), cfg
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = getattr(transformers, f"{prefix}ForCausalLM")(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 or name.endswith("bias"):
+                p.normal_(0, 0.02)
+    return model.to(dtype).eval(), cfg
 
 
-def back_to_back_ms(fn, device: str, calls: int = 30) -> float:
-    """Wall time per call of ``calls`` calls enqueued back to back (synced before and after)."""
-    sync = _synchronizer(device)
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / calls * 1e3
-
-
-def _synchronizer(device: str):
-    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
-
-
-def warm_up(fn, device: str, seconds: float = 1.0, min_calls: int = 3) -> None:
-    """Call ``fn`` for about ``seconds`` (at least ``min_calls`` times). On the H200 the first ~30 forwards after a
-    compile ran up to 1.7x slower than later ones (debug_gpu.py prefill_host, repeat 0 against 1 and 2), and a
-    do_bench window of 30 ms holds only ~10 forwards at T = 512: without this the rows measured the transient."""
-    sync = _synchronizer(device)
-    t0 = time.perf_counter()
-    calls = 0
-    while calls < min_calls or time.perf_counter() - t0 < seconds:
-        fn()
-        calls += 1
-    sync()
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def timed_ms(fn, device: str) -> float:
-    if device == "cuda":
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=25, rep=200, return_mode="median")
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(3):
+    """The do_bench median on the GPU, after a second of warm-up; the mean of 3 calls (after one) on the CPU."""
+    if device != "cuda":
         fn()
-    return (time.perf_counter() - t0) / 3 * 1e3
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        return (time.perf_counter() - t0) / 3 * 1e3
+    from triton.testing import do_bench
+
+    t0, calls = time.perf_counter(), 0
+    while calls < 3 or time.perf_counter() - t0 < 1.0:
+        fn()
+        calls += 1
+    _sync(device)
+    each_ms = (time.perf_counter() - t0) * 1e3 / calls
+    return do_bench(fn, warmup=25, rep=max(200, 15 * each_ms), return_mode="median")  # >= 15 timed calls
 
 
-VARIANTS = ("eager", "inductor", "moe_inductor")
-# moe_inductor_opaque: moe_inductor with config.visible_kernels off (the op called through the dispatcher, as before
-# it was on), measured in the same process as the others, since host-bound rows move between processes
-ALL_VARIANTS = VARIANTS + ("moe_inductor_opaque",)
+def compiled(model, column: str, mode_name: str):
+    """The forward a column runs. Decode's compiled columns go through generate's CompileConfig instead."""
+    torch._dynamo.reset()
+    if column == "eager":
+        return model.forward
+    kwargs = {"dynamic": False}
+    if column == "moe_inductor":
+        kwargs["backend"] = "moe_inductor"
+    elif column == "max-autotune-no-cudagraphs":
+        kwargs["mode"] = column
+    return torch.compile(model.forward, **kwargs)
 
 
-@contextlib.contextmanager
-def variant_config(name: str):
-    """The moe_inductor config a variant runs (and compiles) under."""
-    import moe_inductor
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double().cpu(), ref.double().cpu()
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
 
-    old = moe_inductor.config.visible_kernels
-    moe_inductor.config.visible_kernels = old and name != "moe_inductor_opaque"
+
+class Profiler:
+    """torch.profiler over a few steps of a compiled column: its top kernels by device time, and the step's wall time
+    outside them (launch gaps, host work the GPU waits on)."""
+
+    def __init__(self, path, rows: int = 12):
+        self.path, self.rows = path, rows
+
+    def __call__(self, title: str, step, steps: int, device: str, per: str = "step") -> None:
+        acts = [torch.profiler.ProfilerActivity.CUDA if device == "cuda" else torch.profiler.ProfilerActivity.CPU]
+        step()
+        _sync(device)
+        with torch.profiler.profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            _sync(device)
+            wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+        events = []
+        for evt in prof.key_averages():
+            us = getattr(evt, "self_device_time_total", None)
+            if us is None or device != "cuda":
+                us = getattr(evt, "self_cuda_time_total", 0) if device == "cuda" else evt.self_cpu_time_total
+            if us > 0:  # kernels, copies and sets (the runtime calls that launch them take no device time)
+                events.append((us / 1e3 / steps, evt.count // steps, evt.key))
+        events.sort(reverse=True)
+        busy = sum(ms for ms, _, _ in events) if device == "cuda" else float("nan")
+        lines = [f"== {title}: per {per}: wall {wall_ms:.3f} ms, kernels {busy:.3f} ms, outside kernels "
+                 f"{wall_ms - busy:.3f} ms, {sum(n for _, n, _ in events)} launches"]
+        lines += [f"  {ms:9.3f} ms  x{n:<5} {name[:110]}" for ms, n, name in events[:self.rows]]
+        text = "\n".join(lines)
+        print(text, flush=True)
+        if self.path:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(text + "\n")
+
+
+def tokens(cfg, shape: tuple, device: str) -> torch.Tensor:
+    """Random token ids, the same for every column of a cell (the error against eager compares like with like)."""
+    g = torch.Generator(device="cpu").manual_seed(shape[0] * 100003 + shape[1])
+    return torch.randint(0, cfg.vocab_size, shape, generator=g).to(device)
+
+
+def _against(reference: dict, key, column: str, got, eager, compare=rel_err):
+    """The error of ``got`` against eager's output for ``key`` (computed once per cell: eager's own column, or an
+    untimed eager call); with ``compare=None``, eager's output itself."""
+    if key not in reference:
+        reference[key] = got if column == "eager" else eager()
+    return reference[key] if compare is None else compare(got, reference[key])
+
+
+def run_prefill(model, cfg, T, column, device, reference, profile):
+    ids = tokens(cfg, (1, T), device)
+    fwd = compiled(model, column, "prefill")
+
+    def step():
+        return fwd(input_ids=ids, logits_to_keep=1).logits
+
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        logits = step()
+        _sync(device)
+        first_s = time.perf_counter() - t0
+        err = _against(reference, ("prefill", T), column, logits.float().cpu(),
+                       lambda: model(input_ids=ids, logits_to_keep=1).logits.float().cpu())
+        _reset_peak(device)
+        ms = timed_ms(step, device)
+        peak = _peak_mib(device)
+        if profile:
+            profile(f"prefill T={T} {column}", step, 3, device)
+    return dict(value=ms, unit="ms", first_call_s=first_s, err=err, peak_mib=peak)
+
+
+def run_train(model, cfg, T, column, device, reference, profile):
+    ids = tokens(cfg, (1, T), device)
+    model.train()
+    fwd = compiled(model, column, "train")
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
     try:
-        yield
+        t0 = time.perf_counter()
+        loss = step()
+        _sync(device)
+        first_s = time.perf_counter() - t0
+
+        def eager_loss():
+            with torch.no_grad():
+                return model(input_ids=ids, labels=ids).loss.float().cpu()
+
+        err = _against(reference, ("train", T), column, loss.detach().float().cpu(), eager_loss)
+        _reset_peak(device)
+        ms = timed_ms(step, device)
+        peak = _peak_mib(device)
+        if profile:
+            profile(f"train T={T} {column}", step, 3, device)
     finally:
-        moe_inductor.config.visible_kernels = old
+        model.zero_grad(set_to_none=True)
+        model.eval()
+    return dict(value=ms, unit="ms", first_call_s=first_s, err=err, peak_mib=peak)
 
 
-def variants(model, names=VARIANTS, mode=None):
-    """(name, forward); Dynamo's caches are reset between variants so each gets its own recompile budget. ``mode``
-    (e.g. "reduce-overhead") applies to every compiled variant alike."""
-    plain = model.forward
-    for name in names:
-        torch._dynamo.reset()
-        backend = "moe_inductor" if name.startswith("moe_inductor") else name
-        kwargs = ({"backend": backend} if name != "inductor" else {}) | ({"mode": mode} if mode else {})
-        yield name, (plain if name == "eager" else torch.compile(plain, **kwargs))
-
-
-def prefill(model, cfg, tokens, device, names=VARIANTS, mode=None, back_to_back: Optional[dict] = None) -> dict:
-    """{T: {variant: do_bench ms}}; ``back_to_back``, when given, is filled with the back-to-back ms alike."""
-    rows = {}
-    for name, fwd in variants(model, names, mode):
-        for T in tokens:
-            ids = torch.randint(0, cfg.vocab_size, (1, T), device=device)
-            with torch.no_grad(), variant_config(name):
-                fwd(input_ids=ids)  # compile
-                warm_up(lambda: fwd(input_ids=ids), device, seconds=1.0 if device == "cuda" else 0.0)
-                gc.collect()  # the compile's garbage: its collection pauses would land in the host-bound rows
-                ms = timed_ms(lambda: fwd(input_ids=ids), device)
-                steady = back_to_back_ms(lambda: fwd(input_ids=ids), device) if back_to_back is not None else None
-            rows.setdefault(T, {})[name] = ms
-            line = f"prefill T={T:<6} {name:<13} {ms:9.3f} ms  {T / ms * 1e3:10.0f} tokens/s"
-            if steady is not None:
-                back_to_back.setdefault(T, {})[name] = steady
-                line += f"   back to back {steady:9.3f} ms  {T / steady * 1e3:10.0f} tokens/s"
-            print(line, flush=True)
-    return rows
-
-
-def decode(model, cfg, batches, new_tokens, device, names=VARIANTS) -> dict:
-    """Greedy decode with a static cache. The compiled columns use HF's own compiled decode step (generate compiles the
-    forward itself when the cache is static), with the backend chosen through its CompileConfig."""
+def run_decode(model, cfg, B, column, device, reference, profile, new_tokens: int = 64):
     from transformers.generation.configuration_utils import CompileConfig
 
-    rows = {}
-    for name in names:
-        torch._dynamo.reset()
-        counters["inductor"].clear()
-        if name == "eager":
-            extra = {"disable_compile": True}
-        else:
-            backend = "inductor" if name == "inductor" else "moe_inductor"
-            mode = "reduce-overhead" if device == "cuda" else None
-            extra = {"compile_config": CompileConfig(backend=backend, mode=mode, fullgraph=True)}
-            if device != "cuda":
-                extra["compile_config"]._compile_all_devices = True
-        for B in batches:
-            prompt = torch.randint(0, cfg.vocab_size, (B, 32), device=device)
-            gen = dict(max_new_tokens=new_tokens, do_sample=False, cache_implementation="static", **extra)
-            with torch.no_grad(), variant_config(name):
-                model.generate(prompt, **gen)  # compile / warm up / capture
-                gc.collect()
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                model.generate(prompt, **gen)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-            tps = B * new_tokens / (time.perf_counter() - t0)
-            rows.setdefault(B, {})[name] = tps
-            skips = counters["inductor"]["cudagraph_skips"]
-            rows[B][f"{name}_cudagraph_skips"] = skips
-            print(f"decode  B={B:<6} {name:<13} {tps:10.1f} new tokens/s  cudagraph skips so far: {skips}", flush=True)
+    torch._dynamo.reset()
+    if column == "eager":
+        extra = {"disable_compile": True}
+    else:
+        backend = "moe_inductor" if column == "moe_inductor" else "inductor"
+        if column == "max-autotune-no-cudagraphs":
+            raise ValueError("decode runs its compiled columns under reduce-overhead; max-autotune is a prefill column")
+        extra = {"compile_config": CompileConfig(backend=backend, mode="reduce-overhead" if device == "cuda" else None,
+                                                 fullgraph=True)}
+        if device != "cuda":
+            extra["compile_config"]._compile_all_devices = True
+    prompt = tokens(cfg, (B, 32), device)
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+               **extra)
+
+    def step():
+        return model.generate(prompt, **gen)
+
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = step()  # compile, warm up, capture
+        _sync(device)
+        first_s = time.perf_counter() - t0
+        eager_gen = {k: v for k, v in gen.items() if k != "compile_config"} | {"disable_compile": True}
+        ref = _against(reference, ("decode", B), column, out.cpu(), lambda: model.generate(prompt, **eager_gen).cpu(),
+                       compare=None)
+        same = float((out.cpu() == ref).float().mean()) if out.shape == ref.shape else float("nan")
+        _reset_peak(device)
+        times = []
+        for _ in range(3):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = step()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        peak = _peak_mib(device)
+        made = out.shape[1] - prompt.shape[1]
+        if profile:
+            profile(f"decode B={B} {column} ({made} new tokens)", step, 1, device, per="generate")
+    return dict(value=B * made / statistics.median(times), unit="new tok/s", first_call_s=first_s, err=1.0 - same,
+                peak_mib=peak)
+
+
+RUNNERS = {"prefill": run_prefill, "train": run_train, "decode": run_decode}
+
+
+def _reset_peak(device: str) -> None:
+    if device == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_mib(device: str):
+    return torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
+
+
+def parse_cell(text: str, columns) -> tuple:
+    """'family:mode:size[:col+col]' -> (family, mode, size, columns)."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or parts[0] not in FAMILIES or parts[1] not in MODES:
+        raise argparse.ArgumentTypeError(f"bad cell {text!r}: family:mode:size[:column+column]")
+    cols = tuple(parts[3].split("+")) if len(parts) == 4 else tuple(columns)
+    if not set(cols) <= set(COLUMNS):
+        raise argparse.ArgumentTypeError(f"bad columns in {text!r}: choose from {COLUMNS}")
+    return parts[0], parts[1], int(parts[2]), cols
+
+
+def cell_text(cell) -> str:
+    return ":".join([cell[0], cell[1], str(cell[2]), "+".join(cell[3])])
+
+
+def versions(device: str) -> dict:
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "triton": triton_version, "transformers": transformers.__version__,
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+
+
+def run_family(cells, args) -> list:
+    """Every cell (all of one family) in this process, results written to ``args.json`` after each one."""
+    family = cells[0][0]
+    layers = args.layers.get(family, FAMILIES[family][2])
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    start = time.perf_counter()
+    model, cfg = build(family, layers, args.tiny, args.device, dtype)
+    profile = Profiler(args.profile_path) if args.profile else None
+    reference, rows = {}, []
+    for _, mode, size, cols in cells:
+        for column in cols:
+            row = dict(family=family, checkpoint=FAMILIES[family][1], layers=layers, mode=mode, size=size,
+                       column=column)
+            if time.perf_counter() - start > args.budget_s:
+                row["skipped"] = "time budget"
+            else:
+                try:
+                    counters["stats"].clear()
+                    row |= RUNNERS[mode](model, cfg, size, column, args.device, reference,
+                                         profile if column != "eager" else None)
+                    row["graphs"] = counters["stats"]["unique_graphs"]  # > 1 per compile: breaks or recompiles
+                except Exception as e:  # one broken column must not cost the family's other cells
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    if args.strict:
+                        raise
+            rows.append(row)
+            shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                     if k not in ("family", "checkpoint", "layers", "mode", "size", "column")}
+            print(f"{family} {mode} {size} {column}: {shown}", flush=True)
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+            if args.json:
+                write(args.json, dict(meta=versions(args.device), rows=rows))
     return rows
+
+
+def write(path, data) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def markdown(rows) -> str:
+    """One line per (family, mode, size): each column's value, then moe_inductor against inductor and against eager
+    (> 1 is faster), the first call's seconds, the error against eager and the peak memory."""
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r["family"], r["layers"], r["mode"], r["size"]), {})[r["column"]] = r
+    head = ("| family (layers) | mode | unit | eager | inductor | max-autotune-no-cg | moe_inductor | vs inductor | "
+            "vs eager | first call s (ind / moe) | err vs eager (ind / moe) | peak MiB (ind / moe) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def val(r):
+        if r is None:
+            return "–"
+        if "value" not in r:
+            return "skipped" if "skipped" in r else "error"
+        return f"{r['value']:.0f}" if r["unit"] != "ms" else f"{r['value']:.2f}"
+
+    def pair(c, key, fmt):
+        out = []
+        for name in ("inductor", "moe_inductor"):
+            v = c.get(name, {}).get(key)
+            out.append(fmt.format(v) if v is not None else "–")
+        return " / ".join(out)
+
+    for (family, layers, mode, size), c in cells.items():
+        unit = next((r["unit"] for r in c.values() if "unit" in r), "")
+        moe = c.get("moe_inductor", {}).get("value")
+
+        def ratio(name):
+            other = c.get(name, {}).get("value")
+            if moe is None or other is None:
+                return "–"
+            return f"{(moe / other if unit != 'ms' else other / moe):.2f}"
+
+        label = {"prefill": f"prefill T={size}", "train": f"train T={size}", "decode": f"decode B={size}"}[mode]
+        lines.append(f"| {FAMILIES[family][1]} ({layers}) | {label} | {unit} | {val(c.get('eager'))} | "
+                     f"{val(c.get('inductor'))} | {val(c.get('max-autotune-no-cudagraphs'))} | "
+                     f"{val(c.get('moe_inductor'))} | {ratio('inductor')} | {ratio('eager')} | "
+                     f"{pair(c, 'first_call_s', '{:.0f}')} | {pair(c, 'err', '{:.1e}')} | "
+                     f"{pair(c, 'peak_mib', '{:.0f}')} |")
+    return "\n".join(lines)
+
+
+def drive(groups, args, argv) -> list:
+    """One child process per group of cells (one family each), in order, each under its time budget."""
+    deadline = time.perf_counter() + args.deadline_s
+    out_dir = Path(args.json).resolve().parent if args.json else Path(".")
+    rows = []
+    for i, cells in enumerate(groups):
+        left = deadline - time.perf_counter()
+        family = cells[0][0]
+        part = out_dir / f".bench_hf_part{i}_{family}.json"
+        if left < 30:
+            rows += [dict(family=family, checkpoint=FAMILIES[family][1],
+                          layers=args.layers.get(family, FAMILIES[family][2]), mode=m, size=s, column=c,
+                          skipped="deadline") for _, m, s, cols in cells for c in cols]
+            continue
+        budget = min(args.budget.get(family, args.budget_s), left - 20)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--json", str(part), "--budget-s",
+               str(budget), "--cells", *map(cell_text, cells)] + argv
+        print(f"### {family}: {len(cells)} cells, budget {budget:.0f} s", flush=True)
+        try:
+            subprocess.run(cmd, timeout=budget + 60, check=False)
+        except subprocess.TimeoutExpired:
+            print(f"### {family}: killed at its time limit", flush=True)
+        if part.exists():
+            rows += json.loads(part.read_text())["rows"]
+            part.unlink()
+    return rows
+
+
+def passthrough(args) -> list:
+    """The options a child process inherits from the driver."""
+    out = ["--device", args.device]
+    out += ["--tiny"] if args.tiny else []
+    out += ["--strict"] if args.strict else []
+    out += ["--profile"] if args.profile else []
+    out += ["--profile-path", args.profile_path] if args.profile_path else []
+    out += ["--layers", *(f"{k}={v}" for k, v in args.layers.items())] if args.layers else []
+    return out
+
+
+def _pairs(items, kind):
+    out = {}
+    for item in items or ():
+        key, _, value = item.partition("=")
+        if key not in FAMILIES or not value:
+            raise SystemExit(f"expected FAMILY=NUMBER, got {item!r}")
+        out[key] = kind(value)
+    return out
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tiny", action="store_true", help="a tiny model: checks the script, measures nothing useful")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--tokens", nargs="*", type=int, default=None)
-    ap.add_argument("--batches", nargs="*", type=int, default=None)
-    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--tiny", action="store_true", help="tiny widths: checks the script, measures nothing useful")
+    ap.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    ap.add_argument("--tokens", nargs="*", type=int, default=[512, 4096, 16384], help="prefill T")
+    ap.add_argument("--batches", nargs="*", type=int, default=[1, 16], help="decode B")
+    ap.add_argument("--train-tokens", nargs="*", type=int, default=[4096], help="train step T")
+    ap.add_argument("--columns", nargs="*", default=list(DEFAULT_COLUMNS), choices=COLUMNS)
+    ap.add_argument("--cells", nargs="*", default=None,
+                    help="family:mode:size[:column+column] cells, instead of families x modes x sizes")
+    ap.add_argument("--layers", nargs="*", default=None, help="FAMILY=N, overriding a family's default layer count")
+    ap.add_argument("--budget-s", type=float, default=150, help="seconds one family's process may start cells in")
+    ap.add_argument("--budget", nargs="*", default=None, help="FAMILY=SECONDS, overriding --budget-s")
+    ap.add_argument("--deadline-s", type=float, default=570, help="seconds the whole driver run may take")
+    ap.add_argument("--profile", action="store_true", help="a torch.profiler trace of every timed compiled cell")
+    ap.add_argument("--profile-path", default=None, help="where the traces go (default: beside --json)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=ALL_VARIANTS)
-    ap.add_argument("--skip-decode", action="store_true")
-    ap.add_argument("--prefill-mode", default=None, choices=[None, "reduce-overhead"],
-                    help="torch.compile mode of both compiled prefill columns (default: the default mode)")
+    ap.add_argument("--markdown", default=None)
+    ap.add_argument("--strict", action="store_true", help="raise on a failing cell instead of recording it")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    tokens = args.tokens or ([16, 64] if args.tiny else [512, 4096, 16384])
-    batches = args.batches or ([1, 2] if args.tiny else [1, 16])
-    new_tokens = args.new_tokens or (4 if args.tiny else 64)
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    model, cfg = build(args.tiny, args.layers, args.device, dtype)
-    import transformers
-
-    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "transformers": transformers.__version__,
-            "triton": __import__("triton").__version__,
-            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "command": " ".join(sys.argv)}
-    print(meta, flush=True)
-    steady: dict = {}
-    result = {"meta": meta, "prefill_ms": prefill(model, cfg, tokens, args.device, args.variants,
-                                                      args.prefill_mode, steady)}
-    result["prefill_back_to_back_ms"] = steady
-    if not args.skip_decode:
-        result["decode_tokens_per_s"] = decode(model, cfg, batches, new_tokens, args.device,
-                                               args.variants)
+    args.layers, args.budget = _pairs(args.layers, int), _pairs(args.budget, float)
+    if args.profile and not args.profile_path and args.json:
+        args.profile_path = str(Path(args.json).with_suffix(".profile.txt"))
+    if args.cells:
+        cells = [parse_cell(c, args.columns) for c in args.cells]
+    else:
+        sizes = {"prefill": args.tokens, "decode": args.batches, "train": args.train_tokens}
+        cells = [(f, m, s, tuple(args.columns)) for f in args.families for m in args.modes for s in sizes[m]]
+    groups: list = []
+    for cell in cells:  # consecutive cells of one family share a process
+        if groups and groups[-1][0][0] == cell[0]:
+            groups[-1].append(cell)
+        else:
+            groups.append([cell])
+    meta = versions(args.device)
+    if args.child or len(groups) == 1:
+        if not args.child:
+            print(meta, flush=True)
+            meta["command"] = " ".join(["python benchmarks/bench_hf.py", *(argv if argv is not None else sys.argv[1:])])
+        rows = run_family(groups[0], args)
+        if args.child:
+            return
+    else:
+        print(meta, flush=True)
+        meta["command"] = " ".join(["python benchmarks/bench_hf.py", *(argv if argv is not None else sys.argv[1:])])
+        rows = drive(groups, args, passthrough(args))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    for label, table in (("do_bench", result["prefill_ms"]), ("back to back", steady)):
-        for T, r in table.items():
-            if "moe_inductor" in r:
-                print(f"prefill T={T} ({label}): moe_inductor " + ", ".join(
-                    f"vs {n} {r[n] / r['moe_inductor']:.2f}x" for n in r if n != "moe_inductor"))
+        write(args.json, dict(meta=meta, rows=rows))
+    table = markdown(rows)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    print(table, flush=True)
 
 
 if __name__ == "__main__":

@@ -200,7 +200,7 @@ def test_fx_forms_run_the_gpu_kernels(form):
 @pytest.mark.parametrize("family", ["llama4", "switch", "dbrx"])
 def test_wrapped_hf_blocks_on_gpu(family, dtype, monkeypatch):
     """The class-wrapped HF MoE blocks. fp32 as well: if fp32 holds and bf16 does not, look at bf16 router near-ties
-    (debug_gpu.py dbrx_model) before the op."""
+    before the op."""
     from torch._dynamo.utils import counters
 
     from tests.hf_models import tiny
@@ -261,31 +261,6 @@ def test_bucketed_prefill_under_cuda_graphs():
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == 2
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
-
-
-@pytest.mark.parametrize("T", [1, 37, 300, 700])
-def test_experimental_fast_launch_matches_the_normal_launch(T, monkeypatch):
-    """config.fast_launch (off by default) must give bit-identical results, also for views whose data pointer is
-    not 16-byte aligned (a different Triton specialisation) and when the cached kernel is replayed."""
-    from moe_inductor import config
-    from moe_inductor.kernels import launch
-    from moe_inductor.kernels.combine import combine_kernel
-    from moe_inductor.kernels.routing import route_count_kernel, route_place_kernel
-    from moe_inductor.ops import routing
-
-    monkeypatch.setattr(launch, "_COMPILED", {})
-    p = make_problem(T, 256, 128, 12, 2, dtype=torch.bfloat16, device="cuda", bias=True, requires_grad=False)
-    x_misaligned = torch.randn(T * 256 + 1, device="cuda", dtype=torch.bfloat16)[1:].view(T, 256)
-    for x in (p.x, x_misaligned, p.x):
-        monkeypatch.setattr(config, "fast_launch", False)
-        ref = moe_inductor.fused_experts(x, p.topk_ids, p.topk_weights, p.w1, p.w2, b1=p.b1, b2=p.b2)
-        monkeypatch.setattr(config, "fast_launch", True)
-        for _ in range(2):  # the first launch compiles and caches, the second replays
-            got = moe_inductor.fused_experts(x, p.topk_ids, p.topk_weights, p.w1, p.w2, b1=p.b1, b2=p.b2)
-            assert torch.equal(got, ref)
-    launched_fast = {key[0] for key in launch._COMPILED}  # every kernel of the forward takes the fast path
-    assert {launch.grouped_gemm_kernel, route_place_kernel, combine_kernel} <= launched_fast
-    assert (route_count_kernel in launched_fast) == (T * 2 > routing.SINGLE_LAUNCH_MAX_ROWS)  # chunked routing
 
 
 def _compiled_with_visible_kernels(monkeypatch):
