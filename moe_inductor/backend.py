@@ -19,6 +19,7 @@ from .explain import log_rewrites
 from .options import BackendOptions
 from .passes import FX_PASSES
 from .passes.fx_utils import canonicalize_operators
+from .passes.kept_errors import index_bounds, keep_removed_checks
 from .report import GraphRecord, LeftAlone, Rewrite, collecting_left_alone, current_report
 
 log = logging.getLogger("moe_inductor")
@@ -45,8 +46,13 @@ def _run_pass(form: str, rewrite: Callable,
     candidate = torch.fx.GraphModule(gm, graph)
     try:
         canonicalize_operators(candidate.graph)
+        bounds = index_bounds(candidate.graph)
         with collecting_left_alone() as left_alone:
             found = rewrite(candidate)
+        if found:  # what the rewrite made dead goes now, so that the checks it held are seen to go
+            candidate.graph.eliminate_dead_code()
+            keep_removed_checks(candidate.graph, bounds)
+            candidate.recompile()
     except Exception as exc:
         if config.strict_passes:
             raise
@@ -136,7 +142,7 @@ def _first_call_guarded(compiled: Callable, original: torch.fx.GraphModule, code
         try:
             out = compiled(*args)
         except Exception as error:
-            out = original(*args)  # raises the user's own error where eager would
+            out = original(*args)  # where eager raises too, the error is the user's own: eager's is raised
             capture.note_fallback(code, "first call", error)
             capture.mark_plain(code)
             return out

@@ -118,10 +118,10 @@ def experts_spec_or_reason(module: torch.nn.Module) -> Union[dict, str]:
     return kw
 
 
-def _run_spec(kw: dict, hidden_states, top_k_index, top_k_weights):
+def _run_spec(kw: dict, hidden_states, top_k_index, top_k_weights, name: Optional[str] = None):
     kw = dict(kw)
     w1, w2 = kw.pop("w1"), kw.pop("w2")
-    y = fused_experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), w1, w2, **kw)
+    y = fused_experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), w1, w2, name=name, **kw)
     return y.to(hidden_states.dtype)
 
 
@@ -148,9 +148,10 @@ def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
             if isinstance(kw, str):
                 capture.record_left_alone(form, layer_name(type(self).__qualname__), kw)
                 return original_clone(self, hidden_states, top_k_index, top_k_weights)
-            capture.record_rewrite(form, layer_name(type(self).__qualname__), int(kw["w1"].shape[0]), int(top_k_index.shape[-1]),
+            name = layer_name(type(self).__qualname__)
+            capture.record_rewrite(form, name, int(kw["w1"].shape[0]), int(top_k_index.shape[-1]),
                                    kw["activation"], (tuple(kw["w1"].shape), tuple(kw["w2"].shape)))
-            return _run_spec(kw, hidden_states, top_k_index, top_k_weights)
+            return _run_spec(kw, hidden_states, top_k_index, top_k_weights, name)
 
         return polyfill
 

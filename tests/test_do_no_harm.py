@@ -336,3 +336,98 @@ def test_hf_experts_see_weight_changes(family, how):
         _change(model, how, torch.bfloat16)  # HF's experts code has no float64 path
         tol = 2e-2 if how == "to_dtype" else 1e-5
         assert rel_err(compiled(ids).logits, model(ids).logits) < tol, f"stale after {how}"
+
+
+# --- eager's errors on bad routing ------------------------------------------------------------------------------------
+
+def _widen_router(model: nn.Module, extra: int = 3) -> None:
+    """Give the router (the one nn.Linear with E outputs outside the experts) ``extra`` more outputs that win the
+    top-k: ids >= E, as a router wider than the expert list picks them."""
+    experts = {id(m) for name, m in model.named_modules() if "experts" in name}
+    router_name, router = next((n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in experts)
+    wide = nn.Linear(router.in_features, router.out_features + extra, bias=True)
+    with torch.no_grad():
+        wide.weight[: router.out_features] = router.weight
+        wide.bias.zero_()
+        wide.bias[router.out_features:] = 100.0
+    setattr(model, router_name, wide)
+
+
+def _raises_like_eager(model, x, options={"inner": "eager"}):
+    """Eager raises on the wide router; the compiled model must raise too. Returns our error."""
+    with pytest.raises(Exception):
+        model(x)
+    torch._dynamo.reset()
+    counters.clear()
+    with pytest.raises(Exception) as ours:
+        torch.compile(model, backend="moe_inductor", options=options)(x)
+    return ours.value
+
+
+@pytest.mark.parametrize("name", ["module_list_loop", "stacked_loop", "capacity", "dense", "gathered"])
+def test_a_router_wider_than_the_experts_raises_as_eager_does(name):
+    make, form, H = _weight_reading_models()[name]
+    torch.manual_seed(0)
+    model = make()
+    H = H or next(p for p in model.parameters() if p.dim() == 3).shape[-1]
+    x = torch.randn(11, H)
+    report = moe_inductor.explain(model, x)
+    assert any(r.form == form for r in report.rewrites)  # the healthy model is rewritten, and keeps eager's check
+    # the op that raises in eager is either still there (the capacity form reads its one_hot masks) or kept as a check
+    kept = "one_hot(" if name == "capacity" else "torch._assert_async"
+    assert kept in report.graphs[-1].code
+    _widen_router(model)
+    with torch.no_grad():
+        _raises_like_eager(model, x)
+
+
+def test_a_loop_that_skips_bad_ids_still_skips_them():
+    """``torch.where(ids == e)`` over range(E) never selects ids >= E: eager returns values, and so must we."""
+    torch.manual_seed(0)
+    model = LoopMoE()
+    _widen_router(model, extra=1)
+    x = torch.randn(11, 16)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        out = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x)
+        assert rel_err(out, model(x)) < 1e-5
+    assert counters["moe_inductor"]["unrolled_loop"] == 1
+    assert "_assert_async" not in moe_inductor.explain(model, x).graphs[-1].code
+
+
+@pytest.mark.parametrize("bad", [5, -1], ids=["ge_E", "negative"])
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+def test_compiled_fused_experts_raises_on_ids_outside_the_experts(bad, inner):
+    from helpers import make_problem
+
+    p = make_problem(6, 16, 8, 5, 2, requires_grad=False)
+    ids = p.topk_ids.clone()
+    ids[3, 1] = bad
+
+    def run(ids):
+        return moe_inductor.fused_experts(p.x, ids, p.topk_weights, p.w1, p.w2, name="model.layers.0.mlp.experts")
+
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts.*\[0, 5\).*got values in"):
+        run(ids)
+    torch._dynamo.reset()
+    compiled = torch.compile(run, backend="moe_inductor", options={"inner": inner})
+    compiled(p.topk_ids)  # healthy ids run
+    with pytest.raises(Exception, match=r"model.layers.0.mlp.experts.*must lie in \[0, 5\)"):
+        compiled(ids)
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
+def test_hf_experts_with_a_wide_router_raise(implementation):
+    from hf_models import tiny
+
+    model = tiny("qwen3_moe", implementation).eval()
+    for layer in model.model.layers:
+        gate = layer.mlp.gate
+        wide = torch.randn(gate.weight.shape[0] + 3, gate.weight.shape[1])
+        wide[gate.weight.shape[0]:] += 100.0
+        gate.weight = nn.Parameter(wide)
+    ids = torch.randint(0, 64, (1, 9))
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match=r"mlp.experts.*must lie in \[0, 5\)"):
+        torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(ids)

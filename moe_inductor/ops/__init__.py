@@ -12,7 +12,7 @@ from . import expert_lists  # noqa: F401  (registers moe_inductor::experts_forwa
 from .experts import check_experts_args, experts_backward, experts_forward, experts_forward_impl, to_kn
 from .grouped_mm import grouped_mm, grouped_mm_reference
 from .reference import moe_reference
-from .routing import check_topk_ids, route, route_reference
+from .routing import assert_ids_in_range, check_topk_ids, route, route_reference
 
 WeightArg = Union[Tensor, tuple[Tensor, Tensor]]
 
@@ -114,6 +114,7 @@ def fused_experts(
     alpha: float = 1.702,
     limit: float = 7.0,
     capacity: Optional[int] = None,
+    name: Optional[str] = None,
 ) -> Tensor:
     """Run E experts over routed tokens and combine them: ``y = sum_k w_k * down_e(act(up_e(x)))``.
 
@@ -128,6 +129,7 @@ def fused_experts(
         activation: one of ``moe_inductor.ops.ACTIVATIONS``; ``alpha``/``limit`` parameterise "gptoss_glu".
         weight_position: "output" (default), "between" the projections, or "input" (Llama4).
         capacity: optional per-expert capacity; assignments past it are dropped in GShard/Switch priority order.
+        name: the layer, for error messages (``model.layers.3.mlp.experts``).
     Returns:
         (..., H) in x's dtype. Differentiable w.r.t. x, topk_weights, weights and biases.
     """
@@ -137,10 +139,13 @@ def fused_experts(
     tw = topk_weights.reshape(-1, topk_weights.shape[-1])
     g, u, d, bg, bu = expert_weight_views(w1, w2, b1, activation=activation, layout=layout, gate_up=gate_up)
     check_experts_args(x2, ids, tw, g, u, d, bg, bu, b2, activation, weight_position)
-    if not torch.compiler.is_compiling():
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not x.is_cuda or (config.validate_routing and not capturing):
-            check_topk_ids(ids, g.shape[0])
+    # ids outside [0, E) raise, as eager indexing does: with their values where reading them costs nothing (CPU)
+    # or where eager GPU code may sync; else (traced, or captured into a CUDA graph) on the device, without a sync
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not torch.compiler.is_compiling() and (not x.is_cuda or (config.validate_routing and not capturing)):
+        check_topk_ids(ids, g.shape[0], name)
+    elif config.validate_routing:
+        assert_ids_in_range(ids, g.shape[0], name)
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x2, tw, g, u, d, bg, bu, b2)
     )

@@ -130,10 +130,25 @@ def _(topk_ids, num_experts, capacity=None):
     )
 
 
-def check_topk_ids(topk_ids: Tensor, num_experts: int) -> None:
-    """Raise on ids outside [0, E). Free on CPU; one host sync on the GPU, so the eager entry point calls it."""
+def ids_error(where: object, num_experts: int) -> str:
+    """The error for routing ids outside [0, E): the layer and the range its ids must lie in."""
+    return (f"moe_inductor: {where or 'experts'}: routing ids must lie in [0, {num_experts}) (the layer has "
+            f"{num_experts} experts); some do not, e.g. a router wider than the expert list")
+
+
+def check_topk_ids(topk_ids: Tensor, num_experts: int, where: Optional[str] = None) -> None:
+    """Raise on ids outside [0, E), naming the values found. Free on CPU; one host sync on the GPU, so only the eager
+    entry point calls it there."""
     if topk_ids.numel() == 0:
         return
     lo, hi = int(topk_ids.min()), int(topk_ids.max())
     if lo < 0 or hi >= num_experts:
-        raise ValueError(f"topk_ids must lie in [0, {num_experts}); got values in [{lo}, {hi}]")
+        raise ValueError(f"{ids_error(where, num_experts)}: got values in [{lo}, {hi}]")
+
+
+def assert_ids_in_range(topk_ids: Tensor, num_experts: int, where: Optional[str] = None) -> None:
+    """``check_topk_ids`` without a host sync: a device-side assert (``torch._assert_async``), which Inductor fuses
+    into a kernel of its own and which a CUDA graph can capture. The values found are not known on the host, so
+    the message gives the range they must lie in."""
+    ok = torch.logical_and(topk_ids >= 0, topk_ids < num_experts).all()
+    torch._assert_async(ok, ids_error(where, num_experts))
