@@ -15,20 +15,11 @@ validate_routing: bool = True
 #: Raise when an FX pass fails instead of logging a warning and leaving the graph unchanged (the tests set it).
 strict_passes: bool = os.environ.get("MOE_INDUCTOR_STRICT_PASSES", "0") == "1"
 
-#: EXPERIMENTAL, off: launch our kernels through Triton's compiled kernel directly after their first launch (skips
-#: ``JITFunction.run``'s per-call binding; see kernels/launch.py). Bit-identical on the H200, but it did not move the
-#: host-bound T = 512 prefill beyond run-to-run noise (RESULTS.md).
-fast_launch: bool = os.environ.get("MOE_INDUCTOR_FAST_LAUNCH", "0") == "1"
-
 #: Hand Inductor our experts forward as a ``triton_op`` it traces into, so that its generated wrapper launches our
 #: kernels (no dispatcher or Python of ours per call; lowerings/visible.py). On: on the H200 it beat the opaque op
 #: at T = 512 in every same-process measurement (1.08x to 2.4x) and tied it at T >= 4096 (RESULTS.md). Only the
 #: Inductor inner compiler in modes without CUDA graphs is affected (backend.py).
 visible_kernels: bool = os.environ.get("MOE_INDUCTOR_VISIBLE_KERNELS", "1") == "1"
-
-#: EXPERIMENTAL, off until measured on the GPU: load the grouped GEMM's weight tiles through TMA descriptors (Hopper's
-#: bulk tensor copies) where the weight layout allows (kernels/launch.py ``_weight_descriptor``).
-tma_weights: bool = os.environ.get("MOE_INDUCTOR_TMA", "0") == "1"
 
 #: Who runs the experts op's GEMMs: "auto" (our fused Triton kernels, except in the compute-bound regime below, where
 #: ``torch._grouped_mm`` does; ops/grouped_mm_engine.py), "triton" (always ours), "grouped_mm" (torch's wherever the

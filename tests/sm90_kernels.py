@@ -1,8 +1,7 @@
 """Compile every Triton kernel of moe_inductor for the H200 (sm_90) without a GPU, with the launch configs the
-launchers would pick: the defaults per rows-per-expert bucket, every entry of the shipped tuned table, the
-experimental TMA variants, routing and combine. Run as a script (``python -m tests.sm90_kernels``) in a process
-without TRITON_INTERPRET; prints one JSON line per kernel: name, shared memory, whether the PTX uses wgmma and TMA,
-and registers and stack bytes (spills) per thread. ``tests/test_sm90_compile.py`` runs it and checks the lines.
+launchers would pick: the defaults per rows-per-expert bucket, every entry of the shipped tuned table, the backward
+middle, routing, combine and activation. Run as a script (``python -m tests.sm90_kernels``) in a process without
+TRITON_INTERPRET; prints one JSON line per kernel: name, shared memory, whether the PTX uses wgmma, and registers and stack bytes (spills) per thread. ``tests/test_sm90_compile.py`` runs it and checks the lines.
 """
 from __future__ import annotations
 
@@ -30,16 +29,13 @@ TARGET = GPUTarget("cuda", 90, 32)
 NOT_SPECIALISED = {"topk", "M", "T", "num_experts", "capacity", "num_chunks"}  # ints Triton sees unaligned
 
 
-def _compile(name, fn, pointer_types, constexprs, *, floats=(), descriptors=None, num_warps=4, num_stages=3):
+def _compile(name, fn, pointer_types, constexprs, *, floats=(), num_warps=4, num_stages=3):
     """Compile ``fn`` as a launch with 16-byte aligned pointers and strides would specialise it; unit strides are
     passed as the constant 1, as Triton specialises them."""
     signature, attrs = {}, {}
-    descriptors = descriptors or {}
     for i, p in enumerate(fn.params):
         if p.is_constexpr or p.name in constexprs:
             signature[p.name] = "constexpr"
-        elif p.name in descriptors:
-            signature[p.name] = descriptors[p.name]
         elif p.name.startswith("p_"):
             signature[p.name] = pointer_types.get(p.name, "*i32")
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -53,7 +49,7 @@ def _compile(name, fn, pointer_types, constexprs, *, floats=(), descriptors=None
                             options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = kernel.asm["ptx"]
     print(json.dumps({"name": name, "shared": kernel.metadata.shared, "wgmma": "wgmma" in ptx,
-                      "tma": "cp.async.bulk.tensor" in ptx, **_resource_usage(kernel.asm["cubin"])}), flush=True)
+                      **_resource_usage(kernel.asm["cubin"])}), flush=True)
 
 
 def _resource_usage(cubin: bytes) -> dict:
@@ -69,45 +65,26 @@ def _resource_usage(cubin: bytes) -> dict:
     return {"registers": int(found.group(1)), "stack": int(found.group(2))} if found else {}
 
 
-def gemm(name, cfg, dtype, *, gated, a_rows, c_rows, b_tma=0, a_tma=False, save_pre=False, k_dim=4096):
+def gemm(name, cfg, dtype, *, gated, a_rows, c_rows, save_pre=False, k_dim=4096):
     t = {"bf16": "bf16", "fp32": "fp32"}[dtype]
     pointers = {n: f"*{t}" for n in ("p_a", "p_b", "p_b2", "p_bias", "p_bias2", "p_c", "p_pre", "p_scale")}
     constexprs = dict(
         stride_ak=1, stride_cn=1, stride_pre_n=1, NUM_EXPERTS=8, E_POW2=8, A_ROWS=a_rows, C_ROWS=c_rows,
         SCALE_MODE=2, GATED=gated, ACT=4, HAS_BIAS=False, SAVE_PRE=save_pre, ACCUMULATE=False, UPCAST=False,
         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, EVEN_K=k_dim % cfg.BLOCK_K == 0, B_TMA=b_tma, A_TMA=a_tma)
-    descriptors = {}
-    if b_tma:
-        block = f"[1, {cfg.BLOCK_N}, {cfg.BLOCK_K}]" if b_tma == 1 else f"[1, {cfg.BLOCK_K}, {cfg.BLOCK_N}]"
-        descriptors["d_b"] = descriptors["d_b2"] = f"tensordesc<{t}{block}>"
-    else:
-        constexprs["d_b"] = constexprs["d_b2"] = None
-    if b_tma != 2:
-        constexprs["stride_bk"] = constexprs["stride_b2k"] = 1  # nn.Linear-style weights: K contiguous
-    if a_tma:
-        descriptors["d_a"] = f"tensordesc<{t}[{cfg.BLOCK_M}, {cfg.BLOCK_K}]>"
-    else:
-        constexprs["d_a"] = None
-    _compile(name, grouped_gemm_kernel, pointers, constexprs, floats=("alpha", "limit"), descriptors=descriptors,
-             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, EVEN_K=k_dim % cfg.BLOCK_K == 0,
+        stride_bk=1, stride_b2k=1)  # nn.Linear-style weights: K contiguous
+    _compile(name, grouped_gemm_kernel, pointers, constexprs, floats=("alpha", "limit"), num_warps=cfg.num_warps,
+             num_stages=cfg.num_stages)
 
 
-def weight_grad(name, cfg, dtype, *, a_tma=False, g_tma=False, a_rows=None, g_rows=None, has_scale=True):
+def weight_grad(name, cfg, dtype, *, a_rows=1, g_rows=0, has_scale=True):
     t = {"bf16": "bf16", "fp32": "fp32"}[dtype]
-    a_rows = (0 if a_tma else 1) if a_rows is None else a_rows
-    g_rows = (0 if not a_tma else 1) if g_rows is None else g_rows
     constexprs = dict(stride_ak=1, stride_gn=1, stride_wn=1, A_ROWS=a_rows, G_ROWS=g_rows,
                       HAS_SCALE=has_scale, UPCAST=False, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
-                      BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N, A_TMA=a_tma, G_TMA=g_tma)
-    descriptors = {}
-    for arg, on, block in (("d_a", a_tma, (cfg.BLOCK_M, cfg.BLOCK_K)), ("d_g", g_tma, (cfg.BLOCK_M, cfg.BLOCK_N))):
-        if on:
-            descriptors[arg] = f"tensordesc<{t}[{block[0]}, {block[1]}]>"
-        else:
-            constexprs[arg] = None
+                      BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N)
     _compile(name, grouped_weight_grad_kernel, {n: f"*{t}" for n in ("p_a", "p_g", "p_dw", "p_scale")}, constexprs,
-             descriptors=descriptors, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def main() -> None:
@@ -131,17 +108,6 @@ def main() -> None:
         gated, a_rows, c_rows = parts["g"] == "1", int(parts["a"]), int(parts["c"])
         gemm(f"gemm tuned {key}", cfg, "bf16", gated=gated, a_rows=a_rows, c_rows=c_rows, save_pre=gated,
              k_dim=int(parts["K"]))
-    big = configs.default_gemm_config(1024, 2048, 4096, torch.bfloat16, False)
-    big_gated = configs.default_gemm_config(1024, 2048, 4096, torch.bfloat16, True)
-    gemm("gemm tma up (K-contiguous weights)", big_gated, "bf16", gated=True, a_rows=1, c_rows=0, b_tma=1,
-         save_pre=True)
-    gemm("gemm tma down (sorted rows, K-contiguous)", big, "bf16", gated=False, a_rows=0, c_rows=2, b_tma=1,
-         a_tma=True)
-    gemm("gemm tma down (N-contiguous weights)", big, "bf16", gated=False, a_rows=0, c_rows=2, b_tma=2, a_tma=True,
-         k_dim=4000)
-    wg = configs.default_weight_grad_config(4096, 2048, torch.bfloat16)
-    weight_grad("wgrad tma g", wg, "bf16", g_tma=True)
-    weight_grad("wgrad tma a", wg, "bf16", a_tma=True)
     bf = {n: "*bf16" for n in ("p_pre", "p_h", "p_d_gate", "p_d_up", "p_b1", "p_b1_up", "p_scale")}
     bf.update(p_g="*fp32", p_d_scale="*fp32")
     for act in range(6):

@@ -132,37 +132,6 @@ def test_grouped_mm_grid_covers_every_tile(sizes, triton_kernels):
     assert_close(out, grouped_mm_reference(a.double(), b.double(), offs), torch.float32, "out")
 
 
-@pytest.mark.parametrize("layout,gate_up,activation,dtype", [
-    ("nk", "concat", "silu_glu", torch.bfloat16),      # K-contiguous weights: descriptors over (E, N, K)
-    ("kn", "concat", "gelu", torch.float32),           # N-contiguous: descriptors over (E, K, N)
-    ("kn", "interleaved", "gptoss_glu", torch.bfloat16),  # stride-2 gate/up views: no descriptor, pointer loads
-], ids=["nk-glu-bf16", "kn-plain-fp32", "interleaved-falls-back"])
-def test_experimental_tma_weights_match_pointer_loads(layout, gate_up, activation, dtype, triton_kernels, monkeypatch):
-    """config.tma_weights: the same results, forward and backward, with H = 40 (a K and an N) not a multiple of the
-    interpreter's 32-wide blocks, where TMA's zero fill replaces the masks; weights and sorted-row operands (rows
-    of I = 16 16-bit values: 16-byte aligned, as TMA needs)."""
-    from moe_inductor.kernels import launch
-
-    p = make_problem(7, 40, 16, 3, 2, dtype=dtype, device=DEVICE, activation=activation, layout=layout,
-                     gate_up=gate_up, bias=activation == "gptoss_glu")
-    monkeypatch.setattr(config, "tma_weights", False)
-    y_ref, _, grads_ref = _fwd_bwd(p)
-    monkeypatch.setattr(config, "tma_weights", True)
-    described, rows_described = [], []
-    real, real_rows = launch._weight_descriptor, launch._rows_descriptor
-    monkeypatch.setattr(launch, "_weight_descriptor", lambda *a: described.append(real(*a)[1]) or real(*a))
-    monkeypatch.setattr(launch, "_rows_descriptor", lambda *a: rows_described.append(real_rows(*a)) or real_rows(*a))
-    y, _, grads = _fwd_bwd(p)
-    assert torch.equal(y, y_ref)
-    for g, r in zip(grads, grads_ref):
-        assert torch.equal(g, r)
-    if gate_up == "interleaved":
-        assert described and 0 in described  # the gate/up views could not be described
-    else:
-        assert {1, 2} & set(described)  # descriptors were made and used
-    assert any(d is not None for d in rows_described)  # sorted-row operands (the down GEMM's h) went through TMA
-
-
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
 def test_indexed_combine_matches_the_torch_path(scaled, monkeypatch):
     """combine(rows in expert-sorted order, row_of, scale): the kernel and the CPU path agree with a direct sum, and an

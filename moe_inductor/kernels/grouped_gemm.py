@@ -88,15 +88,9 @@ def _expert_of_tile(p_offsets, i_m, NUM_EXPERTS: tl.constexpr, E_POW2: tl.conste
 
 
 @triton.jit
-def _weight_tile(d_w, p_w_blk, expert, i_n, i_k, m_k, m_n, B_TMA: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The (BLOCK_K, BLOCK_N) tile of expert ``expert``'s weights at (i_k, i_n): through its TMA descriptor (B_TMA 1:
-    described as (E, N, K); 2: as (E, K, N)) or by masked pointer loads."""
-    if B_TMA == 1:
-        tile = tl.trans(d_w.load([expert, i_n * BLOCK_N, i_k * BLOCK_K]).reshape(BLOCK_N, BLOCK_K))
-    elif B_TMA == 2:
-        tile = d_w.load([expert, i_k * BLOCK_K, i_n * BLOCK_N]).reshape(BLOCK_K, BLOCK_N)
-    elif EVEN_K:
+def _weight_tile(p_w_blk, m_k, m_n, EVEN_K: tl.constexpr):
+    """The (BLOCK_K, BLOCK_N) weight tile at ``p_w_blk``, masked past N (and past K unless EVEN_K)."""
+    if EVEN_K:
         tile = tl.load(p_w_blk, mask=m_n[None, :], other=0.0)
     else:
         tile = tl.load(p_w_blk, mask=m_k[:, None] & m_n[None, :], other=0.0)
@@ -107,8 +101,6 @@ def _weight_tile(d_w, p_w_blk, expert, i_n, i_k, m_k, m_n, B_TMA: tl.constexpr, 
 def grouped_gemm_kernel(
     # pointers
     p_a, p_b, p_b2, p_bias, p_bias2, p_c, p_pre, p_order, p_scale, p_offsets,
-    # TMA descriptors of the weights (B_TMA != 0) and of a (A_TMA), else None
-    d_b, d_b2, d_a,
     # sizes
     N, K, topk,
     # strides
@@ -124,15 +116,9 @@ def grouped_gemm_kernel(
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr,
     ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, B_TMA: tl.constexpr = 0, A_TMA: tl.constexpr = False,
+    EVEN_K: tl.constexpr,
 ):
-    """c[rows_c(i)] (+)= epilogue(a[rows_a(i)] @ b[e(i)] [, a[rows_a(i)] @ b2[e(i)]]) for every kept row i.
-
-    B_TMA (EXPERIMENTAL, config.tma_weights): the weight tiles come through TMA descriptors over the (E, ., .)
-    weights, 1 when K is their contiguous dimension (described as (E, N, K)), 2 when N is (described as (E, K, N));
-    out-of-range rows and columns of an expert read as zeros, so no masks are needed. A_TMA: the same for a when
-    its rows are read in sorted order (A_ROWS == ROWS_SORTED), a (M, K) descriptor; rows past the expert belong to
-    the next one or read as zeros, and never reach c (the store is masked)."""
+    """c[rows_c(i)] (+)= epilogue(a[rows_a(i)] @ b[e(i)] [, a[rows_a(i)] @ b2[e(i)]]) for every kept row i."""
     # Grouped ordering: GROUP_M consecutive m-tiles share each weight n-block while it is hot in L2. Without it an
     # expert's whole weight matrix is streamed from HBM once per m-tile.
     i_pid = tl.program_id(0)
@@ -164,19 +150,17 @@ def grouped_gemm_kernel(
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BLOCK_K)):
         m_k = o_k < K - i_k * BLOCK_K  # unused (and dropped by the compiler) when EVEN_K
-        if A_TMA:
-            b_a = d_a.load([row_start, i_k * BLOCK_K])
-        elif EVEN_K:
+        if EVEN_K:
             b_a = tl.load(p_a_blk, mask=m_m[:, None], other=0.0)
         else:
             b_a = tl.load(p_a_blk, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_b = _weight_tile(d_b, p_b_blk, expert, i_n, i_k, m_k, m_n, B_TMA, EVEN_K, BLOCK_N, BLOCK_K)
+        b_b = _weight_tile(p_b_blk, m_k, m_n, EVEN_K)
         if UPCAST:  # the interpreter's bf16 dot is wrong
             b_a = b_a.to(tl.float32)
             b_b = b_b.to(tl.float32)
         acc = tl.dot(b_a, b_b, acc, input_precision=DOT_PRECISION)
         if GATED:
-            b_b2 = _weight_tile(d_b2, p_b2_blk, expert, i_n, i_k, m_k, m_n, B_TMA, EVEN_K, BLOCK_N, BLOCK_K)
+            b_b2 = _weight_tile(p_b2_blk, m_k, m_n, EVEN_K)
             if UPCAST:
                 b_b2 = b_b2.to(tl.float32)
             acc2 = tl.dot(b_a, b_b2, acc2, input_precision=DOT_PRECISION)
@@ -218,8 +202,6 @@ def grouped_gemm_kernel(
 def grouped_weight_grad_kernel(
     # pointers
     p_a, p_g, p_dw, p_order, p_scale, p_offsets,
-    # TMA descriptors of a and g when their rows are read in sorted order (A_TMA, G_TMA), else None
-    d_a, d_g,
     # sizes
     K, N, topk,
     # strides
@@ -228,12 +210,8 @@ def grouped_weight_grad_kernel(
     A_ROWS: tl.constexpr, G_ROWS: tl.constexpr, HAS_SCALE: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    A_TMA: tl.constexpr = False, G_TMA: tl.constexpr = False,
 ):
-    """dw[e] = sum over rows i of expert e of a[rows_a(i)]^T (scale[i] * g[rows_g(i)]): grouped over K and N.
-
-    A_TMA / G_TMA (EXPERIMENTAL, config.tma_weights): that operand's tile comes through a TMA descriptor; rows past
-    the expert (the next expert's, or never written) are zeroed in registers, as the masked loads would."""
+    """dw[e] = sum over rows i of expert e of a[rows_a(i)]^T (scale[i] * g[rows_g(i)]): grouped over K and N."""
     i_pid = tl.program_id(0)
     num_k = tl.cdiv(K, BLOCK_K)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -256,16 +234,10 @@ def grouped_weight_grad_kernel(
         assignment = tl.load(p_order + o_m, mask=m_m, other=0)
         a_rows = _rows(A_ROWS, o_m, assignment, topk)
         g_rows = _rows(G_ROWS, o_m, assignment, topk)
-        if A_TMA:
-            b_at = tl.trans(tl.where(m_m[:, None], d_a.load([m0, i_k * BLOCK_K]), 0.0))
-        else:
-            b_at = tl.load(p_a + a_rows[None, :] * stride_am + o_k[:, None] * stride_ak,
-                           mask=m_k[:, None] & m_m[None, :], other=0.0)
-        if G_TMA:
-            b_g = tl.where(m_m[:, None], d_g.load([m0, i_n * BLOCK_N]), 0.0)
-        else:
-            b_g = tl.load(p_g + g_rows[:, None] * stride_gm + o_n[None, :] * stride_gn,
-                          mask=m_m[:, None] & m_n[None, :], other=0.0)
+        b_at = tl.load(p_a + a_rows[None, :] * stride_am + o_k[:, None] * stride_ak,
+                       mask=m_k[:, None] & m_m[None, :], other=0.0)
+        b_g = tl.load(p_g + g_rows[:, None] * stride_gm + o_n[None, :] * stride_gn,
+                      mask=m_m[:, None] & m_n[None, :], other=0.0)
         if HAS_SCALE:
             b_s = tl.load(p_scale + assignment, mask=m_m, other=0.0).to(tl.float32)
             b_g = (b_g.to(tl.float32) * b_s[:, None]).to(b_at.dtype)

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from .. import config as moe_config
 from . import configs
-from .modes import ROWS_SORTED as ROWS_SORTED_MODE
 
 
 class LazyKernel:
@@ -155,22 +154,8 @@ def launch_grouped_gemm(
         bias_ = bias if has_bias else dummy
         bias2_ = bias2 if (has_bias and gated) else bias_
         pre_ = pre if pre is not None else out
-        d_b = d_b2 = d_a = None
-        if moe_config.tma_weights and not _traceable:
-            if a_rows == ROWS_SORTED_MODE:
-                d_a = _rows_descriptor(a, cfg.BLOCK_M, cfg.BLOCK_K)
-                if d_a is not None:
-                    meta = {**meta, "A_TMA": True}
-            d_b, mode = _weight_descriptor(b, cfg.BLOCK_K, cfg.BLOCK_N)
-            if gated:
-                d_b2, mode2 = _weight_descriptor(b2, cfg.BLOCK_K, cfg.BLOCK_N)
-                if mode2 != mode:
-                    d_b = d_b2 = None
-            if d_b is not None:
-                meta = {**meta, "B_TMA": mode}
         args = (
             a, b, b2_, bias_, bias2_, out, pre_, order, scale if scale is not None else dummy, offsets,
-            d_b, d_b2, d_a,
             n_dim, k_dim, topk,
             a.stride(0), a.stride(1),
             b.stride(0), b.stride(1), b.stride(2),
@@ -190,7 +175,7 @@ def launch_grouped_gemm(
                 GATED=gated, ACT=act_id, HAS_BIAS=has_bias, SAVE_PRE=pre is not None,
                 ACCUMULATE=accumulate, UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-                EVEN_K=k_dim % cfg.BLOCK_K == 0, B_TMA=0, A_TMA=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                EVEN_K=k_dim % cfg.BLOCK_K == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
         key = f"gemm|E{num_experts}|N{n_dim}|K{k_dim}|{a.dtype}|g{int(gated)}|a{a_rows}|c{c_rows}|m{bucket}"
@@ -207,94 +192,21 @@ def launch_grouped_gemm(
         run(*decided)
 
 
-def _weight_descriptor(w: torch.Tensor, block_k: int, block_n: int):
-    """(a TMA descriptor over the (E, K, N) weight view ``w``, its B_TMA mode), or (None, 0) when the layout does not
-    allow one: TMA needs a contiguous last dimension, 16-byte aligned base and strides, and rows of >= 16 bytes."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    num_experts, k_dim, n_dim = w.shape
-    size = w.element_size()
-    if w.stride(1) == 1:  # K contiguous: nn.Linear-style (E, N, K) storage seen through a transpose
-        shape, strides, block, mode = [num_experts, n_dim, k_dim], [w.stride(0), w.stride(2), 1], [1, block_n, block_k], 1
-    elif w.stride(2) == 1:
-        shape, strides, block, mode = [num_experts, k_dim, n_dim], [w.stride(0), w.stride(1), 1], [1, block_k, block_n], 2
-    else:
-        return None, 0
-    if w.data_ptr() % 16 or any(s * size % 16 for s in strides[:-1]) or block[-1] * size < 16:
-        return None, 0
-    return TensorDescriptor(w, shape, strides, block), mode
-
-
-def _rows_descriptor(a: torch.Tensor, block_m: int, block_k: int):
-    """A TMA descriptor over the (M, K) matrix ``a`` read in row order, or None when its layout does not allow one."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    size = a.element_size()
-    if a.stride(1) != 1 or a.data_ptr() % 16 or a.stride(0) * size % 16 or block_k * size < 16 or a.shape[0] == 0:
-        return None
-    return TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [block_m, block_k])
-
-
 # (shape, dtype, flags, bucket, device) -> (config, the kernel's constexpr arguments); see launch_grouped_gemm.
 _GEMM_DECISIONS: dict[tuple, tuple[configs.LaunchConfig, dict]] = {}
 
-# (kernel, device, its constexpr arguments, argument specialisation) -> (Triton's CompiledKernel, constexprs in
-# signature order); see _fast_launch.
-_COMPILED: dict[tuple, tuple] = {}
-
-
-def _specialisation(args: tuple) -> Optional[tuple]:
-    """What Triton specialises a compiled kernel on, for the non-constexpr arguments, spelled conservatively:
-    a tensor's dtype and 16-byte alignment; an int's width and its divisibility by 16 (and == 1); floats and None
-    nothing. None when an argument is of another kind (a TMA descriptor, say), whose launch stays Triton's own."""
-    key = []
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            key.append((arg.dtype, arg.data_ptr() % 16 == 0))
-        elif isinstance(arg, int):
-            key.append((-2**31 <= arg < 2**31, arg % 16 == 0, arg == 1))
-        elif arg is None or isinstance(arg, float):
-            key.append(None)
-        else:
-            return None
-    return tuple(key)
-
 
 def launch_kernel(kernel, grid: tuple, args: tuple, meta: dict) -> None:
-    """``kernel[grid](*args, **meta)``: every launch of ours goes through here, so that ``config.fast_launch`` covers
-    them all (routing, GEMMs, combine)."""
+    """``kernel[grid](*args, **meta)``, or through ``wrap_triton`` while traced (see ``_traceable``): every launch of
+    ours (routing, GEMMs, combine) goes through here."""
     if isinstance(kernel, LazyKernel):
         kernel = kernel.resolve()
     if _traceable:
         from torch.library import wrap_triton
 
         wrap_triton(kernel)[grid](*args, **meta)
-    elif moe_config.fast_launch and not configs.interpreting():
-        _fast_launch(kernel, grid, args, meta)
     else:
         kernel[grid](*args, **meta)
-
-
-def _fast_launch(kernel, grid: tuple, args: tuple, meta: dict) -> None:
-    """Launch through Triton's CompiledKernel directly once it is known, skipping ``JITFunction.run`` (argument
-    binding, cache-key hashing): the first launch per (kernel, constexprs, specialisation) goes the normal way and
-    keeps the compiled kernel it returns. EXPERIMENTAL (``config.fast_launch``): written against triton 3.6's
-    ``CompiledKernel.__getitem__``, which takes every parameter, constexprs included, in signature order."""
-    specialisation = _specialisation(args)
-    if specialisation is None:
-        kernel[grid](*args, **meta)
-        return
-    # a compiled kernel is loaded per device: the first argument (a tensor in every launch of ours) names it
-    key = (kernel, args[0].device, tuple(meta.items()), specialisation)
-    cached = _COMPILED.get(key)
-    if cached is None:
-        compiled = kernel[grid](*args, **meta)
-        names = kernel.arg_names[len(args):]
-        if compiled is not None and all(name in meta for name in names):  # else: always the normal launch
-            _COMPILED[key] = (compiled, tuple(meta[name] for name in names))
-        return
-    compiled, constexprs = cached
-    compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, *constexprs)
 
 
 def launch_grouped_weight_grad(
@@ -319,20 +231,14 @@ def launch_grouped_weight_grad(
 
     def run(cfg: configs.LaunchConfig) -> None:
         grid = (num_experts * cdiv(k_dim, cfg.BLOCK_K) * cdiv(n_dim, cfg.BLOCK_N),)
-        d_a = d_g = None
-        if moe_config.tma_weights and not _traceable:
-            d_a = _rows_descriptor(a, cfg.BLOCK_M, cfg.BLOCK_K) if a_rows == ROWS_SORTED_MODE else None
-            d_g = _rows_descriptor(g, cfg.BLOCK_M, cfg.BLOCK_N) if g_rows == ROWS_SORTED_MODE else None
         launch_kernel(
             grouped_weight_grad_kernel, grid,
             (a, g, dw, order, scale if scale is not None else offsets, offsets,
-             d_a, d_g,
              k_dim, n_dim, topk,
              a.stride(0), a.stride(1), g.stride(0), g.stride(1), dw.stride(0), dw.stride(1), dw.stride(2)),
             dict(A_ROWS=a_rows, G_ROWS=g_rows, HAS_SCALE=scale is not None,
                  UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
                  BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N,
-                 A_TMA=d_a is not None, G_TMA=d_g is not None,
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         )
 
