@@ -9,20 +9,53 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
+from typing import Any, Callable
 
 
-def _load(target: str):
-    path, _, name = target.partition(":")
-    if not name:
-        raise SystemExit(f"expected <python file>:<callable>, got {target!r}")
+_USAGE = "give <python file>:<callable>, e.g. `python -m moe_inductor inspect model.py:make`"
+
+
+def _fail(message: str) -> None:
+    """Exit with one line on stderr: what is wrong and how to fix it (no traceback of ours)."""
+    raise SystemExit(f"moe_inductor inspect: {message}")
+
+
+def _load(target: str) -> Callable:
+    """The callable named by ``target`` (``path/to/file.py:name``), with a one-line error for each way it can be
+    wrong."""
+    path, _, name = target.rpartition(":") if ":" in target else (target, "", "")
+    if not name or not path:
+        _fail(f"{target!r} names no callable; {_USAGE}")
+    if not os.path.isfile(path):
+        _fail(f"no such file {path!r}; {_USAGE}")
     spec = importlib.util.spec_from_file_location("_moe_inductor_inspect_target", path)
     if spec is None or spec.loader is None:
-        raise SystemExit(f"cannot load {path}")
+        _fail(f"cannot load {path!r} as Python (is it a .py file?); {_USAGE}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return getattr(module, name)
+    spec.loader.exec_module(module)  # errors in the user's own file keep their traceback: they are theirs to read
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                       and getattr(v, "__module__", None) == spec.name)
+        _fail(f"{path} defines no callable {name!r}" + (f" (it defines {', '.join(found)})" if found else "")
+              + "; the callable takes no arguments and returns (model_or_fn, args)")
+    return fn
+
+
+def _model_and_inputs(made: Any, name: str) -> tuple[Callable, tuple]:
+    """``(model_or_fn, args)`` from what the target returned, or a one-line error saying what it must return."""
+    fix = f"{name}() must return (model_or_fn, args), e.g. `return model, (input_ids,)`"
+    if not isinstance(made, (tuple, list)) or len(made) != 2:
+        _fail(f"{name}() returned {type(made).__name__}, not a pair; {fix}")
+    model, inputs = made
+    if not callable(model):
+        _fail(f"{name}() returned a {type(model).__name__} first, not a model or function; {fix}")
+    if not isinstance(inputs, (tuple, list)):
+        inputs = (inputs,)  # a single input is unambiguous
+    return model, tuple(inputs)
 
 
 def main(argv=None) -> None:
@@ -37,7 +70,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     from . import explain
 
-    model, inputs = _load(args.target)()
+    fn = _load(args.target)
+    model, inputs = _model_and_inputs(fn(), args.target.rpartition(":")[2])
     report = explain(model, *inputs)
     print(report.summary() if args.summary else report)
     if args.check:

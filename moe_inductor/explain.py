@@ -1,4 +1,4 @@
-"""``moe_inductor.explain``, the ``moe_inductor`` and ``moe_rewrites`` logs, and the CLI behind ``python -m moe_inductor``."""
+"""``moe_inductor.explain`` and the ``moe_inductor`` log."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .report import Report, collecting
+from .rewrites import log_rewrites  # noqa: F401  (the backend logs through it)
 
 log = logging.getLogger("moe_inductor")
 
@@ -15,10 +16,9 @@ log = logging.getLogger("moe_inductor")
 def _register_logging() -> None:
     """Register the ``moe_inductor`` log with torch's logging.
 
-    From the shell: ``TORCH_LOGS="moe_inductor"`` prints a line per rewrite, ``"+moe_inductor"`` adds the rewritten
-    graph, and ``TORCH_LOGS="moe_rewrites"`` prints each rewrite with its graph. TORCH_LOGS is read at
-    ``import torch``, before this package loads, and takes importable module names: both names are modules of this
-    distribution (``moe_rewrites.py`` exists for that alone).
+    From the shell: ``TORCH_LOGS="moe_inductor"`` prints a line per rewrite (naming the layer), ``"+moe_inductor"``
+    adds each rewritten region's code, and ``TORCH_LOGS="moe_inductor.rewrites"`` prints only the rewrites, each
+    with its region (moe_inductor/rewrites.py).
     """
     try:
         from torch._logging._internal import register_log
@@ -26,15 +26,6 @@ def _register_logging() -> None:
         register_log("moe_inductor", "moe_inductor")
     except Exception:  # an API change in torch._logging must never break compiles
         pass
-
-
-_rewrites_log = logging.getLogger("moe_rewrites")
-
-
-def log_rewrites(report_line: str, code: str) -> None:
-    log.info("%s", report_line)
-    log.debug("rewritten graph:\n%s", code)
-    _rewrites_log.info("%s\n%s", report_line, code)
 
 
 def _source_lines(gm: torch.fx.GraphModule) -> frozenset:

@@ -351,3 +351,29 @@ def test_inductor_options_pass_through_and_mode_works_with_them(monkeypatch):
     assert counters["moe_inductor"]["unrolled_loop"] == 2  # the capture knows both compiles as ours
     with pytest.raises(ValueError, match="unknown moe_inductor options"):
         moe_inductor.with_options(max_autotune_typo=True)
+
+
+# --- the CLI's mistakes ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target,expected", [
+    ("{dir}/nope.py:make", "no such file"),
+    ("{dir}/target.py", "names no callable"),
+    ("{dir}/target.py:missing", "defines no callable 'missing' (it defines make_model, ok)"),
+    ("{dir}/target.py:make_model", "make_model() returned Linear, not a pair; make_model() must return (model_or_fn, args)"),
+], ids=["bad-path", "no-name", "missing-name", "returns-only-the-model"])
+def test_cli_mistakes_give_one_line_with_the_fix(tmp_path, target, expected):
+    from moe_inductor.__main__ import main
+
+    (tmp_path / "target.py").write_text(textwrap.dedent("""
+        import torch
+        def make_model():
+            return torch.nn.Linear(2, 2)
+        def ok():
+            return torch.nn.Linear(2, 2), (torch.randn(1, 2),)
+    """))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", target.format(dir=tmp_path), "--summary"])
+    message = str(exit_info.value.code)
+    assert message.startswith("moe_inductor inspect: ") and "\n" not in message
+    assert expected in message, message
