@@ -377,3 +377,30 @@ def test_cli_mistakes_give_one_line_with_the_fix(tmp_path, target, expected):
     message = str(exit_info.value.code)
     assert message.startswith("moe_inductor inspect: ") and "\n" not in message
     assert expected in message, message
+
+
+# --- tuned configs persist, and a GPU without a tuned table is named ------------------------------------------------
+
+
+def test_autotune_saves_to_the_user_cache_reads_it_back_and_reports_progress(tmp_path, monkeypatch, capsys):
+    from moe_inductor.kernels import configs
+
+    monkeypatch.setenv("MOE_INDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(configs.ConfigTable, "device_tag", staticmethod(lambda: "Fake_GPU_9000"))
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(configs, "_PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(configs, "TABLE", configs.ConfigTable())
+    fast, slow = configs.LaunchConfig(64, 64, 32, 4, 3), configs.LaunchConfig(128, 128, 64, 8, 3)
+    ran = []
+    speed = {fast: 1.0, slow: 2.0}
+    with pytest.warns(UserWarning, match=r"no tuned kernel configs ship for this GPU \(Fake GPU 9000"):
+        assert configs.TABLE.lookup("gemm-key") is None
+    best = configs.tune("gemm-key", lambda: [slow, fast, slow], ran.append, bench=lambda fn: fn() or speed[ran[-1]])
+    assert best == fast
+    err = capsys.readouterr().err
+    assert "1/3 configs" in err and "2/3 configs" in err and "s left" in err and "autotuned gemm-key" in err
+    saved = tmp_path / "tuned" / "Fake_GPU_9000.json"
+    assert saved.exists()
+    fresh = configs.ConfigTable()  # the next run
+    with pytest.warns(UserWarning, match="Fake GPU 9000"):
+        assert fresh.lookup("gemm-key") == fast

@@ -9,6 +9,8 @@ import functools
 import json
 import os
 import sys
+import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -105,12 +107,24 @@ def weight_grad_candidates(dtype: torch.dtype) -> list[LaunchConfig]:
     return out
 
 
+def cache_dir() -> Path:
+    """Where tuned configs persist between runs: ``$MOE_INDUCTOR_CACHE_DIR``, else ``$XDG_CACHE_HOME/moe_inductor``,
+    else ``~/.cache/moe_inductor``."""
+    explicit = os.environ.get("MOE_INDUCTOR_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "moe_inductor"
+
+
 class ConfigTable:
-    """A process-wide table from tuning key to config, seeded from the shipped JSON files."""
+    """A process-wide table from tuning key to config: the shipped JSON table of this GPU, then the user's cache of
+    configs tuned here before (``cache_dir()/tuned/<GPU>.json``), which every new tune is added to."""
 
     def __init__(self) -> None:
         self._table: dict[str, LaunchConfig] = {}
         self._loaded_devices: set[str] = set()
+        self._warned_write = False
 
     @staticmethod
     def device_tag() -> str:
@@ -118,22 +132,55 @@ class ConfigTable:
             return "cpu"
         return torch.cuda.get_device_name().replace(" ", "_")
 
+    def user_path(self) -> Path:
+        """This GPU's file in the user's cache."""
+        return cache_dir() / "tuned" / f"{self.device_tag()}.json"
+
     def _load(self) -> None:
         if self._loaded_devices:
             return
         tag = self.device_tag()
         self._loaded_devices.add(tag)
-        path = _TUNED_DIR / f"{tag}.json"
-        if path.exists():
-            for key, cfg in json.loads(path.read_text()).items():
-                self._table[key] = LaunchConfig(**cfg)
+        shipped = _TUNED_DIR / f"{tag}.json"
+        for path in (shipped, self.user_path()):
+            try:
+                entries = json.loads(path.read_text()) if path.exists() else {}
+                self._table.update({key: LaunchConfig(**cfg) for key, cfg in entries.items()})
+            except (OSError, ValueError, TypeError) as exc:  # a damaged cache must not stop a run: tune again
+                warnings.warn(f"moe_inductor: ignoring the tuned configs in {path} ({exc})", stacklevel=3)
+        if tag != "cpu" and not shipped.exists() and not interpreting():
+            shipped_for = ", ".join(sorted(p.stem for p in _TUNED_DIR.glob("*.json"))) or "none"
+            warnings.warn(
+                f"moe_inductor: no tuned kernel configs ship for this GPU ({tag.replace('_', ' ')}; tuned: "
+                f"{shipped_for}), so the kernels use heuristic configs. moe_inductor.config.autotune = True "
+                f"(or MOE_INDUCTOR_AUTOTUNE=1) tunes each new shape once and keeps the result in {self.user_path()}",
+                stacklevel=3)
 
     def lookup(self, key: str) -> LaunchConfig | None:
         self._load()
         return self._table.get(key)
 
-    def store(self, key: str, cfg: LaunchConfig) -> None:
+    def store(self, key: str, cfg: LaunchConfig, persist: bool = False) -> None:
+        """Keep ``cfg`` for ``key`` in this process; with ``persist``, also in the user's cache for the next run."""
         self._table[key] = cfg
+        if persist:
+            self._persist(key, cfg)
+
+    def _persist(self, key: str, cfg: LaunchConfig) -> None:
+        path = self.user_path()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            entries = json.loads(path.read_text()) if path.exists() else {}
+            entries[key] = asdict(cfg)
+            # written whole to a temporary file, then renamed: a reader (another process) never sees half a file
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(dict(sorted(entries.items())), indent=1))
+            os.replace(tmp, path)
+        except (OSError, ValueError) as exc:
+            if not self._warned_write:
+                self._warned_write = True
+                warnings.warn(f"moe_inductor: cannot save tuned configs to {path} ({exc}); they last this run only "
+                              "(MOE_INDUCTOR_CACHE_DIR picks another directory)", stacklevel=3)
 
     def dump(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps({k: asdict(v) for k, v in sorted(self._table.items())}, indent=1))
@@ -142,21 +189,41 @@ class ConfigTable:
 TABLE = ConfigTable()
 
 
-def tune(key: str, candidates: Callable[[], list[LaunchConfig]], run: Callable[[LaunchConfig], None]) -> LaunchConfig:
-    """Time each candidate with do_bench medians and keep the fastest; prints one progress line."""
-    from triton.testing import do_bench
+def tune(key: str, candidates: Callable[[], list[LaunchConfig]], run: Callable[[LaunchConfig], None],
+         bench: Callable[[Callable[[], None]], float] | None = None) -> LaunchConfig:
+    """Time each candidate (``bench``: a function's median milliseconds; Triton's do_bench by default), keep the
+    fastest, and save it in the user's cache. Prints progress (done/total and an estimate of the time left) every
+    few seconds, and the result."""
+    if bench is None:
+        from triton.testing import do_bench
+
+        def bench(fn: Callable[[], None]) -> float:
+            return do_bench(fn, warmup=5, rep=20, return_mode="median")
 
     best, best_ms = None, float("inf")
     candidates = candidates()
-    print(f"[moe_inductor] autotuning {key} over {len(candidates)} configs ...", file=sys.stderr, flush=True)
-    for cfg in candidates:
+    total = len(candidates)
+    print(f"[moe_inductor] autotuning {key} over {total} configs ...", file=sys.stderr, flush=True)
+    start = last_print = time.perf_counter()
+    for done, cfg in enumerate(candidates, 1):
         try:
-            ms = do_bench(lambda: run(cfg), warmup=5, rep=20, return_mode="median")
+            ms = bench(lambda: run(cfg))
         except Exception:  # a config that does not fit (shared memory, registers) is skipped
-            continue
+            ms = float("inf")
         if ms < best_ms:
             best, best_ms = cfg, ms
+        now = time.perf_counter()
+        if now - last_print >= _PROGRESS_EVERY_S and done < total:
+            last_print = now
+            left = (now - start) / done * (total - done)
+            print(f"[moe_inductor] autotuning {key}: {done}/{total} configs, {now - start:.0f} s, about {left:.0f} s "
+                  "left", file=sys.stderr, flush=True)
     assert best is not None, f"no config ran for {key}"
-    print(f"[moe_inductor] autotuned {key}: {best} ({best_ms * 1e3:.1f} us)", file=sys.stderr, flush=True)
-    TABLE.store(key, best)
+    print(f"[moe_inductor] autotuned {key} in {time.perf_counter() - start:.1f} s: {best} ({best_ms * 1e3:.1f} us); "
+          f"saved in {TABLE.user_path()}", file=sys.stderr, flush=True)
+    TABLE.store(key, best, persist=True)
     return best
+
+
+#: seconds between autotune progress lines
+_PROGRESS_EVERY_S = 5.0
