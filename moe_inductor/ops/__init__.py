@@ -22,12 +22,13 @@ __all__ = [
 ]
 
 
-def _split_gate_up(t: Tensor, interleaved: bool) -> tuple[Tensor, Tensor]:
-    """(gate, up) views of ``t``'s last dimension: its even and odd columns when interleaved, else its two halves."""
+def _split_gate_up(t: Tensor, interleaved: bool, dim: int = -1) -> tuple[Tensor, Tensor]:
+    """(gate, up) views of ``t`` along ``dim``: its even and odd entries when interleaved, else its two halves."""
+    lead = (slice(None),) * (dim % t.dim())
     if interleaved:
-        return t[..., 0::2], t[..., 1::2]
-    half = t.shape[-1] // 2
-    return t[..., :half], t[..., half:]
+        return t[lead + (slice(0, None, 2),)], t[lead + (slice(1, None, 2),)]
+    half = t.shape[dim] // 2
+    return t[lead + (slice(None, half),)], t[lead + (slice(half, None),)]
 
 
 class _SplitGateUp(torch.autograd.Function):
@@ -81,19 +82,21 @@ def expert_weight_views(
         gate, up = (to_kn(w, layout) for w in w1)
         bg, bu = b1 if b1 is not None else (None, None)
         return gate, up, to_kn(w2, layout), bg, bu
-    w1 = to_kn(w1, layout)
     if not gated:
-        return w1, None, to_kn(w2, layout), b1, None
+        return to_kn(w1, layout), None, to_kn(w2, layout), b1, None
     if gate_up not in ("concat", "interleaved"):
         raise ValueError(f"gate_up={gate_up!r}; choose 'concat' (gate then up) or 'interleaved'")
-    if w1.shape[2] % 2:
-        raise ValueError(f"a gated activation needs an even up width; w1 has {w1.shape[2]} output columns")
     interleaved = gate_up == "interleaved"
-    # eagerly, with a gradient to make, the split is ours (see _SplitGateUp); traced, the compiler's slices are fine
+    out_dim = -2 if layout == "nk" else -1  # the gate/up axis of the weight as the user holds it
+    if w1.dim() == 3 and w1.shape[out_dim] % 2:
+        raise ValueError(f"a gated activation needs an even up width; w1 has {w1.shape[out_dim]} output columns")
+    # Eagerly, with a gradient to make, the split is ours (see _SplitGateUp). Traced, the compiler's slices are
+    # fine, provided they are taken of the weight as the user holds it and transposed after: the gradient of the
+    # slices is then assembled in the parameter's own layout, and autograd need not copy it into that layout.
     if w1.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        views = _SplitGateUp.apply(w1, interleaved)
+        views = _SplitGateUp.apply(to_kn(w1, layout), interleaved)
     else:
-        views = _split_gate_up(w1, interleaved)
+        views = tuple(to_kn(v, layout) for v in _split_gate_up(w1, interleaved, out_dim))
     bias = _split_gate_up(b1, interleaved) if b1 is not None else (None, None)
     return views[0], views[1], to_kn(w2, layout), bias[0], bias[1]
 

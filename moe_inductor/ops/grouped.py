@@ -32,12 +32,13 @@ combine_kernel = LazyKernel("combine", "combine_kernel")
 
 
 def is_dense_transpose(w: torch.Tensor) -> bool:
-    """Whether the (E, K, N) weight view ``w`` is the transpose of a dense (E, N, K) tensor (nn.Linear-style storage).
-    A gradient for such a weight is allocated transposed too, so that autograd does not copy it; every other layout
-    (a half of a gate_up tensor, say) gets a dense (E, K, N) gradient. The real and the fake kernels both follow this
-    rule: the layouts they return must agree."""
+    """Whether each expert of the (E, K, N) weight view ``w`` is the transpose of a dense (N, K) matrix (nn.Linear-style
+    storage, whole or the gate or up half of a (E, 2I, H) gate_up tensor). A gradient for such a weight is allocated
+    transposed too, so that autograd reads it (or copies it into the parameter) along rows; every other layout gets
+    a dense (E, K, N) gradient. The real and the fake kernels both follow this rule: the layouts they return must
+    agree."""
     return (w.dim() == 3 and w.stride(1) == 1 and w.stride(2) == w.shape[1]
-            and w.stride(0) == w.shape[1] * w.shape[2])
+            and w.stride(0) >= w.shape[1] * w.shape[2])
 
 
 def use_triton(t: torch.Tensor) -> bool:
