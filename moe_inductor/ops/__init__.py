@@ -144,8 +144,10 @@ def fused_experts(
     check_experts_args(x2, ids, tw, g, u, d, bg, bu, b2, activation, weight_position)
     # ids outside [0, E) raise, as eager indexing does: with their values where reading them costs nothing (CPU)
     # or where eager GPU code may sync; else (traced, or captured into a CUDA graph) on the device, without a sync
-    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not torch.compiler.is_compiling() and (not x.is_cuda or (config.validate_routing and not capturing)):
+    # (traced code must not ask whether a CUDA graph is being captured: Dynamo breaks the graph on that call)
+    compiling = torch.compiler.is_compiling()
+    capturing = not compiling and x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not compiling and (not x.is_cuda or (config.validate_routing and not capturing)):
         check_topk_ids(ids, g.shape[0], name)
     elif config.validate_routing:
         assert_ids_in_range(ids, g.shape[0], name)
