@@ -65,7 +65,7 @@ def _resource_usage(cubin: bytes) -> dict:
     return {"registers": int(found.group(1)), "stack": int(found.group(2))} if found else {}
 
 
-def gemm(name, cfg, dtype, *, gated, a_rows, c_rows, save_pre=False, k_dim=4096):
+def gemm(name, cfg, dtype, *, gated, a_rows, c_rows, save_pre=False, k_dim=4096, interleaved=False):
     t = {"bf16": "bf16", "fp32": "fp32"}[dtype]
     pointers = {n: f"*{t}" for n in ("p_a", "p_b", "p_b2", "p_bias", "p_bias2", "p_c", "p_pre", "p_scale")}
     constexprs = dict(
@@ -73,7 +73,11 @@ def gemm(name, cfg, dtype, *, gated, a_rows, c_rows, save_pre=False, k_dim=4096)
         SCALE_MODE=2, GATED=gated, ACT=4, HAS_BIAS=False, SAVE_PRE=save_pre, ACCUMULATE=False, UPCAST=False,
         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, EVEN_K=k_dim % cfg.BLOCK_K == 0,
-        stride_bk=1, stride_b2k=1)  # nn.Linear-style weights: K contiguous
+        INTERLEAVED=interleaved)
+    if interleaved:  # GPT-OSS's (E, K, 2N) gate_up: N contiguous, with biases and its clamped glu
+        constexprs.update(stride_bn=1, HAS_BIAS=True, ACT=5)
+    else:  # nn.Linear-style weights: K contiguous
+        constexprs.update(stride_bk=1, stride_b2k=1)
     _compile(name, grouped_gemm_kernel, pointers, constexprs, floats=("alpha", "limit"), num_warps=cfg.num_warps,
              num_stages=cfg.num_stages)
 
@@ -96,6 +100,9 @@ def main() -> None:
                 cfg = configs.default_gemm_config(bucket, 2048, 4096, torch_dtype, gated)
                 gemm(f"gemm default {dtype} m{bucket} gated={gated}", cfg, dtype, gated=gated, a_rows=1, c_rows=0,
                      save_pre=gated)
+            cfg = configs.default_gemm_config(bucket, 2880, 2880, torch_dtype, True)
+            gemm(f"gemm default {dtype} m{bucket} interleaved", cfg, dtype, gated=True, a_rows=1, c_rows=0,
+                 save_pre=True, k_dim=2880, interleaved=True)
         weight_grad(f"wgrad default {dtype}", configs.default_weight_grad_config(4096, 2048, torch_dtype), dtype)
     table = json.loads((configs._TUNED_DIR / "NVIDIA_H200.json").read_text())
     for key, fields in sorted(table.items()):

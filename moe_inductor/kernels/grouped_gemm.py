@@ -116,9 +116,15 @@ def grouped_gemm_kernel(
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr,
     ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, INTERLEAVED: tl.constexpr = False,
 ):
-    """c[rows_c(i)] (+)= epilogue(a[rows_a(i)] @ b[e(i)] [, a[rows_a(i)] @ b2[e(i)]]) for every kept row i."""
+    """c[rows_c(i)] (+)= epilogue(a[rows_a(i)] @ b[e(i)] [, a[rows_a(i)] @ b2[e(i)]]) for every kept row i.
+
+    INTERLEAVED (gated only): ``b`` is the whole (E, K, 2N) gate/up weight whose even columns are the gate and odd
+    columns the up projection (GPT-OSS). Each step loads one contiguous (BLOCK_K, 2 * BLOCK_N) tile of it and runs
+    one dot; the accumulator's column pairs are split into gate and up after the loop. Two stride-2 views of the
+    same weight would each load every other element, which defeats vectorised and asynchronous loads.
+    """
     # Grouped ordering: GROUP_M consecutive m-tiles share each weight n-block while it is hot in L2. Without it an
     # expert's whole weight matrix is streamed from HBM once per m-tile.
     i_pid = tl.program_id(0)
@@ -145,7 +151,12 @@ def grouped_gemm_kernel(
     p_a_blk = p_a + a_rows[:, None] * stride_am + o_k[None, :] * stride_ak
     p_b_blk = p_b + e64 * stride_be + o_k[:, None] * stride_bk + o_n[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if GATED:
+    if INTERLEAVED:
+        o_n2 = i_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        m_n2 = o_n2 < 2 * N
+        p_b_blk = p_b + e64 * stride_be + o_k[:, None] * stride_bk + o_n2[None, :] * stride_bn
+        acc_pairs = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    elif GATED:
         p_b2_blk = p_b2 + e64 * stride_b2e + o_k[:, None] * stride_b2k + o_n[None, :] * stride_b2n
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -154,12 +165,18 @@ def grouped_gemm_kernel(
             b_a = tl.load(p_a_blk, mask=m_m[:, None], other=0.0)
         else:
             b_a = tl.load(p_a_blk, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_b = _weight_tile(p_b_blk, m_k, m_n, EVEN_K)
+        if INTERLEAVED:
+            b_b = _weight_tile(p_b_blk, m_k, m_n2, EVEN_K)
+        else:
+            b_b = _weight_tile(p_b_blk, m_k, m_n, EVEN_K)
         if UPCAST:  # the interpreter's bf16 dot is wrong
             b_a = b_a.to(tl.float32)
             b_b = b_b.to(tl.float32)
-        acc = tl.dot(b_a, b_b, acc, input_precision=DOT_PRECISION)
-        if GATED:
+        if INTERLEAVED:
+            acc_pairs = tl.dot(b_a, b_b, acc_pairs, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(b_a, b_b, acc, input_precision=DOT_PRECISION)
+        if GATED and not INTERLEAVED:
             b_b2 = _weight_tile(p_b2_blk, m_k, m_n, EVEN_K)
             if UPCAST:
                 b_b2 = b_b2.to(tl.float32)
@@ -167,6 +184,8 @@ def grouped_gemm_kernel(
             p_b2_blk += BLOCK_K * stride_b2k
         p_a_blk += BLOCK_K * stride_ak
         p_b_blk += BLOCK_K * stride_bk
+    if INTERLEAVED:  # column 2j is gate j, column 2j + 1 is up j
+        acc, acc2 = tl.split(tl.reshape(acc_pairs, (BLOCK_M, BLOCK_N, 2)))
 
     m_out = m_m[:, None] & m_n[None, :]
     if SAVE_PRE:  # raw GEMM results, kept for the backward ([gate | up] side by side)

@@ -106,6 +106,23 @@ def _pick(key: str, default: configs.LaunchConfig, candidates, run) -> configs.L
     return default
 
 
+def interleaved_pairs(b: torch.Tensor, b2: torch.Tensor | None) -> torch.Tensor | None:
+    """The whole (E, K, 2N) weight when ``b`` and ``b2`` are its even and odd columns (GPT-OSS's interleaved
+    gate_up_proj, as two stride-2 views), else None. The kernel then loads it contiguously (``INTERLEAVED``)."""
+    if b2 is None or b.stride(2) != 2 or b2.stride() != b.stride() or b2.dtype != b.dtype:
+        return None
+    try:
+        same = b2.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except Exception:  # a fake tensor (Inductor tracing the visible op) has no data: views of one base are one weight
+        same = b._base is not None and b._base is b2._base
+    if not same:
+        return None
+    if b2.storage_offset() - b.storage_offset() != 1 or b.stride(1) < 2 * b.shape[2]:
+        return None
+    E, K, N = b.shape
+    return b.as_strided((E, K, 2 * N), (b.stride(0), b.stride(1), 1))
+
+
 def launch_grouped_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -133,6 +150,7 @@ def launch_grouped_gemm(
     if _traceable:  # (eager shapes are ints already: this stays off the hot path)
         num_experts, k_dim, n_dim = static_dim(num_experts), static_dim(k_dim), static_dim(n_dim)
     gated = b2 is not None
+    pairs = interleaved_pairs(b, b2)
     has_bias = bias is not None
     dummy = offsets
     # the config only changes speed, so a traced (symbolic) row count may pick it from its example value
@@ -141,7 +159,7 @@ def launch_grouped_gemm(
     # is then one dict lookup, the argument list and the Triton launch (small T is host-bound).
     decision_key = (num_experts, n_dim, k_dim, a.dtype, gated, a_rows, c_rows, bucket, scale_mode, act_id, has_bias,
                     pre is not None, accumulate, a.device, moe_config.autotune,
-                    configs.interpreting())
+                    configs.interpreting(), pairs is not None)
     decided = _GEMM_DECISIONS.get(decision_key)
 
     def run(cfg: configs.LaunchConfig, meta: dict) -> None:
@@ -150,15 +168,16 @@ def launch_grouped_gemm(
         # (a symbolic row count keeps the grid a plain expression: no min() over a symbol in Inductor's wrapper)
         busy = min(num_experts, num_rows) if isinstance(num_rows, int) else num_experts
         grid = ((cdiv(num_rows, cfg.BLOCK_M) + busy) * cdiv(n_dim, cfg.BLOCK_N),)
+        b_ = pairs if pairs is not None else b
         b2_ = b2 if gated else b
         bias_ = bias if has_bias else dummy
         bias2_ = bias2 if (has_bias and gated) else bias_
         pre_ = pre if pre is not None else out
         args = (
-            a, b, b2_, bias_, bias2_, out, pre_, order, scale if scale is not None else dummy, offsets,
+            a, b_, b2_, bias_, bias2_, out, pre_, order, scale if scale is not None else dummy, offsets,
             n_dim, k_dim, topk,
             a.stride(0), a.stride(1),
-            b.stride(0), b.stride(1), b.stride(2),
+            b_.stride(0), b_.stride(1), b_.stride(2),
             b2_.stride(0), b2_.stride(1), b2_.stride(2),
             bias_.stride(0) if has_bias else 0, bias_.stride(-1) if has_bias else 0,
             bias2_.stride(0) if has_bias else 0, bias2_.stride(-1) if has_bias else 0,
@@ -176,9 +195,12 @@ def launch_grouped_gemm(
                 ACCUMULATE=accumulate, UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 EVEN_K=k_dim % cfg.BLOCK_K == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                INTERLEAVED=pairs is not None,
             )
 
         key = f"gemm|E{num_experts}|N{n_dim}|K{k_dim}|{a.dtype}|g{int(gated)}|a{a_rows}|c{c_rows}|m{bucket}"
+        if pairs is not None:
+            key += "|il"
         default = configs.default_gemm_config(bucket, n_dim, k_dim, a.dtype, gated)
         # Tuning re-runs the launch, so an accumulating launch borrows the config of its plain twin.
         cfg = configs.TABLE.lookup(key) or (

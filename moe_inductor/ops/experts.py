@@ -35,6 +35,7 @@ from .grouped import (
     is_dense_transpose,
     project_reference,
 )
+from ..kernels.launch import interleaved_pairs
 from . import grouped_mm_engine
 from .routing import route_metadata
 
@@ -364,9 +365,15 @@ def _backward_through_up(x, topk_ids, topk_weights, w1, w1_up, order, offsets, t
     dx = None
     if needs[0]:
         dx_rows = x.new_zeros(M, H) if dropped or topk == 1 else x.new_empty(M, H)  # k = 1: the rows are dx
-        grouped_gemm(d_gate, w1.transpose(1, 2), offsets, order, topk, dx_rows, a_rows=ROWS_SORTED,
-                     c_rows=ROWS_ASSIGNMENT)
-        if gated:
+        pairs = interleaved_pairs(w1, w1_up) if gated and use_triton(x) else None
+        if pairs is not None:  # one GEMM over the whole weight, read along its contiguous 2I axis
+            d_pairs = torch.stack((d_gate, d_up), -1).view(M, 2 * w1.shape[2])
+            grouped_gemm(d_pairs, pairs.transpose(1, 2), offsets, order, topk, dx_rows, a_rows=ROWS_SORTED,
+                         c_rows=ROWS_ASSIGNMENT)
+        else:
+            grouped_gemm(d_gate, w1.transpose(1, 2), offsets, order, topk, dx_rows, a_rows=ROWS_SORTED,
+                         c_rows=ROWS_ASSIGNMENT)
+        if gated and pairs is None:
             grouped_gemm(d_up, w1_up.transpose(1, 2), offsets, order, topk, dx_rows, a_rows=ROWS_SORTED,
                          c_rows=ROWS_ASSIGNMENT, accumulate=True)
         dx = dx_rows if topk == 1 else combine(dx_rows, topk_ids, E)
