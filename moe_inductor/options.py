@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 FORMS = ("hf_grouped_mm", "hf_batched_mm", "hf_eager_loop", "hf_llama4_dense", "hf_switch", "hf_dbrx", "gathered_weights",
-         "dense_experts", "unrolled_loop", "sorted_grouped_mm", "padded_capacity")
+         "dense_experts", "unrolled_loop", "sorted_grouped_mm", "padded_capacity", "split_loop",
+         "moe_region")  # the last only notes, for explain(), a router feeding work that no form above took
 INNER_COMPILERS = ("inductor", "aot_eager", "eager")
 
 

@@ -6,7 +6,8 @@ weights as the user holds them: one stacked (E, ., .) node per projection in ``l
 routing weight scales the expert output or input; ``capacity``, when set, drops assignments past it per expert in
 GShard/Switch priority order (choice-major: every token's first choice before any second choice). ``gate_up``, when
 set ("concat": gate then up; "interleaved": even and odd rows), says that ``gate`` holds one fused gate/up
-projection of twice the width (``up`` is None); the emitter passes its halves to the op, as views.
+projection of twice the width (``up`` is None); the emitter passes its halves to the op, as views. Biases, when
+present, are stacked (E, N) nodes (only with stacked weights).
 """
 from __future__ import annotations
 
@@ -29,3 +30,8 @@ class MoESpec:
     weight_position: str = "output"
     capacity: Optional[Any] = None  # an int (or a symbolic size node): drop past it in choice-major order
     gate_up: Optional[str] = None  # "concat" / "interleaved": gate is a fused gate/up weight, split by the emitter
+    b1: Optional[Node] = None  # (E, N) bias of the gate (or of the fused gate/up, split like it) projection
+    b1_up: Optional[Node] = None  # (E, I) bias of a separate up projection
+    b2: Optional[Node] = None  # (E, H) bias of the down projection, added before the routing weight
+    alpha: float = 1.702  # gptoss_glu's parameters, as the user's code spells them
+    limit: float = 7.0

@@ -15,6 +15,7 @@ enters ``y`` only through its routing entry. Anything else is left alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -22,10 +23,10 @@ from typing import Optional, Union
 import torch
 from torch.fx import GraphModule, Node
 
-from ..report import Rewrite
+from ..report import Rewrite, note_left_alone
 from ..spec import MoESpec
-from .emit import replace_matches
-from .fx_utils import alias_mutations, einsum_parts, read_gated, single_use, source_line, val, weighted_sum
+from .emit import emit_experts, inputs_unchanged, replace_matches
+from .fx_utils import alias_mutations, einsum_parts, is_call, read_gated, single_use, source_line, val, weighted_sum
 
 FORM = "dense_experts"
 
@@ -142,7 +143,7 @@ def match_or_reason(y: Node) -> Union[MoESpec, str, None]:
     if xv is None or xv.dim() != 2 or val(ids).shape[0] != xv.shape[0] or val(routing).shape[1] != wv.shape[0]:
         return "the tokens, routing matrix and expert weights do not agree in T and E"
     return MoESpec(gate.x, ids, values, gate.weight, up.weight if up else None, down.weight, gate.layout, activation,
-                   gate_up=gated.gate_up)
+                   **gated.spec_fields())
 
 
 def _describe(node: Node, spec: MoESpec) -> Rewrite:
@@ -152,6 +153,194 @@ def _describe(node: Node, spec: MoESpec) -> Rewrite:
                    note=f"runs k={k} of E={E} experts per token: {E / k:.1f}x fewer expert FLOPs")
 
 
+def _token_rows(index: Node, num_tokens, num_experts) -> Optional[Node]:
+    """The (E, T) row map R for ``R.reshape(-1, 1).expand(-1, H)`` with ``R = arange(T).view(1, -1).expand(E, -1)``
+    (or ``.unsqueeze(0)``): row e*T + t of the index is token t."""
+    if not (is_call(index, "call_method", "expand") and len(index.args) == 3 and index.args[1] == -1):
+        return None
+    flat = index.args[0]
+    if not (is_call(flat, "call_method", "reshape", "view") and flat.args[1:] == (-1, 1)):
+        return None
+    rows = flat.args[0]
+    if not (is_call(rows, "call_method", "expand") and len(rows.args) == 3 and rows.args[2] == -1
+            and rows.args[1] == num_experts):
+        return None
+    ar = rows.args[0]
+    if not ((is_call(ar, "call_method", "view") and ar.args[1:] == (1, -1))
+            or (is_call(ar, "call_method", "unsqueeze") and ar.args[1:] == (0,))):
+        return None
+    ar = ar.args[0]
+    av = val(ar)
+    if not (is_call(ar, "call_function", torch.arange) and len(ar.args) == 1 and set(ar.kwargs) <= {"device"}
+            and av is not None and av.dim() == 1 and av.shape[0] == num_tokens):
+        return None
+    return rows
+
+
+def _expert_major_scores(scale: Node) -> Optional[tuple[Node, Node, bool]]:
+    """(ids, values, sigmoid?) for Llama4's (E, T) scores: ``sigmoid(full_like(s, -inf).scatter_(1, ids, v).T)``
+    (zero off the top-k, as sigmoid(-inf) is) or ``zeros(T, E).scatter(1, ids, v).T``, flattened by
+    ``.reshape(-1, 1)``; ids from topk over the experts."""
+    if not (is_call(scale, "call_method", "reshape", "view") and scale.args[1:] == (-1, 1)):
+        return None
+    scores = scale.args[0]
+    sigmoid = is_call(scores, "call_function", torch.sigmoid) and len(scores.args) == 1
+    te = scores.args[0] if sigmoid else scores
+    if not (is_call(te, "call_method", "transpose") and set(te.args[1:]) == {0, 1}) or len(te.users) != 1:
+        return None
+    routing = te.args[0]
+    if sigmoid and is_call(routing, "call_method", "scatter_") and len(routing.args) == 4 and not routing.kwargs:
+        base, dim, ids, values = routing.args
+        if not (is_call(base, "call_function", torch.full_like) and len(base.args) == 2 and base.args[1] == float(
+                "-inf") and not base.kwargs):
+            return None
+        if dim not in (1, -1) or alias_mutations(base) != [routing] or set(base.users) != {routing}:
+            return None
+        if not (is_call(ids, "call_function", operator.getitem) and ids.args[1] == 1):
+            return None
+        top = ids.args[0]
+        if not (is_call(top, "call_function", torch.topk) or is_call(top, "call_method", "topk")):
+            return None
+        if top.kwargs.get("dim", top.args[2] if len(top.args) > 2 else -1) not in (-1, 1):
+            return None
+        iv, vv = val(ids), val(values)
+        if iv is None or vv is None or iv.shape != vv.shape or iv.dim() != 2:
+            return None
+        return ids, values, True
+    if not sigmoid:
+        got = _topk_scatter(routing)
+        return (got[0], got[1], False) if got is not None else None
+    return None
+
+
+def match_token_replicated(add: Node) -> Union[tuple[MoESpec, Node, bool], str, None]:
+    """Llama 4's reference MoE: every token copied once per expert, scaled by its (zero off the top-k) score before
+    the experts, bmm over (E, T, H), ``scatter_add_`` back by token::
+
+        rows = arange(T).view(1, -1).expand(E, -1); idx = rows.reshape(-1, 1).expand(-1, H)
+        xs = torch.gather(x, 0, idx) * scores_ET.reshape(-1, 1)
+        h = F.silu(torch.bmm(xs.view(E, -1, H), w1)) * torch.bmm(xs.view(E, -1, H), w3)
+        out.scatter_add_(0, idx, torch.bmm(h, w2).view(-1, H))
+
+    A zero score gives a zero input, and every expert we run maps zero to zero (no bias, act(0) = 0), so only the
+    top-k contribute: the op with the weight on the input. Returns (spec, accumulator, sigmoid of the values?)."""
+    if not is_call(add, "call_method", "scatter_add_"):
+        return None
+    args = list(add.args[1:]) + [add.kwargs.get(k) for k in ("dim", "index", "src")[len(add.args) - 1:]]
+    if len(args) != 3 or set(add.kwargs) - {"dim", "index", "src"}:
+        return None
+    acc, (dim, index, src) = add.args[0], args
+    av = val(acc)
+    if dim != 0 or av is None or av.dim() != 2 or not isinstance(src, Node) or not isinstance(index, Node):
+        return None
+    while is_call(src, "call_method", "view", "reshape") and src.args[1:] == (-1, av.shape[1]):
+        src = src.args[0]
+    down = _bmm_projection(src)
+    if down is None:
+        return None
+    h, w_down, layout = down
+    num_experts = val(w_down).shape[0]
+    rows = _token_rows(index, av.shape[0], num_experts)
+    if rows is None:
+        return None
+    gated = read_gated(h, _bmm_projection)
+    if gated is None:
+        return "the hidden state is not a known activation of bmm projections over every expert"
+    gate, up = gated.gate, gated.up
+    if up is not None and up[0] is not gate[0]:
+        return "the gate and up projections read different inputs"
+    if any(p[2] != layout for p in (gate, up) if p is not None):
+        return "the projections mix weight layouts"
+    xs = gate[0]
+    if not (is_call(xs, "call_method", "view", "reshape") and xs.args[1:] in ((num_experts, -1, av.shape[1]),)):
+        return "the experts' input is not the replicated tokens viewed (E, T, H)"
+    xs = xs.args[0]
+    if not (is_call(xs, "call_function", operator.mul) and len(xs.args) == 2):
+        return "the replicated tokens are not scaled by their scores before the experts"
+    for gathered, scale in (xs.args, xs.args[::-1]):
+        routed = _expert_major_scores(scale) if isinstance(scale, Node) else None
+        if routed is None or not is_call(gathered, "call_function", torch.gather):
+            continue
+        g_args = list(gathered.args) + [gathered.kwargs.get(k) for k in ("input", "dim", "index")[len(
+            gathered.args):]]
+        x, g_dim, g_index = g_args[:3]
+        if g_dim != 0 or _token_rows(g_index, av.shape[0], num_experts) is not rows:
+            return "the tokens are gathered in another order than they are scattered back"
+        ids, values, sigmoid = routed
+        xv, iv = val(x), val(ids)
+        if xv is None or tuple(xv.shape) != tuple(av.shape) or iv.shape[0] != xv.shape[0]:
+            return "the tokens, scores and output do not agree in T and H"
+        if val(scale.args[0] if not sigmoid else scale.args[0].args[0]).shape[0] != num_experts:
+            return "the score matrix is not (E, T)"
+        spec = MoESpec(x, ids, values, gate[1], up[1] if up else None, w_down, layout, gated.activation,
+                       weight_position="input", **gated.spec_fields())
+        return spec, acc, sigmoid
+    return "the replicated tokens are not scaled by scores that are zero off the top-k"
+
+
+def _bmm_projection(node: Node) -> Optional[tuple[Node, Node, str]]:
+    """(input (E, T, K), weight, layout) for ``torch.bmm(a, w)`` with w (E, K, N) ("kn"), or
+    ``torch.bmm(a, w.transpose(1, 2))`` ("nk")."""
+    if not (is_call(node, "call_function", torch.bmm) and len(node.args) == 2 and not node.kwargs):
+        return None
+    a, w = node.args
+    layout = "kn"
+    if is_call(w, "call_method", "transpose") and set(w.args[1:]) in ({1, 2}, {-1, -2}):
+        w, layout = w.args[0], "nk"
+    wv = val(w)
+    if wv is None or wv.dim() != 3 or not wv.is_floating_point() or w.op not in ("placeholder", "get_attr"):
+        return None
+    return a, w, layout
+
+
+def _rewrite_token_replicated(gm: GraphModule) -> list[Rewrite]:
+    done = []
+    graph = gm.graph
+    for add in [n for n in graph.nodes if is_call(n, "call_method", "scatter_add_")]:
+        got = match_token_replicated(add)
+        if isinstance(got, str):
+            note_left_alone(FORM, source_line(add), got)
+            continue
+        if got is None:
+            continue
+        spec, acc, sigmoid = got
+        if alias_mutations(acc) != [add] or any(_before(u, add) for u in acc.users if u is not add):
+            note_left_alone(FORM, source_line(add), "the output buffer is changed or read around the scatter")
+            continue
+        if not inputs_unchanged(spec):
+            note_left_alone(FORM, source_line(add), "an input of the region is changed in place elsewhere")
+            continue
+        with graph.inserting_before(add):
+            weights = graph.call_function(torch.sigmoid, (spec.weights,)) if sigmoid else spec.weights
+        spec = dataclasses.replace(spec, weights=weights)
+        y = emit_experts(graph, spec, add, val(acc).dtype)
+        with graph.inserting_before(add):
+            total = graph.call_function(operator.add, (acc, y))
+        for r in [u for u in acc.users if u is not add and u is not total]:
+            r.replace_input_with(acc, total)
+        where = source_line(add)
+        graph.erase_node(add)
+        graph.eliminate_dead_code()
+        E, k = int(val(spec.gate).shape[0]), int(val(spec.ids).shape[-1])
+        done.append(Rewrite(FORM, where, E, k, spec.activation, (tuple(val(spec.gate).shape),
+                                                                 tuple(val(spec.down).shape)),
+                            note=f"runs k={k} of E={E} experts per token: {E / k:.1f}x fewer expert FLOPs; routing "
+                            "weight on the input"))
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
+
+
+def _before(node: Node, other: Node) -> bool:
+    cur = node.next
+    while cur.op != "root":
+        if cur is other:
+            return True
+        cur = cur.next
+    return False
+
+
 def rewrite(gm: GraphModule) -> list[Rewrite]:
     """Replace every provable dense all-experts MoE in ``gm``; returns what was rewritten."""
-    return replace_matches(gm, match_or_reason, _describe, FORM)[0]
+    return replace_matches(gm, match_or_reason, _describe, FORM)[0] + _rewrite_token_replicated(gm)

@@ -21,7 +21,9 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
     x_dtype = val(spec.x).dtype
     per_expert = isinstance(spec.gate, tuple)
     weight_nodes = [spec.x, spec.weights, *((spec.gate + (spec.up or ()) + spec.down) if per_expert
-                                             else (spec.gate, spec.up, spec.down))]
+                                             else (spec.gate, spec.up, spec.down, spec.b1, spec.b1_up, spec.b2))]
+    if per_expert and any(b is not None for b in (spec.b1, spec.b1_up, spec.b2)):
+        raise ValueError("the per-expert list op takes no biases; a matcher must not produce this spec")
     if spec.gate_up is not None:
         with graph.inserting_before(before):
             spec = _split_fused(graph, spec)
@@ -39,8 +41,8 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
             views = [None if w is None else graph.call_method("transpose", (w, 1, 2)) if spec.layout == "nk" else w
                      for w in (spec.gate, spec.up, spec.down)]
             op = graph.call_function(torch.ops.moe_inductor.experts_forward.default, (
-                spec.x, spec.ids, weights, views[0], views[1], views[2], None, None, None, spec.activation,
-                spec.weight_position, 1.702, 7.0, spec.capacity, save_pre))
+                spec.x, spec.ids, weights, views[0], views[1], views[2], spec.b1, spec.b1_up, spec.b2, spec.activation,
+                spec.weight_position, float(spec.alpha), float(spec.limit), spec.capacity, save_pre))
         out = graph.call_function(operator.getitem, (op, 0))
         if out_dtype != x_dtype:
             out = graph.call_method("to", (out, out_dtype))
@@ -66,19 +68,28 @@ def _split_fused(graph: Graph, spec: MoESpec) -> MoESpec:
 
     if spec.up is not None:
         raise ValueError("a fused gate/up spec has no separate up weight; a matcher must not produce this spec")
+    def bias_halves(b: Node) -> tuple[Node, Node]:  # (E, 2I) -> its two halves or even/odd columns, like the weight
+        n = val(b).shape[-1]
+        parts = (slice(None, n // 2), slice(n // 2, None)) if spec.gate_up == "concat" else (slice(0, None, 2),
+                                                                                             slice(1, None, 2))
+        return tuple(graph.call_function(operator.getitem, (b, (slice(None), part))) for part in parts)
+
+    if spec.b1_up is not None:
+        raise ValueError("a fused gate/up spec has one fused bias; a matcher must not produce this spec")
     if isinstance(spec.gate, tuple):
         split = [halves(w) for w in spec.gate]
         gate, up = tuple(g for g, _ in split), tuple(u for _, u in split)
     else:
         gate, up = halves(spec.gate)
-    return dataclasses.replace(spec, gate=gate, up=up, gate_up=None)
+    b1, b1_up = bias_halves(spec.b1) if spec.b1 is not None else (None, None)
+    return dataclasses.replace(spec, gate=gate, up=up, gate_up=None, b1=b1, b1_up=b1_up)
 
 
 def inputs_unchanged(spec: MoESpec) -> bool:
     """No input of the region (tokens, routing, expert weights) is changed in place anywhere in the graph, through
     any view. The op reads its inputs where the region's output was, so a change between the user's reads and that
     point would give it other values than the user's code saw."""
-    nodes = [spec.x, spec.ids, spec.weights]
+    nodes = [spec.x, spec.ids, spec.weights, spec.b1, spec.b1_up, spec.b2]
     for w in (spec.gate, spec.up, spec.down):
         nodes += list(w) if isinstance(w, tuple) else [w]
     return not any(isinstance(n, Node) and mutated_alias(n) for n in nodes)

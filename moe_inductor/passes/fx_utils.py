@@ -231,6 +231,12 @@ class GatedRead:
     #: "concat" or "interleaved" when gate and up are the two halves of one projection (``gate`` read it); the
     #: MoESpec then holds the fused weight and the emitter splits it, as views
     gate_up: Optional[str] = None
+    alpha: float = 1.702  # gptoss_glu's, as the user's code has them
+    limit: float = 7.0
+
+    def spec_fields(self) -> dict:
+        """The MoESpec fields this reading fixes besides the weights: every pass hands them on."""
+        return {"gate_up": self.gate_up, "alpha": self.alpha, "limit": self.limit}
 
 
 def _last_dim(node: Node, dim) -> bool:
@@ -301,22 +307,84 @@ def fused_gate_up(gate_in: Node, up_in: Node) -> Optional[tuple[Node, str]]:
     return None
 
 
+def _number(x) -> Optional[float]:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _clamp(node, lo_needed: bool) -> Optional[tuple[Node, Optional[float], Optional[float]]]:
+    """(input, min, max) of ``t.clamp(min=..., max=...)`` / ``torch.clamp(t, ...)``."""
+    if not (is_call(node, "call_method", "clamp") or is_call(node, "call_function", torch.clamp)):
+        return None
+    args = list(node.args[1:])
+    lo = node.kwargs.get("min", args[0] if args else None)
+    hi = node.kwargs.get("max", args[1] if len(args) > 1 else None)
+    if set(node.kwargs) - {"min", "max"} or len(args) > 2 or not isinstance(node.args[0], Node):
+        return None
+    lo_v, hi_v = _number(lo), _number(hi)
+    if (lo is not None and lo_v is None) or hi_v is None or (lo_needed != (lo is not None)):
+        return None
+    return node.args[0], lo_v, hi_v
+
+
+def _scaled_const(node) -> Optional[tuple[Node, float]]:
+    """(t, c) for ``c * t`` or ``t * c`` with a Python number c."""
+    if is_call(node, "call_function", operator.mul) and len(node.args) == 2:
+        for t, c in (node.args, node.args[::-1]):
+            if isinstance(t, Node) and _number(c) is not None:
+                return t, _number(c)
+    return None
+
+
+def gptoss_glu(h: Node) -> Optional[tuple[Node, Node, Node, float, float]]:
+    """(the gate product node, gate input, up input, alpha, limit) for GPT-OSS's clamped glu:
+
+        g = g.clamp(min=None, max=limit); u = u.clamp(min=-limit, max=limit)
+        h = (g * torch.sigmoid(alpha * g)) * (u + 1)          # factors in either order
+    """
+    if not (is_call(h, "call_function", operator.mul) and len(h.args) == 2):
+        return None
+    for glu, lin in (h.args, h.args[::-1]):
+        if not (is_call(lin, "call_function", operator.add) and len(lin.args) == 2 and 1 in lin.args[1:]):
+            continue
+        up = _clamp(lin.args[0], lo_needed=True)
+        if not (is_call(glu, "call_function", operator.mul) and len(glu.args) == 2) or up is None:
+            continue
+        for g, sig in (glu.args, glu.args[::-1]):
+            gate = _clamp(g, lo_needed=False)
+            if gate is None or not is_call(sig, "call_function", torch.sigmoid) or len(sig.args) != 1:
+                continue
+            scaled = _scaled_const(sig.args[0])
+            if scaled is None or scaled[0] is not g:
+                continue
+            limit = gate[2]
+            if up[1] != -limit or up[2] != limit:
+                return None
+            return glu, gate[0], up[0], scaled[1], limit
+    return None
+
+
 def read_gated(h: Node, read: Callable[[Node], Any]) -> Optional[GatedRead]:
     """``split_gated(h)`` with the projection(s) under the activation read by the pass's own ``read`` (None when it
     does not recognise one). The checks between the readings (same input, same layout) stay with each pass.
 
     When gate and up are the two halves of one projection (``fused_gate_up``), ``read`` reads that projection and
     the result says how the halves lie (``gate_up``); the pass hands it on to its MoESpec."""
-    split = split_gated(h)
-    if split is None:
-        return None
-    activation, act, gate_in, up_in = split
+    params = {}
+    glu = gptoss_glu(h)
+    if glu is not None:
+        act, gate_in, up_in, alpha, limit = glu
+        activation, params = "gptoss_glu", {"alpha": alpha, "limit": limit}
+    else:
+        split = split_gated(h)
+        if split is None:
+            return None
+        activation, act, gate_in, up_in = split
     fused = fused_gate_up(gate_in, up_in) if up_in is not None else None
     if fused is not None:
         gate = read(fused[0])
-        return GatedRead(activation, act, gate_in, up_in, gate, None, fused[1]) if gate is not None else None
+        return GatedRead(activation, act, gate_in, up_in, gate, None, fused[1], **params) if gate is not None else None
     gate = read(gate_in)
     up = read(up_in) if up_in is not None else None
     if gate is None or (up_in is not None and up is None):
         return None
-    return GatedRead(activation, act, gate_in, up_in, gate, up)
+    return GatedRead(activation, act, gate_in, up_in, gate, up, **params)

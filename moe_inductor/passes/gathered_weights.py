@@ -23,18 +23,21 @@ from torch.fx import GraphModule, Node
 from ..report import Rewrite
 from ..spec import MoESpec
 from .emit import note_unmatched, region_of, replace_matches
-from .fx_utils import einsum_parts, read_gated, single_use, source_line, val, weighted_sum
+from .fx_utils import einsum_parts, is_call, read_gated, single_use, source_line, val, weighted_sum
 
 FORM = "gathered_weights"
 
 
-def _gathered(node: Node) -> Optional[tuple[Node, Node]]:
-    """(weight, ids) if ``node`` is ``weight[ids]`` with a 3D float weight and integer ids."""
+def _gathered(node: Node, rank: int = 3) -> Optional[tuple[Node, Node]]:
+    """(weight, ids) if ``node`` is ``weight[ids]`` (or ``weight[ids, ...]``) with a float weight of ``rank`` dims
+    (3 for weights, 2 for biases) and (T, k) integer ids."""
     if node.op != "call_function" or node.target is not operator.getitem or len(node.args) != 2:
         return None
     w, ids = node.args
+    if isinstance(ids, tuple) and len(ids) == 2 and ids[1] is Ellipsis:
+        ids = ids[0]
     wv, iv = val(w), val(ids)
-    if wv is None or iv is None or wv.dim() != 3 or not wv.is_floating_point() or iv.dtype.is_floating_point:
+    if wv is None or iv is None or wv.dim() != rank or not wv.is_floating_point() or iv.dtype.is_floating_point:
         return None
     if iv.dtype == torch.bool or iv.dim() != 2:
         return None
@@ -47,10 +50,24 @@ class _Projection:
     ids: Node
     x: Node
     layout: str  # "nk": (E, out, in); "kn": (E, in, out)
+    bias: Optional[Node] = None  # the (E, out) bias gathered by the same ids and added (GPT-OSS)
+    product: Optional[Node] = None  # the einsum, when a bias is added to it
 
 
 def _projection(node: Node, x_subs_len: int = 2) -> Optional[_Projection]:
-    """``einsum("ti,taoi->tao", x, w[ids])`` (either layout, either operand order) -> its parts."""
+    """``einsum("ti,taoi->tao", x, w[ids])`` (either layout, either operand order), optionally ``+ b[ids]`` (or
+    ``+=``), the bias gathered by the same ids -> its parts."""
+    if is_call(node, "call_function", operator.add, operator.iadd) and len(node.args) == 2 and not node.kwargs:
+        for product, bias in (node.args, node.args[::-1]):
+            p = _projection(product, x_subs_len) if isinstance(product, Node) else None
+            b = _gathered(bias, rank=2) if isinstance(bias, Node) else None
+            if p is None or b is None or p.bias is not None or b[1] is not p.ids or not single_use(product, bias):
+                continue
+            bv, wv = val(b[0]), val(p.weight)
+            if bv.shape[0] != wv.shape[0] or bv.shape[1] != wv.shape[1 if p.layout == "nk" else 2]:
+                continue
+            return _Projection(p.weight, p.ids, p.x, p.layout, b[0], product)
+        return None
     parsed = einsum_parts(node)
     if parsed is None:
         return None
@@ -85,6 +102,8 @@ def match_or_reason(y: Node) -> Union[MoESpec, str, None]:
         return None
     if not single_use(out):
         return "the per-choice expert outputs are used elsewhere too"
+    if down.product is not None and not single_use(down.product):
+        return "the down projection's product is used elsewhere too"
     h = down.x
     gated = read_gated(h, _projection)
     if gated is None:
@@ -103,8 +122,11 @@ def match_or_reason(y: Node) -> Union[MoESpec, str, None]:
     ids_val, w_val, x_val = val(gate.ids), val(weights), val(gate.x)
     if ids_val is None or w_val is None or x_val is None or x_val.dim() != 2 or tuple(w_val.shape) != tuple(ids_val.shape):
         return "the tokens, ids and routing weights do not have (T, H), (T, k) and (T, k) shapes"
+    if (up is not None and (gate.bias is None) != (up.bias is None)):
+        return "one of the gate and up projections has a bias and the other has none"
     return MoESpec(gate.x, gate.ids, weights, gate.weight, up.weight if up else None, down.weight, gate.layout,
-                   gated.activation, gate_up=gated.gate_up)
+                   gated.activation, **gated.spec_fields(), b1=gate.bias, b1_up=up.bias if up else None,
+                   b2=down.bias)
 
 
 def _describe(node: Node, spec: MoESpec) -> Rewrite:

@@ -330,7 +330,7 @@ def match(acc: Node) -> Optional[tuple[MoESpec, _Combine]]:
         return None  # flattened like the ids, or the order means nothing
     w = lambda n: _no_op_cast(n)  # noqa: E731  (the user's parameter, not a same-dtype cast of it)
     spec = MoESpec(x, ids, weights, w(gate[1]), w(up[1]) if up else None, w(w_down), layout, activation, position,
-                   gate_up=gated.gate_up)
+                   **gated.spec_fields())
     return spec, combine
 
 

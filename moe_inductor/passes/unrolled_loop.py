@@ -212,7 +212,7 @@ def _body(add: Node, acc: Node) -> Union[_Body, str]:
     if any(p[3] != down[3] for p in (gate, up) if p is not None):  # all stacked, or all per-expert
         return "the projections mix stacked and per-expert weights"
     spec = MoESpec(x, ids, weights, gate[1], up[1] if up else None, w_down, layout, activation,
-                   weight_position=position, gate_up=gated.gate_up)
+                   weight_position=position, **gated.spec_fields())
     return _Body(e, spec, where, add, stacked=down[3], read=read)
 
 
@@ -234,9 +234,9 @@ def _per_expert_spec(bodies: list[_Body]) -> Optional[MoESpec]:
     projection, all (out, in) (nn.Linear, ``F.linear``) or all (in, out) (``x @ w``)."""
     first = bodies[0].spec
     shared = (first.x, first.ids, first.weights, first.layout, first.activation, first.up is None,
-              first.weight_position, first.gate_up)
+              first.weight_position, first.gate_up, first.alpha, first.limit)
     if any((b.spec.x, b.spec.ids, b.spec.weights, b.spec.layout, b.spec.activation, b.spec.up is None,
-            b.spec.weight_position, b.spec.gate_up) != shared for b in bodies):
+            b.spec.weight_position, b.spec.gate_up, b.spec.alpha, b.spec.limit) != shared for b in bodies):
         return None
     if sorted(b.e for b in bodies) != list(range(len(bodies))):
         return None
@@ -248,7 +248,7 @@ def _per_expert_spec(bodies: list[_Body]) -> Optional[MoESpec]:
     if len({tuple(val(w).shape) for w in gate}) != 1 or len({tuple(val(w).shape) for w in down}) != 1:
         return None
     return MoESpec(first.x, first.ids, first.weights, gate, up, down, first.layout, first.activation,
-                   weight_position=first.weight_position, gate_up=first.gate_up)
+                   weight_position=first.weight_position, gate_up=first.gate_up, alpha=first.alpha, limit=first.limit)
 
 
 def _zeros_like_x(acc: Node) -> bool:

@@ -1,0 +1,508 @@
+"""Form "split_loop": the assignments sorted by expert, the sorted rows split by the per-expert counts
+(``counts.tolist()``), one expert per split in a Python loop, ``torch.cat`` back, then scattered to the tokens
+(Megatron-Core's SequentialMLP behind its token dispatcher, JetMoE's ParallelExperts). Under moe_inductor's capture
+the ``.tolist()`` sizes trace as unbacked symbols and the loop unrolls into E bodies.
+
+The user code this matches (two dispatch spellings, two loop shapes, two combines):
+
+    # Megatron: a (T, E) routing map from topk ids, tokens gathered expert-major
+    probs = zeros_like(logits).scatter(1, ids, weights); rmap = zeros_like(logits).int().scatter(1, ids, 1).bool()
+    tok = arange(T).unsqueeze(0).expand(E, -1).masked_select(rmap.T.contiguous())
+    xs, counts = x.index_select(0, tok), rmap.sum(dim=0)
+    ws = probs.T.contiguous().masked_select(rmap.T.contiguous())
+    # JetMoE: a sort of the flat ids
+    order = ids.flatten().sort(0)[1]; tok = order.div(k, rounding_mode="trunc"); ws = weights.flatten()[order]
+    xs, counts = x[tok], zeros(T, E).scatter(1, ids, 1).long().sum(0)
+
+    pieces = torch.split(xs, counts.tolist())
+    ys = torch.cat([mlp_e(p) for mlp_e, p in zip(experts, pieces)])      # Megatron: each expert's whole MLP
+    # or, per projection (JetMoE): h = cat([F.linear(p, w1[e]) ...]); g, u = h.chunk(2, -1); split again; cat
+    out = zeros(T, H); out.scatter_add_(0, tok.unsqueeze(1).expand(-1, H), ys * ws.unsqueeze(-1))
+    # or out = zeros(T, H).index_add(0, tok, ys * ws[:, None])
+
+Every piece is checked: the ids come from ``topk`` (distinct per row, so the routing map holds exactly T*k
+assignments), the sort or the mask, the counts, the weights and the combine all read the same ids, the splits are
+the experts' in order 0..E-1, and every body is the same MLP but for e. Anything else is left alone.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..report import Rewrite
+from ..spec import MoESpec
+from .emit import emit_experts, inputs_unchanged
+from .fx_utils import alias_mutations, is_call, read_gated, source_line, val
+from .sorted_grouped_mm import _flat, _sort_order
+from .unrolled_loop import _linear, _topk_ids
+
+FORM = "split_loop"
+
+
+def _strip(node, *methods):
+    while is_call(node, "call_method", *methods) and len(node.args) == 1 and not node.kwargs:
+        node = node.args[0]
+    return node
+
+
+def _strip_transpose(node) -> Optional[Node]:
+    """``m`` for ``m.T``, ``m.t()`` or ``m.transpose(0, 1)`` (2D), possibly followed by ``.contiguous()``."""
+    node = _strip(node, "contiguous")
+    if is_call(node, "call_function", getattr) and node.args[1] == "T":
+        return node.args[0]
+    if is_call(node, "call_method", "t") and len(node.args) == 1:
+        return node.args[0]
+    if is_call(node, "call_method", "transpose") and set(node.args[1:]) in ({0, 1}, {-1, -2}):
+        return node.args[0]
+    return None
+
+
+def _scattered(node, ids: Node) -> Optional[object]:
+    """The value scattered by ``zeros(T, E).scatter(1, ids, value)`` (a number or a (T, k) node), else None."""
+    if not (is_call(node, "call_method", "scatter") and len(node.args) == 4 and node.args[1] == 1 and not node.kwargs):
+        return None
+    if node.args[2] is not ids:
+        return None
+    base = _strip(node.args[0], "int", "long", "float", "bool")
+    if not (is_call(base, "call_function", torch.zeros_like, torch.zeros) and "fill_value" not in base.kwargs):
+        return None
+    bv, iv = val(base), val(ids)
+    if bv is None or iv is None or bv.dim() != 2 or bv.shape[0] != iv.shape[0]:
+        return None
+    return node.args[3]
+
+
+def _routing_map(node, ids: Node) -> bool:
+    """``node`` is ``zeros(T, E)[.int()].scatter(1, ids, 1)[.bool()]``: True exactly at the assignments."""
+    scattered = _scattered(_strip(node, "bool", "long", "int", "float"), ids)
+    return isinstance(scattered, (int, float, bool)) and not isinstance(scattered, Node) and scattered == 1
+
+
+@dataclass(frozen=True)
+class _Dispatch:
+    """The sorted assignment order: token of each sorted row, and how the rest of the region refers to the order."""
+
+    ids: Node
+    tok: Node
+    order: Optional[Node] = None  # a sort of the flat ids
+    rmap: Optional[Node] = None  # the (T, E) routing map whose (E, T) transpose is masked_select-ed
+
+
+def _dispatch(tok: Node) -> Optional[_Dispatch]:
+    # JetMoE / torchtitan: tok = order // k or order.div(k, rounding_mode="trunc" | "floor")
+    order, k = None, None
+    if is_call(tok, "call_function", operator.floordiv) and isinstance(tok.args[1], int):
+        order, k = tok.args[0], tok.args[1]
+    elif is_call(tok, "call_method", "div") and len(tok.args) == 2 and isinstance(tok.args[1], int) and (
+            tok.kwargs == {"rounding_mode": "trunc"} or tok.kwargs == {"rounding_mode": "floor"}):
+        order, k = tok.args[0], tok.args[1]
+    if order is not None:
+        ids = _any_sort_order(order)
+        iv = val(ids) if ids is not None else None
+        if iv is None or iv.dim() != 2 or iv.shape[1] != k or iv.dtype.is_floating_point:
+            return None
+        return _Dispatch(ids, tok, order=order)
+    # Megatron: tok = arange(T).unsqueeze(0).expand(E, -1).masked_select(rmap.T.contiguous())
+    if not (is_call(tok, "call_method", "masked_select") and len(tok.args) == 2 and not tok.kwargs):
+        return None
+    rows, mask = tok.args
+    rmap = _strip_transpose(mask)
+    if rmap is None or not (is_call(rows, "call_method", "expand") and len(rows.args) == 3 and rows.args[2] == -1):
+        return None
+    ar = rows.args[0]
+    if not (is_call(ar, "call_method", "unsqueeze") and ar.args[1:] == (0,)):
+        return None
+    ar = ar.args[0]
+    if not (is_call(ar, "call_function", torch.arange) and len(ar.args) == 1 and set(ar.kwargs) <= {"device"}):
+        return None
+    scatter = _strip(rmap, "bool")
+    ids = scatter.args[2] if is_call(scatter, "call_method", "scatter") and len(scatter.args) == 4 else None
+    if not isinstance(ids, Node) or not _topk_ids(ids) or not _routing_map(rmap, ids):
+        return None
+    T, E, av = val(ids).shape[0], val(scatter).shape[1], val(ar)
+    if av is None or av.dim() != 1 or av.shape[0] != T or rows.args[1] != E:
+        return None
+    return _Dispatch(ids, tok, rmap=_strip(rmap, "bool"))
+
+
+def _any_sort_order(order: Node) -> Optional[Node]:
+    """The (T, k) ids whose flattening ``order`` sorts ascending: argsort/sort, as function or method."""
+    got = _sort_order(order)
+    if got is not None:
+        return got
+    if is_call(order, "call_method", "argsort") and order.args[1:] in ((), (0,), (-1,)) and set(order.kwargs) <= {
+            "stable"}:
+        return _flat(order.args[0])
+    if is_call(order, "call_function", operator.getitem) and order.args[1] == 1:
+        sort = order.args[0]
+        if is_call(sort, "call_method", "sort") and sort.args[1:] in ((), (0,), (-1,)) and set(sort.kwargs) <= {
+                "stable"}:
+            return _flat(sort.args[0])
+    return None
+
+
+def _counts(node, d: _Dispatch, num_experts: int) -> bool:
+    """``node`` (casts aside) holds each expert's number of assignments: the routing map summed over tokens, or a
+    histc of the flat ids."""
+    node = _strip(node, "long", "int", "float", "cpu")
+    if is_call(node, "call_method", "sum") and (node.args[1:] == (0,) and not node.kwargs or (
+            len(node.args) == 1 and node.kwargs == {"dim": 0})):
+        src = node.args[0]
+        return _topk_ids(d.ids) and _routing_map(src, d.ids) and val(_strip(src, "bool", "long", "int", "float")).shape[
+            1] == num_experts
+    if is_call(node, "call_function", torch.histc):
+        bins = node.kwargs.get("bins", node.args[1] if len(node.args) > 1 else None)
+        lo = node.kwargs.get("min", node.args[2] if len(node.args) > 2 else None)
+        hi = node.kwargs.get("max", node.args[3] if len(node.args) > 3 else None)
+        return (bins == num_experts and lo == 0 and hi in (num_experts, num_experts - 1)
+                and _flat(_strip(node.args[0], "float", "int", "long")) is d.ids)
+    return False
+
+
+def _pieces(part: Node) -> Optional[tuple[Node, int]]:
+    """(split node, j) for ``torch.split(a, sizes)[j]`` / ``a.split(sizes, dim=0)[j]``."""
+    if not (is_call(part, "call_function", operator.getitem) and isinstance(part.args[1], int)):
+        return None
+    split = part.args[0]
+    if is_call(split, "call_function", torch.split, torch.functional.split):
+        dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)
+    elif is_call(split, "call_method", "split"):
+        dim = split.kwargs.get("dim", split.args[2] if len(split.args) > 2 else 0)
+    else:
+        return None
+    sizes = split.kwargs.get("split_size_or_sections", split.args[1] if len(split.args) > 1 else None)
+    if dim != 0 or not isinstance(sizes, (list, tuple)) or set(split.kwargs) - {"dim", "split_size_or_sections"}:
+        return None
+    return split, part.args[1]
+
+
+def _split_of(split: Node) -> tuple[Node, list]:
+    """(the tensor split, its sizes)."""
+    sizes = split.kwargs.get("split_size_or_sections", split.args[1] if len(split.args) > 1 else None)
+    return split.args[0], list(sizes)
+
+
+def _cat_parts(cat: Node) -> Optional[list[Node]]:
+    if not (is_call(cat, "call_function", torch.cat) and cat.args and isinstance(cat.args[0], (list, tuple))):
+        return None
+    dim = cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0)
+    if dim != 0 or set(cat.kwargs) - {"dim"}:
+        return None
+    return list(cat.args[0])
+
+
+@dataclass(frozen=True)
+class _Grouped:
+    """A projection (or a whole MLP) run per expert over the splits of one tensor."""
+
+    x: Node  # the tensor that was split
+    split: Node
+    weights: tuple  # per expert: (gate, up, down) weights for an MLP, (w,) for a projection; stacked w for all
+    layout: str
+    stacked: bool
+
+
+def _expert_weights(ws: list, stacked: bool) -> Optional[Union[Node, tuple]]:
+    """One stacked weight (every expert's w[e] of the same node) or E distinct per-expert weights of one shape."""
+    if stacked:
+        return ws[0] if all(w is ws[0] for w in ws) else None
+    if len({id(w) for w in ws}) != len(ws) or len({tuple(val(w).shape) for w in ws}) != 1:
+        return None
+    return tuple(ws)
+
+
+def _grouped_projection(cat: Node) -> Optional[tuple[Node, Node, Union[Node, tuple], str]]:
+    """(split input, split node, weights, layout) for ``cat([linear(pieces[e], w_e) for e])``."""
+    parts = _cat_parts(cat)
+    if not parts:
+        return None
+    got = []
+    for e, part in enumerate(parts):
+        lin = _linear(part, e)
+        piece = _pieces(lin[0]) if lin is not None else None
+        if piece is None or piece[1] != e or len(lin[0].users) != 1:
+            return None
+        got.append((piece[0], lin[1], lin[2], lin[3]))
+    split, layout, stacked = got[0][0], got[0][2], got[0][3]
+    if any((g[0], g[2], g[3]) != (split, layout, stacked) for g in got) or len(_split_of(split)[1]) != len(parts):
+        return None
+    weights = _expert_weights([g[1] for g in got], stacked)
+    return None if weights is None else (_split_of(split)[0], split, weights, layout)
+
+
+@dataclass(frozen=True)
+class _Experts:
+    """What the split loop computes on the sorted rows ``xs``: the E experts' MLP, as one spec's weight fields."""
+
+    xs: Node
+    splits: tuple  # the split nodes (one per projection, or one for whole-MLP bodies)
+    gate: Union[Node, tuple]
+    up: Optional[Union[Node, tuple]]
+    down: Union[Node, tuple]
+    layout: str
+    activation: str
+    fields: dict
+
+
+def _experts(ys: Node) -> Union[_Experts, str, None]:
+    """The experts behind the concatenated expert outputs ``ys``."""
+    parts = _cat_parts(ys)
+    if not parts:
+        return None
+    # JetMoE: the down projection itself is split + per-expert linear + cat over a glu of an earlier one
+    down = _grouped_projection(ys)
+    if down is not None:
+        h, down_split, w_down, layout = down
+        gated = read_gated(h, _grouped_projection)
+        if gated is None:
+            return "the hidden state is not a known activation of per-expert projections over the same splits"
+        gate, up = gated.gate, gated.up
+        xs = gate[0]
+        if up is not None and (up[0] is not xs or up[3] != layout):
+            return "the gate and up projections read different rows or layouts"
+        if gate[3] != layout:
+            return "the projections mix weight layouts"
+        splits = (gate[1], down_split) + ((up[1],) if up is not None else ())
+        if any(_split_of(s)[1] != _split_of(gate[1])[1] for s in splits):
+            return "the projections split their rows by different sizes"
+        if isinstance(w_down, tuple) != isinstance(gate[2], tuple):
+            return "the projections mix stacked and per-expert weights"
+        return _Experts(xs, splits, gate[2], up[2] if up else None, w_down, layout, gated.activation,
+                        gated.spec_fields())
+    # Megatron / torchtitan's for-loop: each part is one expert's whole MLP on its own piece
+    bodies = []
+    for e, part in enumerate(parts):
+        lin = _linear(part, e)
+        if lin is None:
+            return f"expert {e}'s output is not a bias-free projection on its own weights"
+        h, w_down, layout, stacked = lin
+        gated = read_gated(h, lambda n, e=e: _linear(n, e))
+        if gated is None:
+            return f"expert {e}'s hidden state is not a known activation of its own projections"
+        gate, up = gated.gate, gated.up
+        piece = _pieces(gate[0])
+        if piece is None or piece[1] != e or (up is not None and up[0] is not gate[0]):
+            return f"expert {e} does not read its own split of the sorted rows"
+        if any(p[2] != layout or p[3] != stacked for p in (gate, up) if p is not None):
+            return "the projections mix weight layouts or stacked and per-expert weights"
+        bodies.append((piece[0], gate[1], up[1] if up else None, w_down, layout, stacked, gated.activation,
+                       tuple(sorted(gated.spec_fields().items()))))
+    first = bodies[0]
+    if any(b[0] is not first[0] or b[4:] != first[4:] or (b[2] is None) != (first[2] is None) for b in bodies):
+        return "the experts differ in more than their weights"
+    if len(_split_of(first[0])[1]) != len(parts):
+        return "the rows are split into another number of pieces than there are experts"
+    stacked = first[5]
+    gate = _expert_weights([b[1] for b in bodies], stacked)
+    up = _expert_weights([b[2] for b in bodies], stacked) if first[2] is not None else None
+    down = _expert_weights([b[3] for b in bodies], stacked)
+    if gate is None or down is None or (first[2] is not None and up is None):
+        return "the per-expert weights are not one weight per expert (or one stacked weight) of one shape"
+    if not stacked and len({id(w) for ws in (gate, up or (), down) for w in ws}) != len(gate) * (3 if up else 2):
+        return "a weight is shared between experts or projections"
+    return _Experts(_split_of(first[0])[0], (first[0],), gate, up, down, first[4], first[6], dict(first[7]))
+
+
+def _sizes_are_counts(sizes: list, d: _Dispatch, num_experts: int) -> bool:
+    """``sizes[e] = counts[e].item()`` (a ``.tolist()`` as Dynamo traces it) for per-expert counts of the ids."""
+    if len(sizes) != num_experts:
+        return False
+    source = None
+    for e, s in enumerate(sizes):
+        if not (is_call(s, "call_method", "item") and len(s.args) == 1):
+            return False
+        g = s.args[0]
+        if not (is_call(g, "call_function", operator.getitem) and g.args[1] == e):
+            return False
+        if source is None:
+            source = g.args[0]
+        elif g.args[0] is not source:
+            return False
+    return _counts(source, d, num_experts)
+
+
+def _weights_of(scale: Node, d: _Dispatch) -> Optional[Node]:
+    """The (T, k) routing weights that ``scale`` (one per sorted row) reads in the dispatch's order."""
+    if d.order is not None:
+        if is_call(scale, "call_function", operator.getitem) and scale.args[1] is d.order:
+            return _flat(scale.args[0])
+        return None
+    if not (is_call(scale, "call_method", "masked_select") and len(scale.args) == 2):
+        return None
+    probs, mask = _strip_transpose(scale.args[0]), _strip_transpose(scale.args[1])
+    if probs is None or mask is None or _strip(mask, "bool") is not d.rmap:
+        return None
+    weights = _scattered(probs, d.ids)
+    return weights if isinstance(weights, Node) else None
+
+
+def _row_scaled(node: Node) -> Optional[tuple[Node, Node]]:
+    """(ys, s) for ``ys * s.unsqueeze(-1)`` / ``ys * s[:, None]`` / ``s.unsqueeze(1) * ys``."""
+    if not (is_call(node, "call_function", operator.mul) and len(node.args) == 2):
+        return None
+    for ys, s in (node.args, node.args[::-1]):
+        if is_call(s, "call_method", "unsqueeze") and s.args[1:] in ((-1,), (1,)):
+            return ys, s.args[0]
+        if is_call(s, "call_function", operator.getitem) and s.args[1] == (slice(None, None, None), None):
+            return ys, s.args[0]
+    return None
+
+
+def _token_index(index: Node) -> Optional[Node]:
+    """``tok`` for ``tok.unsqueeze(1).expand(-1, H)`` or ``tok.reshape(-1, 1).expand(-1, H)`` (a scatter index)."""
+    if not (is_call(index, "call_method", "expand") and len(index.args) == 3 and index.args[1] == -1):
+        return None
+    inner = index.args[0]
+    if is_call(inner, "call_method", "unsqueeze") and inner.args[1:] in ((1,), (-1,)):
+        return inner.args[0]
+    if is_call(inner, "call_method", "reshape", "view") and inner.args[1:] == (-1, 1):
+        return inner.args[0]
+    return None
+
+
+@dataclass(frozen=True)
+class _Combine:
+    tok: Node
+    value: Node  # the weighted sorted outputs
+    end: Node  # the node whose value is the (T, H) result
+    write: Optional[Node]  # an in-place write to erase (scatter_add_/index_add_), else None
+    acc: Node
+
+
+def _combine(acc: Node) -> Optional[_Combine]:
+    """``acc.scatter_add_(0, tok.unsqueeze(1).expand(-1, H), v)`` / ``acc.index_add_(0, tok, v)``, or their
+    out-of-place forms, into zeros of (T, H)."""
+    if not (is_call(acc, "call_function", torch.zeros, torch.zeros_like) or is_call(acc, "call_method", "new_zeros")):
+        return None
+    av = val(acc)
+    if av is None or av.dim() != 2:
+        return None
+    mutations = alias_mutations(acc)
+    if mutations:
+        if len(mutations) != 1:
+            return None
+        node, end = mutations[0], mutations[0]
+        if node.target not in ("scatter_add_", "index_add_"):
+            return None
+    else:
+        users = list(acc.users)
+        if len(users) != 1 or not is_call(users[0], "call_method", "scatter_add", "index_add"):
+            return None
+        node = end = users[0]
+    if node.args[0] is not acc or len(node.args) != 4 or node.args[1] != 0 or node.kwargs:
+        return None
+    tok = _token_index(node.args[2]) if node.target.startswith("scatter") else node.args[2]
+    if tok is None:
+        return None
+    return _Combine(tok, node.args[3], end, node if mutations else None, acc)
+
+
+def match(acc: Node) -> Union[tuple[MoESpec, _Combine, list], str, None]:
+    """(spec, combine, the region's dispatch nodes) for a zeros buffer the split loop's outputs are scattered into;
+    or why not (a string) once the buffer is known to collect a split loop's experts; None when it never was."""
+    combine = _combine(acc)
+    if combine is None:
+        return None
+    d = _dispatch(combine.tok)
+    if d is None:
+        return None
+    scaled = _row_scaled(combine.value)
+    if scaled is None:
+        return None
+    ys, scale = scaled
+    experts = _experts(ys)
+    if experts is None:
+        return None
+    if isinstance(experts, str):
+        return experts
+    weights = _weights_of(scale, d)
+    if weights is None:
+        return "the per-row routing weights are not read in the order of the sorted rows"
+    xs = experts.xs
+    if is_call(xs, "call_method", "index_select") and xs.args[1] == 0 and xs.args[2] is d.tok:
+        x = xs.args[0]
+    elif is_call(xs, "call_function", operator.getitem) and xs.args[1] is d.tok:
+        x = xs.args[0]
+    else:
+        return "the experts' rows are not x at the sorted tokens"
+    num_experts = len(experts.down) if isinstance(experts.down, tuple) else val(experts.down).shape[0]
+    if not _sizes_are_counts(_split_of(experts.splits[0])[1], d, num_experts):
+        return "the rows are not split by each expert's number of assignments (counts of the same ids)"
+    xv, av, wv, iv = val(x), val(acc), val(weights), val(d.ids)
+    if xv is None or xv.dim() != 2 or tuple(av.shape) != tuple(xv.shape) or av.dtype != xv.dtype:
+        return "the combine buffer does not have x's (T, H) shape and dtype"
+    if wv is None or tuple(wv.shape) != tuple(iv.shape):
+        return "the routing weights are not (T, k) like the ids"
+    spec = MoESpec(x, d.ids, weights, experts.gate, experts.up, experts.down, experts.layout, experts.activation,
+                   **experts.fields)
+    roots = [d.tok, scale, *experts.splits]
+    roots += [s for split in experts.splits for s in _split_of(split)[1] if isinstance(s, Node)]
+    return spec, combine, roots
+
+
+def _erase_region(graph, roots: list) -> None:
+    """Erase the size asserts Dynamo attached to what served the region (the sort or mask, the splits, the
+    ``.item()`` sizes): they are side-effecting, so dead-code removal keeps them, and with them the host syncs.
+    Nothing else that has an effect is touched; the rest goes by dead-code removal."""
+    doomed, stack = set(), list(roots)
+    while stack:
+        node = stack.pop()
+        if node in doomed:
+            continue
+        doomed.add(node)
+        stack.extend(node.users)
+    graph.eliminate_dead_code()
+    for node in reversed(list(graph.nodes)):
+        if node in doomed and not node.users and node.target in _ASSERTS:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+
+
+_ASSERTS = (torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
+            torch._check, torch._check_is_size)
+
+
+def rewrite(gm: GraphModule) -> list[Rewrite]:
+    """Replace every provable split loop in ``gm``; returns what was rewritten."""
+    from ..report import note_left_alone
+
+    done = []
+    graph = gm.graph
+    for acc in [n for n in graph.nodes if is_call(n, "call_function", torch.zeros, torch.zeros_like)
+                or is_call(n, "call_method", "new_zeros")]:
+        if acc not in set(graph.nodes):
+            continue
+        got = match(acc)
+        if isinstance(got, str):
+            note_left_alone(FORM, source_line(acc), got)
+            continue
+        if got is None:
+            continue
+        spec, combine, roots = got
+        if not inputs_unchanged(spec):
+            note_left_alone(FORM, source_line(acc), "an input of the region is changed in place elsewhere in the graph")
+            continue
+        y = emit_experts(graph, spec, combine.end.next if combine.write is not None else combine.end,
+                         val(acc).dtype)
+        if combine.write is not None:
+            for r in [u for u in acc.users if u is not combine.write]:
+                r.replace_input_with(acc, y)
+            graph.erase_node(combine.write)
+        else:
+            combine.end.replace_all_uses_with(y)
+        where = source_line(combine.end)
+        _erase_region(graph, roots)
+        per_expert = isinstance(spec.gate, tuple)
+        E = len(spec.gate) if per_expert else int(val(spec.gate).shape[0])
+        done.append(Rewrite(FORM, where, E, int(val(spec.ids).shape[-1]), spec.activation,
+                            ((E,) + tuple(val(spec.gate[0]).shape) if per_expert else tuple(val(spec.gate).shape),
+                             (E,) + tuple(val(spec.down[0]).shape) if per_expert else tuple(val(spec.down).shape)),
+                            note=f"{E} .item() host syncs and data-dependent splits removed"))
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done

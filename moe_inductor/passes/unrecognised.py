@@ -1,0 +1,148 @@
+"""Form "moe_region" (a note, never a rewrite): a router whose top-k (or argmax) ids feed per-expert work that no
+form rewrote and no form explained. explain() then names it, at the router's line, instead of saying nothing.
+
+The user code this notes (anything after the router that no pass proves):
+
+    weights, ids = torch.topk(router(x).softmax(-1), k)        # or torch.max / argmax over the experts
+    ...                                                         # selection, sort, one_hot, masked_select, split ...
+    y = ... x[sel] @ w ...                                       # a matmul, linear, einsum, bmm or grouped GEMM
+
+It runs after every other pass and stays quiet when one of them rewrote the region (the ids reach a moe_inductor op)
+or already said why it left the graph alone (``track`` records their notes for the current graph).
+"""
+from __future__ import annotations
+
+import operator
+import threading
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.fx import GraphModule, Node
+
+from ..report import Rewrite, note_left_alone
+from .emit import region_of
+from .fx_utils import is_call, source_line, val
+
+FORM = "moe_region"
+
+_local = threading.local()
+
+#: the ops that make per-expert work out of routed rows
+_EXPERT_WORK = {operator.matmul: "matmul", torch.matmul: "matmul", torch.bmm: "bmm", torch.mm: "mm",
+                torch.einsum: "einsum", torch.functional.einsum: "einsum", F.linear: "linear",
+                torch._C._nn.linear: "linear"}
+if hasattr(torch, "_grouped_mm"):
+    _EXPERT_WORK[torch._grouped_mm] = "_grouped_mm"
+_METHOD_WORK = {"matmul": "matmul", "mm": "mm", "bmm": "bmm"}
+#: how routed code turns ids into rows (named in the note, so the user sees which spelling was not proven)
+_DISPATCH = {torch.nonzero: "nonzero", torch.where: "where", torch.argsort: "argsort", torch.sort: "sort",
+             F.one_hot: "one_hot", torch.masked_select: "masked_select", torch.bincount: "bincount",
+             torch.histc: "histc", torch.split: "split", torch.cat: "cat", torch.gather: "gather",
+             torch.index_select: "index_select", torch.cumsum: "cumsum"}
+_DISPATCH_METHODS = {"nonzero", "sort", "argsort", "masked_select", "tolist", "split", "index_select", "scatter",
+                     "scatter_", "scatter_add_", "index_add_", "index_add", "cumsum", "masked_fill", "masked_fill_"}
+_MAX_REACH = 5000
+
+
+def track(rewrite: Callable[[GraphModule], list[Rewrite]]) -> Callable[[GraphModule], list[Rewrite]]:
+    """Wrap a form's pass: remember whether it noted a region left alone, so this note does not repeat it."""
+    def run(gm: GraphModule) -> list[Rewrite]:
+        from .. import report
+
+        sink = getattr(report._local, "left_alone", None)
+        before = len(sink) if sink is not None else 0
+        done = rewrite(gm)
+        if sink is not None and len(sink) > before:
+            _local.noted = True
+        return done
+
+    run.__wrapped__ = rewrite
+    run.__doc__ = rewrite.__doc__
+    return run
+
+
+def _router_ids(node: Node) -> Optional[Node]:
+    """The anchor: ``topk(scores, k, dim=-1)[1]`` / ``.indices``, ``torch.max(scores, dim=-1)[1]`` or
+    ``argmax(scores, dim=-1)`` over a 2D-or-more float score tensor (one row of experts per token)."""
+    if is_call(node, "call_function", operator.getitem) and node.args[1] == 1:
+        top = node.args[0]
+        if is_call(top, "call_function", torch.topk) or is_call(top, "call_method", "topk"):
+            dim = top.kwargs.get("dim", top.args[2] if len(top.args) > 2 else -1)
+        elif is_call(top, "call_function", torch.max) or is_call(top, "call_method", "max"):
+            dim = top.kwargs.get("dim", top.args[1] if len(top.args) > 1 else None)
+        else:
+            return None
+    elif is_call(node, "call_function", torch.argmax) or is_call(node, "call_method", "argmax"):
+        top, dim = node, node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    else:
+        return None
+    scores = val(top.args[0]) if top.args else None
+    if scores is None or not scores.is_floating_point() or scores.dim() < 2 or dim not in (-1, scores.dim() - 1):
+        return None
+    return node
+
+
+def _name(node: Node) -> Optional[str]:
+    if node.op == "call_function":
+        return _DISPATCH.get(node.target) or _EXPERT_WORK.get(node.target) or (
+            "index" if node.target is operator.getitem and any(isinstance(a, Node) for a in _flat_args(node.args[1:]))
+            else None)
+    if node.op == "call_method":
+        return node.target if node.target in _DISPATCH_METHODS else _METHOD_WORK.get(node.target)
+    return None
+
+
+def _flat_args(args) -> list:
+    out = []
+    for a in args:
+        out += _flat_args(a) if isinstance(a, (tuple, list)) else [a]
+    return out
+
+
+def _is_work(node: Node) -> bool:
+    return (node.op == "call_function" and node.target in _EXPERT_WORK) or (
+        node.op == "call_method" and node.target in _METHOD_WORK)
+
+
+def _mutated(node: Node) -> Optional[Node]:
+    """The tensor an in-place method (``t.scatter_(...)``) or ``t[i] = v`` changes."""
+    inplace = (node.op == "call_method" and str(node.target).endswith("_")) or is_call(
+        node, "call_function", operator.setitem)
+    return node.args[0] if inplace and node.args and isinstance(node.args[0], Node) else None
+
+
+def rewrite(gm: GraphModule) -> list[Rewrite]:
+    """Note each router whose ids reach per-expert work with no moe_inductor op in between; never rewrites."""
+    noted, _local.noted = getattr(_local, "noted", False), False
+    if noted:  # a form already said why it left this graph's MoE code alone
+        return []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    covered, regions = set(), set()  # one note per MoE region: a second choice's argmax is downstream of the first
+    for node in gm.graph.nodes:
+        ids = _router_ids(node)
+        if ids is None or ids in covered or region_of(ids) in regions:
+            continue
+        reach, stack, rewritten = set(), [ids], False
+        while stack and len(reach) < _MAX_REACH:
+            n = stack.pop()
+            if n in reach:
+                continue
+            reach.add(n)
+            if n.op == "call_function" and getattr(n.target, "namespace", None) == "moe_inductor":
+                rewritten = True
+                break
+            stack.extend(n.users)
+            mutated = _mutated(n)
+            if mutated is not None:  # an in-place write carries the ids into the tensor it changes
+                stack.append(mutated)
+        if rewritten or not any(_is_work(n) for n in reach):
+            continue
+        covered |= reach
+        regions.add(region_of(ids))
+        names = list(dict.fromkeys(filter(None, (_name(n) for n in sorted(reach, key=order.__getitem__)))))
+        shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        note_left_alone(FORM, source_line(ids),
+                        f"a router's top-k/argmax ids feed per-expert work ({shown}) that no MoE form proves: none of "
+                        "the loop, gathered-weights, dense, sort + grouped_mm or capacity forms matched it")
+    return []

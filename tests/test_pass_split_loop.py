@@ -1,0 +1,105 @@
+"""The split loop: sorted rows split by ``counts.tolist()``, one expert per split, ``torch.cat`` back, scattered
+to the tokens (Megatron's SequentialMLP, JetMoE's ParallelExperts). Rewritten and equal to eager, forward and
+backward; look-alikes (another split order, sizes from other counts, unsorted weights, an expert that differs,
+scattered to other rows) left alone, with a note for explain()."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from tests.helpers import assert_close, compile_moe
+
+H, I, E, K = 16, 8, 4, 2
+
+
+class SplitLoopMoE(nn.Module):
+    def __init__(self, style):
+        super().__init__()
+        self.style = style
+        self.router = nn.Linear(H, E, bias=False)
+        self.fc1 = nn.ModuleList([nn.Linear(H, 2 * I, bias=False) for _ in range(E)])
+        self.fc2 = nn.ModuleList([nn.Linear(I, H, bias=False) for _ in range(E)])
+        self.w1 = nn.Parameter(torch.randn(E, 2 * I, H) * H ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
+
+    def forward(self, x):
+        s = self.style
+        T = x.shape[0]
+        logits = self.router(x)
+        top, ids = torch.topk(logits, K, dim=1)
+        top = torch.softmax(top, dim=-1)
+        if s.startswith("mask"):  # Megatron's dispatcher
+            probs = torch.zeros_like(logits).scatter(1, ids, top)
+            rmap = torch.zeros_like(logits).int().scatter(1, ids, 1).bool()
+            tok = torch.arange(T).unsqueeze(0).expand(E, -1).masked_select(rmap.T.contiguous())
+            counts = rmap.sum(dim=0)
+            if s == "mask_other_counts":  # counts of the next expert's assignments: wrong splits
+                counts = counts.roll(1)
+            ws = probs.T.contiguous().masked_select(rmap.T.contiguous())
+            xs = x.index_select(0, tok)
+        else:  # JetMoE's sort
+            order = ids.flatten().sort(0)[1]
+            tok = order.div(K, rounding_mode="trunc")
+            counts = torch.zeros(T, E).scatter(1, ids, 1).long().sum(0)
+            ws = top.flatten() if s == "sort_unsorted_weights" else top.flatten()[order]
+            xs = x[tok]
+        sizes = counts.tolist()
+        if s in ("mask", "mask_other_counts", "mask_reversed_pieces", "mask_one_expert_differs"):
+            pieces = torch.split(xs, sizes)
+            outs = []
+            for e in range(E):  # each expert's whole MLP on its own piece
+                p = pieces[E - 1 - e] if s == "mask_reversed_pieces" else pieces[e]
+                g, u = torch.chunk(self.fc1[e](p), 2, dim=-1)
+                act = F.gelu if (s == "mask_one_expert_differs" and e == 2) else F.silu
+                outs.append(self.fc2[e](act(g) * u))
+            ys = torch.cat(outs, dim=0)
+        else:  # per projection over the splits (stacked (E, out, in) weights)
+            h = torch.cat([F.linear(p, self.w1[e]) for e, p in enumerate(xs.split(sizes, dim=0))], dim=0)
+            g, u = h.chunk(2, dim=-1)
+            h = F.silu(g) * u
+            ys = torch.cat([F.linear(p, self.w2[e]) for e, p in enumerate(h.split(sizes, dim=0))], dim=0)
+        if s.startswith("mask"):
+            out = torch.zeros(T, H)
+            out.scatter_add_(0, tok.unsqueeze(1).expand(-1, H), ys * ws.unsqueeze(-1))
+            return out
+        rows = torch.flip(tok, [0]) if s == "sort_other_rows" else tok
+        return torch.zeros((T, H)).index_add(0, rows, ys * ws[:, None])
+
+
+@pytest.mark.parametrize("style", ["mask", "sort"])
+def test_split_loop_is_rewritten_and_equal(style):
+    torch.manual_seed(0)
+    model = SplitLoopMoE(style)
+    for T in (5, 11):
+        x = torch.randn(T, H)
+        xc = x.clone().requires_grad_(True)
+        out = compile_moe(model, xc)
+        assert counters["moe_inductor"]["split_loop"] == 1, dict(counters["moe_inductor"])
+        assert sum(counters["graph_break"].values()) == 0
+        probe = torch.randn_like(out)
+        (out * probe).sum().backward()
+        got = [xc.grad] + [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        xe = x.clone().requires_grad_(True)
+        ref = model(xe)
+        (ref * probe).sum().backward()
+        want = [xe.grad] + [p.grad for p in model.parameters()]
+        model.zero_grad()
+        assert_close(out, ref, torch.float32, f"{style} T={T} forward")
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert (g is None) == (w is None), f"gradient {i} in one run only"
+            if w is not None:
+                assert_close(g, w, torch.float32, f"{style} T={T} gradient {i}")
+
+
+@pytest.mark.parametrize("style", ["mask_other_counts", "mask_reversed_pieces", "mask_one_expert_differs",
+                                   "sort_unsorted_weights", "sort_other_rows"])
+def test_split_loop_look_alikes_are_left_alone(style):
+    torch.manual_seed(0)
+    model = SplitLoopMoE(style)
+    x = torch.randn(9, H)
+    out = compile_moe(model, x)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    assert sum(counters["moe_inductor_left_alone"].values()) == 1, dict(counters["moe_inductor_left_alone"])
+    assert_close(out, model(x), torch.float32, style)
