@@ -39,8 +39,8 @@ def test_backend_is_found_by_name_without_import():
     assert out.stdout.strip() == "True"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("implementation,family", [  # the quick suite keeps one family in every implementation
+    pytest.param(i, f, marks=() if f == "qwen3_moe" else pytest.mark.slow) for i in IMPLEMENTATIONS for f in FAMILIES])
 def test_hf_model_is_rewritten_and_equal(family, implementation):
     model = tiny(family, implementation)
     err = compile_and_compare(model, lengths=(5, 9, 12, 17))
@@ -53,6 +53,7 @@ def test_hf_model_is_rewritten_and_equal(family, implementation):
     assert not counters["moe_inductor_left_alone"]  # no MoE-looking code was left behind
 
 
+@pytest.mark.slow
 def test_twenty_sequence_lengths_compile_at_most_twice():
     """Issue 4's bound on a whole causal LM: 20 sequence lengths, at most 2 compiles, every one rewritten."""
     model = tiny("qwen3_moe")
@@ -65,6 +66,7 @@ def test_twenty_sequence_lengths_compile_at_most_twice():
 
 
 @pytest.mark.parametrize("num_experts_per_tok", [1, 2])
+@pytest.mark.slow
 def test_llama4_dense_block_is_rewritten_and_equal(num_experts_per_tok):
     model = tiny("llama4")
     for layer in model.model.layers:
@@ -75,6 +77,7 @@ def test_llama4_dense_block_is_rewritten_and_equal(num_experts_per_tok):
     assert counters["moe_inductor"]["hf_llama4_dense"] == 2 * counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow
 def test_switch_capacity_model_is_rewritten_and_equal():
     """Switch's capacity drops (made per sequence by its router) must come out exactly the same."""
     model = tiny("switch")
@@ -90,6 +93,7 @@ def test_switch_capacity_model_is_rewritten_and_equal():
     assert counters["moe_inductor"]["hf_switch"] >= 2
 
 
+@pytest.mark.slow
 def test_dbrx_is_rewritten_and_equal():
     model = tiny("dbrx")
     err = compile_and_compare(model, lengths=(5, 9, 12))
@@ -98,6 +102,7 @@ def test_dbrx_is_rewritten_and_equal():
     assert counters["moe_inductor"]["hf_dbrx"] == 2 * counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow
 def test_llama4_wrapper_is_inert_outside_moe_inductor():
     """The wrapped Llama4 forward gives other backends the very same graphs as the original."""
     model = tiny("llama4")
@@ -124,7 +129,7 @@ def test_llama4_wrapper_is_inert_outside_moe_inductor():
     assert not counters["moe_inductor"]
 
 
-@pytest.mark.parametrize("family", TRAINED)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "gpt_oss" else pytest.mark.slow) for f in TRAINED])
 def test_training_gradients_match_eager(family):
     model = tiny(family, "grouped_mm").train()
     ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(0))
@@ -143,6 +148,7 @@ def test_training_gradients_match_eager(family):
         assert rel(g, r) < 1e-4, name
 
 
+@pytest.mark.slow
 def test_full_inductor_compile_qwen3():
     model = tiny("qwen3_moe", "grouped_mm")
     err = compile_and_compare(model, lengths=(6, 10), options=None)
@@ -181,6 +187,7 @@ def test_unsupported_variant_is_left_alone():
     ("gate", "CustomGateExperts has its own _apply_gate"),
     ("activation", "activation Tanh is not one the op knows"),
 ])
+@pytest.mark.slow
 def test_explain_says_why_hf_experts_were_left_alone(change, reason):
     model = tiny("qwen3_moe", "grouped_mm")
     for layer in model.model.layers:
@@ -223,6 +230,7 @@ def _graphs_with(backend, code_prefix=""):
     return out.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_other_backends_behave_exactly_as_before():
     """The data-dependent loop stays uncaptured under backend="eager" whether or not moe_inductor is loaded."""
     without = _graphs_with("eager")
@@ -255,6 +263,7 @@ def test_explain_names_each_directions_gemm_engine(forward, backward, expected, 
     assert expected in gemm_engine_summary()
 
 
+@pytest.mark.slow
 def test_cli_inspect(tmp_path):
     target = tmp_path / "target.py"
     target.write_text(textwrap.dedent("""
@@ -269,6 +278,7 @@ def test_cli_inspect(tmp_path):
     assert "2 MoE rewrite(s)" in out.stdout and "hf_eager_loop" in out.stdout
 
 
+@pytest.mark.slow
 def test_cli_check_fails_on_a_region_left_alone(tmp_path):
     """``inspect --check`` passes a fully rewritten model and fails (status 1, with the reason) on a look-alike."""
     target = tmp_path / "target.py"
@@ -302,7 +312,8 @@ def test_hf_registry_runs_our_op_in_eager_mode():
         assert rel(ours(ids).logits, ref(ids).logits) < 1e-4
 
 
-@pytest.mark.parametrize("setting", ["+moe_inductor", "moe_inductor.rewrites", "moe_inductor", "none"])
+@pytest.mark.parametrize("setting", ["+moe_inductor"] + [pytest.param(s, marks=pytest.mark.slow)
+                                                         for s in ("moe_inductor.rewrites", "moe_inductor", "none")])
 def test_torch_logs_reports_rewrites(setting):
     script = textwrap.dedent("""
         import torch
@@ -349,6 +360,7 @@ def test_a_failing_pass_leaves_the_graph_unchanged(monkeypatch, caplog):
     assert "the gathered_weights pass failed" in caplog.text
 
 
+@pytest.mark.slow
 def test_torch_logs_names_what_was_left_alone():
     """TORCH_LOGS="moe_inductor" (INFO) gives one line per MoE-looking region left alone, with its reason."""
     script = textwrap.dedent("""

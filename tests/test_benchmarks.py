@@ -4,6 +4,7 @@ import pytest
 import torch
 
 
+@pytest.mark.slow
 def test_bench_hf_runs_on_a_tiny_model(capsys, tmp_path):
     import json
 
@@ -80,6 +81,7 @@ def test_fwd_bwd_cpu_runs(capsys):
     assert "fwd+bwd median" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_every_script_device_run_calls_exists_and_parses_its_arguments():
     """The GPU-only scripts (they time with CUDA events) cannot run here; each must at least import and parse its
     command line, so that a typo does not cost a GPU call."""

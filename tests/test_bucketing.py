@@ -8,6 +8,7 @@ import moe_inductor
 from tests.hf_models import tiny
 
 
+@pytest.mark.slow
 def test_bucketed_compiled_causal_lm_matches_eager_with_one_compile_per_bucket():
     model = tiny("qwen3_moe")
     torch._dynamo.reset()

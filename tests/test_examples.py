@@ -15,16 +15,19 @@ def load(name):
     return module
 
 
+@pytest.mark.slow
 def test_generate_matches_eager_token_for_token():
     load("generate").main(max_new_tokens=5, inner="eager")  # raises on a mismatch
 
 
+@pytest.mark.slow
 def test_train_step_tracks_eager():
     losses = load("train_step").main(steps=2, inner="aot_eager")
     for eager, ours in losses:
         assert abs(eager - ours) <= 1e-4 * abs(eager)
 
 
+@pytest.mark.slow
 def test_inspect_hf_shows_the_rewrite():
     report = load("inspect_hf").main("eager")
     assert [r.form for r in report.rewrites] == ["hf_eager_loop"]

@@ -88,7 +88,8 @@ def tiny_qwen3_config():
 """
 
 
-@pytest.mark.parametrize("first", ["moe_inductor", "transformers"], ids=["ours-first", "transformers-first"])
+@pytest.mark.parametrize("first", ["moe_inductor", pytest.param("transformers", marks=pytest.mark.slow)],
+                         ids=["ours-first", "transformers-first"])
 def test_hf_registry_whatever_the_import_order(first):
     """The README imports moe_inductor before transformers; the registry entry must exist either way, for every
     path HF offers to pick it."""
@@ -124,6 +125,7 @@ with torch.no_grad():
 """)
 
 
+@pytest.mark.slow
 def test_cli_checks_a_model_already_on_the_registry(tmp_path):
     """The CLI imports moe_inductor before the target imports transformers; a model whose experts already run the op
     counts as rewritten, so ``--check`` passes it, and the report names each layer."""
@@ -246,6 +248,7 @@ def test_explain_counts_graph_breaks_as_dynamo_does_with_file_and_line():
     assert len(report.rewrites) == 2
 
 
+@pytest.mark.slow
 def test_explain_pairs_graphs_before_and_after_by_source():
     """HF's eager experts loop breaks the graph where it is not rewritten: the one graph after pairs with every
     graph of the same source before, not with whatever came first."""

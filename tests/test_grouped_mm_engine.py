@@ -308,6 +308,7 @@ class LiveTensorBytes(TorchDispatchMode):
 
 
 @needs_grouped_mm
+@pytest.mark.slow
 def test_engine_backward_holds_one_sorted_copy_of_the_rows_at_a_time(engine_calls, monkeypatch):
     """The backward gathers x in expert order (M x H) only for dW1, after the sorted dy (also M x H) is freed.
     Holding both at once, as it used to, peaks near 2 M H bytes on top of the gradients; now it stays near M H."""

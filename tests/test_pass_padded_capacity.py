@@ -149,6 +149,7 @@ def test_padded_capacity_bf16_matches_eager():
     assert ((got - ref).norm() / ref.norm()).item() < 2e-2
 
 
+@pytest.mark.slow
 def test_capacity_computed_from_the_token_count():
     """C = 2T // E + 1: one_hot specialises on C (under any backend), so every new C is a new graph; each one is
     still rewritten, with the same drops, and the graph count is the one backend="eager" gets."""

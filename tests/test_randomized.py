@@ -192,6 +192,7 @@ FORM_COUNTERS = {"dense": "dense_experts", "loop_index_add": "unrolled_loop", "l
     act=st.sampled_from(sorted(ACTS)), gated=st.booleans(), layout=st.sampled_from(["nk", "kn"]),
     renormalise=st.booleans(), position=st.sampled_from(["output", "input", "between"]), seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_generated_loop_and_dense_moe_compile_to_the_same_function(form, E, k_frac, T, act, gated, layout,
                                                                     renormalise, position, seed):
     torch.manual_seed(seed)

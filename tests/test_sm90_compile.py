@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # compiling every kernel for sm_90 takes half a minute; the full suite runs it
+
 H200_SHARED_MEMORY = 232448  # bytes a block may use (227 KiB)
 
 

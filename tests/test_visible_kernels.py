@@ -124,6 +124,7 @@ def test_every_dimension_symbolic_specialises_only_the_weight_dims():
     assert not any(traced["tokens"] in g.replace("(", " ").replace(",", " ").split() for g in traced["guards"])
 
 
+@pytest.mark.slow
 def test_a_static_graph_routes_in_one_launch_and_a_dynamic_one_in_two():
     """A known token count makes the opaque op's choice (6 rows fit one routing chunk: one launch); a symbolic one
     takes count-then-place, which is right for every count and adds no guard."""
