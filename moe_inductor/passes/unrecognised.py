@@ -100,9 +100,15 @@ def _flat_args(args) -> list:
     return out
 
 
+#: transformers' own code: its experts modules are substituted at trace time, or left alone there with a reason
+#: (hf.py), so work that is still in the graph from it has been explained already
+_TRANSFORMERS_SOURCE = "/transformers/"
+
+
 def _is_work(node: Node) -> bool:
-    return (node.op == "call_function" and node.target in _EXPERT_WORK) or (
+    work = (node.op == "call_function" and node.target in _EXPERT_WORK) or (
         node.op == "call_method" and node.target in _METHOD_WORK)
+    return work and _TRANSFORMERS_SOURCE not in (node.meta.get("stack_trace") or "")
 
 
 def _mutated(node: Node) -> Optional[Node]:
