@@ -42,6 +42,7 @@ class _CompileState:
     forms: frozenset = frozenset()
     #: the frame is being compiled as plain capture would (a fallback): no capture settings, no rewrites
     plain: bool = False
+    inner: str = "inductor"  # the compiler the rewritten graph goes to (the speed rule compares with Inductor only)
     code: Optional[types.CodeType] = None
     rewrites: list[Rewrite] = field(default_factory=list)
     left_alone: list[LeftAlone] = field(default_factory=list)
@@ -182,9 +183,10 @@ def _wrap_compile(original: Callable) -> Callable:
         from .options import BackendOptions
 
         try:
-            forms = BackendOptions.parse(options).forms
+            parsed = BackendOptions.parse(options)
+            forms, inner = parsed.forms, parsed.inner
         except ValueError:
-            forms = frozenset()  # the backend raises the error itself, once tracing is done
+            forms, inner = frozenset(), "inductor"  # the backend raises the error itself, once tracing is done
         if code in _plain_codes:
             with _compiling(_CompileState(ours=True, plain=True, code=code)):
                 return original(*args, **kwargs)
@@ -192,7 +194,7 @@ def _wrap_compile(original: Callable) -> Callable:
         graphs_before = len(report.graphs) if report is not None else 0
         counted = {name: dict(counters[name]) for name in ("moe_inductor", "moe_inductor_left_alone")}
         try:
-            with _compiling(_CompileState(ours=True, forms=forms, code=code)):
+            with _compiling(_CompileState(ours=True, forms=forms, code=code, inner=inner)):
                 return original(*args, **kwargs)
         except _no_retry_errors():
             raise
@@ -235,6 +237,17 @@ def rewriting_enabled(form: str) -> bool:
     """True while Dynamo traces for a moe_inductor compile that rewrites ``form``. Read at trace time, unguarded."""
     state = current()
     return bool(state and state.ours and form in state.forms)
+
+
+@torch._dynamo.assume_constant_result
+def speed_rule_reason(activation: str, gate_up: str, bias: bool, shape: tuple, device: str, mode: str) -> str:
+    """Why the speed rule leaves this layer to Inductor in the compile being traced ("" to rewrite it); read at
+    trace time, unguarded (the answer depends on shapes and settings the graph is specialised on already)."""
+    from .speed_rule import LayerKind, keeps_inductor
+
+    state = current()
+    inner = state.inner if state is not None else "inductor"
+    return keeps_inductor(LayerKind(activation, gate_up, bias, shape), torch.device(device), mode, inner) or ""
 
 
 @torch._dynamo.assume_constant_result

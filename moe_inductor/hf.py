@@ -139,6 +139,20 @@ def moe_inductor_experts_forward(module, hidden_states, top_k_index, top_k_weigh
     return _run_spec(kw, hidden_states, top_k_index, top_k_weights)
 
 
+def _speed_rule_reason(kw: dict, hidden_states: torch.Tensor, top_k: int) -> str:
+    """The speed rule's answer for this module (speed_rule.py): why Inductor's path is kept, or ""."""
+    from .speed_rule import mode_of
+
+    gated = kw["activation"].endswith("_glu")
+    gate_up = kw.get("gate_up", "concat") if gated else "separate"
+    bias = kw.get("b1") is not None or kw.get("b2") is not None
+    mode = mode_of(hidden_states, (kw["w1"], kw["w2"]))
+    E, *inner = kw["w2"].shape
+    H, I = inner if kw["layout"] == "nk" else inner[::-1]
+    shape = (int(H), int(I), int(E), int(top_k))
+    return capture.speed_rule_reason(kw["activation"], gate_up, bias, shape, str(hidden_states.device), mode)
+
+
 def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
     def make(original_clone: Callable) -> Callable:
         def polyfill(self, hidden_states, top_k_index, top_k_weights):
@@ -149,6 +163,10 @@ def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
                 capture.record_left_alone(form, layer_name(type(self).__qualname__), kw)
                 return original_clone(self, hidden_states, top_k_index, top_k_weights)
             name = layer_name(type(self).__qualname__)
+            slower = _speed_rule_reason(kw, hidden_states, top_k_index.shape[-1])
+            if slower:
+                capture.record_left_alone(form, name, slower)
+                return original_clone(self, hidden_states, top_k_index, top_k_weights)
             capture.record_rewrite(form, name, int(kw["w1"].shape[0]), int(top_k_index.shape[-1]),
                                    kw["activation"], (tuple(kw["w1"].shape), tuple(kw["w2"].shape)))
             return _run_spec(kw, hidden_states, top_k_index, top_k_weights, name)

@@ -1,0 +1,101 @@
+"""Never slower, by construction: a rewrite is taken only where it was measured faster than Inductor's own handling of
+the same layer, else the layer is left to Inductor and explain() says why.
+
+The measurements ship as data beside the tuned kernel configs, one file per GPU (``kernels/tuned/whole_model/``):
+for each layer kind (activation, gate/up layout, biases, the (H, I, E, k) it was measured at), moe_inductor's speed
+over ``torch.compile``'s default in each mode ("prefill", "decode", "train"), from ``benchmarks/bench_hf.py``. The
+rule reads shapes, dtypes and modes only (nothing on the device), so it costs nothing per call.
+
+- A layer kind with a measured value below 1.0 in the current mode is left to Inductor. Where the mode itself was not
+  measured, the worst value measured for that layer kind decides.
+- On a GPU with no file, the rule is conservative: it uses the measurements of the GPUs that have one, and leaves a
+  layer kind to Inductor unless it won there by ``UNMEASURED_GPU_MARGIN``.
+- Layer kinds never measured are rewritten (the op benchmark, ``bench_experts.py``, shows the op ahead of
+  sort + ``torch._grouped_mm`` on every measured shape).
+- It applies only when the inner compiler is Inductor on a CUDA device: with ``inner="aot_eager"``/``"eager"`` (tests,
+  explain()) there is no Inductor path to compare against, and on the CPU the op is not measured against it yet.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+_DATA_DIR = Path(__file__).parent / "kernels" / "tuned" / "whole_model"
+#: on a GPU without measurements, a layer kind must have won by this much on the measured GPUs
+UNMEASURED_GPU_MARGIN = 1.1
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What the measurements are keyed on: the layer's activation, gate/up layout and biases."""
+
+    activation: str
+    gate_up: str  # "concat", "interleaved" or "separate"
+    bias: bool
+    shape: tuple = ()  # (H, I, E, k): the measured layer of this kind nearest to it decides
+
+
+@functools.lru_cache(maxsize=None)
+def _tables() -> dict[str, list[dict]]:
+    """GPU name -> its measured layers."""
+    out = {}
+    for path in sorted(_DATA_DIR.glob("*.json")):
+        out[path.stem] = json.loads(path.read_text())["layers"]
+    return out
+
+
+def _gpu_tag(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
+def _worst(entry: dict, mode: str) -> Optional[float]:
+    if entry.get(mode) is not None:
+        return float(entry[mode])
+    measured = [float(entry[m]) for m in ("prefill", "decode", "train") if entry.get(m) is not None]
+    return min(measured) if measured else None
+
+
+def _distance(a: tuple, b: list) -> float:
+    """How far apart two (H, I, E, k) shapes are: the sum of their log-ratios (0 for equal shapes)."""
+    if len(a) != len(b):
+        return 0.0
+    return sum(abs(math.log(max(x, 1) / max(y, 1))) for x, y in zip(a, b))
+
+
+def keeps_inductor(kind: LayerKind, device: torch.device, mode: str, inner: str) -> Optional[str]:
+    """Why this layer is left to Inductor (the measurement that says our rewrite would be slower), or None to
+    rewrite it. ``mode`` is "train" (a differentiable call), "decode" or "prefill"."""
+    if inner != "inductor" or device.type != "cuda":
+        return None
+    tables = _tables()
+    tag = _gpu_tag(device)
+    sources = {tag: tables[tag]} if tag in tables else tables
+    threshold = 1.0 if tag in tables else UNMEASURED_GPU_MARGIN
+    for gpu, layers in sources.items():
+        same_kind = [e for e in layers if (e["activation"], e["gate_up"], bool(e["bias"]))
+                     == (kind.activation, kind.gate_up, kind.bias)]
+        if not same_kind:
+            continue
+        entry = min(same_kind, key=lambda e: _distance(kind.shape, e["shape"]))
+        worst = _worst(entry, mode)
+        if worst is not None and worst < threshold:
+            where = "" if tag in tables else f" (no measurements for {tag}; at least {threshold}x asked)"
+            return (f"kept Inductor's path: {entry['name']}-style layers ran at {worst:.2f}x Inductor's speed in "
+                    f"{mode if entry.get(mode) is not None else 'the worst measured mode'} on {gpu}{where} "
+                    f"(benchmarks/RESULTS.md)")
+    return None
+
+
+def mode_of(x: torch.Tensor, weights: tuple) -> str:
+    """"train" where the call builds a graph for the backward, else "decode" for a few tokens, "prefill" for many.
+    Read at trace time from the example shapes (a guarded size, as Dynamo compiles per shape anyway)."""
+    if torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in (x, *weights)):
+        return "train"
+    rows = x.shape[0] if x.dim() == 2 else x.numel() // max(x.shape[-1], 1)
+    return "decode" if isinstance(rows, int) and rows <= 64 else "prefill"
