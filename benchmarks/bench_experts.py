@@ -244,6 +244,66 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
+def routing_check_cost(T: int = 4096, shape: str = "qwen3") -> dict:
+    """The compiled op with its device-side routing-id check (``config.validate_routing``, on by default) against
+    the same op without it, each under torch.compile (Inductor): what the check costs in a compiled graph."""
+    H, I, E, k = SHAPES[shape]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
+    ids, weights = make_routing(T, E, k, False, gen, "cuda")
+    w1, w2 = hf_expert_weights(shape, "cuda", torch.bfloat16)
+    times = {}
+    for check in (True, False):
+        moe_inductor.config.validate_routing = check
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x, ids, w: moe_inductor.fused_experts(x, ids, w.to(x.dtype), w1, w2))
+        with torch.no_grad():
+            fn(x, ids, weights)
+            times[check] = bench(lambda: fn(x, ids, weights))
+    moe_inductor.config.validate_routing = False
+    return {"shape": shape, "T": T, "with_check_ms": times[True], "without_check_ms": times[False],
+            "check_share": times[True] / times[False] - 1.0}
+
+
+def gptoss_layout(T: int) -> dict:
+    """GPT-OSS's experts as the model holds them: (E, H, 2I) gate_up with interleaved columns, biases, the clamped
+    glu. ``ours`` reads the interleaved weight as one contiguous tile per step; ``ours_strided`` passes gate and up
+    as stride-2 views of two copies, which the kernel cannot pair (how every interleaved weight ran before);
+    ``sort_gmm`` is HF's grouped_mm path (one GEMM over the whole weight, the glu on its columns)."""
+    H, I, E, k = SHAPES["gptoss"]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
+    ids, weights = make_routing(T, E, k, False, gen, "cuda")
+    weights = weights.to(torch.bfloat16)
+    gate_up = (torch.randn(E, H, 2 * I, generator=gen) * H ** -0.5).to("cuda", torch.bfloat16)
+    down = (torch.randn(E, I, H, generator=gen) * I ** -0.5).to("cuda", torch.bfloat16)
+    b_gate_up = (torch.randn(E, 2 * I, generator=gen) * 0.02).to("cuda", torch.bfloat16)
+    b_down = (torch.randn(E, H, generator=gen) * 0.02).to("cuda", torch.bfloat16)
+    kw = dict(activation="gptoss_glu", layout="kn", b2=b_down)
+    ours = partial(moe_inductor.fused_experts, x, ids, weights, gate_up, down, b1=b_gate_up, gate_up="interleaved",
+                   **kw)
+    apart = (gate_up.clone()[..., 0::2], gate_up.clone()[..., 1::2])
+    strided = partial(moe_inductor.fused_experts, x, ids, weights, apart, down, b1=(b_gate_up[:, 0::2],
+                      b_gate_up[:, 1::2]), **kw)
+
+    def sort_gmm():
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+        rows = x[order // k]
+        h = torch._grouped_mm(rows, gate_up, offs=offs) + b_gate_up[flat[order]]
+        g, u = h[:, 0::2].clamp(max=7.0), h[:, 1::2].clamp(-7.0, 7.0)
+        act = (u + 1) * g * torch.sigmoid(1.702 * g)
+        o = torch._grouped_mm(act, down, offs=offs) + b_down[flat[order]]
+        y = torch.empty_like(o).index_copy_(0, order, o)
+        return (y.view(T, k, H) * weights[..., None]).sum(1)
+
+    with torch.no_grad():
+        err = (ours().float() - sort_gmm().float()).norm() / sort_gmm().float().norm()
+        return {"shape": "gptoss (HF layout)", "T": T, "ours": bench(ours), "ours_strided": bench(strided),
+                "sort_gmm": bench(sort_gmm), "rel_err_vs_sort_gmm": float(err)}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
@@ -257,6 +317,9 @@ def main(argv=None) -> None:
     ap.add_argument("--dump-tuned", default=None, help="write the tuned config table (JSON) here")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--markdown", default=None, help="write a markdown table here")
+    ap.add_argument("--extras", nargs="*", default=[], choices=["check", "gptoss_layout"],
+                    help="also time the compiled routing-id check's cost at T=4096 (check), and GPT-OSS's experts "
+                         "in the model's own layout at each --tokens (gptoss_layout)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_experts.py needs a CUDA GPU")
@@ -268,20 +331,28 @@ def main(argv=None) -> None:
     moe_inductor.config.autotune = args.autotune
     moe_inductor.config.validate_routing = False  # as inside compiled graphs: no eager id check (a host sync)
     rows: list[dict] = []
+    extras: list[dict] = []
+    if "check" in args.extras:
+        extras.append(routing_check_cost())
+        print(extras[-1], flush=True)
+    if "gptoss_layout" in args.extras:
+        for T in args.tokens:
+            extras.append(gptoss_layout(T))
+            print(extras[-1], flush=True)
     skews = [False] if args.no_skew else [False, True]
     for name in args.shapes:
         do_hf = not args.no_hf and (args.hf_shapes is None or name in args.hf_shapes)
         run_shape(name, args.tokens, skews, not args.no_backward, do_hf, rows, args.skew_tokens)
         if args.json:  # after every shape, so a run cut short still leaves its rows
             with open(args.json, "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+                json.dump({"meta": meta, "rows": rows, "extras": extras}, f, indent=1)
     if args.dump_tuned:
         from moe_inductor.kernels.configs import TABLE
 
         TABLE.dump(args.dump_tuned)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            json.dump({"meta": meta, "rows": rows, "extras": extras}, f, indent=1)
     table = markdown(rows)
     if args.markdown:
         with open(args.markdown, "w") as f:

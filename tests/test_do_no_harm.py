@@ -431,3 +431,75 @@ def test_hf_experts_with_a_wide_router_raise(implementation):
     torch._dynamo.reset()
     with torch.no_grad(), pytest.raises(Exception, match=r"mlp.experts.*must lie in \[0, 5\)"):
         torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(ids)
+
+
+# --- on the GPU (bf16) ------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", FAILING_STYLES, ids=FAILING_IDS)
+def test_gpu_a_frame_that_fails_under_our_settings_falls_back(make):
+    from helpers import REL_TOL
+
+    torch.manual_seed(0)
+    model = make().to("cuda", torch.bfloat16)
+    x = torch.randn(9, 16, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor")
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ye, yc = model(xe), compiled(xc)
+    assert rel_err(yc, ye) < REL_TOL[torch.bfloat16]
+    ge = torch.autograd.grad(ye.float().square().sum(), xe)[0]
+    gc = torch.autograd.grad(yc.float().square().sum(), xc)[0]
+    assert rel_err(gc, ge) < REL_TOL[torch.bfloat16]
+    assert sum(counters["moe_inductor_fallback"].values()) >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["data_copy", "data_view_in_place", "optimizer_step"])
+def test_gpu_module_list_experts_see_weight_changes(how):
+    from test_pass_unrolled_loop import ModuleListMoE
+
+    torch.manual_seed(0)
+    model = ModuleListMoE("hf_v4").to("cuda", torch.bfloat16)
+    x = torch.randn(64, 16, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor")
+    with torch.no_grad():
+        assert rel_err(compiled(x), model(x)) < 2e-2
+        assert counters["moe_inductor"]["unrolled_loop"] == 1
+        _change(model, how)
+        assert rel_err(compiled(x), model(x)) < 2e-2, f"stale after {how}"
+
+
+_BAD_IDS_ON_THE_GPU = """
+import torch, moe_inductor
+from helpers import make_problem
+p = make_problem(64, 16, 8, 5, 2, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+run = torch.compile(lambda ids: moe_inductor.fused_experts(p.x, ids, p.topk_weights, p.w1, p.w2,
+                                                           name="model.layers.0.mlp.experts"), backend="moe_inductor")
+run(p.topk_ids)
+torch.cuda.synchronize()
+print("healthy ids ran", flush=True)
+bad = p.topk_ids.clone()
+bad[3, 1] = 7
+run(bad)
+torch.cuda.synchronize()
+print("bad ids ran")
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_bad_ids_raise_on_the_device_in_a_compiled_graph():
+    """A device-side assert ends the CUDA context, so it runs in a process of its own."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", _BAD_IDS_ON_THE_GPU], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert "healthy ids ran" in done.stdout
+    assert done.returncode != 0 and "bad ids ran" not in done.stdout
+    assert "must lie in [0, 5)" in done.stdout + done.stderr
