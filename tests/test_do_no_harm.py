@@ -134,7 +134,7 @@ FAILING_IDS = ["tolist", "one_hot_tensor", "item"]
 
 
 @pytest.mark.parametrize("make", FAILING_STYLES, ids=FAILING_IDS)
-@pytest.mark.parametrize("T", [9, 1, 0], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("T", [9, *(pytest.param(t, marks=pytest.mark.slow) for t in (1, 0))], ids=lambda t: f"T{t}")
 def test_a_frame_that_fails_under_our_settings_falls_back(make, T):
     """Each style fails under the capture settings at T = 9 (a trace error, a compile error inside Inductor, code
     that fails on its first call); T = 1 and T = 0 are edge cases that must run whatever path they take."""
@@ -304,7 +304,8 @@ def _weight_reading_models():
 
 
 @pytest.mark.parametrize("how", CHANGES)
-@pytest.mark.parametrize("name", ["module_list_loop", "stacked_loop", "capacity", "dense", "gathered"])
+@pytest.mark.parametrize("name", ["stacked_loop"] + [pytest.param(n, marks=pytest.mark.slow)  # quick: one form
+                                                     for n in ("module_list_loop", "capacity", "dense", "gathered")])
 def test_every_weight_change_is_seen_on_the_next_call(name, how):
     make, form, H = _weight_reading_models()[name]
     torch.manual_seed(0)
@@ -323,7 +324,7 @@ def test_every_weight_change_is_seen_on_the_next_call(name, how):
 
 
 @pytest.mark.parametrize("how", ["data_copy", "optimizer_step", "to_dtype"])
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_hf_experts_see_weight_changes(family, how):
     from hf_models import tiny
 

@@ -23,6 +23,7 @@ def test_corpus_is_large_enough():
     assert len({c.name for c in CASES}) == len(CASES), "case names must be unique"
 
 
+@pytest.mark.slow  # every case compiles a model: the full suite (.ci/run) runs the corpus
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_corpus_module(case):
     outcome = run_case(case)
