@@ -45,7 +45,7 @@ class SplitLoopMoE(nn.Module):
             ws = top.flatten() if s == "sort_unsorted_weights" else top.flatten()[order]
             xs = x[tok]
         sizes = counts.tolist()
-        if s in ("mask", "mask_other_counts", "mask_reversed_pieces", "mask_one_expert_differs"):
+        if s in ("mask", "mask_other_counts", "mask_reversed_pieces", "mask_one_expert_differs", "mask_read_before"):
             pieces = torch.split(xs, sizes)
             outs = []
             for e in range(E):  # each expert's whole MLP on its own piece
@@ -61,8 +61,9 @@ class SplitLoopMoE(nn.Module):
             ys = torch.cat([F.linear(p, self.w2[e]) for e, p in enumerate(h.split(sizes, dim=0))], dim=0)
         if s.startswith("mask"):
             out = torch.zeros(T, H)
+            early = out.clone() + 1.0 if s == "mask_read_before" else None  # reads the zeros before the write
             out.scatter_add_(0, tok.unsqueeze(1).expand(-1, H), ys * ws.unsqueeze(-1))
-            return out
+            return out if early is None else out * early
         rows = torch.flip(tok, [0]) if s == "sort_other_rows" else tok
         return torch.zeros((T, H)).index_add(0, rows, ys * ws[:, None])
 
@@ -94,7 +95,7 @@ def test_split_loop_is_rewritten_and_equal(style):
 
 
 @pytest.mark.parametrize("style", ["mask_other_counts", "mask_reversed_pieces", "mask_one_expert_differs",
-                                   "sort_unsorted_weights", "sort_other_rows"])
+                                   "sort_unsorted_weights", "sort_other_rows", "mask_read_before"])
 def test_split_loop_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = SplitLoopMoE(style)

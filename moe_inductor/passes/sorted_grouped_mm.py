@@ -187,8 +187,8 @@ def _scatter_back(acc: Node) -> Optional[_Combine]:
     if tok is None or (add.target == "index_add_" and tok is not add.args[2]):
         return None
     got = _token_of(tok)
-    if got is None:
-        return None
+    if got is None or any(_after(add, u) for u in acc.users if u is not add):
+        return None  # (a read of the zeros before the scatter must not see the op's result)
     xv, av = val(add.args[3]), val(acc)
     if xv is None or av is None or av.dim() != 2:
         return None

@@ -395,10 +395,22 @@ def _combine(acc: Node) -> Optional[_Combine]:
         node = end = users[0]
     if node.args[0] is not acc or len(node.args) != 4 or node.args[1] != 0 or node.kwargs:
         return None
+    if mutations and any(_before(u, node) for u in acc.users if u is not node):
+        return None  # a read of the zeros before the write: the op's result must not reach it
     tok = _token_index(node.args[2]) if node.target.startswith("scatter") else node.args[2]
     if tok is None:
         return None
     return _Combine(tok, node.args[3], end, node if mutations else None, acc)
+
+
+def _before(node: Node, other: Node) -> bool:
+    """``node`` comes before ``other`` in graph order."""
+    cur = node.next
+    while cur.op != "root":
+        if cur is other:
+            return True
+        cur = cur.next
+    return False
 
 
 def match(acc: Node) -> Union[tuple[MoESpec, _Combine, list], str, None]:

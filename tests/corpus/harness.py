@@ -11,6 +11,8 @@ once and calls it at several token counts, forward and backward, and reports wha
   the one ``moe_inductor.explain`` reports);
 - ``fell_back``: nothing was rewritten, no pass said a word, and a frame failed under moe_inductor's capture
   settings and was compiled as plain capture would (``counters["moe_inductor_fallback"]``, the do-no-harm rule);
+- ``graph_break``: nothing was rewritten, no pass said a word, and Dynamo broke the graph (explain() shows the
+  break, with its line; the MoE code was split over graphs no pass sees whole);
 - ``unexplained``: nothing was rewritten and no pass said a word;
 - ``crash``: the compile or a compiled call raised (before the per-frame fallback of the do-no-harm issue lands,
   a model's own ``.tolist()`` or ``if count == 0`` turns into a hard error under moe_inductor's capture flags).
@@ -26,6 +28,8 @@ import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
 
+from moe_inductor.backend import moe_inductor_backend
+from moe_inductor.capture import BACKEND_MARKER
 from tests.helpers import rel_err
 
 #: relative L2 error bound of the corpus (the issue's bar); bf16 cases (torch._grouped_mm takes nothing else) use
@@ -65,7 +69,7 @@ class Step:
 
 @dataclass
 class Outcome:
-    kind: str  # "rewritten", "left_alone", "unexplained", "crash"
+    kind: str  # "rewritten", "left_alone", "fell_back", "graph_break", "unexplained", "crash"
     detail: tuple = ()
     steps: list = field(default_factory=list)  # (compiled Step, eager Step) per token count
     graph_breaks: int = 0
@@ -107,7 +111,19 @@ def run_case(case: Case, inner: str = "eager") -> Outcome:
     counters.clear()
     torch.manual_seed(0)
     model = case.build().to(case.dtype)
-    compiled = torch.compile(model, backend="moe_inductor", options={"inner": inner})
+    breaks, graphs = [], []
+
+    def backend(gm, example_inputs, **kwargs):
+        # the reason Dynamo ended each graph, as torch._dynamo.explain and moe_inductor.explain count graph breaks
+        # (counters["graph_break"] misses some, such as a loop over a tensor)
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        graphs.append(gm)
+        if reason is not None and getattr(reason, "graph_break", False):
+            breaks.append(reason)
+        return moe_inductor_backend(gm, example_inputs, options={"inner": inner})
+
+    setattr(backend, BACKEND_MARKER, True)  # a wrapper of ours: the capture stays on (as for explain's backend)
+    compiled = torch.compile(model, backend=backend)
     outcome = Outcome("rewritten")
     gen = torch.Generator().manual_seed(1)
     for i, T in enumerate(case.token_counts):
@@ -118,8 +134,8 @@ def run_case(case: Case, inner: str = "eager") -> Outcome:
             outcome.kind, outcome.detail = "crash", (type(exc).__name__,)
             break
         outcome.steps.append((got, _step(model, x, seed=i)))
-    outcome.graph_breaks = sum(counters["graph_break"].values())
-    outcome.graphs = counters["stats"]["unique_graphs"]
+    outcome.graph_breaks = max(len(breaks), sum(counters["graph_break"].values()))
+    outcome.graphs = len(graphs)
     outcome.rewrites = dict(counters["moe_inductor"])
     outcome.left_alone = dict(counters["moe_inductor_left_alone"])
     outcome.fallbacks = dict(counters["moe_inductor_fallback"])
@@ -128,7 +144,8 @@ def run_case(case: Case, inner: str = "eager") -> Outcome:
     if outcome.rewrites.get(case.form):
         return outcome
     if not outcome.left_alone:
-        outcome.kind = "fell_back" if outcome.fallbacks else "unexplained"
+        outcome.kind = ("fell_back" if outcome.fallbacks else "graph_break" if outcome.graph_breaks
+                        else "unexplained")
         return outcome
     outcome.kind = "left_alone"
     outcome.detail = _left_alone_reason(case)

@@ -8,6 +8,9 @@ the output; experts by three bf16 ``torch._grouped_mm`` on int32 ``cumsum`` offs
 ``torch.split`` loop; the unsort writes ``unsorted[order] = routed_output`` and sums ``view(-1, k, H)`` over k (or
 a ``bmm`` with the scores); a shared expert; a no-grad buffer update of the token counts.
 
+The for-loop path crashes under ``torch.compile`` whatever the backend (``backend="eager"`` too: a
+``TorchRuntimeError`` making a fake tensor call once the token count turns dynamic): torch's limit, not ours.
+
 Departures: ``histc`` gets the ids as floats (CPU's histc has no integer kernel); no EP padding wrapper (it pads
 for alignment under expert parallelism only).
 """
