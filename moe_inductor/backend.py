@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from . import capture, hf
-from .explain import log_rewrites
+from .rewrites import log_rewrites
 from .options import BackendOptions
 from .passes import FX_PASSES
 from .passes.fx_utils import canonicalize_operators

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .report import Report, collecting
-from .rewrites import log_rewrites  # noqa: F401  (the backend logs through it)
+from .rewrites import log_rewrites  # noqa: F401  (kept importable from here)
 
 log = logging.getLogger("moe_inductor")
 
