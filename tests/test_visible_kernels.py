@@ -156,7 +156,7 @@ def test_the_backend_swaps_only_for_inductor_without_cuda_graphs(inner, mode, sw
 
     calls = []
     monkeypatch.setattr(visible, "swap_in_visible_ops", lambda gm: calls.append(gm) or 3)  # "swapped three ops"
-    monkeypatch.setattr(backend, "_inner_compile", lambda name, gm, inputs, mode: gm.forward)
+    monkeypatch.setattr(backend, "_inner_compile", lambda name, gm, inputs, mode, inductor_options=None: gm.forward)
     monkeypatch.setattr(config, "visible_kernels", True)
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
     with collecting(Report()) as report:

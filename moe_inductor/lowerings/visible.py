@@ -27,9 +27,8 @@ from torch import Tensor
 
 from ..kernels.launch import traceable_launches
 from ..ops import grouped_mm_engine
-from ..ops.experts import _backward, _setup_context, experts_forward_impl
+from ..ops.experts import EXPERTS_AUTOGRAD, experts_forward_impl
 from ..ops.grouped import use_triton
-from ..passes.fx_utils import val
 
 
 # The signature repeats experts_forward_impl's: triton_op infers the op schema from these annotations.
@@ -58,7 +57,15 @@ def experts_forward_visible(
                                     weight_position, alpha, limit, capacity, save_pre)
 
 
-experts_forward_visible.register_autograd(_backward, setup_context=_setup_context)
+experts_forward_visible.register_autograd(EXPERTS_AUTOGRAD[0], setup_context=EXPERTS_AUTOGRAD[1])
+
+
+def _example(node: object) -> Optional[Tensor]:
+    """The fake tensor Dynamo recorded for an argument node (``example_value`` in Dynamo graphs, ``val`` after aot;
+    None for constants and unrecorded nodes)."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    return node.meta.get("val", node.meta.get("example_value"))
 
 
 def swap_in_visible_ops(gm: torch.fx.GraphModule) -> int:
@@ -67,7 +74,7 @@ def swap_in_visible_ops(gm: torch.fx.GraphModule) -> int:
     swapped = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.moe_inductor.experts_forward.default:
-            x, w1 = val(node.args[0]), val(node.args[3])
+            x, w1 = _example(node.args[0]), _example(node.args[3])
             # (a weight view our rewrite made may carry no example value: then only the engine rule is unknown, and
             # both ops compute the same)
             engine_may_run = w1 is not None and grouped_mm_engine.may_take_experts_of(w1)

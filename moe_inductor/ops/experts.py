@@ -435,6 +435,9 @@ def _backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
 
 experts_forward.register_autograd(_backward, setup_context=_setup_context)
 
+#: the autograd of ``experts_forward`` as (backward, setup_context), for ops with its schema (lowerings/visible.py)
+EXPERTS_AUTOGRAD = (_backward, _setup_context)
+
 
 def to_kn(w: Tensor, layout: str) -> Tensor:
     """A weight (or a stack of them) as (.., in, out), the op's (E, K, N), from its ``layout``: "kn" is that already,
