@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 
-from .. import config as moe_config
 from . import configs
 
 
@@ -95,13 +94,13 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _pick(key: str, default: configs.LaunchConfig, candidates, run) -> configs.LaunchConfig:
-    """The tuned config for ``key``, else tune now (if enabled), else ``default``. ``candidates`` is a thunk."""
+def _pick(key: str, default: configs.LaunchConfig, candidates, run, autotune: bool) -> configs.LaunchConfig:
+    """The tuned config for ``key``, else tune now (if ``autotune``), else ``default``. ``candidates`` is a thunk."""
     cfg = configs.TABLE.lookup(key)
     if cfg is not None:
         return cfg
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    if moe_config.autotune and not capturing and not configs.interpreting() and not _traceable:
+    if autotune and not capturing and not configs.interpreting() and not _traceable:
         return configs.tune(key, candidates, run)
     return default
 
@@ -144,8 +143,10 @@ def launch_grouped_gemm(
     limit: float = 7.0,
     pre: torch.Tensor | None = None,
     accumulate: bool = False,
+    autotune: bool = False,
 ) -> None:
-    """See ``grouped_gemm_kernel``. ``num_rows`` is M, the length of ``order``; it only sizes the grid."""
+    """See ``grouped_gemm_kernel``. ``num_rows`` is M, the length of ``order``; it only sizes the grid.
+    ``autotune``: tune the config on first use of its key (else the shipped table's, or the default)."""
     num_experts, k_dim, n_dim = b.shape
     if _traceable:  # (eager shapes are ints already: this stays off the hot path)
         num_experts, k_dim, n_dim = static_dim(num_experts), static_dim(k_dim), static_dim(n_dim)
@@ -158,7 +159,7 @@ def launch_grouped_gemm(
     # Every launch decision below depends only on this tuple, so it is made once per tuple: the per-call host work
     # is then one dict lookup, the argument list and the Triton launch (small T is host-bound).
     decision_key = (num_experts, n_dim, k_dim, a.dtype, gated, a_rows, c_rows, bucket, scale_mode, act_id, has_bias,
-                    pre is not None, accumulate, a.device, moe_config.autotune,
+                    pre is not None, accumulate, a.device, autotune,
                     configs.interpreting(), pairs is not None)
     decided = _GEMM_DECISIONS.get(decision_key)
 
@@ -205,10 +206,10 @@ def launch_grouped_gemm(
         # Tuning re-runs the launch, so an accumulating launch borrows the config of its plain twin.
         cfg = configs.TABLE.lookup(key) or (
             default if accumulate else _pick(key, default, lambda: configs.gemm_candidates(a.dtype),
-                                             lambda c: run(c, meta_for(c)))
+                                             lambda c: run(c, meta_for(c)), autotune=autotune)
         )
         decided = (cfg, meta_for(cfg))
-        if not moe_config.autotune or accumulate or configs.TABLE.lookup(key) is not None:
+        if not autotune or accumulate or configs.TABLE.lookup(key) is not None:
             _GEMM_DECISIONS[decision_key] = decided  # not a default that a later tuning run (after capture) replaces
     with device_guard(a):
         run(*decided)
@@ -242,8 +243,10 @@ def launch_grouped_weight_grad(
     a_rows: int,
     g_rows: int,
     scale: torch.Tensor | None = None,
+    autotune: bool = False,
 ) -> None:
-    """dw[e] (K, N) = a_e^T @ (scale * g_e); every expert's block is written, zeros for empty experts."""
+    """dw[e] (K, N) = a_e^T @ (scale * g_e); every expert's block is written, zeros for empty experts.
+    ``autotune`` as in ``launch_grouped_gemm``."""
     num_experts, k_dim, n_dim = dw.shape
     if _traceable:
         num_experts, k_dim, n_dim = static_dim(num_experts), static_dim(k_dim), static_dim(n_dim)
@@ -265,6 +268,6 @@ def launch_grouped_weight_grad(
         )
 
     default = configs.default_weight_grad_config(k_dim, n_dim, a.dtype)
-    cfg = _pick(key, default, lambda: configs.weight_grad_candidates(a.dtype), run)
+    cfg = _pick(key, default, lambda: configs.weight_grad_candidates(a.dtype), run, autotune=autotune)
     with device_guard(a):
         run(cfg)

@@ -79,7 +79,7 @@ def grouped_gemm(
         launch_grouped_gemm(
             a, b, offsets, order, topk, out, a_rows=a_rows, c_rows=c_rows, num_rows=order.shape[0], b2=b2,
             bias=bias, bias2=bias2, scale=scale, scale_mode=scale_mode, act_id=ACTIVATIONS[activation][1],
-            alpha=alpha, limit=limit, pre=pre, accumulate=accumulate,
+            alpha=alpha, limit=limit, pre=pre, accumulate=accumulate, autotune=config.autotune,
         )
         return out
     return grouped_gemm_reference(
@@ -151,7 +151,8 @@ def grouped_weight_grad(
 ) -> torch.Tensor:
     """Writes ``dw`` (E, K, N), zeros for empty experts, and returns it."""
     if use_triton(a):
-        launch_grouped_weight_grad(a, g, offsets, order, topk, dw, a_rows=a_rows, g_rows=g_rows, scale=scale)
+        launch_grouped_weight_grad(a, g, offsets, order, topk, dw, a_rows=a_rows, g_rows=g_rows, scale=scale,
+                                   autotune=config.autotune)
         return dw
     return grouped_weight_grad_reference(a, g, offsets, order, topk, dw, a_rows=a_rows, g_rows=g_rows, scale=scale)
 
