@@ -1,6 +1,16 @@
 """moe_inductor: a torch.compile backend that runs Mixture-of-Experts layers as fused Triton grouped GEMMs.
 
     model = torch.compile(model, backend="moe_inductor")   # found through the torch_dynamo_backends entry point
+
+Layers, each importing only those below it (tests/test_layers.py checks the imports):
+    explain, __main__         what users call and read; nothing imports them
+    backend                   the Dynamo backend: passes, then the inner compiler
+    capture, hf, speed_rule   scoped capture and the per-frame fallback; transformers' experts; the speed rule
+    passes/                   FX matchers -> MoESpec -> the one emitter (never kernels/)
+    lowerings/                how our ops reach Inductor (never passes/)
+    report, rewrites          what was done, and its log channel
+    ops/                      torch.library ops, references, host-side launch preparation (never passes/ or above)
+    kernels/                  Triton kernels and their launchers (nothing of ours beyond kernels/)
 """
 from __future__ import annotations
 
