@@ -18,7 +18,7 @@ from . import capture, hf
 from .rewrites import log_rewrites
 from .options import BackendOptions
 from .passes import FX_PASSES
-from .passes.fx_utils import canonicalize_operators
+from .passes.fx_utils import canonicalize_operators, eliminate_dead_code
 from .passes.kept_errors import index_bounds, keep_removed_checks
 from .report import GraphRecord, LeftAlone, Rewrite, collecting_left_alone, current_report
 
@@ -50,7 +50,7 @@ def _run_pass(form: str, rewrite: Callable,
         with collecting_left_alone() as left_alone:
             found = rewrite(candidate)
         if found:  # what the rewrite made dead goes now, so that the checks it held are seen to go
-            candidate.graph.eliminate_dead_code()
+            eliminate_dead_code(candidate.graph)  # (FX's own would also drop the user's unread in-place writes)
             keep_removed_checks(candidate.graph, bounds)
             candidate.recompile()
     except Exception as exc:

@@ -26,7 +26,7 @@ from torch.fx import GraphModule, Node
 from ..report import Rewrite, note_left_alone
 from ..spec import MoESpec
 from .emit import emit_experts, inputs_unchanged, replace_matches
-from .fx_utils import alias_mutations, einsum_parts, is_call, read_gated, single_use, source_line, val, weighted_sum
+from .fx_utils import alias_mutations, einsum_parts, is_call, read_gated, single_use, source_line, val, weighted_sum, eliminate_dead_code
 
 FORM = "dense_experts"
 
@@ -320,7 +320,7 @@ def _rewrite_token_replicated(gm: GraphModule) -> list[Rewrite]:
             r.replace_input_with(acc, total)
         where = source_line(add)
         graph.erase_node(add)
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         E, k = int(val(spec.gate).shape[0]), int(val(spec.ids).shape[-1])
         done.append(Rewrite(FORM, where, E, k, spec.activation, (tuple(val(spec.gate).shape),
                                                                  tuple(val(spec.down).shape)),

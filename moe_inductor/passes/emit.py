@@ -10,7 +10,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from ..report import Rewrite, note_left_alone
 from ..spec import MoESpec
-from .fx_utils import mutated_alias, source_function, source_line, val
+from .fx_utils import mutated_alias, source_function, source_line, val, eliminate_dead_code
 
 
 def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dtype) -> Node:
@@ -117,7 +117,7 @@ def replace_matches(gm: GraphModule, match: Callable[[Node], Union[MoESpec, str,
         node.replace_all_uses_with(emit_experts(gm.graph, spec, node, out_val.dtype))
         done.append(describe(node, spec))
     if done:
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         gm.recompile()
     return done, left_alone
 

@@ -86,6 +86,51 @@ def alias_mutations(node: Node) -> list[Node]:
     return list(dict.fromkeys(found))
 
 
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul}
+
+
+def is_impure(node: Node) -> bool:
+    """FX's purity, plus what it misses in Dynamo graphs: an in-place method (``buf.add_(c)``, ``m.scatter_(...)``)
+    or in-place operator (``t += u``) whose result nobody reads is still a write. It must stay when it changes the
+    user's state (an input, parameter or buffer, or a view of one) or a tensor read after it (directly or through a
+    view); a write to a tensor of the graph's own that nothing reads any more may go with it."""
+    if node.is_impure():
+        return True
+    inplace = (node.op == "call_method" and str(node.target).endswith("_")) or (
+        node.op == "call_function" and node.target in _INPLACE_OPERATORS)
+    if not inplace:
+        return False
+    target = node.args[0] if node.args else None
+    if not isinstance(target, Node):
+        return True
+    base = target
+    while _is_view(base) and base.args and isinstance(base.args[0], Node):
+        base = base.args[0]
+    if base.op in ("placeholder", "get_attr"):
+        return True
+    aliases, stack = set(), [base]
+    while stack:
+        n = stack.pop()
+        if n not in aliases:
+            aliases.add(n)
+            stack.extend(u for u in n.users if _is_view(u) and u.args and u.args[0] is n)
+    readers = {u for a in aliases for u in a.users if u is not node}
+    cur = node.next
+    while cur.op != "root":
+        if cur in readers:
+            return True
+        cur = cur.next
+    return False
+
+
+def eliminate_dead_code(graph: torch.fx.Graph) -> bool:
+    """``graph.eliminate_dead_code()`` that keeps the user's in-place writes (``is_impure``). FX's own takes every
+    ``call_method`` as pure, so after a rewrite it would drop, say, a ``self.counts.add_(...)`` buffer update or
+    the ``mask.scatter_(...)`` that a router's later reads depend on."""
+    return graph.eliminate_dead_code(is_impure_node=is_impure)
+
+
 def mutated_alias(node: Node) -> bool:
     """Whether ``node`` or a view-alias of it is changed in place anywhere in the graph (see ``alias_mutations``)."""
     return bool(alias_mutations(node))

@@ -34,7 +34,7 @@ from torch.fx import GraphModule, Node
 from ..report import Rewrite, note_left_alone
 from ..spec import MoESpec
 from .emit import emit_experts
-from .fx_utils import einsum_parts, mutated_alias, source_line, split_gated, val
+from .fx_utils import einsum_parts, mutated_alias, source_line, split_gated, val, eliminate_dead_code
 
 FORM = "padded_capacity"
 
@@ -430,6 +430,6 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
                             note=f"capacity {found.capacity}, the same drops; runs the T*k routed rows instead of "
                                  f"{padded}, no (T, E, C) dispatch einsum"))
     if done:
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         gm.recompile()
     return done

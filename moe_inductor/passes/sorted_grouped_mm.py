@@ -37,7 +37,7 @@ from torch.fx import GraphModule, Node
 from ..report import Rewrite
 from ..spec import MoESpec
 from .emit import emit_experts, inputs_unchanged, note_unmatched
-from .fx_utils import alias_mutations, is_call, read_gated, source_line, val
+from .fx_utils import alias_mutations, is_call, read_gated, source_line, val, eliminate_dead_code
 
 FORM = "sorted_grouped_mm"
 
@@ -358,7 +358,7 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
         where = source_line(combine.writes[0])
         for write in combine.writes:
             graph.erase_node(write)
-        graph.eliminate_dead_code()
+        eliminate_dead_code(graph)
         done.append(Rewrite(FORM, where, int(val(spec.gate).shape[0]), int(val(spec.ids).shape[-1]), spec.activation,
                             (tuple(val(spec.gate).shape), tuple(val(spec.down).shape)),
                             note=f"routing weight on the {spec.weight_position}; no permuted copy of x"))

@@ -36,7 +36,7 @@ from torch.fx import GraphModule, Node
 from ..report import Rewrite
 from ..spec import MoESpec
 from .emit import emit_experts, inputs_unchanged
-from .fx_utils import alias_mutations, is_call, read_gated, source_line, val
+from .fx_utils import alias_mutations, is_call, read_gated, source_line, val, eliminate_dead_code
 from .sorted_grouped_mm import _flat, _sort_order
 from .unrolled_loop import _linear, _topk_ids
 
@@ -467,11 +467,11 @@ def _erase_region(graph, roots: list) -> None:
             continue
         doomed.add(node)
         stack.extend(node.users)
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     for node in reversed(list(graph.nodes)):
         if node in doomed and not node.users and node.target in _ASSERTS:
             graph.erase_node(node)
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
 
 
 _ASSERTS = (torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,

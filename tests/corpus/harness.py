@@ -21,6 +21,7 @@ test_corpus.py compares each case's outcome with what it declares, exactly, so a
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -77,6 +78,7 @@ class Outcome:
     rewrites: dict = field(default_factory=dict)
     left_alone: dict = field(default_factory=dict)
     fallbacks: dict = field(default_factory=dict)
+    buffers: list = field(default_factory=list)  # (name, compiled model's, eager model's) after every step
 
     def declared(self) -> tuple:
         """The outcome in the form a Case declares it (``Case.expect``)."""
@@ -111,6 +113,7 @@ def run_case(case: Case, inner: str = "eager") -> Outcome:
     counters.clear()
     torch.manual_seed(0)
     model = case.build().to(case.dtype)
+    eager_model = copy.deepcopy(model)  # its own buffers: a compiled step must update the module's state as eager's
     breaks, graphs = [], []
 
     def backend(gm, example_inputs, **kwargs):
@@ -133,7 +136,8 @@ def run_case(case: Case, inner: str = "eager") -> Outcome:
         except Exception as exc:  # noqa: BLE001  (the outcome records which error; the test declares it)
             outcome.kind, outcome.detail = "crash", (type(exc).__name__,)
             break
-        outcome.steps.append((got, _step(model, x, seed=i)))
+        outcome.steps.append((got, _step(eager_model, x, seed=i)))
+    outcome.buffers = [(name, b, dict(eager_model.named_buffers())[name]) for name, b in model.named_buffers()]
     outcome.graph_breaks = max(len(breaks), sum(counters["graph_break"].values()))
     outcome.graphs = len(graphs)
     outcome.rewrites = dict(counters["moe_inductor"])
@@ -191,6 +195,8 @@ def check_rewritten(case: Case, outcome: Outcome) -> None:
         for name in ref.grads:
             err = rel_err(got.grads[name], ref.grads[name])
             assert err < tol, f"T={T}: gradient of {name}: relative error {err:.2e}"
+    for name, got_buf, ref_buf in outcome.buffers:  # the module's own in-place state updates survive the rewrite
+        assert torch.equal(got_buf, ref_buf), f"buffer {name} differs from eager's after the steps"
 
 
 def check_unchanged(case: Case, outcome: Outcome) -> None:

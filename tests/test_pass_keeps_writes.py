@@ -1,0 +1,50 @@
+"""A rewrite removes what only its region used, never the user's own in-place writes elsewhere in the graph.
+
+FX's dead-code removal takes every ``call_method`` as pure, and Dynamo records ``buf.add_(c)`` or
+``mask.scatter_(1, i, 1)`` as call_method nodes nobody reads (later reads point at ``buf``/``mask``). Removing
+them after a rewrite dropped a module's buffer update (torchtitan's token counts) and DeepSeek-V2's group mask
+(every score then masked to 0: wrong routing). Both are kept now."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from tests.helpers import assert_close, compile_moe
+
+H, I, E, K, GROUPS = 16, 8, 8, 2, 4
+
+
+class WritesMoE(nn.Module):
+    """gpt-fast's gathered experts behind a DeepSeek-V2-style group-limited router, counting tokens per expert."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w1 = nn.Parameter(torch.randn(E, I, H) * H ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
+        self.register_buffer("tokens_per_expert", torch.zeros(E))
+
+    def forward(self, x):
+        scores = self.gate(x).softmax(dim=-1)
+        group_scores = scores.view(x.shape[0], GROUPS, -1).max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=2, dim=-1)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)  # an unread in-place write that the next line depends on
+        score_mask = group_mask.unsqueeze(-1).expand(-1, GROUPS, E // GROUPS).reshape(x.shape[0], -1)
+        weights, ids = torch.topk(scores.masked_fill(~score_mask.bool(), 0.0), K, dim=-1)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(torch.histc(ids.view(-1).float(), bins=E, min=0, max=E))  # module state
+        h = F.silu(torch.einsum("ti,taoi->tao", x, self.w1[ids]))
+        out = torch.einsum("tao,taio->tai", h, self.w2[ids])
+        return torch.einsum("tai,ta->ti", out, weights)
+
+
+def test_rewrite_keeps_the_users_in_place_writes():
+    torch.manual_seed(0)
+    model, ref_model = WritesMoE(), WritesMoE()
+    ref_model.load_state_dict(model.state_dict())
+    x = torch.randn(9, H)
+    out = compile_moe(model, x)
+    assert counters["moe_inductor"]["gathered_weights"] == 1
+    assert_close(out, ref_model(x), torch.float32, "forward")
+    assert torch.equal(model.tokens_per_expert, ref_model.tokens_per_expert)
