@@ -11,6 +11,7 @@ import moe_inductor
 from moe_inductor.report import gemm_engine_summary
 from tests.hf_models import tiny
 
+QUICK = {("eager", "qwen3_moe"), ("batched_mm", "qwen3_moe")}  # grouped_mm: test_explain_report, tests/test_first_hour.py
 LIGHT = {"inner": "eager"}  # the rewrite happens before the inner compiler; Inductor adds nothing to these checks
 FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "olmoe", "deepseek_v3", "granitemoe", "phimoe"]
 TRAINED = ["qwen3_moe", "mixtral", "gpt_oss"]
@@ -39,8 +40,8 @@ def test_backend_is_found_by_name_without_import():
     assert out.stdout.strip() == "True"
 
 
-@pytest.mark.parametrize("implementation,family", [  # the quick suite keeps one family in every implementation
-    pytest.param(i, f, marks=() if f == "qwen3_moe" else pytest.mark.slow) for i in IMPLEMENTATIONS for f in FAMILIES])
+@pytest.mark.parametrize("implementation,family", [  # the quick suite keeps Qwen3-MoE's eager loop and batched_mm
+    pytest.param(i, f, marks=() if (i, f) in QUICK else pytest.mark.slow) for i in IMPLEMENTATIONS for f in FAMILIES])
 def test_hf_model_is_rewritten_and_equal(family, implementation):
     model = tiny(family, implementation)
     err = compile_and_compare(model, lengths=(5, 9, 12, 17))
@@ -129,7 +130,8 @@ def test_llama4_wrapper_is_inert_outside_moe_inductor():
     assert not counters["moe_inductor"]
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "gpt_oss" else pytest.mark.slow) for f in TRAINED])
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TRAINED)
 def test_training_gradients_match_eager(family):
     model = tiny(family, "grouped_mm").train()
     ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(0))

@@ -21,6 +21,7 @@ def test_bench_hf_runs_on_a_tiny_model(capsys, tmp_path):
     assert (tmp_path / "hf.profile.txt").read_text().startswith("== prefill T=8 moe_inductor")
 
 
+@pytest.mark.slow
 def test_bench_hf_every_family_and_mode_runs_eagerly(tmp_path):
     """Every family's builder, and the decode and training steps, without compiles (they cost minutes here)."""
     import json

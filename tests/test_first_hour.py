@@ -312,6 +312,7 @@ def test_apply_refuses_a_model_without_hf_experts():
         moe_inductor.apply(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.slow
 def test_compile_generate_compiles_every_step_on_cpu():
     """``torch.compile(model).generate()`` compiles nothing; compile_generate compiles the forward generate calls."""
     pytest.importorskip("transformers")

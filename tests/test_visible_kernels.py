@@ -134,6 +134,7 @@ def test_a_static_graph_routes_in_one_launch_and_a_dynamic_one_in_two():
                                                                         *gemms]
 
 
+@pytest.mark.slow
 def test_tracing_into_the_visible_op_adds_no_token_count_guard():
     """Traced with a dynamic token count (in a process without the interpreter, see tests/visible_guards.py), the
     op adds no shape guard: a guard on T would recompile the model at each new range of sequence lengths. (The
