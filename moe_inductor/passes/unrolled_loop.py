@@ -15,6 +15,9 @@ with a data-dependent size instead of a graph break):
 The routing weight may instead scale the expert's input (``xe = x[tok] * weights[tok, pos, None]``) or the hidden
 state before the down projection; the op takes it at the same place.
 
+DeepSeek-V2's training loop is the same form with boolean masks and writes (``match_masked_writes``):
+``buf[flat == e] = expert(x.repeat_interleave(k, 0)[flat == e])``, then ``(buf.view(T, k, H) * w[..., None]).sum(1)``.
+
 The E bodies must agree on everything but e (same x, ids, weights, weights tensors, activation, layout), e must run
 over all of range(E), and the accumulator must start from zeros and be changed by nothing else. Then the loop
 becomes one ``moe_inductor::experts_forward``, and with it go the E nonzero calls (host syncs) and their unbacked
@@ -32,7 +35,8 @@ from torch.fx import GraphModule, Node
 from ..report import Rewrite, note_left_alone
 from ..spec import MoESpec
 from .emit import emit_experts, inputs_unchanged
-from .fx_utils import alias_mutations, is_call, read_gated, source_line, val, weighted_sum, eliminate_dead_code
+from .fx_utils import (alias_mutations, eliminate_dead_code, is_call, is_impure, read_gated, source_line, val,
+                       weighted_sum)
 
 FORM = "unrolled_loop"
 
@@ -318,10 +322,13 @@ def _erase_loop(graph, bodies: list[_Body]) -> None:
                 continue
             doomed.add(node)
             stack.extend(node.users)
-    for node in reversed(list(graph.nodes)):
-        if node in doomed and not node.users:
+    for node in reversed(list(graph.nodes)):  # the selections and their size asserts; never a write of the user's
+        if node in doomed and not node.users and (not is_impure(node) or node.target in _SIZE_CHECKS):
             graph.erase_node(node)
     eliminate_dead_code(graph)
+
+
+_SIZE_CHECKS = (torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default)
 
 
 def _flat_ids(node) -> Optional[Node]:
