@@ -341,6 +341,127 @@ def _before(node: Node, other: Node) -> bool:
     return False
 
 
+def _add_chain(y: Node) -> Optional[list[Node]]:
+    """The terms of ``((t0 + t1) + t2) + ...`` with every partial sum used once (by the next add)."""
+    terms, node = [], y
+    while is_call(node, "call_function", operator.add) and len(node.args) == 2 and not node.kwargs and all(
+            isinstance(a, Node) for a in node.args):
+        terms.append(node.args[1])
+        node = node.args[0]
+        if is_call(node, "call_function", operator.add) and len(node.users) != 1:
+            return None
+    terms.append(node)
+    return terms[::-1] if len(terms) >= 2 else None
+
+
+def _expert_column(ew: Node) -> Optional[tuple[Node, Node, int]]:
+    """(weights, ids, e) for ``(weights * (ids == e)).sum(dim=-1, keepdim=True)``: expert e's routing weight per
+    token (0 where no choice picked e)."""
+    if not (is_call(ew, "call_method", "sum") and len(ew.args) == 1 and ew.kwargs == {"dim": -1, "keepdim": True}):
+        return None
+    prod = ew.args[0]
+    if not (is_call(prod, "call_function", operator.mul) and len(prod.args) == 2):
+        return None
+    for w, mask in (prod.args, prod.args[::-1]):
+        if is_call(mask, "call_function", operator.eq) and isinstance(mask.args[1], int) and isinstance(w, Node):
+            return w, mask.args[0], mask.args[1]
+    return None
+
+
+def _scaled_term(term: Node) -> bool:
+    """``out * (weights * (ids == e)).sum(-1, keepdim=True)`` in either order."""
+    return is_call(term, "call_function", operator.mul) and len(term.args) == 2 and any(
+        isinstance(a, Node) and _expert_column(a) is not None for a in term.args)
+
+
+def match_dense_loop(y: Node) -> Union[MoESpec, str, None]:
+    """vLLM's torch-native iterative MoE: every expert on every token, each scaled by its column of the routing::
+
+        for e in range(E):
+            out_e = F.linear(act(F.linear(x, w1[e]) halves), w2[e]) * (weights * (ids == e)).sum(-1, keepdim=True)
+            y = out_e if y is None else y + out_e
+
+    Exact: summed over e, expert e's column weights[t, c] * [ids[t, c] == e] gives every choice its own expert,
+    whenever the ids lie in range(E) (they come from topk over E columns)."""
+    terms = _add_chain(y)
+    if terms is None or not all(_scaled_term(t) for t in terms):
+        return None
+    continued = [u for u in y.users if is_call(u, "call_function", operator.add) and len(u.args) == 2
+                 and u.args[0] is y and isinstance(u.args[1], Node) and _scaled_term(u.args[1])]
+    if continued:  # a partial sum: the chain goes on, and is matched where it ends
+        return None
+    bodies = []
+    for term in terms:
+        if not (is_call(term, "call_function", operator.mul) and len(term.args) == 2):
+            return None
+        for out, ew in (term.args, term.args[::-1]):
+            col = _expert_column(ew) if isinstance(ew, Node) else None
+            if col is not None:
+                break
+        else:
+            return None
+        bodies.append((out, *col))
+    if len({(b[1], b[2]) for b in bodies}) != 1:
+        return "the experts are scaled by columns of different routing weights or ids"
+    _, weights, ids, _ = bodies[0]
+    from .unrolled_loop import _linear, _topk_ids
+
+    read = []
+    for out, _, _, e in bodies:
+        down = _linear(out, e)
+        if down is None:
+            return f"expert {e}'s output is not a bias-free projection on its own weights"
+        h, w_down, layout, stacked = down
+        gated = read_gated(h, lambda n, e=e: _linear(n, e))
+        if gated is None:
+            return f"expert {e}'s hidden state is not a known activation of its own projections"
+        gate, up = gated.gate, gated.up
+        if up is not None and up[0] is not gate[0]:
+            return f"expert {e}'s gate and up projections read different inputs"
+        if any(p[2] != layout or p[3] != stacked for p in (gate, up) if p is not None):
+            return "the projections mix weight layouts or stacked and per-expert weights"
+        read.append((e, gate[0], gate[1], up[1] if up else None, w_down, layout, stacked, gated.activation,
+                     tuple(sorted(gated.spec_fields().items()))))
+    first = read[0]
+    if any(r[1] is not first[1] or r[5:] != first[5:] or (r[3] is None) != (first[3] is None) for r in read):
+        return "the experts differ in more than their weights, or read different inputs"
+    if sorted(r[0] for r in read) != list(range(len(read))):
+        return f"the loop runs over experts {sorted(r[0] for r in read)}, not each of range(E) once"
+    read.sort(key=lambda r: r[0])
+    stacked, num_experts = first[6], len(read)
+    if stacked:
+        gate, up, down = first[2], first[3], first[4]
+        if any((r[2], r[3], r[4]) != (gate, up, down) for r in read) or val(gate).shape[0] != num_experts:
+            return "the experts do not read one stacked weight per projection, w[e] for each e of range(E)"
+    else:
+        gate, down = tuple(r[2] for r in read), tuple(r[4] for r in read)
+        up = tuple(r[3] for r in read) if first[3] is not None else None
+        ws = [w for group in (gate, up or (), down) for w in group]
+        if len({id(w) for w in ws}) != len(ws) or len({tuple(val(w).shape) for w in gate}) != 1:
+            return "the per-expert weights are not one distinct weight per expert and projection, of one shape"
+    if not _topk_ids(ids):
+        return "the ids are not from topk"
+    top = ids.args[0]
+    scores = val(top.args[0]) if top.args else None
+    iv, wv, xv = val(ids), val(weights), val(first[1])
+    if scores is None or scores.shape[-1] != num_experts:
+        return "the ids are chosen among another number of experts than the loop runs"
+    if wv is None or xv is None or tuple(wv.shape) != tuple(iv.shape) or xv.dim() != 2 or xv.shape[0] != iv.shape[0]:
+        return "the tokens, ids and weights do not have (T, H), (T, k) and (T, k) shapes"
+    return MoESpec(first[1], ids, weights, gate, up, down, first[5], first[7], **dict(first[8]))
+
+
+def _describe_loop(node: Node, spec: MoESpec) -> Rewrite:
+    per_expert = isinstance(spec.gate, tuple)
+    E = len(spec.gate) if per_expert else int(val(spec.gate).shape[0])
+    k = int(val(spec.ids).shape[-1])
+    shapes = tuple(((E,) + tuple(val(w[0]).shape)) if per_expert else tuple(val(w).shape)
+                   for w in (spec.gate, spec.down))
+    return Rewrite(FORM, source_line(node), E, k, spec.activation, shapes,
+                   note=f"runs k={k} of E={E} experts per token: {E / k:.1f}x fewer expert FLOPs")
+
+
 def rewrite(gm: GraphModule) -> list[Rewrite]:
     """Replace every provable dense all-experts MoE in ``gm``; returns what was rewritten."""
-    return replace_matches(gm, match_or_reason, _describe, FORM)[0] + _rewrite_token_replicated(gm)
+    return (replace_matches(gm, match_or_reason, _describe, FORM)[0] + _rewrite_token_replicated(gm)
+            + replace_matches(gm, match_dense_loop, _describe_loop, FORM)[0])

@@ -142,11 +142,13 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
             mutated = _mutated(n)
             if mutated is not None:  # an in-place write carries the ids into the tensor it changes
                 stack.append(mutated)
-        if rewritten or not any(_is_work(n) for n in reach):
+        # the ids reach per-expert work, or meet its output (a dense form scales every expert's output by them)
+        if rewritten or not any(_is_work(n) or any(_is_work(a) for a in n.all_input_nodes) for n in reach):
             continue
         covered |= reach
         regions.add(region_of(ids))
-        names = list(dict.fromkeys(filter(None, (_name(n) for n in sorted(reach, key=order.__getitem__)))))
+        met = [a for n in reach for a in n.all_input_nodes if _is_work(a) and a not in reach]
+        names = list(dict.fromkeys(filter(None, (_name(n) for n in sorted(reach | set(met), key=order.__getitem__)))))
         shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
         note_left_alone(FORM, source_line(ids),
                         f"a router's top-k/argmax ids feed per-expert work ({shown}) that no MoE form proves: none of "
