@@ -1,6 +1,7 @@
 """``moe_inductor.explain`` and the ``moe_inductor`` log."""
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 from typing import Any, Callable, Optional
@@ -78,13 +79,20 @@ def _compile_and_run(fn: Callable, args, kwargs, options: dict, report: Report) 
         return compiled
 
     # A backend of its own gives explain's graphs their own cache entries (Dynamo matches cached code to its
-    # backend): the user's compiled model keeps its code, and explain never reuses it.
+    # backend): the user's compiled model keeps its code, and explain never reuses it. Where torch has it
+    # (2.13), isolate_recompiles keeps those entries out of the user's recompile count too; before that, the limit
+    # is lifted for explain's own compiles, which are two per frame and call.
     setattr(backend, capture.BACKEND_MARKER, True)
+    isolate = {"isolate_recompiles": True} if _HAS_ISOLATE_RECOMPILES else {}
     limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    with collecting(report), torch._dynamo.config.patch({limit: getattr(torch._dynamo.config, limit) + 2}):
-        compiled = torch.compile(fn, backend=backend, options=options)
+    lifted = {} if isolate else {limit: max(getattr(torch._dynamo.config, limit), 1 << 16)}
+    with collecting(report), torch._dynamo.config.patch(lifted):
+        compiled = torch.compile(fn, backend=backend, options=options, **isolate)
         with torch.no_grad():
             compiled(*args, **kwargs)
+
+
+_HAS_ISOLATE_RECOMPILES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 
 
 def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, **kwargs: Any) -> Report:
