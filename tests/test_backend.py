@@ -11,7 +11,7 @@ import moe_inductor
 from moe_inductor.report import gemm_engine_summary
 from tests.hf_models import tiny
 
-QUICK = {("eager", "qwen3_moe"), ("batched_mm", "qwen3_moe")}  # grouped_mm: test_explain_report, tests/test_first_hour.py
+QUICK = {("eager", "qwen3_moe")}  # grouped_mm: test_explain_report and tests/test_first_hour.py take it quickly
 LIGHT = {"inner": "eager"}  # the rewrite happens before the inner compiler; Inductor adds nothing to these checks
 FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "olmoe", "deepseek_v3", "granitemoe", "phimoe"]
 TRAINED = ["qwen3_moe", "mixtral", "gpt_oss"]
@@ -40,7 +40,7 @@ def test_backend_is_found_by_name_without_import():
     assert out.stdout.strip() == "True"
 
 
-@pytest.mark.parametrize("implementation,family", [  # the quick suite keeps Qwen3-MoE's eager loop and batched_mm
+@pytest.mark.parametrize("implementation,family", [  # the quick suite keeps Qwen3-MoE's eager loop
     pytest.param(i, f, marks=() if (i, f) in QUICK else pytest.mark.slow) for i in IMPLEMENTATIONS for f in FAMILIES])
 def test_hf_model_is_rewritten_and_equal(family, implementation):
     model = tiny(family, implementation)

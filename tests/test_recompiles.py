@@ -27,7 +27,8 @@ TOKENS = (2, 3, 5, 8, 13, 21, 34, 55)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("dynamic,bound", [(None, 2), (True, 1)], ids=["dynamic-None", "dynamic-True"])
+@pytest.mark.parametrize("dynamic,bound", [(None, 2), pytest.param(True, 1, marks=pytest.mark.slow)],  # quick: the default
+                         ids=["dynamic-None", "dynamic-True"])
 def test_compiles_are_bounded(name, dynamic, bound):
     torch.manual_seed(0)
     form, make = MODELS[name]
