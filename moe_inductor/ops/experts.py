@@ -92,6 +92,38 @@ def _forward_gemms(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2,
     return out if topk == 1 else combine(out, topk_ids, w1.shape[0])
 
 
+def _forward_padded(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation,
+                    weight_position, alpha, limit, pre, counts: Tensor, widest: int) -> Tensor:
+    """The CPU forward for balanced routing: every expert's rows padded to the widest expert's count, then each
+    projection is one batched matmul over the experts. A dozen torch calls whatever E is, where the per-expert loop
+    makes a dozen per expert; at the small sizes CPU users run, those calls are most of the time. The padding rows
+    are zeros and never leave their buffers."""
+    T, H = x.shape
+    E = w1.shape[0]
+    kept = int(offsets[-1])  # CPU only; rows past it were dropped (capacity) or had ids outside [0, E)
+    assignment = order[:kept].long()
+    expert = torch.repeat_interleave(torch.arange(E), counts)
+    slot = torch.arange(kept) - offsets[:-1].long()[expert]
+    token = assignment // topk
+    rows = x.new_zeros(E, widest, H)
+    rows[expert, slot] = x[token]
+    s = scale_flat.new_zeros(E, widest, 1)
+    s[expert, slot, 0] = scale_flat[assignment]
+    up_mode = {"input": SCALE_ACC, "between": SCALE_OUT}.get(weight_position, SCALE_NONE)
+    down_mode = SCALE_OUT if weight_position == "output" else SCALE_NONE
+    padded_pre = x.new_zeros(E, widest, pre.shape[1]) if pre is not None else None
+    h = project_reference(rows, w1, w1_up, b1[:, None] if b1 is not None else None,
+                          b1_up[:, None] if b1_up is not None else None, s, up_mode, activation, alpha, limit,
+                          padded_pre)
+    if pre is not None:
+        pre[:kept] = padded_pre[expert, slot]
+    o = project_reference(h.to(x.dtype), w2, None, b2[:, None] if b2 is not None else None, None, s, down_mode,
+                          "none", alpha, limit)
+    acc_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    y = torch.zeros(T, H, dtype=acc_dtype)
+    return y.index_add_(0, token, o[expert, slot].to(acc_dtype)).to(x.dtype)
+
+
 def _forward_per_expert(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation,
                         weight_position, alpha, limit, pre) -> Tensor:
     """The CPU forward: plain torch, one expert at a time, each expert's rows added straight into y.
@@ -99,6 +131,11 @@ def _forward_per_expert(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up
     The same arithmetic as the two grouped GEMMs + combine (see ``grouped_gemm_reference``), without their (T*k, I)
     and (T*k, H) buffers, whose fresh pages cost more than the work at small sizes. Sums run in fp32 for 16-bit x.
     """
+    counts = offsets.diff()
+    widest = int(counts.max()) if counts.numel() else 0  # CPU only
+    if 0 < widest * w1.shape[0] <= 2 * order.shape[0]:  # balanced enough that padding at most doubles the rows
+        return _forward_padded(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2,
+                               activation, weight_position, alpha, limit, pre, counts, widest)
     T, H = x.shape
     acc_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     y = torch.zeros(T, H, dtype=acc_dtype, device=x.device)

@@ -95,9 +95,9 @@ def project_reference(rows, w, w2, bias, bias2, s, scale_mode, activation, alpha
     acc = rows @ w
     acc2 = rows @ w2 if w2 is not None else None
     if pre is not None:
-        pre[:, :w.shape[1]] = acc
+        pre[..., :w.shape[-1]] = acc
         if acc2 is not None:
-            pre[:, w.shape[1]:] = acc2
+            pre[..., w.shape[-1]:] = acc2
     if scale_mode != SCALE_NONE:
         s = s.to(acc.dtype)
     if scale_mode == SCALE_ACC:
