@@ -312,3 +312,43 @@ def test_visible_kernels_compile_at_most_twice(monkeypatch):
     for T in (5, 17, 33, 64):
         compiled(torch.randn(T, 16, device="cuda", requires_grad=True)).sum().backward()
     assert counters["stats"]["unique_graphs"] <= 2
+
+
+def _one_corpus_case_per_form():
+    from tests.corpus.test_corpus import CASES
+
+    chosen = {}
+    for case in CASES:
+        if case.expect == ("rewritten",) and case.form not in chosen:
+            chosen[case.form] = case
+    return list(chosen.values())
+
+
+@pytest.mark.parametrize("case", _one_corpus_case_per_form(), ids=lambda c: f"{c.form}-{c.name}")
+def test_one_corpus_module_per_form_runs_the_gpu_kernels_bf16(case):
+    """A public-codebase MoE layer of each form, compiled with the default inner compiler on the GPU in bf16."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model32 = case.build().to("cuda", torch.float32)
+    model = copy.deepcopy(model32).to(torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor")
+    gen = torch.Generator().manual_seed(1)
+
+    def first(out):
+        while isinstance(out, (tuple, list)):
+            out = out[0]
+        return out
+
+    for T in (5, 64):
+        x = case.make_input(T, gen).to("cuda")
+        with torch.no_grad():
+            out, ref = first(compiled(x.to(torch.bfloat16))), first(model(x.to(torch.bfloat16)))
+            ref32 = first(model32(x))
+        assert_bf16_logits_match(out, ref, ref32, f"{case.name} T={T}")
+    assert counters["moe_inductor"][case.form] >= 1, dict(counters["moe_inductor"])
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
