@@ -46,6 +46,7 @@ class GeneratedGatheredMoE(nn.Module):
     gated=st.booleans(), layout=st.sampled_from(["nk", "kn"]), combine=st.sampled_from(["einsum", "mulsum"]),
     renormalise=st.booleans(), seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_generated_gathered_moe_compiles_to_the_same_function(E, k_frac, T, act, gated, layout, combine, renormalise,
                                                                seed):
     torch.manual_seed(seed)
@@ -245,6 +246,7 @@ class GeneratedSortedMoE(nn.Module):
     E=st.integers(2, 7), k_frac=st.floats(0, 1), T=st.integers(1, 20), act=st.sampled_from(sorted(ACTS)),
     gated=st.booleans(), score_on=st.sampled_from(["input", "output"]), seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_generated_sorted_moe_compiles_to_the_same_function(E, k_frac, T, act, gated, score_on, seed):
     torch.manual_seed(seed)
     k = 1 + int(k_frac * (E - 1))
