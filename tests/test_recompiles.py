@@ -10,6 +10,7 @@ from tests.test_pass_padded_capacity import CapacityMoE
 from tests.test_pass_sorted_grouped_mm import SortedMoE
 from tests.test_pass_unrolled_loop import LoopMoE, ModuleListMoE
 
+QUICK = ("unrolled_loop", "gathered_weights", "padded_capacity")  # one spelling each of three forms in the quick suite
 MODELS = {  # name: (form counted, model)
     "unrolled_loop": ("unrolled_loop", lambda: LoopMoE("where_matmul", 4, 2)),
     "module_list_loop": ("unrolled_loop", lambda: ModuleListMoE("hf_v4", 4, 2)),
@@ -26,7 +27,7 @@ MODELS = {  # name: (form counted, model)
 TOKENS = (2, 3, 5, 8, 13, 21, 34, 55)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in MODELS])
 @pytest.mark.parametrize("dynamic,bound", [(None, 2), pytest.param(True, 1, marks=pytest.mark.slow)],  # quick: the default
                          ids=["dynamic-None", "dynamic-True"])
 def test_compiles_are_bounded(name, dynamic, bound):
