@@ -109,7 +109,7 @@ class ItemSliceMoE(nn.Module):
             outs.append(F.gelu(chunk @ self.w_up[e]) @ self.w_down[e])
             start += n
         out = torch.cat(outs)
-        y = torch.zeros(T * self.k, H, dtype=x.dtype).index_copy(0, order, out)
+        y = x.new_zeros(T * self.k, H).index_copy(0, order, out)
         return (y.view(T, self.k, H) * weights[..., None]).sum(1)
 
 
