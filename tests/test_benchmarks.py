@@ -100,3 +100,11 @@ def test_every_script_device_run_calls_exists_and_parses_its_arguments():
         out = subprocess.run([sys.executable, str(root / "benchmarks" / f"{name}.py"), "--help"], capture_output=True,
                              text=True, cwd=root, timeout=120)
         assert out.returncode == 0 and "usage:" in out.stdout, (name, out.stderr[-2000:])
+
+
+def test_bench_compile_time_measures_one_family(capsys):
+    """The compile-time comparison runs end to end on this checkout (one family, one repeat)."""
+    from benchmarks import bench_compile_time
+
+    bench_compile_time.main(["--families", "qwen3_moe", "--repeats", "1"])
+    assert "| qwen3_moe |" in capsys.readouterr().out
