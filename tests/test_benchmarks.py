@@ -102,6 +102,7 @@ def test_every_script_device_run_calls_exists_and_parses_its_arguments():
         assert out.returncode == 0 and "usage:" in out.stdout, (name, out.stderr[-2000:])
 
 
+@pytest.mark.slow  # a fresh process compiles a model
 def test_bench_compile_time_measures_one_family(capsys):
     """The compile-time comparison runs end to end on this checkout (one family, one repeat)."""
     from benchmarks import bench_compile_time
