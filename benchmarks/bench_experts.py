@@ -304,6 +304,27 @@ def gptoss_layout(T: int) -> dict:
                 "sort_gmm": bench(sort_gmm), "rel_err_vs_sort_gmm": float(err)}
 
 
+def list_stack_cost(T: int, shape: str) -> dict:
+    """Experts held as a ModuleList of per-expert weights (mistral-src, Megatron, HF v4): the list op stacks them at
+    every call (a cached stack misses writes through ``p.data``), against the same op on weights already stacked."""
+    from moe_inductor.ops.expert_lists import experts_forward_list
+
+    H, I, E, k = SHAPES[shape]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
+    ids, weights = make_routing(T, E, k, False, gen, "cuda")
+    weights = weights.to(torch.bfloat16)
+    w1, w2 = hf_expert_weights(shape, "cuda", torch.bfloat16)
+    gate, up, down = list(w1[:, :I].unbind(0)), list(w1[:, I:].unbind(0)), list(w2.unbind(0))
+    gate, up, down = ([t.contiguous() for t in ws] for ws in (gate, up, down))
+    per_expert = partial(experts_forward_list, x, ids, weights, gate, up, down, "silu_glu", False, "output", "nk")
+    stacked = partial(moe_inductor.fused_experts, x, ids, weights, w1, w2)
+    stack_only = lambda: [torch.stack(ws) for ws in (gate, up, down)]  # noqa: E731
+    with torch.no_grad():
+        return {"shape": shape, "T": T, "list_op_ms": bench(per_expert), "stacked_op_ms": bench(stacked),
+                "stack_alone_ms": bench(stack_only)}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
@@ -317,9 +338,10 @@ def main(argv=None) -> None:
     ap.add_argument("--dump-tuned", default=None, help="write the tuned config table (JSON) here")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--markdown", default=None, help="write a markdown table here")
-    ap.add_argument("--extras", nargs="*", default=[], choices=["check", "gptoss_layout"],
+    ap.add_argument("--extras", nargs="*", default=[], choices=["check", "gptoss_layout", "list_stack"],
                     help="also time the compiled routing-id check's cost at T=4096 (check), and GPT-OSS's experts "
-                         "in the model's own layout at each --tokens (gptoss_layout)")
+                         "in the model's own layout at each --tokens (gptoss_layout), and experts held as per-expert "
+                         "weights, stacked at each call, at each --shapes and --tokens (list_stack)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_experts.py needs a CUDA GPU")
@@ -335,6 +357,11 @@ def main(argv=None) -> None:
     if "check" in args.extras:
         extras.append(routing_check_cost())
         print(extras[-1], flush=True)
+    if "list_stack" in args.extras:
+        for name in args.shapes:
+            for T in args.tokens:
+                extras.append(list_stack_cost(T, name))
+                print(extras[-1], flush=True)
     if "gptoss_layout" in args.extras:
         for T in args.tokens:
             extras.append(gptoss_layout(T))
