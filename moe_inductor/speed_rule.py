@@ -55,6 +55,10 @@ def _gpu_tag(device: torch.device) -> str:
 
 
 def _worst(entry: dict, mode: str) -> Optional[float]:
+    if mode == "inference":  # the worse of prefill and decode, where measured
+        measured = [float(entry[m]) for m in ("prefill", "decode") if entry.get(m) is not None]
+        if measured:
+            return min(measured)
     if entry.get(mode) is not None:
         return float(entry[mode])
     measured = [float(entry[m]) for m in ("prefill", "decode", "train") if entry.get(m) is not None]
@@ -70,7 +74,8 @@ def _distance(a: tuple, b: list) -> float:
 
 def keeps_inductor(kind: LayerKind, device: torch.device, mode: str, inner: str) -> Optional[str]:
     """Why this layer is left to Inductor (the measurement that says our rewrite would be slower), or None to
-    rewrite it. ``mode`` is "train" (a differentiable call), "decode" or "prefill"."""
+    rewrite it. ``mode`` is "train" (a differentiable call), "inference" (the worse of "prefill" and "decode"), or
+    either of those two."""
     if inner != "inductor" or device.type != "cuda":
         return None
     tables = _tables()
@@ -87,15 +92,14 @@ def keeps_inductor(kind: LayerKind, device: torch.device, mode: str, inner: str)
         if worst is not None and worst < threshold:
             where = "" if tag in tables else f" (no measurements for {tag}; at least {threshold}x asked)"
             return (f"kept Inductor's path: {entry['name']}-style layers ran at {worst:.2f}x Inductor's speed in "
-                    f"{mode if entry.get(mode) is not None else 'the worst measured mode'} on {gpu}{where} "
+                    f"{mode if entry.get(mode) is not None else 'the worst measured ' + mode + ' mode'} on {gpu}{where} "
                     f"(benchmarks/RESULTS.md)")
     return None
 
 
 def mode_of(x: torch.Tensor, weights: tuple) -> str:
-    """"train" where the call builds a graph for the backward, else "decode" for a few tokens, "prefill" for many.
-    Read at trace time from the example shapes (a guarded size, as Dynamo compiles per shape anyway)."""
+    """"train" where the call builds a graph for the backward, else "inference" (prefill and decode alike: telling
+    them apart would read the token count, and under dynamic shapes that adds a guard and a recompile)."""
     if torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in (x, *weights)):
         return "train"
-    rows = x.shape[0] if x.dim() == 2 else x.numel() // max(x.shape[-1], 1)
-    return "decode" if isinstance(rows, int) and rows <= 64 else "prefill"
+    return "inference"
