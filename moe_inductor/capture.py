@@ -19,7 +19,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import sys
 import threading
 import types
 import weakref
@@ -112,8 +111,8 @@ def _unwrap_backend(fn: Any) -> tuple[bool, dict]:
     return False, options
 
 
-#: frames whose compiled code failed on its first call: their next compile is plain (code -> the reason)
-_plain_codes: "weakref.WeakKeyDictionary[types.CodeType, str]" = weakref.WeakKeyDictionary()
+#: frames whose compiled code failed on its first call: their next compile is plain
+_plain_codes: "weakref.WeakSet[types.CodeType]" = weakref.WeakSet()
 
 
 @contextlib.contextmanager
@@ -218,7 +217,7 @@ def mark_plain(code: Optional[types.CodeType]) -> None:
     its compiled entries so that the next call recompiles it."""
     if code is None:
         return
-    _plain_codes[code] = "first call failed"
+    _plain_codes.add(code)
     reset = getattr(torch._C._dynamo.eval_frame, "reset_code", None)
     if reset is not None:
         reset(code)

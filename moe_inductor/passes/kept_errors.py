@@ -66,7 +66,7 @@ def index_bound(node: Node) -> Optional[IndexBound]:
         return None
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
     if name in _INDEXED_BY_DIM:
-        args = node.args if node.op == "call_method" else node.args
+        args = node.args
         if len(args) >= 3 and isinstance(args[1], int) and _int_tensor(args[2]):
             self_val = val(args[0])
             if isinstance(self_val, torch.Tensor) and self_val.dim() > 0:
