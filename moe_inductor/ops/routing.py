@@ -130,6 +130,18 @@ def _(topk_ids, num_experts, capacity=None):
     )
 
 
+#: CUDA's ``_assert_async`` refuses a message of 255 bytes or more (at run time, as the compiled code's first call)
+DEVICE_MESSAGE_BYTES = 254
+
+
+def device_assert_message(text: str) -> str:
+    """``text`` cut to what a device-side assert takes; the cut keeps the start, which names the layer's bound."""
+    data = text.encode()
+    if len(data) <= DEVICE_MESSAGE_BYTES:
+        return text
+    return data[:DEVICE_MESSAGE_BYTES - 3].decode(errors="ignore") + "..."
+
+
 def ids_error(where: object, num_experts: int) -> str:
     """The error for routing ids outside [0, E): the layer and the range its ids must lie in."""
     return (f"moe_inductor: {where or 'experts'}: routing ids must lie in [0, {num_experts}) (the layer has "
@@ -151,4 +163,4 @@ def assert_ids_in_range(topk_ids: Tensor, num_experts: int, where: Optional[str]
     into a kernel of its own and which a CUDA graph can capture. The values found are not known on the host, so
     the message gives the range they must lie in."""
     ok = torch.logical_and(topk_ids >= 0, topk_ids < num_experts).all()
-    torch._assert_async(ok, ids_error(where, num_experts))
+    torch._assert_async(ok, device_assert_message(ids_error(where, num_experts)))

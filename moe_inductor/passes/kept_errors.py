@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
 
+from ..ops.routing import device_assert_message
 from .fx_utils import is_call, source_line, val
 
 _ONE_HOT = (F.one_hot, torch._C._nn.one_hot)
@@ -106,9 +107,9 @@ def keep_removed_checks(graph: Graph, bounds: list[IndexBound]) -> int:
             continue
         done.add((source.name, bound.size))
         index = alive[source.name]
-        message = (f"moe_inductor: {bound.where}: index values must lie in [0, {bound.size}): eager raises here "
-                   f"({bound.op}), and the rewritten MoE layer checks the same bound (for routing ids: a router "
-                   f"wider than the expert list, or ids out of range)")
+        message = device_assert_message(
+            f"moe_inductor: index values must lie in [0, {bound.size}) as eager's {bound.op} requires (routing ids "
+            f"out of range, or a router wider than the expert list) at {bound.where}")
         with graph.inserting_after(index):
             low = graph.call_function(torch.ge, (index, 0))
         with graph.inserting_after(low):
