@@ -24,6 +24,7 @@ import torch
 
 from . import capture
 from .ops import fused_experts
+from .ops.call import Activation, ExpertsCall, ExpertWeights, Routing, op_call
 
 _HF_MOE_MODULE = "transformers.integrations.moe"
 #: the form a model reports whose experts already run the op (``experts_implementation="moe_inductor"``)
@@ -244,8 +245,10 @@ def _switch_experts_forward(original: Callable) -> Callable:
         ids = torch.where(kept, mask.argmax(-1, keepdim=True), E)
         weights = routing_weights.reshape(-1, 1).to(hidden_states.dtype)
         wants_grad = torch.is_grad_enabled() and (hidden_states.requires_grad or w_in[0].requires_grad)
-        y, *_ = torch.ops.moe_inductor.experts_forward_list(hidden_states, ids, weights, w_in, [], w_out, activation,
-                                                            wants_grad, "output", "nk")
+        op, args = op_call(ExpertsCall(hidden_states, Routing(ids, weights),
+                                       ExpertWeights(tuple(w_in), None, tuple(w_out), layout="nk"),
+                                       Activation(activation), save_pre=wants_grad))
+        y, *_ = op(*args)
         return y
 
     forward._moe_inductor_original = original

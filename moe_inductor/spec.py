@@ -16,6 +16,8 @@ from typing import Any, Optional, Union
 
 from torch.fx import Node
 
+from .ops.activations import GPTOSS_ALPHA, GPTOSS_LIMIT
+
 
 @dataclass(frozen=True)
 class MoESpec:
@@ -33,5 +35,5 @@ class MoESpec:
     b1: Optional[Node] = None  # (E, N) bias of the gate (or of the fused gate/up, split like it) projection
     b1_up: Optional[Node] = None  # (E, I) bias of a separate up projection
     b2: Optional[Node] = None  # (E, H) bias of the down projection, added before the routing weight
-    alpha: float = 1.702  # gptoss_glu's parameters, as the user's code spells them
-    limit: float = 7.0
+    alpha: float = GPTOSS_ALPHA  # gptoss_glu's parameters, as the user's code spells them
+    limit: float = GPTOSS_LIMIT

@@ -7,7 +7,8 @@ import torch
 from torch import Tensor
 
 from .. import config
-from .activations import ACTIVATIONS, apply_activation, is_gated
+from .activations import ACTIVATIONS, GPTOSS_ALPHA, GPTOSS_LIMIT, Activation, apply_activation, is_gated
+from .call import ExpertsCall, ExpertWeights, Routing, op_call
 from . import expert_lists  # noqa: F401  (registers moe_inductor::experts_forward_list)
 from .experts import check_experts_args, experts_backward, experts_forward, experts_forward_impl, to_kn
 from .grouped_mm import grouped_mm, grouped_mm_reference
@@ -17,8 +18,8 @@ from .routing import assert_ids_in_range, check_topk_ids, route, route_reference
 WeightArg = Union[Tensor, tuple[Tensor, Tensor]]
 
 __all__ = [
-    "ACTIVATIONS", "apply_activation", "experts_backward", "experts_forward", "expert_weight_views", "fused_experts",
-    "grouped_mm", "grouped_mm_reference", "moe_reference", "route", "route_reference",
+    "ACTIVATIONS", "Activation", "ExpertWeights", "ExpertsCall", "Routing", "apply_activation", "experts_backward",
+    "experts_forward", "expert_weight_views", "fused_experts", "grouped_mm", "grouped_mm_reference", "moe_reference", "op_call", "route", "route_reference",
 ]
 
 
@@ -114,8 +115,8 @@ def fused_experts(
     layout: str = "nk",
     gate_up: str = "concat",
     weight_position: str = "output",
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    alpha: float = GPTOSS_ALPHA,
+    limit: float = GPTOSS_LIMIT,
     capacity: Optional[int] = None,
     name: Optional[str] = None,
 ) -> Tensor:
@@ -154,10 +155,11 @@ def fused_experts(
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x2, tw, g, u, d, bg, bu, b2)
     )
-    args = (x2, ids, tw, g, u, d, bg, bu, b2, activation, weight_position, float(alpha), float(limit), capacity,
-            wants_grad)
+    call = ExpertsCall(x2, Routing(ids, tw, capacity), ExpertWeights(g, u, d, bg, bu, b2),
+                       Activation(activation, float(alpha), float(limit)), weight_position, wants_grad)
+    op, args = op_call(call)
     # Eager inference runs the op's body directly: the same code, without the dispatcher's per-call overhead.
     # Traced or differentiable calls go through the op, so graphs see it and autograd finds its backward.
     direct = not wants_grad and not torch.compiler.is_compiling()
-    y, *_ = experts_forward_impl(*args) if direct else experts_forward(*args)
+    y, *_ = experts_forward_impl(*args) if direct else op(*args)
     return y.reshape(*lead, y.shape[-1])

@@ -6,8 +6,14 @@ Triton epilogues have exactly one definition to agree with.  Gated activations t
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+#: GPT-OSS's glu parameters, the defaults wherever an activation's ``alpha``/``limit`` are not given
+GPTOSS_ALPHA = 1.702
+GPTOSS_LIMIT = 7.0
 
 # name -> (is_gated, triton epilogue id). The ids are shared with kernels/grouped_gemm.py.
 ACTIVATIONS: dict[str, tuple[bool, int]] = {
@@ -22,6 +28,23 @@ ACTIVATIONS: dict[str, tuple[bool, int]] = {
     "relu_glu": (True, 1),
     "gptoss_glu": (True, 5),
 }
+
+
+class Activation(NamedTuple):
+    """An expert activation and its parameters (``alpha``/``limit`` are read by "gptoss_glu" only)."""
+
+    name: str = "silu_glu"
+    alpha: float = GPTOSS_ALPHA
+    limit: float = GPTOSS_LIMIT
+
+
+#: the identity: a projection with no activation after it
+NO_ACTIVATION = Activation("none")
+
+
+def kernel_id(act: Activation) -> int:
+    """The Triton epilogue id of ``act`` (kernels/grouped_gemm.py)."""
+    return ACTIVATIONS[act.name][1]
 
 
 def check_activation(name: str) -> None:
@@ -49,7 +72,7 @@ def _unary(kind: int, g: torch.Tensor) -> torch.Tensor:
 
 
 def apply_activation(
-    name: str, gate: torch.Tensor, up: torch.Tensor | None, alpha: float = 1.702, limit: float = 7.0
+    name: str, gate: torch.Tensor, up: torch.Tensor | None, alpha: float = GPTOSS_ALPHA, limit: float = GPTOSS_LIMIT
 ) -> torch.Tensor:
     """``act(gate, up)`` computed in the input dtype, the way the eager modules compute it."""
     gated, kind = ACTIVATIONS[name]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .activations import GPTOSS_ALPHA, GPTOSS_LIMIT, Activation
+from .call import ExpertsCall, ExpertWeights, Routing, op_call
 from .experts import check_weight_position, experts_backward, experts_forward_impl, to_kn
 
 
@@ -38,9 +40,9 @@ def experts_forward_list(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: 
         y (T, H), pre, order, sorted_expert, offsets, as ``experts_forward``.
     """
     check_weight_position(weight_position)
-    g, u, d = _views(w1, w1_up, w2, layout)
-    return experts_forward_impl(x, topk_ids, topk_weights, g, u, d, None, None, None, activation, weight_position,
-                                1.702, 7.0, None, save_pre)
+    call = ExpertsCall(x, Routing(topk_ids, topk_weights), ExpertWeights(*_views(w1, w1_up, w2, layout)),
+                       Activation(activation), weight_position, save_pre)
+    return experts_forward_impl(*op_call(call)[1])
 
 
 @experts_forward_list.register_fake
@@ -61,7 +63,8 @@ def experts_backward_list(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights:
     (dw1_up empty for a plain activation)."""
     g, u, d = _views(w1, w1_up, w2, layout)
     dx, dtw, dg, du, dd, *_ = experts_backward(dy, x, topk_ids, topk_weights, g, u, d, None, None, None, pre, order,
-                                               sorted_expert, offsets, activation, weight_position, 1.702, 7.0, False,
+                                               sorted_expert, offsets, activation, weight_position, GPTOSS_ALPHA,
+                                               GPTOSS_LIMIT, False,
                                                [True, True, True, u is not None, True, False, False, False])
     # the grads of the (E, K, N) views, laid out like the stacked weights (to_kn is its own inverse); a plain
     # activation has no up weights, and du is the empty placeholder

@@ -8,6 +8,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from ..ops.call import Activation, ExpertsCall, ExpertWeights, Routing, op_call
 from ..report import Rewrite, note_left_alone
 from ..spec import MoESpec
 from .fx_utils import mutated_alias, source_function, source_line, val, eliminate_dead_code
@@ -16,14 +17,13 @@ from .fx_utils import mutated_alias, source_function, source_line, val, eliminat
 def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dtype) -> Node:
     """Insert the op before ``before``; returns the node of its (T, H) output in ``out_dtype``.
 
-    The weights enter as views in the op's (E, K, N) form: nothing is copied.
+    The weights enter as views in the op's (E, K, N) form: nothing is copied. The call is described once
+    (``ops.call.ExpertsCall``, with nodes for values) and ``ops.call.op_call`` gives the op and its arguments.
     """
     x_dtype = val(spec.x).dtype
     per_expert = isinstance(spec.gate, tuple)
     weight_nodes = [spec.x, spec.weights, *((spec.gate + (spec.up or ()) + spec.down) if per_expert
                                              else (spec.gate, spec.up, spec.down, spec.b1, spec.b1_up, spec.b2))]
-    if per_expert and any(b is not None for b in (spec.b1, spec.b1_up, spec.b2)):
-        raise ValueError("the per-expert list op takes no biases; a matcher must not produce this spec")
     if spec.gate_up is not None:
         with graph.inserting_before(before):
             spec = _split_fused(graph, spec)
@@ -31,18 +31,15 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
     save_pre = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in map(val, weight_nodes))
     with graph.inserting_before(before):
         weights = graph.call_method("to", (spec.weights, x_dtype))
-        if per_expert and spec.capacity is not None:
-            raise ValueError("the per-expert list op has no capacity; a matcher must not produce this spec")
-        if per_expert:  # nn.Linear weights: the list op stacks them once and caches the stack
-            op = graph.call_function(torch.ops.moe_inductor.experts_forward_list.default, (
-                spec.x, spec.ids, weights, list(spec.gate), list(spec.up or ()), list(spec.down), spec.activation,
-                save_pre, spec.weight_position, spec.layout))
+        if per_expert:  # nn.Linear weights: the list op stacks them at each call
+            experts = ExpertWeights(spec.gate, spec.up, spec.down, spec.b1, spec.b1_up, spec.b2, spec.layout)
         else:
             views = [None if w is None else graph.call_method("transpose", (w, 1, 2)) if spec.layout == "nk" else w
                      for w in (spec.gate, spec.up, spec.down)]
-            op = graph.call_function(torch.ops.moe_inductor.experts_forward.default, (
-                spec.x, spec.ids, weights, views[0], views[1], views[2], spec.b1, spec.b1_up, spec.b2, spec.activation,
-                spec.weight_position, float(spec.alpha), float(spec.limit), spec.capacity, save_pre))
+            experts = ExpertWeights(*views, spec.b1, spec.b1_up, spec.b2)
+        call = ExpertsCall(spec.x, Routing(spec.ids, weights, spec.capacity), experts,
+                           Activation(spec.activation, spec.alpha, spec.limit), spec.weight_position, save_pre)
+        op = graph.call_function(*op_call(call))
         out = graph.call_function(operator.getitem, (op, 0))
         if out_dtype != x_dtype:
             out = graph.call_method("to", (out, out_dtype))

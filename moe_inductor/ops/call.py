@@ -1,0 +1,90 @@
+"""One description of an experts call, and the one function that turns it into the op's arguments.
+
+Both routes into the op build an ``ExpertsCall``: the FX passes with ``torch.fx.Node`` fields (``passes/emit.py``,
+from a ``MoESpec``), the tensor route with tensors (``ops.fused_experts``, the substitutions in ``hf.py``, the list
+op). ``op_call`` gives the op overload and its positional arguments in the schema's order, for either one; the op
+bodies read their arguments back with ``from_op_args``, so everything below them takes the call's parts (routing,
+expert weights, activation) instead of restating the schema. A new op feature is a field here, its place in
+``op_call``/``from_op_args`` and the op's schema, and the kernel that reads it.
+
+The parts are named tuples: Dynamo traces their construction and field reads in ``fused_experts``, and they cost
+next to nothing on the eager path, which small batches make host-bound.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from .activations import GPTOSS_ALPHA, GPTOSS_LIMIT, Activation
+
+#: a field's value: a Tensor on the tensor route, a ``torch.fx.Node`` on the FX route
+Value = Any
+
+__all__ = ["Activation", "ExpertWeights", "ExpertsCall", "Routing", "from_op_args", "op_call"]
+
+
+class Routing(NamedTuple):
+    """Which experts each token goes to, with what weight, and the per-expert capacity."""
+
+    topk_ids: Value  # (T, k) integer expert ids
+    topk_weights: Value  # (T, k) routing weights
+    capacity: Optional[Any] = None  # an int (or a symbolic size): drop past it in choice-major order
+
+
+class ExpertWeights(NamedTuple):
+    """The expert weights and biases.
+
+    Stacked, they are the op's logical (E, K, N) views: ``w1`` the up projection (the gate when ``w1_up`` is given),
+    ``w2`` the down projection; ``b1``/``b1_up`` (E, I) and ``b2`` (E, H) biases. Per expert (the list op), ``w1``,
+    ``w1_up`` and ``w2`` are tuples of E weights held in ``layout`` ("nk": nn.Linear's (out, in); "kn": (in, out)),
+    with no biases.
+    """
+
+    w1: Value
+    w1_up: Optional[Value]
+    w2: Value
+    b1: Optional[Value] = None
+    b1_up: Optional[Value] = None
+    b2: Optional[Value] = None
+    layout: str = "kn"
+
+
+class ExpertsCall(NamedTuple):
+    """One experts call: ``y = sum_k w_k * down_e(act(up_e(x)))``, the routing weight where ``weight_position``
+    says (see ops/experts.py); ``save_pre`` keeps the raw up projection for the backward."""
+
+    x: Value  # (T, H) tokens
+    routing: Routing
+    weights: ExpertWeights
+    activation: Activation = Activation()
+    weight_position: str = "output"
+    save_pre: bool = False
+
+
+def op_call(call: ExpertsCall) -> tuple[Any, tuple]:
+    """The op overload that runs ``call`` and its positional arguments: ``experts_forward`` for stacked weights,
+    ``experts_forward_list`` for per-expert ones. Both return (y, pre, order, sorted_expert, offsets)."""
+    r, w, act = call.routing, call.weights, call.activation
+    if isinstance(w.w1, (tuple, list)):
+        if w.b1 is not None or w.b1_up is not None or w.b2 is not None:
+            raise ValueError("the per-expert list op takes no biases")
+        if r.capacity is not None:
+            raise ValueError("the per-expert list op has no capacity")
+        if (act.alpha, act.limit) != (GPTOSS_ALPHA, GPTOSS_LIMIT):
+            raise ValueError("the per-expert list op runs gptoss_glu with its default alpha and limit only")
+        return torch.ops.moe_inductor.experts_forward_list.default, (
+            call.x, r.topk_ids, r.topk_weights, list(w.w1), list(w.w1_up or ()), list(w.w2), act.name,
+            call.save_pre, call.weight_position, w.layout)
+    return torch.ops.moe_inductor.experts_forward.default, (
+        call.x, r.topk_ids, r.topk_weights, w.w1, w.w1_up, w.w2, w.b1, w.b1_up, w.b2, act.name, call.weight_position,
+        float(act.alpha), float(act.limit), r.capacity, call.save_pre)
+
+
+def from_op_args(args: tuple) -> ExpertsCall:
+    """The call that ``experts_forward``'s positional arguments describe (``op_call``'s inverse for stacked
+    weights)."""
+    (x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position, alpha, limit, capacity,
+     save_pre) = args
+    return ExpertsCall(x, Routing(topk_ids, topk_weights, capacity), ExpertWeights(w1, w1_up, w2, b1, b1_up, b2),
+                       Activation(activation, alpha, limit), weight_position, save_pre)
