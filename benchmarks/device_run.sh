@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU runs a session makes, one mode per device call (each sized for the 10-minute per-command limit).
-#   bash benchmarks/device_run.sh tests      # the GPU suite, part 1 (tests/test_gpu.py)                  (~6 min)
-#   bash benchmarks/device_run.sh kernels    # the GPU suite, part 2 (kernels, routing, engine, visible)  (~3 min)
+#   bash benchmarks/device_run.sh tests      # the GPU suite, part 1: every `gpu` test above the op layer
+#                                            # (HF models, FX forms, corpus, CUDA graphs, compile counts)  (~7 min)
+#   bash benchmarks/device_run.sh kernels    # the GPU suite, part 2: the kernel files whole, then the op's
+#                                            # `gpu` tests (tests/test_ops.py)                             (~4 min)
 #   bash benchmarks/device_run.sh examples   # memcheck of the kernel tests, then every example           (~4 min)
 #   bash benchmarks/device_run.sh experts    # bench_experts.py, the experts-alone table                  (~5 min)
 #   bash benchmarks/device_run.sh hf         # bench_hf.py: every family at prefill T=4096, the Qwen3 and
@@ -21,14 +23,19 @@ mkdir -p "$OUT"
 python -m pip install --no-build-isolation --no-deps -e . -q >/dev/null 2>&1
 # the device has no internet: test-only wheels (expecttest, hypothesis) come along in .wheels/ (carry=[".wheels"])
 if [ -d .wheels ]; then python -m pip install --no-deps -q .wheels/*.whl >/dev/null 2>&1; fi
+# GPU cases are marked `gpu` in each layer's own test file. The kernel-layer files run whole on the device (their
+# unmarked tests take the GPU there too); part 2 runs them and the op's `gpu` tests, part 1 every other `gpu` test.
+KERNEL_FILES="tests/test_kernels.py tests/test_routing.py tests/test_rewritten_graphs.py tests/test_grouped_mm_engine.py
+  tests/test_visible_kernels.py"
 case "${1:-tests}" in
-  tests)  # the GPU suite, part 1: the op on the GPU, HF models, FX forms, CUDA graphs, compile counts
-    timeout -s INT 560 python -m pytest tests/test_gpu.py -q -p no:warnings \
-      --durations=10 2>&1 | grep -v torch.__trace | tee "$OUT/gpu_tests.log" | tail -30 ;;
-  kernels)  # the GPU suite, part 2: kernels, routing, rewritten graphs, the grouped_mm engine, visible kernels
-    timeout -s INT 560 python -m pytest tests/test_kernels.py tests/test_routing.py tests/test_rewritten_graphs.py \
-      tests/test_grouped_mm_engine.py tests/test_visible_kernels.py -q -p no:warnings \
-      --durations=10 2>&1 | grep -v torch.__trace | tee "$OUT/gpu_kernel_tests.log" | tail -30 ;;
+  tests)  # the GPU suite, part 1: HF models, FX forms, the corpus, do-no-harm, CUDA graphs, compile counts
+    timeout -s INT 560 python -m pytest tests -m gpu $(for f in $KERNEL_FILES tests/test_ops.py; do echo "--ignore=$f"; done) \
+      -q -p no:warnings --durations=10 2>&1 | grep -v torch.__trace | tee "$OUT/gpu_tests.log" | tail -30 ;;
+  kernels)  # the GPU suite, part 2: kernels, routing, rewritten graphs, the grouped_mm engine, visible kernels; the op
+    timeout -s INT 420 python -m pytest $KERNEL_FILES -q -p no:warnings \
+      --durations=10 2>&1 | grep -v torch.__trace | tee "$OUT/gpu_kernel_tests.log" | tail -30
+    timeout -s INT 130 python -m pytest tests/test_ops.py -m gpu -q -p no:warnings \
+      --durations=5 2>&1 | grep -v torch.__trace | tee "$OUT/gpu_op_tests.log" | tail -12 ;;
   examples)
     timeout 260 compute-sanitizer --tool memcheck python -m pytest tests/test_kernels.py tests/test_grouped_mm_engine.py \
       -q -p no:warnings -x -k "not inductor_graph" \
@@ -63,7 +70,7 @@ case "${1:-tests}" in
       --json "$OUT/tuned_wgrad.json" --merge 2>&1 | grep -v "torch.__trace" | tee "$OUT/tune_wgrad.log" \
       | grep -v "autotuning "
     cp moe_inductor/kernels/tuned/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
-    timeout -s INT 120 python -m pytest tests/test_kernels.py tests/test_gpu.py -o addopts="--strict-markers" -q \
+    timeout -s INT 120 python -m pytest tests/test_kernels.py tests/test_ops.py -o addopts="--strict-markers" -q \
       -p no:warnings --tb=short -k "backward or weight_grad or wgrad or fp64" 2>&1 | grep -v "torch.__trace" \
       | tee "$OUT/tune_wgrad_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
   *) echo "unknown mode $1"; exit 2 ;;

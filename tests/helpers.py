@@ -103,3 +103,46 @@ def compile_moe(model, *args, inner: str = "eager"):
     torch._dynamo.reset()
     counters.clear()
     return torch.compile(model, backend="moe_inductor", options={"inner": inner})(*args)
+
+
+def assert_rewritten_like_eager(model: torch.nn.Module, x: torch.Tensor, form: str, what: str = "") -> None:
+    """``model`` compiled with moe_inductor (light inner compiler) on ``x``: one rewrite of ``form``, and the output and
+    the gradients of ``x`` and of every parameter (for one random upstream gradient) equal to eager's, within the
+    tolerance of ``x``'s dtype. The counters stay as this compile left them, for the caller's own checks."""
+    from torch._dynamo.utils import counters
+
+    xc = x.clone().requires_grad_(True)
+    out = compile_moe(model, xc)
+    assert counters["moe_inductor"][form] == 1, dict(counters["moe_inductor"])
+    probe = torch.randn(out.shape, dtype=out.dtype, device=out.device)
+    (out.float() * probe.float()).sum().backward()
+    got = [xc.grad] + [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    xe = x.clone().requires_grad_(True)
+    ref = model(xe)
+    (ref.float() * probe.float()).sum().backward()
+    want = [xe.grad] + [p.grad for p in model.parameters()]
+    model.zero_grad()
+    assert_close(out, ref, x.dtype, f"{what} forward")
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert (g is None) == (w is None), f"{what}: gradient {i} present in one run only"
+        if w is not None:
+            assert_close(g, w, x.dtype, f"{what} gradient {i}")
+
+
+def assert_gpu_bf16_rewrite(model: torch.nn.Module, form: str, width: int = 16) -> None:
+    """``model`` in bf16 on the GPU, compiled once with moe_inductor (light inner compiler) and run at two token
+    counts: within bf16's tolerance of eager, no graph break, and ``form`` rewritten at least once."""
+    from torch._dynamo.utils import counters
+
+    model = model.to("cuda", torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})
+    for T in (3, 40):
+        x = torch.randn(T, width, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            out, ref = compiled(x), model(x)
+        assert_close(out, ref, torch.bfloat16, f"{form} T={T}")
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["moe_inductor"][form] >= 1, dict(counters["moe_inductor"])

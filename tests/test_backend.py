@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 
 import moe_inductor
 from moe_inductor.report import gemm_engine_summary
+from tests.helpers import assert_bf16_logits_match
 from tests.hf_models import tiny
 
 QUICK = {("eager", "qwen3_moe")}  # grouped_mm: test_explain_report and tests/test_first_hour.py take it quickly
@@ -373,3 +374,94 @@ def test_torch_logs_names_what_was_left_alone():
     env = dict(__import__("os").environ, TORCH_LOGS="moe_inductor")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env)
     assert "moe_inductor left alone" in out.stderr and "not each of range(E) once" in out.stderr, out.stderr[-2000:]
+
+
+# On the GPU: the Triton kernels inside whole models in bf16, and the op under CUDA graphs.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("implementation", list(IMPLEMENTATIONS))
+def test_gpu_hf_models_rewritten_bf16(family, implementation):
+    """Every HF family in every experts implementation runs the Triton kernels on the GPU and matches eager in bf16."""
+    model = tiny(family, implementation).to("cuda", torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    inner = "inductor" if (family, implementation) == ("qwen3_moe", "grouped_mm") else "eager"
+    compiled = torch.compile(model, backend="moe_inductor", options={"inner": inner})
+    for T in (5, 33):
+        ids = torch.randint(0, 64, (2, T), device="cuda")
+        with torch.no_grad():
+            out, ref = compiled(ids).logits.float(), model(ids).logits.float()
+        assert rel(out, ref) < 2e-2
+    assert sum(counters["moe_inductor"].values()) >= 2
+    assert sum(counters["graph_break"].values()) == 0
+    if inner == "inductor":  # the default: Inductor launches every rewritten layer's kernels itself
+        assert counters["moe_inductor_visible"]["swapped"] == sum(counters["moe_inductor"].values())
+
+
+@pytest.mark.gpu
+def test_gpu_static_cache_decode_reduce_overhead_has_no_cudagraph_skips():
+    """HF's own compiled decode (static cache, CompileConfig(backend="moe_inductor", mode="reduce-overhead")):
+    the same tokens as eager, the MoE layers rewritten, and 0 cudagraph skips."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    model = tiny("qwen3_moe").to("cuda")
+    prompt = torch.randint(0, 64, (2, 7), device="cuda")
+    gen = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        expected = model.generate(prompt, disable_compile=True, **gen)
+        config = CompileConfig(backend="moe_inductor", mode="reduce-overhead", fullgraph=True)
+        got = model.generate(prompt, compile_config=config, **gen)
+        got_again = model.generate(prompt, compile_config=config, **gen)  # replays the recorded graphs
+    assert torch.equal(got, expected) and torch.equal(got_again, expected)
+    # transformers picks the experts implementation per step (5.17 decodes small batches with batched_mm)
+    assert sum(counters["moe_inductor"].values()) >= 2, dict(counters["moe_inductor"])
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert counters["moe_inductor_visible"]["swapped"] == 0  # under CUDA graphs the op stays opaque (backend.py)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["llama4", "switch", "dbrx"])
+def test_gpu_wrapped_hf_blocks(family, dtype, monkeypatch):
+    """The class-wrapped HF MoE blocks. fp32 as well: if fp32 holds and bf16 does not, look at bf16 router near-ties
+    before the op."""
+    from moe_inductor.ops import experts as experts_module
+
+    model = tiny(family).to("cuda", dtype)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})
+    ids = torch.randint(0, 64, (2, 12), device="cuda")
+    kwargs = {"decoder_input_ids": ids} if family == "switch" else {}
+    gpu_runs = []  # every MoE layer the compiled model runs through our GPU kernels
+    forward_gemms = experts_module._forward_gemms
+    monkeypatch.setattr(experts_module, "_forward_gemms", lambda *a, **kw: gpu_runs.append(1) or forward_gemms(*a, **kw))
+    with torch.no_grad():
+        # eager first: Switch's router casts its classifier to fp32 on its first call (a module .to() that Dynamo
+        # breaks the graph on, with any backend)
+        ref = model(ids, **kwargs).logits.float()
+        assert not gpu_runs
+        out = compiled(ids, **kwargs).logits.float()
+        ref_fp32 = tiny(family).to("cuda")(ids, **kwargs).logits.float()
+    if dtype == torch.float32:
+        assert rel(out, ref) < 1e-4
+    else:
+        assert_bf16_logits_match(out, ref, ref_fp32, family)
+    rewrites, breaks = sum(counters["moe_inductor"].values()), dict(counters["graph_break"])
+    assert len(gpu_runs) >= 2 and rewrites >= 1  # after a graph break, layers can share one compiled (rewritten) frame
+    if breaks and family == "switch" and torch.__version__ < "2.13":
+        # HF's Switch router runs self.classifier.to(dtype) in forward; Dynamo before 2.13 breaks on the
+        # nn.Parameter it builds there (pytorch#161207), under every backend. Ours must add no break of its own
+        # (backend="eager" also breaks on the experts loop's nonzero, which our capture makes traceable).
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad():
+            torch.compile(model, backend="eager")(ids, **kwargs)
+        plain = dict(counters["graph_break"])
+        assert all(n <= plain.get(reason, 0) for reason, n in breaks.items()), (breaks, plain)
+    else:
+        assert not breaks, breaks

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import moe_inductor
-from tests.helpers import compile_moe
+from tests.helpers import assert_gpu_bf16_rewrite, compile_moe
 
 E, H, I = 6, 16, 8
 
@@ -113,3 +113,9 @@ def test_explain_says_a_soft_mixture_is_not_sparse():
     (left,) = report.left_alone
     assert left.form == "dense_experts" and "soft mixture of every expert is not sparse" in left.reason
     assert "test_pass_dense_experts.py" in left.where
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_run_the_rewritten_dense_experts_bf16():
+    torch.manual_seed(0)
+    assert_gpu_bf16_rewrite(DenseMoE("einsum"), "dense_experts")

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import moe_inductor
-from tests.helpers import compile_moe
+from tests.helpers import assert_gpu_bf16_rewrite, compile_moe
 
 E, D, I, K = 5, 16, 8, 2
 
@@ -135,3 +135,9 @@ def test_explain_names_the_source_line():
     (rewrite,) = report.rewrites
     assert rewrite.form == "gathered_weights" and rewrite.num_experts == E and rewrite.top_k == K
     assert "einsum" in rewrite.where and "experts_forward" in report.graphs[0].code
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_run_the_rewritten_gather_bf16():
+    torch.manual_seed(0)
+    assert_gpu_bf16_rewrite(GatheredMoE("gptfast"), "gathered_weights")

@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from tests.helpers import compile_moe
+from tests.helpers import assert_gpu_bf16_rewrite, compile_moe
 
 E, H, I = 5, 16, 8
 
@@ -170,3 +170,9 @@ def test_capacity_computed_from_the_token_count():
     ours, rewritten = graphs("moe_inductor", options={"inner": "eager"})
     assert ours == plain
     assert rewritten == ours
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_run_the_rewritten_capacity_bf16():
+    torch.manual_seed(0)
+    assert_gpu_bf16_rewrite(CapacityMoE("top2"), "padded_capacity")

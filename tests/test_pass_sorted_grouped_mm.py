@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from tests.helpers import compile_moe
+from tests.helpers import assert_gpu_bf16_rewrite, compile_moe
 
 E, H, I = 4, 32, 16
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="needs torch._grouped_mm")
@@ -152,3 +152,10 @@ def test_compiles_are_bounded():
         compiled(torch.randn(T, H, dtype=torch.bfloat16))
     assert counters["stats"]["unique_graphs"] <= 2
     assert counters["moe_inductor"]["sorted_grouped_mm"] == counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_run_the_rewritten_sort_bf16():
+    torch.manual_seed(0)
+    model = SortedMoE("titan", 2)
+    assert_gpu_bf16_rewrite(model, "sorted_grouped_mm", width=model.w1.shape[-1])

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import moe_inductor
-from tests.helpers import compile_moe
+from tests.helpers import assert_gpu_bf16_rewrite, compile_moe
 
 H, I = 16, 8
 
@@ -366,3 +366,13 @@ def test_module_lists_that_are_not_one_stack_are_left_alone(style):
     x = torch.randn(7, H)
     assert torch.allclose(compile_moe(model, x), model(x), rtol=1e-6, atol=1e-6)
     assert not counters["moe_inductor"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", [lambda: LoopMoE("where_matmul", 4, 2), lambda: LoopMoE("weight_on_input", 4, 2),
+                                  lambda: LoopMoE("weight_between", 4, 2),
+                                  lambda: ModuleListMoE("raw_in_out_input", 4, 2)],
+                         ids=["where_matmul", "weight_on_input", "weight_between", "module_list_in_out_weight_on_input"])
+def test_gpu_kernels_run_the_rewritten_loop_bf16(make):
+    torch.manual_seed(0)
+    assert_gpu_bf16_rewrite(make(), "unrolled_loop")

@@ -4,6 +4,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import moe_inductor
+from tests.helpers import assert_close, make_problem
+from tests.hf_models import tiny
 from tests.test_pass_dense_experts import DenseMoE
 from tests.test_pass_gathered_weights import GatheredMoE
 from tests.test_pass_padded_capacity import CapacityMoE
@@ -44,3 +47,44 @@ def test_compiles_are_bounded(name, dynamic, bound):
         torch.testing.assert_close(compiled(x), model(x), rtol=tol, atol=tol)
     assert counters["stats"]["unique_graphs"] <= bound
     assert counters["moe_inductor"][form] == counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.gpu
+def test_gpu_compile_fullgraph_dynamic_one_graph_for_five_token_counts():
+    """The op inside a user's own torch.compile (default backend) on the GPU: one graph for every T >= 2."""
+    torch._dynamo.reset()
+    counters.clear()
+    p = make_problem(8, 128, 64, 6, 2, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+
+    def layer(x, router):
+        weights, ids = torch.softmax(x.float() @ router, -1).topk(2)
+        return moe_inductor.fused_experts(x, ids, weights.to(x.dtype), p.w1, p.w2)
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    router = torch.randn(128, 6, device="cuda")
+    for T in (2, 7, 64, 333, 1024):
+        x = torch.randn(T, 128, device="cuda", dtype=torch.bfloat16)
+        assert_close(compiled(x, router), layer(x, router), torch.bfloat16, f"T={T}")
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["graph_break"].values()) == 0
+    # Dynamo specialises sizes 0 and 1 even under dynamic=True, so T=1 costs exactly one more graph.
+    x = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16)
+    assert_close(compiled(x, router), layer(x, router), torch.bfloat16, "T=1")
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+@pytest.mark.gpu
+def test_gpu_bucketed_prefill_under_cuda_graphs():
+    """moe_inductor.bucketed over a reduce-overhead compile: one CUDA graph per bucket, 0 skips, eager logits."""
+    model = tiny("qwen3_moe").to("cuda")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor", dynamic=False, mode="reduce-overhead")
+    runner = moe_inductor.bucketed(compiled, buckets=(16, 32))
+    for T in (5, 16, 21, 9, 30):
+        ids = torch.randint(0, 64, (2, T), device="cuda")
+        with torch.no_grad():
+            got, ref = runner(ids).logits.clone(), model(ids).logits
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 2
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])

@@ -2,7 +2,7 @@
 
 On the CPU only its eager behaviour and the graph swap are testable: tracing into it needs compiled Triton kernels
 (under TRITON_INTERPRET=1 ``wrap_triton`` hands back the interpreted kernel, which cannot take fake tensors). The
-compiled path is tested on the GPU (tests/test_gpu.py).
+compiled path is tested on the GPU (the `gpu` tests at the end of this file).
 """
 import pytest
 import torch
@@ -168,3 +168,54 @@ def test_the_backend_swaps_only_for_inductor_without_cuda_graphs(inner, mode, sw
     monkeypatch.setattr(config, "visible_kernels", False)
     backend.moe_inductor_backend(gm, [torch.ones(2)], options={"inner": inner}, mode=mode)
     assert len(calls) == int(swapped)  # off: never
+
+
+# On the GPU: Inductor traces into the op and launches our kernels from its own generated code.
+
+
+def _compiled_with_visible_kernels(monkeypatch):
+    """A gathered-weights MoE on the GPU and its moe_inductor compile with config.visible_kernels, fresh counters."""
+    from tests.test_pass_gathered_weights import GatheredMoE
+
+    monkeypatch.setattr(config, "visible_kernels", True)
+    torch.manual_seed(0)
+    model = GatheredMoE("gptfast").cuda()
+    torch._dynamo.reset()
+    counters.clear()
+    return model, torch.compile(model, backend="moe_inductor")
+
+
+@pytest.mark.gpu
+def test_gpu_visible_kernels_run_from_inductors_wrapper(monkeypatch):
+    """config.visible_kernels (on by default): Inductor traces into the experts forward and launches our Triton
+    kernels from its generated code; the results and the gradients stay as with the opaque op."""
+    from torch._inductor.utils import run_and_get_code
+
+    from moe_inductor.lowerings import visible
+
+    model, compiled = _compiled_with_visible_kernels(monkeypatch)
+    codes = []
+    for T in (5, 17, 33, 64):
+        x = torch.randn(T, 16, device="cuda", requires_grad=True)
+        out, code = run_and_get_code(compiled, x)
+        codes += code
+        ref = model(x)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], torch.autograd.grad(ref.sum(), x)[0],
+                                   rtol=1e-4, atol=1e-4)
+    text = "\n".join(codes)
+    assert "grouped_gemm_kernel" in text and "torch.ops.moe_inductor.experts_forward" not in text  # no op call left
+    p = make_problem(9, 64, 32, 5, 2, dtype=torch.bfloat16, device="cuda", requires_grad=False)
+    g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
+    torch.library.opcheck(visible.experts_forward_visible, (p.x, p.topk_ids, p.topk_weights, g, u, d, None, None,
+                                                            None, "silu_glu", "output", 1.702, 7.0, None, False))
+
+
+@pytest.mark.gpu
+def test_gpu_visible_kernels_compile_at_most_twice(monkeypatch):
+    """Over four token counts: one static compile, then one dynamic. (Not checked with run_and_get_code above: it
+    resets Dynamo before every call, which is what once read as four compiles.)"""
+    _, compiled = _compiled_with_visible_kernels(monkeypatch)
+    for T in (5, 17, 33, 64):
+        compiled(torch.randn(T, 16, device="cuda", requires_grad=True)).sum().backward()
+    assert counters["stats"]["unique_graphs"] <= 2

@@ -4,13 +4,17 @@ each compiled with moe_inductor and checked against eager (harness.py says what 
 Every case declares its outcome today (``Case.expect``): rewritten, or a miss with its reason. The test asserts the
 declared outcome exactly, so a matcher that starts to recognise a module (or stops) forces an update here.
 """
+import copy
 import importlib
 import pkgutil
 from pathlib import Path
 
 import pytest
+import torch
+from torch._dynamo.utils import counters
 
 from tests.corpus.harness import check_rewritten, check_unchanged, matches_declared, run_case
+from tests.helpers import assert_bf16_logits_match
 
 _HERE = Path(__file__).parent
 _NOT_CORPUS = {"harness", "test_corpus", "conftest"}
@@ -34,3 +38,38 @@ def test_corpus_module(case):
         check_rewritten(case, outcome)
     elif outcome.kind != "crash":
         check_unchanged(case, outcome)
+
+
+def _one_rewritten_case_per_form() -> list:
+    chosen = {}
+    for case in CASES:
+        if case.expect == ("rewritten",) and case.form not in chosen:
+            chosen[case.form] = case
+    return list(chosen.values())
+
+
+def _first(out):
+    while isinstance(out, (tuple, list)):
+        out = out[0]
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _one_rewritten_case_per_form(), ids=lambda c: f"{c.form}-{c.name}")
+def test_gpu_one_module_per_form_runs_the_kernels_bf16(case):
+    """A public-codebase MoE layer of each form, compiled with the default inner compiler on the GPU in bf16."""
+    torch.manual_seed(0)
+    model32 = case.build().to("cuda", torch.float32)
+    model = copy.deepcopy(model32).to(torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor")
+    gen = torch.Generator().manual_seed(1)
+    for T in (5, 64):
+        x = case.make_input(T, gen).to("cuda")
+        with torch.no_grad():
+            out, ref = _first(compiled(x.to(torch.bfloat16))), _first(model(x.to(torch.bfloat16)))
+            ref32 = _first(model32(x))
+        assert_bf16_logits_match(out, ref, ref32, f"{case.name} T={T}")
+    assert counters["moe_inductor"][case.form] >= 1, dict(counters["moe_inductor"])
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
