@@ -1,7 +1,14 @@
-"""Problem builders and dtype-aware comparisons shared by the tests."""
+"""Shared by the tests: problem builders, dtype-aware comparisons, compile-and-compare checks, and the work some tests
+run in a fresh process without the Triton interpreter (``run_without_interpreter``): compiling every kernel for
+sm_90, and tracing into the Inductor-visible op."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -146,3 +153,233 @@ def assert_gpu_bf16_rewrite(model: torch.nn.Module, form: str, width: int = 16) 
         assert_close(out, ref, torch.bfloat16, f"{form} T={T}")
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["moe_inductor"][form] >= 1, dict(counters["moe_inductor"])
+
+
+# In a fresh process without TRITON_INTERPRET: the real Triton front end, which compiling for sm_90 and tracing
+# through ``wrap_triton`` need (the interpreter hands back a kernel that cannot take fake tensors).
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_without_interpreter(call: str, timeout: int) -> str:
+    """Run ``call``, a Python expression over this module's names (``"sm90_kernel_report()"``), in a fresh
+    interpreter without TRITON_INTERPRET; its standard output. A failure raises with the process's stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", f"from tests.helpers import *; {call}"], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+# ints Triton sees unaligned at a real launch, so the sm_90 compile does not assume 16-byte divisibility for them
+_NOT_SPECIALISED = {"topk", "M", "T", "num_experts", "capacity", "num_chunks"}
+
+
+def _compile_for_sm90(name, fn, pointer_types, constexprs, *, floats=(), num_warps=4, num_stages=3) -> None:
+    """Compile ``fn`` for sm_90 as a launch with 16-byte aligned pointers and strides would specialise it (unit
+    strides go in as the constant 1, as Triton specialises them); print one JSON line: name, shared memory, whether
+    the PTX uses wgmma, registers and stack bytes (spills) per thread."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs = {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr or p.name in constexprs:
+            signature[p.name] = "constexpr"
+        elif p.name.startswith("p_"):
+            signature[p.name] = pointer_types.get(p.name, "*i32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif p.name in floats:
+            signature[p.name] = "fp32"
+        else:
+            signature[p.name] = "i32"
+            if p.name not in _NOT_SPECIALISED:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    print(json.dumps({"name": name, "shared": kernel.metadata.shared, "wgmma": "wgmma" in kernel.asm["ptx"],
+                      **_resource_usage(kernel.asm["cubin"])}), flush=True)
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    """Registers per thread and stack bytes (register spills) from the cubin, by the cuobjdump Triton ships."""
+    import re
+    import tempfile
+
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return {"registers": int(found.group(1)), "stack": int(found.group(2))} if found else {}
+
+
+def _sm90_gemm(name, cfg, dtype, *, gated, a_rows, c_rows, save_pre=False, k_dim=4096, interleaved=False) -> None:
+    from moe_inductor.kernels.grouped_gemm import grouped_gemm_kernel
+
+    pointers = {n: f"*{dtype}" for n in ("p_a", "p_b", "p_b2", "p_bias", "p_bias2", "p_c", "p_pre", "p_scale")}
+    constexprs = dict(
+        stride_ak=1, stride_cn=1, stride_pre_n=1, NUM_EXPERTS=8, E_POW2=8, A_ROWS=a_rows, C_ROWS=c_rows,
+        SCALE_MODE=2, GATED=gated, ACT=4, HAS_BIAS=False, SAVE_PRE=save_pre, ACCUMULATE=False, UPCAST=False,
+        DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+        BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, EVEN_K=k_dim % cfg.BLOCK_K == 0, INTERLEAVED=interleaved)
+    if interleaved:  # GPT-OSS's (E, K, 2N) gate_up: N contiguous, with biases and its clamped glu
+        constexprs.update(stride_bn=1, HAS_BIAS=True, ACT=5)
+    else:  # nn.Linear-style weights: K contiguous
+        constexprs.update(stride_bk=1, stride_b2k=1)
+    _compile_for_sm90(name, grouped_gemm_kernel, pointers, constexprs, floats=("alpha", "limit"),
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _sm90_weight_grad(name, cfg, dtype, *, a_rows=1, g_rows=0, has_scale=True) -> None:
+    from moe_inductor.kernels.grouped_gemm import grouped_weight_grad_kernel
+
+    constexprs = dict(stride_ak=1, stride_gn=1, stride_wn=1, A_ROWS=a_rows, G_ROWS=g_rows,
+                      HAS_SCALE=has_scale, UPCAST=False, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+                      BLOCK_M=cfg.BLOCK_M, BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N)
+    _compile_for_sm90(name, grouped_weight_grad_kernel, {n: f"*{dtype}" for n in ("p_a", "p_g", "p_dw", "p_scale")},
+                      constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def sm90_kernel_report() -> None:
+    """Compile every Triton kernel of moe_inductor for the H200 (sm_90), without a GPU, with the launch configs the
+    launchers would pick: the defaults per rows-per-expert bucket, every entry of the shipped tuned table, the
+    backward middle, routing, combine and activation. Prints one JSON line per kernel (``_compile_for_sm90``).
+    Needs the real Triton front end: run it through ``run_without_interpreter``."""
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1", "compiling for sm_90 needs the real Triton front end"
+    from moe_inductor.kernels import configs
+    from moe_inductor.kernels.activation import activation_kernel
+    from moe_inductor.kernels.backward_middle import backward_middle_kernel
+    from moe_inductor.kernels.combine import combine_kernel
+    from moe_inductor.kernels.routing import route_count_kernel, route_place_kernel
+
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        for bucket in (1, 8, 64, 256, 1024, 4096):
+            for gated in (True, False):
+                cfg = configs.default_gemm_config(bucket, 2048, 4096, torch_dtype, gated)
+                _sm90_gemm(f"gemm default {dtype} m{bucket} gated={gated}", cfg, dtype, gated=gated, a_rows=1,
+                           c_rows=0, save_pre=gated)
+            cfg = configs.default_gemm_config(bucket, 2880, 2880, torch_dtype, True)
+            _sm90_gemm(f"gemm default {dtype} m{bucket} interleaved", cfg, dtype, gated=True, a_rows=1, c_rows=0,
+                       save_pre=True, k_dim=2880, interleaved=True)
+        _sm90_weight_grad(f"wgrad default {dtype}", configs.default_weight_grad_config(4096, 2048, torch_dtype), dtype)
+    table = json.loads((configs._TUNED_DIR / "NVIDIA_H200.json").read_text())
+    for key, fields in sorted(table.items()):
+        cfg = configs.LaunchConfig(**fields)
+        parts = {p[0]: p[1:] for p in key.split("|")[1:]}  # "gemm|E8|N14336|K4096|torch.bfloat16|g1|a1|c0|m1024"
+        if key.startswith("wgrad|"):  # "wgrad|E128|N768|K2048|torch.bfloat16|a1|g0|m256"; the scale rides on dW2,
+            a_rows, g_rows = int(parts["a"]), int(parts["g"])  # whose a operand is the sorted rows (mode 0)
+            _sm90_weight_grad(f"wgrad tuned {key}", cfg, "bf16", a_rows=a_rows, g_rows=g_rows, has_scale=a_rows == 0)
+            continue
+        gated, a_rows, c_rows = parts["g"] == "1", int(parts["a"]), int(parts["c"])
+        _sm90_gemm(f"gemm tuned {key}", cfg, "bf16", gated=gated, a_rows=a_rows, c_rows=c_rows, save_pre=gated,
+                   k_dim=int(parts["K"]))
+    bf = {n: "*bf16" for n in ("p_pre", "p_h", "p_d_gate", "p_d_up", "p_b1", "p_b1_up", "p_scale")}
+    bf.update(p_g="*fp32", p_d_scale="*fp32")
+    for act in range(6):
+        for gated in (True, False):
+            if act == 5 and not gated:
+                continue
+            _compile_for_sm90(f"backward middle act={act} gated={gated}", backward_middle_kernel, bf,
+                              dict(NUM_EXPERTS=128, GATED=gated, ACT=act, HAS_BIAS=True, BLOCK_M=16, BLOCK_I=256),
+                              floats=("alpha", "limit"))
+    for single in (True, False):
+        _compile_for_sm90(f"route place single={single}", route_place_kernel, {},
+                          dict(CHOICE_MAJOR=False, TOPK=8, CHUNK=1024, BINS=256, SINGLE=single), num_warps=4)
+    _compile_for_sm90("route count", route_count_kernel, {}, dict(CHOICE_MAJOR=False, TOPK=8, CHUNK=1024, BINS=256))
+    _compile_for_sm90("combine", combine_kernel, {"p_rows": "*bf16", "p_ids": "*i64", "p_y": "*bf16"},
+                      dict(NUM_EXPERTS=128, TOPK=8, BLOCK_H=1024))
+    _compile_for_sm90("combine indexed scaled", combine_kernel,
+                      {"p_rows": "*bf16", "p_ids": "*i64", "p_y": "*bf16", "p_scale": "*bf16"},
+                      dict(NUM_EXPERTS=8, TOPK=2, BLOCK_H=1024, INDEXED=True, SCALED=True))
+    for act in (4, 5):
+        _compile_for_sm90(f"activation act={act}", activation_kernel, {"p_pre": "*bf16", "p_h": "*bf16"},
+                          dict(GATED=True, ACT=act, BLOCK_M=8, BLOCK_I=512), floats=("alpha", "limit"))
+
+
+class _Captured(Exception):
+    """Raised by a compiler callback once it has read the traced graph: the compile stops there."""
+
+
+def _visible_problem(T: int):
+    """T tokens, H 16, I 8, E 5, k 2, on the CPU with ``config.triton_on_cpu``: the problem, its (gate, up, down)
+    weight views, and the visible op over them."""
+    from moe_inductor import config
+
+    config.triton_on_cpu = True
+    import moe_inductor.lowerings.visible  # noqa: F401  (registers the op)
+
+    p = make_problem(T, 16, 8, 5, 2, requires_grad=False)
+    g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
+
+    def visible(x, ids, tw, g, u, d):
+        return torch.ops.moe_inductor.experts_forward_visible(x, ids, tw, g, u, d, None, None, None, "silu_glu",
+                                                              "output", 1.702, 7.0, None, False)[0]
+
+    return p, (g, u, d), visible
+
+
+def _trace_visible_with_aot(fw_compiler, T: int, dynamic_tokens: bool, dynamic) -> None:
+    """Compile the visible op over T tokens through Dynamo and AOT autograd up to ``fw_compiler``, which reads what
+    it needs from the traced graph and raises _Captured to stop the compile there."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    p, weights, visible = _visible_problem(T)
+    if dynamic_tokens:
+        for t in (p.x, p.topk_ids, p.topk_weights):
+            torch._dynamo.mark_dynamic(t, 0)
+    try:
+        torch.compile(lambda x, ids, tw: visible(x, ids, tw, *weights), backend=aot_autograd(fw_compiler=fw_compiler),
+                      dynamic=dynamic)(p.x, p.topk_ids, p.topk_weights)
+    except Exception as e:  # stopped on purpose once the graph was read
+        if not isinstance(e, _Captured) and "_Captured" not in repr(e):
+            raise
+
+
+def visible_every_dim_guards() -> dict:
+    """The guards of a make_fx trace of the visible op (17 tokens) in which every input dimension is symbolic (what
+    opcheck's test_aot_dispatch_dynamic does), weights included, and the token count's symbol. Nothing launches."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    p, weights, visible = _visible_problem(17)
+    gm = make_fx(visible, tracing_mode="symbolic")(p.x, p.topk_ids, p.topk_weights, *weights)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tokens = placeholders[0].meta["val"].shape[0]
+    return {"guards": [str(guard.expr) for guard in tokens.node.shape_env.guards], "tokens": str(tokens)}
+
+
+def visible_launches(dynamic_tokens: bool) -> list:
+    """The Triton kernels the visible op launches, in order, once AOT autograd has traced into it with a static or a
+    dynamic token count (3 tokens, 6 rows: one routing chunk). Nothing launches."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    names = []
+
+    def read_launches(gm, example_inputs):
+        names.extend(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in gm.graph.nodes
+                     if "triton_kernel_wrapper" in str(n.target))
+        raise _Captured
+
+    _trace_visible_with_aot(read_launches, 3, dynamic_tokens, dynamic=dynamic_tokens)
+    return names
+
+
+def visible_dynamic_token_guards() -> list:
+    """The shape guards of a Dynamo + AOT autograd trace of the visible op with the token count dynamic (17 tokens:
+    one routing chunk, the guard-prone case). Nothing launches."""
+    guards = []
+
+    def read_guards(gm, example_inputs):  # after AOT autograd traced into the op: its guards are in the shape env
+        fake_mode = torch._guards.TracingContext.get().fake_mode
+        guards.extend(str(g.expr) for g in fake_mode.shape_env.guards)
+        raise _Captured
+
+    _trace_visible_with_aot(read_guards, 17, True, dynamic=None)
+    return guards

@@ -2,12 +2,10 @@
 Triton's front end and the ptxas it ships run on the CPU. A kernel that does not compile, or a config whose shared
 memory does not fit, would otherwise first show on the device machine, where minutes are budgeted."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.helpers import run_without_interpreter
 
 pytestmark = pytest.mark.slow  # compiling every kernel for sm_90 takes half a minute; the full suite runs it
 
@@ -16,13 +14,9 @@ H200_SHARED_MEMORY = 232448  # bytes a block may use (227 KiB)
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-m", "tests.sm90_kernels"], capture_output=True, text=True, env=env,
-                         cwd=root, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    """One line per kernel from tests/helpers.py's sm90_kernel_report, compiled in a process without the interpreter."""
+    out = run_without_interpreter("sm90_kernel_report()", timeout=900)
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 def test_every_kernel_compiles_and_fits(compiled):

@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 
 from moe_inductor import config
 from moe_inductor.ops import expert_weight_views
-from tests.helpers import make_problem
+from tests.helpers import make_problem, run_without_interpreter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter runs the kernels only without a GPU
 
@@ -97,28 +97,19 @@ def test_visible_op_has_the_opaque_ops_gradients(triton_kernels):
         torch.testing.assert_close(a, b)
 
 
-def _trace_the_visible_op_in_a_subprocess(*args: str):
-    """Run tests/visible_guards.py with ``args`` in a process without the interpreter; its JSON answer."""
+def _trace_the_visible_op_in_a_subprocess(call: str):
+    """``call`` (a tracing function of tests/helpers.py) run in a process without the interpreter; its answer."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-m", "tests.visible_guards", *args], capture_output=True, text=True,
-                         env=env, cwd=root, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    out = run_without_interpreter(f"import json; print(json.dumps({call}))", timeout=300)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_every_dimension_symbolic_specialises_only_the_weight_dims():
     """With every dimension symbolic (opcheck's test_aot_dispatch_dynamic; it once failed on the H200 with
     "unhashable type: SymInt"), the launchers specialise k, E, H and I, which pick constexprs and configs, and
-    never the token count. (T = 17, k = 2, E = 5, H = 16, I = 8 in tests/visible_guards.py.)"""
-    traced = _trace_the_visible_op_in_a_subprocess("every-dim")
+    never the token count. (T = 17, k = 2, E = 5, H = 16, I = 8 in tests/helpers.py.)"""
+    traced = _trace_the_visible_op_in_a_subprocess("visible_every_dim_guards()")
     specialised = sorted(int(g.split(", ")[1].rstrip(")")) for g in traced["guards"])
     assert specialised == [2, 5, 8, 16], traced["guards"]
     assert not any(traced["tokens"] in g.replace("(", " ").replace(",", " ").split() for g in traced["guards"])
@@ -129,17 +120,17 @@ def test_a_static_graph_routes_in_one_launch_and_a_dynamic_one_in_two():
     """A known token count makes the opaque op's choice (6 rows fit one routing chunk: one launch); a symbolic one
     takes count-then-place, which is right for every count and adds no guard."""
     gemms = ["grouped_gemm_kernel", "grouped_gemm_kernel", "combine_kernel"]
-    assert _trace_the_visible_op_in_a_subprocess("launches", "static") == ["route_place_kernel", *gemms]
-    assert _trace_the_visible_op_in_a_subprocess("launches", "symbolic") == ["route_count_kernel", "route_place_kernel",
+    assert _trace_the_visible_op_in_a_subprocess("visible_launches(False)") == ["route_place_kernel", *gemms]
+    assert _trace_the_visible_op_in_a_subprocess("visible_launches(True)") == ["route_count_kernel", "route_place_kernel",
                                                                         *gemms]
 
 
 @pytest.mark.slow
 def test_tracing_into_the_visible_op_adds_no_token_count_guard():
-    """Traced with a dynamic token count (in a process without the interpreter, see tests/visible_guards.py), the
+    """Traced with a dynamic token count (in a process without the interpreter, see tests/helpers.py), the
     op adds no shape guard: a guard on T would recompile the model at each new range of sequence lengths. (The
     routing buffer once gave `num_chunks == 1`, i.e. T <= 512.)"""
-    guards = _trace_the_visible_op_in_a_subprocess()
+    guards = _trace_the_visible_op_in_a_subprocess("visible_dynamic_token_guards()")
     assert [g for g in guards if "2147483647" not in g] == []  # int32-range checks of kernel arguments are fine
 
 
