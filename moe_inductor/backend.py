@@ -12,15 +12,11 @@ import logging
 from typing import Any, Callable, Optional
 
 import torch
-from torch._dynamo.utils import counters
 
-from . import capture, hf
-from .rewrites import log_rewrites
+from . import capture, hf, report
 from .options import BackendOptions
 from .passes import FX_PASSES
-from .passes.fx_utils import canonicalize_operators, eliminate_dead_code
-from .passes.kept_errors import index_bounds, keep_removed_checks
-from .report import GraphRecord, LeftAlone, Rewrite, collecting_left_alone, current_report
+from .passes.driver import run_passes
 
 log = logging.getLogger("moe_inductor")
 _MOE_OPS = ("experts_forward", "experts_forward_list", "experts_forward_visible")
@@ -29,37 +25,6 @@ _MOE_OPS = ("experts_forward", "experts_forward_list", "experts_forward_visible"
 def _moe_ops_in(gm: torch.fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function"
                and getattr(n.target, "namespace", None) == "moe_inductor" and n.target._opname in _MOE_OPS)
-
-
-def _run_pass(form: str, rewrite: Callable,
-              gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[Rewrite], list[LeftAlone]]:
-    """Run one FX pass on a copy of the graph and keep the copy only if the pass succeeded. Also returns the
-    MoE-looking regions the pass left alone, with its reasons.
-
-    A matcher meeting a graph it was not written for must never break the user's compile: it is logged and the
-    graph goes on as it was. ``moe_inductor.config.strict_passes`` turns that into an error (for the tests).
-    """
-    from . import config
-
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    candidate = torch.fx.GraphModule(gm, graph)
-    try:
-        canonicalize_operators(candidate.graph)
-        bounds = index_bounds(candidate.graph)
-        with collecting_left_alone() as left_alone:
-            found = rewrite(candidate)
-        if found:  # what the rewrite made dead goes now, so that the checks it held are seen to go
-            eliminate_dead_code(candidate.graph)  # (FX's own would also drop the user's unread in-place writes)
-            keep_removed_checks(candidate.graph, bounds)
-            candidate.recompile()
-    except Exception as exc:
-        if config.strict_passes:
-            raise
-        log.warning("moe_inductor: the %s pass failed (%s: %s); this graph is left as it was",
-                    form, type(exc).__name__, exc)
-        return gm, [], []
-    return (candidate if found else gm), found, left_alone
 
 
 #: torch.compile modes in which Inductor replays the graph as CUDA graphs
@@ -97,24 +62,10 @@ def moe_inductor_backend(
         return _inner_compile(opts.inner, gm, example_inputs, mode, opts.inductor)
     if state is None or not state.ours:
         _warn_unseen_wrapper()
-    rewrites, left_alone = capture.take_trace_time_records()
+    traced = report.take_records()  # what the substitutions recorded while Dynamo traced this graph
     original = gm
-    for form, rewrite in FX_PASSES.items():
-        if form in opts.forms:
-            gm, found, missed = _run_pass(form, rewrite, gm)
-            rewrites += found
-            left_alone += missed
-    for r in rewrites:
-        counters["moe_inductor"][r.form] += 1
-        log_rewrites(f"moe_inductor rewrote {r.where} ({r.form}, E={r.num_experts}, k={r.top_k}, {r.activation})",
-                     gm.code)
-    for m in left_alone:
-        counters["moe_inductor_left_alone"][m.form] += 1
-        log.info("moe_inductor left alone %s (%s): %s", m.where, m.form, m.reason)
-    report = current_report()
-    record = GraphRecord(code=gm.code, rewrites=rewrites, moe_ops=_moe_ops_in(gm), left_alone=left_alone)
-    if report is not None:
-        report.graphs.append(record)
+    gm, rewrites, left_alone = run_passes(gm, FX_PASSES, opts.forms)
+    record = report.file_graph(gm.code, _moe_ops_in(gm), traced.rewrites + rewrites, traced.left_alone + left_alone)
     from . import config
 
     if config.visible_kernels and opts.inner == "inductor" and not _uses_cuda_graphs(mode):
@@ -165,10 +116,8 @@ def _warn_unseen_wrapper() -> None:
     log.warning("moe_inductor was called through a backend wrapper it cannot see into, so this compile traced without "
                 "its capture settings and data-dependent expert loops stay uncaptured. Mark the wrapper: "
                 "moe_inductor.mark_backend(your_backend), or call torch.compile(..., backend='moe_inductor') directly.")
-    report = current_report()
-    if report is not None:
-        report.notes.append("moe_inductor was reached through a backend wrapper it cannot see into: traced without "
-                            "its capture settings (fix: moe_inductor.mark_backend(your_backend))")
+    report.record_note("moe_inductor was reached through a backend wrapper it cannot see into: traced without "
+                       "its capture settings (fix: moe_inductor.mark_backend(your_backend))")
 
 
 def _uses_cuda_graphs(mode: Optional[str]) -> bool:

@@ -10,29 +10,28 @@ substitutions registered here take their rewriting branch. ``backend="inductor"`
 The settings turn a model's own graph breaks (``.tolist()``, ``.item()``, ``one_hot(num_classes=tensor)``) into hard
 errors. So a frame that fails to trace or compile under them is compiled again at once as plain capture would
 (settings off, no rewrites: what ``backend="inductor"`` does), and a frame whose compiled code fails on its first
-call is recompiled the same way (backend.py). Each fallback is logged once, counted in
-``counters["moe_inductor_fallback"]`` and reported by explain().
+call is recompiled the same way (backend.py). Each fallback is recorded through ``report.record_fallback`` (logged
+once per frame, counted in ``counters["moe_inductor_fallback"]``, reported by explain()). A frame compile of ours
+opens the ``report.recording()`` block that the substitutions record into at trace time; a failed attempt's filed
+records are rolled back (``report.roll_back``).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
-import logging
 import threading
 import types
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch._dynamo.utils import counters
 
-from .report import Fallback, LeftAlone, Rewrite, current_report
+from . import report
 
 BACKEND_MARKER = "_is_moe_inductor_backend"
 BACKEND_NAME = "moe_inductor"
-log = logging.getLogger("moe_inductor")
 
 
 @dataclass
@@ -43,8 +42,6 @@ class _CompileState:
     plain: bool = False
     inner: str = "inductor"  # the compiler the rewritten graph goes to (the speed rule compares with Inductor only)
     code: Optional[types.CodeType] = None
-    rewrites: list[Rewrite] = field(default_factory=list)
-    left_alone: list[LeftAlone] = field(default_factory=list)
 
 
 _local = threading.local()
@@ -119,17 +116,17 @@ _plain_codes: "weakref.WeakSet[types.CodeType]" = weakref.WeakSet()
 def _compiling(state: _CompileState) -> Iterator[_CompileState]:
     stack = _stack()
     stack.append(state)
-    patch = None
-    if state.ours and not state.plain:
-        _register_known_substitutions()
-        patch = torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
-        patch.__enter__()
-    try:
-        yield state
-    finally:
-        if patch is not None:
-            patch.__exit__(None, None, None)
-        stack.pop()
+    with contextlib.ExitStack() as scope:
+        if state.ours:  # what the substitutions record while tracing, until the backend files it with the graph
+            scope.enter_context(report.recording())
+        if state.ours and not state.plain:
+            _register_known_substitutions()
+            scope.enter_context(torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True,
+                                                           capture_scalar_outputs=True))
+        try:
+            yield state
+        finally:
+            stack.pop()
 
 
 def _no_retry_errors() -> tuple[type, ...]:
@@ -150,21 +147,15 @@ _logged_fallbacks: "weakref.WeakSet[types.CodeType]" = weakref.WeakSet()
 
 
 def note_fallback(code: Optional[types.CodeType], stage: str, error: BaseException) -> None:
-    """Record that a frame is compiled as plain capture would: logged once per frame, counted, reported."""
+    """Record that a frame is compiled as plain capture would (``report.record_fallback``), logged once per frame."""
     while getattr(error, "inner_exception", None) is not None:  # BackendCompilerFailed holds what the compiler raised
         error = error.inner_exception
     first_line = (str(error).strip().splitlines() or [""])[0][:200]
     reason = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
-    record = Fallback(describe_frame(code), stage, reason)
-    counters["moe_inductor_fallback"][stage] += 1
-    if code is None or code not in _logged_fallbacks:
-        if code is not None:
-            _logged_fallbacks.add(code)
-        log.warning("moe_inductor: %s failed to %s under its capture settings (%s); compiling it as plain capture "
-                    "would (what backend='inductor' does), without rewrites", record.where, stage, reason)
-    report = current_report()
-    if report is not None:
-        report.fallbacks.append(record)
+    first_time = code is None or code not in _logged_fallbacks
+    if code is not None:
+        _logged_fallbacks.add(code)
+    report.record_fallback(describe_frame(code), stage, reason, log_it=first_time)
 
 
 def _wrap_compile(original: Callable) -> Callable:
@@ -189,21 +180,14 @@ def _wrap_compile(original: Callable) -> Callable:
         if code in _plain_codes:
             with _compiling(_CompileState(ours=True, plain=True, code=code)):
                 return original(*args, **kwargs)
-        report = current_report()
-        graphs_before = len(report.graphs) if report is not None else 0
-        counted = {name: dict(counters[name]) for name in ("moe_inductor", "moe_inductor_left_alone")}
+        before = report.checkpoint()
         try:
             with _compiling(_CompileState(ours=True, forms=forms, code=code, inner=inner)):
                 return original(*args, **kwargs)
         except _no_retry_errors():
             raise
         except Exception as error:
-            # what the failed attempt recorded did not happen: the plain compile below is what runs
-            if report is not None:
-                del report.graphs[graphs_before:]
-            for name, values in counted.items():
-                counters[name].clear()
-                counters[name].update(values)
+            report.roll_back(before)  # what the failed attempt filed did not happen: the plain compile below runs
             note_fallback(code, "compile", error)
         with _compiling(_CompileState(ours=True, plain=True, code=code)):
             return original(*args, **kwargs)
@@ -247,35 +231,6 @@ def speed_rule_reason(activation: str, gate_up: str, bias: bool, shape: tuple, d
     state = current()
     inner = state.inner if state is not None else "inductor"
     return keeps_inductor(LayerKind(activation, gate_up, bias, shape), torch.device(device), mode, inner) or ""
-
-
-@torch._dynamo.assume_constant_result
-def record_rewrite(form: str, where: str, num_experts: int, top_k: int, activation: str, weight_shapes: tuple,
-                   note: str = "") -> bool:
-    """Note a trace-time rewrite for the backend's report and counters. Runs once, at trace time (constant args)."""
-    state = current()
-    if state is not None and state.ours:
-        state.rewrites.append(Rewrite(form, where, num_experts, top_k, activation, weight_shapes, note))
-    return True
-
-
-@torch._dynamo.assume_constant_result
-def record_left_alone(form: str, where: str, reason: str) -> bool:
-    """Note, at trace time, a module a substitution would have rewritten but could not prove (explain() says why)."""
-    state = current()
-    if state is not None and state.ours:
-        state.left_alone.append(LeftAlone(form, where, reason))
-    return True
-
-
-def take_trace_time_records() -> tuple[list[Rewrite], list[LeftAlone]]:
-    """The rewrites and left-alone modules recorded while tracing the graph now being compiled; clears them."""
-    state = current()
-    if state is None:
-        return [], []
-    out = state.rewrites, state.left_alone
-    state.rewrites, state.left_alone = [], []
-    return out
 
 
 # --- trace-time substitutions ---------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import capture
+from . import capture, report
 from .ops import fused_experts
 from .ops.call import Activation, ExpertsCall, ExpertWeights, Routing, op_call
 
@@ -134,7 +134,7 @@ def moe_inductor_experts_forward(module, hidden_states, top_k_index, top_k_weigh
             raise NotImplementedError(f"moe_inductor cannot run {type(module).__name__} (unsupported variant)")
         return fallback(module, hidden_states, top_k_index, top_k_weights)
     if torch.compiler.is_compiling():  # the user's own choice of the op counts as a rewrite in explain() and logs
-        capture.record_rewrite(REGISTRY_FORM, layer_name(type(module).__qualname__), int(kw["w1"].shape[0]),
+        report.record_rewrite(REGISTRY_FORM, layer_name(type(module).__qualname__), int(kw["w1"].shape[0]),
                                int(top_k_index.shape[-1]), kw["activation"],
                                (tuple(kw["w1"].shape), tuple(kw["w2"].shape)), 'experts_implementation="moe_inductor"')
     return _run_spec(kw, hidden_states, top_k_index, top_k_weights)
@@ -161,14 +161,14 @@ def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
                 return original_clone(self, hidden_states, top_k_index, top_k_weights)
             kw = experts_spec_or_reason(self)
             if isinstance(kw, str):
-                capture.record_left_alone(form, layer_name(type(self).__qualname__), kw)
+                report.record_left_alone(form, layer_name(type(self).__qualname__), kw)
                 return original_clone(self, hidden_states, top_k_index, top_k_weights)
             name = layer_name(type(self).__qualname__)
             slower = _speed_rule_reason(kw, hidden_states, top_k_index.shape[-1])
             if slower:
-                capture.record_left_alone(form, name, slower)
+                report.record_left_alone(form, name, slower)
                 return original_clone(self, hidden_states, top_k_index, top_k_weights)
-            capture.record_rewrite(form, name, int(kw["w1"].shape[0]), int(top_k_index.shape[-1]),
+            report.record_rewrite(form, name, int(kw["w1"].shape[0]), int(top_k_index.shape[-1]),
                                    kw["activation"], (tuple(kw["w1"].shape), tuple(kw["w2"].shape)))
             return _run_spec(kw, hidden_states, top_k_index, top_k_weights, name)
 
@@ -189,7 +189,7 @@ def _llama4_moe_forward(original: Callable) -> Callable:
         if unary is None or not capture.rewriting_enabled("hf_llama4_dense"):
             return original(self, hidden_states)
         experts = self.experts
-        capture.record_rewrite("hf_llama4_dense", layer_name(type(self).__qualname__), int(experts.gate_up_proj.shape[0]),
+        report.record_rewrite("hf_llama4_dense", layer_name(type(self).__qualname__), int(experts.gate_up_proj.shape[0]),
                                int(self.router.top_k), f"{unary}_glu",
                                (tuple(experts.gate_up_proj.shape), tuple(experts.down_proj.shape)))
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
@@ -237,7 +237,7 @@ def _switch_experts_forward(original: Callable) -> Callable:
             return original(self, hidden_states, selected_experts, routing_weights)
         activation, w_in, w_out = spec
         E = len(w_in)
-        capture.record_rewrite("hf_switch", layer_name(type(self).__qualname__), E, 1, activation,
+        report.record_rewrite("hf_switch", layer_name(type(self).__qualname__), E, 1, activation,
                                ((E,) + tuple(w_in[0].shape), (E,) + tuple(w_out[0].shape)),
                                "capacity drops kept as the router made them")
         mask = selected_experts.reshape(hidden_states.shape[0], E)
@@ -265,7 +265,7 @@ def _dbrx_experts_forward(original: Callable) -> Callable:
         if unary is None:
             return original(self, hidden_states, top_k_index, top_k_weights)
         mlp, E, I, H = self.mlp, self.num_experts, self.ffn_hidden_size, self.hidden_size
-        capture.record_rewrite("hf_dbrx", layer_name(type(self).__qualname__), E, int(top_k_index.shape[-1]), f"{unary}_glu",
+        report.record_rewrite("hf_dbrx", layer_name(type(self).__qualname__), E, int(top_k_index.shape[-1]), f"{unary}_glu",
                                ((E, I, H), (E, I, H)))
         x = hidden_states.reshape(-1, H)
         y = fused_experts(x, top_k_index, top_k_weights.to(x.dtype),

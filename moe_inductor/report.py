@@ -1,15 +1,24 @@
-"""What a moe_inductor compile did: graphs, graph breaks, rewrites. Built by ``explain()``; printable."""
+"""What a moe_inductor compile did: graphs, graph breaks, rewrites, regions left alone, fallbacks.
+
+Both routes record through one API here: the trace-time substitutions (hf.py) and the FX passes call
+``record_rewrite`` / ``record_left_alone`` into the innermost ``recording()`` block, the backend files each graph
+with its records (``file_graph``: counters, log lines, the report), and the per-frame fallback calls
+``record_fallback``. A report (``Report``, built by ``explain()``, printable) collects while ``collecting`` is open.
+"""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
+from torch._dynamo.utils import counters
 
 from . import config
 from .ops.grouped_mm_engine import engine_mode
+from .rewrites import log_rewrites
 
 _local = threading.local()
 
@@ -179,22 +188,132 @@ def _engine_rule(mode: str, backward: bool) -> str:
             f">= {config.grouped_mm_min_rows_per_expert} rows each")
 
 
-def note_left_alone(form: str, where: str, reason: str) -> None:
-    """Called by a pass that met an MoE-looking region it could not prove: kept for explain() and the log."""
-    sink = getattr(_local, "left_alone", None)
-    if sink is not None:
-        sink.append(LeftAlone(form, where, reason))
+# --- the record API: what a compile did, from both routes (trace-time substitutions and FX passes) -------------
+
+log = logging.getLogger("moe_inductor")
+
+
+@dataclass
+class Records:
+    """What was recorded for the graph being compiled, until the backend files it with the graph."""
+
+    rewrites: list[Rewrite] = field(default_factory=list)
+    left_alone: list[LeftAlone] = field(default_factory=list)
+
+
+def _recording_stack() -> list[Records]:
+    if not hasattr(_local, "records"):
+        _local.records = []
+    return _local.records
 
 
 @contextlib.contextmanager
-def collecting_left_alone() -> Iterator[list[LeftAlone]]:
-    """The regions the passes run inside this block leave alone, with their reasons."""
-    previous = getattr(_local, "left_alone", None)
-    _local.left_alone = []
+def recording() -> Iterator[Records]:
+    """Collect what is recorded inside the block in fresh Records of its own, which an enclosing block does not
+    see: a moe_inductor frame compile (capture.py) opens one for its trace-time records, and each FX pass one for
+    its own, dropped when the pass fails. Outside every block, records are dropped: only our compiles record."""
+    stack = _recording_stack()
+    records = Records()
+    stack.append(records)
     try:
-        yield _local.left_alone
+        yield records
     finally:
-        _local.left_alone = previous
+        stack.remove(records)
+
+
+@torch._dynamo.assume_constant_result
+def record_rewrite(form: str, where: str, num_experts: int, top_k: int, activation: str, weight_shapes: tuple,
+                   note: str = "") -> bool:
+    """Record one MoE region rewritten into moe_inductor ops. Callable at trace time (constant arguments; it runs
+    once, while Dynamo traces) and from an FX pass."""
+    stack = _recording_stack()
+    if stack:
+        stack[-1].rewrites.append(Rewrite(form, where, num_experts, top_k, activation, weight_shapes, note))
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def record_left_alone(form: str, where: str, reason: str) -> bool:
+    """Record a region that looked like an MoE and was left as it was, with the reason (callable like
+    ``record_rewrite``)."""
+    stack = _recording_stack()
+    if stack:
+        stack[-1].left_alone.append(LeftAlone(form, where, reason))
+    return True
+
+
+def take_records() -> Records:
+    """What the innermost recording block holds now (for the graph being compiled); clears it."""
+    stack = _recording_stack()
+    if not stack:
+        return Records()
+    out = Records(stack[-1].rewrites, stack[-1].left_alone)
+    stack[-1].rewrites, stack[-1].left_alone = [], []
+    return out
+
+
+def file_graph(code: str, moe_ops: int, rewrites: list[Rewrite], left_alone: list[LeftAlone]) -> GraphRecord:
+    """File one compiled graph with what was done to it: counted (``counters["moe_inductor"][form]``,
+    ``counters["moe_inductor_left_alone"][form]``), logged (``moe_inductor``), and kept for explain()."""
+    for r in rewrites:
+        counters["moe_inductor"][r.form] += 1
+        log_rewrites(f"moe_inductor rewrote {r.where} ({r.form}, E={r.num_experts}, k={r.top_k}, {r.activation})",
+                     code)
+    for m in left_alone:
+        counters["moe_inductor_left_alone"][m.form] += 1
+        log.info("moe_inductor left alone %s (%s): %s", m.where, m.form, m.reason)
+    record = GraphRecord(code=code, rewrites=rewrites, moe_ops=moe_ops, left_alone=left_alone)
+    report = current_report()
+    if report is not None:
+        report.graphs.append(record)
+    return record
+
+
+def record_fallback(where: str, stage: str, reason: str, log_it: bool = True) -> None:
+    """Record a frame compiled as plain capture would: counted (``counters["moe_inductor_fallback"][stage]``),
+    logged when ``log_it`` (once per frame: the caller knows the frame), kept for explain()."""
+    counters["moe_inductor_fallback"][stage] += 1
+    if log_it:
+        log.warning("moe_inductor: %s failed to %s under its capture settings (%s); compiling it as plain capture "
+                    "would (what backend='inductor' does), without rewrites", where, stage, reason)
+    report = current_report()
+    if report is not None:
+        report.fallbacks.append(Fallback(where, stage, reason))
+
+
+def record_note(text: str) -> None:
+    """Something else the user must know about how the compile went (explain() lists it)."""
+    report = current_report()
+    if report is not None:
+        report.notes.append(text)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The filed records at one moment, for ``roll_back``."""
+
+    graphs: int
+    counts: dict
+
+
+_FILED_COUNTERS = ("moe_inductor", "moe_inductor_left_alone")
+
+
+def checkpoint() -> Checkpoint:
+    report = current_report()
+    return Checkpoint(len(report.graphs) if report is not None else 0,
+                      {name: dict(counters[name]) for name in _FILED_COUNTERS})
+
+
+def roll_back(point: Checkpoint) -> None:
+    """Undo what was filed since ``point`` (graphs and their counts): a frame whose attempt failed is compiled
+    again, and only that compile happened."""
+    report = current_report()
+    if report is not None:
+        del report.graphs[point.graphs:]
+    for name, values in point.counts.items():
+        counters[name].clear()
+        counters[name].update(values)
 
 
 def current_report() -> Optional[Report]:

@@ -12,6 +12,16 @@ The user code this matches (letters, spacing, operand order and the two combines
 It becomes one ``moe_inductor::experts_forward`` over the top-k only. That is exact because the routing matrix is
 built by scattering into zeros with ids from ``topk`` (distinct per row, so no write is lost), and an expert's output
 enters ``y`` only through its routing entry. Anything else is left alone.
+
+Two more spellings of the same computation (``match_token_replicated``, ``match_dense_loop`` have the details):
+
+    # Llama 4's reference: tokens replicated per expert, scaled by (E, T) scores zero off the top-k, bmm over E
+    xs = torch.gather(x, 0, idx) * scores_ET.reshape(-1, 1)
+    out.scatter_add_(0, idx, torch.bmm(F.silu(torch.bmm(xs.view(E, -1, H), w1)) * ..., w2).view(-1, H))
+
+    # vLLM's torch-native loop: every expert on every token, each scaled by its column of the routing
+    for e in range(E):
+        y = y + expert_e(x) * (weights * (ids == e)).sum(-1, keepdim=True)
 """
 from __future__ import annotations
 
@@ -21,12 +31,11 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Node
 
-from ..report import Rewrite, note_left_alone
 from ..spec import MoESpec
-from .emit import emit_experts, inputs_unchanged, replace_matches
-from .fx_utils import alias_mutations, einsum_parts, is_call, read_gated, single_use, source_line, val, weighted_sum, eliminate_dead_code
+from .driver import Anchor, Form, Match, every_node, num_experts
+from .fx_utils import alias_mutations, einsum_parts, is_call, read_gated, single_use, val, weighted_sum
 
 FORM = "dense_experts"
 
@@ -114,7 +123,12 @@ def _topk_scatter(routing: Node) -> Optional[tuple[Node, Node]]:
     return ids, values
 
 
-def match_or_reason(y: Node) -> Union[MoESpec, str, None]:
+def _fewer_flops(spec: MoESpec) -> str:
+    E, k = num_experts(spec), int(val(spec.ids).shape[-1])
+    return f"runs k={k} of E={E} experts per token: {E / k:.1f}x fewer expert FLOPs"
+
+
+def match_or_reason(y: Node) -> Union[Match, str, None]:
     """The MoE ending at ``y``; or why not (a string) when ``y`` mixes every expert's down projection by a (T, E)
     matrix, the form's mark; None when ``y`` is no such mix."""
     combined = weighted_sum(y)
@@ -142,15 +156,9 @@ def match_or_reason(y: Node) -> Union[MoESpec, str, None]:
     xv, wv = val(gate.x), val(down.weight)
     if xv is None or xv.dim() != 2 or val(ids).shape[0] != xv.shape[0] or val(routing).shape[1] != wv.shape[0]:
         return "the tokens, routing matrix and expert weights do not agree in T and E"
-    return MoESpec(gate.x, ids, values, gate.weight, up.weight if up else None, down.weight, gate.layout, activation,
+    spec = MoESpec(gate.x, ids, values, gate.weight, up.weight if up else None, down.weight, gate.layout, activation,
                    **gated.spec_fields())
-
-
-def _describe(node: Node, spec: MoESpec) -> Rewrite:
-    E, k = int(val(spec.gate).shape[0]), int(val(spec.ids).shape[-1])
-    return Rewrite(FORM, source_line(node), E, k, spec.activation,
-                   (tuple(val(spec.gate).shape), tuple(val(spec.down).shape)),
-                   note=f"runs k={k} of E={E} experts per token: {E / k:.1f}x fewer expert FLOPs")
+    return Match(spec, y, note=_fewer_flops(spec))
 
 
 def _token_rows(index: Node, num_tokens, num_experts) -> Optional[Node]:
@@ -213,7 +221,7 @@ def _expert_major_scores(scale: Node) -> Optional[tuple[Node, Node, bool]]:
     return None
 
 
-def match_token_replicated(add: Node) -> Union[tuple[MoESpec, Node, bool], str, None]:
+def match_token_replicated(add: Node) -> Union[Match, str, None]:
     """Llama 4's reference MoE: every token copied once per expert, scaled by its (zero off the top-k) score before
     the experts, bmm over (E, T, H), ``scatter_add_`` back by token::
 
@@ -223,7 +231,7 @@ def match_token_replicated(add: Node) -> Union[tuple[MoESpec, Node, bool], str, 
         out.scatter_add_(0, idx, torch.bmm(h, w2).view(-1, H))
 
     A zero score gives a zero input, and every expert we run maps zero to zero (no bias, act(0) = 0), so only the
-    top-k contribute: the op with the weight on the input. Returns (spec, accumulator, sigmoid of the values?)."""
+    top-k contribute: the op with the weight on the input, its result added to the shared output."""
     if not is_call(add, "call_method", "scatter_add_"):
         return None
     args = list(add.args[1:]) + [add.kwargs.get(k) for k in ("dim", "index", "src")[len(add.args) - 1:]]
@@ -274,7 +282,14 @@ def match_token_replicated(add: Node) -> Union[tuple[MoESpec, Node, bool], str, 
             return "the score matrix is not (E, T)"
         spec = MoESpec(x, ids, values, gate[1], up[1] if up else None, w_down, layout, gated.activation,
                        weight_position="input", **gated.spec_fields())
-        return spec, acc, sigmoid
+        if alias_mutations(acc) != [add] or any(_before(u, add) for u in acc.users if u is not add):
+            return "the output buffer is changed or read around the scatter"
+
+        def scores(graph, spec: MoESpec) -> MoESpec:  # the (T, k) scores the routing matrix holds
+            return dataclasses.replace(spec, weights=graph.call_function(torch.sigmoid, (spec.weights,)))
+
+        return Match(spec, add, note=_fewer_flops(spec) + "; routing weight on the input", acc=acc, accumulate=True,
+                     writes=(add,), derive=scores if sigmoid else None)
     return "the replicated tokens are not scaled by scores that are zero off the top-k"
 
 
@@ -291,45 +306,6 @@ def _bmm_projection(node: Node) -> Optional[tuple[Node, Node, str]]:
     if wv is None or wv.dim() != 3 or not wv.is_floating_point() or w.op not in ("placeholder", "get_attr"):
         return None
     return a, w, layout
-
-
-def _rewrite_token_replicated(gm: GraphModule) -> list[Rewrite]:
-    done = []
-    graph = gm.graph
-    for add in [n for n in graph.nodes if is_call(n, "call_method", "scatter_add_")]:
-        got = match_token_replicated(add)
-        if isinstance(got, str):
-            note_left_alone(FORM, source_line(add), got)
-            continue
-        if got is None:
-            continue
-        spec, acc, sigmoid = got
-        if alias_mutations(acc) != [add] or any(_before(u, add) for u in acc.users if u is not add):
-            note_left_alone(FORM, source_line(add), "the output buffer is changed or read around the scatter")
-            continue
-        if not inputs_unchanged(spec):
-            note_left_alone(FORM, source_line(add), "an input of the region is changed in place elsewhere")
-            continue
-        with graph.inserting_before(add):
-            weights = graph.call_function(torch.sigmoid, (spec.weights,)) if sigmoid else spec.weights
-        spec = dataclasses.replace(spec, weights=weights)
-        y = emit_experts(graph, spec, add, val(acc).dtype)
-        with graph.inserting_before(add):
-            total = graph.call_function(operator.add, (acc, y))
-        for r in [u for u in acc.users if u is not add and u is not total]:
-            r.replace_input_with(acc, total)
-        where = source_line(add)
-        graph.erase_node(add)
-        eliminate_dead_code(graph)
-        E, k = int(val(spec.gate).shape[0]), int(val(spec.ids).shape[-1])
-        done.append(Rewrite(FORM, where, E, k, spec.activation, (tuple(val(spec.gate).shape),
-                                                                 tuple(val(spec.down).shape)),
-                            note=f"runs k={k} of E={E} experts per token: {E / k:.1f}x fewer expert FLOPs; routing "
-                            "weight on the input"))
-    if done:
-        graph.lint()
-        gm.recompile()
-    return done
 
 
 def _before(node: Node, other: Node) -> bool:
@@ -374,7 +350,7 @@ def _scaled_term(term: Node) -> bool:
         isinstance(a, Node) and _expert_column(a) is not None for a in term.args)
 
 
-def match_dense_loop(y: Node) -> Union[MoESpec, str, None]:
+def match_dense_loop(y: Node) -> Union[Match, str, None]:
     """vLLM's torch-native iterative MoE: every expert on every token, each scaled by its column of the routing::
 
         for e in range(E):
@@ -448,20 +424,11 @@ def match_dense_loop(y: Node) -> Union[MoESpec, str, None]:
         return "the ids are chosen among another number of experts than the loop runs"
     if wv is None or xv is None or tuple(wv.shape) != tuple(iv.shape) or xv.dim() != 2 or xv.shape[0] != iv.shape[0]:
         return "the tokens, ids and weights do not have (T, H), (T, k) and (T, k) shapes"
-    return MoESpec(first[1], ids, weights, gate, up, down, first[5], first[7], **dict(first[8]))
+    spec = MoESpec(first[1], ids, weights, gate, up, down, first[5], first[7], **dict(first[8]))
+    return Match(spec, y, note=_fewer_flops(spec))
 
 
-def _describe_loop(node: Node, spec: MoESpec) -> Rewrite:
-    per_expert = isinstance(spec.gate, tuple)
-    E = len(spec.gate) if per_expert else int(val(spec.gate).shape[0])
-    k = int(val(spec.ids).shape[-1])
-    shapes = tuple(((E,) + tuple(val(w[0]).shape)) if per_expert else tuple(val(w).shape)
-                   for w in (spec.gate, spec.down))
-    return Rewrite(FORM, source_line(node), E, k, spec.activation, shapes,
-                   note=f"runs k={k} of E={E} experts per token: {E / k:.1f}x fewer expert FLOPs")
-
-
-def rewrite(gm: GraphModule) -> list[Rewrite]:
-    """Replace every provable dense all-experts MoE in ``gm``; returns what was rewritten."""
-    return (replace_matches(gm, match_or_reason, _describe, FORM)[0] + _rewrite_token_replicated(gm)
-            + replace_matches(gm, match_dense_loop, _describe_loop, FORM)[0])
+rewrite = Form(FORM, (Anchor(every_node, match_or_reason),
+                     Anchor(lambda n: is_call(n, "call_method", "scatter_add_"), match_token_replicated),
+                     Anchor(every_node, match_dense_loop)))
+"""Replace every provable dense all-experts MoE in a GraphModule; returns what was rewritten."""

@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Node
 
-from ..report import Rewrite
 from ..spec import MoESpec
-from .emit import note_unmatched, region_of, replace_matches
-from .fx_utils import einsum_parts, is_call, read_gated, single_use, source_line, val, weighted_sum
+from .driver import Anchor, Form, Match, Unmatched, every_node
+from .fx_utils import einsum_parts, is_call, read_gated, single_use, val, weighted_sum
 
 FORM = "gathered_weights"
 
@@ -90,7 +89,7 @@ def _projection(node: Node, x_subs_len: int = 2) -> Optional[_Projection]:
     return None
 
 
-def match_or_reason(y: Node) -> Union[MoESpec, str, None]:
+def match_or_reason(y: Node) -> Union[Match, str, None]:
     """The MoE ending at ``y``; or why not (a string) when ``y`` is a weighted sum over k of a down projection on
     gathered weights, the form's mark; None when it is no such sum."""
     combined = weighted_sum(y)
@@ -124,24 +123,15 @@ def match_or_reason(y: Node) -> Union[MoESpec, str, None]:
         return "the tokens, ids and routing weights do not have (T, H), (T, k) and (T, k) shapes"
     if (up is not None and (gate.bias is None) != (up.bias is None)):
         return "one of the gate and up projections has a bias and the other has none"
-    return MoESpec(gate.x, gate.ids, weights, gate.weight, up.weight if up else None, down.weight, gate.layout,
+    spec = MoESpec(gate.x, gate.ids, weights, gate.weight, up.weight if up else None, down.weight, gate.layout,
                    gated.activation, **gated.spec_fields(), b1=gate.bias, b1_up=up.bias if up else None,
                    b2=down.bias)
-
-
-def _describe(node: Node, spec: MoESpec) -> Rewrite:
-    gate_val, down_val = val(spec.gate), val(spec.down)
     per_choice = sum(v[0].numel() * v.element_size() for v in map(val, (spec.gate, spec.up, spec.down)) if v is not None)
-    return Rewrite(FORM, source_line(node), int(gate_val.shape[0]), int(val(spec.ids).shape[-1]), spec.activation,
-                   (tuple(gate_val.shape), tuple(down_val.shape)),
-                   note=f"avoids gathering T*k x {per_choice / 2**10:.1f} KiB of expert weights per call")
+    return Match(spec, y, note=f"avoids gathering T*k x {per_choice / 2**10:.1f} KiB of expert weights per call")
 
 
-def rewrite(gm: GraphModule) -> list[Rewrite]:
-    """Replace every provable gathered-weights MoE in ``gm``; returns what was rewritten."""
-    done, explained = replace_matches(gm, match_or_reason, _describe, FORM)
-    note_unmatched(gm, FORM, lambda n: (_gathered(n) or (None, None))[1],
-                   "expert weights gathered by routing ids (w[ids]), but the einsums around them are not the "
-                   "gated/plain up, down and weighted sum over k this form proves, each used once",
-                   already={region_of(y) for y in explained})
-    return done
+rewrite = Form(FORM, (Anchor(every_node, match_or_reason),), Unmatched(
+    lambda n: (_gathered(n) or (None, None))[1],
+    "expert weights gathered by routing ids (w[ids]), but the einsums around them are not the gated/plain up, down "
+    "and weighted sum over k this form proves, each used once"))
+"""Replace every provable gathered-weights MoE in a GraphModule; returns what was rewritten."""

@@ -23,18 +23,18 @@ choices, is a different computation and is left alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, Node
 
-from ..report import Rewrite, note_left_alone
 from ..spec import MoESpec
-from .emit import emit_experts
-from .fx_utils import einsum_parts, mutated_alias, source_line, split_gated, val, eliminate_dead_code
+from .driver import Anchor, Form, Match, every_node
+from .fx_utils import einsum_parts, mutated_alias, split_gated, val
 
 FORM = "padded_capacity"
 
@@ -396,40 +396,32 @@ def _match_routing(combine: Node, xin: Node, T, E, C) -> Optional[tuple[Node, li
     return x, ordered
 
 
-def rewrite(gm: GraphModule) -> list[Rewrite]:
-    """Replace every provable padded-capacity MoE in ``gm``; returns what was rewritten."""
-    graph = gm.graph
-    done = []
-    for node in list(graph.nodes):
-        found = match(node)
-        if found is None:
-            if _capacity_combines(node):
-                note_left_alone(FORM, source_line(node), "a (T, E, C) combine over capacity slots, but its dispatch, "
-                                "slot projections or gating (one_hot, cumsum queue positions, capacity drops, gates) "
-                                "are not the GShard/Switch routing this form proves")
-            continue
-        x, gate_w, up_w, down_w, layout, activation = found.spec_parts
-        if any(isinstance(n, Node) and mutated_alias(n) for n in (x, gate_w, up_w, down_w)):
-            # the op would read them later than the user's code did
-            note_left_alone(FORM, source_line(node), "an input of the region is changed in place elsewhere in the "
-                            "graph")
-            continue
-        with graph.inserting_before(node):
-            ids = graph.call_function(torch.stack, ([c.idx for c in found.choices],), {"dim": 1})
-            columns = [graph.call_method("reshape", (c.gate, -1)) for c in found.choices]
-            weights = graph.call_function(torch.stack, (columns,), {"dim": 1})
-        spec = MoESpec(x, ids, weights, gate_w, up_w, down_w, layout, activation, capacity=found.capacity)
-        node.replace_all_uses_with(emit_experts(graph, spec, node, val(node).dtype))
-        E, k = int(val(gate_w).shape[0]), len(found.choices)
-        gv, dv = val(gate_w), val(down_w)
-        # multiply-adds of one slot through the experts: the up projection(s) and the down projection
-        slot_flops = 2 * (gv[0].numel() * (2 if up_w is not None else 1) + dv[0].numel())
-        padded = f"{E} x {found.capacity} slots = {E * found.capacity * slot_flops / 1e6:.2f} MFLOP per call" \
-            if isinstance(found.capacity, int) else "the padded slots"
-        done.append(Rewrite(FORM, source_line(node), E, k, activation, (tuple(gv.shape), tuple(dv.shape)),
-                            note=f"capacity {found.capacity}, the same drops; runs the T*k routed rows instead of "
-                                 f"{padded}, no (T, E, C) dispatch einsum"))
-    if done:
-        eliminate_dead_code(graph)
-        gm.recompile()
-    return done
+def match_capacity(y: Node) -> Union[Match, str, None]:
+    """The padded-capacity MoE whose (T, E, C) combine ends at ``y``; or why not, when ``y`` is such a combine."""
+    found = match(y)
+    if found is None:
+        if _capacity_combines(y):
+            return ("a (T, E, C) combine over capacity slots, but its dispatch, slot projections or gating (one_hot, "
+                    "cumsum queue positions, capacity drops, gates) are not the GShard/Switch routing this form proves")
+        return None
+    x, gate_w, up_w, down_w, layout, activation = found.spec_parts
+    # the routing is proven (``_match_routing``); the op's (T, k) ids and weights are stacked from its choices
+    spec = MoESpec(x, None, None, gate_w, up_w, down_w, layout, activation, capacity=found.capacity)
+
+    def routing(graph: Graph, spec: MoESpec) -> MoESpec:
+        ids = graph.call_function(torch.stack, ([c.idx for c in found.choices],), {"dim": 1})
+        columns = [graph.call_method("reshape", (c.gate, -1)) for c in found.choices]
+        weights = graph.call_function(torch.stack, (columns,), {"dim": 1})
+        return dataclasses.replace(spec, ids=ids, weights=weights)
+
+    E, gv, dv = int(val(gate_w).shape[0]), val(gate_w), val(down_w)
+    # multiply-adds of one slot through the experts: the up projection(s) and the down projection
+    slot_flops = 2 * (gv[0].numel() * (2 if up_w is not None else 1) + dv[0].numel())
+    padded = f"{E} x {found.capacity} slots = {E * found.capacity * slot_flops / 1e6:.2f} MFLOP per call" \
+        if isinstance(found.capacity, int) else "the padded slots"
+    return Match(spec, y, note=f"capacity {found.capacity}, the same drops; runs the T*k routed rows instead of "
+                 f"{padded}, no (T, E, C) dispatch einsum", derive=routing, top_k=len(found.choices))
+
+
+rewrite = Form(FORM, (Anchor(every_node, match_capacity),))
+"""Replace every provable padded-capacity MoE in a GraphModule; returns what was rewritten."""

@@ -32,12 +32,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Node
 
-from ..report import Rewrite
 from ..spec import MoESpec
-from .emit import emit_experts, inputs_unchanged, note_unmatched
-from .fx_utils import alias_mutations, is_call, read_gated, source_line, val, eliminate_dead_code
+from .driver import Anchor, Form, Match, Unmatched
+from .fx_utils import alias_mutations, is_call, read_gated, val
 
 FORM = "sorted_grouped_mm"
 
@@ -104,6 +103,12 @@ def _offsets_of(offs, ids: Node, num_experts: int) -> bool:
         # with bins = E and min 0, max E or E - 1 puts id v in bin v exactly
         return (bins == num_experts and lo == 0 and hi in (num_experts, num_experts - 1)
                 and _flat(_strip(counts.args[0], "float", "int", "to")) is ids)
+    # one_hot(flat, E).sum(0): the same counts (one_hot raises where histc would drop an id out of range)
+    if is_call(counts, "call_method", "sum") and (counts.args[1:] or (counts.kwargs.get("dim"),))[0] == 0:
+        hot = counts.args[0]
+        if is_call(hot, "call_function", torch.nn.functional.one_hot, torch._C._nn.one_hot):
+            classes = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)
+            return classes == num_experts and _flat(hot.args[0]) is ids and set(counts.kwargs) <= {"dim"}
     return False
 
 
@@ -232,7 +237,7 @@ def _unsort_back(acc: Node) -> Optional[_Combine]:
     if not (is_call(bmm_in, "call_function", torch.bmm) and len(bmm_in.args) == 2 and bmm_in.args[1] is (
             user if bmm_in is not user else grouped)) or len(bmm_in.users) != 1:
         return None
-    scores = bmm_in.args[0]
+    scores = _no_op_cast(bmm_in.args[0])
     if not (is_call(scores, "call_method", "reshape", "view") and tuple(scores.args[1:]) in ((-1, 1, k),
                                                                                            (iv.shape[0], 1, k))):
         return None
@@ -268,9 +273,9 @@ def _no_op_cast(node):
     return node
 
 
-def match(acc: Node) -> Optional[tuple[MoESpec, _Combine]]:
-    """(spec, combine) for a buffer that takes sorted expert outputs back to token order (scatter_add_/index_add_
-    into zeros, or torchtitan's unsort); None when ``acc`` is no such buffer."""
+def match(acc: Node) -> Optional[Match]:
+    """The MoE whose sorted expert outputs ``acc`` takes back to token order (scatter_add_/index_add_ into zeros,
+    or torchtitan's unsort); None when ``acc`` is no such buffer."""
     combine = _scatter_back(acc) or _unsort_back(acc)
     if combine is None:
         return None
@@ -331,44 +336,10 @@ def match(acc: Node) -> Optional[tuple[MoESpec, _Combine]]:
     w = lambda n: _no_op_cast(n)  # noqa: E731  (the user's parameter, not a same-dtype cast of it)
     spec = MoESpec(x, ids, weights, w(gate[1]), w(up[1]) if up else None, w(w_down), layout, activation, position,
                    **gated.spec_fields())
-    return spec, combine
-
-
-def rewrite(gm: GraphModule) -> list[Rewrite]:
-    """Replace every provable sort + grouped_mm MoE in ``gm``; returns what was rewritten."""
-    done = []
-    graph = gm.graph
-    buffers = [n for n in graph.nodes if is_call(n, "call_function", torch.zeros_like, torch.zeros)
-               or is_call(n, "call_method", "new_zeros")]
-    for acc in buffers:
-        if acc not in set(graph.nodes):  # erased with an earlier region
-            continue
-        got = match(acc)
-        if got is None or not inputs_unchanged(got[0]):
-            continue
-        spec, combine = got
-        scatter = combine.end is combine.writes[0]
-        out_dtype = val(acc).dtype if scatter else val(combine.end).dtype
-        y = emit_experts(graph, spec, combine.end.next if scatter else combine.end, out_dtype)
-        if scatter:  # the buffer's reads after the scatter now read the op's result
-            for r in [u for u in acc.users if u is not combine.end]:
-                r.replace_input_with(acc, y)
-        else:
-            combine.end.replace_all_uses_with(y)
-        where = source_line(combine.writes[0])
-        for write in combine.writes:
-            graph.erase_node(write)
-        eliminate_dead_code(graph)
-        done.append(Rewrite(FORM, where, int(val(spec.gate).shape[0]), int(val(spec.ids).shape[-1]), spec.activation,
-                            (tuple(val(spec.gate).shape), tuple(val(spec.down).shape)),
-                            note=f"routing weight on the {spec.weight_position}; no permuted copy of x"))
-    if done:
-        graph.lint()
-        gm.recompile()
-    note_unmatched(gm, FORM, _grouped_mm_offsets,
-                   "torch._grouped_mm over expert offsets, but not the sort, histc + cumsum offsets, gather and "
-                   "scatter-back of one set of routing ids that this form proves")
-    return done
+    note = f"routing weight on the {spec.weight_position}; no permuted copy of x"
+    if combine.end is combine.writes[0]:  # scattered into acc in place: its later reads read the op
+        return Match(spec, combine.end, note, acc=acc, writes=combine.writes)
+    return Match(spec, combine.end, note, where=combine.writes[0], writes=combine.writes)
 
 
 def _grouped_mm_offsets(node: Node) -> Optional[Node]:
@@ -376,3 +347,13 @@ def _grouped_mm_offsets(node: Node) -> Optional[Node]:
     if is_call(node, "call_function", *_grouped_mm_ops()) and "offs" in node.kwargs:
         return node.kwargs["offs"]
     return None
+
+
+def _buffer(node: Node) -> bool:
+    return is_call(node, "call_function", torch.zeros_like, torch.zeros) or is_call(node, "call_method", "new_zeros")
+
+
+rewrite = Form(FORM, (Anchor(_buffer, match),), Unmatched(
+    _grouped_mm_offsets, "torch._grouped_mm over expert offsets, but not the sort, histc + cumsum offsets, gather and "
+    "scatter-back of one set of routing ids that this form proves"))
+"""Replace every provable sort + grouped_mm MoE in a GraphModule; returns what was rewritten."""

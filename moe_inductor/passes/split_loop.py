@@ -31,12 +31,11 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Node
 
-from ..report import Rewrite
 from ..spec import MoESpec
-from .emit import emit_experts, inputs_unchanged
-from .fx_utils import alias_mutations, is_call, read_gated, source_line, val, eliminate_dead_code
+from .driver import Anchor, Form, Match
+from .fx_utils import alias_mutations, is_call, read_gated, val
 from .sorted_grouped_mm import _flat, _sort_order
 from .unrolled_loop import _linear, _topk_ids
 
@@ -413,9 +412,10 @@ def _before(node: Node, other: Node) -> bool:
     return False
 
 
-def match(acc: Node) -> Union[tuple[MoESpec, _Combine, list], str, None]:
-    """(spec, combine, the region's dispatch nodes) for a zeros buffer the split loop's outputs are scattered into;
-    or why not (a string) once the buffer is known to collect a split loop's experts; None when it never was."""
+def match(acc: Node) -> Union[Match, str, None]:
+    """The split loop whose outputs are scattered into the zeros buffer ``acc``; or why not (a string) once the
+    buffer is known to collect a split loop's experts; None when it never was. The dispatch (the sort or mask, the
+    splits, the ``.item()`` sizes) goes with the region, with the size asserts Dynamo attached to it."""
     combine = _combine(acc)
     if combine is None:
         return None
@@ -453,68 +453,15 @@ def match(acc: Node) -> Union[tuple[MoESpec, _Combine, list], str, None]:
                    **experts.fields)
     roots = [d.tok, scale, *experts.splits]
     roots += [s for split in experts.splits for s in _split_of(split)[1] if isinstance(s, Node)]
-    return spec, combine, roots
+    note = f"{num_experts} .item() host syncs and data-dependent splits removed"
+    if combine.write is None:
+        return Match(spec, combine.end, note, transient=tuple(roots))
+    return Match(spec, combine.write, note, acc=acc, writes=(combine.write,), transient=tuple(roots))
 
 
-def _erase_region(graph, roots: list) -> None:
-    """Erase the size asserts Dynamo attached to what served the region (the sort or mask, the splits, the
-    ``.item()`` sizes): they are side-effecting, so dead-code removal keeps them, and with them the host syncs.
-    Nothing else that has an effect is touched; the rest goes by dead-code removal."""
-    doomed, stack = set(), list(roots)
-    while stack:
-        node = stack.pop()
-        if node in doomed:
-            continue
-        doomed.add(node)
-        stack.extend(node.users)
-    eliminate_dead_code(graph)
-    for node in reversed(list(graph.nodes)):
-        if node in doomed and not node.users and node.target in _ASSERTS:
-            graph.erase_node(node)
-    eliminate_dead_code(graph)
+def _zeros(node: Node) -> bool:
+    return is_call(node, "call_function", torch.zeros, torch.zeros_like) or is_call(node, "call_method", "new_zeros")
 
 
-_ASSERTS = (torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default,
-            torch._check, torch._check_is_size)
-
-
-def rewrite(gm: GraphModule) -> list[Rewrite]:
-    """Replace every provable split loop in ``gm``; returns what was rewritten."""
-    from ..report import note_left_alone
-
-    done = []
-    graph = gm.graph
-    for acc in [n for n in graph.nodes if is_call(n, "call_function", torch.zeros, torch.zeros_like)
-                or is_call(n, "call_method", "new_zeros")]:
-        if acc not in set(graph.nodes):
-            continue
-        got = match(acc)
-        if isinstance(got, str):
-            note_left_alone(FORM, source_line(acc), got)
-            continue
-        if got is None:
-            continue
-        spec, combine, roots = got
-        if not inputs_unchanged(spec):
-            note_left_alone(FORM, source_line(acc), "an input of the region is changed in place elsewhere in the graph")
-            continue
-        y = emit_experts(graph, spec, combine.end.next if combine.write is not None else combine.end,
-                         val(acc).dtype)
-        if combine.write is not None:
-            for r in [u for u in acc.users if u is not combine.write]:
-                r.replace_input_with(acc, y)
-            graph.erase_node(combine.write)
-        else:
-            combine.end.replace_all_uses_with(y)
-        where = source_line(combine.end)
-        _erase_region(graph, roots)
-        per_expert = isinstance(spec.gate, tuple)
-        E = len(spec.gate) if per_expert else int(val(spec.gate).shape[0])
-        done.append(Rewrite(FORM, where, E, int(val(spec.ids).shape[-1]), spec.activation,
-                            ((E,) + tuple(val(spec.gate[0]).shape) if per_expert else tuple(val(spec.gate).shape),
-                             (E,) + tuple(val(spec.down[0]).shape) if per_expert else tuple(val(spec.down).shape)),
-                            note=f"{E} .item() host syncs and data-dependent splits removed"))
-    if done:
-        graph.lint()
-        gm.recompile()
-    return done
+rewrite = Form(FORM, (Anchor(_zeros, match),))
+"""Replace every provable split loop in a GraphModule; returns what was rewritten."""

@@ -7,26 +7,22 @@ The user code this notes (anything after the router that no pass proves):
     ...                                                         # selection, sort, one_hot, masked_select, split ...
     y = ... x[sel] @ w ...                                       # a matmul, linear, einsum, bmm or grouped GEMM
 
-It runs after every other pass and stays quiet when one of them rewrote the region (the ids reach a moe_inductor op)
-or already said why it left the graph alone (``track`` records their notes for the current graph).
+It runs after every other pass (the driver's ``Explainer``). It stays quiet where one of them rewrote the region (the
+ids reach a moe_inductor op), and on a graph where one of them already said why it left code alone.
 """
 from __future__ import annotations
 
 import operator
-import threading
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from ..report import Rewrite, note_left_alone
-from .emit import region_of
-from .fx_utils import is_call, source_line, val
+from .driver import Explainer, region_of
+from .fx_utils import is_call, val
 
 FORM = "moe_region"
-
-_local = threading.local()
 
 #: the ops that make per-expert work out of routed rows
 _EXPERT_WORK = {operator.matmul: "matmul", torch.matmul: "matmul", torch.bmm: "bmm", torch.mm: "mm",
@@ -43,23 +39,6 @@ _DISPATCH = {torch.nonzero: "nonzero", torch.where: "where", torch.argsort: "arg
 _DISPATCH_METHODS = {"nonzero", "sort", "argsort", "masked_select", "tolist", "split", "index_select", "scatter",
                      "scatter_", "scatter_add_", "index_add_", "index_add", "cumsum", "masked_fill", "masked_fill_"}
 _MAX_REACH = 5000
-
-
-def track(rewrite: Callable[[GraphModule], list[Rewrite]]) -> Callable[[GraphModule], list[Rewrite]]:
-    """Wrap a form's pass: remember whether it noted a region left alone, so this note does not repeat it."""
-    def run(gm: GraphModule) -> list[Rewrite]:
-        from .. import report
-
-        sink = getattr(report._local, "left_alone", None)
-        before = len(sink) if sink is not None else 0
-        done = rewrite(gm)
-        if sink is not None and len(sink) > before:
-            _local.noted = True
-        return done
-
-    run.__wrapped__ = rewrite
-    run.__doc__ = rewrite.__doc__
-    return run
 
 
 def _router_ids(node: Node) -> Optional[Node]:
@@ -118,11 +97,9 @@ def _mutated(node: Node) -> Optional[Node]:
     return node.args[0] if inplace and node.args and isinstance(node.args[0], Node) else None
 
 
-def rewrite(gm: GraphModule) -> list[Rewrite]:
-    """Note each router whose ids reach per-expert work with no moe_inductor op in between; never rewrites."""
-    noted, _local.noted = getattr(_local, "noted", False), False
-    if noted:  # a form already said why it left this graph's MoE code alone
-        return []
+def unexplained(gm: GraphModule) -> list[tuple[Node, str]]:
+    """(router ids, reason) for each router whose ids reach per-expert work with no moe_inductor op in between."""
+    found = []
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     covered, regions = set(), set()  # one note per MoE region: a second choice's argmax is downstream of the first
     for node in gm.graph.nodes:
@@ -150,7 +127,10 @@ def rewrite(gm: GraphModule) -> list[Rewrite]:
         met = [a for n in reach for a in n.all_input_nodes if _is_work(a) and a not in reach]
         names = list(dict.fromkeys(filter(None, (_name(n) for n in sorted(reach | set(met), key=order.__getitem__)))))
         shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-        note_left_alone(FORM, source_line(ids),
-                        f"a router's top-k/argmax ids feed per-expert work ({shown}) that no MoE form proves: none of "
-                        "the loop, gathered-weights, dense, sort + grouped_mm or capacity forms matched it")
-    return []
+        found.append((ids, f"a router's top-k/argmax ids feed per-expert work ({shown}) that no MoE form proves: "
+                      "none of the loop, gathered-weights, dense, sort + grouped_mm or capacity forms matched it"))
+    return found
+
+
+rewrite = Explainer(FORM, unexplained)
+"""Note (never rewrite) each router whose ids reach per-expert work that no form rewrote or explained."""

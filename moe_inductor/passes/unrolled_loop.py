@@ -30,13 +30,11 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Node
 
-from ..report import Rewrite, note_left_alone
 from ..spec import MoESpec
-from .emit import emit_experts, inputs_unchanged
-from .fx_utils import (alias_mutations, eliminate_dead_code, is_call, is_impure, read_gated, source_line, val,
-                       weighted_sum)
+from .driver import Anchor, Form, Match
+from .fx_utils import alias_mutations, is_call, read_gated, source_line, val, weighted_sum
 
 FORM = "unrolled_loop"
 
@@ -148,12 +146,44 @@ def _accumulation(add: Node, acc: Node) -> Optional[tuple[Node, Node, Optional[N
     if is_call(add, "call_method", "index_add_") and len(add.args) == 4 and add.args[0] is acc and add.args[1] == 0 and (
             not add.kwargs):
         return add.args[2], add.args[3], None
+    # acc.index_put_((tok,), c, accumulate=True): index_add_ spelled as an accumulating put
+    if is_call(add, "call_method", "index_put_") and add.args[0] is acc and len(add.args) in (3, 4) and (
+            add.args[3] if len(add.args) == 4 else add.kwargs.get("accumulate")) is True and set(add.kwargs) <= {
+            "accumulate"} and isinstance(add.args[1], (tuple, list)) and len(add.args[1]) == 1:
+        return add.args[1][0], add.args[2], None
+    # acc.scatter_add_(0, tok[:, None].expand(-1, H), c): the index repeats each row's token across all H columns
+    if is_call(add, "call_method", "scatter_add_") and len(add.args) == 4 and add.args[0] is acc and add.args[1] == 0 and (
+            not add.kwargs):
+        tok = _broadcast_rows(add.args[2])
+        iv, cv, av = val(add.args[2]), val(add.args[3]), val(acc)
+        if tok is not None and None not in (iv, cv, av) and av.dim() == 2 and cv.dim() == 2 and (
+                tuple(iv.shape) == tuple(cv.shape)) and cv.shape[1] == av.shape[1]:
+            return tok, add.args[3], None
     if is_call(add, "call_function", operator.setitem) and add.args[0] is acc and isinstance(add.args[1], Node):
         tok, value = add.args[1], add.args[2]
         if is_call(value, "call_function", operator.iadd, operator.add) and len(value.users) == 1:
             read, contribution = value.args
             if is_call(read, "call_function", operator.getitem) and read.args == (acc, tok) and len(read.users) == 1:
                 return tok, contribution, read
+    return None
+
+
+def _broadcast_rows(index: Node) -> Optional[Node]:
+    """``tok`` for a (n, H) scatter index ``tok[:, None]`` / ``tok.unsqueeze(-1)`` / ``tok.view(-1, 1)``, expanded by
+    ``.expand(-1, H)`` or ``.expand_as(c)``: row i of it is tok[i] in every column."""
+    if not (is_call(index, "call_method", "expand", "expand_as") and isinstance(index.args[0], Node)):
+        return None
+    column = index.args[0]
+    cv = val(column)
+    if cv is None or cv.dim() != 2 or cv.shape[1] != 1:
+        return None
+    if is_call(column, "call_function", operator.getitem) and column.args[1] in (
+            (slice(None, None, None), None), (Ellipsis, None)):
+        return column.args[0]
+    if is_call(column, "call_method", "unsqueeze") and column.args[1] in (1, -1):
+        return column.args[0]
+    if is_call(column, "call_method", "view", "reshape") and tuple(column.args[1:]) == (-1, 1):
+        return column.args[0]
     return None
 
 
@@ -270,7 +300,7 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
     mutations = alias_mutations(acc)  # index_add_ / out[tok] += ..., on acc or through any view of it
     if not any(_looks_like_a_body(m, acc) for m in mutations):
         return None
-    if any(u.target not in ("index_add_", operator.setitem) for u in mutations):
+    if any(u.target not in ("index_add_", "index_put_", "scatter_add_", operator.setitem) for u in mutations):
         return "the accumulator is also changed by something other than the loop's writes"
     bodies = [_body(add, acc) for add in mutations]
     failed = [(b, add) for b, add in zip(bodies, mutations) if isinstance(b, str)]
@@ -309,26 +339,19 @@ def _looks_like_a_body(write: Node, acc: Node) -> bool:
     return accumulated is not None and _selection(accumulated[0]) is not None
 
 
-def _erase_loop(graph, bodies: list[_Body]) -> None:
-    """Erase the accumulations, then everything that only served the loop (nonzero, its size asserts)."""
-    for b in bodies:
-        graph.erase_node(b.add)
-    doomed = set()
-    for b in bodies:
-        stack = [b.where]
-        while stack:
-            node = stack.pop()
-            if node in doomed:
-                continue
-            doomed.add(node)
-            stack.extend(node.users)
-    for node in reversed(list(graph.nodes)):  # the selections and their size asserts; never a write of the user's
-        if node in doomed and not node.users and (not is_impure(node) or node.target in _SIZE_CHECKS):
-            graph.erase_node(node)
-    eliminate_dead_code(graph)
-
-
-_SIZE_CHECKS = (torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range_for_size.default)
+def match_loop(acc: Node) -> Union[Match, str, None]:
+    """The loop accumulating into ``acc`` (see ``match``): the op replaces the accumulator after its last write."""
+    position = {n: i for i, n in enumerate(acc.graph.nodes)}
+    got = match(acc, position)
+    if not isinstance(got, tuple):
+        return got
+    spec, bodies = got
+    adds = tuple(b.add for b in bodies)
+    note = (f"{len(bodies)} nonzero host syncs and data-dependent sizes removed"
+            + ("; per-expert weights stacked once, cached" if isinstance(spec.gate, tuple) else "")
+            + (f"; routing weight on the {spec.weight_position}" if spec.weight_position != "output" else ""))
+    return Match(spec, max(adds, key=position.__getitem__), note, where=bodies[0].add, acc=acc, writes=adds,
+                 transient=tuple(b.where for b in bodies))
 
 
 def _flat_ids(node) -> Optional[Node]:
@@ -364,7 +387,7 @@ def _repeated_tokens(xr: Node, k: int) -> Optional[Node]:
     return xr.args[0]
 
 
-def match_masked_writes(y: Node) -> Union[tuple[MoESpec, Node, list], str, None]:
+def match_masked_writes(y: Node) -> Union[Match, str, None]:
     """DeepSeek-V2/DeepSeek-MoE's training loop (boolean masks over the repeated tokens, writes, not adds)::
 
         xr = x.repeat_interleave(k, dim=0); flat = ids.view(-1); buf = torch.empty_like(xr)
@@ -373,7 +396,7 @@ def match_masked_writes(y: Node) -> Union[tuple[MoESpec, Node, list], str, None]
         y = (buf.view(T, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
     Every row is written once: each flat id is one of range(E) (ids from topk over E columns) and each e is
-    written once. Returns (spec, the writes to erase, the masked reads whose size asserts go), or why not."""
+    written once. The writes go with the region, and the masked reads take their size asserts with them."""
     combined = weighted_sum(y)
     if combined is None:
         return None
@@ -444,90 +467,11 @@ def match_masked_writes(y: Node) -> Union[tuple[MoESpec, Node, list], str, None]
     xv = val(spec.x)
     if xv is None or xv.dim() != 2 or xv.shape[0] != T or tuple(val(buf).shape) != (T * k, xv.shape[1]):
         return "the tokens and the buffer do not have (T, H) and (T*k, H) shapes"
-    return spec, writes, reads
+    note = (f"{num_experts} boolean-mask selections (host syncs) removed"
+            + ("; per-expert weights stacked once, cached" if isinstance(spec.gate, tuple) else ""))
+    return Match(spec, y, note, where=writes[0], writes=tuple(writes), transient=tuple(reads))
 
 
-def _rewrite_masked_writes(gm: GraphModule) -> list[Rewrite]:
-    done = []
-    graph = gm.graph
-    for y in [n for n in graph.nodes if is_call(n, "call_method", "sum")]:
-        got = match_masked_writes(y)
-        if isinstance(got, str):
-            note_left_alone(FORM, source_line(y), got)
-            continue
-        if got is None:
-            continue
-        spec, writes, reads = got
-        if not inputs_unchanged(spec):
-            note_left_alone(FORM, source_line(y), "an input of the loop is changed in place elsewhere in the graph")
-            continue
-        y.replace_all_uses_with(emit_experts(graph, spec, y, val(y).dtype))
-        for w in writes:
-            graph.erase_node(w)
-        eliminate_dead_code(graph)
-        doomed, stack = set(), list(reads)
-        while stack:
-            node = stack.pop()
-            if node not in doomed:
-                doomed.add(node)
-                stack.extend(node.users)
-        for node in reversed(list(graph.nodes)):  # the size asserts of the masked reads, with their syncs
-            if node in doomed and not node.users and node.target is torch.ops.aten._assert_scalar.default:
-                graph.erase_node(node)
-        eliminate_dead_code(graph)
-        per_expert = isinstance(spec.gate, tuple)
-        E = len(spec.gate) if per_expert else int(val(spec.gate).shape[0])
-        shapes = tuple(((len(w),) + tuple(val(w[0]).shape)) if per_expert else tuple(val(w).shape)
-                       for w in (spec.gate, spec.down))
-        done.append(Rewrite(FORM, source_line(writes[0]), E, int(val(spec.ids).shape[-1]), spec.activation, shapes,
-                            note=f"{E} boolean-mask selections (host syncs) removed"
-                            + ("; per-expert weights stacked once, cached" if per_expert else "")))
-    if done:
-        graph.lint()
-        gm.recompile()
-    return done
-
-
-def rewrite(gm: GraphModule) -> list[Rewrite]:
-    """Replace every provable unrolled per-expert loop in ``gm``; returns what was rewritten."""
-    return _rewrite_accumulations(gm) + _rewrite_masked_writes(gm)
-
-
-def _rewrite_accumulations(gm: GraphModule) -> list[Rewrite]:
-    done = []
-    graph = gm.graph
-    candidates = [n for n in graph.nodes if _zeros_like_x(n)]
-    for acc in candidates:
-        position = {n: i for i, n in enumerate(graph.nodes)}
-        if acc not in position:  # erased by an earlier rewrite
-            continue
-        got = match(acc, position)
-        if isinstance(got, str):
-            note_left_alone(FORM, source_line(acc), got)
-            continue
-        if got is None:
-            continue
-        if not inputs_unchanged(got[0]):
-            note_left_alone(FORM, source_line(acc), "an input of the loop is changed in place elsewhere in the graph")
-            continue
-        spec, bodies = got
-        adds = {b.add for b in bodies}
-        last_add = max(adds, key=position.__getitem__)
-        reads = [u for u in acc.users if u not in adds and u not in {b.read for b in bodies}]
-        y = emit_experts(graph, spec, last_add.next, val(spec.x).dtype)  # after the loop, where acc was complete
-        for r in reads:
-            r.replace_input_with(acc, y)
-        where = source_line(bodies[0].add)
-        _erase_loop(graph, bodies)
-        per_expert = isinstance(spec.gate, tuple)
-        shapes = tuple(((len(w),) + tuple(val(w[0]).shape)) if per_expert else tuple(val(w).shape)
-                       for w in (spec.gate, spec.down))
-        done.append(Rewrite(FORM, where, len(bodies), int(val(spec.ids).shape[-1]), spec.activation, shapes,
-                            note=f"{len(bodies)} nonzero host syncs and data-dependent sizes removed"
-                            + ("; per-expert weights stacked once, cached" if per_expert else "")
-                            + (f"; routing weight on the {spec.weight_position}" if spec.weight_position != "output"
-                               else "")))
-    if done:
-        graph.lint()
-        gm.recompile()
-    return done
+rewrite = Form(FORM, (Anchor(_zeros_like_x, match_loop),
+                     Anchor(lambda n: is_call(n, "call_method", "sum"), match_masked_writes)))
+"""Replace every provable unrolled per-expert loop in a GraphModule; returns what was rewritten."""
