@@ -67,16 +67,19 @@ def test_twenty_sequence_lengths_compile_at_most_twice():
     assert sum(counters["graph_break"].values()) == 0
 
 
-@pytest.mark.parametrize("num_experts_per_tok", [1, 2])
 @pytest.mark.slow
-def test_llama4_dense_block_is_rewritten_and_equal(num_experts_per_tok):
-    model = tiny("llama4")
-    for layer in model.model.layers:
-        layer.feed_forward.top_k = layer.feed_forward.router.top_k = num_experts_per_tok
+@pytest.mark.parametrize("family,top_k,form", [("llama4", 1, "hf_llama4_dense"), ("llama4", 2, "hf_llama4_dense"),
+                                               ("dbrx", None, "hf_dbrx")], ids=["llama4-top1", "llama4-top2", "dbrx"])
+def test_wrapped_hf_block_is_rewritten_and_equal(family, top_k, form):
+    """The MoE blocks moe_inductor wraps by class (Llama4's dense block, DBRX's flat-weight experts), whole models."""
+    model = tiny(family)
+    if top_k is not None:
+        for layer in model.model.layers:
+            layer.feed_forward.top_k = layer.feed_forward.router.top_k = top_k
     err = compile_and_compare(model, lengths=(5, 9, 12))
     assert err < 1e-4
     assert sum(counters["graph_break"].values()) == 0
-    assert counters["moe_inductor"]["hf_llama4_dense"] == 2 * counters["stats"]["unique_graphs"]
+    assert counters["moe_inductor"][form] == 2 * counters["stats"]["unique_graphs"]
 
 
 @pytest.mark.slow
@@ -93,15 +96,6 @@ def test_switch_capacity_model_is_rewritten_and_equal():
             ref = model(ids, decoder_input_ids=ids).logits
         assert rel(out, ref) < 1e-5
     assert counters["moe_inductor"]["hf_switch"] >= 2
-
-
-@pytest.mark.slow
-def test_dbrx_is_rewritten_and_equal():
-    model = tiny("dbrx")
-    err = compile_and_compare(model, lengths=(5, 9, 12))
-    assert err < 1e-4
-    assert sum(counters["graph_break"].values()) == 0
-    assert counters["moe_inductor"]["hf_dbrx"] == 2 * counters["stats"]["unique_graphs"]
 
 
 @pytest.mark.slow
