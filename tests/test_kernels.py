@@ -81,6 +81,8 @@ def test_fused_backward_middle_matches_the_torch_formulas(activation, bias, trit
     """kernels/backward_middle.py against ops/activations.py's definitions: h, d(scale), d(gate), d(up), with rows
     past the experts (dropped) zeroed, and an I that is not a multiple of the column block."""
     from moe_inductor.ops.activations import activation_backward, apply_activation, is_gated
+    from moe_inductor.kernels.launch import SortedRouting
+    from moe_inductor.ops.activations import Activation
     from moe_inductor.ops.grouped import backward_middle
 
     gen = torch.Generator().manual_seed(3)
@@ -96,8 +98,8 @@ def test_fused_backward_middle_matches_the_torch_formulas(activation, bias, trit
     sorted_expert = sorted_expert.to(DEVICE)
     b1 = torch.randn(E, I, generator=gen).to(DEVICE) if bias else None
     b1_up = torch.randn(E, I, generator=gen).to(DEVICE) if bias and gated else None
-    h, d_gate, d_up, d_scale = backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation, 1.702, 7.0,
-                                                E, torch.float32)
+    h, d_gate, d_up, d_scale = backward_middle(pre, g, SortedRouting(scale, order, sorted_expert, E), (b1, b1_up),
+                                                Activation(activation), torch.float32)
 
     valid = (sorted_expert < E)[:, None]
     expert_c = sorted_expert.long().clamp(max=E - 1)

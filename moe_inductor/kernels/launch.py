@@ -1,13 +1,19 @@
-"""Host wrappers for the Triton kernels: check, pick a config, launch. No host syncs: only shapes are read."""
+"""Host wrappers for the Triton kernels: grid, blocks, constexprs, config, launch. No host syncs: only shapes are read.
+
+Each kernel of kernels/ has its wrapper here (``launch_route``, ``launch_grouped_gemm``,
+``launch_grouped_weight_grad``, ``launch_combine``, ``launch_backward_middle``, ``launch_activation``); ops/
+prepares the routing once and calls them, and nothing here calls back into ops/.
+"""
 from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import torch
 
 from . import configs
+from .modes import SCALE_NONE
 
 
 class LazyKernel:
@@ -34,6 +40,38 @@ class LazyKernel:
 
 grouped_gemm_kernel = LazyKernel("grouped_gemm", "grouped_gemm_kernel")
 grouped_weight_grad_kernel = LazyKernel("grouped_gemm", "grouped_weight_grad_kernel")
+route_count_kernel = LazyKernel("routing", "route_count_kernel")
+route_place_kernel = LazyKernel("routing", "route_place_kernel")
+combine_kernel = LazyKernel("combine", "combine_kernel")
+backward_middle_kernel = LazyKernel("backward_middle", "backward_middle_kernel")
+activation_kernel = LazyKernel("activation", "activation_kernel")
+
+
+class Rows(NamedTuple):
+    """How a grouped launch finds its rows (legend in grouped_gemm.py): the expert-sorted ``order`` (M,), the
+    per-expert ``offsets`` (E+1,) into it, and k, which turns an assignment into its token."""
+
+    order: torch.Tensor
+    offsets: torch.Tensor
+    topk: int
+
+
+class Epilogue(NamedTuple):
+    """What the grouped GEMM does with its tile after the dot, in the kernel's order: a second dot with ``b2`` (the
+    up half of a gated activation), the raw results into ``pre``, the routing weight ``scale`` (M,) when
+    ``scale_mode`` is SCALE_ACC, ``bias`` (``bias2`` for the up half), activation ``act_id`` (with GPT-OSS's
+    ``alpha``/``limit``), ``scale`` when SCALE_OUT, and the store (added to ``out`` when ``accumulate``)."""
+
+    b2: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
+    bias2: Optional[torch.Tensor] = None
+    scale: Optional[torch.Tensor] = None
+    scale_mode: int = SCALE_NONE
+    act_id: int = 0
+    alpha: float = 0.0
+    limit: float = 0.0
+    pre: Optional[torch.Tensor] = None
+    accumulate: bool = False
 
 
 def cdiv(a: int, b: int) -> int:
@@ -122,31 +160,14 @@ def interleaved_pairs(b: torch.Tensor, b2: torch.Tensor | None) -> torch.Tensor 
     return b.as_strided((E, K, 2 * N), (b.stride(0), b.stride(1), 1))
 
 
-def launch_grouped_gemm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    offsets: torch.Tensor,
-    order: torch.Tensor,
-    topk: int,
-    out: torch.Tensor,
-    *,
-    a_rows: int,
-    c_rows: int,
-    num_rows: int,
-    b2: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    bias2: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None,
-    scale_mode: int = 0,
-    act_id: int = 0,
-    alpha: float = 1.702,
-    limit: float = 7.0,
-    pre: torch.Tensor | None = None,
-    accumulate: bool = False,
-    autotune: bool = False,
-) -> None:
-    """See ``grouped_gemm_kernel``. ``num_rows`` is M, the length of ``order``; it only sizes the grid.
-    ``autotune``: tune the config on first use of its key (else the shipped table's, or the default)."""
+def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch.Tensor, *, a_rows: int, c_rows: int,
+                        epilogue: Epilogue, autotune: bool = False) -> None:
+    """See ``grouped_gemm_kernel``: ``out[rows_c] (+)= epilogue(a[rows_a] @ b[e])``. The row count M (the length of
+    ``rows.order``) only sizes the grid. ``autotune``: tune the config on first use of its key (else the shipped
+    table's, or the default)."""
+    order, offsets, topk = rows
+    b2, bias, bias2, scale, scale_mode, act_id, alpha, limit, pre, accumulate = epilogue
+    num_rows = order.shape[0]
     num_experts, k_dim, n_dim = b.shape
     if _traceable:  # (eager shapes are ints already: this stays off the hot path)
         num_experts, k_dim, n_dim = static_dim(num_experts), static_dim(k_dim), static_dim(n_dim)
@@ -232,21 +253,11 @@ def launch_kernel(kernel, grid: tuple, args: tuple, meta: dict) -> None:
         kernel[grid](*args, **meta)
 
 
-def launch_grouped_weight_grad(
-    a: torch.Tensor,
-    g: torch.Tensor,
-    offsets: torch.Tensor,
-    order: torch.Tensor,
-    topk: int,
-    dw: torch.Tensor,
-    *,
-    a_rows: int,
-    g_rows: int,
-    scale: torch.Tensor | None = None,
-    autotune: bool = False,
-) -> None:
+def launch_grouped_weight_grad(a: torch.Tensor, g: torch.Tensor, rows: Rows, dw: torch.Tensor, *, a_rows: int,
+                               g_rows: int, scale: Optional[torch.Tensor] = None, autotune: bool = False) -> None:
     """dw[e] (K, N) = a_e^T @ (scale * g_e); every expert's block is written, zeros for empty experts.
     ``autotune`` as in ``launch_grouped_gemm``."""
+    order, offsets, topk = rows
     num_experts, k_dim, n_dim = dw.shape
     if _traceable:
         num_experts, k_dim, n_dim = static_dim(num_experts), static_dim(k_dim), static_dim(n_dim)
@@ -271,3 +282,132 @@ def launch_grouped_weight_grad(
     cfg = _pick(key, default, lambda: configs.weight_grad_candidates(a.dtype), run, autotune=autotune)
     with device_guard(a):
         run(cfg)
+
+
+class KernelActivation(NamedTuple):
+    """An activation as the kernels take it: gated or not, its epilogue id (grouped_gemm.py), GPT-OSS's parameters."""
+
+    gated: bool
+    act_id: int
+    alpha: float
+    limit: float
+
+
+class SortedRouting(NamedTuple):
+    """What the elementwise kernels read of a call's routing: the routing weight of each assignment (M,), the
+    expert-sorted ``order`` (M,), the expert of each sorted row (``num_experts`` for a dropped row)."""
+
+    scale: torch.Tensor
+    order: torch.Tensor
+    sorted_expert: torch.Tensor
+    num_experts: int
+
+
+# Up to this many routed rows one program does everything in one launch; above it, programs of CHUNK_ROWS rows,
+# which sort their chunks in parallel (benchmarks/RESULTS.md has the timings).
+SINGLE_LAUNCH_MAX_ROWS = 1024
+CHUNK_ROWS = 1024
+
+
+def launch_route(topk_ids: torch.Tensor, num_experts: int, capacity: Optional[int] = None,
+                 chunked: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, sorted_expert, offsets) of ``topk_ids`` (T, k) by the kernels of routing.py, equal to
+    ``ops.routing.route_reference``.
+
+    ``chunked``: take the count-then-place path (two launches), which is right for every row count; by default only
+    a symbolic row count (a dynamic graph) does, and a known one picks one launch when it fits in one chunk.
+    """
+    T, k = topk_ids.shape
+    if _traceable:
+        k, num_experts = static_dim(k), static_dim(num_experts)
+    M = T * k
+    ids = topk_ids.contiguous()
+    order = ids.new_empty(M, dtype=torch.int32)
+    sorted_expert = ids.new_empty(M, dtype=torch.int32)
+    offsets = ids.new_empty(num_experts + 1, dtype=torch.int32)
+    bins = next_pow2(num_experts + 1)
+    if chunked is None:
+        chunked = _traceable and not isinstance(M, int)  # deciding on a symbolic M would guard on it
+    if chunked:
+        chunk = 16 if configs.interpreting() else CHUNK_ROWS
+        num_chunks, single, t_rows = torch.sym_max(cdiv(M, chunk), 1), False, torch.sym_max(T, 1)
+    else:
+        # One chunk (and one launch) covers small batches; large ones are split so the per-program sort stays small.
+        chunk = 16 if configs.interpreting() else (SINGLE_LAUNCH_MAX_ROWS if M <= SINGLE_LAUNCH_MAX_ROWS else CHUNK_ROWS)
+        num_chunks, t_rows = max(cdiv(M, chunk), 1), max(T, 1)
+        single = num_chunks == 1
+    # the per-chunk histograms; one chunk counts in registers, and its kernel never reads this (order stands in)
+    # (flat: a symbolic (num_chunks, bins) shape would make tracing guard on num_chunks == 1, i.e. on the token count)
+    counts = order if single else ids.new_empty(num_chunks * bins, dtype=torch.int32)
+    meta = dict(CHOICE_MAJOR=capacity is not None, TOPK=k, CHUNK=chunk, BINS=bins, SINGLE=single,
+                num_warps=8 if chunk > 1024 else 4)
+    cap = M + 1 if capacity is None else capacity
+    with device_guard(ids):
+        if not single:
+            launch_kernel(route_count_kernel, (num_chunks,), (ids, counts, M, t_rows, num_experts),
+                          dict(CHOICE_MAJOR=meta["CHOICE_MAJOR"], TOPK=k, CHUNK=chunk, BINS=bins))
+        launch_kernel(route_place_kernel, (num_chunks,),
+                      (ids, counts, order, sorted_expert, offsets, M, t_rows, num_experts, cap, num_chunks), meta)
+    return order, sorted_expert, offsets
+
+
+def launch_combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                   row_of: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y (T, H) by combine.py's kernel: the sum over k of ``rows`` (T*k, H), skipping out-of-range ids; ``row_of``
+    and ``scale`` as the kernel's INDEXED and SCALED."""
+    T, k = topk_ids.shape
+    H = rows.shape[1]
+    y = rows.new_empty(T, H)
+    if _traceable:
+        k, H, num_experts = static_dim(k), static_dim(H), static_dim(num_experts)
+    if T > 0:
+        block_h = min(1024, next_pow2(H))
+        with device_guard(rows):
+            launch_kernel(combine_kernel, (T, cdiv(H, block_h)),
+                          (rows, topk_ids.contiguous(), y, row_of if row_of is not None else rows,
+                           scale if scale is not None else rows, H, rows.stride(0), y.stride(0)),
+                          dict(NUM_EXPERTS=num_experts, TOPK=k, BLOCK_H=block_h, INDEXED=row_of is not None,
+                               SCALED=scale is not None))
+    return y
+
+
+def launch_backward_middle(pre: torch.Tensor, g: torch.Tensor, routing: SortedRouting,
+                           biases: tuple[Optional[torch.Tensor], Optional[torch.Tensor]], outs: tuple,
+                           act: KernelActivation, scale_h: bool = False) -> None:
+    """backward_middle.py's kernel: writes ``outs`` = (h, d_gate, d_up or None, d_scale) from the raw up projection
+    ``pre`` and ``g`` = dy @ W2^T; ``biases`` = (b1, b1_up), both None without biases."""
+    h, d_gate, d_up, d_scale = outs
+    M, I = g.shape
+    num_experts = routing.num_experts
+    if _traceable:
+        I, num_experts = static_dim(I), static_dim(num_experts)
+    b1, b1_up = biases
+    has_bias = b1 is not None
+    b1c = b1.contiguous() if has_bias else g
+    b1_upc = b1_up.contiguous() if has_bias and act.gated else b1c
+    if M:
+        block_m, block_i = (16, 32) if configs.interpreting() else (16, 256)
+        with device_guard(g):
+            launch_kernel(
+                backward_middle_kernel, (cdiv(M, block_m),),
+                (pre, g, routing.scale, routing.order, routing.sorted_expert, b1c, b1_upc, h, d_gate,
+                 d_up if act.gated else d_gate, d_scale,
+                 M, I, pre.stride(0), g.stride(0), h.stride(0), d_gate.stride(0), b1c.stride(0) if has_bias else 0,
+                 float(act.alpha), float(act.limit)),
+                dict(NUM_EXPERTS=num_experts, GATED=act.gated, ACT=act.act_id, HAS_BIAS=has_bias, BLOCK_M=block_m,
+                     BLOCK_I=block_i, SCALE_H=scale_h, num_warps=4),
+            )
+
+
+def launch_activation(pre: torch.Tensor, act: KernelActivation) -> torch.Tensor:
+    """h (M, I) = act(pre) by activation.py's kernel; ``pre`` (M, 2I) holds [gate | up] when gated."""
+    M = pre.shape[0]
+    I = pre.shape[1] // (2 if act.gated else 1)
+    h = pre.new_empty(M, I)
+    if M:
+        block_m, block_i = (16, 32) if configs.interpreting() else (8, 512)
+        with device_guard(pre):
+            launch_kernel(activation_kernel, (cdiv(M, block_m), cdiv(I, block_i)),
+                          (pre, h, M, I, pre.stride(0), h.stride(0), float(act.alpha), float(act.limit)),
+                          dict(GATED=act.gated, ACT=act.act_id, BLOCK_M=block_m, BLOCK_I=block_i, num_warps=4))
+    return h

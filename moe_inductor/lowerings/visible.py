@@ -27,7 +27,8 @@ from torch import Tensor
 
 from ..kernels.launch import traceable_launches
 from ..ops import grouped_mm_engine
-from ..ops.experts import EXPERTS_AUTOGRAD, experts_forward_impl
+from ..ops.call import from_op_args
+from ..ops.experts import EXPERTS_AUTOGRAD, experts_forward_call
 from ..ops.grouped import use_triton
 
 
@@ -52,9 +53,10 @@ def experts_forward_visible(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``experts_forward`` with its Triton launches visible to Inductor (GPU tensors, or CPU under the interpreter
     with ``config.triton_on_cpu``)."""
+    call = from_op_args((x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position, alpha,
+                         limit, capacity, save_pre))
     with traceable_launches():
-        return experts_forward_impl(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation,
-                                    weight_position, alpha, limit, capacity, save_pre)
+        return experts_forward_call(call)
 
 
 experts_forward_visible.register_autograd(EXPERTS_AUTOGRAD[0], setup_context=EXPERTS_AUTOGRAD[1])

@@ -10,7 +10,7 @@ from .. import config
 from .activations import ACTIVATIONS, GPTOSS_ALPHA, GPTOSS_LIMIT, Activation, apply_activation, is_gated
 from .call import ExpertsCall, ExpertWeights, Routing, op_call
 from . import expert_lists  # noqa: F401  (registers moe_inductor::experts_forward_list)
-from .experts import check_experts_args, experts_backward, experts_forward, experts_forward_impl, to_kn
+from .experts import check_call, experts_backward, experts_forward, experts_forward_impl, to_kn
 from .grouped_mm import grouped_mm, grouped_mm_reference
 from .reference import moe_reference
 from .routing import assert_ids_in_range, check_topk_ids, route, route_reference
@@ -142,7 +142,12 @@ def fused_experts(
     ids = topk_ids.reshape(-1, topk_ids.shape[-1])
     tw = topk_weights.reshape(-1, topk_weights.shape[-1])
     g, u, d, bg, bu = expert_weight_views(w1, w2, b1, activation=activation, layout=layout, gate_up=gate_up)
-    check_experts_args(x2, ids, tw, g, u, d, bg, bu, b2, activation, weight_position)
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x2, tw, g, u, d, bg, bu, b2)
+    )
+    call = ExpertsCall(x2, Routing(ids, tw, capacity), ExpertWeights(g, u, d, bg, bu, b2),
+                       Activation(activation, float(alpha), float(limit)), weight_position, wants_grad)
+    check_call(call)
     # ids outside [0, E) raise, as eager indexing does: with their values where reading them costs nothing (CPU)
     # or where eager GPU code may sync; else (traced, or captured into a CUDA graph) on the device, without a sync
     # (traced code must not ask whether a CUDA graph is being captured: Dynamo breaks the graph on that call)
@@ -152,11 +157,6 @@ def fused_experts(
         check_topk_ids(ids, g.shape[0], name)
     elif config.validate_routing:
         assert_ids_in_range(ids, g.shape[0], name)
-    wants_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x2, tw, g, u, d, bg, bu, b2)
-    )
-    call = ExpertsCall(x2, Routing(ids, tw, capacity), ExpertWeights(g, u, d, bg, bu, b2),
-                       Activation(activation, float(alpha), float(limit)), weight_position, wants_grad)
     op, args = op_call(call)
     # Eager inference runs the op's body directly: the same code, without the dispatcher's per-call overhead.
     # Traced or differentiable calls go through the op, so graphs see it and autograd finds its backward.

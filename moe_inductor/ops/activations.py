@@ -76,6 +76,12 @@ def apply_activation(
 ) -> torch.Tensor:
     """``act(gate, up)`` computed in the input dtype, the way the eager modules compute it."""
     gated, kind = ACTIVATIONS[name]
+    return apply_activation_id(gated, kind, gate, up, alpha, limit)
+
+
+def apply_activation_id(gated: bool, kind: int, gate: torch.Tensor, up: torch.Tensor | None, alpha: float,
+                        limit: float) -> torch.Tensor:
+    """``apply_activation`` of the activation the kernels call (``gated``, epilogue id ``kind``)."""
     if not gated:
         return _unary(kind, gate)
     assert up is not None

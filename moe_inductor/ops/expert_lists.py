@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from .activations import GPTOSS_ALPHA, GPTOSS_LIMIT, Activation
-from .call import ExpertsCall, ExpertWeights, Routing, op_call
-from .experts import check_weight_position, experts_backward, experts_forward_impl, to_kn
+from .call import ExpertsCall, ExpertWeights, Routing
+from .experts import Needs, check_weight_position, experts_backward, experts_forward_call, to_kn
 
 
 def stacked(ws: list[Tensor]) -> Tensor:
@@ -42,7 +42,7 @@ def experts_forward_list(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: 
     check_weight_position(weight_position)
     call = ExpertsCall(x, Routing(topk_ids, topk_weights), ExpertWeights(*_views(w1, w1_up, w2, layout)),
                        Activation(activation), weight_position, save_pre)
-    return experts_forward_impl(*op_call(call)[1])
+    return experts_forward_call(call)
 
 
 @experts_forward_list.register_fake
@@ -65,7 +65,7 @@ def experts_backward_list(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights:
     dx, dtw, dg, du, dd, *_ = experts_backward(dy, x, topk_ids, topk_weights, g, u, d, None, None, None, pre, order,
                                                sorted_expert, offsets, activation, weight_position, GPTOSS_ALPHA,
                                                GPTOSS_LIMIT, False,
-                                               [True, True, True, u is not None, True, False, False, False])
+                                               list(Needs(True, True, True, u is not None, True, False, False, False)))
     # the grads of the (E, K, N) views, laid out like the stacked weights (to_kn is its own inverse); a plain
     # activation has no up weights, and du is the empty placeholder
     return (dx, dtw, to_kn(dg, layout).contiguous(), to_kn(du, layout).contiguous() if u is not None else du,

@@ -14,32 +14,52 @@ copied per call.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from .activations import activation_backward, apply_activation, check_activation, is_gated
+from ..kernels.launch import interleaved_pairs
+from . import grouped_mm_engine
+from .activations import NO_ACTIVATION, Activation, activation_backward, apply_activation, check_activation, is_gated
+from .call import ExpertsCall, ExpertWeights, Routing, from_op_args
 from .grouped import (
     ROWS_ASSIGNMENT,
-    use_triton,
     ROWS_SORTED,
     ROWS_TOKEN,
     SCALE_ACC,
     SCALE_NONE,
     SCALE_OUT,
+    Routed,
     backward_middle,
     combine,
+    epilogue,
+    expert_slice,
     grouped_gemm,
     grouped_weight_grad,
     is_dense_transpose,
     project_reference,
+    use_triton,
 )
-from ..kernels.launch import interleaved_pairs
-from . import grouped_mm_engine
-from .routing import route_metadata
+from .routing import prepare_routing
 
 WEIGHT_POSITIONS = ("output", "between", "input")
+
+
+class Needs(NamedTuple):
+    """Which gradients ``experts_backward`` makes (its ``needs`` list, by name); ``combined_gate_up`` asks for the
+    gate and up gradients as one (E, H, 2I) tensor in the w1 slot (gate and up being the halves of one tensor,
+    ``_gate_up_is_one_tensor``), so that nothing has to stitch them together afterwards."""
+
+    x: bool
+    topk_weights: bool
+    w1: bool
+    w1_up: bool
+    w2: bool
+    b1: bool
+    b1_up: bool
+    b2: bool
+    combined_gate_up: bool = False
 
 
 def _grad_buffer(w: Tensor) -> Tensor:
@@ -58,11 +78,6 @@ def _combined_grad_buffer(w1: Tensor) -> Tensor:
     return w1.new_empty(E, H, 2 * I)
 
 
-def _wants_combined_gate_up(needs: list[bool]) -> bool:
-    """The optional ninth ``needs`` flag of ``experts_backward``."""
-    return len(needs) > 8 and needs[8]
-
-
 def _gate_up_is_one_tensor(w1: Tensor, w1_up: Optional[Tensor]) -> bool:
     """Whether gate and up are the two halves of one real tensor (never true for fake or functional tensors: under
     tracing the halves' gradients stay separate and the compiler handles the slices)."""
@@ -71,92 +86,122 @@ def _gate_up_is_one_tensor(w1: Tensor, w1_up: Optional[Tensor]) -> bool:
     return grouped_mm_engine.combined_up_weights(w1, w1_up) is not None
 
 
-def _forward_gemms(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position,
-                   alpha, limit, pre, dropped: bool) -> Tensor:
+def _scale_modes(weight_position: str) -> tuple[int, int]:
+    """Where the routing weight enters each projection: (up, down) scale modes of the GEMM epilogue."""
+    up = {"input": SCALE_ACC, "between": SCALE_OUT}.get(weight_position, SCALE_NONE)
+    return up, SCALE_OUT if weight_position == "output" else SCALE_NONE
+
+
+def _forward_gemms(call: ExpertsCall, routed: Routed, pre: Optional[Tensor]) -> Tensor:
+    """The forward on the Triton kernels: two grouped GEMMs and the combine."""
+    x, w = call.x, call.weights
     T, H = x.shape
-    M = order.shape[0]
-    h = x.new_empty(M, w1.shape[2])
-    grouped_gemm(
-        x, w1, offsets, order, topk, h, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED, b2=w1_up, bias=b1, bias2=b1_up,
-        scale=scale_flat, scale_mode={"input": SCALE_ACC, "between": SCALE_OUT}.get(weight_position, SCALE_NONE),
-        activation=activation, alpha=alpha, limit=limit, pre=pre,
-    )
+    M = routed.order.shape[0]
+    topk = routed.topk
+    up_mode, down_mode = _scale_modes(call.weight_position)
+    h = x.new_empty(M, w.w1.shape[2])
+    grouped_gemm(x, w.w1, routed.rows, h, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED,
+                 epi=epilogue(call.activation, b2=w.w1_up, bias=w.b1, bias2=w.b1_up, scale=routed.scale,
+                              scale_mode=up_mode, pre=pre))
     # Dropped assignments (capacity) are never written by the kernel, so their rows must start at zero. With one
     # choice per token the assignment rows are the token rows: the GEMM writes y itself, and no combine is needed
     # (rows it never writes, dropped or of an out-of-range id, stay zero as the combine would leave them).
-    out = x.new_zeros(M, H) if dropped or topk == 1 else x.new_empty(M, H)
-    grouped_gemm(
-        h, w2, offsets, order, topk, out, a_rows=ROWS_SORTED, c_rows=ROWS_ASSIGNMENT, bias=b2, scale=scale_flat,
-        scale_mode=SCALE_OUT if weight_position == "output" else SCALE_NONE,
-    )
-    return out if topk == 1 else combine(out, topk_ids, w1.shape[0])
+    out = x.new_zeros(M, H) if routed.dropped or topk == 1 else x.new_empty(M, H)
+    grouped_gemm(h, w.w2, routed.rows, out, a_rows=ROWS_SORTED, c_rows=ROWS_ASSIGNMENT,
+                 epi=epilogue(bias=w.b2, scale=routed.scale, scale_mode=down_mode))
+    return out if topk == 1 else combine(out, routed.topk_ids, w.w1.shape[0])
 
 
-def _forward_padded(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation,
-                    weight_position, alpha, limit, pre, counts: Tensor, widest: int) -> Tensor:
+def _bias_rows(b: Optional[Tensor]) -> Optional[Tensor]:
+    return b[:, None] if b is not None else None
+
+
+def _forward_padded(call: ExpertsCall, routed: Routed, pre: Optional[Tensor], counts: Tensor, widest: int) -> Tensor:
     """The CPU forward for balanced routing: every expert's rows padded to the widest expert's count, then each
     projection is one batched matmul over the experts. A dozen torch calls whatever E is, where the per-expert loop
     makes a dozen per expert; at the small sizes CPU users run, those calls are most of the time. The padding rows
     are zeros and never leave their buffers."""
+    x, w = call.x, call.weights
     T, H = x.shape
-    E = w1.shape[0]
+    E = w.w1.shape[0]
+    offsets = routed.offsets
     kept = int(offsets[-1])  # CPU only; rows past it were dropped (capacity) or had ids outside [0, E)
-    assignment = order[:kept].long()
+    assignment = routed.order[:kept].long()
     expert = torch.repeat_interleave(torch.arange(E), counts)
     slot = torch.arange(kept) - offsets[:-1].long()[expert]
-    token = assignment // topk
+    token = assignment // routed.topk
     rows = x.new_zeros(E, widest, H)
     rows[expert, slot] = x[token]
-    s = scale_flat.new_zeros(E, widest, 1)
-    s[expert, slot, 0] = scale_flat[assignment]
-    up_mode = {"input": SCALE_ACC, "between": SCALE_OUT}.get(weight_position, SCALE_NONE)
-    down_mode = SCALE_OUT if weight_position == "output" else SCALE_NONE
+    s = routed.scale.new_zeros(E, widest, 1)
+    s[expert, slot, 0] = routed.scale[assignment]
+    up_mode, down_mode = _scale_modes(call.weight_position)
     padded_pre = x.new_zeros(E, widest, pre.shape[1]) if pre is not None else None
-    h = project_reference(rows, w1, w1_up, b1[:, None] if b1 is not None else None,
-                          b1_up[:, None] if b1_up is not None else None, s, up_mode, activation, alpha, limit,
-                          padded_pre)
+    h = project_reference(rows, w.w1, s, epilogue(call.activation, b2=w.w1_up, bias=_bias_rows(w.b1),
+                                                  bias2=_bias_rows(w.b1_up), scale_mode=up_mode, pre=padded_pre))
     if pre is not None:
         pre[:kept] = padded_pre[expert, slot]
-    o = project_reference(h.to(x.dtype), w2, None, b2[:, None] if b2 is not None else None, None, s, down_mode,
-                          "none", alpha, limit)
+    o = project_reference(h.to(x.dtype), w.w2, s, epilogue(bias=_bias_rows(w.b2), scale_mode=down_mode))
     acc_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     y = torch.zeros(T, H, dtype=acc_dtype)
     return y.index_add_(0, token, o[expert, slot].to(acc_dtype)).to(x.dtype)
 
 
-def _forward_per_expert(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2, activation,
-                        weight_position, alpha, limit, pre) -> Tensor:
+def _forward_per_expert(call: ExpertsCall, routed: Routed, pre: Optional[Tensor]) -> Tensor:
     """The CPU forward: plain torch, one expert at a time, each expert's rows added straight into y.
 
     The same arithmetic as the two grouped GEMMs + combine (see ``grouped_gemm_reference``), without their (T*k, I)
     and (T*k, H) buffers, whose fresh pages cost more than the work at small sizes. Sums run in fp32 for 16-bit x.
     """
-    counts = offsets.diff()
+    x, w = call.x, call.weights
+    E = w.w1.shape[0]
+    counts = routed.offsets.diff()
     widest = int(counts.max()) if counts.numel() else 0  # CPU only
-    if 0 < widest * w1.shape[0] <= 2 * order.shape[0]:  # balanced enough that padding at most doubles the rows
-        return _forward_padded(x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2,
-                               activation, weight_position, alpha, limit, pre, counts, widest)
+    if 0 < widest * E <= 2 * routed.order.shape[0]:  # balanced enough that padding at most doubles the rows
+        return _forward_padded(call, routed, pre, counts, widest)
     T, H = x.shape
     acc_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     y = torch.zeros(T, H, dtype=acc_dtype, device=x.device)
-    bounds = offsets.tolist()  # CPU only
-    order_l = order.long()
-    up_mode = {"input": SCALE_ACC, "between": SCALE_OUT}.get(weight_position, SCALE_NONE)
-    down_mode = SCALE_OUT if weight_position == "output" else SCALE_NONE
-    for e in range(w1.shape[0]):
+    bounds = routed.offsets.tolist()  # CPU only
+    order_l = routed.order.long()
+    up_mode, down_mode = _scale_modes(call.weight_position)
+    up = epilogue(call.activation, b2=w.w1_up, bias=w.b1, bias2=w.b1_up, scale_mode=up_mode, pre=pre)
+    down = epilogue(bias=w.b2, scale_mode=down_mode)
+    for e in range(E):
         lo, hi = bounds[e], bounds[e + 1]
         if lo == hi:
             continue
         assignment = order_l[lo:hi]
-        token = assignment // topk
-        s = scale_flat[assignment][:, None]
-        h = project_reference(x[token], w1[e], w1_up[e] if w1_up is not None else None,
-                              b1[e] if b1 is not None else None, b1_up[e] if b1_up is not None else None,
-                              s, up_mode, activation, alpha, limit, pre[lo:hi] if pre is not None else None)
-        o = project_reference(h.to(x.dtype), w2[e], None, b2[e] if b2 is not None else None, None, s, down_mode,
-                              "none", alpha, limit)
+        token = assignment // routed.topk
+        s = routed.scale[assignment][:, None]
+        h = project_reference(x[token], w.w1[e], s, expert_slice(up, e, lo, hi))
+        o = project_reference(h.to(x.dtype), w.w2[e], s, expert_slice(down, e, lo, hi))
         y.index_add_(0, token, o.to(acc_dtype))
     return y.to(x.dtype)
+
+
+def experts_forward_call(call: ExpertsCall) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The fused experts forward of a call with stacked weights (see the module docstring for shapes and modes).
+
+    Returns:
+        y (T, H); pre (T*k, I or 2I), the raw up-projection results kept for backward (empty unless
+        ``call.save_pre``); and the routing metadata order, sorted_expert, offsets (see ops/routing.py).
+    """
+    x, w = call.x, call.weights
+    # the implementation, not the op: a nested op call would only add dispatch overhead here
+    routed = prepare_routing(call.routing, w.w1.shape[0])
+    M = routed.order.shape[0]
+    w_up = grouped_mm_engine.grouped_mm_weights(x, w.w1, w.w1_up, w.w2, w.b1, w.b2, call.weight_position,
+                                                routed.dropped, M)
+    if w_up is not None:  # the compute-bound regime: torch._grouped_mm runs the GEMMs
+        y, pre_full = grouped_mm_engine.forward(x, routed, w_up, w.w2, call.activation)
+        return y, pre_full if call.save_pre else x.new_empty(0), routed.order, routed.sorted_expert, routed.offsets
+    n_pre = w.w1.shape[2] * (2 if w.w1_up is not None else 1)
+    # rows of dropped assignments are never written by the kernel: zero them so the output is fully defined
+    alloc = x.new_zeros if routed.dropped else x.new_empty
+    pre = alloc(M, n_pre) if call.save_pre else x.new_empty(0)
+    forward = _forward_gemms if use_triton(x) else _forward_per_expert
+    y = forward(call, routed, pre if call.save_pre else None)
+    return y, pre, routed.order, routed.sorted_expert, routed.offsets
 
 
 def experts_forward_impl(
@@ -176,33 +221,10 @@ def experts_forward_impl(
     capacity: Optional[int],
     save_pre: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The fused experts forward (see the module docstring for shapes and modes); the body of the op.
-
-    Returns:
-        y (T, H); pre (T*k, I or 2I), the raw up-projection results kept for backward (empty unless ``save_pre``);
-        and the routing metadata order, sorted_expert, offsets (see ops/routing.py).
-    """
-    topk = topk_ids.shape[1]
-    # the implementation, not the op: a nested op call would only add dispatch overhead here
-    order, sorted_expert, offsets = route_metadata(topk_ids, w1.shape[0], capacity)
-    scale_flat = topk_weights.contiguous().view(-1)
-    w_up = grouped_mm_engine.grouped_mm_weights(x, w1, w1_up, w2, b1, b2, weight_position, capacity is not None,
-                                                order.shape[0])
-    if w_up is not None:  # the compute-bound regime: torch._grouped_mm runs the GEMMs
-        y, pre_full = grouped_mm_engine.forward(x, topk_ids, scale_flat, order, offsets, w_up, w2, activation, alpha,
-                                                limit)
-        return y, pre_full if save_pre else x.new_empty(0), order, sorted_expert, offsets
-    n_pre = w1.shape[2] * (2 if w1_up is not None else 1)
-    # rows of dropped assignments are never written by the kernel: zero them so the output is fully defined
-    alloc = x.new_zeros if capacity is not None else x.new_empty
-    pre = alloc(order.shape[0], n_pre) if save_pre else x.new_empty(0)
-    args = (x, topk_ids, scale_flat, order, offsets, topk, w1, w1_up, w2, b1, b1_up, b2,
-            activation, weight_position, alpha, limit, pre if save_pre else None)
-    if use_triton(x):
-        y = _forward_gemms(*args, dropped=capacity is not None)
-    else:
-        y = _forward_per_expert(*args)
-    return y, pre, order, sorted_expert, offsets
+    """The body of the op, under its typed signature (the op's schema; ``ops.call.op_call`` builds these
+    arguments): ``experts_forward_call`` of the call they describe."""
+    return experts_forward_call(from_op_args((x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation,
+                                              weight_position, alpha, limit, capacity, save_pre)))
 
 
 # The op is the implementation itself, registered under its typed signature (the eager entry point calls the plain
@@ -211,12 +233,13 @@ experts_forward = torch.library.custom_op("moe_inductor::experts_forward", mutat
 
 
 @experts_forward.register_fake
-def _(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position, alpha, limit, capacity,
-      save_pre):
+def _(*args):
+    call = from_op_args(args)
+    x, topk_ids, w1 = call.x, call.routing.topk_ids, call.weights.w1
     M = topk_ids.shape[0] * topk_ids.shape[1]
     E = w1.shape[0]
-    n_pre = w1.shape[2] * (2 if w1_up is not None else 1)
-    pre = x.new_empty(M, n_pre) if save_pre else x.new_empty(0)
+    n_pre = w1.shape[2] * (2 if call.weights.w1_up is not None else 1)
+    pre = x.new_empty(M, n_pre) if call.save_pre else x.new_empty(0)
     ids = topk_ids.new_empty(M, dtype=torch.int32)
     return x.new_empty(x.shape), pre, ids, torch.empty_like(ids), topk_ids.new_empty(E + 1, dtype=torch.int32)
 
@@ -247,61 +270,96 @@ def experts_backward(
     """Gradients of ``experts_forward``.
 
     Args:
-        needs: which of (x, topk_weights, w1, w1_up, w2, b1, b1_up, b2) want a gradient; an optional ninth flag asks
-            for the gate and up gradients as one (E, H, 2I) tensor in the dw1 slot (gate and up being the halves of
-            one tensor, ``_gate_up_is_one_tensor``), so that nothing has to stitch them together afterwards.
+        needs: which of (x, topk_weights, w1, w1_up, w2, b1, b1_up, b2) want a gradient, and an optional ninth flag
+            (``Needs``' fields, in order).
     Returns:
         dx, d_topk_weights, dw1, dw1_up, dw2, db1, db1_up, db2; an empty tensor where none is wanted.
     """
-    topk = topk_weights.shape[1]
-    M = order.shape[0]
-    w_up = grouped_mm_engine.grouped_mm_weights(x, w1, w1_up, w2, b1, b2, weight_position, dropped, M, backward=True)
+    call = ExpertsCall(x, Routing(topk_ids, topk_weights), ExpertWeights(w1, w1_up, w2, b1, b1_up, b2),
+                       Activation(activation, alpha, limit), weight_position)
+    routed = Routed(topk_ids, topk_weights.contiguous().view(-1), order, sorted_expert, offsets, w1.shape[0], dropped)
+    return _backward(dy, call, routed, pre, Needs(*needs))
+
+
+class _SortedRows(NamedTuple):
+    """Per sorted row: its expert (E past the experts), that expert clamped into range, whether it is one, its
+    routing weight (zero past the experts), its token."""
+
+    expert: Tensor
+    expert_c: Tensor
+    valid: Tensor
+    s_sorted: Tensor
+    token: Tensor
+
+
+class _MiddleGrads(NamedTuple):
+    """What the middle of the backward gives the rest: the gradients of the raw up projections (in x's dtype), of
+    each sorted row's routing weight, and of the down weights and the biases (None where not made)."""
+
+    d_gate: Tensor
+    d_up: Optional[Tensor]
+    d_scale_sorted: Optional[Tensor]
+    dw2: Optional[Tensor]
+    db2: Optional[Tensor]
+    db1: Optional[Tensor]
+    db1_up: Optional[Tensor]
+
+
+def _backward(dy: Tensor, call: ExpertsCall, routed: Routed, pre: Tensor, needs: Needs) -> tuple:
+    x, w = call.x, call.weights
+    M = routed.order.shape[0]
+    w_up = grouped_mm_engine.grouped_mm_weights(x, w.w1, w.w1_up, w.w2, w.b1, w.b2, call.weight_position,
+                                                routed.dropped, M, backward=True)
     if w_up is not None:  # the compute-bound regime, as in the forward
-        return grouped_mm_engine.backward(dy, x, topk_ids, topk_weights, w1, w1_up, w_up, w2, pre, order,
-                                          sorted_expert, offsets, activation, alpha, limit, needs,
-                                          _wants_combined_gate_up(needs))
-    E, _, I = w1.shape
-    gated = w1_up is not None
+        return grouped_mm_engine.backward(dy, call, routed, w_up, pre, needs)
+    E, _, I = w.w1.shape
+    gated = w.w1_up is not None
     f32 = torch.float32
-    scale = topk_weights.contiguous().view(-1)
-    expert = sorted_expert.long()
+    expert = routed.sorted_expert.long()
     valid = expert < E
-    expert_c = expert.clamp(max=E - 1)
-    s_sorted = torch.where(valid, scale[order.long()].to(f32), 0.0)[:, None]
-    token = (order.long() // topk)
+    order_l = routed.order.long()
+    rows = _SortedRows(expert, expert.clamp(max=E - 1), valid,
+                       torch.where(valid, routed.scale[order_l].to(f32), 0.0)[:, None], order_l // routed.topk)
 
     if pre.shape[0] != M:  # the forward did not keep it: recompute the raw up projection
         pre = x.new_empty(M, I * (2 if gated else 1))
         tmp = x.new_empty(M, I)
-        grouped_gemm(x, w1, offsets, order, topk, tmp, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED, b2=w1_up, pre=pre,
-                     activation="none" if not gated else activation, alpha=alpha, limit=limit)
-    if weight_position == "output" and use_triton(x):
-        # the common case, fused: one pass over (M, I) instead of ~20 (kernels/backward_middle.py)
-        g = torch.empty(M, I, dtype=f32, device=x.device)
-        grouped_gemm(dy, w2.transpose(1, 2), offsets, order, topk, g, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED)
-        h, d_gate, d_up, d_scale_sorted = backward_middle(pre, g, scale, order, sorted_expert, b1, b1_up, activation,
-                                                           alpha, limit, E, x.dtype)
-        del g
-        if b2 is not None:
-            d_scale_sorted = d_scale_sorted + (dy[token].to(f32) * b2[expert_c].to(f32)).sum(-1)
-        dw2 = db2 = db1 = db1_up = None
-        if needs[4]:
-            dw2 = grouped_weight_grad(h, dy, offsets, order, topk, _grad_buffer(w2), a_rows=ROWS_SORTED,
-                                      g_rows=ROWS_TOKEN, scale=scale)
-        del h
-        if b2 is not None and needs[7]:
-            rows = dy[token].to(f32) * s_sorted
-            db2 = _sum_by_expert(rows, expert, E, b2.dtype)
-        if b1 is not None and needs[5]:
-            db1 = _sum_by_expert(d_gate, expert, E, b1.dtype)
-        if b1_up is not None and needs[6]:
-            db1_up = _sum_by_expert(d_up, expert, E, b1_up.dtype)
+        grouped_gemm(x, w.w1, routed.rows, tmp, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED,
+                     epi=epilogue(call.activation if gated else NO_ACTIVATION, b2=w.w1_up, pre=pre))
+    if call.weight_position == "output" and use_triton(x):
+        mid = _backward_middle_fused(dy, call, routed, pre, rows, needs)
     else:
-        d_gate, d_up, d_scale_sorted, dw2, db2, db1, db1_up = _backward_middle_torch(
-            dy, x, pre, w2, b1, b1_up, b2, scale, order, offsets, topk, expert, expert_c, valid, s_sorted, token,
-            gated, activation, weight_position, alpha, limit, needs)
-    return _backward_through_up(x, topk_ids, topk_weights, w1, w1_up, order, offsets, topk, valid, d_gate, d_up,
-                                d_scale_sorted, dw2, db2, db1, db1_up, dropped, needs)
+        mid = _backward_middle_torch(dy, call, routed, pre, rows, needs)
+    return _backward_through_up(call, routed, valid, mid, needs)
+
+
+def _backward_middle_fused(dy: Tensor, call: ExpertsCall, routed: Routed, pre: Tensor, rows: _SortedRows,
+                           needs: Needs) -> _MiddleGrads:
+    """The middle of the backward for the common case, fused: one pass over (M, I) instead of ~20
+    (kernels/backward_middle.py)."""
+    x, w = call.x, call.weights
+    M = routed.order.shape[0]
+    E, _, I = w.w1.shape
+    f32 = torch.float32
+    g = torch.empty(M, I, dtype=f32, device=x.device)
+    grouped_gemm(dy, w.w2.transpose(1, 2), routed.rows, g, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED)
+    h, d_gate, d_up, d_scale_sorted = backward_middle(pre, g, routed.sorted, (w.b1, w.b1_up), call.activation,
+                                                       x.dtype)
+    del g
+    if w.b2 is not None:
+        d_scale_sorted = d_scale_sorted + (dy[rows.token].to(f32) * w.b2[rows.expert_c].to(f32)).sum(-1)
+    dw2 = db2 = db1 = db1_up = None
+    if needs.w2:
+        dw2 = grouped_weight_grad(h, dy, routed.rows, _grad_buffer(w.w2), a_rows=ROWS_SORTED, g_rows=ROWS_TOKEN,
+                                  scale=routed.scale)
+    del h
+    if w.b2 is not None and needs.b2:
+        db2 = _sum_by_expert(dy[rows.token].to(f32) * rows.s_sorted, rows.expert, E, w.b2.dtype)
+    if w.b1 is not None and needs.b1:
+        db1 = _sum_by_expert(d_gate, rows.expert, E, w.b1.dtype)
+    if w.b1_up is not None and needs.b1_up:
+        db1_up = _sum_by_expert(d_up, rows.expert, E, w.b1_up.dtype)
+    return _MiddleGrads(d_gate, d_up, d_scale_sorted, dw2, db2, db1, db1_up)
 
 
 def _sum_by_expert(rows: Tensor, expert: Tensor, num_experts: int, dtype: torch.dtype) -> Tensor:
@@ -311,12 +369,15 @@ def _sum_by_expert(rows: Tensor, expert: Tensor, num_experts: int, dtype: torch.
     return sums.index_add_(0, expert, rows.to(torch.float32))[:num_experts].to(dtype)
 
 
-def _backward_middle_torch(dy, x, pre, w2, b1, b1_up, b2, scale, order, offsets, topk, expert, expert_c, valid,
-                           s_sorted, token, gated, activation, weight_position, alpha, limit, needs):
-    """The middle of the backward in plain torch (the CPU path, and the weight positions "between" and "input"):
-    returns d_gate, d_up (in x's dtype), d_scale_sorted, dw2, db2, db1, db1_up."""
-    M = order.shape[0]
-    E, I, H = w2.shape
+def _backward_middle_torch(dy: Tensor, call: ExpertsCall, routed: Routed, pre: Tensor, rows: _SortedRows,
+                           needs: Needs) -> _MiddleGrads:
+    """The middle of the backward in plain torch (the CPU path, and the weight positions "between" and "input")."""
+    x, w, act, weight_position = call.x, call.weights, call.activation, call.weight_position
+    b1, b1_up, b2 = w.b1, w.b1_up, w.b2
+    expert, expert_c, valid, s_sorted, token = rows
+    gated = w.w1_up is not None
+    M = routed.order.shape[0]
+    E, I, H = w.w2.shape
     f32 = torch.float32
     # The elementwise middle runs in fp32 on (M, I) tensors; each one is released (or reused in place) as soon as it
     # is dead, which keeps the backward's transient memory to a few of them.
@@ -332,12 +393,12 @@ def _backward_middle_torch(dy, x, pre, w2, b1, b1_up, b2, scale, order, offsets,
             p_up = p_up + b1_up[expert_c].to(f32)
     if weight_position != "input":  # only the "input" position reads the raw projections again (d_scale)
         del u_gate, u_up
-    act = apply_activation(activation, p_gate, p_up, alpha, limit)
-    h = act * s_sorted if weight_position == "between" else act
+    h_act = apply_activation(act.name, p_gate, p_up, act.alpha, act.limit)
+    h = h_act * s_sorted if weight_position == "between" else h_act
 
     # g = dy[token] @ w2^T: the gradient of h before any routing-weight scaling
     g = torch.empty(M, I, dtype=f32, device=x.device)
-    grouped_gemm(dy, w2.transpose(1, 2), offsets, order, topk, g, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED)
+    grouped_gemm(dy, w.w2.transpose(1, 2), routed.rows, g, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED)
     g.masked_fill_(~valid[:, None], 0.0)
 
     d_scale_sorted = None
@@ -346,28 +407,28 @@ def _backward_middle_torch(dy, x, pre, w2, b1, b1_up, b2, scale, order, offsets,
         if b2 is not None:
             d_scale_sorted = d_scale_sorted + (dy[token].to(f32) * b2[expert_c].to(f32)).sum(-1)
     elif weight_position == "between":
-        d_scale_sorted = (act * g).sum(-1)
-    del act
+        d_scale_sorted = (h_act * g).sum(-1)
+    del h_act
     dact = g.mul_(s_sorted) if weight_position in ("output", "between") else g  # g itself is dead after this
     del g
 
     dw2 = db2 = None
-    if needs[4]:
-        dw2 = grouped_weight_grad(h.to(x.dtype), dy, offsets, order, topk, _grad_buffer(w2), a_rows=ROWS_SORTED,
-                                  g_rows=ROWS_TOKEN, scale=scale if weight_position == "output" else None)
+    if needs.w2:
+        dw2 = grouped_weight_grad(h.to(x.dtype), dy, routed.rows, _grad_buffer(w.w2), a_rows=ROWS_SORTED,
+                                  g_rows=ROWS_TOKEN, scale=routed.scale if weight_position == "output" else None)
     del h
-    if b2 is not None and needs[7]:
-        rows = dy[token].to(f32) * (s_sorted if weight_position == "output" else valid[:, None].to(f32))
-        db2 = _sum_by_expert(rows, expert, E, b2.dtype)
+    if b2 is not None and needs.b2:
+        scaled = dy[token].to(f32) * (s_sorted if weight_position == "output" else valid[:, None].to(f32))
+        db2 = _sum_by_expert(scaled, expert, E, b2.dtype)
 
-    d_gate, d_up = activation_backward(activation, p_gate, p_up, dact, alpha, limit)
+    d_gate, d_up = activation_backward(act.name, p_gate, p_up, dact, act.alpha, act.limit)
     del dact, p_gate, p_up
     d_gate = d_gate.masked_fill(~valid[:, None], 0.0)
     d_up = d_up.masked_fill(~valid[:, None], 0.0) if gated else None
     db1 = db1_up = None
-    if b1 is not None and needs[5]:
+    if b1 is not None and needs.b1:
         db1 = _sum_by_expert(d_gate, expert, E, b1.dtype)
-    if b1_up is not None and needs[6]:
+    if b1_up is not None and needs.b1_up:
         db1_up = _sum_by_expert(d_up, expert, E, b1_up.dtype)
     if weight_position == "input":
         d_scale_sorted = (d_gate * u_gate).sum(-1) + ((d_up * u_up).sum(-1) if gated else 0.0)
@@ -376,52 +437,54 @@ def _backward_middle_torch(dy, x, pre, w2, b1, b1_up, b2, scale, order, offsets,
         d_up = d_up * s_sorted if gated else None
     d_gate = d_gate.to(x.dtype)
     d_up = d_up.to(x.dtype) if gated else None
-    return d_gate, d_up, d_scale_sorted, dw2, db2, db1, db1_up
+    return _MiddleGrads(d_gate, d_up, d_scale_sorted, dw2, db2, db1, db1_up)
 
 
-def _backward_through_up(x, topk_ids, topk_weights, w1, w1_up, order, offsets, topk, valid, d_gate, d_up,
-                         d_scale_sorted, dw2, db2, db1, db1_up, dropped, needs):
+def _backward_through_up(call: ExpertsCall, routed: Routed, valid: Tensor, mid: _MiddleGrads, needs: Needs) -> tuple:
     """The rest of the backward, from the gradients of the raw up projections: dW1, dx and d(routing weights)."""
+    x, w = call.x, call.weights
+    w1, w1_up = w.w1, w.w1_up
+    d_gate, d_up = mid.d_gate, mid.d_up
     T, H = x.shape
-    M = order.shape[0]
-    E = w1.shape[0]
+    M = routed.order.shape[0]
+    topk = routed.topk
+    rows = routed.rows
     gated = w1_up is not None
     f32 = torch.float32
     dw1 = dw1_up = None
-    if _wants_combined_gate_up(needs):  # one (E, H, 2I) gradient for the gate/up pair, written as its two halves
+    if needs.combined_gate_up:  # one (E, H, 2I) gradient for the gate/up pair, written as its two halves
         I = w1.shape[2]
         dw1 = _combined_grad_buffer(w1)
-        grouped_weight_grad(x, d_gate, offsets, order, topk, dw1[:, :, :I], a_rows=ROWS_TOKEN, g_rows=ROWS_SORTED)
-        grouped_weight_grad(x, d_up, offsets, order, topk, dw1[:, :, I:], a_rows=ROWS_TOKEN, g_rows=ROWS_SORTED)
-    elif needs[2]:
-        dw1 = grouped_weight_grad(x, d_gate, offsets, order, topk, _grad_buffer(w1), a_rows=ROWS_TOKEN,
-                                  g_rows=ROWS_SORTED)
-    if gated and needs[3] and not _wants_combined_gate_up(needs):
-        dw1_up = grouped_weight_grad(x, d_up, offsets, order, topk, _grad_buffer(w1_up), a_rows=ROWS_TOKEN,
-                                     g_rows=ROWS_SORTED)
+        grouped_weight_grad(x, d_gate, rows, dw1[:, :, :I], a_rows=ROWS_TOKEN, g_rows=ROWS_SORTED)
+        grouped_weight_grad(x, d_up, rows, dw1[:, :, I:], a_rows=ROWS_TOKEN, g_rows=ROWS_SORTED)
+    elif needs.w1:
+        dw1 = grouped_weight_grad(x, d_gate, rows, _grad_buffer(w1), a_rows=ROWS_TOKEN, g_rows=ROWS_SORTED)
+    if gated and needs.w1_up and not needs.combined_gate_up:
+        dw1_up = grouped_weight_grad(x, d_up, rows, _grad_buffer(w1_up), a_rows=ROWS_TOKEN, g_rows=ROWS_SORTED)
     dx = None
-    if needs[0]:
-        dx_rows = x.new_zeros(M, H) if dropped or topk == 1 else x.new_empty(M, H)  # k = 1: the rows are dx
+    if needs.x:
+        dx_rows = x.new_zeros(M, H) if routed.dropped or topk == 1 else x.new_empty(M, H)  # k = 1: the rows are dx
         pairs = interleaved_pairs(w1, w1_up) if gated and use_triton(x) else None
         if pairs is not None:  # one GEMM over the whole weight, read along its contiguous 2I axis
             d_pairs = torch.stack((d_gate, d_up), -1).view(M, 2 * w1.shape[2])
-            grouped_gemm(d_pairs, pairs.transpose(1, 2), offsets, order, topk, dx_rows, a_rows=ROWS_SORTED,
-                         c_rows=ROWS_ASSIGNMENT)
+            grouped_gemm(d_pairs, pairs.transpose(1, 2), rows, dx_rows, a_rows=ROWS_SORTED, c_rows=ROWS_ASSIGNMENT)
         else:
-            grouped_gemm(d_gate, w1.transpose(1, 2), offsets, order, topk, dx_rows, a_rows=ROWS_SORTED,
-                         c_rows=ROWS_ASSIGNMENT)
+            grouped_gemm(d_gate, w1.transpose(1, 2), rows, dx_rows, a_rows=ROWS_SORTED, c_rows=ROWS_ASSIGNMENT)
         if gated and pairs is None:
-            grouped_gemm(d_up, w1_up.transpose(1, 2), offsets, order, topk, dx_rows, a_rows=ROWS_SORTED,
-                         c_rows=ROWS_ASSIGNMENT, accumulate=True)
-        dx = dx_rows if topk == 1 else combine(dx_rows, topk_ids, E)
+            grouped_gemm(d_up, w1_up.transpose(1, 2), rows, dx_rows, a_rows=ROWS_SORTED, c_rows=ROWS_ASSIGNMENT,
+                         epi=epilogue(accumulate=True))
+        dx = dx_rows if topk == 1 else combine(dx_rows, routed.topk_ids, routed.num_experts)
     d_weights = None
-    if needs[1] and d_scale_sorted is not None:
-        d_flat = torch.zeros(M, dtype=f32, device=x.device).index_put_((order.long(),), torch.where(valid, d_scale_sorted, 0.0))
+    topk_weights = call.routing.topk_weights
+    if needs.topk_weights and mid.d_scale_sorted is not None:
+        d_flat = torch.zeros(M, dtype=f32, device=x.device).index_put_(
+            (routed.order.long(),), torch.where(valid, mid.d_scale_sorted, 0.0))
         d_weights = d_flat.view(T, topk).to(topk_weights.dtype)
-    elif needs[1]:
+    elif needs.topk_weights:
         d_weights = torch.zeros_like(topk_weights)
     # absent gradients come back as distinct empty tensors: outputs of a custom op may not alias each other
-    return tuple(t if t is not None else x.new_empty(0) for t in (dx, d_weights, dw1, dw1_up, dw2, db1, db1_up, db2))
+    grads = (dx, d_weights, dw1, dw1_up, mid.dw2, mid.db1, mid.db1_up, mid.db2)
+    return tuple(t if t is not None else x.new_empty(0) for t in grads)
 
 
 @experts_backward.register_fake
@@ -430,50 +493,49 @@ def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, s
     def maybe(flag, t, like):
         return like(t) if (flag and t is not None) else x.new_empty(0)
 
-    combined = _wants_combined_gate_up(needs)
+    need = Needs(*needs)
     return (
-        maybe(needs[0], x, torch.empty_like),
-        maybe(needs[1], topk_weights, torch.empty_like),
-        maybe(needs[2], w1, _combined_grad_buffer if combined else _grad_buffer),
-        maybe(needs[3] and not combined, w1_up, _grad_buffer),
-        maybe(needs[4], w2, _grad_buffer),
-        maybe(needs[5], b1, torch.empty_like),
-        maybe(needs[6], b1_up, torch.empty_like),
-        maybe(needs[7], b2, torch.empty_like),
+        maybe(need.x, x, torch.empty_like),
+        maybe(need.topk_weights, topk_weights, torch.empty_like),
+        maybe(need.w1, w1, _combined_grad_buffer if need.combined_gate_up else _grad_buffer),
+        maybe(need.w1_up and not need.combined_gate_up, w1_up, _grad_buffer),
+        maybe(need.w2, w2, _grad_buffer),
+        maybe(need.b1, b1, torch.empty_like),
+        maybe(need.b1_up, b1_up, torch.empty_like),
+        maybe(need.b2, b2, torch.empty_like),
     )
 
 
 def _setup_context(ctx, inputs, output):
-    (x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position, alpha, limit, capacity,
-     save_pre) = inputs
+    call = from_op_args(inputs)
+    (x, (topk_ids, topk_weights, capacity), (w1, w1_up, w2, b1, b1_up, b2, _)) = call.x, call.routing, call.weights
     _, pre, order, sorted_expert, offsets = output
     ctx.save_for_backward(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets)
-    ctx.options = (activation, weight_position, alpha, limit, capacity is not None)
+    ctx.options = (*call.activation, call.weight_position, capacity is not None)
 
 
-def _backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
+def _autograd_backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
     x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets = ctx.saved_tensors
-    activation, weight_position, alpha, limit, dropped = ctx.options
+    activation, alpha, limit, weight_position, dropped = ctx.options
     ni = ctx.needs_input_grad
-    needs = [ni[0], ni[2], ni[3], ni[4] and w1_up is not None, ni[5], ni[6] and b1 is not None,
-             ni[7] and b1_up is not None, ni[8] and b2 is not None]
+    needs = Needs(ni[0], ni[2], ni[3], ni[4] and w1_up is not None, ni[5], ni[6] and b1 is not None,
+                  ni[7] and b1_up is not None, ni[8] and b2 is not None)
     if dy is None:
         dy = torch.zeros_like(x)
-    combined = needs[2] and needs[3] and _gate_up_is_one_tensor(w1, w1_up)
+    needs = needs._replace(combined_gate_up=needs.w1 and needs.w1_up and _gate_up_is_one_tensor(w1, w1_up))
     grads = experts_backward(dy.contiguous(), x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order,
-                             sorted_expert, offsets, activation, weight_position, alpha, limit, dropped,
-                             needs + [combined])
+                             sorted_expert, offsets, activation, weight_position, alpha, limit, dropped, list(needs))
     dx, dtw, dw1, dw1_up, dw2, db1, db1_up, db2 = (g if need else None for g, need in zip(grads, needs))
-    if combined:  # two views of one gradient: ops.fused_experts hands it to the parameter without a copy
+    if needs.combined_gate_up:  # two views of one gradient: ops.fused_experts hands it to the parameter without a copy
         I = w1.shape[2]
         dw1, dw1_up = dw1[:, :, :I], dw1[:, :, I:]
     return dx, None, dtw, dw1, dw1_up, dw2, db1, db1_up, db2, None, None, None, None, None, None
 
 
-experts_forward.register_autograd(_backward, setup_context=_setup_context)
+experts_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 #: the autograd of ``experts_forward`` as (backward, setup_context), for ops with its schema (lowerings/visible.py)
-EXPERTS_AUTOGRAD = (_backward, _setup_context)
+EXPERTS_AUTOGRAD = (_autograd_backward, _setup_context)
 
 
 def to_kn(w: Tensor, layout: str) -> Tensor:
@@ -492,10 +554,12 @@ def check_weight_position(weight_position: str) -> None:
         raise ValueError(f"weight_position={weight_position!r}; choose one of {WEIGHT_POSITIONS}")
 
 
-def check_experts_args(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position):
-    """Shape/dtype checks that name the offending argument."""
+def check_call(call: ExpertsCall) -> None:
+    """Shape/dtype checks of a call with stacked weights, naming the offending argument."""
+    x, (topk_ids, topk_weights, _), (w1, w1_up, w2, b1, b1_up, b2, _) = call.x, call.routing, call.weights
+    activation = call.activation.name
     check_activation(activation)
-    check_weight_position(weight_position)
+    check_weight_position(call.weight_position)
     if x.dim() != 2:
         raise ValueError(f"x must be (T, H); got shape {tuple(x.shape)}")
     T, H = x.shape

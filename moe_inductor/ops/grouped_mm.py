@@ -9,11 +9,14 @@ import torch
 from torch import Tensor
 
 from .experts import _grad_buffer
+from ..kernels.launch import Rows
 from .grouped import ROWS_SORTED, grouped_gemm, grouped_weight_grad
 
 
-def _offsets_with_zero(offs: Tensor) -> Tensor:
-    return torch.cat([offs.new_zeros(1), offs]).to(torch.int32)
+def _rows(a: Tensor, offs: Tensor) -> Rows:
+    """The grouped kernels' view of rows already in group order: each row its own assignment, one per token."""
+    order = torch.arange(a.shape[0], dtype=torch.int32, device=a.device)
+    return Rows(order, torch.cat([offs.new_zeros(1), offs]).to(torch.int32), 1)
 
 
 def grouped_mm_reference(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
@@ -45,9 +48,8 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
         (M, N) in a's dtype.
     """
     _check(a, b, offs)
-    order = torch.arange(a.shape[0], dtype=torch.int32, device=a.device)
     out = a.new_zeros(a.shape[0], b.shape[2])
-    return grouped_gemm(a, b, _offsets_with_zero(offs), order, 1, out, a_rows=ROWS_SORTED, c_rows=ROWS_SORTED)
+    return grouped_gemm(a, b, _rows(a, offs), out, a_rows=ROWS_SORTED, c_rows=ROWS_SORTED)
 
 
 @grouped_mm.register_fake
@@ -59,9 +61,7 @@ def _(a, b, offs):
 @torch.library.custom_op("moe_inductor::grouped_mm_weight_grad", mutates_args=())
 def grouped_mm_weight_grad(a: Tensor, grad: Tensor, offs: Tensor, b_like: Tensor) -> Tensor:
     """db[e] = a_e^T @ grad_e, laid out like ``b_like`` (E, K, N)."""
-    order = torch.arange(a.shape[0], dtype=torch.int32, device=a.device)
-    return grouped_weight_grad(a, grad, _offsets_with_zero(offs), order, 1, _grad_buffer(b_like),
-                               a_rows=ROWS_SORTED, g_rows=ROWS_SORTED)
+    return grouped_weight_grad(a, grad, _rows(a, offs), _grad_buffer(b_like), a_rows=ROWS_SORTED, g_rows=ROWS_SORTED)
 
 
 @grouped_mm_weight_grad.register_fake

@@ -22,12 +22,10 @@ import torch
 from torch import Tensor
 
 from .. import config
-from ..kernels.configs import interpreting
-from ..kernels.launch import LazyKernel, cdiv, device_guard, launch_kernel, tracing_launches
-from .activations import ACTIVATIONS
-from .grouped import backward_middle, combine, is_dense_transpose, use_triton
-
-activation_kernel = LazyKernel("activation", "activation_kernel")
+from ..kernels.launch import launch_activation, tracing_launches
+from .activations import Activation
+from .call import ExpertsCall
+from .grouped import Routed, backward_middle, combine, is_dense_transpose, kernel_activation, use_triton
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,38 +113,22 @@ def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tenso
     return w_up
 
 
-def _activation(pre: Tensor, activation: str, alpha: float, limit: float) -> Tensor:
-    gated, act_id = ACTIVATIONS[activation]
-    M = pre.shape[0]
-    I = pre.shape[1] // (2 if gated else 1)
-    h = pre.new_empty(M, I)
-    if M:
-        block_m, block_i = (16, 32) if interpreting() else (8, 512)
-        with device_guard(pre):
-            launch_kernel(activation_kernel, (cdiv(M, block_m), cdiv(I, block_i)),
-                          (pre, h, M, I, pre.stride(0), h.stride(0), float(alpha), float(limit)),
-                          dict(GATED=gated, ACT=act_id, BLOCK_M=block_m, BLOCK_I=block_i, num_warps=4))
-    return h
-
-
 def _row_of(order: Tensor) -> Tensor:
     """The inverse permutation of ``order``: the sorted row of each assignment."""
     M = order.shape[0]
     return torch.empty_like(order).scatter_(0, order.long(), torch.arange(M, dtype=order.dtype, device=order.device))
 
 
-def forward(x: Tensor, topk_ids: Tensor, scale_flat: Tensor, order: Tensor, offsets: Tensor, w_up: Tensor,
-            w2: Tensor, activation: str, alpha: float, limit: float) -> tuple[Tensor, Tensor]:
+def forward(x: Tensor, routed: Routed, w_up: Tensor, w2: Tensor, act: Activation) -> tuple[Tensor, Tensor]:
     """(y, pre): the experts forward with "output" routing weights; pre (M, n_pre) is the raw up projection."""
-    topk = topk_ids.shape[1]
-    group_ends = offsets[1:]
-    x_sorted = x.index_select(0, order.long() // topk)
+    group_ends = routed.offsets[1:]
+    x_sorted = x.index_select(0, routed.order.long() // routed.topk)
     pre = torch._grouped_mm(x_sorted, w_up, offs=group_ends)
     del x_sorted
-    h = _activation(pre, activation, alpha, limit)
+    h = launch_activation(pre, kernel_activation(act))
     out_sorted = torch._grouped_mm(h, w2, offs=group_ends)
     del h
-    y = combine(out_sorted, topk_ids, w2.shape[0], row_of=_row_of(order), scale=scale_flat)
+    y = combine(out_sorted, routed.topk_ids, w2.shape[0], row_of=_row_of(routed.order), scale=routed.scale)
     return y, pre
 
 
@@ -158,19 +140,22 @@ def _weight_grad(a: Tensor, g: Tensor, group_ends: Tensor, like: Tensor) -> Tens
     return torch._grouped_mm(a.t(), g, offs=group_ends)
 
 
-def backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w1_up: Optional[Tensor],
-             w_up: Tensor, w2: Tensor, pre: Tensor, order: Tensor, sorted_expert: Tensor, offsets: Tensor,
-             activation: str, alpha: float, limit: float, needs: list[bool], combined_gate_up: bool) -> tuple:
-    """The gradients of ``forward`` (see ``experts_backward`` for ``needs`` and the returned tuple);
-    ``combined_gate_up``: the gate and up gradients as one (E, H, 2I) tensor in the dw1 slot."""
+def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: Tensor, needs) -> tuple:
+    """The gradients of ``forward`` (see ``experts_backward`` for ``needs``, an ``experts.Needs``, and the returned
+    tuple); ``needs.combined_gate_up``: the gate and up gradients as one (E, H, 2I) tensor in the dw1 slot."""
+    x, w, act = call.x, call.weights, call.activation
+    topk_weights = call.routing.topk_weights
+    w1, w1_up, w2 = w.w1, w.w1_up, w.w2
+    order, offsets, topk = routed.rows
+    sorted_expert = routed.sorted_expert
+    combined_gate_up = needs.combined_gate_up
     T, H = x.shape
-    topk = topk_ids.shape[1]
     M = order.shape[0]
     E, _, I = w1.shape
     gated = w1_up is not None
     group_ends = offsets[1:]
     token = order.long() // topk
-    scale = topk_weights.contiguous().view(-1)
+    scale = routed.scale
     # Workspace is freed as soon as it is dead, and x sorted (M x H) is gathered only for dW1, after dy sorted (also
     # M x H) is gone: one fewer such tensor at the backward's peak than gathering both up front.
     if pre.shape[0] != M:  # the forward did not keep it
@@ -178,28 +163,27 @@ def backward(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: 
     dy_sorted = dy.index_select(0, token)
     g = torch._grouped_mm(dy_sorted, w2.transpose(1, 2), offs=group_ends)  # d h, before the routing weight
     d_pre = x.new_empty(M, pre.shape[1])
-    h_scaled, _, _, d_scale_sorted = backward_middle(pre, g, scale, order, sorted_expert, None, None, activation, alpha,
-                                                     limit, E, x.dtype, out=(d_pre[:, :I], d_pre[:, I:] if gated else None),
-                                                     scale_h=True)
+    h_scaled, _, _, d_scale_sorted = backward_middle(pre, g, routed.sorted, (None, None), act, x.dtype,
+                                                     out=(d_pre[:, :I], d_pre[:, I:] if gated else None), scale_h=True)
     del g
-    dw2 = _weight_grad(h_scaled, dy_sorted, group_ends, w2) if needs[4] else None
+    dw2 = _weight_grad(h_scaled, dy_sorted, group_ends, w2) if needs.w2 else None
     del h_scaled, dy_sorted, pre
     dw1 = dw1_up = None
-    if combined_gate_up or needs[2] or needs[3]:
+    if combined_gate_up or needs.w1 or needs.w1_up:
         x_sorted = x.index_select(0, token)
         if combined_gate_up:  # one GEMM over d_pre
             dw1 = _weight_grad(x_sorted, d_pre, group_ends, w_up)
         else:  # two GEMMs: the gradients of an op must not be views of one tensor
-            dw1 = _weight_grad(x_sorted, d_pre[:, :I], group_ends, w1) if needs[2] else None
-            dw1_up = _weight_grad(x_sorted, d_pre[:, I:], group_ends, w1_up) if needs[3] else None
+            dw1 = _weight_grad(x_sorted, d_pre[:, :I], group_ends, w1) if needs.w1 else None
+            dw1_up = _weight_grad(x_sorted, d_pre[:, I:], group_ends, w1_up) if needs.w1_up else None
         del x_sorted
     dx = None
-    if needs[0]:
+    if needs.x:
         dx_sorted = torch._grouped_mm(d_pre, w_up.transpose(1, 2), offs=group_ends)
         del d_pre
-        dx = combine(dx_sorted, topk_ids, E, row_of=_row_of(order))
+        dx = combine(dx_sorted, routed.topk_ids, E, row_of=_row_of(order))
     d_weights = None
-    if needs[1]:
+    if needs.topk_weights:
         # rows of out-of-range ids (masked choices) were never computed: their h, and so their sum, may be garbage
         d_scale_sorted = torch.where(sorted_expert < E, d_scale_sorted, 0.0)
         d_flat = torch.zeros(M, dtype=torch.float32, device=x.device).index_put_((order.long(),), d_scale_sorted)

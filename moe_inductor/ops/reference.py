@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .activations import apply_activation
+from .activations import GPTOSS_ALPHA, GPTOSS_LIMIT, apply_activation
 
 
 def capacity_keep_mask(topk_ids: Tensor, num_experts: int, capacity: int) -> Tensor:
@@ -38,8 +38,8 @@ def moe_reference(
     b2: Optional[Tensor] = None,
     activation: str = "silu_glu",
     weight_position: str = "output",
-    alpha: float = 1.702,
-    limit: float = 7.0,
+    alpha: float = GPTOSS_ALPHA,
+    limit: float = GPTOSS_LIMIT,
     capacity: Optional[int] = None,
 ) -> Tensor:
     """Same arguments as ``moe_inductor::experts_forward`` (logical (E, K, N) weights); differentiable."""

@@ -15,12 +15,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.configs import interpreting
-from ..kernels.launch import LazyKernel, cdiv, device_guard, launch_kernel, next_pow2, static_dim, tracing_launches
-from .grouped import use_triton
-
-route_count_kernel = LazyKernel("routing", "route_count_kernel")
-route_place_kernel = LazyKernel("routing", "route_place_kernel")
+from ..kernels.launch import launch_route
+from .call import Routing
+from .grouped import Routed, use_triton
 
 
 def route_reference(topk_ids: Tensor, num_experts: int, capacity: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -58,52 +55,20 @@ def route_reference(topk_ids: Tensor, num_experts: int, capacity: Optional[int] 
     return order.to(torch.int32), sorted_keys.to(torch.int32), offsets
 
 
-# Up to this many routed rows one program does everything in one launch; above it, programs of CHUNK_ROWS rows.
-SINGLE_LAUNCH_MAX_ROWS = 1024  # measured on the H200: one program over 4096 rows takes ~85 us, four take ~35
-CHUNK_ROWS = 1024
-
-
 def route_metadata(topk_ids: Tensor, num_experts: int, capacity: Optional[int] = None,
                    chunked: Optional[bool] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Routing metadata by the Triton kernels on the GPU, by ``route_reference`` elsewhere.
-
-    ``chunked``: take the count-then-place path (two launches), which is right for every row count; by default only
-    a symbolic row count (a dynamic graph) does, and a known one picks one launch when it fits in one chunk.
-    """
+    """Routing metadata by the Triton kernels on the GPU (``kernels.launch.launch_route``, ``chunked`` as there), by
+    ``route_reference`` elsewhere."""
     if not use_triton(topk_ids):
         return route_reference(topk_ids, num_experts, capacity)
-    T, k = topk_ids.shape
-    if tracing_launches():
-        k, num_experts = static_dim(k), static_dim(num_experts)
-    M = T * k
-    ids = topk_ids.contiguous()
-    order = ids.new_empty(M, dtype=torch.int32)
-    sorted_expert = ids.new_empty(M, dtype=torch.int32)
-    offsets = ids.new_empty(num_experts + 1, dtype=torch.int32)
-    bins = next_pow2(num_experts + 1)
-    if chunked is None:
-        chunked = tracing_launches() and not isinstance(M, int)  # deciding on a symbolic M would guard on it
-    if chunked:
-        chunk = 16 if interpreting() else CHUNK_ROWS
-        num_chunks, single, t_rows = torch.sym_max(cdiv(M, chunk), 1), False, torch.sym_max(T, 1)
-    else:
-        # One chunk (and one launch) covers small batches; large ones are split so the per-program sort stays small.
-        chunk = 16 if interpreting() else (SINGLE_LAUNCH_MAX_ROWS if M <= SINGLE_LAUNCH_MAX_ROWS else CHUNK_ROWS)
-        num_chunks, t_rows = max(cdiv(M, chunk), 1), max(T, 1)
-        single = num_chunks == 1
-    # the per-chunk histograms; one chunk counts in registers, and its kernel never reads this (order stands in)
-    # (flat: a symbolic (num_chunks, bins) shape would make tracing guard on num_chunks == 1, i.e. on the token count)
-    counts = order if single else ids.new_empty(num_chunks * bins, dtype=torch.int32)
-    meta = dict(CHOICE_MAJOR=capacity is not None, TOPK=k, CHUNK=chunk, BINS=bins, SINGLE=single,
-                num_warps=8 if chunk > 1024 else 4)
-    cap = M + 1 if capacity is None else capacity
-    with device_guard(ids):
-        if not single:
-            launch_kernel(route_count_kernel, (num_chunks,), (ids, counts, M, t_rows, num_experts),
-                          dict(CHOICE_MAJOR=meta["CHOICE_MAJOR"], TOPK=k, CHUNK=chunk, BINS=bins))
-        launch_kernel(route_place_kernel, (num_chunks,),
-                      (ids, counts, order, sorted_expert, offsets, M, t_rows, num_experts, cap, num_chunks), meta)
-    return order, sorted_expert, offsets
+    return launch_route(topk_ids, num_experts, capacity, chunked)
+
+
+def prepare_routing(routing: Routing, num_experts: int) -> Routed:
+    """The routing of one call, prepared once for all its launches: the metadata and the flat routing weights."""
+    order, sorted_expert, offsets = route_metadata(routing.topk_ids, num_experts, routing.capacity)
+    return Routed(routing.topk_ids, routing.topk_weights.contiguous().view(-1), order, sorted_expert, offsets,
+                  num_experts, routing.capacity is not None)
 
 
 @torch.library.custom_op("moe_inductor::route", mutates_args=())
