@@ -337,6 +337,10 @@ def match(acc: Node) -> Optional[Match]:
     spec = MoESpec(x, ids, weights, w(gate[1]), w(up[1]) if up else None, w(w_down), layout, activation, position,
                    **gated.spec_fields())
     note = f"routing weight on the {spec.weight_position}; no permuted copy of x"
+    if combine.end is combine.writes[0] and combine.end.users:  # ``return out.scatter_add_(...)``
+        if set(acc.users) != {combine.end}:
+            return None  # the buffer and the value of its in-place write are both read
+        return Match(spec, combine.end, note, writes=combine.writes)
     if combine.end is combine.writes[0]:  # scattered into acc in place: its later reads read the op
         return Match(spec, combine.end, note, acc=acc, writes=combine.writes)
     return Match(spec, combine.end, note, where=combine.writes[0], writes=combine.writes)

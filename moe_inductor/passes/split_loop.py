@@ -456,6 +456,10 @@ def match(acc: Node) -> Union[Match, str, None]:
     note = f"{num_experts} .item() host syncs and data-dependent splits removed"
     if combine.write is None:
         return Match(spec, combine.end, note, transient=tuple(roots))
+    if combine.write.users:  # ``return out.scatter_add_(...)``: the write's own value is the result
+        if set(acc.users) != {combine.write}:
+            return "both the combine buffer and the value of its in-place write are read"
+        return Match(spec, combine.write, note, writes=(combine.write,), transient=tuple(roots))
     return Match(spec, combine.write, note, acc=acc, writes=(combine.write,), transient=tuple(roots))
 
 

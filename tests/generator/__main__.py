@@ -1,0 +1,54 @@
+"""Measure the generator: ``python -m tests.generator [--examples N] [--seed S] [--lookalikes]``.
+
+Runs N recipes from a seeded generator, prints every miss, wrong rewrite and crash as it happens, then the rewrite
+rate per form, per idiom and per router, and the look-alikes kept per flaw."""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from collections import Counter, defaultdict
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("MOE_INDUCTOR_STRICT_PASSES", "1")
+
+
+def main() -> None:
+    from tests.generator.check import run
+    from tests.generator.recipe import draw_recipe, random_draw
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--examples", type=int, default=int(os.environ.get("MOE_GENERATOR_EXAMPLES", 200)))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--form", default=None, help="only this form (repeat draws until it comes)")
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    tally: dict[str, Counter] = defaultdict(Counter)
+    done = 0
+    while done < args.examples:
+        r = draw_recipe(random_draw(rng))
+        if args.form and r.form != args.form:
+            continue
+        done += 1
+        o = run(r)
+        v = o.verdict
+        if v not in ("rewritten", "kept"):
+            print(o.describe(), flush=True)
+        if r.genuine:
+            keys = [f"form {r.form}", f"router {r.router}", f"act {r.act}"]
+            keys += [f"{r.form}.{axis} {value}" for axis, value in r.idioms.items()]
+        else:
+            keys = [f"look-alike {r.form}.{r.flaw}", f"look-alike all"]
+        for key in keys + (["genuine all"] if r.genuine else []):
+            tally[key][v] += 1
+    print(f"\n{'':44s} {'n':>4s} {'rewritten':>9s} {'missed':>6s} {'wrong':>5s} {'crash':>5s} {'kept':>5s}  rate")
+    for key in sorted(tally):
+        c = tally[key]
+        n = sum(c.values())
+        good = c["rewritten"] + c["kept"]
+        print(f"{key:44s} {n:4d} {c['rewritten']:9d} {c['missed']:6d} {c['wrong']:5d} {c['crash']:5d} {c['kept']:5d}"
+              f"  {good / n:.0%}")
+
+
+if __name__ == "__main__":
+    main()

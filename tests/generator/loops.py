@@ -1,0 +1,176 @@
+"""Generated modules of the per-expert loop forms: the unrolled ``for e in range(E)`` loop (``loop``), the sorted
+rows split by counts (``split``), and the expert-choice look-alike (each expert picks its top tokens).
+
+Every module reads its recipe's idioms in ``forward``; a look-alike's flaw changes one line of the genuine code.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.generator.parts import ACT, H, ExpertBank, Router
+from tests.generator.recipe import Recipe
+
+
+class LoopMoE(nn.Module):
+    """``for e in range(E)``: select expert e's (token, slot) pairs, run the expert, add back at the tokens."""
+
+    def __init__(self, r: Recipe):
+        super().__init__()
+        self.r = r
+        self.router = Router(r.router, r.E, r.k, r.renorm)
+        self.bank = ExpertBank(r.idioms["experts"], r.E, r.act, r.idioms["matmul"])
+
+    def _expert(self, e: int, xe: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Expert e on xe, the (rows, 1) routing weight w applied where the recipe puts it."""
+        position, flaw = self.r.idioms["position"], self.r.flaw
+        if position == "input" or flaw == "twice":
+            xe = xe * w
+        y = self.bank.mlp(e, xe, w if position == "between" else None)
+        if position == "output" or flaw == "twice":
+            y = y * w
+        return 2.0 * y if flaw == "differs" and e == self.r.E - 1 else y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.r
+        probs, weights, ids = self.router(x)
+        if r.idioms["selection"] == "boolmask":
+            return self._masked(x, weights, ids)
+        out = torch.zeros_like(x)
+        if r.idioms["selection"] == "onehot":
+            hits = F.one_hot(ids, num_classes=r.E).permute(2, 1, 0)  # (E, k, T), transformers v4's expert_mask
+        for e in range(r.E):
+            if r.flaw == "skipped" and e == 1:
+                continue
+            if r.flaw == "soft":  # every token through every expert, weighted by its full probability
+                tok = torch.arange(x.shape[0], device=x.device)
+                w = probs[:, e, None].to(x.dtype)
+            elif r.idioms["selection"] == "any":
+                hit = ids == e
+                tok = hit.any(dim=-1).nonzero().squeeze(-1)
+                w = (weights * hit).sum(dim=-1)[tok, None]
+            else:
+                if r.idioms["selection"] == "where":
+                    tok, pos = torch.where(ids == e)
+                elif r.idioms["selection"] == "nonzero":
+                    tok, pos = (ids == e).nonzero(as_tuple=True)
+                else:
+                    pos, tok = torch.where(hits[e])
+                if r.flaw == "other_slot":
+                    pos = (pos + 1) % r.k
+                w = weights[tok, pos, None]
+            y = self._expert(e, x[tok], w)
+            rows = (tok + 1) % x.shape[0] if r.flaw == "other_rows" else tok
+            combine = r.idioms["combine"]
+            if combine == "index_add":
+                out.index_add_(0, rows, y)
+            elif combine == "index_put":
+                out.index_put_((rows,), y, accumulate=True)
+            elif combine == "setitem":
+                out[rows] += y
+            else:
+                out.scatter_add_(0, rows[:, None].expand(-1, x.shape[1]), y)
+        return out
+
+    def _masked(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V2's training loop: every token repeated k times, rows written per expert by a boolean mask."""
+        r = self.r
+        T, k = x.shape[0], r.k
+        flat = ids.view(-1)
+        xr = x.repeat_interleave(k, dim=0)
+        wf = weights.reshape(-1, 1)
+        on_output = r.idioms["position"] == "output" and r.flaw != "twice"
+        buf = torch.empty_like(xr)
+        for e in range(r.E):
+            sel = flat == e
+            y = self._expert(e, xr[sel], wf[sel]) if not on_output else self._expert_unscaled(e, xr[sel])
+            buf[sel] = y.to(buf.dtype)
+        per_slot = buf.view(T, k, -1)
+        if not on_output:
+            return per_slot.sum(dim=1)
+        if r.idioms["combine"] == "view_sum":
+            return (per_slot * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        return torch.bmm(weights.unsqueeze(1), per_slot).squeeze(1)
+
+    def _expert_unscaled(self, e: int, xe: torch.Tensor) -> torch.Tensor:
+        y = self.bank.mlp(e, xe)
+        return 2.0 * y if self.r.flaw == "differs" and e == self.r.E - 1 else y
+
+
+class SplitMoE(nn.Module):
+    """Rows sorted by expert, split by ``counts.tolist()``, one expert per split, ``cat``, scaled, scattered back
+    (Megatron's SequentialMLP behind its routing map, or JetMoE's sort)."""
+
+    def __init__(self, r: Recipe):
+        super().__init__()
+        self.r = r
+        self.router = Router(r.router, r.E, r.k, r.renorm)
+        per_projection = r.idioms["experts"] == "per_projection"
+        storage = ("fused_chunk" if r.gated else "stacked_nk") if per_projection else "modulelist"
+        self.bank = ExpertBank(storage, r.E, r.act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.r
+        T, E = x.shape[0], r.E
+        probs, weights, ids = self.router(x)
+        if r.idioms["dispatch"] == "megatron":
+            full = torch.zeros_like(probs).scatter(1, ids, weights.to(probs.dtype))
+            rmap = torch.zeros_like(probs).int().scatter(1, ids, 1).bool()
+            tok = torch.arange(T, device=x.device).unsqueeze(0).expand(E, -1).masked_select(rmap.T.contiguous())
+            xs, counts = x.index_select(0, tok), rmap.sum(dim=0)
+            ws = full.T.contiguous().masked_select(rmap.T.contiguous())
+        else:
+            order = ids.flatten().sort(0)[1]
+            tok = order.div(r.k, rounding_mode="trunc")
+            ws = weights.flatten()[order]
+            xs = x[tok]
+            counts = torch.zeros(T, E, device=x.device).scatter(1, ids, 1).long().sum(0)
+        if r.flaw == "other_slot":
+            ws = ws.flip(0)
+        pieces = torch.split(xs, counts.tolist())
+        if r.idioms["experts"] == "modulelist":
+            outs = [self.bank.mlp(e, p) for e, p in enumerate(pieces)]
+        else:
+            outs = self._per_projection(pieces)
+        if r.flaw == "differs":
+            outs[0] = 2.0 * outs[0]
+        ys = torch.cat(outs, dim=0) * ws.unsqueeze(-1)
+        rows = tok.flip(0) if r.flaw == "other_rows" else tok
+        if r.idioms["combine"] == "scatter_add":
+            out = torch.zeros(T, H, dtype=x.dtype, device=x.device)
+            return out.scatter_add_(0, rows.unsqueeze(1).expand(-1, H), ys)
+        return torch.zeros(T, H, dtype=x.dtype, device=x.device).index_add(0, rows, ys)
+
+    def _per_projection(self, pieces) -> list:
+        """JetMoE's ParallelExperts: one ``F.linear`` per split and projection, ``cat``, split again."""
+        bank, act = self.bank, ACT[self.r.act]
+        sizes = [p.shape[0] for p in pieces]
+        w_up, w_gate, w_down, _ = bank.stacked()
+        h = torch.cat([F.linear(p, w_up[e]) for e, p in enumerate(pieces)])
+        if w_gate is None and self.r.gated:
+            g, u = h.chunk(2, dim=-1)
+            h = act(g) * u
+        else:
+            h = act(h)
+        return [F.linear(p, w_down[e]) for e, p in enumerate(torch.split(h, sizes))]
+
+
+class ExpertChoiceMoE(nn.Module):
+    """Look-alike: each expert picks its top-c tokens (top-k over the token axis), not each token its experts."""
+
+    def __init__(self, r: Recipe):
+        super().__init__()
+        self.r = r
+        self.gate = nn.Linear(H, r.E, bias=False)
+        self.bank = ExpertBank("stacked_nk", r.E, r.act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        r = self.r
+        probs = F.softmax(self.gate(x), dim=-1)
+        c = max(1, min(x.shape[0], x.shape[0] * r.k // r.E))
+        w, tok = torch.topk(probs, c, dim=0)  # (c, E)
+        out = torch.zeros_like(x)
+        for e in range(r.E):
+            out.index_add_(0, tok[:, e], self.bank.mlp(e, x[tok[:, e]]) * w[:, e, None])
+        return out
