@@ -1,17 +1,30 @@
-"""CPU: the op's plain-torch path against transformers' eager experts loop (the issue asks for "no slower than
-eager"). Wall-clock means over repeated calls; fp32; random data.
+"""CPU benchmarks, fp32, random data.
 
-    python benchmarks/bench_cpu.py
+    python benchmarks/bench_cpu.py                       # the op's plain-torch path against transformers' eager loop
+    python benchmarks/bench_cpu.py --model quickstart    # the quickstart model: eager, inductor, moe_inductor
+
+The op mode reports wall-clock means over repeated calls. The model mode builds the model ``examples/quickstart.py``
+builds on the CPU (a tiny random Qwen3-MoE), compiles it with ``torch.compile``'s default backend and with
+``backend="moe_inductor"`` in the same process, and times the three in interleaved rounds: each round times a block
+of calls of every candidate, in a rotating order, so that a busy machine slows all of them alike; the table gives
+the median over rounds of the per-call time. Each token count is compiled afresh (``torch._dynamo.reset``), so both
+backends see one static shape.
 """
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import statistics
 import time
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
 import moe_inductor
 
 SHAPES = [(16, 64, 32, 8, 2), (256, 256, 128, 16, 4), (1024, 512, 256, 32, 4), (64, 2048, 768, 128, 8)]  # T H I E k
+QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
 
 
 def mean_ms(fn, reps: int = 40) -> float:
@@ -22,7 +35,8 @@ def mean_ms(fn, reps: int = 40) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
-def main() -> None:
+def op_table() -> None:
+    """The op's plain-torch path against transformers' eager experts loop, per (T, H, I, E, k)."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -44,6 +58,89 @@ def main() -> None:
             t_hf, t_ours = mean_ms(lambda: experts(x, ids, w)), mean_ms(ours)
             diff = (experts(x, ids, w) - ours()).abs().max().item()
         print(f"| {T} | {H} | {I} | {E} | {k} | {t_hf:.3f} | {t_ours:.3f} | {t_ours / t_hf:.2f} | {diff:.1e} |")
+
+
+def quickstart_model() -> tuple[torch.nn.Module, int]:
+    """The model ``examples/quickstart.py`` builds on the CPU (loaded from the example itself), and its vocab size."""
+    spec = importlib.util.spec_from_file_location("quickstart", QUICKSTART)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model, _, _ = module.build("cpu")
+    return model, model.config.vocab_size
+
+
+def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int, calls: int,
+                   clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Per-call ms of each of ``fns`` in each of ``rounds`` rounds (``calls`` calls per block), the order rotated
+    every round, read off ``clock``."""
+    names = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
+            t0 = clock()
+            for _ in range(calls):
+                fn()
+            samples[name].append((clock() - t0) / calls * 1e3)
+    return samples
+
+
+def model_table(tokens: list[int], rounds: int, calls: int, backends: Optional[list[str]] = None,
+                clock: str = "wall") -> list[dict]:
+    """Time the quickstart model at each token count (one sequence of T tokens) under eager, inductor and
+    moe_inductor; print a markdown table and return its rows. ``clock``: "wall" (``time.perf_counter``) or "cpu"
+    (``time.thread_time``, the CPU time of this thread: on a machine shared with other work it leaves out the time
+    the thread waits for a core; it needs one intra-op thread)."""
+    backends = backends or ["eager", "inductor", "moe_inductor"]
+    if clock == "cpu" and torch.get_num_threads() != 1:
+        raise ValueError("the cpu clock reads this thread only: run with --threads 1")
+    model, vocab = quickstart_model()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; quickstart Qwen3-MoE (CPU build), fp32, "
+          f"median of {rounds} interleaved rounds of {calls} calls, {clock} clock")
+    print("| T | " + " | ".join(f"{b} ms" for b in backends) + " | moe_inductor / inductor | rel. err vs eager |")
+    print("|---|" + "---|" * (len(backends) + 2))
+    rows = []
+    for T in tokens:
+        torch._dynamo.reset()
+        torch.manual_seed(T)
+        ids = torch.randint(0, vocab, (1, T))
+        fns = {}
+        for b in backends:
+            compiled = model if b == "eager" else torch.compile(model, backend=b)
+            fns[b] = lambda c=compiled: c(ids).logits
+        with torch.no_grad():
+            ref = model(ids).logits
+            errs = {b: ((fn() - ref).norm() / ref.norm()).item() for b, fn in fns.items()}  # compiles here
+            for fn in fns.values():  # warm caches and the allocator outside the timing
+                for _ in range(3):
+                    fn()
+            samples = interleaved_ms(fns, rounds, calls, time.thread_time if clock == "cpu" else time.perf_counter)
+        med = {b: statistics.median(s) for b, s in samples.items()}
+        ratio = med["moe_inductor"] / med["inductor"] if {"moe_inductor", "inductor"} <= med.keys() else float("nan")
+        err = max(errs.get("moe_inductor", 0.0), errs.get("inductor", 0.0))
+        print(f"| {T} | " + " | ".join(f"{med[b]:.3f}" for b in backends) + f" | {ratio:.2f} | {err:.1e} |")
+        rows.append(dict(T=T, ms=med, err=errs, ratio=ratio))
+        if errs.get("moe_inductor", 0.0) > 1e-4:
+            raise SystemExit(f"moe_inductor's logits differ from eager's at T={T}: relative error {errs}")
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["quickstart"], help="time a whole model instead of the op")
+    p.add_argument("--tokens", type=int, nargs="+", default=[64, 512])
+    p.add_argument("--rounds", type=int, default=41)
+    p.add_argument("--calls", type=int, default=10, help="calls per candidate per round")
+    p.add_argument("--backends", nargs="+", choices=["eager", "inductor", "moe_inductor"])
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (1 on a machine shared with other work)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="see model_table")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model == "quickstart":
+        model_table(args.tokens, args.rounds, args.calls, args.backends, args.clock)
+    else:
+        op_table()
 
 
 if __name__ == "__main__":

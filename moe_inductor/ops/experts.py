@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.launch import interleaved_pairs
-from . import grouped_mm_engine
+from . import cpu_path, grouped_mm_engine
 from .activations import NO_ACTIVATION, Activation, activation_backward, apply_activation, check_activation, is_gated
 from .call import ExpertsCall, ExpertWeights, Routing, from_op_args
 from .grouped import (
@@ -34,11 +34,9 @@ from .grouped import (
     backward_middle,
     combine,
     epilogue,
-    expert_slice,
     grouped_gemm,
     grouped_weight_grad,
     is_dense_transpose,
-    project_reference,
     use_triton,
 )
 from .routing import prepare_routing
@@ -112,73 +110,6 @@ def _forward_gemms(call: ExpertsCall, routed: Routed, pre: Optional[Tensor]) -> 
     return out if topk == 1 else combine(out, routed.topk_ids, w.w1.shape[0])
 
 
-def _bias_rows(b: Optional[Tensor]) -> Optional[Tensor]:
-    return b[:, None] if b is not None else None
-
-
-def _forward_padded(call: ExpertsCall, routed: Routed, pre: Optional[Tensor], counts: Tensor, widest: int) -> Tensor:
-    """The CPU forward for balanced routing: every expert's rows padded to the widest expert's count, then each
-    projection is one batched matmul over the experts. A dozen torch calls whatever E is, where the per-expert loop
-    makes a dozen per expert; at the small sizes CPU users run, those calls are most of the time. The padding rows
-    are zeros and never leave their buffers."""
-    x, w = call.x, call.weights
-    T, H = x.shape
-    E = w.w1.shape[0]
-    offsets = routed.offsets
-    kept = int(offsets[-1])  # CPU only; rows past it were dropped (capacity) or had ids outside [0, E)
-    assignment = routed.order[:kept].long()
-    expert = torch.repeat_interleave(torch.arange(E), counts)
-    slot = torch.arange(kept) - offsets[:-1].long()[expert]
-    token = assignment // routed.topk
-    rows = x.new_zeros(E, widest, H)
-    rows[expert, slot] = x[token]
-    s = routed.scale.new_zeros(E, widest, 1)
-    s[expert, slot, 0] = routed.scale[assignment]
-    up_mode, down_mode = _scale_modes(call.weight_position)
-    padded_pre = x.new_zeros(E, widest, pre.shape[1]) if pre is not None else None
-    h = project_reference(rows, w.w1, s, epilogue(call.activation, b2=w.w1_up, bias=_bias_rows(w.b1),
-                                                  bias2=_bias_rows(w.b1_up), scale_mode=up_mode, pre=padded_pre))
-    if pre is not None:
-        pre[:kept] = padded_pre[expert, slot]
-    o = project_reference(h.to(x.dtype), w.w2, s, epilogue(bias=_bias_rows(w.b2), scale_mode=down_mode))
-    acc_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    y = torch.zeros(T, H, dtype=acc_dtype)
-    return y.index_add_(0, token, o[expert, slot].to(acc_dtype)).to(x.dtype)
-
-
-def _forward_per_expert(call: ExpertsCall, routed: Routed, pre: Optional[Tensor]) -> Tensor:
-    """The CPU forward: plain torch, one expert at a time, each expert's rows added straight into y.
-
-    The same arithmetic as the two grouped GEMMs + combine (see ``grouped_gemm_reference``), without their (T*k, I)
-    and (T*k, H) buffers, whose fresh pages cost more than the work at small sizes. Sums run in fp32 for 16-bit x.
-    """
-    x, w = call.x, call.weights
-    E = w.w1.shape[0]
-    counts = routed.offsets.diff()
-    widest = int(counts.max()) if counts.numel() else 0  # CPU only
-    if 0 < widest * E <= 2 * routed.order.shape[0]:  # balanced enough that padding at most doubles the rows
-        return _forward_padded(call, routed, pre, counts, widest)
-    T, H = x.shape
-    acc_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    y = torch.zeros(T, H, dtype=acc_dtype, device=x.device)
-    bounds = routed.offsets.tolist()  # CPU only
-    order_l = routed.order.long()
-    up_mode, down_mode = _scale_modes(call.weight_position)
-    up = epilogue(call.activation, b2=w.w1_up, bias=w.b1, bias2=w.b1_up, scale_mode=up_mode, pre=pre)
-    down = epilogue(bias=w.b2, scale_mode=down_mode)
-    for e in range(E):
-        lo, hi = bounds[e], bounds[e + 1]
-        if lo == hi:
-            continue
-        assignment = order_l[lo:hi]
-        token = assignment // routed.topk
-        s = routed.scale[assignment][:, None]
-        h = project_reference(x[token], w.w1[e], s, expert_slice(up, e, lo, hi))
-        o = project_reference(h.to(x.dtype), w.w2[e], s, expert_slice(down, e, lo, hi))
-        y.index_add_(0, token, o.to(acc_dtype))
-    return y.to(x.dtype)
-
-
 def experts_forward_call(call: ExpertsCall) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The fused experts forward of a call with stacked weights (see the module docstring for shapes and modes).
 
@@ -199,7 +130,7 @@ def experts_forward_call(call: ExpertsCall) -> tuple[Tensor, Tensor, Tensor, Ten
     # rows of dropped assignments are never written by the kernel: zero them so the output is fully defined
     alloc = x.new_zeros if routed.dropped else x.new_empty
     pre = alloc(M, n_pre) if call.save_pre else x.new_empty(0)
-    forward = _forward_gemms if use_triton(x) else _forward_per_expert
+    forward = _forward_gemms if use_triton(x) else cpu_path.forward_sorted
     y = forward(call, routed, pre if call.save_pre else None)
     return y, pre, routed.order, routed.sorted_expert, routed.offsets
 
