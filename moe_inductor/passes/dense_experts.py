@@ -112,10 +112,13 @@ def _topk_scatter(routing: Node) -> Optional[tuple[Node, Node]]:
         return None
     if not (ids.op == "call_function" and ids.target is operator.getitem and ids.args[1] == 1):
         return None
+    from .unrolled_loop import max_ids
+
     topk = ids.args[0]
     is_topk = (topk.op == "call_function" and topk.target is torch.topk) or (
         topk.op == "call_method" and topk.target == "topk")
-    if not is_topk or topk.kwargs.get("dim", topk.args[2] if len(topk.args) > 2 else -1) not in (-1, 1):
+    if not max_ids(ids) and (
+            not is_topk or topk.kwargs.get("dim", topk.args[2] if len(topk.args) > 2 else -1) not in (-1, 1)):
         return None
     iv, vv, rv = val(ids), val(values), val(routing)
     if iv is None or vv is None or rv is None or iv.shape != vv.shape or rv.dim() != 2 or iv.dim() != 2:

@@ -192,7 +192,21 @@ def _topk_ids(ids: Node) -> bool:
     if not (is_call(ids, "call_function", operator.getitem) and ids.args[1] == 1):
         return False
     topk = ids.args[0]
-    return is_call(topk, "call_function", torch.topk) or is_call(topk, "call_method", "topk")
+    return is_call(topk, "call_function", torch.topk) or is_call(topk, "call_method", "topk") or max_ids(ids)
+
+
+def max_ids(ids: Node) -> bool:
+    """``ids`` are ``max(dim=-1, keepdim=True).indices`` (a top-1 router): one id per row, so distinct within it,
+    and in range of the last dim as topk's are."""
+    if not (is_call(ids, "call_function", operator.getitem) and ids.args[1] == 1):
+        return False
+    top = ids.args[0]
+    if not (is_call(top, "call_function", torch.max) or is_call(top, "call_method", "max")):
+        return False
+    dim = top.kwargs.get("dim", top.args[1] if len(top.args) > 1 else None)
+    keepdim = top.kwargs.get("keepdim", top.args[2] if len(top.args) > 2 else False)
+    src = val(top.args[0]) if isinstance(top.args[0], Node) else None
+    return keepdim is True and src is not None and src.dim() == 2 and dim in (-1, 1)
 
 
 def _body(add: Node, acc: Node) -> Union[_Body, str]:
