@@ -118,8 +118,9 @@ class Form:
                 found = anchor.match(node)
                 if found is None:
                     continue
-                reason = found if isinstance(found, str) else None if inputs_unchanged(found.spec) else CHANGED_IN_PLACE
-                if reason is not None:
+                reason = found if isinstance(found, str) else (
+                    None if inputs_unchanged(found.spec) else CHANGED_IN_PLACE)
+                if reason is not None:  # noted at the anchor's line, which is where the user will look
                     report.record_left_alone(self.name, source_line(node), reason)
                     noted.append(node)
                     continue
