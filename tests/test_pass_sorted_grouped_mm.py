@@ -83,34 +83,25 @@ def _hf_fallback():
     return torch.ops.transformers.grouped_mm_fallback
 
 
-@pytest.mark.parametrize("style", ["hf_fallback_fp32", "functional_fp32"])
-def test_fp32_grouped_mm_ops_are_rewritten_and_equal(style):
+@pytest.mark.parametrize("style,k", [("titan", 1), ("titan", 2), ("hf", 1), ("hf", 2), ("hf_fallback_fp32", 2),
+                                     ("functional_fp32", 2)],
+                         ids=["titan-k1", "titan-k2", "hf-k1", "hf-k2", "hf-fallback-op-fp32", "functional-fp32"])
+def test_styles_are_rewritten_and_equal(style, k):
+    """Every spelling of the grouped GEMM: torch._grouped_mm (bf16 only), transformers' fp32 fallback op, and
+    F.grouped_mm (bf16 on CPU, like _grouped_mm)."""
     if style == "hf_fallback_fp32":
         pytest.importorskip("transformers.integrations.moe")  # registers the op
     if style == "functional_fp32" and not hasattr(F, "grouped_mm"):
         pytest.skip("torch.nn.functional.grouped_mm is newer than this torch")
     torch.manual_seed(0)
-    model = SortedMoE(style, 2)
-    if style == "functional_fp32":  # F.grouped_mm takes bf16 on CPU, like _grouped_mm
+    model = SortedMoE(style, k)
+    if style != "hf_fallback_fp32":
         model = model.bfloat16()
     dtype = model.w1.dtype
     for T in (5, 19):
         x = torch.randn(T, H, dtype=dtype)
         out, ref = compile_moe(model, x).float(), model(x).float()
         assert ((out - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 2e-2)
-        assert counters["moe_inductor"]["sorted_grouped_mm"] == 1
-        assert sum(counters["graph_break"].values()) == 0
-
-
-@pytest.mark.parametrize("style", ["titan", "hf"])
-@pytest.mark.parametrize("k", [1, 2])
-def test_styles_are_rewritten_and_equal(style, k):
-    torch.manual_seed(0)
-    model = SortedMoE(style, k).bfloat16()
-    for T in (5, 19):
-        x = torch.randn(T, H, dtype=torch.bfloat16)
-        out, ref = compile_moe(model, x).float(), model(x).float()
-        assert ((out - ref).norm() / ref.norm()).item() < 2e-2
         assert counters["moe_inductor"]["sorted_grouped_mm"] == 1
         assert sum(counters["graph_break"].values()) == 0
 
