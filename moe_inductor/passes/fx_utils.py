@@ -207,6 +207,21 @@ def weighted_sum(y: Node) -> Optional[tuple[Node, Node]]:
             if isinstance(o, Node) and base is not None and single_use(w):
                 return o, base
         return None
+    # torch.bmm(w.unsqueeze(1), o).squeeze(1): (T, 1, n) @ (T, n, H), the same sum over n
+    if is_call(y, "call_method", "squeeze") and tuple(y.args[1:]) in ((1,), (-2,)) and not y.kwargs:
+        bmm = y.args[0]
+        if not (is_call(bmm, "call_function", torch.bmm) and len(bmm.args) == 2 and not bmm.kwargs
+                and single_use(bmm)):
+            return None
+        w3, o = bmm.args
+        row = (is_call(w3, "call_method", "unsqueeze") and tuple(w3.args[1:]) in ((1,), (-2,))) or (
+            is_call(w3, "call_function", operator.getitem) and w3.args[1] == (slice(None, None, None), None))
+        if not (row and single_use(w3) and isinstance(o, Node)):
+            return None
+        wv, ov = val(w3.args[0]), val(o)
+        if wv is not None and ov is not None and wv.dim() == 2 and ov.dim() == 3 and tuple(ov.shape[:2]) == tuple(
+                wv.shape):
+            return o, w3.args[0]
     return None
 
 

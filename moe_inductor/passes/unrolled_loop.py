@@ -441,6 +441,9 @@ def match_masked_writes(y: Node) -> Union[Match, str, None]:
         if not (is_call(mask, "call_function", operator.eq) and mask.args[0] is flat and isinstance(mask.args[1], int)):
             return "a write to the buffer is not at the rows of flat ids == e"
         e = mask.args[1]
+        if is_call(value, "call_method", "to") and isinstance(value.args[0], Node) and val(value.args[0]) is not None and (
+                val(value) is not None and val(value.args[0]).dtype == val(value).dtype):  # a cast to the buffer's own dtype
+            value = value.args[0]
         down = _linear(value, e)
         if down is None:
             return f"expert {e}'s output is not a bias-free projection on its own weights"
@@ -487,5 +490,5 @@ def match_masked_writes(y: Node) -> Union[Match, str, None]:
 
 
 rewrite = Form(FORM, (Anchor(_zeros_like_x, match_loop),
-                     Anchor(lambda n: is_call(n, "call_method", "sum"), match_masked_writes)))
+                     Anchor(lambda n: is_call(n, "call_method", "sum", "squeeze"), match_masked_writes)))
 """Replace every provable unrolled per-expert loop in a GraphModule; returns what was rewritten."""
