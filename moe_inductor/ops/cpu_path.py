@@ -27,7 +27,7 @@ from .grouped_mm_engine import combined_up_weights
 def _project(rows: Tensor, sizes: list[int], w: Tensor, out: Tensor) -> Tensor:
     """``out[lo:hi] = rows[lo:hi] @ w[e]`` for each expert e, its rows [lo, hi) ``sizes[e]`` long. The views come
     from one ``split``/``unbind`` each, not from a slice per expert."""
-    for n, r, we, o in zip(sizes, rows.split(sizes), w.unbind(0), out.split(sizes)):
+    for n, r, we, o in zip(sizes, rows.split_with_sizes(sizes), w.unbind(0), out.split_with_sizes(sizes)):
         if n:
             torch.mm(r, we, out=o)
     return out
