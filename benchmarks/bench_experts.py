@@ -10,6 +10,9 @@ Columns, all from one run (do_bench medians, ms):
   sort_gmm      sort + torch._grouped_mm twice + unpermute (the reference path)
   hf_eager      transformers' grouped_mm experts forward (a Qwen3MoeExperts module of this shape)
   hf_compile    the same under torch.compile (Inductor, static shapes)
+  liger         Liger-Kernel's fused MoE (``LigerFusedMoEFunction``: SwiGLU, HF's (E, 2I, H)/(E, H, I) weights), where
+                installed (``pip install -e '.[bench]'``) and asked for (``--liger-shapes``); its own autotuner picks
+                its configs at the first call of each (H, I), whose time is ``liger_first_call_s``
   dense         a dense cuBLAS GEMM pair with the same FLOPs (T*k rows)
   floor         max(FLOPs / 790 TFLOP/s, bytes / 4.3 TB/s), the ceilings measured on this H200 model
 Peak memory is torch.cuda.max_memory_allocated above the inputs, in MiB.
@@ -98,6 +101,26 @@ def sort_grouped_mm(x, ids, weights, w1_kn, w2_kn):
     return y.view(T, k, -1).sum(1)
 
 
+def liger_experts():
+    """Liger-Kernel's fused MoE as ``fn(x, ids, weights, gate_up (E, 2I, H), down (E, H, I)) -> y``, or None where
+    liger-kernel is not installed. It takes int32 ids (``ids`` must already be int32) and SwiGLU experts only."""
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+    except ImportError:
+        return None
+    return lambda x, ids, weights, w1, w2: LigerFusedMoEFunction.apply(x, w1, w2, ids, weights)
+
+
+def liger_version() -> str:
+    """The installed liger-kernel's version, or "not installed"."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("liger-kernel")
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def hf_experts_module(H, I, E, k, w1, w2):
     from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
@@ -131,7 +154,7 @@ def engine_chosen(x, ids, w1, w2, backward: bool = False) -> str:
     return "grouped_mm" if picked is not None else "triton"
 
 
-def run_shape(name, tokens, skews, do_backward, do_hf, rows, skew_tokens=None):
+def run_shape(name, tokens, skews, do_backward, do_hf, rows, skew_tokens=None, liger=None):
     H, I, E, k = SHAPES[name]
     dev, dt = "cuda", torch.bfloat16
     gen = torch.Generator().manual_seed(0)
@@ -165,6 +188,17 @@ def run_shape(name, tokens, skews, do_backward, do_hf, rows, skew_tokens=None):
                     with gemm_engine("triton"):
                         row["ours_fused"] = bench(ours)
                 row["mem_sort_gmm_mib"] = peak_mib(ref)
+                if liger is not None:
+                    ids32 = ids.to(torch.int32)  # converted outside the timing: Liger's call itself takes int32
+                    lig = lambda: liger(x, ids32, weights, w1, w2)  # noqa: E731
+                    t0 = time.perf_counter()
+                    y_lig = lig()
+                    torch.cuda.synchronize()
+                    if not any(r["shape"] == name and "liger" in r for r in rows):
+                        row["liger_first_call_s"] = time.perf_counter() - t0
+                    row["rel_err_liger_vs_ref"] = ((y_lig.float() - y_ref.float()).norm() / y_ref.float().norm()).item()
+                    row["liger"] = bench(lig)
+                    row["mem_liger_mib"] = peak_mib(lig)
                 if hf_fwd is not None:
                     row["hf_eager"] = bench(lambda: hf_fwd(x, ids, weights))
                     if not skew:
@@ -177,7 +211,7 @@ def run_shape(name, tokens, skews, do_backward, do_hf, rows, skew_tokens=None):
                     row["dense"] = bench(lambda: (xd @ wa)[:, :I] @ wb)
             row["floor"] = floor_ms(T, H, I, E, k)
             if do_backward and not skew and T in (4096,):
-                row.update(bench_backward(x, ids, weights, w1, w2, w1_kn, w2_kn))
+                row.update(bench_backward(x, ids, weights, w1, w2, w1_kn, w2_kn, liger=liger))
                 # the fused kernels alone, where the default hands the forward's or the backward's GEMMs to CUTLASS
                 if row["engine"] != "triton" or engine_chosen(x, ids, w1, w2, backward=True) != "triton":
                     with gemm_engine("triton"):
@@ -188,7 +222,7 @@ def run_shape(name, tokens, skews, do_backward, do_hf, rows, skew_tokens=None):
     torch.cuda.empty_cache()
 
 
-def bench_backward(x, ids, weights, w1, w2, w1_kn, w2_kn, ours_only=False):
+def bench_backward(x, ids, weights, w1, w2, w1_kn, w2_kn, ours_only=False, liger=None):
     xg = x.detach().requires_grad_()
     wg = weights.detach().requires_grad_()
     w1g = w1.detach().requires_grad_()
@@ -205,11 +239,20 @@ def bench_backward(x, ids, weights, w1, w2, w1_kn, w2_kn, ours_only=False):
 
     if ours_only:
         return {"fwdbwd_ours": bench(ours, 10, 50)}
-    return {"fwdbwd_ours": bench(ours, 10, 50), "fwdbwd_sort_gmm": bench(ref, 10, 50),
-            "mem_fwdbwd_ours_mib": peak_mib(ours), "mem_fwdbwd_sort_gmm_mib": peak_mib(ref)}
+    out = {"fwdbwd_ours": bench(ours, 10, 50), "fwdbwd_sort_gmm": bench(ref, 10, 50),
+           "mem_fwdbwd_ours_mib": peak_mib(ours), "mem_fwdbwd_sort_gmm_mib": peak_mib(ref)}
+    if liger is not None:
+        ids32 = ids.to(torch.int32)
+
+        def lig():
+            y = liger(xg, ids32, wg, w1g, w2g)
+            torch.autograd.grad(y, (xg, wg, w1g, w2g), dy)
+
+        out.update(fwdbwd_liger=bench(lig, 10, 50), mem_fwdbwd_liger_mib=peak_mib(lig))
+    return out
 
 
-COLUMNS = ["ours", "sort_gmm", "hf_eager", "hf_compile", "dense", "floor"]
+COLUMNS = ["ours", "sort_gmm", "hf_eager", "hf_compile", "liger", "dense", "floor"]
 
 
 def format_row(r) -> str:
@@ -223,22 +266,30 @@ def format_row(r) -> str:
     if "fwdbwd_ours" in r:
         cells.append(f"fwdbwd ours={r['fwdbwd_ours']:.3f} ref={r['fwdbwd_sort_gmm']:.3f}"
                      f" fused={r.get('fwdbwd_ours_fused', float('nan')):.3f}")
+    if "liger" in r:
+        cells.append(f"ours/liger={r['ours'] / r['liger']:.2f} liger_err={r['rel_err_liger_vs_ref']:.1e}")
+    if "fwdbwd_liger" in r:
+        cells.append(f"fwdbwd liger={r['fwdbwd_liger']:.3f}")
     cells.append(f"mem ours={r['mem_ours_mib']:.0f}MiB ref={r['mem_sort_gmm_mib']:.0f}MiB err={r['rel_err_vs_ref']:.1e}")
     return " ".join(cells)
 
 
-def markdown(rows) -> str:
+def markdown(rows, liger_missing: str = "–") -> str:
+    """The rows as a markdown table; ``liger_missing`` fills Liger's cells where it did not run ("not installed"
+    where the package is absent)."""
     head = ("| shape | T | routing | ours | engine | ours, fused kernels only | sort+_grouped_mm | HF eager | HF compile "
-            "| dense | floor | ours / best other | fwd+bwd ours | fwd+bwd fused only | fwd+bwd sort+gmm "
-            "| peak MiB ours / ref |")
-    lines = [head, "|" + "---|" * 16]
+            "| Liger | dense | floor | ours / best other | ours / Liger | fwd+bwd ours | fwd+bwd fused only "
+            "| fwd+bwd sort+gmm | fwd+bwd Liger | peak MiB ours / ref |")
+    lines = [head, "|" + "---|" * 19]
     for r in rows:
         others = [r[c] for c in ("sort_gmm", "hf_eager", "hf_compile") if c in r]
-        f = lambda c: f"{r[c]:.3f}" if c in r else "–"  # noqa: E731
+        f = lambda c, missing="–": f"{r[c]:.3f}" if c in r else missing  # noqa: E731
+        vs_liger = f"{r['ours'] / r['liger']:.2f}" if "liger" in r else liger_missing
         lines.append(
             f"| {r['shape']} | {r['T']} | {r['routing']} | {f('ours')} | {r['engine']} | {f('ours_fused')} | "
-            f"{f('sort_gmm')} | {f('hf_eager')} | {f('hf_compile')} | {f('dense')} | {f('floor')} | "
-            f"{r['ours'] / min(others):.2f} | {f('fwdbwd_ours')} | {f('fwdbwd_ours_fused')} | {f('fwdbwd_sort_gmm')} | "
+            f"{f('sort_gmm')} | {f('hf_eager')} | {f('hf_compile')} | {f('liger', liger_missing)} | {f('dense')} | "
+            f"{f('floor')} | {r['ours'] / min(others):.2f} | {vs_liger} | {f('fwdbwd_ours')} | "
+            f"{f('fwdbwd_ours_fused')} | {f('fwdbwd_sort_gmm')} | {f('fwdbwd_liger', liger_missing)} | "
             f"{r['mem_ours_mib']:.0f} / {r['mem_sort_gmm_mib']:.0f} |"
         )
     return "\n".join(lines)
@@ -334,6 +385,8 @@ def main(argv=None) -> None:
     ap.add_argument("--hf-shapes", nargs="*", default=None, help="shapes that get the transformers columns")
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers columns")
+    ap.add_argument("--liger-shapes", nargs="*", default=None,
+                    help="shapes that get the Liger-Kernel columns (default: all; none with the flag alone)")
     ap.add_argument("--autotune", action="store_true", help="tune kernel configs on first use (prints a line each)")
     ap.add_argument("--dump-tuned", default=None, help="write the tuned config table (JSON) here")
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -347,8 +400,9 @@ def main(argv=None) -> None:
         sys.exit("bench_experts.py needs a CUDA GPU")
     import triton
 
+    liger = liger_experts()
     meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "triton": triton.__version__,
-            "gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv)}
+            "gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "liger": liger_version()}
     print(meta, flush=True)
     moe_inductor.config.autotune = args.autotune
     moe_inductor.config.validate_routing = False  # as inside compiled graphs: no eager id check (a host sync)
@@ -369,7 +423,9 @@ def main(argv=None) -> None:
     skews = [False] if args.no_skew else [False, True]
     for name in args.shapes:
         do_hf = not args.no_hf and (args.hf_shapes is None or name in args.hf_shapes)
-        run_shape(name, args.tokens, skews, not args.no_backward, do_hf, rows, args.skew_tokens)
+        do_liger = args.liger_shapes is None or name in args.liger_shapes
+        run_shape(name, args.tokens, skews, not args.no_backward, do_hf, rows, args.skew_tokens,
+                  liger if do_liger else None)
         if args.json:  # after every shape, so a run cut short still leaves its rows
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows, "extras": extras}, f, indent=1)
@@ -380,7 +436,7 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows, "extras": extras}, f, indent=1)
-    table = markdown(rows)
+    table = markdown(rows, "–" if liger is not None else "not installed")
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table + "\n")

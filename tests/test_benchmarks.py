@@ -109,3 +109,44 @@ def test_bench_compile_time_measures_one_family(capsys):
 
     bench_compile_time.main(["--families", "qwen3_moe", "--repeats", "1"])
     assert "| qwen3_moe |" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # the Triton interpreter runs Liger's 64-row tiles: about half a minute
+def test_bench_experts_liger_column_agrees_with_the_op(monkeypatch):
+    """bench_experts.py's Liger column computes the same experts function as ours (Liger's kernels under the
+    interpreter, our CPU path), on HF's weight layout, so that its GPU timings compare like with like."""
+    pytest.importorskip("liger_kernel")  # a benchmark-only extra (pip install -e '.[bench]')
+    monkeypatch.setenv("LIGER_FUSED_MOE_AUTOTUNE", "0")  # one config: the interpreter would time every candidate
+    import moe_inductor
+    from benchmarks import bench_experts
+
+    liger = bench_experts.liger_experts()
+    assert liger is not None and bench_experts.liger_version() != "not installed"
+    gen = torch.Generator().manual_seed(0)
+    T, H, I, E, k = 5, 32, 16, 4, 2
+    x = torch.randn(T, H, generator=gen)
+    gate_up, down = torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5, torch.randn(E, H, I, generator=gen) * I ** -0.5
+    ids, weights = bench_experts.make_routing(T, E, k, False, gen, "cpu")
+    y_liger = liger(x, ids.to(torch.int32), weights, gate_up, down)
+    y_ours = moe_inductor.fused_experts(x, ids, weights, gate_up, down)
+    assert ((y_liger - y_ours).norm() / y_ours.norm()).item() < 1e-5
+
+
+def test_bench_experts_table_has_the_liger_column():
+    from benchmarks import bench_experts
+
+    row = dict(shape="qwen3", T=4096, routing="balanced", ours=1.0, engine="triton", sort_gmm=2.0, floor=0.5,
+               mem_ours_mib=10.0, mem_sort_gmm_mib=20.0)
+    table = bench_experts.markdown([dict(row, liger=1.25, fwdbwd_ours=3.0, fwdbwd_liger=4.0)])
+    assert "| Liger |" in table.splitlines()[0] and "| 1.250 | – | 0.500 | 0.50 | 0.80 | 3.000 |" in table
+    absent = bench_experts.markdown([row], "not installed")
+    assert "| – | not installed | – | 0.500 | 0.50 | not installed |" in absent
+
+
+@pytest.mark.slow  # two compiles of the quickstart model
+def test_bench_cpu_quickstart_mode_runs(capsys):
+    from benchmarks import bench_cpu
+
+    bench_cpu.main(["--model", "quickstart", "--tokens", "8", "--rounds", "1", "--calls", "1", "--backends",
+                    "inductor", "moe_inductor"])
+    assert "| 8 |" in capsys.readouterr().out
