@@ -8,9 +8,9 @@ from torch import Tensor
 
 from .. import config
 from .activations import ACTIVATIONS, GPTOSS_ALPHA, GPTOSS_LIMIT, Activation, apply_activation, is_gated
-from .call import ExpertsCall, ExpertWeights, Routing, op_call
+from .call import ExpertsCall, ExpertWeights, Routing, check_call, op_call
 from . import expert_lists  # noqa: F401  (registers moe_inductor::experts_forward_list)
-from .experts import check_call, experts_backward, experts_forward, experts_forward_impl, to_kn
+from .experts import experts_backward, experts_forward, experts_forward_impl, to_kn
 from .grouped_mm import grouped_mm, grouped_mm_reference
 from .reference import moe_reference
 from .routing import assert_ids_in_range, check_topk_ids, route, route_reference

@@ -16,12 +16,14 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from .activations import GPTOSS_ALPHA, GPTOSS_LIMIT, Activation
+from .activations import GPTOSS_ALPHA, GPTOSS_LIMIT, Activation, check_activation, is_gated
 
 #: a field's value: a Tensor on the tensor route, a ``torch.fx.Node`` on the FX route
 Value = Any
 
-__all__ = ["Activation", "ExpertWeights", "ExpertsCall", "Routing", "from_op_args", "op_call"]
+__all__ = ["Activation", "ExpertWeights", "ExpertsCall", "Routing", "check_call", "from_op_args", "op_call"]
+
+WEIGHT_POSITIONS = ("output", "between", "input")
 
 
 class Routing(NamedTuple):
@@ -88,3 +90,45 @@ def from_op_args(args: tuple) -> ExpertsCall:
      save_pre) = args
     return ExpertsCall(x, Routing(topk_ids, topk_weights, capacity), ExpertWeights(w1, w1_up, w2, b1, b1_up, b2),
                        Activation(activation, alpha, limit), weight_position, save_pre)
+
+
+def check_weight_position(weight_position: str) -> None:
+    """A clear error for a routing-weight position the op does not have."""
+    if weight_position not in WEIGHT_POSITIONS:
+        raise ValueError(f"weight_position={weight_position!r}; choose one of {WEIGHT_POSITIONS}")
+
+
+def check_call(call: ExpertsCall) -> None:
+    """Shape/dtype checks of a call with stacked weights, naming the offending argument."""
+    x, (topk_ids, topk_weights, _), (w1, w1_up, w2, b1, b1_up, b2, _) = call.x, call.routing, call.weights
+    activation = call.activation.name
+    check_activation(activation)
+    check_weight_position(call.weight_position)
+    if x.dim() != 2:
+        raise ValueError(f"x must be (T, H); got shape {tuple(x.shape)}")
+    T, H = x.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids must be (T={T}, k); got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise TypeError(f"topk_ids must be an integer tensor; got {topk_ids.dtype}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights must match topk_ids {tuple(topk_ids.shape)}; got {tuple(topk_weights.shape)}")
+    if w1.dim() != 3 or w1.shape[1] != H:
+        raise ValueError(f"w1 must be (E, H={H}, I) after layout; got shape {tuple(w1.shape)}")
+    E, _, I = w1.shape
+    if is_gated(activation) != (w1_up is not None):
+        raise ValueError(f"activation={activation!r} {'needs' if is_gated(activation) else 'takes no'} separate up weights")
+    if w1_up is not None and w1_up.shape != w1.shape:
+        raise ValueError(f"the up weights must match the gate weights {tuple(w1.shape)}; got {tuple(w1_up.shape)}")
+    if w2.shape != (E, I, H):
+        raise ValueError(f"w2 must be (E={E}, I={I}, H={H}) after layout; got shape {tuple(w2.shape)}")
+    for name, t in (("w1", w1), ("w1_up", w1_up), ("w2", w2)):
+        if t is not None and t.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but x has {x.dtype}")
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    for name, t, n in (("b1", b1, I), ("b1_up", b1_up, I), ("b2", b2, H)):
+        if t is not None and tuple(t.shape) != (E, n):
+            raise ValueError(f"{name} must be (E={E}, {n}); got shape {tuple(t.shape)}")
+    if (b1 is None) != (b1_up is None) and w1_up is not None:
+        raise ValueError("b1 and b1_up must both be given or both be None for a gated activation")

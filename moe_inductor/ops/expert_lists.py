@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from .activations import GPTOSS_ALPHA, GPTOSS_LIMIT, Activation
-from .call import ExpertsCall, ExpertWeights, Routing
-from .experts import Needs, check_weight_position, experts_backward, experts_forward_call, to_kn
+from .call import ExpertsCall, ExpertWeights, Routing, check_weight_position
+from .experts import Needs, experts_backward, experts_forward_call, to_kn
 
 
 def stacked(ws: list[Tensor]) -> Tensor:

@@ -155,7 +155,6 @@ def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: T
     gated = w1_up is not None
     group_ends = offsets[1:]
     token = order.long() // topk
-    scale = routed.scale
     # Workspace is freed as soon as it is dead, and x sorted (M x H) is gathered only for dW1, after dy sorted (also
     # M x H) is gone: one fewer such tensor at the backward's peak than gathering both up front.
     if pre.shape[0] != M:  # the forward did not keep it
