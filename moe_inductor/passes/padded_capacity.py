@@ -262,7 +262,17 @@ def _order_choices(choices: list[_Choice]) -> Optional[list[_Choice]]:
 
 
 def _slot_projection(node: Any) -> list[tuple[Node, Node, str]]:
-    """(input (E, C, K), weight, layout) readings of ``einsum("ecK,eNK->ecN", xin, w)`` (either weight layout)."""
+    """(input (E, C, K), weight, layout) readings of ``einsum("ecK,eNK->ecN", xin, w)`` (either weight layout), or
+    of ``torch.bmm(xin, w)`` / ``xin @ w`` with w (E, K, N), or w (E, N, K) as ``w.transpose(1, 2)``."""
+    if _call(node, torch.bmm, operator.matmul, torch.matmul) and len(node.args) == 2 and not node.kwargs:
+        xin, w = node.args
+        layout = "kn"
+        if _call(w, "transpose") and set(w.args[1:]) in ({1, 2}, {-2, -1}):
+            w, layout = w.args[0], "nk"
+        xv, wv = val(xin), val(w) if isinstance(w, Node) else None
+        if xv is None or wv is None or xv.dim() != 3 or wv.dim() != 3 or xv.shape[0] != wv.shape[0]:
+            return []
+        return [(xin, w, layout)]
     parsed = einsum_parts(node) if isinstance(node, Node) else None
     if parsed is None or len(parsed[2]) != 2:
         return []
