@@ -35,7 +35,8 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, every_node, num_experts
-from .fx_utils import alias_mutations, einsum_parts, is_call, read_gated, single_use, val, weighted_sum
+from .fx_utils import (alias_mutations, einsum_parts, is_call, read_gated, single_use, unsqueezed_last, val,
+                       weighted_sum)
 
 FORM = "dense_experts"
 
@@ -87,8 +88,39 @@ def _inplace_scatter_of(base: Node) -> Optional[Node]:
     return None
 
 
+def _one_hot_sum(routing: Node) -> Optional[tuple[Node, Node]]:
+    """(ids, values) for ``(one_hot(ids, E) * values[..., None]).sum(1)`` (the one-hot cast to any float dtype):
+    row t is the sum over k of values[t, j] at column ids[t, j], what the op sums over k, repeated ids or not."""
+    if not (is_call(routing, "call_method", "sum") and not routing.kwargs.get("keepdim", False)):
+        return None
+    if (routing.args[1:] or (routing.kwargs.get("dim"),))[0] != 1 or set(routing.kwargs) - {"dim", "keepdim"}:
+        return None
+    prod = routing.args[0]
+    if not (is_call(prod, "call_function", operator.mul) and len(prod.args) == 2 and single_use(prod)):
+        return None
+    for hot, scaled in (prod.args, prod.args[::-1]):
+        if is_call(hot, "call_method", "to", "float", "type_as", "half", "bfloat16") and isinstance(hot.args[0], Node):
+            hot = hot.args[0]
+        if not (is_call(hot, "call_function", torch.nn.functional.one_hot, torch._C._nn.one_hot)
+                and isinstance(scaled, Node)):
+            continue
+        values = unsqueezed_last(scaled)
+        ids = hot.args[0]
+        iv, vv, rv = val(ids), val(values) if values is not None else None, val(routing)
+        classes = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)
+        if iv is None or vv is None or rv is None or iv.dim() != 2 or tuple(iv.shape) != tuple(vv.shape) or (
+                rv.dim() != 2 or classes != rv.shape[1] or not vv.is_floating_point()):
+            return None
+        if alias_mutations(routing):  # the routing matrix stays as made
+            return None
+        return ids, values
+    return None
+
+
 def _topk_scatter(routing: Node) -> Optional[tuple[Node, Node]]:
     """(ids, values) when ``routing`` is zeros scattered along dim 1 with distinct ids from ``topk``."""
+    if (summed := _one_hot_sum(routing)) is not None:
+        return summed
     if routing.op != "call_method" or routing.target not in ("scatter", "scatter_"):
         routing = _inplace_scatter_of(routing) or routing
     if routing.op == "call_method" and routing.target in ("scatter", "scatter_") and len(routing.args) == 4:
