@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import moe_inductor
-from tests.helpers import assert_gpu_bf16_rewrite, compile_moe
+from tests.helpers import assert_gpu_bf16_rewrite, assert_rewritten_like_eager, compile_moe
 
 H, I = 16, 8
 
@@ -366,6 +366,68 @@ def test_module_lists_that_are_not_one_stack_are_left_alone(style):
     x = torch.randn(7, H)
     assert torch.allclose(compile_moe(model, x), model(x), rtol=1e-6, atol=1e-6)
     assert not counters["moe_inductor"]
+
+
+class SwitchLoopMoE(nn.Module):
+    """Switch-style loops: each expert's output written (not added) at its rows, the routing weight applied to the
+    combined result; per-expert nn.Linear experts with biases."""
+
+    def __init__(self, style="switch", E=4):
+        super().__init__()
+        self.style, self.E = style, E
+        self.router = nn.Linear(H, E)
+        self.fc1 = nn.ModuleList([nn.Linear(H, I) for _ in range(E)])
+        self.fc2 = nn.ModuleList([nn.Linear(I, H) for _ in range(E)])
+
+    def expert(self, e, xe):
+        return self.fc2[e](F.relu(self.fc1[e](xe)))
+
+    def forward(self, x):
+        probs = F.softmax(self.router(x), dim=-1)
+        out = x.new_zeros(x.shape)
+        if self.style in ("switch", "scaled_by_result", "read_unscaled"):  # (T,) top-1 ids, out[tok, :] = ...
+            p, ids = torch.max(probs, dim=-1)
+            for e in range(self.E):
+                tok = torch.eq(ids, e).nonzero(as_tuple=True)[0]
+                out[tok, :] = self.expert(e, x[tok, :])
+            if self.style == "scaled_by_result":  # the factor reads the result itself: not a routing weight
+                return out * out.norm(dim=-1, keepdim=True)
+            if self.style == "read_unscaled":  # the unscaled result is read too
+                return out * p.view(-1, 1) + out
+            return out * p.view(-1, 1)
+        k = 1 if self.style == "keepdim_top1" else 2
+        p, ids = torch.topk(probs, k, dim=-1)
+        for e in range(self.E):
+            tok, pos = torch.where(ids == e)
+            if self.style == "top2_assigned":  # k = 2 written, not added: a token's second expert overwrites
+                out[tok] = self.expert(e, x[tok]) * p[tok, pos, None]
+            else:  # "keepdim_top1" (one choice: scaled after), "top2_scaled_after" (two choices, one factor)
+                out.index_add_(0, tok, self.expert(e, x[tok]))
+        return out * p[:, :1]
+
+
+@pytest.mark.parametrize("style", ["switch", "keepdim_top1"])
+def test_switch_style_loops_are_rewritten_and_equal(style):
+    """One choice per token: rows written once each, so acc[tok] = ... is the accumulation, and a (T, 1) factor on
+    the result is the routing weight; the biases are the experts' own."""
+    torch.manual_seed(0)
+    assert_rewritten_like_eager(SwitchLoopMoE(style), torch.randn(9, H), "unrolled_loop", style)
+    assert sum(counters["graph_break"].values()) == 0
+
+
+@pytest.mark.parametrize("style,reason", [
+    ("top2_assigned", "keeps only the last write"),
+    ("top2_scaled_after", "no routing weight"),
+    ("scaled_by_result", "no routing weight"),
+    ("read_unscaled", "no routing weight"),
+])
+def test_switch_style_look_alikes_are_left_alone(style, reason):
+    torch.manual_seed(0)
+    model, x = SwitchLoopMoE(style), torch.randn(9, H)
+    assert torch.allclose(compile_moe(model, x), model(x), rtol=1e-6, atol=1e-6)
+    assert not counters["moe_inductor"]
+    (left,) = moe_inductor.explain(model, x).left_alone
+    assert left.form == "unrolled_loop" and reason in left.reason, left
 
 
 @pytest.mark.gpu

@@ -15,6 +15,10 @@ with a data-dependent size instead of a graph break):
 The routing weight may instead scale the expert's input (``xe = x[tok] * weights[tok, pos, None]``) or the hidden
 state before the down projection; the op takes it at the same place.
 
+A Switch-style top-1 loop (one choice per token, so the experts' rows are disjoint) may write each expert's rows
+(``out[tok, :] = expert(x[tok, :])``, tok from ``(ids == e).nonzero(as_tuple=True)[0]`` of (T,) ids) and apply the
+routing weight to the whole result (``out * p.view(-1, 1)``); its nn.Linear experts may have biases.
+
 DeepSeek-V2's training loop is the same form with boolean masks and writes (``match_masked_writes``):
 ``buf[flat == e] = expert(x.repeat_interleave(k, 0)[flat == e])``, then ``(buf.view(T, k, H) * w[..., None]).sum(1)``.
 
@@ -25,16 +29,17 @@ sizes. Anything else is left alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-from torch.fx import Node
+from torch.fx import Graph, Node
 
 from ..spec import MoESpec
-from .driver import Anchor, Form, Match
-from .fx_utils import alias_mutations, is_call, read_gated, source_line, val, weighted_sum
+from .driver import CHANGED_IN_PLACE, Anchor, Form, Match
+from .fx_utils import alias_mutations, is_call, mutated_alias, read_gated, source_line, val, weighted_sum
 
 FORM = "unrolled_loop"
 
@@ -56,9 +61,10 @@ def _selected_ids(cond: Node) -> Optional[tuple[Node, int, bool]]:
     return None
 
 
-def _selection(tok: Node) -> Optional[tuple[Node, Node, int, int]]:
+def _selection(tok: Node) -> Optional[tuple[Node, Node, int, Optional[int]]]:
     """(where node, ids, e, index of pos in the where result) for ``tok, pos = torch.where(ids == e)`` (or
-    nonzero(as_tuple=True)), or ``pos, tok = torch.where(one_hot(ids, E).permute(2, 1, 0)[e])``."""
+    nonzero(as_tuple=True)), or ``pos, tok = torch.where(one_hot(ids, E).permute(2, 1, 0)[e])``; or, for a top-1
+    router's (T,) ids, (where node, ids, e, None) for ``tok = (ids == e).nonzero(as_tuple=True)[0]``."""
     if not (is_call(tok, "call_function", operator.getitem) and tok.args[1] in (0, 1)):
         return None
     where = tok.args[0]
@@ -74,14 +80,18 @@ def _selection(tok: Node) -> Optional[tuple[Node, Node, int, int]]:
     if tok.args[1] != (0 if token_first else 1):
         return None
     iv = val(ids)
-    if iv is None or iv.dim() != 2 or iv.dtype.is_floating_point:
+    if iv is None or iv.dtype.is_floating_point or iv.dtype == torch.bool:
+        return None
+    if iv.dim() == 1 and token_first:  # one id per token: the where result is (tok,) alone
+        return where, ids, e, None
+    if iv.dim() != 2:
         return None
     return where, ids, e, 1 if token_first else 0
 
 
 def _token_rows_of(xe: Node, tok: Node) -> Optional[Node]:
     """``x`` for ``x[tok]`` or HF's ``x[None, tok].reshape(-1, H)``."""
-    if is_call(xe, "call_function", operator.getitem) and xe.args[1] is tok:
+    if is_call(xe, "call_function", operator.getitem) and (xe.args[1] is tok or _rows_index(xe.args[1], tok)):
         return xe.args[0]
     if is_call(xe, "call_method", "reshape", "view") and len(xe.args) == 3 and xe.args[1] == -1:
         inner = xe.args[0]
@@ -91,6 +101,11 @@ def _token_rows_of(xe: Node, tok: Node) -> Optional[Node]:
             if xv is not None and xv.dim() == 2 and xe.args[2] == xv.shape[1]:
                 return x
     return None
+
+
+def _rows_index(index, tok: Node) -> bool:
+    """``index`` is ``(tok, :)``: whole rows at tok, as ``x[tok, :]`` reads them and ``out[tok, :] = v`` writes them."""
+    return isinstance(index, tuple) and len(index) == 2 and index[0] is tok and index[1] == slice(None, None, None)
 
 
 def _expert_weight(node: Node, e: int) -> Optional[tuple[Node, bool, bool]]:
@@ -126,6 +141,22 @@ def _linear(node: Node, e: int) -> Optional[tuple[Node, Node, str, bool]]:
             return None
         return node.args[0], got[0], "nk" if got[1] else "kn", got[2]
     return None
+
+
+def _biased_linear(node: Node, e: int) -> Optional[tuple[Node, Node, str, bool, Optional[Node]]]:
+    """``_linear``'s reading plus the bias: (input, weight, layout, stacked?, bias or None); a bias is read only as
+    an nn.Linear's, ``F.linear(a, w, b)`` with a per-expert (out, in) weight and its own (out,) bias."""
+    if is_call(node, "call_function", torch._C._nn.linear, torch.nn.functional.linear) and len(node.args) == 3 and (
+            node.args[2] is not None and not node.kwargs):
+        got = _expert_weight(node.args[1], e)
+        b = node.args[2]
+        bv, wv = (val(b), val(got[0])) if got and isinstance(b, Node) else (None, None)
+        if got is None or got[1] or got[2] or b.op not in ("placeholder", "get_attr") or bv is None or wv is None or (
+                tuple(bv.shape) != (wv.shape[0],)) or bv.dtype != wv.dtype:
+            return None
+        return node.args[0], got[0], "nk", False, b
+    got = _linear(node, e)
+    return None if got is None else (*got, None)
 
 
 @dataclass(frozen=True)
@@ -213,6 +244,7 @@ def _body(add: Node, acc: Node) -> Union[_Body, str]:
     """One expert's body, read backwards from ``acc.index_add_(0, tok, contribution)`` or ``acc[tok] += ...``; or,
     when it is not one we can prove, why not (explain() reports it)."""
     accumulated = _accumulation(add, acc)
+    assigned = accumulated is None and (accumulated := _assignment(add, acc)) is not None
     if accumulated is None:
         return "a write to the accumulator is neither acc.index_add_(0, tok, ...) nor acc[tok] += ..."
     tok, contribution, read = accumulated
@@ -223,8 +255,12 @@ def _body(add: Node, acc: Node) -> Union[_Body, str]:
     if sel is None:
         return "the rows are not selected by torch.where(ids == e) or (ids == e).nonzero(as_tuple=True)"
     where, ids, e, pos_index = sel
-    if read is not None and not _topk_ids(ids):  # with repeated ids, acc[tok] += c drops all but one write
+    one_column = val(ids).dim() == 1 or val(ids).shape[-1] == 1
+    if read is not None and not (one_column or _topk_ids(ids)):  # repeated ids: acc[tok] += c keeps one write
         return "acc[tok] += ... with ids not from topk: a token choosing an expert twice would be written once"
+    # acc[tok] = c equals an accumulation only where every token has one choice: then the experts' rows are disjoint
+    if assigned and not one_column:
+        return "acc[tok] = ... with k > 1 choices per token: a token routed to two experts keeps only the last write"
     # the routing weight scales the expert's output (the usual place), its input, or the hidden state between the
     # projections; exactly one of the three, and always this body's own weights[tok, pos]
     position, weights = "output", None
@@ -232,13 +268,13 @@ def _body(add: Node, acc: Node) -> Union[_Body, str]:
     expert_out = contribution
     if scaled is not None:
         expert_out, weights = scaled
-    down = _linear(expert_out, e)
+    down = _biased_linear(expert_out, e)
     if down is None:
         return f"expert {e}'s output is not a bias-free matmul or F.linear on w[{e}] (stacked) or a per-expert weight"
-    h, w_down, layout, _ = down
+    h, w_down, layout = down[:3]
     if weights is None and (scaled := _routing_scaled(h, tok, where, pos_index)) is not None:
         (h, weights), position = scaled, "between"
-    gated = read_gated(h, lambda n: _linear(n, e))
+    gated = read_gated(h, lambda n: _biased_linear(n, e))
     if gated is None:
         return f"expert {e}'s hidden state is not a known activation of its own up projection(s)"
     activation, gate, up = gated.activation, gated.gate, gated.up
@@ -250,18 +286,32 @@ def _body(add: Node, acc: Node) -> Union[_Body, str]:
             return f"expert {e}'s gate and up projections read different rows"
     if weights is None and (scaled := _routing_scaled(xe, tok, where, pos_index)) is not None:
         (xe, weights), position = scaled, "input"
-    if weights is None:  # no routing weight at all: not a weighted MoE we can prove
-        return "no routing weight weights[tok, pos, None] scales the output, the input or the hidden state"
+    # no routing weight in the body: ``match`` looks for it on the combined result (Switch scales after the loop)
     x = _token_rows_of(xe, tok)
+    if x is None and weights is None:
+        return "no routing weight weights[tok, pos, None] scales the output, the input or the hidden state"
     if x is None:
         return f"expert {e}'s input is not x[tok] (its own selected rows of one (T, H) tensor)"
     if any(p[2] != layout for p in (gate, up) if p is not None):
         return "the projections mix weight layouts"
     if any(p[3] != down[3] for p in (gate, up) if p is not None):  # all stacked, or all per-expert
         return "the projections mix stacked and per-expert weights"
+    if up is not None and (gate[4] is None) != (up[4] is None):
+        return f"expert {e}'s gate projection has a bias and its up projection none, or the other way round"
     spec = MoESpec(x, ids, weights, gate[1], up[1] if up else None, w_down, layout, activation,
-                   weight_position=position, **gated.spec_fields())
+                   weight_position=position, b1=gate[4], b1_up=up[4] if up else None, b2=down[4],
+                   **gated.spec_fields())
     return _Body(e, spec, where, add, stacked=down[3], read=read)
+
+
+def _assignment(write: Node, acc: Node) -> Optional[tuple[Node, Node, None]]:
+    """(tok, value, None) for ``acc[tok] = value`` or ``acc[tok, :] = value`` (an index_put that replaces rows)."""
+    if is_call(write, "call_function", operator.setitem) and write.args[0] is acc and isinstance(write.args[2], Node):
+        index = write.args[1]
+        tok = index if isinstance(index, Node) else index[0] if isinstance(index, tuple) and index else None
+        if isinstance(tok, Node) and (index is tok or _rows_index(index, tok)):
+            return tok, write.args[2], None
+    return None
 
 
 def _routing_scaled(node: Node, tok: Node, where: Node, pos_index: int) -> Optional[tuple[Node, Node]]:
@@ -281,10 +331,14 @@ def _per_expert_spec(bodies: list[_Body]) -> Optional[MoESpec]:
     """One spec over per-expert weights: tuples ordered by e, every e of range(E) once, one weight per expert and
     projection, all (out, in) (nn.Linear, ``F.linear``) or all (in, out) (``x @ w``)."""
     first = bodies[0].spec
+    def biased(spec: MoESpec) -> tuple:
+        return spec.b1 is None, spec.b1_up is None, spec.b2 is None
+
     shared = (first.x, first.ids, first.weights, first.layout, first.activation, first.up is None,
-              first.weight_position, first.gate_up, first.alpha, first.limit)
+              first.weight_position, first.gate_up, first.alpha, first.limit, biased(first))
     if any((b.spec.x, b.spec.ids, b.spec.weights, b.spec.layout, b.spec.activation, b.spec.up is None,
-            b.spec.weight_position, b.spec.gate_up, b.spec.alpha, b.spec.limit) != shared for b in bodies):
+            b.spec.weight_position, b.spec.gate_up, b.spec.alpha, b.spec.limit, biased(b.spec)) != shared
+           for b in bodies):
         return None
     if sorted(b.e for b in bodies) != list(range(len(bodies))):
         return None
@@ -295,8 +349,45 @@ def _per_expert_spec(bodies: list[_Body]) -> Optional[MoESpec]:
         return None  # a weight shared between experts or projections is not the per-expert form
     if len({tuple(val(w).shape) for w in gate}) != 1 or len({tuple(val(w).shape) for w in down}) != 1:
         return None
+    b1, b1_up, b2 = (None if getattr(first, f) is None else tuple(getattr(b.spec, f) for b in ordered)
+                     for f in ("b1", "b1_up", "b2"))
+    if any(t is not None and len({id(n) for n in t}) != len(t) for t in (b1, b1_up, b2)):
+        return None  # a bias shared between experts: not one nn.Linear per expert
     return MoESpec(first.x, first.ids, first.weights, gate, up, down, first.layout, first.activation,
-                   weight_position=first.weight_position, gate_up=first.gate_up, alpha=first.alpha, limit=first.limit)
+                   weight_position=first.weight_position, gate_up=first.gate_up, alpha=first.alpha, limit=first.limit,
+                   b1=b1, b1_up=b1_up, b2=b2)
+
+
+def _stacked(graph: Graph, spec: MoESpec) -> MoESpec:
+    """The per-expert spec with its weights and biases stacked (``torch.stack``, at each call, as the list op stacks
+    its weights), for the op that takes biases; the layout stays the per-expert one."""
+    def stack(t):
+        return None if t is None else graph.call_function(torch.stack, (list(t),))
+
+    return dataclasses.replace(spec, gate=stack(spec.gate), up=stack(spec.up), down=stack(spec.down),
+                               b1=stack(spec.b1), b1_up=stack(spec.b1_up), b2=stack(spec.b2))
+
+
+def _column_ids(graph: Graph, spec: MoESpec) -> MoESpec:
+    """The spec with a top-1 router's (T,) ids as the op's (T, 1)."""
+    return dataclasses.replace(spec, ids=graph.call_method("view", (spec.ids, -1, 1)))
+
+
+def _scale_of_result(acc: Node, users: set) -> Optional[tuple[Node, Node]]:
+    """(the product, s) when the loop's result is read once, as ``acc * s`` (either order) with s a (T, 1) float
+    tensor: each token's one expert output scaled by its own s (Switch scales the combined result by the chosen
+    probability). ``users`` are acc's readers other than the loop's own writes and reads; s cannot depend on acc,
+    since nothing else reads it."""
+    if len(users) != 1:
+        return None
+    (mul,) = users
+    if not (is_call(mul, "call_function", operator.mul) and len(mul.args) == 2 and not mul.kwargs):
+        return None
+    s = mul.args[1] if mul.args[0] is acc else mul.args[0] if mul.args[1] is acc else None
+    sv, av = (val(s), val(acc)) if isinstance(s, Node) else (None, None)
+    if sv is None or av is None or not sv.is_floating_point() or tuple(sv.shape) != (av.shape[0], 1):
+        return None
+    return mul, s
 
 
 def _zeros_like_x(acc: Node) -> bool:
@@ -304,9 +395,10 @@ def _zeros_like_x(acc: Node) -> bool:
         "fill_value" not in acc.kwargs)
 
 
-def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Body]], str, None]:
-    """(the MoE, its E loop bodies) accumulating into ``acc``, when they form a complete, consistent MoE; else why
-    not (a string) when ``acc`` looked like a per-expert loop's accumulator, None when it never did.
+def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Body], Optional[Node]], str, None]:
+    """(the MoE, its E loop bodies, the ``acc * s`` product that applies the routing weight when the bodies do not)
+    accumulating into ``acc``, when they form a complete, consistent MoE; else why not (a string) when ``acc``
+    looked like a per-expert loop's accumulator, None when it never did.
 
     ``position`` gives each node's index in graph order."""
     if not _zeros_like_x(acc):
@@ -333,23 +425,39 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
             return "the per-expert weights are not one distinct weight per expert and projection, of one shape"
     else:
         return "some bodies use stacked weights and others per-expert ones"
-    xv, av, wv, iv = val(spec.x), val(acc), val(spec.weights), val(spec.ids)
+    biases = [b for t in (spec.b1, spec.b1_up, spec.b2) if isinstance(t, tuple) for b in t]
+    if biases and spec.gate_up is not None:
+        return "the experts' fused gate/up projections have biases: the op splits a fused weight only when stacked"
+    if any(mutated_alias(b) for b in biases):  # the op reads the biases later than the user's code did
+        return CHANGED_IN_PLACE
+    own_reads = {b.read for b in bodies if b.read is not None}
+    readers = {u for u in acc.users if u not in mutations and u not in own_reads}
+    iv = val(spec.ids)
+    product = None
+    if spec.weights is None:  # the routing weight on the result: only where each token has one choice
+        scaled = _scale_of_result(acc, readers) if iv.dim() == 1 or iv.shape[-1] == 1 else None
+        if scaled is None:
+            return ("no routing weight weights[tok, pos, None] scales the output, the input or the hidden state "
+                    "(nor, with one choice per token, the loop's result as acc * w[:, None])")
+        product, weights = scaled
+        spec = dataclasses.replace(spec, weights=weights)
+    xv, av, wv = val(spec.x), val(acc), val(spec.weights)
     if xv is None or av is None or xv.dim() != 2 or tuple(av.shape) != tuple(xv.shape) or av.dtype != xv.dtype:
         return "the accumulator does not have x's (T, H) shape and dtype"
-    if wv is None or tuple(wv.shape) != tuple(iv.shape):  # weights[tok, pos] must be the (T, k) routing weights
+    # weights[tok, pos] must be the (T, k) routing weights; a top-1 router's (T,) ids take a (T, 1) factor
+    if wv is None or tuple(wv.shape) != (tuple(iv.shape) if iv.dim() == 2 else (iv.shape[0], 1)):
         return "the routing weights are not (T, k) like the ids"
     # every read of the accumulator must come after the last index_add_
     last_add = max(position[b.add] for b in bodies)
-    own_reads = {b.read for b in bodies if b.read is not None}
-    if any(position[u] < last_add for u in acc.users if u not in mutations and u not in own_reads):
+    if any(position[u] < last_add for u in readers):
         return "the accumulator is read before the loop ends"
-    return spec, bodies
+    return spec, bodies, product
 
 
 def _looks_like_a_body(write: Node, acc: Node) -> bool:
     """Whether a write to ``acc`` is at rows picked by ``torch.where(ids == e)`` (or nonzero): the mark of a
     per-expert loop, worth a reason in explain() when it is not rewritten."""
-    accumulated = _accumulation(write, acc)
+    accumulated = _accumulation(write, acc) or _assignment(write, acc)
     return accumulated is not None and _selection(accumulated[0]) is not None
 
 
@@ -359,13 +467,24 @@ def match_loop(acc: Node) -> Union[Match, str, None]:
     got = match(acc, position)
     if not isinstance(got, tuple):
         return got
-    spec, bodies = got
+    spec, bodies, product = got
     adds = tuple(b.add for b in bodies)
+    biased = isinstance(spec.gate, tuple) and any(b is not None for b in (spec.b1, spec.b1_up, spec.b2))
+    one_id = val(spec.ids).dim() == 1
     note = (f"{len(bodies)} nonzero host syncs and data-dependent sizes removed"
-            + ("; per-expert weights stacked once, cached" if isinstance(spec.gate, tuple) else "")
-            + (f"; routing weight on the {spec.weight_position}" if spec.weight_position != "output" else ""))
-    return Match(spec, max(adds, key=position.__getitem__), note, where=bodies[0].add, acc=acc, writes=adds,
-                 transient=tuple(b.where for b in bodies))
+            + ("; per-expert weights stacked at each call" if isinstance(spec.gate, tuple) else "")
+            + (f"; routing weight on the {spec.weight_position}" if spec.weight_position != "output" else "")
+            + ("; the routing weight scaled the combined result" if product is not None else ""))
+
+    def derive(graph: Graph, spec: MoESpec) -> MoESpec:
+        spec = _stacked(graph, spec) if biased else spec
+        return _column_ids(graph, spec) if one_id else spec
+
+    # scaled after the loop, the result is the product (the accumulator goes with the region); else the accumulator
+    end = product if product is not None else max(adds, key=position.__getitem__)
+    return Match(spec, end, note, where=bodies[0].add, acc=None if product is not None else acc, writes=adds,
+                 transient=tuple(b.where for b in bodies), derive=derive if biased or one_id else None,
+                 top_k=1 if one_id else None)
 
 
 def _flat_ids(node) -> Optional[Node]:

@@ -53,5 +53,4 @@ class SwitchFeedForward(nn.Module):
 
 CASES = [Case("switch_labml", "labmlai/annotated_deep_learning_paper_implementations "
               "labml_nn/transformers/switch/__init__.py SwitchFeedForward", SwitchFeedForward,
-              lambda T, g: torch.randn(T, 2, H, generator=g), form="unrolled_loop",
-              expect=("left_alone", "moe_region", "ids feed per-expert work"))]
+              lambda T, g: torch.randn(T, 2, H, generator=g), form="unrolled_loop")]
