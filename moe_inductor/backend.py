@@ -8,6 +8,7 @@ works without importing this package. Options come through ``torch.compile(..., 
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable, Optional
 
@@ -16,7 +17,7 @@ import torch
 from . import capture, hf, report
 from .options import BackendOptions
 from .passes import FX_PASSES
-from .passes.driver import run_passes
+from .passes.driver import Layer, run_passes
 
 log = logging.getLogger("moe_inductor")
 _MOE_OPS = ("experts_forward", "experts_forward_list", "experts_forward_visible")
@@ -64,7 +65,7 @@ def moe_inductor_backend(
         _warn_unseen_wrapper()
     traced = report.take_records()  # what the substitutions recorded while Dynamo traced this graph
     original = gm
-    gm, rewrites, left_alone = run_passes(gm, FX_PASSES, opts.forms)
+    gm, rewrites, left_alone = run_passes(gm, FX_PASSES, opts.forms, speed=functools.partial(_speed_rule, opts.inner))
     record = report.file_graph(gm.code, _moe_ops_in(gm), traced.rewrites + rewrites, traced.left_alone + left_alone)
     from . import config
 
@@ -76,6 +77,16 @@ def moe_inductor_backend(
     if opts.inner == "eager" and gm is original:
         return compiled  # the graph as traced, run as it is: nothing of ours can fail in it
     return _first_call_guarded(compiled, original, state.code if state is not None else None)
+
+
+def _speed_rule(inner: str, layer: Layer) -> tuple[bool, str]:
+    """The speed rule (speed_rule.py) on a region an FX pass proved: keep Inductor's path, and what to say."""
+    from .speed_rule import KEPT, LayerKind, verdict
+
+    mode = "train" if layer.train else "inference"
+    said = verdict(LayerKind(layer.activation, layer.gate_up, layer.bias, layer.shape), layer.device, mode, inner,
+                   layer.form)
+    return said.startswith(KEPT), said
 
 
 def _first_call_guarded(compiled: Callable, original: torch.fx.GraphModule, code: Any) -> Callable:

@@ -223,14 +223,16 @@ def rewriting_enabled(form: str) -> bool:
 
 
 @torch._dynamo.assume_constant_result
-def speed_rule_reason(activation: str, gate_up: str, bias: bool, shape: tuple, device: str, mode: str) -> str:
-    """Why the speed rule leaves this layer to Inductor in the compile being traced ("" to rewrite it); read at
-    trace time, unguarded (the answer depends on shapes and settings the graph is specialised on already)."""
-    from .speed_rule import LayerKind, keeps_inductor
+def speed_rule_verdict(form: str, activation: str, gate_up: str, bias: bool, shape: tuple, device: str,
+                       mode: str) -> str:
+    """The speed rule's word on this layer in the compile being traced (``speed_rule.verdict``: it starts with
+    ``speed_rule.KEPT`` where the layer is left to Inductor); read at trace time, unguarded (the answer depends on
+    shapes and settings the graph is specialised on already)."""
+    from .speed_rule import LayerKind, verdict
 
     state = current()
     inner = state.inner if state is not None else "inductor"
-    return keeps_inductor(LayerKind(activation, gate_up, bias, shape), torch.device(device), mode, inner) or ""
+    return verdict(LayerKind(activation, gate_up, bias, shape), torch.device(device), mode, inner, form)
 
 
 # --- trace-time substitutions ---------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import torch
 from . import capture, report
 from .ops import fused_experts
 from .ops.call import Activation, ExpertsCall, ExpertWeights, Routing, op_call
+from .speed_rule import KEPT
 
 _HF_MOE_MODULE = "transformers.integrations.moe"
 #: the form a model reports whose experts already run the op (``experts_implementation="moe_inductor"``)
@@ -140,8 +141,8 @@ def moe_inductor_experts_forward(module, hidden_states, top_k_index, top_k_weigh
     return _run_spec(kw, hidden_states, top_k_index, top_k_weights)
 
 
-def _speed_rule_reason(kw: dict, hidden_states: torch.Tensor, top_k: int) -> str:
-    """The speed rule's answer for this module (speed_rule.py): why Inductor's path is kept, or ""."""
+def _speed_rule_verdict(form: str, kw: dict, hidden_states: torch.Tensor, top_k: int) -> str:
+    """The speed rule's word on this module (speed_rule.py): why Inductor's path is kept, or why ours is taken."""
     from .speed_rule import mode_of
 
     gated = kw["activation"].endswith("_glu")
@@ -151,7 +152,7 @@ def _speed_rule_reason(kw: dict, hidden_states: torch.Tensor, top_k: int) -> str
     E, *inner = kw["w2"].shape
     H, I = inner if kw["layout"] == "nk" else inner[::-1]
     shape = (int(H), int(I), int(E), int(top_k))
-    return capture.speed_rule_reason(kw["activation"], gate_up, bias, shape, str(hidden_states.device), mode)
+    return capture.speed_rule_verdict(form, kw["activation"], gate_up, bias, shape, str(hidden_states.device), mode)
 
 
 def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
@@ -164,12 +165,12 @@ def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
                 report.record_left_alone(form, layer_name(type(self).__qualname__), kw)
                 return original_clone(self, hidden_states, top_k_index, top_k_weights)
             name = layer_name(type(self).__qualname__)
-            slower = _speed_rule_reason(kw, hidden_states, top_k_index.shape[-1])
-            if slower:
-                report.record_left_alone(form, name, slower)
+            said = _speed_rule_verdict(form, kw, hidden_states, top_k_index.shape[-1])
+            if said.startswith(KEPT):
+                report.record_left_alone(form, name, said)
                 return original_clone(self, hidden_states, top_k_index, top_k_weights)
             report.record_rewrite(form, name, int(kw["w1"].shape[0]), int(top_k_index.shape[-1]),
-                                   kw["activation"], (tuple(kw["w1"].shape), tuple(kw["w2"].shape)))
+                                   kw["activation"], (tuple(kw["w1"].shape), tuple(kw["w2"].shape)), note=said)
             return _run_spec(kw, hidden_states, top_k_index, top_k_weights, name)
 
         return polyfill

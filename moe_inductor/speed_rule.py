@@ -12,6 +12,10 @@ rule reads shapes, dtypes and modes only (nothing on the device), so it costs no
   layer kind to Inductor unless it won there by ``UNMEASURED_GPU_MARGIN``.
 - Layer kinds never measured are rewritten (the op benchmark, ``bench_experts.py``, shows the op ahead of
   sort + ``torch._grouped_mm`` on every measured shape).
+- A measurement holds for the route it was made on (``"route"``: ``"hf"``, transformers' experts modules, the only
+  route bench_hf.py measures). What Inductor makes of the user's own code depends on how it is written: for the FX
+  forms (gathered weights, loops, capacity einsums) Inductor's path is the user's code, unmeasured as a whole model,
+  so they count as never measured.
 - It applies only when the inner compiler is Inductor on a CUDA device: with ``inner="aot_eager"``/``"eager"`` (tests,
   explain()) there is no Inductor path to compare against, and on the CPU the op is not measured against it yet.
 """
@@ -72,29 +76,53 @@ def _distance(a: tuple, b: list) -> float:
     return sum(abs(math.log(max(x, 1) / max(y, 1))) for x, y in zip(a, b))
 
 
-def keeps_inductor(kind: LayerKind, device: torch.device, mode: str, inner: str) -> Optional[str]:
-    """Why this layer is left to Inductor (the measurement that says our rewrite would be slower), or None to
-    rewrite it. ``mode`` is "train" (a differentiable call), "inference" (the worse of "prefill" and "decode"), or
-    either of those two."""
-    if inner != "inductor" or device.type != "cuda":
-        return None
+def route_of(form: str) -> str:
+    """The route a rewrite takes: "hf" for transformers' experts modules (forms ``hf_*``), "fx" for the FX passes."""
+    return "hf" if form.startswith("hf_") else "fx"
+
+
+def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: str = "hf_grouped_mm") -> str:
+    """The rule's word on one layer, for explain(): "kept Inductor's path: ..." (the measurement that says our
+    rewrite would be slower) or "speed rule: ..." (why the rewrite is taken). ``mode`` is "train" (a
+    differentiable call), "inference" (the worse of "prefill" and "decode"), or either of those two."""
+    if inner != "inductor":
+        return f"speed rule: not applied (inner compiler {inner!r}, no Inductor path to compare with)"
+    if device.type != "cuda":
+        return f"speed rule: not applied on {device.type} (measured on CUDA GPUs only)"
     tables = _tables()
     tag = _gpu_tag(device)
     sources = {tag: tables[tag]} if tag in tables else tables
     threshold = 1.0 if tag in tables else UNMEASURED_GPU_MARGIN
+    where = "" if tag in tables else f" (no measurements for {tag}; at least {threshold}x asked)"
+    route = route_of(form)
     for gpu, layers in sources.items():
-        same_kind = [e for e in layers if (e["activation"], e["gate_up"], bool(e["bias"]))
-                     == (kind.activation, kind.gate_up, kind.bias)]
+        same_kind = [e for e in layers if (e["activation"], e["gate_up"], bool(e["bias"]), e.get("route", "hf"))
+                     == (kind.activation, kind.gate_up, kind.bias, route)]
         if not same_kind:
             continue
         entry = min(same_kind, key=lambda e: _distance(kind.shape, e["shape"]))
         worst = _worst(entry, mode)
-        if worst is not None and worst < threshold:
-            where = "" if tag in tables else f" (no measurements for {tag}; at least {threshold}x asked)"
+        if worst is None:
+            continue
+        measured = mode if entry.get(mode) is not None else "the worst measured " + mode + " mode"
+        if worst < threshold:
             return (f"kept Inductor's path: {entry['name']}-style layers ran at {worst:.2f}x Inductor's speed in "
-                    f"{mode if entry.get(mode) is not None else 'the worst measured ' + mode + ' mode'} on {gpu}{where} "
-                    f"(benchmarks/RESULTS.md)")
-    return None
+                    f"{measured} on {gpu}{where} (benchmarks/RESULTS.md)")
+        return f"speed rule: {entry['name']}-style layers ran at {worst:.2f}x Inductor's speed in {measured} on {gpu}"
+    return (f"speed rule: this layer kind was never measured as a whole model on the {route} route; rewritten (the "
+            f"op benchmark has the op ahead of sort + grouped_mm)")
+
+
+def keeps_inductor(kind: LayerKind, device: torch.device, mode: str, inner: str,
+                   form: str = "hf_grouped_mm") -> Optional[str]:
+    """Why this layer is left to Inductor (the measurement that says our rewrite would be slower), or None to
+    rewrite it (``verdict`` says why)."""
+    said = verdict(kind, device, mode, inner, form)
+    return said if said.startswith(KEPT) else None
+
+
+#: how a verdict that leaves the layer to Inductor starts
+KEPT = "kept Inductor's path"
 
 
 def mode_of(x: torch.Tensor, weights: tuple) -> str:

@@ -55,7 +55,7 @@ def test_hf_experts_the_rule_keeps_are_left_to_inductor_with_the_reason():
 
     model = tiny("gpt_oss").eval()
     ids = torch.randint(0, 64, (1, 9))
-    with mock.patch.object(speed_rule, "keeps_inductor", return_value="kept Inductor's path: measured slower"):
+    with mock.patch.object(speed_rule, "verdict", return_value="kept Inductor's path: measured slower"):
         torch._dynamo.reset()
         counters.clear()
         with torch.no_grad():
@@ -80,3 +80,68 @@ def test_inference_takes_the_worse_of_prefill_and_decode():
     with _on("NVIDIA_H200"):
         assert "0.93x" in keeps_inductor(GPT_OSS, CUDA, "inference", "inductor")
         assert keeps_inductor(QWEN3, CUDA, "inference", "inductor") is None  # min(1.11, 1.06)
+
+
+# --- the FX passes obey it too ----------------------------------------------------------------------------------------
+
+def _fx_models():
+    from tests.test_pass_gathered_weights import GatheredMoE
+    from tests.test_pass_unrolled_loop import LoopMoE
+
+    return {"unrolled_loop": lambda: LoopMoE("where_matmul", 4, 2),  # (E, I, H) weights, H 16, I 8
+            "unrolled_loop/kn": lambda: LoopMoE("nonzero_kn", 4, 2),  # (E, H, I) weights
+            "gathered_weights": lambda: GatheredMoE("gptfast")}
+
+
+@pytest.mark.parametrize("name", ["unrolled_loop", "unrolled_loop/kn", "gathered_weights"])
+def test_a_proven_fx_region_the_rule_keeps_is_left_to_inductor_with_the_reason(name):
+    import moe_inductor
+
+    torch.manual_seed(0)
+    model = _fx_models()[name]()
+    x = torch.randn(7, 16 if name.startswith("unrolled") else model.w1.shape[-1])
+    seen = []
+
+    def slower(kind, device, mode, inner, form):
+        seen.append((kind, mode, form))
+        return "kept Inductor's path: measured slower"
+
+    with mock.patch.object(speed_rule, "verdict", side_effect=slower):
+        torch._dynamo.reset()
+        counters.clear()
+        out = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x)
+        torch.testing.assert_close(out, model(x))
+        assert sum(counters["moe_inductor"].values()) == 0
+        report = moe_inductor.explain(model, x)
+    assert not report.rewrites
+    assert any(m.form == name.split("/")[0] and "measured slower" in m.reason for m in report.left_alone)
+    kind, mode, form = seen[0]
+    if name.startswith("unrolled"):  # the shape it reads, in either layout: (H, I, E, k)
+        assert kind.shape == (16, 8, 4, 2) and kind.activation.endswith("_glu") and kind.gate_up == "separate"
+    assert mode == "train" and form == name.split("/")[0]  # the weights require grad, under grad mode
+
+
+def test_each_rewrite_says_what_the_rule_said():
+    """explain() states the rule's verdict for every rewrite, FX and HF routes alike."""
+    import moe_inductor
+    from hf_models import tiny
+
+    torch.manual_seed(0)
+    model = _fx_models()["unrolled_loop"]()
+    report = moe_inductor.explain(model, torch.randn(7, 16))
+    assert report.rewrites and all("speed rule: not applied (inner compiler" in r.note for r in report.rewrites)
+    hf_model = tiny("qwen3_moe").eval()
+    with torch.no_grad():
+        report = moe_inductor.explain(hf_model, torch.randint(0, 64, (1, 9)))
+    assert report.rewrites and all("speed rule:" in r.note for r in report.rewrites)
+    assert "speed rule:" in str(report)
+
+
+def test_hf_measurements_do_not_hold_for_the_fx_route():
+    """GPT-OSS's layers measured slower through transformers' experts; written by hand (gathered weights, loops),
+    Inductor's path is the user's own code, which was never measured as a whole model."""
+    with _on("NVIDIA_H200"):
+        assert keeps_inductor(GPT_OSS, CUDA, "prefill", "inductor", form="hf_grouped_mm")
+        said = speed_rule.verdict(GPT_OSS, CUDA, "prefill", "inductor", form="gathered_weights")
+        assert not said.startswith(speed_rule.KEPT) and "never measured" in said and "fx route" in said
+        assert "1.11x" in speed_rule.verdict(QWEN3, CUDA, "prefill", "inductor", form="hf_grouped_mm")

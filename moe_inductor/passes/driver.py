@@ -19,6 +19,7 @@ if the pass succeeded, and keeps the checks of eager's errors that a rewrite rem
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from dataclasses import dataclass
@@ -120,10 +121,15 @@ class Form:
                     continue
                 reason = found if isinstance(found, str) else (
                     None if inputs_unchanged(found.spec) else CHANGED_IN_PLACE)
+                keep, said = (False, "") if reason is not None else _speed_verdict(self.name, found)
+                if keep:
+                    reason = said
                 if reason is not None:  # noted at the anchor's line, which is where the user will look
                     report.record_left_alone(self.name, source_line(node), reason)
                     noted.append(node)
                     continue
+                if said:
+                    found = dataclasses.replace(found, note="; ".join(t for t in (found.note, said) if t))
                 done.append(_replace(graph, self.name, found))
         if done:
             graph.lint()
@@ -155,6 +161,45 @@ def inputs_unchanged(spec: MoESpec) -> bool:
     for w in (spec.gate, spec.up, spec.down):
         nodes += list(w) if isinstance(w, tuple) else [w]
     return not any(isinstance(n, Node) and mutated_alias(n) for n in nodes)
+
+
+#: the speed rule the backend hands ``run_passes``: ``speed(layer) -> (keep Inductor's path, what to say)``
+SpeedRule = Callable[["Layer"], tuple[bool, str]]
+_speed_rules: list[SpeedRule] = []
+
+
+@dataclass(frozen=True)
+class Layer:
+    """What the speed rule reads of a proven region: shapes, dtypes and the mode, nothing on the device."""
+
+    form: str
+    activation: str
+    gate_up: str  # "concat", "interleaved" or "separate"
+    bias: bool
+    shape: tuple  # (H, I, E, k)
+    device: torch.device
+    train: bool
+
+
+def layer_of(form: str, m: Match) -> Layer:
+    """The speed rule's view of a match."""
+    spec = m.spec
+    per_expert = isinstance(spec.gate, tuple)
+    down = val(spec.down[0] if per_expert else spec.down).shape
+    H = int(val(spec.x).shape[-1])
+    I = int(down[-1] if spec.layout == "nk" else down[-2])
+    k = m.top_k if m.top_k is not None else int(val(spec.ids).shape[-1])
+    weights = [spec.x, spec.b1, spec.b1_up, spec.b2]
+    for w in (spec.gate, spec.up, spec.down):
+        weights += list(w) if isinstance(w, tuple) else [w]
+    train = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in map(val, weights))
+    return Layer(form, spec.activation, spec.gate_up or "separate",
+                 any(b is not None for b in (spec.b1, spec.b1_up, spec.b2)), (H, I, num_experts(spec), k),
+                 val(spec.x).device, train)
+
+
+def _speed_verdict(form: str, m: Match) -> tuple[bool, str]:
+    return _speed_rules[-1](layer_of(form, m)) if _speed_rules else (False, "")
 
 
 def num_experts(spec: MoESpec) -> int:
@@ -268,15 +313,23 @@ def run_pass(name: str, rewrite: Callable[[GraphModule], list[Rewrite]],
     return (candidate if found else gm), found, records.left_alone
 
 
-def run_passes(gm: GraphModule, passes: Mapping[str, Callable],
-               forms: frozenset) -> tuple[GraphModule, list[Rewrite], list[LeftAlone]]:
+def run_passes(gm: GraphModule, passes: Mapping[str, Callable], forms: frozenset,
+               speed: Optional[SpeedRule] = None) -> tuple[GraphModule, list[Rewrite], list[LeftAlone]]:
     """Run the passes named in ``forms``, in order; an ``Explainer`` runs only if no pass before it noted a region
-    left alone in this graph. Returns the graph, the rewrites and the left-alone regions."""
+    left alone in this graph. ``speed`` is the speed rule: a proven region it keeps on Inductor's path is left alone
+    with its reason, and what it says of the others goes into their rewrite's note. Returns the graph, the rewrites
+    and the left-alone regions."""
     rewrites, left_alone = [], []
-    for name, rewrite in passes.items():
-        if name not in forms or (isinstance(rewrite, Explainer) and left_alone):
-            continue
-        gm, found, missed = run_pass(name, rewrite, gm)
-        rewrites += found
-        left_alone += missed
+    if speed is not None:
+        _speed_rules.append(speed)
+    try:
+        for name, rewrite in passes.items():
+            if name not in forms or (isinstance(rewrite, Explainer) and left_alone):
+                continue
+            gm, found, missed = run_pass(name, rewrite, gm)
+            rewrites += found
+            left_alone += missed
+    finally:
+        if speed is not None:
+            _speed_rules.pop()
     return gm, rewrites, left_alone
