@@ -309,7 +309,10 @@ def _assignment(write: Node, acc: Node) -> Optional[tuple[Node, Node, None]]:
     if is_call(write, "call_function", operator.setitem) and write.args[0] is acc and isinstance(write.args[2], Node):
         index = write.args[1]
         tok = index if isinstance(index, Node) else index[0] if isinstance(index, tuple) and index else None
-        if isinstance(tok, Node) and (index is tok or _rows_index(index, tok)):
+        vv, av = val(write.args[2]), val(acc)
+        # whole (n, H) rows: a narrower value would be broadcast across the row, which no expert output is
+        same_width = vv is not None and av is not None and vv.dim() == 2 and vv.shape[-1] == av.shape[-1]
+        if isinstance(tok, Node) and (index is tok or _rows_index(index, tok)) and same_width:
             return tok, write.args[2], None
     return None
 
