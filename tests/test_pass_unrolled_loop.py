@@ -385,9 +385,9 @@ class SwitchLoopMoE(nn.Module):
     def forward(self, x):
         probs = F.softmax(self.router(x), dim=-1)
         out = x.new_zeros(x.shape)
-        if self.style in ("switch", "scaled_by_result", "read_unscaled", "skips_last"):  # (T,) ids, out[tok, :] =
+        if self.style in ("switch", "scaled_by_result", "read_unscaled"):  # (T,) top-1 ids, out[tok, :] = ...
             p, ids = torch.max(probs, dim=-1)
-            for e in range(self.E - 1 if self.style == "skips_last" else self.E):  # skips_last drops expert E-1's
+            for e in range(self.E):
                 tok = torch.eq(ids, e).nonzero(as_tuple=True)[0]
                 out[tok, :] = self.expert(e, x[tok, :])
             if self.style == "scaled_by_result":  # the factor reads the result itself: not a routing weight
@@ -420,7 +420,6 @@ def test_switch_style_loops_are_rewritten_and_equal(style):
     ("top2_scaled_after", "no routing weight"),
     ("scaled_by_result", "no routing weight"),
     ("read_unscaled", "no routing weight"),
-    ("skips_last", "the router chooses among 4"),
 ])
 def test_switch_style_look_alikes_are_left_alone(style, reason):
     torch.manual_seed(0)

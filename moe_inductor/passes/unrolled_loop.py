@@ -38,7 +38,7 @@ import torch
 from torch.fx import Graph, Node
 
 from ..spec import MoESpec
-from .driver import CHANGED_IN_PLACE, Anchor, Form, Match, num_experts
+from .driver import CHANGED_IN_PLACE, Anchor, Form, Match
 from .fx_utils import alias_mutations, is_call, mutated_alias, read_gated, source_line, val, weighted_sum
 
 FORM = "unrolled_loop"
@@ -428,9 +428,6 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
             return "the per-expert weights are not one distinct weight per expert and projection, of one shape"
     else:
         return "some bodies use stacked weights and others per-expert ones"
-    width, n = _router_width(spec.ids), num_experts(spec)
-    if width is not None and width != n:  # eager drops the tokens of the experts the loop skips
-        return f"the loop runs over {n} experts but the router chooses among {width}: the others' tokens are dropped"
     biases = [b for t in (spec.b1, spec.b1_up, spec.b2) if isinstance(t, tuple) for b in t]
     if biases and spec.gate_up is not None:
         return "the experts' fused gate/up projections have biases: the op splits a fused weight only when stacked"
@@ -458,22 +455,6 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
     if any(position[u] < last_add for u in readers):
         return "the accumulator is read before the loop ends"
     return spec, bodies, product
-
-
-def _router_width(ids: Node) -> Optional[int]:
-    """E' for ids chosen by topk or max over the last dim of (T, E') scores; None for ids from elsewhere."""
-    if not (is_call(ids, "call_function", operator.getitem) and ids.args[1] == 1):
-        return None
-    top = ids.args[0]
-    is_topk = is_call(top, "call_function", torch.topk) or is_call(top, "call_method", "topk")
-    if not (is_topk or is_call(top, "call_function", torch.max) or is_call(top, "call_method", "max")):
-        return None
-    scores = val(top.args[0]) if top.args and isinstance(top.args[0], Node) else None
-    at = 2 if is_topk else 1
-    dim = top.kwargs.get("dim", top.args[at] if len(top.args) > at else (-1 if is_topk else None))
-    if scores is None or not isinstance(dim, int) or dim not in (-1, scores.dim() - 1):
-        return None
-    return int(scores.shape[-1])
 
 
 def _looks_like_a_body(write: Node, acc: Node) -> bool:
