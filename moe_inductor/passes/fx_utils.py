@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
+from ..ops.activations import GPTOSS_ALPHA, GPTOSS_LIMIT
+
 
 def is_call(node, op: str, *targets) -> bool:
     """``node`` is an FX node of kind ``op`` ("call_function", "call_method") with one of ``targets``."""
@@ -291,8 +293,8 @@ class GatedRead:
     #: "concat" or "interleaved" when gate and up are the two halves of one projection (``gate`` read it); the
     #: MoESpec then holds the fused weight and the emitter splits it, as views
     gate_up: Optional[str] = None
-    alpha: float = 1.702  # gptoss_glu's, as the user's code has them
-    limit: float = 7.0
+    alpha: float = GPTOSS_ALPHA  # gptoss_glu's, as the user's code has them
+    limit: float = GPTOSS_LIMIT
 
     def spec_fields(self) -> dict:
         """The MoESpec fields this reading fixes besides the weights: every pass hands them on."""
