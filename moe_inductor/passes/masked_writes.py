@@ -1,0 +1,147 @@
+"""DeepSeek-V2's training loop, a spelling of form "unrolled_loop" with boolean masks and writes. The user code this
+matches:
+
+    flat = ids.view(-1)
+    xr = x.repeat_interleave(k, dim=0)                   # row t*k + c is token t, like the flat ids
+    buf = torch.empty_like(xr)
+    for e in range(E):
+        buf[flat == e] = expert_e(xr[flat == e])         # nn.Linear experts of a ModuleList
+    out = (buf.view(T, k, H) * weights.unsqueeze(-1)).sum(dim=1)
+
+The anchor is the weighted sum over k; the proof walks back to the E masked writes. The loop's other spellings, and
+the checks the bodies share, are in unrolled_loop.py.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Optional, Union
+
+import torch
+from torch.fx import Node
+
+from ..spec import MoESpec
+from .driver import Match
+from .fx_utils import alias_mutations, is_call, read_gated, val, weighted_sum
+
+
+def _flat_ids(node) -> Optional[Node]:
+    """``ids`` for ``ids.view(-1)`` / ``ids.reshape(-1)`` / ``ids.flatten()`` of (T, k) integer ids."""
+    if is_call(node, "call_method", "view", "reshape") and tuple(node.args[1:]) in ((-1,), ((-1,),)):
+        ids = node.args[0]
+    elif is_call(node, "call_method", "flatten") and len(node.args) == 1 and not node.kwargs:
+        ids = node.args[0]
+    else:
+        return None
+    iv = val(ids)
+    return ids if iv is not None and iv.dim() == 2 and not iv.dtype.is_floating_point else None
+
+
+def _masked_rows(node, flat: Node) -> Optional[tuple[Node, int]]:
+    """(xr, e) for ``xr[flat == e]``."""
+    if not is_call(node, "call_function", operator.getitem):
+        return None
+    xr, mask = node.args
+    if not (is_call(mask, "call_function", operator.eq) and mask.args[0] is flat and isinstance(mask.args[1], int)):
+        return None
+    return xr, mask.args[1]
+
+
+def _repeated_tokens(xr: Node, k: int) -> Optional[Node]:
+    """``x`` for ``x.repeat_interleave(k, dim=0)`` (row t*k + c is token t, like the flat ids)."""
+    if not is_call(xr, "call_method", "repeat_interleave"):
+        return None
+    reps = xr.kwargs.get("repeats", xr.args[1] if len(xr.args) > 1 else None)
+    dim = xr.kwargs.get("dim", xr.args[2] if len(xr.args) > 2 else None)
+    if reps != k or dim != 0 or set(xr.kwargs) - {"repeats", "dim"}:
+        return None
+    return xr.args[0]
+
+
+def match_masked_writes(y: Node) -> Union[Match, str, None]:
+    """DeepSeek-V2/DeepSeek-MoE's training loop (boolean masks over the repeated tokens, writes, not adds)::
+
+        xr = x.repeat_interleave(k, dim=0); flat = ids.view(-1); buf = torch.empty_like(xr)
+        for e, expert in enumerate(experts):
+            buf[flat == e] = expert(xr[flat == e])
+        y = (buf.view(T, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+    Every row is written once: each flat id is one of range(E) (ids from topk over E columns) and each e is
+    written once. The writes go with the region, and the masked reads take their size asserts with them."""
+    from .unrolled_loop import _Body, _linear, _per_expert_spec, _topk_ids  # the loop's shared checks
+
+    combined = weighted_sum(y)
+    if combined is None:
+        return None
+    grouped, weights = combined
+    if not (is_call(grouped, "call_method", "view", "reshape") and len(grouped.args) >= 2):
+        return None
+    buf = grouped.args[0]
+    if not (is_call(buf, "call_function", torch.empty_like, torch.zeros_like) and len(buf.args) == 1):
+        return None
+    writes = alias_mutations(buf)
+    if not writes or not all(is_call(w, "call_function", operator.setitem) and w.args[0] is buf for w in writes):
+        return None
+    first = writes[0].args[1]
+    flat = first.args[0] if is_call(first, "call_function", operator.eq) else None
+    ids = _flat_ids(flat) if flat is not None else None
+    if ids is None:
+        return None
+    iv, wv = val(ids), val(weights)
+    T, k = iv.shape
+    gv, bv = val(grouped), val(buf)
+    if wv is None or gv is None or tuple(wv.shape) != tuple(iv.shape) or tuple(gv.shape) != (T, k, bv.shape[-1]):
+        return "the buffer is not viewed (T, k, H) like the ids and weights"
+    if not _topk_ids(ids):
+        return "the ids are not from topk: rows of ids outside range(E) would never be written"
+    bodies, reads = [], []
+    for w in writes:
+        mask, value = w.args[1], w.args[2]
+        if not (is_call(mask, "call_function", operator.eq) and mask.args[0] is flat and isinstance(mask.args[1], int)):
+            return "a write to the buffer is not at the rows of flat ids == e"
+        e = mask.args[1]
+        if is_call(value, "call_method", "to") and isinstance(value.args[0], Node) and val(value.args[0]) is not None and (
+                val(value) is not None and val(value.args[0]).dtype == val(value).dtype):  # a cast to the buffer's own dtype
+            value = value.args[0]
+        down = _linear(value, e)
+        if down is None:
+            return f"expert {e}'s output is not a bias-free projection on its own weights"
+        h, w_down, layout, stacked = down
+        gated = read_gated(h, lambda n, e=e: _linear(n, e))
+        if gated is None:
+            return f"expert {e}'s hidden state is not a known activation of its own projections"
+        gate, up = gated.gate, gated.up
+        rows = _masked_rows(gate[0], flat)
+        if rows is None or rows[1] != e or (up is not None and _masked_rows(up[0], flat) != rows):
+            return f"expert {e} does not read the repeated tokens at its own mask"
+        x = _repeated_tokens(rows[0], k)
+        if x is None or x is not _repeated_tokens(buf.args[0], k) and buf.args[0] is not rows[0]:
+            return "the experts do not read x.repeat_interleave(k, dim=0), the rows the buffer holds"
+        if any(p[2] != layout or p[3] != stacked for p in (gate, up) if p is not None):
+            return "the projections mix weight layouts or stacked and per-expert weights"
+        reads += [n for n in (gate[0], up[0] if up else None) if n is not None]
+        bodies.append(_Body(e, MoESpec(x, ids, weights, gate[1], up[1] if up else None, w_down, layout,
+                                       gated.activation, **gated.spec_fields()), mask, w, stacked))
+    spec = bodies[0].spec
+    if all(b.stacked for b in bodies):
+        if any(b.spec != spec for b in bodies):
+            return "the loop bodies differ in more than the expert index"
+        num_experts = val(spec.gate).shape[0]
+        if sorted(b.e for b in bodies) != list(range(num_experts)):
+            return "the loop does not write each of range(E) once"
+    elif not any(b.stacked for b in bodies):
+        spec = _per_expert_spec(bodies)
+        if spec is None:
+            return "the per-expert weights are not one distinct weight per expert and projection, of one shape"
+        num_experts = len(spec.gate)
+    else:
+        return "some bodies use stacked weights and others per-expert ones"
+    top = ids.args[0]
+    scores = val(top.args[0]) if top.args else None
+    if scores is None or scores.shape[-1] != num_experts:
+        return "the ids are chosen among another number of experts than the loop runs"
+    xv = val(spec.x)
+    if xv is None or xv.dim() != 2 or xv.shape[0] != T or tuple(val(buf).shape) != (T * k, xv.shape[1]):
+        return "the tokens and the buffer do not have (T, H) and (T*k, H) shapes"
+    note = (f"{num_experts} boolean-mask selections (host syncs) removed"
+            + ("; per-expert weights stacked at each call" if isinstance(spec.gate, tuple) else ""))
+    return Match(spec, y, note, where=writes[0], writes=tuple(writes), transient=tuple(reads))
