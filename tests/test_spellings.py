@@ -76,3 +76,47 @@ def test_look_alikes_stay_untouched_in_the_dunder_spelling(name):
     counters.clear()
     torch.testing.assert_close(torch.compile(model, backend=_as_torch_2_11)(x), model(x), rtol=1e-5, atol=1e-5)
     assert not counters["moe_inductor"]
+
+
+class _ReassignedLoop(torch.nn.Module):
+    """``out = out.index_add_(...)`` (or the in-place result returned): the same accumulator under another name."""
+
+    def __init__(self, returned: bool, E: int = 4, k: int = 2, H: int = 16, I: int = 8):
+        super().__init__()
+        self.returned, self.E, self.k = returned, E, k
+        self.router = torch.nn.Linear(H, E, bias=False)
+        self.w1 = torch.nn.Parameter(torch.randn(E, I, H) * H ** -0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
+
+    def forward(self, x):
+        weights, ids = torch.topk(torch.softmax(self.router(x), -1), self.k)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            tok, pos = torch.where(ids == e)
+            y = torch.relu(x[tok] @ self.w1[e].T) @ self.w2[e].T * weights[tok, pos, None]
+            if self.returned and e == self.E - 1:
+                return out.index_add_(0, tok, y)
+            out = out.index_add_(0, tok, y)
+        return out
+
+
+@pytest.mark.parametrize("returned", [False, True], ids=["reassigned", "returned"])
+def test_a_loop_that_reads_the_in_place_result_is_rewritten(returned):
+    from tests.helpers import rel_err
+
+    torch.manual_seed(0)
+    model = _ReassignedLoop(returned)
+    x = torch.randn(9, 16, requires_grad=True)
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x)
+    ref_x = x.detach().clone().requires_grad_(True)
+    ref = model(ref_x)
+    assert counters["moe_inductor"]["unrolled_loop"] == 1
+    assert rel_err(out, ref) < 1e-5
+    out.square().sum().backward()
+    grads = [x.grad] + [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref.square().sum().backward()
+    for got, want in zip(grads, [ref_x.grad] + [p.grad for p in model.parameters()]):
+        assert rel_err(got, want) < 1e-5

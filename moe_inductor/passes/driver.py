@@ -32,7 +32,8 @@ from .. import report
 from ..report import LeftAlone, Rewrite
 from ..spec import MoESpec
 from .emit import emit_experts
-from .fx_utils import canonicalize_operators, eliminate_dead_code, mutated_alias, source_function, source_line, val
+from .fx_utils import (canonicalize_operators, eliminate_dead_code, mutated_alias, read_receivers_of_inplace_results,
+                       source_function, source_line, val)
 from .kept_errors import index_bounds, keep_removed_checks
 
 log = logging.getLogger("moe_inductor")
@@ -298,6 +299,7 @@ def run_pass(name: str, rewrite: Callable[[GraphModule], list[Rewrite]],
     try:
         with report.recording() as records:
             canonicalize_operators(candidate.graph)
+            read_receivers_of_inplace_results(candidate.graph)
             bounds = index_bounds(candidate.graph)
             found = rewrite(candidate)
             if found:  # what the rewrite made dead goes now, so that the checks it held are seen to go

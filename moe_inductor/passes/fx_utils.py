@@ -52,6 +52,27 @@ def canonicalize_operators(graph: torch.fx.Graph) -> int:
     return changed
 
 
+#: the in-place combines (each returns its receiver) whose result user code may read instead of the buffer. The
+#: writes that build a routing matrix (``scatter_``, ``masked_fill_``) are left as they are: the proofs read the
+#: matrix through them
+_COMBINES_RETURNING_SELF = {"index_add_", "index_put_", "index_copy_", "scatter_add_"}
+
+
+def read_receivers_of_inplace_results(graph: torch.fx.Graph) -> int:
+    """Point the readers of an in-place combine's result at its receiver: ``out = out.index_add_(...)`` then reads
+    ``out`` as ``out.index_add_(...); ... out``. The result is the receiver itself, so every reader sees the same
+    tensor; the matchers then meet one accumulator whichever way the user wrote it. Returns how many readers moved."""
+    moved = 0
+    for node in list(graph.nodes):
+        if not (node.op == "call_method" and node.target in _COMBINES_RETURNING_SELF and node.args
+                and isinstance(node.args[0], Node) and val(node.args[0]) is not None):
+            continue
+        for user in list(node.users):
+            user.replace_input_with(node, node.args[0])
+            moved += 1
+    return moved
+
+
 def inplace_users(node: Node) -> list[Node]:
     """The users of ``node`` that mutate it through an in-place method (``x.index_add_(...)``, ``x.scatter_(...)``)."""
     return [u for u in node.users
