@@ -415,17 +415,14 @@ def match_dense_loop(y: Node) -> Union[Match, str, None]:
     if len({(b[1], b[2]) for b in bodies}) != 1:
         return "the experts are scaled by columns of different routing weights or ids"
     _, weights, ids, _ = bodies[0]
-    from .unrolled_loop import _linear, _topk_ids
+    from .unrolled_loop import _topk_ids, expert_mlp
 
     read = []
     for out, _, _, e in bodies:
-        down = _linear(out, e)
-        if down is None:
-            return f"expert {e}'s output is not a bias-free projection on its own weights"
-        h, w_down, layout, stacked = down
-        gated = read_gated(h, lambda n, e=e: _linear(n, e))
-        if gated is None:
-            return f"expert {e}'s hidden state is not a known activation of its own projections"
+        mlp = expert_mlp(out, e)
+        if isinstance(mlp, str):
+            return mlp
+        w_down, layout, stacked, gated = mlp
         gate, up = gated.gate, gated.up
         if up is not None and up[0] is not gate[0]:
             return f"expert {e}'s gate and up projections read different inputs"

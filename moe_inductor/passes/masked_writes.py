@@ -21,7 +21,7 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Match
-from .fx_utils import alias_mutations, is_call, read_gated, val, weighted_sum
+from .fx_utils import alias_mutations, is_call, val, weighted_sum
 
 
 def _flat_ids(node) -> Optional[Node]:
@@ -67,7 +67,7 @@ def match_masked_writes(y: Node) -> Union[Match, str, None]:
 
     Every row is written once: each flat id is one of range(E) (ids from topk over E columns) and each e is
     written once. The writes go with the region, and the masked reads take their size asserts with them."""
-    from .unrolled_loop import _Body, _linear, _per_expert_spec, _topk_ids  # the loop's shared checks
+    from .unrolled_loop import _Body, _per_expert_spec, _topk_ids, expert_mlp  # the loop's shared checks
 
     combined = weighted_sum(y)
     if combined is None:
@@ -102,13 +102,10 @@ def match_masked_writes(y: Node) -> Union[Match, str, None]:
         if is_call(value, "call_method", "to") and isinstance(value.args[0], Node) and val(value.args[0]) is not None and (
                 val(value) is not None and val(value.args[0]).dtype == val(value).dtype):  # a cast to the buffer's own dtype
             value = value.args[0]
-        down = _linear(value, e)
-        if down is None:
-            return f"expert {e}'s output is not a bias-free projection on its own weights"
-        h, w_down, layout, stacked = down
-        gated = read_gated(h, lambda n, e=e: _linear(n, e))
-        if gated is None:
-            return f"expert {e}'s hidden state is not a known activation of its own projections"
+        mlp = expert_mlp(value, e)
+        if isinstance(mlp, str):
+            return mlp
+        w_down, layout, stacked, gated = mlp
         gate, up = gated.gate, gated.up
         rows = _masked_rows(gate[0], flat)
         if rows is None or rows[1] != e or (up is not None and _masked_rows(up[0], flat) != rows):

@@ -37,7 +37,7 @@ from ..spec import MoESpec
 from .driver import Anchor, Form, Match
 from .fx_utils import alias_mutations, is_call, read_gated, val
 from .sorted_grouped_mm import _flat, _sort_order
-from .unrolled_loop import _linear, _topk_ids
+from .unrolled_loop import _linear, _topk_ids, expert_mlp
 
 FORM = "split_loop"
 
@@ -275,13 +275,10 @@ def _experts(ys: Node) -> Union[_Experts, str, None]:
     # Megatron / torchtitan's for-loop: each part is one expert's whole MLP on its own piece
     bodies = []
     for e, part in enumerate(parts):
-        lin = _linear(part, e)
-        if lin is None:
-            return f"expert {e}'s output is not a bias-free projection on its own weights"
-        h, w_down, layout, stacked = lin
-        gated = read_gated(h, lambda n, e=e: _linear(n, e))
-        if gated is None:
-            return f"expert {e}'s hidden state is not a known activation of its own projections"
+        mlp = expert_mlp(part, e)
+        if isinstance(mlp, str):
+            return mlp
+        w_down, layout, stacked, gated = mlp
         gate, up = gated.gate, gated.up
         piece = _pieces(gate[0])
         if piece is None or piece[1] != e or (up is not None and up[0] is not gate[0]):

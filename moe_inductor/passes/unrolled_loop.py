@@ -39,7 +39,7 @@ from torch.fx import Graph, Node
 
 from ..spec import MoESpec
 from .driver import CHANGED_IN_PLACE, Anchor, Form, Match
-from .fx_utils import alias_mutations, is_call, mutated_alias, read_gated, source_line, val
+from .fx_utils import GatedRead, alias_mutations, is_call, mutated_alias, read_gated, source_line, val
 from .masked_writes import match_masked_writes
 
 FORM = "unrolled_loop"
@@ -142,6 +142,19 @@ def _linear(node: Node, e: int) -> Optional[tuple[Node, Node, str, bool]]:
             return None
         return node.args[0], got[0], "nk" if got[1] else "kn", got[2]
     return None
+
+
+def expert_mlp(out: Node, e: int) -> Union[tuple[Node, str, bool, GatedRead], str]:
+    """Expert ``e``'s whole MLP ending at ``out``, bias-free, on its own weights: (w_down, layout, stacked, the gated
+    read of the hidden state), or why not. The checks between the projections stay with each proof."""
+    down = _linear(out, e)
+    if down is None:
+        return f"expert {e}'s output is not a bias-free projection on its own weights"
+    h, w_down, layout, stacked = down
+    gated = read_gated(h, lambda n: _linear(n, e))
+    if gated is None:
+        return f"expert {e}'s hidden state is not a known activation of its own projections"
+    return w_down, layout, stacked, gated
 
 
 def _biased_linear(node: Node, e: int) -> Optional[tuple[Node, Node, str, bool, Optional[Node]]]:
