@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs a session makes, one mode per device call (each sized for the 10-minute per-command limit).
-#   bash benchmarks/device_run.sh tests      # the GPU suite, part 1: the `gpu` tests of whole models, FX forms,
-#                                            # the corpus, CUDA graphs and compile counts                 (~6 min)
-#   bash benchmarks/device_run.sh kernels    # the GPU suite, part 2: the kernel-layer test files whole, then
-#                                            # the `gpu` tests of the op and of do-no-harm                (~6 min)
+#   bash benchmarks/device_run.sh suite      # the whole GPU suite: the kernel-layer test files whole, then every
+#                                            # `gpu` test, four xdist workers on the one GPU               (~5 min)
 #   bash benchmarks/device_run.sh examples   # memcheck of the kernel tests, then every example           (~4 min)
 #   bash benchmarks/device_run.sh experts    # bench_experts.py, the experts-alone table                  (~5 min)
 #   bash benchmarks/device_run.sh hf         # bench_hf.py: every family at prefill T=4096, the Qwen3 and
@@ -24,21 +22,18 @@ python -m pip install --no-build-isolation --no-deps -e . -q >/dev/null 2>&1
 # the device has no internet: test-only wheels (expecttest, hypothesis) come along in .wheels/ (carry=[".wheels"])
 if [ -d .wheels ]; then python -m pip install --no-deps -q .wheels/*.whl >/dev/null 2>&1; fi
 # GPU cases are marked `gpu` in each layer's own test file. The kernel-layer files run whole on the device (their
-# unmarked tests take the GPU there too). Part 2 runs them, then the `gpu` tests of PART2_GPU_FILES; part 1 every
-# other `gpu` test, so a new one lands in part 1 by default.
+# unmarked tests take the GPU there too), then every other file's `gpu` tests. The suite is mostly compile time,
+# which is CPU-bound, so four workers share the GPU (pytest-xdist and execnet come as wheels in .wheels/; without
+# them it runs serially, in about 15 minutes: split it with -k then).
 KERNEL_FILES="tests/test_kernels.py tests/test_routing.py tests/test_rewritten_graphs.py tests/test_grouped_mm_engine.py
   tests/test_visible_kernels.py"
-PART2_GPU_FILES="tests/test_ops.py tests/test_do_no_harm.py"
-case "${1:-tests}" in
-  tests)  # the GPU suite, part 1: HF models, FX forms, the corpus, CUDA graphs, compile counts
-    timeout -s INT 560 python -m pytest tests -m gpu $(for f in $KERNEL_FILES $PART2_GPU_FILES; do echo "--ignore=$f"; done) \
-      -q -p no:warnings --durations=10 2>&1 | grep -v torch.__trace | tee "$OUT/gpu_tests.log" | tail -30 ;;
-  kernels)  # the GPU suite, part 2: kernels, routing, rewritten graphs, the grouped_mm engine, visible kernels; the
-            # op on the GPU (fp64 references, CUDA graph capture, bad ids) and do-no-harm's GPU cases
-    timeout -s INT 330 python -m pytest $KERNEL_FILES -q -p no:warnings \
-      --durations=10 2>&1 | grep -v torch.__trace | tee "$OUT/gpu_kernel_tests.log" | tail -30
-    timeout -s INT 230 python -m pytest $PART2_GPU_FILES -m gpu -q -p no:warnings \
-      --durations=10 2>&1 | grep -v torch.__trace | tee "$OUT/gpu_op_tests.log" | tail -20 ;;
+WORKERS=$(python -c "import xdist" 2>/dev/null && echo "-n 4")
+case "${1:-suite}" in
+  suite)
+    timeout -s INT 250 python -m pytest $KERNEL_FILES $WORKERS -q -p no:warnings -rfE --durations=5 2>&1 \
+      | grep -v torch.__trace | tee "$OUT/gpu_kernel_tests.log" | tail -15
+    timeout -s INT 320 python -m pytest tests -m gpu $(for f in $KERNEL_FILES; do echo "--ignore=$f"; done) $WORKERS \
+      -q -p no:warnings -rfE --durations=8 2>&1 | grep -v torch.__trace | tee "$OUT/gpu_tests.log" | tail -25 ;;
   examples)
     timeout 260 compute-sanitizer --tool memcheck python -m pytest tests/test_kernels.py tests/test_grouped_mm_engine.py \
       -q -p no:warnings -x -k "not inductor_graph" \
