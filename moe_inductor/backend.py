@@ -73,6 +73,10 @@ def moe_inductor_backend(
         from .lowerings.visible import swap_in_visible_ops
 
         record.visible_ops = swap_in_visible_ops(gm)
+    if opts.inner == "inductor":
+        from .lowerings.cpu import swap_in_cpu_lowering
+
+        swap_in_cpu_lowering(gm)
     compiled = _inner_compile(opts.inner, gm, example_inputs, mode, opts.inductor)
     if opts.inner == "eager" and gm is original:
         return compiled  # the graph as traced, run as it is: nothing of ours can fail in it

@@ -24,9 +24,10 @@ from .grouped import Routed
 from .grouped_mm_engine import combined_up_weights
 
 
-def _project(rows: Tensor, sizes: list[int], w: Tensor, out: Tensor) -> Tensor:
-    """``out[lo:hi] = rows[lo:hi] @ w[e]`` for each expert e, its rows [lo, hi) ``sizes[e]`` long. The views come
-    from one ``split``/``unbind`` each, not from a slice per expert."""
+def project(rows: Tensor, sizes: list[int], w: Tensor, out: Tensor) -> Tensor:
+    """``out[lo:hi] = rows[lo:hi] @ w[e]`` for each expert e, its rows [lo, hi) ``sizes[e]`` long; ``sizes`` may
+    end with one more entry, rows past the experts' that are left alone. The views come from one ``split``/``unbind``
+    each, not from a slice per expert."""
     for n, r, we, o in zip(sizes, rows.split_with_sizes(sizes), w.unbind(0), out.split_with_sizes(sizes)):
         if n:
             torch.mm(r, we, out=o)
@@ -64,10 +65,10 @@ def forward_sorted(call: ExpertsCall, routed: Routed, pre: Optional[Tensor]) -> 
     h = pre[:kept] if pre is not None else x.new_empty(kept, n_pre)
     w_up = combined_up_weights(w1, w1_up)
     if w_up is not None:
-        _project(rows, sizes, w_up, h)
+        project(rows, sizes, w_up, h)
     else:  # gate and up in two tensors: each half of h gets its own matmul
-        _project(rows, sizes, w1, h[:, :I])
-        _project(rows, sizes, w1_up, h[:, I:])
+        project(rows, sizes, w1, h[:, :I])
+        project(rows, sizes, w1_up, h[:, I:])
     gate, up = (h[:, :I], h[:, I:]) if gated else (h, None)
     if weight_position == "input":
         gate, up = gate * _to(s, h.dtype), (up * _to(s, h.dtype) if gated else None)
@@ -80,7 +81,7 @@ def forward_sorted(call: ExpertsCall, routed: Routed, pre: Optional[Tensor]) -> 
     if weight_position == "between":
         a = a * _to(s, a.dtype)
     a = _to(a, x.dtype).contiguous()
-    o = _project(a, sizes, w2, x.new_empty(kept, H))
+    o = project(a, sizes, w2, x.new_empty(kept, H))
     if b2 is not None:
         o = o + b2[expert]
     if weight_position == "output":
