@@ -1,7 +1,8 @@
-"""Form "padded_capacity": GShard / Switch / fairseq gating into (T, E, C) dispatch and combine tensors, experts run
-on a padded (E, C, H) buffer. Top-1 and top-k (k choices, each queued behind the earlier ones).
+"""Form "padded_capacity": GShard / Switch / fairseq / DeepSpeed gating into (T, E, C) dispatch and combine tensors,
+experts run on a padded (E, C, H) buffer. Top-1 and top-k (k choices, each queued behind the earlier ones).
 
-The user code this matches (letters, operand order, unsqueeze spellings and dtype casts may vary):
+The user code this matches (letters, operand order, unsqueeze spellings and dtype casts may vary; the gating's
+other spellings are listed in ``capacity_gating.py``):
 
     mask_j = one_hot(idx_j, E)                                   # choice j of every token, j = 0..k-1
     loc_j = cumsum(mask_j, dim=0) - 1 (+ sum(mask_i, dim=0, keepdim=True) for every earlier choice i)
@@ -13,13 +14,21 @@ The user code this matches (letters, operand order, unsqueeze spellings and dtyp
     out = einsum("eci,ehi->ech", act(einsum("ech,eih->eci", xin, w1)) [* einsum(.., w3)], w2)
     y = einsum("tec,ech->th", combine, out)
 
+Beside the einsums: fairseq's ``mm(dispatch.permute(1, 2, 0).view(E*C, T), x)`` dispatch and
+``mm(combine.view(T, E*C), out.view(E*C, H))`` combine; experts as ``torch.bmm`` / ``@`` on stacked weights, or as
+one module per expert on ``xin.chunk(E, dim)`` (fairseq's and DeepSpeed's ModuleList, nn.Linear with or without
+biases) joined by ``cat`` along the same dim. The (E, C, H) buffer may pass through reshapes that regroup it
+(``reshape(1, E, -1, H)``): a reshape keeps the row-major order, so slot (e, c) stays where it was.
+
 Why it is exact: the queue positions come from a cumsum over tokens, so within an expert every kept (token, choice)
 gets its own slot (choice j queues behind all earlier choices, kept or not, which drops exactly what the op drops
 when it fills each expert in choice-major priority order j*T + t). A slot therefore holds one token or none, the
-dispatch copies that token unscaled, and the combine returns gate_j * expert_e(x_t) to its token. The op does the
-same with ids (idx_0, .., idx_{k-1}), weights (gate_0, ..) and capacity C, without the padding. A dispatch that is
-not the exact support of combine (``combine > 0.5``), a mask without the drop, or a queue that ignores the earlier
-choices, is a different computation and is left alone.
+dispatch copies that token unscaled, and the combine returns gate_j * expert_e(x_t) to its token (an empty slot's
+output, bias and all, is multiplied by a zero combine weight). The op does the same with ids (idx_0, ..,
+idx_{k-1}), weights (gate_0, ..) and capacity C, without the padding. A dispatch that is not the exact support of
+combine (``combine > 0.5``, or slots moved), a mask without the drop, a queue that ignores the earlier choices (or
+puts them in another order), or a capacity that differs between the drop and the slots, is a different computation
+and is left alone.
 """
 from __future__ import annotations
 
@@ -29,245 +38,57 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch.fx import Graph, Node
 
 from ..spec import MoESpec
+from .capacity_gating import (Choice, call, choice, order_choices, same_traced, shape, strip_casts,
+                              versions_sound)
 from .driver import Anchor, Form, Match, every_node
-from .fx_utils import einsum_parts, mutated_alias, split_gated, val
+from .fx_utils import einsum_parts, read_gated, split_gated, val
+from .unrolled_loop import _biased_linear
 
 FORM = "padded_capacity"
 
-_ONE_HOT = (F.one_hot, torch._C._nn.one_hot)
-_MUL = (operator.mul, torch.mul)
 _ADD = (operator.add, torch.add)
-_CASTS = ("float", "double", "half", "bfloat16", "long", "int", "bool")
-
-
-def _call(node: Any, *targets) -> bool:
-    return isinstance(node, Node) and node.op in ("call_function", "call_method") and node.target in targets
-
-
-def _shape(node: Any) -> Optional[tuple]:
-    v = val(node) if isinstance(node, Node) else None
-    return tuple(v.shape) if v is not None else None
-
-
-def _strip_casts(node: Any, zero_one: bool = False) -> Any:
-    """The tensor under dtype casts. ``zero_one`` is for tensors of 0s and 1s (masks, one-hots), where every cast is
-    exact; otherwise only float-to-float casts go (the emitter casts the routing weights to x's dtype the same way)."""
-    while isinstance(node, Node) and node.args and isinstance(node.args[0], Node) and not node.kwargs:
-        is_cast = (node.op == "call_method" and (
-            (node.target == "to" and len(node.args) == 2 and isinstance(node.args[1], torch.dtype))
-            or (node.target == "type_as" and len(node.args) == 2)
-            or (node.target in _CASTS and len(node.args) == 1)))
-        if not is_cast:
-            break
-        if not zero_one:
-            src, dst = val(node.args[0]), val(node)
-            if src is None or dst is None or not (src.is_floating_point() and dst.is_floating_point()):
-                break
-        node = node.args[0]
-    return node
-
-
-def _new_axis(node: Any) -> Optional[tuple[Node, int]]:
-    """(base, d) when ``node`` is ``base`` with one new axis at position d of a 3D result."""
-    if not isinstance(node, Node) or not node.args or not isinstance(node.args[0], Node):
-        return None
-    base = node.args[0]
-    if node.op == "call_method" and node.target == "unsqueeze" and len(node.args) == 2 and not node.kwargs:
-        return base, node.args[1] % 3
-    if node.op == "call_function" and node.target is torch.unsqueeze and len(node.args) == 2 and not node.kwargs:
-        return base, node.args[1] % 3
-    if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], tuple):
-        index = node.args[1]
-        if len(index) == 3 and index.count(None) == 1 and all(i is None or i == slice(None) for i in index):
-            return base, index.index(None)
-    return None
+_MM = (torch.mm, torch.matmul, operator.matmul, "mm", "matmul")
+_RESHAPES = ("view", "reshape", torch.reshape)
 
 
 def _flatten(node: Node, targets: tuple, keep_going) -> list:
-    if _call(node, *targets) and len(node.args) == 2 and not node.kwargs and keep_going(node):
+    if call(node, *targets) and len(node.args) == 2 and not node.kwargs and keep_going(node):
         return _flatten(node.args[0], targets, keep_going) + _flatten(node.args[1], targets, keep_going)
     return [node]
 
 
-@dataclass
-class _Choice:
-    gate: Node  # (T, 1, 1) weight of this choice
-    idx: Node  # (T,) expert of this choice
-    one_hot: Node  # one_hot(idx, E) before the drop
-    mask: Node  # after the drop
-    earlier: list  # the (dropped or not) masks of the earlier choices this one queues behind
-    capacity: Any  # C as the graph holds it: an int, or the node of a symbolic size
-    loc: Node  # the queue positions the drop and the slot were computed from
+def _regrouped(node: Any) -> list[Node]:
+    """``node`` and what it is a reshape of, outermost first: every one holds the same elements in the same
+    row-major order."""
+    chain = []
+    while isinstance(node, Node):
+        chain.append(node)
+        if not (call(node, *_RESHAPES) and node.args and isinstance(node.args[0], Node) and not node.kwargs):
+            break
+        node = node.args[0]
+    return chain
 
 
-def _dim_arg(node: Node, position: int, default=None):
-    return node.args[position] if len(node.args) > position else node.kwargs.get("dim", default)
-
-
-def _cumsum_over_tokens(node: Any) -> Optional[Node]:
-    if _call(node, torch.cumsum, "cumsum") and _dim_arg(node, 1) == 0 and set(node.kwargs) <= {"dim"}:
-        return _strip_casts(node.args[0], zero_one=True)
-    return None
-
-
-def _token_count(node: Any) -> Optional[Node]:
-    """``m`` for ``sum(m, dim=0, keepdim=True)``."""
-    if _call(node, torch.sum, "sum") and _dim_arg(node, 1) == 0 and node.kwargs.get("keepdim") is True \
-            and set(node.kwargs) <= {"dim", "keepdim"} and len(node.args) <= 2:
-        return _strip_casts(node.args[0], zero_one=True)
-    return None
-
-
-def _queue_position(loc: Node, one_hot: Node) -> Optional[list]:
-    """The earlier choices' masks for ``loc = cumsum(one_hot, 0) - 1 + sum(m_i, 0, keepdim=True) + ...``."""
-    terms: list[tuple[int, Any]] = []
-
-    def walk(node, sign):
-        if _call(node, *_ADD) and len(node.args) == 2 and not node.kwargs:
-            walk(node.args[0], sign)
-            walk(node.args[1], sign)
-        elif _call(node, operator.sub, torch.sub) and len(node.args) == 2 and not node.kwargs:
-            walk(node.args[0], sign)
-            walk(node.args[1], -sign)
-        else:
-            terms.append((sign, node))
-
-    walk(loc, 1)
-    constant = sum(s * t for s, t in terms if isinstance(t, int) and not isinstance(t, bool))
-    tensors = [(s, t) for s, t in terms if not isinstance(t, int)]
-    cumsums = [t for s, t in tensors if s == 1 and _cumsum_over_tokens(t) is one_hot]
-    earlier = [_token_count(t) for s, t in tensors if s == 1 and t not in cumsums]
-    if constant != -1 or len(cumsums) != 1 or any(e is None for e in earlier) or any(s != 1 for s, _ in tensors):
+def _is_slots(node: Node, E, C, H=None) -> Optional[int]:
+    """d when ``node`` is (1, .., 1, E, C, H) with E at axis d: the padded slots, under leading ones."""
+    s = shape(node)
+    if s is None or len(s) < 3 or any(not same_traced(n, 1) for n in s[:-3]):
         return None
-    if len(earlier) != len(tensors) - 1:
+    if not (same_traced(s[-3], E) and same_traced(s[-2], C) and (H is None or same_traced(s[-1], H))):
         return None
-    return earlier
-
-
-def _same_size(handle: Any, size: Any) -> bool:
-    """``handle`` (an int in the graph, or the node of a symbolic size) is the size ``size`` of a traced tensor."""
-    if isinstance(handle, int) and not isinstance(handle, bool):
-        return isinstance(size, int) and handle == size
-    traced = handle.meta.get("example_value", handle.meta.get("val")) if isinstance(handle, Node) else None
-    if not isinstance(traced, torch.SymInt):
-        return False
-    if isinstance(size, torch.SymInt):
-        return str(traced.node.expr) == str(size.node.expr)
-    # a plain int size made from a symbolic one: Dynamo specialised it (one_hot's num_classes), under a guard
-    return isinstance(size, int) and traced.node.hint == size
-
-
-def _dropped_mask(mask: Node, capacity) -> Optional[tuple[Node, Node, Node, list, Any]]:
-    """(idx, one_hot, loc, earlier, the capacity as written) for ``mask = one_hot(idx, E) * lt(loc, capacity)`` with loc a queue position."""
-    if not (_call(mask, *_MUL) and len(mask.args) == 2 and not mask.kwargs):
-        return None
-    for a, b in (mask.args, mask.args[::-1]):
-        hot, keep = _strip_casts(a, zero_one=True), _strip_casts(b, zero_one=True)
-        if not (_call(hot, *_ONE_HOT) and isinstance(hot.args[0], Node)):
-            continue
-        if not (_call(keep, torch.lt, operator.lt, "lt") and len(keep.args) == 2 and not keep.kwargs):
-            continue
-        loc, cap = keep.args
-        if not isinstance(loc, Node) or not _same_size(cap, capacity):
-            continue
-        earlier = _queue_position(loc, hot)
-        if earlier is not None:
-            return hot.args[0], hot, loc, earlier, cap
-    return None
-
-
-def _num_classes(one_hot: Node):
-    return one_hot.kwargs.get("num_classes", one_hot.args[1] if len(one_hot.args) > 1 else None)
-
-
-def _term_factors(node: Any, T, E, C) -> list:
-    """The factors of one combine term, through products of (T, E, C) or (T, E, 1) tensors and batched outer products
-    ``bmm(a (T, E, 1), b (T, 1, C))`` (fairseq's spelling: a sum over a size-1 axis is a plain product)."""
-    if _call(node, *_MUL) and len(node.args) == 2 and not node.kwargs and _shape(node) in ((T, E, C), (T, E, 1)):
-        return _term_factors(node.args[0], T, E, C) + _term_factors(node.args[1], T, E, C)
-    if (_call(node, torch.bmm, torch.matmul, operator.matmul, "bmm", "matmul") and len(node.args) == 2
-            and not node.kwargs and _shape(node.args[0]) == (T, E, 1) and _shape(node.args[1]) == (T, 1, C)):
-        return _term_factors(node.args[0], T, E, C) + _term_factors(node.args[1], T, E, C)
-    return [node]
-
-
-def _gate_folded(node: Any, T, E) -> list:
-    """``[gate (T, 1), mask]`` for ``gate[:, None] * mask`` (either order), else ``[node]``: only a (T, 1) factor is
-    split off, so the dropped mask's own product ``one_hot * lt(...)`` stays whole."""
-    if _call(node, *_MUL) and len(node.args) == 2 and not node.kwargs and _shape(node) == (T, E):
-        for g, rest in (node.args, node.args[::-1]):
-            if _shape(g) == (T, 1):
-                return [g] + _gate_folded(rest, T, E)
-    return [node]
-
-
-def _choice(term: Node, T, E, C) -> Optional[_Choice]:
-    """One ``gate[:, None, None] * mask[:, :, None] * one_hot(slot, C)[:, None, :]`` term of combine; the gate may
-    also be folded into the mask first (``(gate[:, None] * mask)[:, :, None]``)."""
-    leaves = _term_factors(term, T, E, C)
-    if not all(isinstance(n, Node) for n in leaves):
-        return None
-    gates, masks, slots = [], [], []
-    for leaf in leaves:
-        axis = _new_axis(leaf)
-        if axis is not None and axis[1] == 2 and _shape(leaf) == (T, E, 1):
-            inner = _strip_casts(axis[0])  # float casts only: it may carry the gate
-            for part in _gate_folded(inner, T, E):
-                if _shape(part) == (T, E):
-                    masks.append(_strip_casts(part, zero_one=True))
-                elif _shape(part) == (T, 1):
-                    gates.append(part)
-                else:
-                    return None
-        elif axis is not None and axis[1] == 1 and _shape(leaf) == (T, 1, C):
-            slots.append(_strip_casts(axis[0], zero_one=True))
-        elif _shape(leaf) == (T, 1, 1):
-            gates.append(leaf)
-        else:
-            return None
-    if len(gates) != 1 or len(masks) != 1 or len(slots) != 1:
-        return None
-    gate, mask, slot = gates[0], masks[0], slots[0]
-    if not (_call(slot, *_ONE_HOT) and _same_size(_num_classes(slot), C) and isinstance(slot.args[0], Node)):
-        return None
-    dropped = _dropped_mask(mask, C)
-    if dropped is None or _num_classes(dropped[1]) != E:
-        return None
-    idx, hot, loc, earlier, cap = dropped
-    # the slot is the queue position of the kept (token, expert): sum(loc * mask, dim=1)
-    position = _strip_casts(slot.args[0], zero_one=True)
-    if not (_call(position, torch.sum, "sum") and _dim_arg(position, 1) in (1, -1) and set(position.kwargs) <= {"dim"}):
-        return None
-    prod = position.args[0]
-    if not (_call(prod, *_MUL) and len(prod.args) == 2 and set(prod.args) == {loc, mask}):
-        return None
-    return _Choice(gate, idx, hot, mask, earlier, cap, loc)
-
-
-def _order_choices(choices: list[_Choice]) -> Optional[list[_Choice]]:
-    """Choice j queues behind exactly choices 0..j-1 (their masks before or after the drop)."""
-    ordered = sorted(choices, key=lambda c: len(c.earlier))
-    for j, choice in enumerate(ordered):
-        if len(choice.earlier) != j:
-            return None
-        wanted = [{ordered[i].one_hot, ordered[i].mask} for i in range(j)]
-        used = [[i for i, w in enumerate(wanted) if e in w] for e in choice.earlier]
-        if sorted(i for u in used for i in u) != list(range(j)) or any(len(u) != 1 for u in used):
-            return None
-    return ordered
+    return len(s) - 3
 
 
 def _slot_projection(node: Any) -> list[tuple[Node, Node, str]]:
     """(input (E, C, K), weight, layout) readings of ``einsum("ecK,eNK->ecN", xin, w)`` (either weight layout), or
     of ``torch.bmm(xin, w)`` / ``xin @ w`` with w (E, K, N), or w (E, N, K) as ``w.transpose(1, 2)``."""
-    if _call(node, torch.bmm, operator.matmul, torch.matmul) and len(node.args) == 2 and not node.kwargs:
+    if call(node, torch.bmm, operator.matmul, torch.matmul) and len(node.args) == 2 and not node.kwargs:
         xin, w = node.args
         layout = "kn"
-        if _call(w, "transpose") and set(w.args[1:]) in ({1, 2}, {-2, -1}):
+        if call(w, "transpose") and set(w.args[1:]) in ({1, 2}, {-2, -1}):
             w, layout = w.args[0], "nk"
         xv, wv = val(xin), val(w) if isinstance(w, Node) else None
         if xv is None or wv is None or xv.dim() != 3 or wv.dim() != 3 or xv.shape[0] != wv.shape[0]:
@@ -292,145 +113,311 @@ def _slot_projection(node: Any) -> list[tuple[Node, Node, str]]:
     return found
 
 
+@dataclass(frozen=True)
+class _Experts:
+    """The experts run on the slots ``xin``: weights stacked (E, ., .) or per expert (tuples), as the spec takes."""
+
+    xin: Node
+    gate: Any
+    up: Any
+    down: Any
+    layout: str
+    activation: str
+    biases: tuple = (None, None, None)  # b1, b1_up, b2: per-expert tuples (the per-expert reading only)
+    fields: tuple = ()  # the gated reading's spec fields (gate_up, alpha, limit)
+
+
+def _stacked_experts(out: Node, E) -> list[_Experts]:
+    """Experts by einsum / bmm on stacked weights, ``out`` (E, C, H) their down projection."""
+    found = []
+    for down_in, down_w, layout in _slot_projection(out):
+        split = split_gated(down_in)
+        if split is None:
+            continue
+        activation, _, gate_in, up_node = split
+        ups = _slot_projection(up_node) if up_node is not None else [None]
+        for g in _slot_projection(gate_in):
+            for u in ups:
+                if (u is not None and (u[0] is not g[0] or u[2] != g[2])) or g[2] != layout:
+                    continue
+                if val(down_w) is None or val(down_w).shape[0] != E or val(g[1]).shape[0] != E:
+                    continue
+                found.append(_Experts(g[0], g[1], u[1] if u is not None else None, down_w, layout, activation))
+    return found
+
+
+def _chunk_of(piece: Any, e: int, E: int, d: int) -> Optional[Node]:
+    """X for ``X.chunk(E, dim=d)[e]`` or ``X.split(1, dim=d)[e]`` with X of size E along d: expert e's slots."""
+    if not (call(piece, operator.getitem) and piece.args[1] == e):
+        return None
+    parts = piece.args[0]
+    if not (call(parts, "chunk", torch.chunk, "split", torch.split) and len(parts.args) >= 2):
+        return None
+    X, n = parts.args[0], parts.args[1]
+    dim = parts.args[2] if len(parts.args) > 2 else parts.kwargs.get("dim", 0)
+    if set(parts.kwargs) - {"dim"} or not isinstance(dim, int) or shape(X) is None:
+        return None
+    wanted = E if parts.target in ("chunk", torch.chunk) else 1
+    if n != wanted or dim % len(shape(X)) != d or not same_traced(shape(X)[d], E):
+        return None
+    return X
+
+
+def _per_expert_experts(out: Node, E, C) -> Union[_Experts, str, None]:
+    """One module per expert: ``cat([expert_e(X.chunk(E, d)[e]) for e], dim=d)``, each expert an MLP of nn.Linear
+    layers (biases allowed) on its own chunk; None when ``out`` is not such a cat, a reason when a piece fails."""
+    if not (call(out, torch.cat, torch.concat) and out.args and isinstance(out.args[0], (list, tuple))):
+        return None
+    pieces = list(out.args[0])
+    d = _is_slots(out, E, C)
+    dim = out.args[1] if len(out.args) > 1 else out.kwargs.get("dim", 0)
+    if d is None or not isinstance(dim, int) or dim % len(shape(out)) != d or len(pieces) != E:
+        return None
+    source, readings = None, []
+    for e, piece in enumerate(pieces):
+        down = _biased_linear(piece, e) if isinstance(piece, Node) else None
+        if down is None or down[3]:
+            return f"expert {e}'s output is not an nn.Linear (or F.linear) on its own weights"
+        gated = read_gated(down[0], lambda n: _biased_linear(n, e))
+        if gated is None or gated.gate[3] or (gated.up is not None and gated.up[3]):
+            return f"expert {e}'s hidden state is not a known activation of its own projections"
+        gate, up = gated.gate, gated.up
+        if (up is not None and up[0] is not gate[0]) or any(p[2] != down[2] for p in (gate, up) if p is not None):
+            return f"expert {e}'s projections read different inputs or mix weight layouts"
+        X = _chunk_of(gate[0], e, E, d)
+        if X is None or (source is not None and X is not source):
+            return f"expert {e} does not run on chunk {e} of the one (E, C, H) slot buffer"
+        source = X
+        readings.append((gated, gate, up, down))
+    first = readings[0][0]
+    same = (first.activation, first.up is None, first.spec_fields())
+    if any((g.activation, g.up is None, g.spec_fields()) != same for g, _, _, _ in readings):
+        return "the experts differ in activation or gating"
+
+    def column(i: int, of: int) -> Optional[tuple]:
+        nodes = [r[of][i] if r[of] is not None else None for r in readings]
+        return None if all(n is None for n in nodes) else tuple(nodes)
+
+    gate, up, down = column(1, 1), column(1, 2), column(1, 3)
+    b1, b1_up, b2 = column(4, 1), column(4, 2), column(4, 3)
+    if any(t is not None and None in t for t in (b1, b1_up, b2)):
+        return "some experts' projections have biases and others none"
+    if (b1 is not None or b1_up is not None) and first.gate_up is not None:
+        return "the experts' fused gate/up projections have biases: the op splits a fused weight only when stacked"
+    if any(len({tuple(val(w).shape) for w in t}) != 1 for t in (gate, up, down, b1, b1_up, b2) if t is not None):
+        return "the experts' weights differ in shape"
+    return _Experts(source, gate, up, down, "nk", first.activation, (b1, b1_up, b2), tuple(first.spec_fields().items()))
+
+
+def _experts_on(out: Node, E, C) -> Union[list[_Experts], str]:
+    """The readings of ``out`` (the slot outputs, through reshapes) as experts on slots, or why there are none."""
+    found, reason = [], "its slot outputs are not experts on the slots (einsum, bmm or one module per chunk)"
+    for node in _regrouped(out):
+        if _is_slots(node, E, C) is None:
+            continue
+        if len(shape(node)) == 3:
+            found += _stacked_experts(node, E)
+        per = _per_expert_experts(node, E, C)
+        if isinstance(per, _Experts):
+            found.append(per)
+        elif isinstance(per, str):
+            reason = per
+    return found or reason
+
+
 def _dispatch_of(node: Any) -> Optional[Node]:
     """``combine`` for ``combine.bool()`` / ``combine != 0`` (then casts of the 0/1 result): exactly combine's
     support. No cast may sit under the test: a narrower float could round a small gate to zero."""
     for _ in range(8):
         if not isinstance(node, Node):
             return None
-        if _call(node, "bool") and len(node.args) == 1 and not node.kwargs:
+        if call(node, "bool") and len(node.args) == 1 and not node.kwargs:
             return node.args[0]
-        if _call(node, "to") and len(node.args) == 2 and node.args[1] is torch.bool and not node.kwargs:
+        if call(node, "to") and len(node.args) == 2 and node.args[1] is torch.bool and not node.kwargs:
             return node.args[0]
-        if _call(node, operator.ne, torch.ne, "ne") and len(node.args) == 2 and node.args[1] in (0, 0.0) \
+        if call(node, operator.ne, torch.ne, "ne") and len(node.args) == 2 and node.args[1] in (0, 0.0) \
                 and not node.kwargs:
             return node.args[0]
-        under = _strip_casts(node, zero_one=True)
+        under = strip_casts(node, zero_one=True)
         if under is node:
             return None
         node = node.args[0]  # one cast at a time, so the test itself is seen
     return None
 
 
-@dataclass
-class _Match:
-    spec_parts: tuple
-    choices: list[_Choice]
-    capacity: Any
+def _dispatched(xin: Node, T, E, C) -> Optional[tuple[Node, Node]]:
+    """(dispatch (T, E, C), x (T, H)) when ``xin`` (through reshapes) is ``einsum("tec,th->ech", dispatch, x)`` or
+    ``mm(dispatch.permute(1, 2, 0).view(E*C, T), x)``: slot (e, c) holds sum_t dispatch[t, e, c] * x[t]."""
+    for node in _regrouped(xin):
+        parsed = einsum_parts(node)
+        if parsed is not None and len(parsed[2]) == 2:
+            subs, out_subs, ops = parsed
+            for di, xi in ((0, 1), (1, 0)):
+                ds, xs = subs[di], subs[xi]
+                if len(ds) == 3 and len(xs) == 2 and len(set(ds + xs)) == 4 and xs[0] == ds[0] and (
+                        out_subs == ds[1:] + xs[1]):
+                    return ops[di], ops[xi]
+        if call(node, *_MM) and len(node.args) == 2 and not node.kwargs and len(shape(node) or ()) == 2:
+            flat, x = node.args
+            chain = _regrouped(flat)
+            perm = chain[-1]
+            if len(chain) < 2 or not (call(perm, "permute", torch.permute) and not perm.kwargs):
+                continue
+            dims = tuple(perm.args[1]) if len(perm.args) == 2 and isinstance(perm.args[1], (tuple, list)) \
+                else tuple(perm.args[1:])
+            s = shape(perm.args[0])
+            if dims != (1, 2, 0) or s is None or len(s) != 3 or len(shape(flat)) != 2:
+                continue
+            if not (same_traced(s[0], T) and same_traced(s[1], E) and same_traced(s[2], C)
+                    and same_traced(shape(flat)[1], T)):
+                continue
+            return perm.args[0], x
+    return None
 
 
 def _capacity_combines(y: Node) -> list[tuple[Node, Node]]:
-    """(combine, slot outputs) operand pairs for which ``y`` is ``einsum("tec,ech->th", combine, out)``: the mark
-    of this form (a (T, E, C) combine over the experts' padded slots), whether or not the rest is provable."""
+    """(combine, slot outputs) operand pairs for which ``y`` is ``einsum("tec,ech->th", combine, out)`` or
+    ``mm(combine.view(T, E*C), out.view(E*C, H))``: the mark of this form (a (T, E, C) combine over the experts'
+    padded slots), whether or not the rest is provable."""
     parsed = einsum_parts(y)
-    if parsed is None or len(parsed[2]) != 2:
-        return []
-    subs, out_subs, ops = parsed
     pairs = []
-    for ci, oi in ((0, 1), (1, 0)):
-        cs, os_ = subs[ci], subs[oi]
-        if len(cs) == 3 and len(os_) == 3 and len(set(cs + os_)) == 4 and os_[:2] == cs[1:] and (
-                out_subs == cs[0] + os_[2]):
-            pairs.append((ops[ci], ops[oi]))
+    if parsed is not None and len(parsed[2]) == 2:
+        subs, out_subs, ops = parsed
+        for ci, oi in ((0, 1), (1, 0)):
+            cs, os_ = subs[ci], subs[oi]
+            if len(cs) == 3 and len(os_) == 3 and len(set(cs + os_)) == 4 and os_[:2] == cs[1:] and (
+                    out_subs == cs[0] + os_[2]):
+                pairs.append((ops[ci], ops[oi]))
+    elif call(y, *_MM) and len(y.args) == 2 and not y.kwargs and len(shape(y) or ()) == 2:
+        a, b = y.args
+        combine = next((n for n in _regrouped(a)[1:] if len(shape(n) or ()) == 3), None)
+        cs, as_, bs = shape(combine), shape(a), shape(b)
+        if cs is None or as_ is None or bs is None or len(as_) != 2 or len(bs) != 2 or not same_traced(as_[0], cs[0]):
+            return pairs
+        slots = next((n for n in _regrouped(b)[1:] if _is_slots(n, cs[1], cs[2], bs[1]) is not None), None)
+        if slots is not None:
+            pairs.append((combine, slots))
     return pairs
 
 
-def match(y: Node) -> Optional[_Match]:
+@dataclass
+class _Match:
+    experts: _Experts
+    x: Node
+    choices: list[Choice]
+    capacity: Any
+
+
+def match(y: Node) -> Union[_Match, str, None]:
+    """The proven padded-capacity MoE ending at ``y``; the first reason it is not, when ``y`` is a capacity
+    combine; None when it is not one."""
+    reason = None
     for combine, out in _capacity_combines(y):
-        found = _match_parts(_strip_casts(combine), out)
-        if found is not None:
+        found = _match_parts(y, strip_casts(combine), out)
+        if isinstance(found, _Match):
             return found
-    return None
+        reason = reason or found
+    return reason
 
 
-def _match_parts(combine: Node, out: Node) -> Optional[_Match]:
-    shape = _shape(combine)
-    if shape is None or len(shape) != 3:
-        return None
-    T, E, C = shape
-    for down_in, down_w, layout in _slot_projection(out):
-        split = split_gated(down_in)
-        if split is None:
+def _match_parts(y: Node, combine: Node, out: Node) -> Union[_Match, str]:
+    s = shape(combine)
+    if s is None or len(s) != 3:
+        return "the combine is not a (T, E, C) tensor"
+    if combine.op == "placeholder":
+        return ("the (T, E, C) combine weights are an input of this graph: the gating that made them, and its "
+                "capacity drops, were traced into another graph (a graph break before the combine), so nothing "
+                "here can prove them")
+    T, E, C = s
+    experts = _experts_on(out, E, C)
+    if isinstance(experts, str):
+        return f"a (T, E, C) combine over capacity slots, but {experts}"
+    reason = "a (T, E, C) combine over capacity slots, but its slots are not filled by a dispatch of combine's support"
+    for ex in experts:
+        dispatched = _dispatched(ex.xin, T, E, C)
+        if dispatched is None or _dispatch_of(dispatched[0]) is not combine:
             continue
-        activation, _, gate_in, up_node = split
-        gate = _slot_projection(gate_in)
-        up = _slot_projection(up_node) if up_node is not None else [None]
-        for g in gate:
-            for u in up:
-                if u is not None and (u[0] is not g[0] or u[2] != g[2]):
-                    continue
-                if g[2] != layout:
-                    continue
-                m = _match_routing(combine, g[0], T, E, C)
-                if m is None:
-                    continue
-                x, choices = m
-                wv = val(down_w)
-                if wv is None or wv.shape[0] != E or val(g[1]).shape[0] != E:
-                    continue
-                capacity = C if isinstance(C, int) else choices[0].capacity  # the op takes an int or a size node
-                return _Match((x, g[1], u[1] if u is not None else None, down_w, layout, activation), choices,
-                              capacity)
-    return None
+        x = dispatched[1]
+        if shape(x) is None or len(shape(x)) != 2 or not same_traced(shape(x)[0], T):
+            continue
+        choices = _routing(combine, T, E, C)
+        if isinstance(choices, str):
+            return choices
+        inputs = [x, *(n for c in choices for n in (c.idx, c.gate, c.full) if n is not None)]
+        if not versions_sound(y, inputs, [f for c in choices for f in c.fills()]):
+            return ("a (T, E, C) combine over capacity slots whose gating tensors are changed in place after "
+                    "they are read")
+        capacity = C if isinstance(C, int) else choices[0].capacity  # the op takes an int or a size node
+        return _Match(ex, x, choices, capacity)
+    return reason
 
 
-def _match_routing(combine: Node, xin: Node, T, E, C) -> Optional[tuple[Node, list[_Choice]]]:
-    """(x, the choices) when ``xin = einsum("tec,th->ech", support(combine), x)`` and combine is a proven sum of
-    capacity-dropped choices."""
-    parsed = einsum_parts(xin)
-    if parsed is None or len(parsed[2]) != 2:
-        return None
-    subs, out_subs, ops = parsed
-    x = None
-    for di, xi in ((0, 1), (1, 0)):
-        ds, xs = subs[di], subs[xi]
-        if len(ds) == 3 and len(xs) == 2 and len(set(ds + xs)) == 4 and xs[0] == ds[0] and out_subs == ds[1:] + xs[1]:
-            if _dispatch_of(ops[di]) is combine:
-                x = ops[xi]
-    if x is None or _shape(x) is None or len(_shape(x)) != 2 or _shape(x)[0] != T:
-        return None
+def _routing(combine: Node, T, E, C) -> Union[list[Choice], str]:
+    """The choices of a combine that is a proven sum of capacity-dropped choices, or why not."""
     # a sum started from 0 (``combine = 0`` then ``combine = combine + term`` per choice) adds a literal zero
-    terms = [t for t in _flatten(combine, _ADD, lambda n: _shape(n) == (T, E, C))
+    terms = [t for t in _flatten(combine, _ADD, lambda n: shape(n) == (T, E, C))
              if not (type(t) in (int, float) and t == 0)]
-    choices = [_choice(t, T, E, C) if isinstance(t, Node) else None for t in terms]
+    choices = [choice(t, T, E, C) if isinstance(t, Node) else None for t in terms]
+    base = "a (T, E, C) combine over capacity slots, but its gating is not the GShard routing this form proves"
     if not choices or any(c is None for c in choices):
-        return None
-    ordered = _order_choices(choices)
-    if ordered is None or len({c.capacity for c in ordered}) != 1:  # one capacity for every choice
-        return None
-    proven = [combine, *terms] + [n for c in ordered for n in (c.one_hot, c.mask, c.idx, c.loc, c.gate)]
-    if any(mutated_alias(n) for n in proven):  # nothing the proof read may change afterwards, through any view
-        return None
-    if any(val(c.idx) is None or tuple(val(c.idx).shape) != (T,) or val(c.idx).is_floating_point() for c in ordered):
-        return None
-    return x, ordered
+        return (f"{base}: a term is not gate * one_hot(expert, E) * lt(queue position, C) ⊗ one_hot(slot, C), "
+                "with the slot the queue position of the kept choice")
+    ordered = order_choices(choices)
+    if ordered is None:
+        return (f"{base}: the queue positions are not choice-major (choice j behind every earlier choice), the "
+                "order the op drops in")
+    if len({c.capacity for c in ordered}) != 1:
+        return f"{base}: the choices are dropped at different capacities"
+    for c in ordered:
+        iv = val(c.idx)
+        if iv is None or iv.is_floating_point() or not (tuple(iv.shape) == (T,) or tuple(iv.shape) == (T, 1)):
+            return f"{base}: an expert index is not a (T,) integer tensor"
+    return ordered
 
 
 def match_capacity(y: Node) -> Union[Match, str, None]:
     """The padded-capacity MoE whose (T, E, C) combine ends at ``y``; or why not, when ``y`` is such a combine."""
     found = match(y)
-    if found is None:
-        if _capacity_combines(y):
-            return ("a (T, E, C) combine over capacity slots, but its dispatch, slot projections or gating (one_hot, "
-                    "cumsum queue positions, capacity drops, gates) are not the GShard/Switch routing this form proves")
-        return None
-    x, gate_w, up_w, down_w, layout, activation = found.spec_parts
-    # the routing is proven (``_match_routing``); the op's (T, k) ids and weights are stacked from its choices
-    spec = MoESpec(x, None, None, gate_w, up_w, down_w, layout, activation, capacity=found.capacity)
+    if not isinstance(found, _Match):
+        return found
+    ex = found.experts
+    per_expert = isinstance(ex.gate, tuple)
+    b1, b1_up, b2 = ex.biases
+    # the routing is proven; the op's (T, k) ids and weights are stacked from its choices by ``derive``
+    spec = MoESpec(found.x, None, None, ex.gate, ex.up, ex.down, ex.layout, ex.activation, capacity=found.capacity,
+                   b1=b1, b1_up=b1_up, b2=b2, **dict(ex.fields))
 
-    def routing(graph: Graph, spec: MoESpec) -> MoESpec:
-        ids = graph.call_function(torch.stack, ([c.idx for c in found.choices],), {"dim": 1})
-        columns = [graph.call_method("reshape", (c.gate, -1)) for c in found.choices]
+    def derive(graph: Graph, spec: MoESpec) -> MoESpec:
+        # fairseq's scatter one-hot takes (T, 1) ids: the op's column is their (T,) view
+        ids = graph.call_function(torch.stack, ([c.idx if val(c.idx).dim() == 1 else graph.call_method(
+            "reshape", (c.idx, -1)) for c in found.choices],), {"dim": 1})
+        columns = []
+        for c in found.choices:
+            if c.full is not None:  # a (T, E) gate times the one-hot: its entry at the kept expert
+                column = graph.call_method("view", (c.idx, -1, 1))
+                columns.append(graph.call_method("reshape", (graph.call_method("gather", (c.full, 1, column)), -1)))
+            else:
+                columns.append(graph.call_method("reshape", (c.gate, -1)))
         weights = graph.call_function(torch.stack, (columns,), {"dim": 1})
-        return dataclasses.replace(spec, ids=ids, weights=weights)
+        spec = dataclasses.replace(spec, ids=ids, weights=weights)
+        if per_expert:  # the list op has no capacity: the op with capacity takes them stacked, at each call
+            def stack(t):
+                return None if t is None else graph.call_function(torch.stack, (list(t),))
+            spec = dataclasses.replace(spec, gate=stack(spec.gate), up=stack(spec.up), down=stack(spec.down),
+                                       b1=stack(spec.b1), b1_up=stack(spec.b1_up), b2=stack(spec.b2))
+        return spec
 
-    E, gv, dv = int(val(gate_w).shape[0]), val(gate_w), val(down_w)
+    gv = val(ex.gate[0] if per_expert else ex.gate)
+    dv = val(ex.down[0] if per_expert else ex.down)
+    E = len(ex.gate) if per_expert else int(gv.shape[0])
     # multiply-adds of one slot through the experts: the up projection(s) and the down projection
-    slot_flops = 2 * (gv[0].numel() * (2 if up_w is not None else 1) + dv[0].numel())
+    per_slot = lambda v: v.numel() if per_expert else v[0].numel()  # noqa: E731
+    slot_flops = 2 * (per_slot(gv) * (2 if ex.up is not None else 1) + per_slot(dv))
     padded = f"{E} x {found.capacity} slots = {E * found.capacity * slot_flops / 1e6:.2f} MFLOP per call" \
         if isinstance(found.capacity, int) else "the padded slots"
-    return Match(spec, y, note=f"capacity {found.capacity}, the same drops; runs the T*k routed rows instead of "
-                 f"{padded}, no (T, E, C) dispatch einsum", derive=routing, top_k=len(found.choices))
+    note = (f"capacity {found.capacity}, the same drops; runs the T*k routed rows instead of {padded}, no (T, E, C) "
+            "dispatch" + ("; per-expert weights stacked at each call" if per_expert else ""))
+    return Match(spec, y, note=note, derive=derive, top_k=len(found.choices))
 
 
 rewrite = Form(FORM, (Anchor(every_node, match_capacity),))

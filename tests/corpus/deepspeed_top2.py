@@ -7,6 +7,10 @@ queued behind every first choice; a capacity computed as a tensor, ``ceil(T / E 
 to ``min_capacity`` by ``if capacity < min_capacity``; ``mask *= torch.lt(locations, capacity)`` drops;
 ``F.one_hot(locations_s, num_classes=capacity)`` with the tensor capacity; einsum ``"se,sc->sec"`` combine weights,
 ``"sec,sm->ecm"`` dispatch, experts over ``chunk(E, dim=1)``, ``"sec,ecm->sm"`` combine.
+
+Left alone: ``if capacity < min_capacity`` branches on a tensor, which Dynamo cannot trace (a graph break under any
+backend), so the combine and dispatch reach the experts' graph as graph inputs, and no graph holds the gating and
+the experts together for the padded-capacity proof.
 """
 import torch
 import torch.nn as nn
@@ -106,4 +110,4 @@ class MOELayer(nn.Module):
 
 CASES = [Case("deepspeed_top2", "deepspeedai/DeepSpeed deepspeed/moe/sharded_moe.py top2gating + MOELayer", MOELayer,
               lambda T, g: torch.randn(2, T, H, generator=g), form="padded_capacity",
-              expect=("left_alone", "padded_capacity", "a (T, E, C) combine over capacity slots, but its dispatch"))]
+              expect=("left_alone", "padded_capacity", "the (T, E, C) combine weights are an input of this graph"))]

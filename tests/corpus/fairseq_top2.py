@@ -94,5 +94,4 @@ class MOELayer(nn.Module):
 
 
 CASES = [Case("fairseq_top2", "facebookresearch/fairseq fairseq/modules/moe/top2gate.py + moe_layer.py", MOELayer,
-              lambda T, g: torch.randn(T, H, generator=g), form="padded_capacity",
-              expect=("left_alone", "moe_region", "ids feed per-expert work"))]
+              lambda T, g: torch.randn(T, H, generator=g), form="padded_capacity")]

@@ -1,0 +1,427 @@
+"""The gating half of the padded-capacity proof (``padded_capacity.py`` has the dispatch, experts and combine): a
+(T, E, C) combine is proven to be a sum over choices j of ``gate_j * mask_j ⊗ one_hot(slot_j, C)``, each mask a
+one-hot over experts with GShard's capacity drop, choice j queued behind the choices before it.
+
+Spellings read here:
+
+- one-hots: ``F.one_hot(i, N)``, or a zeros (T, N) buffer with one ``scatter_(1, i[:, None], 1)`` (fairseq's
+  ``one_hot``), read through the buffer or through the scatter's result;
+- queue positions: ``cumsum(m, 0) - 1`` plus ``sum(m_i, 0, keepdim=True)`` of each earlier choice, ``+`` or ``+=``;
+- drops: ``m * lt(loc, C)`` or ``m *= lt(loc, C)``;
+- terms: products of (T, 1, 1), (T, E, 1) and (T, 1, C) tensors, ``bmm((T, E, 1), (T, 1, C))`` (fairseq) and
+  ``einsum("se,sc->sec", g, s)`` (DeepSpeed); the gate a (T,) or (T, 1) factor of the mask, or a (T, E) one
+  (DeepSpeed's ``gates * mask``: with one kept expert per row it is ``gates[t, i_t] * mask``).
+
+In-place arithmetic is read as its functional value (``versions_sound`` proves that every read sees the value the
+proof gives it), so ``+=``, ``*=`` and ``/=`` spellings are the same proofs as ``+``, ``*`` and ``/``.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+
+from .fx_utils import einsum_parts, val
+
+_ONE_HOT = (F.one_hot, torch._C._nn.one_hot)
+_MUL = (operator.mul, torch.mul, operator.imul, "mul_")
+_ADD = (operator.add, torch.add, operator.iadd, "add_")
+_SUB = (operator.sub, torch.sub, operator.isub, "sub_")
+_CASTS = ("float", "double", "half", "bfloat16", "long", "int", "bool")
+_ZEROS = (torch.zeros, torch.zeros_like)
+_ALIASING = {"view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "transpose", "permute", "t",
+             "flatten", "unflatten", "narrow", "select", "as_strided", "contiguous", "detach", "split", "chunk",
+             "unbind", "view_as", "to", "type_as", "float", "double", "half", "bfloat16", "long", "int", "bool",
+             "type"}
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul}
+
+
+def call(node: Any, *targets) -> bool:
+    """``node`` is a call of one of ``targets`` (functions or method names)."""
+    return isinstance(node, Node) and node.op in ("call_function", "call_method") and node.target in targets
+
+
+def shape(node: Any) -> Optional[tuple]:
+    v = val(node) if isinstance(node, Node) else None
+    return tuple(v.shape) if v is not None else None
+
+
+def binary(node: Any, targets: tuple) -> Optional[tuple]:
+    """(a, b) for ``a op b`` with op one of ``targets``, in-place spellings (``a op= b``, ``a.op_(b)``) included."""
+    if call(node, *targets) and len(node.args) == 2 and not node.kwargs:
+        return node.args
+    return None
+
+
+def strip_casts(node: Any, zero_one: bool = False) -> Any:
+    """The tensor under dtype casts. ``zero_one`` is for tensors of 0s and 1s (masks, one-hots), where every cast is
+    exact; otherwise only float-to-float casts go (the emitter casts the routing weights to x's dtype the same way)."""
+    while isinstance(node, Node) and node.args and isinstance(node.args[0], Node) and not node.kwargs:
+        is_cast = (node.op == "call_method" and (
+            (node.target == "to" and len(node.args) == 2 and isinstance(node.args[1], torch.dtype))
+            or (node.target == "type_as" and len(node.args) == 2)
+            or (node.target in _CASTS and len(node.args) == 1)))
+        if not is_cast:
+            break
+        if not zero_one:
+            src, dst = val(node.args[0]), val(node)
+            if src is None or dst is None or not (src.is_floating_point() and dst.is_floating_point()):
+                break
+        node = node.args[0]
+    return node
+
+
+def new_axis(node: Any) -> Optional[tuple[Node, int]]:
+    """(base, d) when ``node`` is ``base`` with one new axis at position d of a 3D result."""
+    if not isinstance(node, Node) or not node.args or not isinstance(node.args[0], Node):
+        return None
+    base = node.args[0]
+    if call(node, "unsqueeze", torch.unsqueeze) and len(node.args) == 2 and not node.kwargs:
+        return base, node.args[1] % 3
+    if call(node, operator.getitem) and isinstance(node.args[1], tuple):
+        index = node.args[1]
+        if len(index) == 3 and index.count(None) == 1 and all(i is None or i == slice(None) for i in index):
+            return base, index.index(None)
+    return None
+
+
+def column_base(node: Any) -> Any:
+    """``i`` for the (T, 1) column ``i.unsqueeze(-1)`` / ``i[:, None]`` / ``i.view(-1, 1)`` of a (T,) ``i``."""
+    if not isinstance(node, Node) or not node.args or not isinstance(node.args[0], Node):
+        return node
+    base, args = node.args[0], node.args[1:]
+    if shape(base) is None or len(shape(base)) != 1 or node.kwargs:
+        return node
+    if call(node, "unsqueeze", torch.unsqueeze) and args in ((1,), (-1,)):
+        return base
+    if call(node, operator.getitem) and args in (((slice(None), None),), ((Ellipsis, None),)):
+        return base
+    if call(node, "view", "reshape") and args in ((-1, 1),):
+        return base
+    return node
+
+
+def same_size(handle: Any, size: Any) -> bool:
+    """``handle`` (an int in the graph, or the node of a symbolic size) is the size ``size`` of a traced tensor."""
+    if isinstance(handle, int) and not isinstance(handle, bool):
+        return isinstance(size, int) and handle == size
+    traced = handle.meta.get("example_value", handle.meta.get("val")) if isinstance(handle, Node) else None
+    return isinstance(traced, torch.SymInt) and same_traced(traced, size)
+
+
+def same_traced(a: Any, b: Any) -> bool:
+    """Two traced sizes are the same size (equal ints, or one symbolic expression)."""
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return str(a.node.expr) == str(b.node.expr)
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        # a plain int size made from a symbolic one: Dynamo specialised it (one_hot's num_classes), under a guard
+        s, i = (a, b) if isinstance(a, torch.SymInt) else (b, a)
+        return isinstance(i, int) and s.node.hint == i
+    return isinstance(a, int) and isinstance(b, int) and a == b
+
+
+@dataclass(frozen=True)
+class OneHot:
+    """A one-hot over ``classes`` of the (T,) or (T, 1) integer ``idx``; ``key`` is the tensor every spelling of it
+    reads (the scatter's zeros buffer), ``fill`` the scatter that fills that buffer (None for ``F.one_hot``)."""
+
+    idx: Node
+    classes: Any  # a handle as the graph holds it (``F.one_hot``), or a traced size (the buffer's)
+    key: Node
+    fill: Optional[Node] = None
+
+    def has_classes(self, size: Any) -> bool:
+        return same_size(self.classes, size) if self.fill is None else same_traced(self.classes, size)
+
+
+def _zeros(node: Any) -> bool:
+    if not (call(node, *_ZEROS, "new_zeros") and node.args):
+        return False
+    return set(node.kwargs) <= {"dtype", "device", "layout", "requires_grad", "pin_memory", "memory_format"}
+
+
+def one_hot(node: Any) -> Optional[OneHot]:
+    """The one-hot ``node`` is (0/1 casts stripped), or None."""
+    node = strip_casts(node, zero_one=True)
+    if call(node, *_ONE_HOT) and isinstance(node.args[0], Node):
+        classes = node.kwargs.get("num_classes", node.args[1] if len(node.args) > 1 else None)
+        return OneHot(node.args[0], classes, node)
+    if _zeros(node):  # the buffer, read after its one write
+        fills = [u for u in node.users if u.op == "call_method" and u.target == "scatter_" and u.args[0] is node]
+        fill = fills[0] if len(fills) == 1 else None
+    else:
+        fill = node if call(node, "scatter_", "scatter") and node.args and _zeros(node.args[0]) else None
+    if fill is None or len(fill.args) != 4 or fill.kwargs or fill.args[1] not in (1, -1) or fill.args[3] != 1:
+        return None
+    buf, index = fill.args[0], fill.args[2]
+    bv, iv = val(buf), val(index) if isinstance(index, Node) else None
+    if bv is None or iv is None or bv.dim() != 2 or iv.dim() != 2 or iv.shape[1] != 1 or iv.dtype != torch.int64:
+        return None
+    if not same_traced(iv.shape[0], bv.shape[0]):
+        return None
+    # the functional scatter's result is the one-hot; an in-place one fills the buffer that its readers read
+    return OneHot(index, bv.shape[1], fill if fill.target == "scatter" else buf, fill)
+
+
+@dataclass
+class Choice:
+    """One choice of every token: expert ``idx`` with weight ``gate`` ((T, 1, 1), (T, 1) or (T,)) or, when
+    ``full`` is set, the weight ``full[t, idx[t]]`` of a (T, E) gate; dropped past ``capacity`` (as the graph holds
+    it) at the queue positions ``loc``."""
+
+    gate: Optional[Node]
+    full: Optional[Node]
+    idx: Node
+    hot: OneHot
+    mask: Node
+    earlier: list  # the keys of the masks (dropped or not) of the earlier choices this one queues behind
+    capacity: Any
+    loc: Node
+    slot: OneHot
+
+    def fills(self) -> list[Node]:
+        """The scatters that fill this choice's one-hot buffers."""
+        return [h.fill for h in (self.hot, self.slot) if h.fill is not None]
+
+
+def _cumsum_over_tokens(node: Any) -> Optional[Node]:
+    if call(node, torch.cumsum, "cumsum") and _dim_arg(node, 1) == 0 and set(node.kwargs) <= {"dim"}:
+        return node.args[0]
+    return None
+
+
+def _dim_arg(node: Node, position: int, default=None):
+    return node.args[position] if len(node.args) > position else node.kwargs.get("dim", default)
+
+
+def _token_count(node: Any) -> Optional[Node]:
+    """``m`` for ``sum(m, dim=0, keepdim=True)``."""
+    if call(node, torch.sum, "sum") and _dim_arg(node, 1) == 0 and node.kwargs.get("keepdim") is True \
+            and set(node.kwargs) <= {"dim", "keepdim"} and len(node.args) <= 2:
+        return node.args[0]
+    return None
+
+
+def mask_key(node: Any) -> Any:
+    """What a mask read is a read of: a one-hot's key (its buffer), else the node under 0/1 casts."""
+    hot = one_hot(node)
+    return hot.key if hot is not None else strip_casts(node, zero_one=True)
+
+
+def _queue_position(loc: Node, hot: OneHot) -> Optional[list]:
+    """The earlier choices' mask keys for ``loc = cumsum(one_hot, 0) - 1 + sum(m_i, 0, keepdim=True) + ...``."""
+    terms: list[tuple[int, Any]] = []
+
+    def walk(node, sign):
+        if (ab := binary(node, _ADD)) is not None:
+            walk(ab[0], sign)
+            walk(ab[1], sign)
+        elif (ab := binary(node, _SUB)) is not None:
+            walk(ab[0], sign)
+            walk(ab[1], -sign)
+        else:
+            terms.append((sign, node))
+
+    walk(loc, 1)
+    constant = sum(s * t for s, t in terms if isinstance(t, int) and not isinstance(t, bool))
+    tensors = [(s, t) for s, t in terms if not isinstance(t, int)]
+    cumsums = [t for s, t in tensors if s == 1 and mask_key(_cumsum_over_tokens(t)) is hot.key]
+    earlier = [_token_count(t) for s, t in tensors if s == 1 and t not in cumsums]
+    if constant != -1 or len(cumsums) != 1 or any(e is None for e in earlier) or any(s != 1 for s, _ in tensors):
+        return None
+    if len(earlier) != len(tensors) - 1:
+        return None
+    return [mask_key(e) for e in earlier]
+
+
+def dropped_mask(mask: Node, capacity) -> Optional[tuple[OneHot, Node, list, Any]]:
+    """(one-hot, loc, earlier, the capacity as written) for ``mask = one_hot(idx, E) * lt(loc, capacity)`` (or
+    ``*=``) with loc a queue position."""
+    args = binary(mask, _MUL)
+    if args is None:
+        return None
+    for a, b in (args, args[::-1]):
+        hot, keep = one_hot(a), strip_casts(b, zero_one=True)
+        if hot is None or not (call(keep, torch.lt, operator.lt, "lt") and len(keep.args) == 2 and not keep.kwargs):
+            continue
+        loc, cap = keep.args
+        if not isinstance(loc, Node) or not same_size(cap, capacity):
+            continue
+        earlier = _queue_position(loc, hot)
+        if earlier is not None:
+            return hot, loc, earlier, cap
+    return None
+
+
+def _factors(node: Any, T, E, C) -> Optional[list[tuple[str, Node]]]:
+    """The factors of one combine term, each tagged with the axes it spans: "te" ((T, E), under a new C axis), "tc"
+    ((T, C), under a new E axis), "t" ((T, 1, 1)). Products of (T, E, C)/(T, E, 1)/(T, 1, C) tensors, batched
+    outer products ``bmm(a (T, E, 1), b (T, 1, C))`` (a sum over a size-1 axis is a plain product), and
+    ``einsum("se,sc->sec", a, b)``."""
+    if (ab := binary(node, _MUL)) is not None and len(shape(node) or ()) == 3:
+        parts = [_factors(p, T, E, C) for p in ab]
+        return None if None in parts else parts[0] + parts[1]
+    if (call(node, torch.bmm, torch.matmul, operator.matmul, "bmm", "matmul") and len(node.args) == 2
+            and not node.kwargs and shape(node.args[0]) == (T, E, 1) and shape(node.args[1]) == (T, 1, C)):
+        parts = [_factors(p, T, E, C) for p in node.args]
+        return None if None in parts else parts[0] + parts[1]
+    parsed = einsum_parts(node) if isinstance(node, Node) else None
+    if parsed is not None:
+        subs, out, ops = parsed
+        if len(out) != 3 or len(set(out)) != 3:
+            return None
+        t, e, c = out
+        tags = {t + e: "te", t + c: "tc"}
+        if any(s not in tags for s in subs):
+            return None
+        return [(tags[s], op) for s, op in zip(subs, ops)]
+    axis = new_axis(node)
+    if axis is not None and axis[1] == 2 and shape(node) == (T, E, 1):
+        return [("te", axis[0])]
+    if axis is not None and axis[1] == 1 and shape(node) == (T, 1, C):
+        return [("tc", axis[0])]
+    if shape(node) == (T, 1, 1):
+        return [("t", node)]
+    return None
+
+
+def _te_parts(node: Any, T, E, C) -> list:
+    """The factors of a (T, E) product: products of (T, E) and (T, 1) tensors, ``einsum("s,se->se", g, m)``, and
+    float casts; a dropped mask (itself a product) stays whole, with its casts (``choice`` strips them)."""
+    if dropped_mask(strip_casts(node, zero_one=True), C) is not None:
+        return [node]
+    if (ab := binary(node, _MUL)) is not None and shape(node) == (T, E):
+        return _te_parts(ab[0], T, E, C) + _te_parts(ab[1], T, E, C)
+    parsed = einsum_parts(node) if isinstance(node, Node) else None
+    if parsed is not None and shape(node) == (T, E):
+        subs, out, ops = parsed
+        if len(out) == 2 and all(s in (out, out[0]) for s in subs):
+            return [p for op in ops for p in _te_parts(op, T, E, C)]
+    under = strip_casts(node)
+    return [node] if under is node else _te_parts(under, T, E, C)
+
+
+def choice(term: Node, T, E, C) -> Optional[Choice]:
+    """One ``gate * mask ⊗ one_hot(slot, C)`` term of combine (see the module docstring)."""
+    factors = _factors(term, T, E, C)
+    if factors is None:
+        return None
+    gates, fulls, wide, slots = [], [], [], []
+    for tag, node in factors:
+        if tag == "tc":
+            slots.append(node)
+        elif tag == "t":
+            gates.append(node)
+        else:
+            for part in _te_parts(node, T, E, C):
+                if shape(part) in ((T, 1), (T,)):
+                    gates.append(part)
+                elif shape(part) == (T, E):
+                    wide.append(part)
+                else:
+                    return None
+    if len(slots) != 1 or not wide:
+        return None
+    # exactly one of the (T, E) factors is the dropped mask; another is a full gate, read at the kept expert
+    found = None
+    for i, part in enumerate(wide):
+        mask = strip_casts(part, zero_one=True)
+        dropped = dropped_mask(mask, C)
+        if dropped is not None and dropped[0].has_classes(E):
+            found = (mask, dropped, wide[:i] + wide[i + 1:])
+            break
+    if found is None:
+        return None
+    mask, (hot, loc, earlier, cap), fulls = found
+    if len(gates) + len(fulls) != 1 or any(not val(f).is_floating_point() for f in fulls):
+        return None
+    slot = one_hot(slots[0])
+    if slot is None or not slot.has_classes(C):
+        return None
+    # the slot is the queue position of the kept (token, expert): sum(loc * mask, dim=1)
+    position = strip_casts(column_base(slot.idx), zero_one=True)
+    if not (call(position, torch.sum, "sum") and _dim_arg(position, 1) in (1, -1) and set(position.kwargs) <= {"dim"}):
+        return None
+    prod = binary(position.args[0], _MUL)
+    if prod is None or set(prod) != {loc, mask}:
+        return None
+    return Choice(gates[0] if gates else None, fulls[0] if fulls else None, hot.idx, hot, mask, earlier, cap, loc,
+                  slot)
+
+
+def order_choices(choices: list[Choice]) -> Optional[list[Choice]]:
+    """Choice j queues behind exactly choices 0..j-1 (their masks before or after the drop)."""
+    ordered = sorted(choices, key=lambda c: len(c.earlier))
+    for j, c in enumerate(ordered):
+        if len(c.earlier) != j:
+            return None
+        wanted = [{ordered[i].hot.key, mask_key(ordered[i].mask)} for i in range(j)]
+        used = [[i for i, w in enumerate(wanted) if e in w] for e in c.earlier]
+        if sorted(i for u in used for i in u) != list(range(j)) or any(len(u) != 1 for u in used):
+            return None
+    return ordered
+
+
+def _aliases(node: Node) -> set[Node]:
+    """Every node that may share ``node``'s memory: views and same-dtype casts, in-place results (``a += b`` is
+    ``a``), up to the base and down to every alias of it."""
+    def up(n):
+        while isinstance(n, Node) and n.args and isinstance(n.args[0], Node) and (
+                (n.op == "call_method" and (n.target in _ALIASING or str(n.target).endswith("_")))
+                or (n.op == "call_function" and (n.target in _INPLACE_OPERATORS or n.target in (
+                    operator.getitem, torch.unsqueeze, torch.squeeze, torch.transpose, torch.permute,
+                    torch.reshape, torch.flatten, torch.narrow, torch.select)))):
+            n = n.args[0]
+        return n
+
+    seen, stack = set(), [up(node)]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(u for u in n.users if u.args and u.args[0] is n and up(u) is not u)
+    return seen
+
+
+def _writes(aliases: set[Node]) -> list[Node]:
+    return [u for a in aliases for u in a.users if u.args and u.args[0] in aliases and (
+        (u.op == "call_method" and str(u.target).endswith("_"))
+        or (u.op == "call_function" and (u.target in _INPLACE_OPERATORS or u.target is operator.setitem)))]
+
+
+def _ancestors(roots: Iterable[Node]) -> set[Node]:
+    seen, stack = set(), list(roots)
+    while stack:
+        n = stack.pop()
+        if isinstance(n, Node) and n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def versions_sound(end: Node, op_inputs: Iterable[Node], fills: Iterable[Node]) -> bool:
+    """Every read in the region sees the value the proof reads (its node's functional value): no tensor the region
+    depends on is written in place between its definition and its last read; ``op_inputs`` are read once more, by
+    the op at ``end``. The one exception is a one-hot's buffer, whose one fill (in ``fills``) comes before every
+    read of it."""
+    position = {n: i for i, n in enumerate(end.graph.nodes)}
+    inputs, fills = set(op_inputs), set(fills)
+    for n in _ancestors([end, *inputs]):
+        if n.op in ("output",):
+            continue
+        writes = [m for m in _writes(_aliases(n)) if position[m] > position[n]]
+        fill = [m for m in writes if m in fills and m.args[0] is n]
+        if fill:
+            if any(position[u] < position[fill[0]] for u in n.users if u is not fill[0]):
+                return False  # a read of the zeros before they became the one-hot
+            writes = [m for m in writes if m is not fill[0]]
+        last = max([position[u] for u in n.users] + ([position[end]] if n in inputs else []), default=-1)
+        if any(position[m] < last for m in writes):
+            return False
+    return True
