@@ -24,7 +24,7 @@ import threading
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -42,6 +42,8 @@ class _CompileState:
     plain: bool = False
     inner: str = "inductor"  # the compiler the rewritten graph goes to (the speed rule compares with Inductor only)
     code: Optional[types.CodeType] = None
+    #: the skips of empty experts assumed away while tracing (speculation.Trace), made on first use
+    speculation: Optional[Any] = None
 
 
 _local = threading.local()
@@ -146,12 +148,14 @@ def describe_frame(code: Optional[types.CodeType]) -> str:
 _logged_fallbacks: "weakref.WeakSet[types.CodeType]" = weakref.WeakSet()
 
 
-def note_fallback(code: Optional[types.CodeType], stage: str, error: BaseException) -> None:
-    """Record that a frame is compiled as plain capture would (``report.record_fallback``), logged once per frame."""
+def note_fallback(code: Optional[types.CodeType], stage: str, error: BaseException, also: Iterable[str] = ()) -> None:
+    """Record that a frame is compiled as plain capture would (``report.record_fallback``), logged once per frame;
+    ``also`` adds what the attempt saw and did not assume away (speculation.py)."""
     while getattr(error, "inner_exception", None) is not None:  # BackendCompilerFailed holds what the compiler raised
         error = error.inner_exception
-    first_line = (str(error).strip().splitlines() or [""])[0][:200]
+    first_line = (str(error).strip().splitlines() or [""])[0][:400]
     reason = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
+    reason = "; ".join([reason, *dict.fromkeys(also)])
     first_time = code is None or code not in _logged_fallbacks
     if code is not None:
         _logged_fallbacks.add(code)
@@ -181,14 +185,15 @@ def _wrap_compile(original: Callable) -> Callable:
             with _compiling(_CompileState(ours=True, plain=True, code=code)):
                 return original(*args, **kwargs)
         before = report.checkpoint()
+        attempt = _CompileState(ours=True, forms=forms, code=code, inner=inner)
         try:
-            with _compiling(_CompileState(ours=True, forms=forms, code=code, inner=inner)):
+            with _compiling(attempt):
                 return original(*args, **kwargs)
         except _no_retry_errors():
             raise
         except Exception as error:
             report.roll_back(before)  # what the failed attempt filed did not happen: the plain compile below runs
-            note_fallback(code, "compile", error)
+            note_fallback(code, "compile", error, also=attempt.speculation.refusals if attempt.speculation else ())
         with _compiling(_CompileState(ours=True, plain=True, code=code)):
             return original(*args, **kwargs)
 
@@ -213,6 +218,9 @@ def install() -> None:
 
     if not hasattr(convert_frame._compile, "_moe_inductor_original"):
         convert_frame._compile = _wrap_compile(convert_frame._compile)
+    from . import speculation
+
+    speculation.install()
 
 
 @torch._dynamo.assume_constant_result

@@ -1,0 +1,589 @@
+"""Speculated skips: a per-expert loop that skips an expert with no tokens traces as the loop that runs every body,
+and the backend keeps that graph only where a rewrite proves the two the same program.
+
+The user code this is for (DeepSeek-V3's reference MoE, DBRX in transformers v4):
+
+    counts = torch.bincount(ids.flatten(), minlength=E).tolist()
+    for i in range(E):
+        if counts[i] == 0:                        # or: tok, pos = torch.where(...); if tok.shape[0] == 0
+            continue
+        tok, pos = torch.where(ids == i)
+        y[tok] += expert_i(x[tok]) * weights[tok, pos, None]
+
+Under moe_inductor's capture settings ``counts[i]`` is an unbacked symbol, and Dynamo cannot branch on it. Skipping
+body i when expert i has no rows equals running it on zero rows, but only when (a) the skipped rest of the iteration
+is an expert body that gathers rows of that same expert and accumulates them (which the unrolled_loop proof
+establishes, and which then disappears into the op), and (b) the test is exactly "expert i has no rows" for the ids
+that body selects on. So, during a moe_inductor compile only:
+
+- at trace time (``_jump``), a branch on such a count that is ``count == 0`` (or its negation, ``count > 0``,
+  ``count >= 1``, truthiness), whose zero side jumps straight to the loop's next iteration (``continue``), with a
+  rest of iteration that neither leaves the loop nor writes a local that outlives it nor stores attributes or
+  globals, is answered "has rows"; the answer is a recorded ``Speculation``, and its body's graph nodes are tagged
+  with it when the iteration ends (``_for_iter``), provided no Python object was mutated in between;
+- ``.tolist()`` of ``bincount(topk_ids.flatten(), minlength=E)`` gets its length E (``_tolist``): a fact, since
+  top-k indices over a dim of E are below E;
+- the backend calls ``check_traced`` before the passes (the count is of the ids and expert the body selects on)
+  and ``discharge`` after them (every tagged node went with a rewrite); anything short raises
+  ``SpeculationNotDischarged``, and capture's fallback compiles the frame as plain capture would, saying why.
+
+A test that is not "no rows" (``counts[i] < 2``) is never assumed away: it is noted (``refusal``) and the frame falls
+back as before, the note in its explain() line.
+
+The hooks are Dynamo internals (the bytecode dispatch table, ``TensorVariable.method_tolist``,
+``SideEffects.mutation``), each looked up with getattr; where one is missing nothing is installed and these loops
+fall back as they did without it.
+"""
+from __future__ import annotations
+
+import dis
+import itertools
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+TAG = "moe_inductor_speculation"
+#: on a bincount node whose length is proven E (``_tolist``): its size checks are facts, removable
+LENGTH = "moe_inductor_length_is_minlength"
+
+#: bytecode that makes the rest of an iteration more than graph work on locals (state that outlives it, exits)
+_FORBIDDEN = {"RETURN_VALUE", "RETURN_CONST", "YIELD_VALUE", "STORE_GLOBAL", "DELETE_GLOBAL", "STORE_ATTR",
+              "DELETE_ATTR", "STORE_DEREF", "DELETE_DEREF", "IMPORT_NAME", "RAISE_VARARGS", "RERAISE",
+              "BEFORE_WITH", "SETUP_WITH", "PUSH_EXC_INFO", "SETUP_FINALLY", "END_ASYNC_FOR", "GET_AWAITABLE"}
+_UNCONDITIONAL = {"NOP", "JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_ABSOLUTE", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP"}
+_JUMPS = set(dis.hasjrel) | set(dis.hasjabs)
+
+
+class SpeculationNotDischarged(RuntimeError):
+    """A skip assumed away while tracing was not proven equal to running the body (the frame falls back)."""
+
+
+@dataclass
+class Speculation:
+    """One branch on a count answered "has rows" while tracing."""
+
+    id: int
+    symbol: Any  # the sympy symbol of the count
+    where: str  # the user's file:line of the test
+    graph: Any  # the fx.Graph being traced
+    start: Optional[Node]  # the graph's last node when the branch was answered
+    code: Any
+    loop_head: int  # offset of the FOR_ITER whose iteration the body is
+    tx: Any
+    mutations: int  # the side-effect count when the branch was answered
+    closed: bool = False
+    failed: Optional[str] = None  # why the body is not a clean one, found when the iteration ended
+    #: (ids, expert) the count counts, filled by check_traced
+    counted: Optional[tuple] = None
+
+
+@dataclass
+class Trace:
+    """What one frame compile speculated and refused (held on capture's compile state)."""
+
+    speculations: list = field(default_factory=list)
+    refusals: list = field(default_factory=list)
+    mutations: int = 0
+
+
+_ids = itertools.count(1)
+
+
+def _trace() -> Optional[Trace]:
+    """The speculation record of the compile being traced, when it is a moe_inductor compile that may speculate."""
+    from . import capture
+
+    state = capture.current()
+    if state is None or not state.ours or state.plain or "unrolled_loop" not in state.forms:
+        return None
+    if state.speculation is None:
+        state.speculation = Trace()
+    return state.speculation
+
+
+# --- trace time -------------------------------------------------------------------------------------------------
+
+
+def _user_line(tx) -> str:
+    try:
+        inst = tx.current_instruction
+        line = inst.positions.lineno if getattr(inst, "positions", None) else inst.starts_line
+        return f"{tx.f_code.co_filename.rsplit('/', 1)[-1]}:{line}"
+    except Exception:  # noqa: BLE001  (a location for a message only)
+        return f"{getattr(getattr(tx, 'f_code', None), 'co_name', '?')}"
+
+
+def _count_symbol(value) -> Optional[tuple[Any, Any]]:
+    """(sympy expr of the branch condition, its one unbacked symbol) for a data-dependent branch on a count."""
+    from torch._dynamo.variables import SymNodeVariable
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
+
+    if not isinstance(value, SymNodeVariable):
+        return None
+    sym = value.sym_num
+    if isinstance(sym, torch.SymInt):
+        sym = sym != 0
+    if not isinstance(sym, torch.SymBool):
+        return None
+    try:
+        if statically_known_true(sym) or statically_known_true(torch.sym_not(sym)):
+            return None  # Dynamo decides it (a guard), nothing to speculate
+    except Exception:  # noqa: BLE001
+        return None
+    expr = sym.node.expr
+    symbols = free_unbacked_symbols(expr)
+    if len(symbols) != 1 or expr.free_symbols != symbols:
+        return None
+    return expr, next(iter(symbols))
+
+
+def _no_rows_test(expr, symbol) -> Optional[bool]:
+    """The condition's value at count 0, when it is a test of "no rows" (its value at 0 differs from its one value
+    at every count >= 1: ``== 0``, ``!= 0``, ``> 0``, ``>= 1``); None for any other test (``< 2``, ``== 3``)."""
+    import sympy
+
+    if not isinstance(expr, sympy.core.relational.Relational):
+        return None
+    lhs, rhs = expr.lhs, expr.rhs
+    other = rhs if lhs == symbol else lhs if rhs == symbol else None
+    if other is None or not other.is_Integer or int(other) not in (0, 1):
+        return None
+    if isinstance(expr, (sympy.Eq, sympy.Ne)) and int(other) != 0:
+        return None
+    at = [bool(expr.subs(symbol, n)) for n in (0, 1, 2, 3, 2**40)]
+    if len(set(at[1:])) != 1 or at[0] == at[1]:
+        return None
+    return at[0]
+
+
+def _resolve(tx, inst):
+    """The first instruction that does something, following unconditional jumps and NOPs from ``inst``."""
+    for _ in range(16):
+        if inst is None or inst.opname not in _UNCONDITIONAL:
+            return inst
+        inst = inst.target if inst.opname != "NOP" else _next(tx, inst)
+    return inst
+
+
+def _next(tx, inst):
+    instructions = tx.instructions
+    index = tx.indexof[inst] if hasattr(tx, "indexof") else instructions.index(inst)
+    return instructions[index + 1] if index + 1 < len(instructions) else None
+
+
+def _loop_of(tx, inst):
+    """(index of the innermost FOR_ITER around ``inst``, index of its exit), or None."""
+    instructions = tx.instructions
+    index = instructions.index(inst)
+    best = None
+    for i in range(index - 1, -1, -1):
+        head = instructions[i]
+        if head.opname == "FOR_ITER" and head.target is not None and instructions.index(head.target) > index:
+            best = (i, instructions.index(head.target))
+            break
+    return best
+
+
+def _local_names(ins) -> tuple:
+    names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
+    return tuple(n for n in names if isinstance(n, str))
+
+
+def _body_refusal(tx, inst, head: int, exit_: int) -> Optional[str]:
+    """Why the rest of the iteration after the branch ``inst`` is not plain graph work, or None."""
+    instructions = tx.instructions
+    start = instructions.index(inst) + 1
+    written = set()
+    for i in range(start, exit_):
+        ins = instructions[i]
+        if ins.opname in _FORBIDDEN:
+            return f"the rest of the iteration runs {ins.opname}"
+        if ins.opcode in _JUMPS and ins.opname != "FOR_ITER" and ins.target is not None and not (
+                head <= instructions.index(ins.target) < exit_):
+            return "the rest of the iteration can leave the loop (break or return)"
+        if ins.opcode in dis.haslocal and ("STORE" in ins.opname or "DELETE" in ins.opname):
+            written.update(_local_names(ins))
+    outlives = sorted(v for v in written if _read_before_written(instructions, head, v))
+    if outlives:
+        return f"the rest of the iteration sets {', '.join(outlives)}, read after it"
+    return None
+
+
+_ENDS = {"RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE"} | _UNCONDITIONAL - {"NOP"}
+
+
+def _read_before_written(instructions: list, start: int, name: str) -> bool:
+    """Whether some path of the code from ``instructions[start]`` reads the local ``name`` before it writes it (the
+    value it holds at ``start`` is used)."""
+    index_of = {id(ins): i for i, ins in enumerate(instructions)}
+    seen, stack = set(), [start]
+    while stack:
+        i = stack.pop()
+        if i in seen or i >= len(instructions):
+            continue
+        seen.add(i)
+        ins = instructions[i]
+        if ins.opcode in dis.haslocal and name in _local_names(ins):
+            if "LOAD" in ins.opname or "DELETE" in ins.opname:
+                return True
+            if "STORE" in ins.opname:
+                continue
+        if ins.opname not in _ENDS:
+            stack.append(i + 1)
+        if ins.opcode in _JUMPS and ins.target is not None:
+            stack.append(index_of[id(ins.target)])
+        entry = getattr(ins, "exn_tab_entry", None)
+        if entry is not None:
+            stack.append(index_of[id(entry.target)])
+    return False
+
+
+def _last_node(graph) -> Optional[Node]:
+    node = graph._root.prev
+    return None if node is graph._root else node
+
+
+def _speculate(tx, inst, jumps_when: bool) -> bool:
+    """Answer the branch ``inst`` on a count "has rows" (and return True) when it is a no-rows skip of the rest of
+    the iteration; else record why not (when it was a branch on a count) and return False."""
+    trace = _trace()
+    if trace is None or not tx.stack:
+        return False
+    found = _count_symbol(tx.stack[-1])
+    if found is None:
+        return False
+    expr, symbol = found
+    where = _user_line(tx)
+    at_zero = _no_rows_test(expr, symbol)
+    if at_zero is None:
+        trace.refusals.append(f"{where}: the branch on {expr} is not a test of 'this expert got no tokens': "
+                              "not assumed away")
+        return False
+    zero_jumps = at_zero == jumps_when
+    taken, fallthrough = inst.target, _next(tx, inst)
+    zero_side, rows_side = (taken, fallthrough) if zero_jumps else (fallthrough, taken)
+    loop = _loop_of(tx, inst)
+    head = tx.instructions[loop[0]] if loop else None
+    reason = None
+    if loop is None or _resolve(tx, zero_side) is not head or _resolve(tx, rows_side) is head:
+        reason = "its no-tokens side does not go straight to the next iteration (continue)"
+    elif any(s.tx is tx and not s.closed for s in trace.speculations):
+        reason = "it is inside another skipped body"
+    else:
+        reason = _body_refusal(tx, inst, *loop)
+    if reason is not None:
+        trace.refusals.append(f"{where}: the branch on {expr}: {reason}: not assumed away")
+        return False
+    graph = tx.output.graph
+    trace.speculations.append(Speculation(next(_ids), symbol, where, graph, _last_node(graph), tx.f_code,
+                                          head.offset, tx, trace.mutations))
+    tx.pop()
+    if not zero_jumps:  # the rows side is the jump target
+        tx.jump(inst)
+    return True
+
+
+def _close(tx, inst) -> None:
+    """The iteration of an open speculation ends at its FOR_ITER: tag the body's nodes, check nothing was mutated."""
+    trace = _trace()
+    if trace is None:
+        return
+    for s in trace.speculations:
+        if s.tx is tx and not s.closed and s.loop_head == inst.offset:
+            s.closed = True
+            if trace.mutations != s.mutations:
+                s.failed = "the skipped body changes Python state (a list, a dict, an attribute)"
+            node = s.start.next if s.start is not None else next(iter(s.graph.nodes), None)
+            while node is not None and node is not s.graph._root:
+                node.meta[TAG] = s.id
+                node = node.next
+
+
+def _topk_ids_below(ids_flat: Node, E: int) -> bool:
+    """``ids_flat`` is ``ids.flatten()`` (or ``view(-1)``/``reshape(-1)``, or ids itself) of ``topk(s, k)[1]`` over a
+    last dim of size E, unchanged since: every value is below E."""
+    from .passes.fx_utils import is_call, mutated_alias, val
+
+    ids = ids_flat
+    if is_call(ids, "call_method", "flatten") and len(ids.args) == 1 and not ids.kwargs or (
+            is_call(ids, "call_method", "view", "reshape") and tuple(ids.args[1:]) in ((-1,), ((-1,),))):
+        ids = ids.args[0]
+    if not (is_call(ids, "call_function", operator.getitem) and ids.args[1] == 1):
+        return False
+    topk = ids.args[0]
+    if not (is_call(topk, "call_function", torch.topk) or is_call(topk, "call_method", "topk")):
+        return False
+    src = topk.args[0] if isinstance(topk.args[0], Node) else None
+    sv = val(src)
+    dim = topk.kwargs.get("dim", topk.args[2] if len(topk.args) > 2 else -1)
+    if sv is None or dim not in (-1, sv.dim() - 1) or topk.kwargs.get("largest", True) is not True:
+        return False
+    return sv.shape[-1] == E and not mutated_alias(ids) and not mutated_alias(src)
+
+
+def _tolist(tensor_variable) -> None:
+    """Before ``.tolist()`` of ``bincount(topk_ids.flatten(), minlength=E)``: its length is E (a fact)."""
+    if _trace() is None:
+        return
+    from .passes.fx_utils import is_call
+
+    node = tensor_variable.as_proxy().node
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or isinstance(value.shape[0], int):
+        return
+    if not is_call(node, "call_function", torch.bincount) or len(node.args) != 1 or set(node.kwargs) != {"minlength"}:
+        return
+    E = node.kwargs["minlength"]
+    if isinstance(E, int) and E > 0 and isinstance(node.args[0], Node) and _topk_ids_below(node.args[0], E):
+        torch._check(value.shape[0] == E)
+        node.meta[LENGTH] = E
+
+
+# --- installation -------------------------------------------------------------------------------------------------
+
+_installed = False
+
+
+def install() -> None:
+    """Hook Dynamo's branch, FOR_ITER and tolist handling and its side-effect log (idempotent); each hook does
+    nothing outside a moe_inductor compile."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    try:
+        from torch._dynamo import side_effects, symbolic_convert
+        from torch._dynamo.variables.tensor import TensorVariable
+    except ImportError:
+        return
+    base = getattr(symbolic_convert, "InstructionTranslatorBase", None)
+    original_tolist = getattr(TensorVariable, "method_tolist", None)
+    mutation = getattr(getattr(side_effects, "SideEffects", None), "mutation", None)
+    if base is None or original_tolist is None or mutation is None or not hasattr(base, "dispatch_table"):
+        return
+
+    def counted(self, *args, **kwargs):
+        trace = _trace()
+        if trace is not None:
+            trace.mutations += 1
+        return mutation(self, *args, **kwargs)
+
+    side_effects.SideEffects.mutation = counted
+    for name in ("store_attr", "store_global", "store_cell"):
+        method = getattr(side_effects.SideEffects, name, None)
+        if method is not None:
+            setattr(side_effects.SideEffects, name, _counting(method))
+
+    def method_tolist(self, tx, *args, **kwargs):
+        _tolist(self)
+        return original_tolist(self, tx, *args, **kwargs)
+
+    TensorVariable.method_tolist = method_tolist
+    classes, stack = [], [base]
+    while stack:
+        cls = stack.pop()
+        classes.append(cls)
+        stack.extend(cls.__subclasses__())
+    for cls in classes:
+        table = cls.__dict__.get("dispatch_table")
+        if not isinstance(table, list):
+            continue
+        for opname, op in dis.opmap.items():
+            handler = table[op]
+            if handler is None:
+                continue
+            if opname.startswith("POP_JUMP") and opname.endswith(("_IF_TRUE", "_IF_FALSE")):
+                table[op] = _jump_hook(handler, opname.endswith("_IF_TRUE"))
+            elif opname == "FOR_ITER":
+                table[op] = _for_iter_hook(handler)
+
+
+def _counting(method: Callable) -> Callable:
+    def counted(self, *args, **kwargs):
+        trace = _trace()
+        if trace is not None:
+            trace.mutations += 1
+        return method(self, *args, **kwargs)
+
+    return counted
+
+
+def _jump_hook(handler: Callable, jumps_when: bool) -> Callable:
+    def jump(tx, inst):
+        if not _speculate(tx, inst, jumps_when):
+            handler(tx, inst)
+
+    return jump
+
+
+def _for_iter_hook(handler: Callable) -> Callable:
+    def for_iter(tx, inst):
+        _close(tx, inst)
+        handler(tx, inst)
+
+    return for_iter
+
+
+# --- discharge (the backend) -------------------------------------------------------------------------------------
+
+
+def of_graph(gm: GraphModule) -> list[Speculation]:
+    """The speculations made while tracing ``gm`` (those of a restarted attempt at the frame are not)."""
+    trace = _trace()
+    if trace is None:
+        return []
+    tags = {n.meta.get(TAG) for n in gm.graph.nodes}
+    return [s for s in trace.speculations if s.graph is gm.graph or s.id in tags]
+
+
+def refusals() -> list[str]:
+    """What the compile being traced saw and did not assume away (for its fallback's explain() line)."""
+    trace = _trace()
+    return list(trace.refusals) if trace is not None else []
+
+
+def _fail(s: Speculation, why: str) -> SpeculationNotDischarged:
+    return SpeculationNotDischarged(f"the skip of an expert with no tokens at {s.where} was assumed away while "
+                                    f"tracing, and {why}; not kept")
+
+
+def _selection_of(node: Node) -> Optional[tuple[Node, int]]:
+    """(ids, e) when ``node`` is a row selection ``torch.where(ids == e)`` / ``nonzero(as_tuple=True)`` / HF's
+    ``torch.where(one_hot(ids, E).permute(2, 1, 0)[e])``: the rows of expert e."""
+    from .passes.fx_utils import is_call
+
+    one_arg_where = is_call(node, "call_function", torch.where) and len(node.args) == 1 and not node.kwargs
+    nonzero = ((is_call(node, "call_method", "nonzero") or is_call(node, "call_function", torch.nonzero))
+               and node.kwargs == {"as_tuple": True} and len(node.args) == 1)
+    if not (one_arg_where or nonzero) or not isinstance(node.args[0], Node):
+        return None
+    cond = node.args[0]
+    if is_call(cond, "call_function", operator.eq, torch.eq) and isinstance(cond.args[1], int) and isinstance(
+            cond.args[0], Node):
+        return cond.args[0], cond.args[1]
+    if is_call(cond, "call_function", operator.getitem) and isinstance(cond.args[1], int):
+        perm = cond.args[0]
+        if is_call(perm, "call_method", "permute") and tuple(perm.args[1:]) in ((2, 1, 0), ((2, 1, 0),)):
+            hot = perm.args[0]
+            if is_call(hot, "call_function", torch.nn.functional.one_hot, torch._C._nn.one_hot) and hot.args:
+                num_classes = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)
+                if isinstance(num_classes, int) and 0 <= cond.args[1] < num_classes:
+                    return hot.args[0], cond.args[1]
+    return None
+
+
+def _counted(graph, symbol) -> Optional[tuple[Node, int, Optional[Node]]]:
+    """(ids, e, the selection whose size it is, if it is one) that the count ``symbol`` counts the rows of:
+    ``bincount(ids.flatten(), minlength=E).tolist()[e]`` (Dynamo: ``counts[e].item()``), or the row count of a
+    selection of expert e (``tok.shape[0]`` of ``tok, pos = torch.where(ids == e)``)."""
+    from .passes.fx_utils import is_call
+
+    for node in graph.nodes:
+        v = node.meta.get("example_value")
+        if isinstance(v, torch.SymInt) and v.node.expr == symbol and is_call(node, "call_method", "item"):
+            pick = node.args[0]
+            if not (is_call(pick, "call_function", operator.getitem) and isinstance(pick.args[1], int)):
+                return None
+            counts = pick.args[0]
+            if not (is_call(counts, "call_function", torch.bincount) and len(counts.args) == 1
+                    and set(counts.kwargs) <= {"minlength"}):
+                return None
+            flat = counts.args[0]
+            ids = flat.args[0] if is_call(flat, "call_method", "flatten", "view", "reshape") else flat
+            if flat is not ids and not (len(flat.args) == 1 or tuple(flat.args[1:]) in ((-1,), ((-1,),))):
+                return None
+            return ids, pick.args[1], None
+        rows = v[0] if isinstance(v, (tuple, list)) and v else v
+        if isinstance(rows, torch.Tensor) and rows.dim() >= 1 and not isinstance(rows.shape[0], int) and (
+                rows.shape[0].node.expr == symbol):
+            selected = _selection_of(node)
+            return None if selected is None else (*selected, node)
+    return None
+
+
+def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
+    """Before the passes: each speculated body is clean, counted by its own expert's rows, and reads rows of that
+    expert only. Raises SpeculationNotDischarged."""
+    from .passes.fx_utils import canonicalize_operators, is_call
+
+    if not speculations:
+        return
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    canonicalize_operators(graph)  # ids == e as operator.eq, whichever torch recorded it
+    for s in speculations:
+        if not s.closed:
+            raise _fail(s, "the iteration it skips did not end in this graph")
+        if s.failed:
+            raise _fail(s, s.failed)
+        counted = _counted(graph, s.symbol)
+        if counted is None:
+            raise _fail(s, "the count is not the number of rows one expert gets (bincount of the ids, or the size "
+                           "of torch.where(ids == e))")
+        ids, e, own = counted
+        body = [n for n in graph.nodes if n.meta.get(TAG) == s.id]
+        read = {own} if own is not None else set()
+        for node in body:
+            if _selection_of(node) is not None:
+                read.add(node)
+            for arg in node.all_input_nodes:
+                if is_call(arg, "call_function", operator.getitem) and _selection_of(arg.args[0]) is not None:
+                    read.add(arg.args[0])
+        if not read:
+            raise _fail(s, "the body it guards selects no expert's rows")
+        for selection in read:
+            sel_ids, sel_e = _selection_of(selection)
+            if sel_ids is not ids or sel_e != e:
+                raise _fail(s, f"the body reads the rows of expert {sel_e} (of {sel_ids.name}), and the count is of "
+                               f"expert {e} (of {ids.name})")
+        if torch.is_grad_enabled():
+            own = [n for n in graph.nodes if n.op == "placeholder" and n.users and all(
+                u.meta.get(TAG) == s.id for u in n.users) and getattr(n.meta.get("example_value"), "requires_grad",
+                                                                       False)]
+            if own:  # eager leaves p.grad None for an expert it skipped; the op would give it zeros (optimisers differ)
+                raise _fail(s, f"with gradients on, eager leaves the skipped expert's own {own[0].name} without a "
+                               "gradient (None), where running its body gives it zeros")
+        s.counted = (ids.name, e)
+
+
+def discharge(gm: GraphModule, speculations: list[Speculation], left_alone: Iterable = ()) -> None:
+    """After the passes: every speculated body went with a rewrite (no node of it is left but inputs); then the
+    counts' proven size checks go. Raises SpeculationNotDischarged, saying what the passes said (``left_alone``,
+    report.LeftAlone records)."""
+    for s in speculations:
+        left = [n for n in gm.graph.nodes if n.meta.get(TAG) == s.id and n.op not in ("placeholder", "get_attr")]
+        if left:
+            said = "; ".join(f"{m.form} left {m.where} alone: {m.reason}" for m in left_alone)
+            raise _fail(s, f"no rewrite took its body ({said or left[0].name + ' is still in the graph'})")
+    if speculations and _drop_proven_lengths(gm.graph):
+        gm.recompile()
+
+
+_SIZE_CHECK_OPS = (operator.ge, operator.le, operator.eq, operator.gt, operator.lt, torch.sym_max, torch.sym_min)
+
+
+def _drop_proven_lengths(graph) -> bool:
+    """Erase a bincount of proven length E read by nothing but its own size checks (facts: its length is E), and
+    those checks: on a GPU the bincount is a host sync that nothing needs once its counts went with the loop."""
+    changed = False
+    for node in [n for n in graph.nodes if LENGTH in n.meta]:
+        region, stack = [], list(node.users)
+        while stack:
+            user = stack.pop()
+            if user in region:
+                continue
+            region.append(user)
+            stack.extend(user.users)
+        checks = all(u.target is torch.ops.aten.sym_size.int or u.target in _SIZE_CHECK_OPS
+                     or u.target is torch.ops.aten._assert_scalar.default for u in region)
+        if not checks:
+            continue
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        for user in sorted(region, key=position.__getitem__, reverse=True):
+            graph.erase_node(user)
+        graph.erase_node(node)
+        changed = True
+    return changed

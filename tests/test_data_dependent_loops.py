@@ -1,0 +1,163 @@
+"""Per-expert loops that skip an expert with no tokens (moe_inductor/speculation.py): traced as the loop that runs
+every body, kept only where the unrolled_loop rewrite takes every body, else the frame falls back.
+
+Genuine: DeepSeek-V3's ``counts = bincount(ids.flatten(), minlength=E).tolist(); if counts[i] == 0: continue`` and
+DBRX's ``if tok.shape[0] == 0: continue`` on the body's own selection, over stacked (E, ., .) weights, rewritten and
+equal to eager (forward and gradients) at token counts that leave experts empty; over one nn.Linear set per expert,
+rewritten without gradients. Look-alikes, each still equal to eager and not rewritten: a skip of experts with fewer
+than 2 tokens, a skip on another router's counts, a body that also counts its expert in a buffer, a body that counts
+the experts it ran in a local read after the loop, and per-expert weights with gradients on (eager leaves a skipped
+expert's weights without a gradient, None, which zeros from the op are not).
+"""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import moe_inductor
+from moe_inductor import report
+from tests.corpus.harness import Case, check_rewritten, check_unchanged, run_case
+from tests.helpers import rel_err
+
+H, I, E, K = 16, 8, 8, 2
+
+
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(H, I, bias=False)
+        self.w2 = nn.Linear(I, H, bias=False)
+        self.w3 = nn.Linear(H, I, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class SkippingMoE(nn.Module):
+    """A top-2 MoE whose expert loop skips, as ``skip`` says, before running expert i on its rows."""
+
+    def __init__(self, skip: str, per_expert: bool = False):
+        super().__init__()
+        self.skip = skip
+        self.gate = nn.Linear(H, E, bias=False)
+        self.other_gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList([Expert() for _ in range(E)]) if per_expert else None
+        self.w1, self.w3 = (nn.Parameter(torch.randn(E, I, H) * H ** -0.5) for _ in range(2))
+        self.w2 = nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
+        self.register_buffer("hits", torch.zeros(E))
+
+    def expert(self, i, xe):
+        if self.experts is not None:
+            return self.experts[i](xe)
+        return F.linear(F.silu(F.linear(xe, self.w1[i])) * F.linear(xe, self.w3[i]), self.w2[i])
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        weights, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
+        counted = torch.topk(self.other_gate(x), K, dim=-1)[1] if self.skip == "other_counts" else ids
+        counts = torch.bincount(counted.flatten(), minlength=E).tolist()
+        y = torch.zeros_like(x)
+        for i in range(E):
+            if self.skip == "own_rows":
+                tok, pos = torch.where(ids == i)
+                if tok.shape[0] == 0:
+                    continue
+            else:
+                if self.skip == "fewer_than_2":
+                    if counts[i] < 2:
+                        continue
+                elif counts[i] == 0:
+                    continue
+                tok, pos = torch.where(ids == i)
+            if self.skip == "buffer":
+                self.hits[i] += 1
+            y[tok] += self.expert(i, x[tok]) * weights[tok, pos, None]
+        return y
+
+
+class CountingMoE(SkippingMoE):
+    """The bincount skip, with a count of the experts run kept in a local and read after the loop."""
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        weights, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
+        counts = torch.bincount(ids.flatten(), minlength=E).tolist()
+        y = torch.zeros_like(x)
+        ran = 0
+        for i in range(E):
+            if counts[i] == 0:
+                continue
+            tok, pos = torch.where(ids == i)
+            ran += 1
+            y[tok] += self.expert(i, x[tok]) * weights[tok, pos, None]
+        return y * ran / E
+
+
+def _build(skip: str) -> nn.Module:
+    if skip == "per_expert":
+        return SkippingMoE("bincount", per_expert=True)
+    return CountingMoE(skip) if skip == "local" else SkippingMoE(skip)
+
+
+def _case(skip: str, expect: tuple) -> Case:
+    return Case(f"skip-{skip}", "tests/test_data_dependent_loops.py", lambda: _build(skip),
+                lambda T, g: torch.randn(T, H, generator=g), form="unrolled_loop", expect=expect, token_counts=(3, 9))
+
+
+@pytest.mark.slow  # each case compiles a model
+@pytest.mark.parametrize("skip", ["bincount", "own_rows"])
+def test_skip_of_an_empty_expert_is_rewritten_and_equal_to_eager(skip):
+    case = _case(skip, ("rewritten",))
+    outcome = run_case(case)
+    assert outcome.declared() == ("rewritten",), (outcome.declared(), outcome.fallbacks, outcome.left_alone)
+    check_rewritten(case, outcome)
+    # 3 tokens with 2 choices each reach at most 6 of the 8 experts: the skipped side was taken in eager
+    assert outcome.rewrites == {"unrolled_loop": outcome.graphs}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("skip, said", [
+    ("fewer_than_2", "is not a test of 'this expert got no tokens'"),
+    ("other_counts", "the count is of expert"),
+    ("buffer", "no rewrite took its body"),
+    ("local", "the rest of the iteration sets ran, read after it"),
+    ("per_expert", "without a gradient (None)"),
+], ids=["counts-below-2", "another-routers-counts", "buffer-write-in-body", "local-counter", "per-expert-training"])
+def test_a_skip_that_is_not_no_tokens_is_kept_and_equal_to_eager(skip, said):
+    case = _case(skip, ("fell_back",))
+    with report.collecting(report.Report()) as seen:  # what explain() would print of the fallback
+        outcome = run_case(case)
+    assert outcome.fallbacks and outcome.kind != "crash", (outcome.declared(), outcome.rewrites, outcome.left_alone)
+    check_unchanged(case, outcome)
+    for got, ref in outcome.steps:
+        assert got.grads.keys() == ref.grads.keys()
+        for name in ref.grads:
+            assert rel_err(got.grads[name], ref.grads[name]) < 1e-5, name
+    assert any(said in f.reason for f in seen.fallbacks), [f.reason for f in seen.fallbacks]
+
+
+@pytest.mark.slow
+def test_per_expert_weights_without_gradients_are_rewritten():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _build("per_expert")
+    compiled = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})
+    with torch.no_grad():
+        for T in (3, 9):
+            x = torch.randn(T, H)
+            assert rel_err(compiled(x), model(x)) < 1e-5
+        report = moe_inductor.explain(model, torch.randn(3, H))
+    assert [r.form for r in report.rewrites] == ["unrolled_loop"] and not report.fallbacks, report.summary()
+
+
+def test_the_hooks_do_nothing_under_the_inductor_backend():
+    """backend="eager" (plain Dynamo): the skip stays a data-dependent branch, as without moe_inductor."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = SkippingMoE("bincount")
+    x = torch.randn(3, H)
+    explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count >= 1
+    assert torch.allclose(torch.compile(model, backend="eager")(x), model(x))
