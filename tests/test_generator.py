@@ -30,8 +30,6 @@ def known_miss(r: Recipe) -> Optional[str]:
         return "tokens by (ids == e).any(-1), weights by (weights * (ids == e)).sum(-1): no (token, slot) pairs"
     if r.form == "loop" and d["selection"] == "boolmask" and d["position"] != "output":
         return "the masked-write loop takes the routing weight in its (T, k, H) combine only"
-    if r.form == "dense" and d["experts"] == "loop_modulelist":
-        return "every expert module on every token, torch.stack-ed: the dense form takes stacked weights only"
     if r.form == "capacity" and d["style"] in ("fairseq", "deepspeed"):
         return "combine built by bmm / einsum('se,sc->sec') outer products of masked gates and slots"
     return None

@@ -57,3 +57,42 @@ def test_dense_loop_look_alikes_are_left_alone(style):
     out = compile_moe(model, x)
     assert not counters["moe_inductor"], dict(counters["moe_inductor"])
     assert_close(out, model(x), torch.float32, style)
+
+
+class StackedModulesMoE(nn.Module):
+    """Every expert's own module on every token, ``torch.stack``-ed to (T, E, H), mixed by a top-k routing matrix."""
+
+    def __init__(self, style):
+        super().__init__()
+        self.style = style
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(H, I, bias=False), nn.GELU(), nn.Linear(I, H, bias=False))
+                                     for _ in range(E))
+
+    def forward(self, x):
+        probs = self.router(x).softmax(dim=-1)
+        weights, ids = probs.topk(K, dim=-1)
+        routing = torch.zeros_like(probs).scatter(1, ids, weights)
+        outs = [m(x) for m in self.experts]
+        if self.style == "other_act":  # one expert's activation differs from the others'
+            m = self.experts[1]
+            outs[1] = m[2](F.relu(m[0](x)))
+        elif self.style == "other_input":  # one expert reads another input than the tokens the others read
+            outs[2] = self.experts[2](2.0 * x)
+        return (torch.stack(outs, dim=1) * routing[..., None]).sum(dim=1)
+
+
+def test_stacked_expert_modules_are_rewritten_and_equal():
+    torch.manual_seed(0)
+    assert_rewritten_like_eager(StackedModulesMoE("stacked"), torch.randn(5, H), "dense_experts")
+
+
+@pytest.mark.parametrize("style", ["other_act", "other_input"])
+def test_stacked_expert_module_look_alikes_are_left_alone(style):
+    torch.manual_seed(0)
+    model = StackedModulesMoE(style)
+    x = torch.randn(5, H)
+    out = compile_moe(model, x)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    assert counters["moe_inductor_left_alone"] == {"dense_experts": 1}, dict(counters["moe_inductor_left_alone"])
+    assert_close(out, model(x), torch.float32, style)

@@ -117,6 +117,27 @@ def _one_hot_sum(routing: Node) -> Optional[tuple[Node, Node]]:
     return None
 
 
+def _joined_from_experts(out: Node) -> bool:
+    """``out`` is ``torch.cat([...], dim=1)`` of pieces cut from every expert's (T, E, H) outputs (a dense
+    projection or a stack of expert modules), maybe scaled by a number or zeroed (``zeros_like``)."""
+    if not is_call(out, "call_function", torch.cat, torch.concat) or not out.args:
+        return False
+    if out.kwargs.get("dim", out.args[1] if len(out.args) > 1 else 0) not in (1, -2):
+        return False
+    parts = out.args[0] if isinstance(out.args[0], (list, tuple)) else ()
+    for part in parts:
+        while isinstance(part, Node):
+            if is_call(part, "call_function", operator.mul) and len(part.args) == 2:
+                part = next((a for a in part.args if isinstance(a, Node)), None)
+            elif is_call(part, "call_function", operator.getitem, torch.zeros_like):
+                part = part.args[0]
+            else:
+                break
+        if isinstance(part, Node) and (_dense_projection(part, 3) is not None or _stacked_outputs(part) is not None):
+            return True
+    return False
+
+
 def _topk_scatter(routing: Node) -> Optional[tuple[Node, Node]]:
     """(ids, values) when ``routing`` is zeros scattered along dim 1 with distinct ids from ``topk``."""
     if (summed := _one_hot_sum(routing)) is not None:
@@ -158,6 +179,79 @@ def _topk_scatter(routing: Node) -> Optional[tuple[Node, Node]]:
     return ids, values
 
 
+@dataclass
+class _Experts:
+    """E experts on one input, read from their own per-expert MLPs (``_every_expert``)."""
+
+    x: Node
+    gate: Union[Node, tuple]
+    up: Union[Node, tuple, None]
+    down: Union[Node, tuple]
+    layout: str
+    activation: str
+    fields: dict
+
+    def spec(self, ids: Node, weights: Node) -> MoESpec:
+        return MoESpec(self.x, ids, weights, self.gate, self.up, self.down, self.layout, self.activation,
+                       **self.fields)
+
+
+def _every_expert(outs: list) -> Union[_Experts, str]:
+    """The experts whose outputs are ``outs[e]`` for each e of range(E): each a bias-free MLP on the same input
+    (``unrolled_loop.expert_mlp``), alike in all but their weights, on ``w[e]`` of one stacked weight per projection
+    or one distinct per-expert weight per projection (nn.Linear modules, the e-th in expert e's place); or why not."""
+    from .unrolled_loop import expert_mlp
+
+    read = []
+    for e, out in enumerate(outs):
+        mlp = expert_mlp(out, e)
+        if isinstance(mlp, str):
+            return mlp
+        w_down, layout, stacked, gated = mlp
+        gate, up = gated.gate, gated.up
+        if up is not None and up[0] is not gate[0]:
+            return f"expert {e}'s gate and up projections read different inputs"
+        if any(p[2] != layout or p[3] != stacked for p in (gate, up) if p is not None):
+            return "the projections mix weight layouts or stacked and per-expert weights"
+        read.append((e, gate[0], gate[1], up[1] if up else None, w_down, layout, stacked, gated.activation,
+                     tuple(sorted(gated.spec_fields().items()))))
+    first = read[0]
+    if any(r[1] is not first[1] or r[5:] != first[5:] or (r[3] is None) != (first[3] is None) for r in read):
+        return "the experts differ in more than their weights, or read different inputs"
+    stacked, num_experts = first[6], len(read)
+    if stacked:
+        gate, up, down = first[2], first[3], first[4]
+        if any((r[2], r[3], r[4]) != (gate, up, down) for r in read) or val(gate).shape[0] != num_experts:
+            return "the experts do not read one stacked weight per projection, w[e] for each e of range(E)"
+    else:
+        gate, down = tuple(r[2] for r in read), tuple(r[4] for r in read)
+        up = tuple(r[3] for r in read) if first[3] is not None else None
+        ws = [w for group in (gate, up or (), down) for w in group]
+        if len({id(w) for w in ws}) != len(ws) or len({tuple(val(w).shape) for w in gate}) != 1:
+            return "the per-expert weights are not one distinct weight per expert and projection, of one shape"
+    return _Experts(first[1], gate, up, down, first[5], first[7], dict(first[8]))
+
+
+_PROJECTIONS = (torch._C._nn.linear, torch.nn.functional.linear, operator.matmul, torch.matmul)
+
+
+def _stacked_outputs(out: Node) -> Optional[list]:
+    """[o_0, ..., o_{E-1}] for ``torch.stack([o_0, ..., o_{E-1}], dim=1)`` (T, E, H) of (T, H) projections: each
+    expert's module run on every token, its output in column e. The form's mark; the proof reads each o_e."""
+    if not is_call(out, "call_function", torch.stack) or set(out.kwargs) - {"dim"} or len(out.args) > 2:
+        return None
+    items = out.args[0] if out.args else None
+    dim = out.kwargs.get("dim", out.args[1] if len(out.args) > 1 else 0)
+    if not isinstance(items, (list, tuple)) or not items or dim not in (1, -2):
+        return None
+    if not all(is_call(o, "call_function", *_PROJECTIONS) for o in items):
+        return None
+    vals = [val(o) for o in items]
+    if any(v is None or v.dim() != 2 for v in vals):
+        return None
+    return list(items)
+
+
 def _fewer_flops(spec: MoESpec) -> str:
     E, k = num_experts(spec), int(val(spec.ids).shape[-1])
     return f"runs k={k} of E={E} experts per token: {E / k:.1f}x fewer expert FLOPs"
@@ -171,7 +265,11 @@ def match_or_reason(y: Node) -> Union[Match, str, None]:
         return None
     out, routing = combined
     down = _dense_projection(out, 3)
-    if down is None:
+    outs = _stacked_outputs(out) if down is None else None
+    if down is None and outs is None:
+        if _joined_from_experts(out):
+            return ("the (T, E, H) expert outputs are sliced and joined again (torch.cat) before the mix: column e "
+                    "is not expert e's output as its MLP computed it")
         return None
     routed = _topk_scatter(routing)
     if routed is None:
@@ -179,6 +277,8 @@ def match_or_reason(y: Node) -> Union[Match, str, None]:
                 "not sparse: nothing to skip)")
     if not single_use(out):
         return "the experts' (T, E, H) outputs are used elsewhere too"
+    if outs is not None:
+        return _stacked_match(y, outs, routing, *routed)
     gated = read_gated(down.x, lambda n: _dense_projection(n, 2))
     if gated is None:
         return "the hidden state is not a known activation of an all-experts up projection"
@@ -193,6 +293,20 @@ def match_or_reason(y: Node) -> Union[Match, str, None]:
         return "the tokens, routing matrix and expert weights do not agree in T and E"
     spec = MoESpec(gate.x, ids, values, gate.weight, up.weight if up else None, down.weight, gate.layout, activation,
                    **gated.spec_fields())
+    return Match(spec, y, note=_fewer_flops(spec))
+
+
+def _stacked_match(y: Node, outs: list, routing: Node, ids: Node, values: Node) -> Union[Match, str]:
+    """Every expert's own module on every token, ``torch.stack``-ed into (T, E, H) and mixed by the top-k routing
+    matrix: column e of the stack is expert e's MLP on x (``_every_expert``), so column e of the matrix is its
+    weight, and the mix is the op's weighted sum over k."""
+    experts = _every_expert(outs)
+    if isinstance(experts, str):
+        return experts
+    xv, rv = val(experts.x), val(routing)
+    if xv is None or xv.dim() != 2 or val(ids).shape[0] != xv.shape[0] or rv.shape[1] != len(outs):
+        return "the tokens, routing matrix and stacked experts do not agree in T and E"
+    spec = experts.spec(ids, values)
     return Match(spec, y, note=_fewer_flops(spec))
 
 
@@ -415,48 +529,24 @@ def match_dense_loop(y: Node) -> Union[Match, str, None]:
     if len({(b[1], b[2]) for b in bodies}) != 1:
         return "the experts are scaled by columns of different routing weights or ids"
     _, weights, ids, _ = bodies[0]
-    from .unrolled_loop import _topk_ids, expert_mlp
+    if sorted(b[3] for b in bodies) != list(range(len(bodies))):
+        return f"the loop runs over experts {sorted(b[3] for b in bodies)}, not each of range(E) once"
+    experts = _every_expert([b[0] for b in sorted(bodies, key=lambda b: b[3])])
+    if isinstance(experts, str):
+        return experts
+    num_experts = len(bodies)
+    from .unrolled_loop import _topk_ids
 
-    read = []
-    for out, _, _, e in bodies:
-        mlp = expert_mlp(out, e)
-        if isinstance(mlp, str):
-            return mlp
-        w_down, layout, stacked, gated = mlp
-        gate, up = gated.gate, gated.up
-        if up is not None and up[0] is not gate[0]:
-            return f"expert {e}'s gate and up projections read different inputs"
-        if any(p[2] != layout or p[3] != stacked for p in (gate, up) if p is not None):
-            return "the projections mix weight layouts or stacked and per-expert weights"
-        read.append((e, gate[0], gate[1], up[1] if up else None, w_down, layout, stacked, gated.activation,
-                     tuple(sorted(gated.spec_fields().items()))))
-    first = read[0]
-    if any(r[1] is not first[1] or r[5:] != first[5:] or (r[3] is None) != (first[3] is None) for r in read):
-        return "the experts differ in more than their weights, or read different inputs"
-    if sorted(r[0] for r in read) != list(range(len(read))):
-        return f"the loop runs over experts {sorted(r[0] for r in read)}, not each of range(E) once"
-    read.sort(key=lambda r: r[0])
-    stacked, num_experts = first[6], len(read)
-    if stacked:
-        gate, up, down = first[2], first[3], first[4]
-        if any((r[2], r[3], r[4]) != (gate, up, down) for r in read) or val(gate).shape[0] != num_experts:
-            return "the experts do not read one stacked weight per projection, w[e] for each e of range(E)"
-    else:
-        gate, down = tuple(r[2] for r in read), tuple(r[4] for r in read)
-        up = tuple(r[3] for r in read) if first[3] is not None else None
-        ws = [w for group in (gate, up or (), down) for w in group]
-        if len({id(w) for w in ws}) != len(ws) or len({tuple(val(w).shape) for w in gate}) != 1:
-            return "the per-expert weights are not one distinct weight per expert and projection, of one shape"
     if not _topk_ids(ids):
         return "the ids are not from topk"
     top = ids.args[0]
     scores = val(top.args[0]) if top.args else None
-    iv, wv, xv = val(ids), val(weights), val(first[1])
+    iv, wv, xv = val(ids), val(weights), val(experts.x)
     if scores is None or scores.shape[-1] != num_experts:
         return "the ids are chosen among another number of experts than the loop runs"
     if wv is None or xv is None or tuple(wv.shape) != tuple(iv.shape) or xv.dim() != 2 or xv.shape[0] != iv.shape[0]:
         return "the tokens, ids and weights do not have (T, H), (T, k) and (T, k) shapes"
-    spec = MoESpec(first[1], ids, weights, gate, up, down, first[5], first[7], **dict(first[8]))
+    spec = experts.spec(ids, weights)
     return Match(spec, y, note=_fewer_flops(spec))
 
 

@@ -90,6 +90,56 @@ def _is_work(node: Node) -> bool:
     return work and _TRANSFORMERS_SOURCE not in (node.meta.get("stack_trace") or "")
 
 
+#: ops that only rearrange a tensor (stack, slice, view, cast): per-expert work behind them is still per-expert work
+_REARRANGE = {torch.stack, torch.cat, torch.concat, operator.getitem, torch.flatten, torch.transpose, torch.permute,
+              torch.squeeze, torch.unsqueeze, torch.reshape, torch.zeros_like}
+_REARRANGE_METHODS = {"view", "reshape", "unsqueeze", "squeeze", "transpose", "permute", "contiguous", "flatten", "to",
+                      "float", "half", "bfloat16", "type_as", "expand", "chunk", "split"}
+#: how far back through rearranging ops the ids' readers are traced to per-expert work
+_BEHIND = 4
+
+
+def _rearranges(node: Node) -> bool:
+    """``node`` stacks, slices, views or casts its tensor input(s), or scales one by a Python number."""
+    if node.op == "call_method":
+        return node.target in _REARRANGE_METHODS
+    if node.op != "call_function":
+        return False
+    if node.target in _REARRANGE:
+        return True
+    scaled = node.target in (operator.mul, operator.truediv) and len(node.args) == 2
+    return scaled and sum(isinstance(a, Node) for a in node.args) == 1 and all(
+        isinstance(a, (Node, int, float)) for a in node.args)
+
+
+def _work_behind(node: Node, router: set) -> Optional[Node]:
+    """The per-expert work ``node`` is, or whose output it rearranges (``_rearranges``, up to ``_BEHIND`` ops
+    deep): every expert's output stacked, or sliced and joined again, before a dense form's routing matrix mixes
+    it. The router's own computation (``router``, what the ids are made from) is not per-expert work."""
+    stack, seen = [(node, 0)], set()
+    while stack:
+        n, depth = stack.pop()
+        if n in seen or n in router:
+            continue
+        seen.add(n)
+        if _is_work(n):
+            return n
+        if depth < _BEHIND and _rearranges(n):
+            stack.extend((a, depth + 1) for a in n.all_input_nodes)
+    return None
+
+
+def _ancestors(node: Node) -> set:
+    """What ``node`` is computed from (itself included), up to ``_MAX_REACH`` nodes."""
+    found, stack = set(), [node]
+    while stack and len(found) < _MAX_REACH:
+        n = stack.pop()
+        if n not in found:
+            found.add(n)
+            stack.extend(n.all_input_nodes)
+    return found
+
+
 def _mutated(node: Node) -> Optional[Node]:
     """The tensor an in-place method (``t.scatter_(...)``) or ``t[i] = v`` changes."""
     inplace = (node.op == "call_method" and str(node.target).endswith("_")) or is_call(
@@ -119,12 +169,18 @@ def unexplained(gm: GraphModule) -> list[tuple[Node, str]]:
             mutated = _mutated(n)
             if mutated is not None:  # an in-place write carries the ids into the tensor it changes
                 stack.append(mutated)
-        # the ids reach per-expert work, or meet its output (a dense form scales every expert's output by them)
-        if rewritten or not any(_is_work(n) or any(_is_work(a) for a in n.all_input_nodes) for n in reach):
+        if rewritten:
+            continue
+        # the ids reach per-expert work, or meet its output (a dense form scales every expert's output by them),
+        # maybe stacked or sliced first; the router's own work is what it meets when the graph hands the ids on
+        # (to a loop Dynamo could not trace, say)
+        router = _ancestors(ids)
+        met = [w for n in reach for a in n.all_input_nodes if a not in reach
+               for w in ((a if _is_work(a) else _work_behind(a, router)),) if w is not None]
+        if not any(_is_work(n) for n in reach) and not met:
             continue
         covered |= reach
         regions.add(region_of(ids))
-        met = [a for n in reach for a in n.all_input_nodes if _is_work(a) and a not in reach]
         names = list(dict.fromkeys(filter(None, (_name(n) for n in sorted(reach | set(met), key=order.__getitem__)))))
         shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
         found.append((ids, f"a router's top-k/argmax ids feed per-expert work ({shown}) that no MoE form proves: "
