@@ -75,6 +75,22 @@ class SortedMoE(nn.Module):
             out = torch.zeros_like(x)
             out.index_add_(0, tok, ys)
             return out
+        if self.style.startswith("split_loop"):  # torchtitan's for-loop experts; two look-alikes
+            flat = ids.view(-1)
+            order = torch.argsort(flat, stable=True)
+            tok = order // k
+            counted = (flat + 1) % E if self.style == "split_loop_other_counts" else flat
+            sizes = torch.histc(counted.float(), bins=E, min=0, max=E).long().tolist()
+            xs = x[tok]
+            ys = []
+            for e, xe in enumerate(torch.split(xs[: sum(sizes)], sizes, dim=0)):
+                w = (e + 1) % E if self.style == "split_loop_next_expert" else e
+                h = F.silu(xe @ self.w1[w].transpose(-2, -1)) * (xe @ self.w3[w].transpose(-2, -1))
+                ys.append(h @ self.w2[w].transpose(-2, -1))
+            ys = torch.cat(ys, dim=0) * top.view(-1)[order][:, None].to(x.dtype)
+            out = torch.zeros_like(x)
+            out.index_add_(0, tok, ys)
+            return out
         raise ValueError(self.style)
 
 
@@ -115,6 +131,34 @@ def test_look_alikes_are_left_alone(style):
     assert torch.equal(compile_moe(model, x), model(x))
     assert not counters["moe_inductor"]
     assert counters["moe_inductor_left_alone"]["sorted_grouped_mm"] == 1  # explain() and the log say so
+
+
+def test_a_loop_over_split_chunks_is_the_grouped_gemm():
+    """torchtitan's for-loop experts (``counts.tolist()``, ``torch.split``, one MLP per chunk, ``torch.cat``): the
+    same function as the grouped GEMM, rewritten in fp32 with its gradients equal to eager's."""
+    torch.manual_seed(0)
+    model = SortedMoE("split_loop", 2)
+    x = torch.randn(11, H, requires_grad=True)
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(model, backend="moe_inductor", options={"inner": "aot_eager"})(x)
+    assert counters["moe_inductor"]["sorted_grouped_mm"] == 1
+    ref = model(x)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    params = [x, model.w1, model.w2, model.w3, model.router.weight]
+    dy = torch.randn_like(out)
+    for g, r in zip(torch.autograd.grad(out, params, dy), torch.autograd.grad(ref, params, dy)):
+        assert torch.allclose(g, r, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("style", ["split_loop_next_expert", "split_loop_other_counts"])
+def test_split_loop_look_alikes_are_left_alone(style):
+    """Chunk e run by expert e + 1's weights, or chunks sized by the counts of other ids: not this MoE."""
+    torch.manual_seed(0)
+    model = SortedMoE(style)
+    x = torch.randn(9, H)
+    assert torch.allclose(compile_moe(model, x), model(x), atol=1e-6)
+    assert not counters["moe_inductor"]
 
 
 @pytest.mark.parametrize("style", ["titan", "hf"])

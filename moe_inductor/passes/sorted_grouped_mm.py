@@ -19,6 +19,9 @@ output; the combine may be ``scatter_add_``, ``index_add_`` or torchtitan's unso
     buf = torch.zeros(T * k, H); buf[order] = ys
     out = buf.reshape(-1, k, H).sum(dim=1)          # or torch.bmm(weights.reshape(-1, 1, k), buf...).squeeze(1)
 
+The grouped GEMMs may also be a loop over per-expert chunks of the sorted rows (torchtitan's for-loop experts:
+``torch.split(xs, counts.tolist())``, one MLP per chunk on ``w[e]``, ``torch.cat``; split_experts.py reads it).
+
 Same-dtype casts (torchtitan's ``x.bfloat16()``, ``w.bfloat16()``, ``.type_as(x)`` on a bf16 model) are seen
 through; gate and up may be one fused weight split by ``chunk(2, -1)``.
 
@@ -37,6 +40,7 @@ from torch.fx import Node
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, Unmatched
 from .fx_utils import alias_mutations, is_call, read_gated, val
+from .split_experts import split_loop_experts
 
 FORM = "sorted_grouped_mm"
 
@@ -95,7 +99,22 @@ def _offsets_of(offs, ids: Node, num_experts: int) -> bool:
         return False
     if (offs.args[1:] or (offs.kwargs.get("dim"),))[0] != 0:
         return False
-    counts = offs.args[0]
+    return _counts_of(offs.args[0], ids, num_experts)
+
+
+def _integer_cast_of(node) -> Node:
+    """``t`` for ``t.long()`` / ``t.int()`` / ``t.to(an integer dtype)``: exact on counts (a cast to a float type
+    of fewer bits is not, so it is not seen through)."""
+    while isinstance(node, Node) and val(node) is not None and not val(node).is_floating_point() and (
+            is_call(node, "call_method", "long", "int", "to")) and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return node
+
+
+def _counts_of(counts, ids: Node, num_experts: int) -> bool:
+    """``counts`` holds, for e = 0..E-1, how many of the flattened ids are e: ``histc`` over E unit bins or
+    ``one_hot(flat, E).sum(0)``, possibly cast to an integer dtype (torchtitan's histc gives the ids' dtype)."""
+    counts = _integer_cast_of(counts)
     if is_call(counts, "call_function", torch.histc):
         bins = counts.kwargs.get("bins", counts.args[1] if len(counts.args) > 1 else None)
         lo = counts.kwargs.get("min", counts.args[2] if len(counts.args) > 2 else None)
@@ -291,11 +310,13 @@ def match(acc: Node) -> Optional[Match]:
     if unscaled is not None:
         ys, position = unscaled, "output"
     down = _grouped(_no_op_cast(ys), ids, None)
-    if down is None:
-        return None
-    h, w_down, layout, offs = down
-    num_experts = val(w_down).shape[0]
-    gated = read_gated(_no_op_cast(h), lambda n: _grouped(n, ids, num_experts))
+    if down is not None:
+        h, w_down, layout, offs = down
+        num_experts = val(w_down).shape[0]
+        gated = read_gated(_no_op_cast(h), lambda n: _grouped(n, ids, num_experts))
+    else:  # or a loop over per-expert chunks of the sorted rows (torchtitan's for-loop experts)
+        looped = split_loop_experts(_no_op_cast(ys), lambda counts, n: _counts_of(counts, ids, n))
+        w_down, layout, gated = looped if looped is not None else (None, None, None)
     if gated is None:
         return None
     activation, gate, up = gated.activation, gated.gate, gated.up
