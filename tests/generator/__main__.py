@@ -21,12 +21,13 @@ def main() -> None:
     ap.add_argument("--examples", type=int, default=int(os.environ.get("MOE_GENERATOR_EXAMPLES", 200)))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--form", default=None, help="only this form (repeat draws until it comes)")
+    ap.add_argument("--lookalikes", action="store_true", help="draw look-alikes only (each must be kept)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     tally: dict[str, Counter] = defaultdict(Counter)
     done = 0
     while done < args.examples:
-        r = draw_recipe(random_draw(rng))
+        r = draw_recipe(random_draw(rng), lookalike=True if args.lookalikes else None)
         if args.form and r.form != args.form:
             continue
         done += 1
