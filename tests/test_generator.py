@@ -24,12 +24,6 @@ def known_miss(r: Recipe) -> Optional[str]:
     it is rewritten, this test fails until the entry goes (a strict expectation). The measured rate counts them as
     missed."""
     d = r.idioms
-    if r.form == "loop" and d["experts"] == "slices":
-        return "DBRX's flat (E*I, H) weights: up by F.linear on a slice, down by h @ slice (two layouts in one MLP)"
-    if r.form == "loop" and d["selection"] == "any":
-        return "tokens by (ids == e).any(-1), weights by (weights * (ids == e)).sum(-1): no (token, slot) pairs"
-    if r.form == "loop" and d["selection"] == "boolmask" and d["position"] != "output":
-        return "the masked-write loop takes the routing weight in its (T, k, H) combine only"
     if r.form == "capacity" and d["style"] in ("fairseq", "deepspeed"):
         return "combine built by bmm / einsum('se,sc->sec') outer products of masked gates and slots"
     return None

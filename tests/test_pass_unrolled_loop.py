@@ -430,6 +430,63 @@ def test_switch_style_look_alikes_are_left_alone(style, reason):
     assert left.form == "unrolled_loop" and reason in left.reason, left
 
 
+class FlatBlocksMoE(nn.Module):
+    """DBRX's experts (each projection one flat (E*I, H) weight, expert e its rows [e*I, (e+1)*I), up used as
+    (out, in), down as (in, out)), and the tokens that chose e at all (``(ids == e).any(-1)``), each row's weight
+    ``(weights * (ids == e)).sum(-1)``."""
+
+    def __init__(self, style, E=3, k=2):
+        super().__init__()
+        self.style, self.E, self.k = style, E, k
+        self.router = nn.Linear(H, E, bias=False)
+        self.w1 = nn.Parameter(torch.randn(E * I, H) * H ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(E * I, H) * H ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(E * I, H) * I ** -0.5)
+
+    def forward(self, x):
+        scores = F.softmax(self.router(x), dim=-1)
+        weights, ids = torch.topk(scores, self.k, dim=-1)
+        if self.style == "any_ids_not_topk":  # may choose an expert twice: its weights would be summed on one row
+            ids = torch.argsort(scores, dim=-1)[:, -self.k:]
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            if self.style == "blocks":
+                tok, pos = torch.where(ids == e)
+                w = weights[tok, pos, None]
+            else:  # "any...": one row per token that chose e
+                hit = ids == e
+                tok = hit.any(dim=-1).nonzero().squeeze(-1)
+                other = ids == (e + 1) % self.E if self.style == "any_weight_of_other_expert" else hit
+                w = (weights * other).sum(dim=-1)[tok, None]
+            rows = slice(e * I, (e + 1) * I)
+            down = slice(((e + 1) % self.E) * I, ((e + 1) % self.E + 1) * I) if self.style == "shifted_block" else rows
+            xe = x[tok] * w if self.style != "blocks" else x[tok]  # the weight on the input, or on the output
+            h = F.silu(F.linear(xe, self.w1[rows])) * F.linear(xe, self.w3[rows])
+            y = h @ self.w2[down]
+            out.index_add_(0, tok, y * w if self.style == "blocks" else y)
+        return out
+
+
+@pytest.mark.parametrize("style", ["blocks", "any"])
+def test_flat_blocks_and_any_selection_are_rewritten_and_equal(style):
+    torch.manual_seed(0)
+    assert_rewritten_like_eager(FlatBlocksMoE(style), torch.randn(7, H), "unrolled_loop", style)
+
+
+@pytest.mark.parametrize("style,reason", [
+    ("shifted_block", "does not read rows [e*n, (e+1)*n)"),  # expert e's down projection is expert e+1's
+    ("any_weight_of_other_expert", "no routing weight"),  # rows of e, weights of e+1's choices
+    ("any_ids_not_topk", "ids not from topk"),
+])
+def test_flat_block_and_any_look_alikes_are_left_alone(style, reason):
+    torch.manual_seed(0)
+    model, x = FlatBlocksMoE(style), torch.randn(7, H)
+    assert torch.allclose(compile_moe(model, x), model(x), rtol=1e-6, atol=1e-6)
+    assert not counters["moe_inductor"]
+    (left,) = moe_inductor.explain(model, x).left_alone
+    assert left.form == "unrolled_loop" and reason in left.reason, left
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("make", [lambda: LoopMoE("where_matmul", 4, 2), lambda: LoopMoE("weight_on_input", 4, 2),
                                   lambda: LoopMoE("weight_between", 4, 2),

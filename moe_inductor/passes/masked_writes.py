@@ -21,7 +21,8 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Match
-from .fx_utils import alias_mutations, is_call, val, weighted_sum
+from .flat_slices import block_linear, blocks, sliced_spec, views
+from .fx_utils import alias_mutations, is_call, read_gated, val, weighted_sum
 
 
 def _flat_ids(node) -> Optional[Node]:
@@ -57,6 +58,83 @@ def _repeated_tokens(xr: Node, k: int) -> Optional[Node]:
     return xr.args[0]
 
 
+def _summed_over_k(y: Node) -> Optional[Node]:
+    """``g`` for ``g.sum(dim=1)`` (the routing weight applied inside the experts, the combine a plain sum)."""
+    dim = y.kwargs.get("dim", y.args[1] if len(y.args) > 1 else None)
+    if is_call(y, "call_method", "sum") and dim == 1 and set(y.kwargs) <= {"dim"} and len(y.args) <= 2 and isinstance(
+            y.args[0], Node):
+        return y.args[0]
+    return None
+
+
+def _masked_weight(node, flat: Node, e: int) -> Optional[Node]:
+    """``weights`` for ``weights.reshape(-1, 1)[flat == e]`` (or ``.view(-1, 1)``) of (T, k) float weights: row t*k + c
+    of the flat weights is choice c of token t, like the flat ids."""
+    rows = _masked_rows(node, flat)
+    if rows is None or rows[1] != e:
+        return None
+    column = rows[0]
+    if not (is_call(column, "call_method", "view", "reshape") and tuple(column.args[1:]) in ((-1, 1), ((-1, 1),))):
+        return None
+    weights = column.args[0]
+    wv, iv = val(weights), val(flat.args[0]) if isinstance(flat.args[0], Node) else None
+    if wv is None or iv is None or not wv.is_floating_point() or tuple(wv.shape) != tuple(iv.shape):
+        return None
+    return weights
+
+
+def _scaled(node, flat: Node, e: int) -> Optional[tuple[Node, Node, Node]]:
+    """(value, weights, the masked read of the weights) for ``value * weights.reshape(-1, 1)[flat == e]`` (either
+    order)."""
+    if not (is_call(node, "call_function", operator.mul) and len(node.args) == 2 and not node.kwargs):
+        return None
+    for value, scale in (node.args, node.args[::-1]):
+        weights = _masked_weight(scale, flat, e) if isinstance(value, Node) else None
+        if weights is not None:
+            return value, weights, scale
+    return None
+
+
+def _masked_body(value: Node, e: int, flat: Node, weighted: bool) -> Union[tuple, str]:
+    """Expert e's write ``buf[flat == e] = value``, read back: (the rows it reads, the gated reading, w_down, layout,
+    stacked, the row blocks of flat weights or None, weights or None, position, the masked read of the weights or
+    None), or why not. When the combine is
+    not ``weighted``, the routing weight scales exactly one of the expert's output, hidden state or input, at the
+    rows of its own mask."""
+    from .unrolled_loop import _linear
+
+    def projection(n: Node):  # e's own weights: w[e] of a stacked one, a per-expert one, or a row block of a flat one
+        return _linear(n, e) or block_linear(n)
+
+    weights, position, read = None, "output", None
+    if not weighted and (scaled := _scaled(value, flat, e)) is not None:
+        value, weights, read = scaled
+    down = projection(value)
+    if down is None:
+        return f"expert {e}'s output is not a bias-free projection on its own weights"
+    h, w_down, layout, stacked = down
+    if not weighted and weights is None and (scaled := _scaled(h, flat, e)) is not None:
+        (h, weights, read), position = scaled, "between"
+    gated = read_gated(h, projection)
+    if gated is None:
+        return f"expert {e}'s hidden state is not a known activation of its own projections"
+    gate, up = gated.gate, gated.up
+    xe = gate[0]
+    if up is not None and up[0] is not xe and not (_masked_rows(xe, flat) is not None and _masked_rows(
+            xe, flat) == _masked_rows(up[0], flat)):
+        return f"expert {e}'s gate and up projections read different rows"
+    if not weighted and weights is None and (scaled := _scaled(xe, flat, e)) is not None:
+        (xe, weights, read), position = scaled, "input"
+    if not weighted and weights is None:
+        return "no routing weight: neither the combine nor weights.view(-1, 1)[flat == e] in the experts applies one"
+    sliced = blocks([None if p is None else (p[1], p[2]) for p in (gate, up, down)])
+    if isinstance(sliced, str):
+        return sliced
+    if any((sliced is None and p[2] != layout) or p[3] != stacked for p in (gate, up) if p is not None):
+        return "the projections mix weight layouts or stacked and per-expert weights"
+    return xe, gated, w_down, layout, stacked, sliced, weights, position, read
+
+
 def match_masked_writes(y: Node) -> Union[Match, str, None]:
     """DeepSeek-V2/DeepSeek-MoE's training loop (boolean masks over the repeated tokens, writes, not adds)::
 
@@ -65,14 +143,20 @@ def match_masked_writes(y: Node) -> Union[Match, str, None]:
             buf[flat == e] = expert(xr[flat == e])
         y = (buf.view(T, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
+    or the routing weight inside each expert, at its input or between its projections (``xr[flat == e] *
+    weights.view(-1, 1)[flat == e]``), and ``y = buf.view(T, k, -1).sum(dim=1)``.
+
     Every row is written once: each flat id is one of range(E) (ids from topk over E columns) and each e is
     written once. The writes go with the region, and the masked reads take their size asserts with them."""
-    from .unrolled_loop import _Body, _per_expert_spec, _topk_ids, expert_mlp  # the loop's shared checks
+    from .unrolled_loop import _Body, _per_expert_spec, _topk_ids  # the loop's shared checks
 
     combined = weighted_sum(y)
-    if combined is None:
+    if combined is not None:
+        grouped, weights = combined
+    elif (grouped := _summed_over_k(y)) is not None:
+        weights = None
+    else:
         return None
-    grouped, weights = combined
     if not (is_call(grouped, "call_method", "view", "reshape") and len(grouped.args) >= 2):
         return None
     buf = grouped.args[0]
@@ -89,7 +173,8 @@ def match_masked_writes(y: Node) -> Union[Match, str, None]:
     iv, wv = val(ids), val(weights)
     T, k = iv.shape
     gv, bv = val(grouped), val(buf)
-    if wv is None or gv is None or tuple(wv.shape) != tuple(iv.shape) or tuple(gv.shape) != (T, k, bv.shape[-1]):
+    if (weights is not None and (wv is None or tuple(wv.shape) != tuple(iv.shape))) or gv is None or tuple(
+            gv.shape) != (T, k, bv.shape[-1]):
         return "the buffer is not viewed (T, k, H) like the ids and weights"
     if not _topk_ids(ids):
         return "the ids are not from topk: rows of ids outside range(E) would never be written"
@@ -102,24 +187,30 @@ def match_masked_writes(y: Node) -> Union[Match, str, None]:
         if is_call(value, "call_method", "to") and isinstance(value.args[0], Node) and val(value.args[0]) is not None and (
                 val(value) is not None and val(value.args[0]).dtype == val(value).dtype):  # a cast to the buffer's own dtype
             value = value.args[0]
-        mlp = expert_mlp(value, e)
-        if isinstance(mlp, str):
-            return mlp
-        w_down, layout, stacked, gated = mlp
+        body = _masked_body(value, e, flat, weighted=weights is not None)
+        if isinstance(body, str):
+            return body
+        xe, gated, w_down, layout, stacked, sliced, scale, position, scale_read = body
         gate, up = gated.gate, gated.up
-        rows = _masked_rows(gate[0], flat)
-        if rows is None or rows[1] != e or (up is not None and _masked_rows(up[0], flat) != rows):
+        rows = _masked_rows(xe, flat)
+        if rows is None or rows[1] != e:
             return f"expert {e} does not read the repeated tokens at its own mask"
         x = _repeated_tokens(rows[0], k)
         if x is None or x is not _repeated_tokens(buf.args[0], k) and buf.args[0] is not rows[0]:
             return "the experts do not read x.repeat_interleave(k, dim=0), the rows the buffer holds"
-        if any(p[2] != layout or p[3] != stacked for p in (gate, up) if p is not None):
-            return "the projections mix weight layouts or stacked and per-expert weights"
-        reads += [n for n in (gate[0], up[0] if up else None) if n is not None]
-        bodies.append(_Body(e, MoESpec(x, ids, weights, gate[1], up[1] if up else None, w_down, layout,
-                                       gated.activation, **gated.spec_fields()), mask, w, stacked))
-    spec = bodies[0].spec
-    if all(b.stacked for b in bodies):
+        reads += [n for n in (xe, gate[0], up[0] if up else None, scale_read) if n is not None]
+        spec = MoESpec(x, ids, weights if weights is not None else scale, gate[1], up[1] if up else None, w_down,
+                       layout, gated.activation, weight_position=position, **gated.spec_fields())
+        bodies.append(_Body(e, spec, mask, w, stacked, blocks=sliced))
+    spec, derive = bodies[0].spec, None
+    if any(b.blocks is not None for b in bodies):
+        if not all(b.blocks is not None for b in bodies):
+            return "some bodies read row blocks of flat weights and others not"
+        spec = sliced_spec([(b.e, b.blocks, b.spec) for b in bodies])
+        if isinstance(spec, str):
+            return spec
+        num_experts, derive = len(spec.gate), views(bodies[0].blocks)
+    elif all(b.stacked for b in bodies):
         if any(b.spec != spec for b in bodies):
             return "the loop bodies differ in more than the expert index"
         num_experts = val(spec.gate).shape[0]
@@ -140,5 +231,7 @@ def match_masked_writes(y: Node) -> Union[Match, str, None]:
     if xv is None or xv.dim() != 2 or xv.shape[0] != T or tuple(val(buf).shape) != (T * k, xv.shape[1]):
         return "the tokens and the buffer do not have (T, H) and (T*k, H) shapes"
     note = (f"{num_experts} boolean-mask selections (host syncs) removed"
-            + ("; per-expert weights stacked at each call" if isinstance(spec.gate, tuple) else ""))
-    return Match(spec, y, note, where=writes[0], writes=tuple(writes), transient=tuple(reads))
+            + ("; the flat weights read as (E, n, m) views" if derive is not None else
+               "; per-expert weights stacked at each call" if isinstance(spec.gate, tuple) else "")
+            + (f"; routing weight on the {spec.weight_position}" if spec.weight_position != "output" else ""))
+    return Match(spec, y, note, where=writes[0], writes=tuple(writes), transient=tuple(reads), derive=derive)

@@ -13,7 +13,10 @@ with a data-dependent size instead of a graph break):
     return out
 
 The routing weight may instead scale the expert's input (``xe = x[tok] * weights[tok, pos, None]``) or the hidden
-state before the down projection; the op takes it at the same place.
+state before the down projection; the op takes it at the same place. The rows may be the tokens that chose e at all,
+``tok = (ids == e).any(-1).nonzero().squeeze(-1)`` with weights ``(weights * (ids == e)).sum(-1)[tok, None]``
+(``loop_rows``), and the experts' weights row blocks of flat (E*I, H) weights, DBRX's ``w1[e * I:(e + 1) * I]``
+(``flat_slices``).
 
 A Switch-style top-1 loop (one choice per token, so the experts' rows are disjoint) may write each expert's rows
 (``out[tok, :] = expert(x[tok, :])``, tok from ``(ids == e).nonzero(as_tuple=True)[0]`` of (T,) ids) and apply the
@@ -39,74 +42,12 @@ from torch.fx import Graph, Node
 
 from ..spec import MoESpec
 from .driver import CHANGED_IN_PLACE, Anchor, Form, Match
+from .flat_slices import block_linear, blocks, sliced_spec, views
 from .fx_utils import GatedRead, alias_mutations, is_call, mutated_alias, read_gated, source_line, val
+from .loop_rows import routing_scaled, rows_index, selection, token_rows_of
 from .masked_writes import match_masked_writes
 
 FORM = "unrolled_loop"
-
-
-def _selected_ids(cond: Node) -> Optional[tuple[Node, int, bool]]:
-    """(ids, e, token_first) for a selection condition: ``ids == e`` (rows are (token, choice)), or HF's
-    ``one_hot(ids, E).permute(2, 1, 0)[e]`` (rows are (choice, token))."""
-    if is_call(cond, "call_function", operator.eq, torch.eq) and isinstance(cond.args[1], int):
-        return cond.args[0], cond.args[1], True
-    if is_call(cond, "call_function", operator.getitem) and isinstance(cond.args[1], int):
-        perm = cond.args[0]
-        if is_call(perm, "call_method", "permute") and tuple(perm.args[1:]) in ((2, 1, 0), ((2, 1, 0),)):
-            hot = perm.args[0]
-            if is_call(hot, "call_function", torch.nn.functional.one_hot) and len(hot.args) >= 1:
-                num_classes = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)
-                ids = hot.args[0]
-                if isinstance(num_classes, int) and 0 <= cond.args[1] < num_classes:
-                    return ids, cond.args[1], False
-    return None
-
-
-def _selection(tok: Node) -> Optional[tuple[Node, Node, int, Optional[int]]]:
-    """(where node, ids, e, index of pos in the where result) for ``tok, pos = torch.where(ids == e)`` (or
-    nonzero(as_tuple=True)), or ``pos, tok = torch.where(one_hot(ids, E).permute(2, 1, 0)[e])``; or, for a top-1
-    router's (T,) ids, (where node, ids, e, None) for ``tok = (ids == e).nonzero(as_tuple=True)[0]``."""
-    if not (is_call(tok, "call_function", operator.getitem) and tok.args[1] in (0, 1)):
-        return None
-    where = tok.args[0]
-    one_arg_where = is_call(where, "call_function", torch.where) and len(where.args) == 1 and not where.kwargs
-    nonzero = ((is_call(where, "call_method", "nonzero") or is_call(where, "call_function", torch.nonzero))
-               and where.kwargs == {"as_tuple": True} and len(where.args) == 1)
-    if not (one_arg_where or nonzero):
-        return None
-    selected = _selected_ids(where.args[0])
-    if selected is None:
-        return None
-    ids, e, token_first = selected
-    if tok.args[1] != (0 if token_first else 1):
-        return None
-    iv = val(ids)
-    if iv is None or iv.dtype.is_floating_point or iv.dtype == torch.bool:
-        return None
-    if iv.dim() == 1 and token_first:  # one id per token: the where result is (tok,) alone
-        return where, ids, e, None
-    if iv.dim() != 2:
-        return None
-    return where, ids, e, 1 if token_first else 0
-
-
-def _token_rows_of(xe: Node, tok: Node) -> Optional[Node]:
-    """``x`` for ``x[tok]`` or HF's ``x[None, tok].reshape(-1, H)``."""
-    if is_call(xe, "call_function", operator.getitem) and (xe.args[1] is tok or _rows_index(xe.args[1], tok)):
-        return xe.args[0]
-    if is_call(xe, "call_method", "reshape", "view") and len(xe.args) == 3 and xe.args[1] == -1:
-        inner = xe.args[0]
-        if is_call(inner, "call_function", operator.getitem) and inner.args[1] == (None, tok):
-            x = inner.args[0]
-            xv = val(x)
-            if xv is not None and xv.dim() == 2 and xe.args[2] == xv.shape[1]:
-                return x
-    return None
-
-
-def _rows_index(index, tok: Node) -> bool:
-    """``index`` is ``(tok, :)``: whole rows at tok, as ``x[tok, :]`` reads them and ``out[tok, :] = v`` writes them."""
-    return isinstance(index, tuple) and len(index) == 2 and index[0] is tok and index[1] == slice(None, None, None)
 
 
 def _expert_weight(node: Node, e: int) -> Optional[tuple[Node, bool, bool]]:
@@ -183,6 +124,7 @@ class _Body:
     add: Node
     stacked: bool
     read: Optional[Node] = None  # the acc[tok] read of an ``acc[tok] += c`` body
+    blocks: Optional[tuple] = None  # the (gate, up, down) row blocks of flat weights it reads (flat_slices.Block)
 
 
 def _accumulation(add: Node, acc: Node) -> Optional[tuple[Node, Node, Optional[Node]]]:
@@ -265,10 +207,13 @@ def _body(add: Node, acc: Node) -> Union[_Body, str]:
     if is_call(contribution, "call_method", "to") and len(contribution.args) == 2 and val(acc) is not None and (
             contribution.args[1] == val(acc).dtype):  # HF v4 casts each expert's output to the buffer's dtype
         contribution = contribution.args[0]
-    sel = _selection(tok)
+    sel = selection(tok)
     if sel is None:
         return "the rows are not selected by torch.where(ids == e) or (ids == e).nonzero(as_tuple=True)"
-    where, ids, e, pos_index = sel
+    ids, e = sel.ids, sel.e
+    # (weights * (ids == e)).sum(-1) is the weight of e's one choice only where a token chooses e at most once
+    if sel.hit is not None and not _topk_ids(ids):
+        return "rows by (ids == e).any(-1) with ids not from topk: a token choosing e twice gets their summed weight"
     one_column = val(ids).dim() == 1 or val(ids).shape[-1] == 1
     if read is not None and not (one_column or _topk_ids(ids)):  # repeated ids: acc[tok] += c keeps one write
         return "acc[tok] += ... with ids not from topk: a token choosing an expert twice would be written once"
@@ -278,35 +223,43 @@ def _body(add: Node, acc: Node) -> Union[_Body, str]:
     # the routing weight scales the expert's output (the usual place), its input, or the hidden state between the
     # projections; exactly one of the three, and always this body's own weights[tok, pos]
     position, weights = "output", None
-    scaled = _routing_scaled(contribution, tok, where, pos_index)
+    scaled = routing_scaled(contribution, tok, sel)
     expert_out = contribution
     if scaled is not None:
         expert_out, weights = scaled
-    down = _biased_linear(expert_out, e)
+    def projection(n: Node):  # e's own weights: w[e] of a stacked one, a per-expert one, or a row block of a flat one
+        got = _biased_linear(n, e)
+        block = block_linear(n) if got is None else None
+        return got if block is None else (*block, None)
+
+    down = projection(expert_out)
     if down is None:
         return f"expert {e}'s output is not a bias-free matmul or F.linear on w[{e}] (stacked) or a per-expert weight"
     h, w_down, layout = down[:3]
-    if weights is None and (scaled := _routing_scaled(h, tok, where, pos_index)) is not None:
+    if weights is None and (scaled := routing_scaled(h, tok, sel)) is not None:
         (h, weights), position = scaled, "between"
-    gated = read_gated(h, lambda n: _biased_linear(n, e))
+    gated = read_gated(h, projection)
     if gated is None:
         return f"expert {e}'s hidden state is not a known activation of its own up projection(s)"
     activation, gate, up = gated.activation, gated.gate, gated.up
     xe = gate[0]
     # gate and up read the same rows: one node, or x[tok] written out twice (two identical gathers of x)
     if up is not None and up[0] is not xe:
-        rows = _token_rows_of(xe, tok)
-        if rows is None or rows is not _token_rows_of(up[0], tok):
+        rows = token_rows_of(xe, tok)
+        if rows is None or rows is not token_rows_of(up[0], tok):
             return f"expert {e}'s gate and up projections read different rows"
-    if weights is None and (scaled := _routing_scaled(xe, tok, where, pos_index)) is not None:
+    if weights is None and (scaled := routing_scaled(xe, tok, sel)) is not None:
         (xe, weights), position = scaled, "input"
     # no routing weight in the body: ``match`` looks for it on the combined result (Switch scales after the loop)
-    x = _token_rows_of(xe, tok)
+    x = token_rows_of(xe, tok)
     if x is None and weights is None:
         return "no routing weight weights[tok, pos, None] scales the output, the input or the hidden state"
     if x is None:
         return f"expert {e}'s input is not x[tok] (its own selected rows of one (T, H) tensor)"
-    if any(p[2] != layout for p in (gate, up) if p is not None):
+    sliced = blocks([None if p is None else (p[1], p[2]) for p in (gate, up, down)])
+    if isinstance(sliced, str):
+        return sliced
+    if sliced is None and any(p[2] != layout for p in (gate, up) if p is not None):  # a flat one's blocks may mix
         return "the projections mix weight layouts"
     if any(p[3] != down[3] for p in (gate, up) if p is not None):  # all stacked, or all per-expert
         return "the projections mix stacked and per-expert weights"
@@ -315,7 +268,7 @@ def _body(add: Node, acc: Node) -> Union[_Body, str]:
     spec = MoESpec(x, ids, weights, gate[1], up[1] if up else None, w_down, layout, activation,
                    weight_position=position, b1=gate[4], b1_up=up[4] if up else None, b2=down[4],
                    **gated.spec_fields())
-    return _Body(e, spec, where, add, stacked=down[3], read=read)
+    return _Body(e, spec, sel.where, add, stacked=down[3], read=read, blocks=sliced)
 
 
 def _assignment(write: Node, acc: Node) -> Optional[tuple[Node, Node, None]]:
@@ -326,21 +279,8 @@ def _assignment(write: Node, acc: Node) -> Optional[tuple[Node, Node, None]]:
         vv, av = val(write.args[2]), val(acc)
         # whole (n, H) rows: a narrower value would be broadcast across the row, which no expert output is
         same_width = vv is not None and av is not None and vv.dim() == 2 and vv.shape[-1] == av.shape[-1]
-        if isinstance(tok, Node) and (index is tok or _rows_index(index, tok)) and same_width:
+        if isinstance(tok, Node) and (index is tok or rows_index(index, tok)) and same_width:
             return tok, write.args[2], None
-    return None
-
-
-def _routing_scaled(node: Node, tok: Node, where: Node, pos_index: int) -> Optional[tuple[Node, Node]]:
-    """(what is scaled, weights) for ``value * weights[tok, pos, None]`` (either order), where tok and pos are this
-    body's own selection: the routing weight of each selected (token, choice) row."""
-    if not is_call(node, "call_function", operator.mul) or len(node.args) != 2 or node.kwargs:
-        return None
-    for value, scale in (node.args, node.args[::-1]):
-        index = scale.args[1] if is_call(scale, "call_function", operator.getitem) else None
-        if isinstance(index, tuple) and len(index) == 3 and index[0] is tok and index[2] is None and is_call(
-                index[1], "call_function", operator.getitem) and index[1].args == (where, pos_index):
-            return value, scale.args[0]
     return None
 
 
@@ -431,7 +371,13 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
         reason, add = failed[0]
         return f"{reason} (at {source_line(add).split(': ', 1)[0]})"
     spec = bodies[0].spec
-    if all(b.stacked for b in bodies):
+    if any(b.blocks is not None for b in bodies):
+        if not all(b.blocks is not None for b in bodies):
+            return "some bodies read row blocks of flat weights and others not"
+        spec = sliced_spec([(b.e, b.blocks, b.spec) for b in bodies])
+        if isinstance(spec, str):
+            return spec
+    elif all(b.stacked for b in bodies):
         if any(b.spec != spec for b in bodies):  # the same region but for e (MoESpec compares its nodes)
             return "the loop bodies differ in more than the expert index"
         if sorted(b.e for b in bodies) != list(range(val(spec.gate).shape[0])):
@@ -475,7 +421,7 @@ def _looks_like_a_body(write: Node, acc: Node) -> bool:
     """Whether a write to ``acc`` is at rows picked by ``torch.where(ids == e)`` (or nonzero): the mark of a
     per-expert loop, worth a reason in explain() when it is not rewritten."""
     accumulated = _accumulation(write, acc) or _assignment(write, acc)
-    return accumulated is not None and _selection(accumulated[0]) is not None
+    return accumulated is not None and isinstance(accumulated[0], Node) and selection(accumulated[0]) is not None
 
 
 def match_loop(acc: Node) -> Union[Match, str, None]:
@@ -488,19 +434,21 @@ def match_loop(acc: Node) -> Union[Match, str, None]:
     adds = tuple(b.add for b in bodies)
     biased = isinstance(spec.gate, tuple) and any(b is not None for b in (spec.b1, spec.b1_up, spec.b2))
     one_id = val(spec.ids).dim() == 1
+    sliced = bodies[0].blocks
     note = (f"{len(bodies)} nonzero host syncs and data-dependent sizes removed"
-            + ("; per-expert weights stacked at each call" if isinstance(spec.gate, tuple) else "")
+            + ("; the flat weights read as (E, n, m) views" if sliced is not None else
+               "; per-expert weights stacked at each call" if isinstance(spec.gate, tuple) else "")
             + (f"; routing weight on the {spec.weight_position}" if spec.weight_position != "output" else "")
             + ("; the routing weight scaled the combined result" if product is not None else ""))
 
     def derive(graph: Graph, spec: MoESpec) -> MoESpec:
-        spec = _stacked(graph, spec) if biased else spec
+        spec = _stacked(graph, spec) if biased else views(sliced)(graph, spec) if sliced is not None else spec
         return _column_ids(graph, spec) if one_id else spec
 
     # scaled after the loop, the result is the product (the accumulator goes with the region); else the accumulator
     end = product if product is not None else max(adds, key=position.__getitem__)
     return Match(spec, end, note, where=bodies[0].add, acc=None if product is not None else acc, writes=adds,
-                 transient=tuple(b.where for b in bodies), derive=derive if biased or one_id else None,
+                 transient=tuple(b.where for b in bodies), derive=derive if biased or one_id or sliced is not None else None,
                  top_k=1 if one_id else None)
 
 

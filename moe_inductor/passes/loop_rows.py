@@ -1,0 +1,171 @@
+"""The rows one body of a per-expert loop picks, and the routing weight it reads for them (form "unrolled_loop").
+
+    tok, pos = torch.where(ids == e)                     # or (ids == e).nonzero(as_tuple=True)
+    pos, tok = torch.where(one_hot(ids, E).permute(2, 1, 0)[e])          # HF v4's (E, k, T) mask
+    tok = (ids == e).nonzero(as_tuple=True)[0]           # a top-1 router's (T,) ids
+    tok = (ids == e).any(-1).nonzero().squeeze(-1)       # the tokens that chose e at all
+
+and each row's weight ``weights[tok, pos, None]``, or, for the last, ``(weights * (ids == e)).sum(-1)[tok, None]``.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.fx import Node
+
+from .fx_utils import is_call, val
+
+
+def selected_ids(cond: Node) -> Optional[tuple[Node, int, bool]]:
+    """(ids, e, token_first) for a selection condition: ``ids == e`` (rows are (token, choice)), or HF's
+    ``one_hot(ids, E).permute(2, 1, 0)[e]`` (rows are (choice, token))."""
+    if is_call(cond, "call_function", operator.eq, torch.eq) and isinstance(cond.args[1], int):
+        return cond.args[0], cond.args[1], True
+    if is_call(cond, "call_function", operator.getitem) and isinstance(cond.args[1], int):
+        perm = cond.args[0]
+        if is_call(perm, "call_method", "permute") and tuple(perm.args[1:]) in ((2, 1, 0), ((2, 1, 0),)):
+            hot = perm.args[0]
+            if is_call(hot, "call_function", torch.nn.functional.one_hot) and len(hot.args) >= 1:
+                num_classes = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)
+                ids = hot.args[0]
+                if isinstance(num_classes, int) and 0 <= cond.args[1] < num_classes:
+                    return ids, cond.args[1], False
+    return None
+
+
+@dataclass(frozen=True)
+class Rows:
+    """How one body picks its rows ``tok``: the where/nonzero node (its size asserts go with the region), the ids
+    and e, and where each row's routing weight is read from: ``weights[tok, where[pos], None]`` (``pos`` the index
+    of the choices in where's result), or, for rows picked by ``(ids == e).any(-1)``, ``(weights * hit).sum(-1)[tok,
+    None]`` (``hit`` the ``ids == e``). A top-1 router's (T,) ids have neither: no weight is read per row."""
+
+    where: Node
+    ids: Node
+    e: int
+    pos: Optional[int] = None
+    hit: Optional[Node] = None
+
+
+def selection(tok: Node) -> Optional[Rows]:
+    """The rows of ``tok, pos = torch.where(ids == e)`` (or nonzero(as_tuple=True)), ``pos, tok =
+    torch.where(one_hot(ids, E).permute(2, 1, 0)[e])``, a top-1 router's ``tok = (ids == e).nonzero(as_tuple=True)[0]``
+    on (T,) ids, or the tokens that chose e at all: ``tok = (ids == e).any(-1).nonzero().squeeze(-1)`` (or
+    ``torch.where(...)[0]``)."""
+    picked = any_selection(tok)
+    if picked is not None:
+        return picked
+    if not (is_call(tok, "call_function", operator.getitem) and tok.args[1] in (0, 1)):
+        return None
+    where = tok.args[0]
+    if not where_like(where):
+        return None
+    selected = selected_ids(where.args[0])
+    if selected is None:
+        return None
+    ids, e, token_first = selected
+    if tok.args[1] != (0 if token_first else 1):
+        return None
+    iv = val(ids)
+    if iv is None or iv.dtype.is_floating_point or iv.dtype == torch.bool:
+        return None
+    if iv.dim() == 1 and token_first:  # one id per token: the where result is (tok,) alone
+        return Rows(where, ids, e)
+    if iv.dim() != 2:
+        return None
+    return Rows(where, ids, e, pos=1 if token_first else 0)
+
+
+def where_like(where: Node) -> bool:
+    """``torch.where(cond)`` or ``cond.nonzero(as_tuple=True)``: a tuple of index tensors, one per dim of cond."""
+    one_arg_where = is_call(where, "call_function", torch.where) and len(where.args) == 1 and not where.kwargs
+    nonzero = ((is_call(where, "call_method", "nonzero") or is_call(where, "call_function", torch.nonzero))
+               and where.kwargs == {"as_tuple": True} and len(where.args) == 1)
+    return one_arg_where or nonzero
+
+
+def any_selection(tok: Node) -> Optional[Rows]:
+    """The tokens with any choice equal to e: ``(ids == e).any(-1)`` of (T, k) integer ids, its indices by
+    ``.nonzero().squeeze(-1)``, ``torch.where(...)[0]`` or ``.nonzero(as_tuple=True)[0]``."""
+    if is_call(tok, "call_method", "squeeze") and tok.args[1:] in ((-1,), (1,)) and not tok.kwargs:
+        where = tok.args[0]
+        if not ((is_call(where, "call_method", "nonzero") or is_call(where, "call_function", torch.nonzero))
+                and len(where.args) == 1 and not where.kwargs):
+            return None
+    elif is_call(tok, "call_function", operator.getitem) and tok.args[1] == 0 and where_like(tok.args[0]):
+        where = tok.args[0]
+    else:
+        return None
+    chose = where.args[0]
+    if not (is_call(chose, "call_method", "any") or is_call(chose, "call_function", torch.any)):
+        return None
+    dim = chose.kwargs.get("dim", chose.args[1] if len(chose.args) > 1 else None)
+    if dim not in (-1, 1) or set(chose.kwargs) - {"dim"} or len(chose.args) > 2:
+        return None
+    hit = chose.args[0]
+    selected = selected_ids(hit)
+    if selected is None or not selected[2]:
+        return None
+    iv = val(selected[0])
+    if iv is None or iv.dim() != 2 or iv.dtype.is_floating_point or iv.dtype == torch.bool:
+        return None
+    return Rows(where, selected[0], selected[1], hit=hit)
+
+
+def token_rows_of(xe: Node, tok: Node) -> Optional[Node]:
+    """``x`` for ``x[tok]`` or HF's ``x[None, tok].reshape(-1, H)``."""
+    if is_call(xe, "call_function", operator.getitem) and (xe.args[1] is tok or rows_index(xe.args[1], tok)):
+        return xe.args[0]
+    if is_call(xe, "call_method", "reshape", "view") and len(xe.args) == 3 and xe.args[1] == -1:
+        inner = xe.args[0]
+        if is_call(inner, "call_function", operator.getitem) and inner.args[1] == (None, tok):
+            x = inner.args[0]
+            xv = val(x)
+            if xv is not None and xv.dim() == 2 and xe.args[2] == xv.shape[1]:
+                return x
+    return None
+
+
+def rows_index(index, tok: Node) -> bool:
+    """``index`` is ``(tok, :)``: whole rows at tok, as ``x[tok, :]`` reads them and ``out[tok, :] = v`` writes them."""
+    return isinstance(index, tuple) and len(index) == 2 and index[0] is tok and index[1] == slice(None, None, None)
+
+
+def routing_scaled(node: Node, tok: Node, sel: Rows) -> Optional[tuple[Node, Node]]:
+    """(what is scaled, weights) for ``value * weights[tok, pos, None]`` (either order), where tok and pos are this
+    body's own selection: the routing weight of each selected (token, choice) row; for rows picked by
+    ``hit.any(-1)``, ``value * (weights * hit).sum(-1)[tok, None]`` with this body's own ``hit = ids == e``."""
+    if not is_call(node, "call_function", operator.mul) or len(node.args) != 2 or node.kwargs:
+        return None
+    for value, scale in (node.args, node.args[::-1]):
+        index = scale.args[1] if is_call(scale, "call_function", operator.getitem) else None
+        if sel.pos is not None and isinstance(index, tuple) and len(index) == 3 and index[0] is tok and (
+                index[2] is None) and is_call(index[1], "call_function", operator.getitem) and (
+                index[1].args == (sel.where, sel.pos)):
+            return value, scale.args[0]
+        if sel.hit is not None and index == (tok, None):
+            weights = weights_at_hit(scale.args[0], sel)
+            if weights is not None:
+                return value, weights
+    return None
+
+
+def weights_at_hit(summed: Node, sel: Rows) -> Optional[Node]:
+    """``weights`` for ``(weights * hit).sum(-1)`` (factors in either order), ``hit`` this body's ``ids == e``:
+    each token's weight of its choice e (with ids from topk, at most one choice per token is e)."""
+    dim = summed.kwargs.get("dim", summed.args[1] if len(summed.args) > 1 else None)
+    if not (is_call(summed, "call_method", "sum") and dim in (-1, 1) and set(summed.kwargs) <= {"dim"}
+            and len(summed.args) <= 2):
+        return None
+    prod = summed.args[0]
+    if not (is_call(prod, "call_function", operator.mul) and len(prod.args) == 2 and not prod.kwargs):
+        return None
+    for weights, hit in (prod.args, prod.args[::-1]):
+        same_hit = hit is sel.hit or (isinstance(hit, Node) and selected_ids(hit) == (sel.ids, sel.e, True))
+        wv = val(weights) if isinstance(weights, Node) else None
+        if same_hit and wv is not None and wv.is_floating_point() and tuple(wv.shape) == tuple(val(sel.ids).shape):
+            return weights
+    return None
