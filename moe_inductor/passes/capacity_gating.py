@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -239,23 +239,37 @@ def _queue_position(loc: Node, hot: OneHot) -> Optional[list]:
     return [mask_key(e) for e in earlier]
 
 
-def dropped_mask(mask: Node, capacity) -> Optional[tuple[OneHot, Node, list, Any]]:
+#: why a drop is not the op's: the positions it compares with C are not the queue the op fills
+NOT_CHOICE_MAJOR = ("its capacity drop compares positions that are not cumsum(one_hot, 0) - 1 plus the counts of "
+                    "the earlier choices: a priority order (token-major, say) other than the choice-major order the "
+                    "op drops in")
+#: why a drop is not the op's: the capacity it drops at is not the slots' C
+OTHER_CAPACITY = "its capacity drop compares with a capacity other than the slots' C"
+
+
+def dropped_mask(mask: Node, capacity) -> Union[tuple[OneHot, Node, list, Any], str, None]:
     """(one-hot, loc, earlier, the capacity as written) for ``mask = one_hot(idx, E) * lt(loc, capacity)`` (or
-    ``*=``) with loc a queue position."""
+    ``*=``) with loc a queue position; why not, when ``mask`` is a one-hot times an ``lt``; else None."""
     args = binary(mask, _MUL)
     if args is None:
         return None
+    reason = None
     for a, b in (args, args[::-1]):
         hot, keep = one_hot(a), strip_casts(b, zero_one=True)
         if hot is None or not (call(keep, torch.lt, operator.lt, "lt") and len(keep.args) == 2 and not keep.kwargs):
             continue
         loc, cap = keep.args
-        if not isinstance(loc, Node) or not same_size(cap, capacity):
+        if not isinstance(loc, Node):
+            continue
+        if not same_size(cap, capacity):
+            reason = OTHER_CAPACITY
             continue
         earlier = _queue_position(loc, hot)
-        if earlier is not None:
-            return hot, loc, earlier, cap
-    return None
+        if earlier is None:
+            reason = NOT_CHOICE_MAJOR
+            continue
+        return hot, loc, earlier, cap
+    return reason
 
 
 def _factors(node: Any, T, E, C) -> Optional[list[tuple[str, Node]]]:
@@ -293,7 +307,7 @@ def _factors(node: Any, T, E, C) -> Optional[list[tuple[str, Node]]]:
 def _te_parts(node: Any, T, E, C) -> list:
     """The factors of a (T, E) product: products of (T, E) and (T, 1) tensors, ``einsum("s,se->se", g, m)``, and
     float casts; a dropped mask (itself a product) stays whole, with its casts (``choice`` strips them)."""
-    if dropped_mask(strip_casts(node, zero_one=True), C) is not None:
+    if isinstance(dropped_mask(strip_casts(node, zero_one=True), C), tuple):
         return [node]
     if (ab := binary(node, _MUL)) is not None and shape(node) == (T, E):
         return _te_parts(ab[0], T, E, C) + _te_parts(ab[1], T, E, C)
@@ -306,12 +320,13 @@ def _te_parts(node: Any, T, E, C) -> list:
     return [node] if under is node else _te_parts(under, T, E, C)
 
 
-def choice(term: Node, T, E, C) -> Optional[Choice]:
-    """One ``gate * mask ⊗ one_hot(slot, C)`` term of combine (see the module docstring)."""
+def choice(term: Node, T, E, C) -> Union[Choice, str]:
+    """One ``gate * mask ⊗ one_hot(slot, C)`` term of combine (see the module docstring), or why it is not."""
     factors = _factors(term, T, E, C)
     if factors is None:
-        return None
-    gates, fulls, wide, slots = [], [], [], []
+        return ("a term is not a product of (T, 1, 1), (T, E, 1) and (T, 1, C) factors (bmm or einsum outer "
+                "products included)")
+    gates, wide, slots = [], [], []
     for tag, node in factors:
         if tag == "tc":
             slots.append(node)
@@ -324,32 +339,33 @@ def choice(term: Node, T, E, C) -> Optional[Choice]:
                 elif shape(part) == (T, E):
                     wide.append(part)
                 else:
-                    return None
-    if len(slots) != 1 or not wide:
-        return None
+                    return "a term has a factor that is neither a gate, an expert mask nor a slot one-hot"
+    if len(slots) != 1:
+        return "a term has no single (T, C) slot factor"
     # exactly one of the (T, E) factors is the dropped mask; another is a full gate, read at the kept expert
-    found = None
+    found, reason = None, "no factor of a term is a capacity-dropped one-hot, one_hot(expert, E) * lt(position, C)"
     for i, part in enumerate(wide):
         mask = strip_casts(part, zero_one=True)
         dropped = dropped_mask(mask, C)
-        if dropped is not None and dropped[0].has_classes(E):
+        if isinstance(dropped, str):
+            reason = dropped
+        elif dropped is not None and dropped[0].has_classes(E):
             found = (mask, dropped, wide[:i] + wide[i + 1:])
             break
     if found is None:
-        return None
+        return reason
     mask, (hot, loc, earlier, cap), fulls = found
     if len(gates) + len(fulls) != 1 or any(not val(f).is_floating_point() for f in fulls):
-        return None
+        return "a term has no single gate (a (T,) or (T, 1) factor, or a (T, E) float one)"
     slot = one_hot(slots[0])
     if slot is None or not slot.has_classes(C):
-        return None
+        return "a term's slot factor is not a one-hot over the C slots"
     # the slot is the queue position of the kept (token, expert): sum(loc * mask, dim=1)
     position = strip_casts(column_base(slot.idx), zero_one=True)
-    if not (call(position, torch.sum, "sum") and _dim_arg(position, 1) in (1, -1) and set(position.kwargs) <= {"dim"}):
-        return None
-    prod = binary(position.args[0], _MUL)
+    prod = binary(position.args[0], _MUL) if call(position, torch.sum, "sum") and _dim_arg(position, 1) in (
+        1, -1) and set(position.kwargs) <= {"dim"} else None
     if prod is None or set(prod) != {loc, mask}:
-        return None
+        return "a term's slot is not the queue position of its kept choice, sum(loc * mask, dim=1)"
     return Choice(gates[0] if gates else None, fulls[0] if fulls else None, hot.idx, hot, mask, earlier, cap, loc,
                   slot)
 

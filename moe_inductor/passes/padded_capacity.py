@@ -357,11 +357,11 @@ def _routing(combine: Node, T, E, C) -> Union[list[Choice], str]:
     # a sum started from 0 (``combine = 0`` then ``combine = combine + term`` per choice) adds a literal zero
     terms = [t for t in _flatten(combine, _ADD, lambda n: shape(n) == (T, E, C))
              if not (type(t) in (int, float) and t == 0)]
-    choices = [choice(t, T, E, C) if isinstance(t, Node) else None for t in terms]
+    choices = [choice(t, T, E, C) if isinstance(t, Node) else "a term is a constant" for t in terms]
     base = "a (T, E, C) combine over capacity slots, but its gating is not the GShard routing this form proves"
-    if not choices or any(c is None for c in choices):
-        return (f"{base}: a term is not gate * one_hot(expert, E) * lt(queue position, C) ⊗ one_hot(slot, C), "
-                "with the slot the queue position of the kept choice")
+    failed = [c for c in choices if isinstance(c, str)]
+    if not choices or failed:
+        return f"{base}: {failed[0] if failed else 'it has no terms'}"
     ordered = order_choices(choices)
     if ordered is None:
         return (f"{base}: the queue positions are not choice-major (choice j behind every earlier choice), the "
