@@ -23,9 +23,6 @@ def known_miss(r: Recipe) -> Optional[str]:
     generator's report lists each with a repro). Such a variant must still be left alone and equal to eager; once
     it is rewritten, this test fails until the entry goes (a strict expectation). The measured rate counts them as
     missed."""
-    d = r.idioms
-    if r.form == "capacity" and d["style"] in ("fairseq", "deepspeed"):
-        return "combine built by bmm / einsum('se,sc->sec') outer products of masked gates and slots"
     return None
 
 
