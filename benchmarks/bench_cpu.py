@@ -7,7 +7,7 @@ The op mode reports wall-clock means over repeated calls. The model mode builds 
 builds on the CPU (a tiny random Qwen3-MoE), compiles it with ``torch.compile``'s default backend and with
 ``backend="moe_inductor"`` in the same process, and times the three in interleaved rounds: each round times a block
 of calls of every candidate, in a rotating order, so that a busy machine slows all of them alike; the table gives
-the median over rounds of the per-call time. Each token count is compiled afresh (``torch._dynamo.reset``), so both
+the median over rounds of the per-call time, and the quartiles over rounds of moe_inductor's time over inductor's. Each token count is compiled afresh (``torch._dynamo.reset``), so both
 backends see one static shape.
 """
 from __future__ import annotations
@@ -85,6 +85,16 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int, calls: int
     return samples
 
 
+def round_ratio_quartiles(ours: list[float], theirs: list[float]) -> tuple[float, float]:
+    """The first and third quartiles over rounds of ``ours[r] / theirs[r]``: within a round both blocks ran close
+    together, so the spread of these ratios shows how far the machine's load moved one median against the other."""
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    if len(ratios) < 2:
+        return ratios[0], ratios[0]
+    q = statistics.quantiles(ratios, n=4)
+    return q[0], q[2]
+
+
 def model_table(tokens: list[int], rounds: int, calls: int, backends: Optional[list[str]] = None,
                 clock: str = "wall") -> list[dict]:
     """Time the quickstart model at each token count (one sequence of T tokens) under eager, inductor and
@@ -97,8 +107,9 @@ def model_table(tokens: list[int], rounds: int, calls: int, backends: Optional[l
     model, vocab = quickstart_model()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; quickstart Qwen3-MoE (CPU build), fp32, "
           f"median of {rounds} interleaved rounds of {calls} calls, {clock} clock")
-    print("| T | " + " | ".join(f"{b} ms" for b in backends) + " | moe_inductor / inductor | rel. err vs eager |")
-    print("|---|" + "---|" * (len(backends) + 2))
+    print("| T | " + " | ".join(f"{b} ms" for b in backends)
+          + " | moe_inductor / inductor | per-round ratio, quartiles | rel. err vs eager |")
+    print("|---|" + "---|" * (len(backends) + 3))
     rows = []
     for T in tokens:
         torch._dynamo.reset()
@@ -116,10 +127,13 @@ def model_table(tokens: list[int], rounds: int, calls: int, backends: Optional[l
                     fn()
             samples = interleaved_ms(fns, rounds, calls, time.thread_time if clock == "cpu" else time.perf_counter)
         med = {b: statistics.median(s) for b, s in samples.items()}
-        ratio = med["moe_inductor"] / med["inductor"] if {"moe_inductor", "inductor"} <= med.keys() else float("nan")
+        paired = {"moe_inductor", "inductor"} <= med.keys()
+        ratio = med["moe_inductor"] / med["inductor"] if paired else float("nan")
+        spread = round_ratio_quartiles(samples["moe_inductor"], samples["inductor"]) if paired else (ratio, ratio)
         err = max(errs.get("moe_inductor", 0.0), errs.get("inductor", 0.0))
-        print(f"| {T} | " + " | ".join(f"{med[b]:.3f}" for b in backends) + f" | {ratio:.2f} | {err:.1e} |")
-        rows.append(dict(T=T, ms=med, err=errs, ratio=ratio))
+        print(f"| {T} | " + " | ".join(f"{med[b]:.3f}" for b in backends)
+              + f" | {ratio:.2f} | {spread[0]:.2f}-{spread[1]:.2f} | {err:.1e} |")
+        rows.append(dict(T=T, ms=med, err=errs, ratio=ratio, ratio_quartiles=spread))
         if errs.get("moe_inductor", 0.0) > 1e-4:
             raise SystemExit(f"moe_inductor's logits differ from eager's at T={T}: relative error {errs}")
     return rows

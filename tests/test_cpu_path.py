@@ -59,6 +59,16 @@ def test_opcheck_cpu_grouped_mm(second, capacity):
     assert (out[kept:] == 0).all() and (capacity is None) == (kept == rows.shape[0])
 
 
+def test_cpu_grouped_mm_refuses_inputs_that_need_a_gradient():
+    """It has no backward: a gradient through it would be silently missing, so it raises instead."""
+    a, w = torch.randn(4, 8), torch.randn(2, 8, 3, requires_grad=True)
+    offsets = torch.tensor([0, 1, 4], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="no backward"):
+        cpu_grouped_mm(a, offsets, w, None)
+    with torch.no_grad():
+        torch.testing.assert_close(cpu_grouped_mm(a, offsets, w, None), torch.cat([a[:1] @ w[0], a[1:] @ w[1]]))
+
+
 def _graph(inputs: tuple) -> torch.fx.GraphModule:
     def moe(x, ids, w, g, u, d):
         return torch.ops.moe_inductor.experts_forward.default(x, ids, w, g, u, d, None, None, None, "silu_glu",

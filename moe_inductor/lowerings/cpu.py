@@ -32,12 +32,13 @@ from ..ops.grouped_mm_engine import combined_up_weights
 from ..ops.routing import route_reference
 
 
-@torch.library.custom_op("moe_inductor::cpu_grouped_mm", mutates_args=())
-def cpu_grouped_mm(a: Tensor, offsets: Tensor, w: Tensor, w_second: Optional[Tensor]) -> Tensor:
+def _cpu_grouped_mm(a: Tensor, offsets: Tensor, w: Tensor, w_second: Optional[Tensor]) -> Tensor:
     """Per-expert matmuls of expert-sorted rows: (M, K) ``a``, whose rows of expert e are
     [offsets[e], offsets[e+1]), times (E, K, N) ``w``; with ``w_second`` (E, K, N) too, the (M, 2N) [a@w | a@w_second]
     (one matmul on the combined weight when the two are the halves of one tensor). Rows past ``offsets[-1]`` are
     zero."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, w, w_second)):
+        raise RuntimeError("moe_inductor::cpu_grouped_mm has no backward: it serves inference graphs only")
     bounds = offsets.tolist()
     M, kept = a.shape[0], bounds[-1]
     sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])] + [M - kept]
@@ -54,9 +55,20 @@ def cpu_grouped_mm(a: Tensor, offsets: Tensor, w: Tensor, w_second: Optional[Ten
     return out
 
 
-@cpu_grouped_mm.register_fake
+# Defined through torch.library.Library rather than custom_op: the op runs twice per layer in host-bound graphs, and
+# custom_op's Python dispatch layers cost about 50 us a call on the 2-core CPU machine against about 15 us for a
+# plain CPU kernel (RESULTS.md, CPU). It has no autograd kernel; the kernel refuses inputs that need a gradient.
+_LIB = torch.library.Library("moe_inductor", "FRAGMENT")
+_LIB.define("cpu_grouped_mm(Tensor a, Tensor offsets, Tensor w, Tensor? w_second) -> Tensor")
+_LIB.impl("cpu_grouped_mm", _cpu_grouped_mm, "CPU")
+
+
+@torch.library.register_fake("moe_inductor::cpu_grouped_mm")
 def _(a, offsets, w, w_second):
     return a.new_empty(a.shape[0], w.shape[2] * (1 if w_second is None else 2))
+
+
+cpu_grouped_mm = torch.ops.moe_inductor.cpu_grouped_mm.default
 
 
 def experts_forward_traced(*args: object) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -105,9 +117,11 @@ def _example(node: object) -> Optional[object]:
 
 def _builds_no_backward(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     """Whether AOTAutograd builds no backward through ``node``: none of its tensor arguments requires grad (every
-    one with a recorded example value), or grad mode is off at compile time and the graph never turns it on."""
+    argument node with a recorded example value), or grad mode is off at compile time and the graph never turns it
+    on."""
     examples = [_example(a) for a in node.args if isinstance(a, torch.fx.Node)]
-    if all(isinstance(t, torch.Tensor) for t in examples) and not any(t.requires_grad for t in examples):
+    if all(t is not None for t in examples) and not any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in examples):
         return True
     if torch.is_grad_enabled():
         return False
