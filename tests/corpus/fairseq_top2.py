@@ -1,8 +1,8 @@
 """fairseq's top-2 MoE, mirrored from facebookresearch/fairseq (``fairseq/modules/moe/top2gate.py``:
 ``top2gating``, ``one_hot``; ``fairseq/modules/moe/moe_layer.py``: ``MOELayer``).
 
-Style: softmax in fp32, ``argmax(keepdim=True)`` + a scatter-based ``one_hot`` for each choice (second policy
-"all"), an int capacity ``2 * ceil(T / E)``, ``cumsum - 1`` positions with the second choices behind the first,
+Style: softmax in fp32 (``use_fp32``: the combine weights go back to the input's dtype), ``argmax(keepdim=True)``
++ a scatter-based ``one_hot`` for each choice (second policy "all"), an int capacity ``2 * ceil(T / E)``, ``cumsum - 1`` positions with the second choices behind the first,
 ``mask * lt(locations, capacity)`` drops, gates renormalised after dropping, combine weights built by ``bmm`` of
 (S, E, 1) gates with (S, 1, C) one-hot locations; dispatch ``mm(dispatch_mask.permute(1, 2, 0).view(E*C, S), x)``,
 experts over ``chunk``, combine ``mm(combine_weights.view(S, E*C), expert_output.view(E*C, M))``. The experts are
@@ -28,6 +28,7 @@ def one_hot(indices, num_classes, unsqueeze_indices=False):
 
 
 def top2gating(logits):
+    orig_dtype = logits.dtype  # fairseq's use_fp32: the gating in fp32, the combine weights back in the input's dtype
     logits = logits.float()
     gates = F.softmax(logits, dim=1)
     num_tokens, num_experts = gates.shape[0], gates.shape[1]
@@ -56,7 +57,7 @@ def top2gating(logits):
     combine1_sec = torch.bmm(gates1.unsqueeze(-1), locations1_sc.to(gates1.dtype).unsqueeze(1))
     combine2_sec = torch.bmm(gates2.unsqueeze(-1), locations2_sc.to(gates2.dtype).unsqueeze(1))
     combine_weights = combine1_sec + combine2_sec
-    return combine_weights, combine_weights.bool()
+    return combine_weights.to(orig_dtype), combine_weights.bool()
 
 
 class FeedForwardNetwork(nn.Module):
