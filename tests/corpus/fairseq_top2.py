@@ -1,12 +1,12 @@
 """fairseq's top-2 MoE, mirrored from facebookresearch/fairseq (``fairseq/modules/moe/top2gate.py``:
 ``top2gating``, ``one_hot``; ``fairseq/modules/moe/moe_layer.py``: ``MOELayer``).
 
-Style: softmax in fp32 (``use_fp32``: the combine weights go back to the input's dtype), ``argmax(keepdim=True)``
-+ a scatter-based ``one_hot`` for each choice (second policy "all"), an int capacity ``2 * ceil(T / E)``, ``cumsum - 1`` positions with the second choices behind the first,
-``mask * lt(locations, capacity)`` drops, gates renormalised after dropping, combine weights built by ``bmm`` of
-(S, E, 1) gates with (S, 1, C) one-hot locations; dispatch ``mm(dispatch_mask.permute(1, 2, 0).view(E*C, S), x)``,
-experts over ``chunk``, combine ``mm(combine_weights.view(S, E*C), expert_output.view(E*C, M))``. The experts are
-fairseq's FFN: ``fc2(relu(fc1(x)))`` with biases.
+Style: softmax in fp32 (``use_fp32``: the combine weights go back to the input's dtype), ``argmax(keepdim=True)`` + a
+scatter-based ``one_hot`` for each choice (second policy "all"), an int capacity ``2 * ceil(T / E)``, ``cumsum - 1``
+positions with the second choices behind the first, ``mask * lt(locations, capacity)`` drops, gates renormalised after
+dropping, combine weights built by ``bmm`` of (S, E, 1) gates with (S, 1, C) one-hot locations; dispatch
+``mm(dispatch_mask.permute(1, 2, 0).view(E*C, S), x)``, experts over ``chunk``, combine ``mm(combine_weights.view(S,
+E*C), expert_output.view(E*C, M))``. The experts are fairseq's FFN: ``fc2(relu(fc1(x)))`` with biases.
 """
 import math
 
