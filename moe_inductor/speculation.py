@@ -377,9 +377,9 @@ def install() -> None:
         if method is not None:
             setattr(side_effects.SideEffects, name, _counting(method))
 
-    def method_tolist(self, tx, *args, **kwargs):
+    def method_tolist(self, *args, **kwargs):  # (self, tx) in torch 2.13; whatever the version passes, passed on
         _tolist(self)
-        return original_tolist(self, tx, *args, **kwargs)
+        return original_tolist(self, *args, **kwargs)
 
     TensorVariable.method_tolist = method_tolist
     classes, stack = [], [base]

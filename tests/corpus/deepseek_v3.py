@@ -6,6 +6,10 @@ their top-2 sum, ``scatter_`` a mask, ``masked_fill_`` -inf), weights gathered f
 renormalised, ``route_scale``; ``counts = torch.bincount(indices.flatten(), minlength=E).tolist()`` and a loop over
 ``range(E)`` that skips ``if counts[i] == 0``, ``idx, top = torch.where(indices == i)``,
 ``y[idx] += expert(x[idx]) * weights[idx, top, None]``; plus shared experts.
+
+Falls back under the corpus's training step: the skip is traced as running every body (speculation.py), but with
+gradients on eager leaves a skipped expert's nn.Linear weights without a gradient (None) where the rewrite gives
+zeros, so the speculation is not kept. Without gradients (DeepSeek-V3's own use: inference) it is rewritten.
 """
 import torch
 import torch.nn as nn

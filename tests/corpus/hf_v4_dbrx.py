@@ -5,6 +5,10 @@ Style: softmax in fp32, top-k, weights normalised by their p-norm (``moe_normali
 weights are flat (E*I, H) parameters, viewed (E, I, H), ``chunk``-ed per expert and squeezed; the one-hot mask loop
 skips an empty expert with ``if token_idx.shape[0] == 0: continue``; ``x.matmul(w1.t())``, ``x.matmul(w2)``;
 ``index_add_``.
+
+Falls back: the skip is traced as running every body (speculation.py), but unrolled_loop does not read the chunked,
+squeezed views of the flat weights as per-expert weights, so no rewrite takes the bodies and the speculation is not
+kept.
 """
 import torch
 import torch.nn as nn
