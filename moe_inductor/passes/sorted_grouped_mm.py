@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch.fx import Node
@@ -292,11 +292,36 @@ def _no_op_cast(node):
     return node
 
 
-def match(acc: Node) -> Optional[Match]:
+def _written_by_grouped_mm(acc: Node) -> bool:
+    """``acc`` is a zeros buffer whose one in-place write (``scatter_add_``, ``index_add_``, ``acc[i] = v``) writes
+    the output of a grouped GEMM (maybe scaled or cast): the form's mark, where the rows it writes are not proven."""
+    if not _buffer(acc):
+        return False
+    mutations = alias_mutations(acc)
+    if len(mutations) != 1 or not (is_call(mutations[0], "call_method", "scatter_add_", "index_add_") or is_call(
+            mutations[0], "call_function", operator.setitem)):
+        return False
+    src = mutations[0].args[-1] if mutations[0].args else None
+    for _ in range(4):
+        if not isinstance(src, Node):
+            return False
+        if _grouped_mm_offsets(src) is not None:
+            return True
+        src = src.args[0] if is_call(src, "call_method", "to", "float", "bfloat16", "half", "type_as") else (
+            next((a for a in src.args if isinstance(a, Node)), None) if is_call(src, "call_function", operator.mul)
+            else None)
+    return False
+
+
+def match(acc: Node) -> Union[Match, str, None]:
     """The MoE whose sorted expert outputs ``acc`` takes back to token order (scatter_add_/index_add_ into zeros,
-    or torchtitan's unsort); None when ``acc`` is no such buffer."""
+    or torchtitan's unsort); why not, where ``acc`` receives grouped GEMM outputs (the form's mark) and a check
+    fails; None when ``acc`` is no such buffer."""
     combine = _scatter_back(acc) or _unsort_back(acc)
     if combine is None:
+        if _written_by_grouped_mm(acc):
+            return ("the grouped GEMM outputs are written back at rows that are not order // k (or order, unsorted) "
+                    "of one stable sort of the flat ids, each row once")
         return None
     order = combine.order
     ids = _sort_order(order)
@@ -321,22 +346,22 @@ def match(acc: Node) -> Optional[Match]:
         return None
     activation, gate, up = gated.activation, gated.gate, gated.up
     if up is not None and _no_op_cast(up[0]) is not _no_op_cast(gate[0]):
-        return None
+        return "the gate and up projections read different inputs"
     if any(p[2] != layout for p in (gate, up) if p is not None):
-        return None
+        return "the projections mix weight layouts"
     xs = _no_op_cast(gate[0])
     scaled_in = _scaled_by(xs, score) if score is not None else None
     if scaled_in is not None:
         if position is not None:  # the score on the input and the output: w^2, not what the op computes
-            return None
+            return "the routing weight scales both the experts' input and their output (w squared, not w)"
         xs, position = _no_op_cast(scaled_in), "input"
     if combine.weights is not None:
         if position is not None:  # scaled twice again
-            return None
+            return "the routing weight scales the experts' rows and again the unsorted result (w squared, not w)"
         weights, position = combine.weights, "output"
     else:
         if position is None:  # no routing weight at all
-            return None
+            return "no routing weight scales the experts' input or output"
         weights = _flat(score.args[0])
     tok = None
     if is_call(xs, "call_function", torch.gather) and xs.args[1] == 0:
@@ -345,22 +370,22 @@ def match(acc: Node) -> Optional[Match]:
     elif is_call(xs, "call_function", operator.getitem):
         tok, x = xs.args[1], xs.args[0]
     if tok is None or _token_of(tok) != (order, ids):
-        return None
+        return "the experts' rows are not the tokens x[order // k] of the sort they are written back by"
     if combine.writes[0].target in ("scatter_add_", "index_add_") and _token_rows(combine.writes[0].args[2]) is not tok:
-        return None  # the rows read are not the rows written
+        return "the rows read are not the rows written back"
     xv, ev = val(x), val(combine.end if combine.end is not combine.writes[0] else acc)
     if xv is None or ev is None or xv.dim() != 2 or tuple(ev.shape) != tuple(xv.shape):
-        return None
+        return "the tokens and the combined result do not have one (T, H) shape"
     wv = val(weights)
     if wv is None or tuple(wv.shape) != tuple(val(ids).shape) or k != val(ids).shape[1]:
-        return None  # flattened like the ids, or the order means nothing
+        return "the routing weights are not (T, k) like the sorted ids"  # flattened like them, or order means nothing
     w = lambda n: _no_op_cast(n)  # noqa: E731  (the user's parameter, not a same-dtype cast of it)
     spec = MoESpec(x, ids, weights, w(gate[1]), w(up[1]) if up else None, w(w_down), layout, activation, position,
                    **gated.spec_fields())
     note = f"routing weight on the {spec.weight_position}; no permuted copy of x"
     if combine.end is combine.writes[0] and combine.end.users:  # ``return out.scatter_add_(...)``
         if set(acc.users) != {combine.end}:
-            return None  # the buffer and the value of its in-place write are both read
+            return "the buffer and the value of its in-place write are both read"
         return Match(spec, combine.end, note, writes=combine.writes)
     if combine.end is combine.writes[0]:  # scattered into acc in place: its later reads read the op
         return Match(spec, combine.end, note, acc=acc, writes=combine.writes)
@@ -378,7 +403,36 @@ def _buffer(node: Node) -> bool:
     return is_call(node, "call_function", torch.zeros_like, torch.zeros) or is_call(node, "call_method", "new_zeros")
 
 
+def _written_buffer(node: Node, depth: int = 8) -> Optional[Node]:
+    """The zeros buffer that ``node``'s value reaches an in-place write of, within ``depth`` steps."""
+    frontier, seen = [node], set()
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for u in n.users:
+                if u in seen:
+                    continue
+                seen.add(u)
+                written = (is_call(u, "call_method", "scatter_add_", "index_add_") or is_call(
+                    u, "call_function", operator.setitem)) and u.args and isinstance(u.args[0], Node)
+                if written and _buffer(u.args[0]):
+                    return u.args[0]
+                nxt.append(u)
+        frontier = nxt
+    return None
+
+
+def _unexplained_offsets(node: Node) -> Optional[Node]:
+    """The offsets of a grouped-GEMM call left in the graph, unless the proof from the buffer it is written into
+    already said why that region stays (the note is then the proof's, not this general one)."""
+    offs = _grouped_mm_offsets(node)
+    if offs is None:
+        return None
+    buffer = _written_buffer(node)
+    return None if buffer is not None and match(buffer) is not None else offs
+
+
 rewrite = Form(FORM, (Anchor(_buffer, match),), Unmatched(
-    _grouped_mm_offsets, "torch._grouped_mm over expert offsets, but not the sort, histc + cumsum offsets, gather and "
+    _unexplained_offsets, "torch._grouped_mm over expert offsets, but not the sort, histc + cumsum offsets, gather and "
     "scatter-back of one set of routing ids that this form proves"))
 """Replace every provable sort + grouped_mm MoE in a GraphModule; returns what was rewritten."""
