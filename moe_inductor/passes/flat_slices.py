@@ -38,7 +38,8 @@ def row_block(node) -> Optional[tuple[Node, int, int]]:
         return None
     start = 0 if index.start is None else index.start  # w[:n] is expert 0's block
     stop, step = wv.shape[0] if index.stop is None else index.stop, index.step
-    if not (isinstance(start, int) and isinstance(stop, int) and step in (None, 1) and 0 <= start < stop <= wv.shape[0]):
+    if not (isinstance(start, int) and isinstance(stop, int) and step in (None, 1)
+            and 0 <= start < stop <= wv.shape[0]):
         return None
     return w, start, stop
 

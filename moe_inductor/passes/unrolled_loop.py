@@ -448,7 +448,8 @@ def match_loop(acc: Node) -> Union[Match, str, None]:
     # scaled after the loop, the result is the product (the accumulator goes with the region); else the accumulator
     end = product if product is not None else max(adds, key=position.__getitem__)
     return Match(spec, end, note, where=bodies[0].add, acc=None if product is not None else acc, writes=adds,
-                 transient=tuple(b.where for b in bodies), derive=derive if biased or one_id or sliced is not None else None,
+                 transient=tuple(b.where for b in bodies),
+                 derive=derive if biased or one_id or sliced is not None else None,
                  top_k=1 if one_id else None)
 
 
