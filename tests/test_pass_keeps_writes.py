@@ -4,6 +4,7 @@ FX's dead-code removal takes every ``call_method`` as pure, and Dynamo records `
 ``mask.scatter_(1, i, 1)`` as call_method nodes nobody reads (later reads point at ``buf``/``mask``). Removing
 them after a rewrite dropped a module's buffer update (torchtitan's token counts) and DeepSeek-V2's group mask
 (every score then masked to 0: wrong routing). Both are kept now."""
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -48,3 +49,44 @@ def test_rewrite_keeps_the_users_in_place_writes():
     assert counters["moe_inductor"]["gathered_weights"] == 1
     assert_close(out, ref_model(x), torch.float32, "forward")
     assert torch.equal(model.tokens_per_expert, ref_model.tokens_per_expert)
+
+
+class ChangedThroughAView(nn.Module):
+    """An expert loop whose tokens change between two experts' reads, through a view the loop never names
+    (``xv += 1``, ``torch.relu_(xv)``, ``xv.mul_(2)``, ``torch.mul(xv, 2, out=xv)``): experts after the first see the
+    changed tokens, so no single experts call reads what the loop read."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(H, I, bias=False), nn.SiLU(), nn.Linear(I, H, bias=False)) for _ in range(E))
+
+    def forward(self, x):
+        x = x.clone()
+        xv = x.view(-1)
+        weights, ids = torch.topk(F.softmax(self.router(x), dim=-1), K, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, pos = torch.where(ids == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * weights[tok, pos, None])
+            if e == 0:
+                if self.how == "iadd":
+                    xv += 1.0
+                elif self.how == "relu_":
+                    torch.relu_(xv)
+                elif self.how == "out":
+                    torch.mul(xv, 2.0, out=xv)
+                else:
+                    xv.mul_(2.0)
+        return out
+
+
+@pytest.mark.parametrize("how", ["iadd", "relu_", "out", "mul_"])
+def test_tokens_changed_through_a_view_between_experts_are_not_rewritten(how):
+    torch.manual_seed(0)
+    model = ChangedThroughAView(how)
+    x = torch.randn(9, H)
+    assert_close(compile_moe(model, x), model(x), torch.float32, "forward")
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])

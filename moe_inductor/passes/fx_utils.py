@@ -74,9 +74,25 @@ def read_receivers_of_inplace_results(graph: torch.fx.Graph) -> int:
 
 
 def inplace_users(node: Node) -> list[Node]:
-    """The users of ``node`` that mutate it through an in-place method (``x.index_add_(...)``, ``x.scatter_(...)``)."""
-    return [u for u in node.users
-            if u.op == "call_method" and str(u.target).endswith("_") and u.args and u.args[0] is node]
+    """The users of ``node`` that write it in place: an in-place method (``x.index_add_(...)``), an in-place
+    operator (``x += y``, which Dynamo keeps as ``operator.iadd`` when ``x`` is a view it cannot rebind), an
+    in-place function (``torch.relu_(x)``, ``F.relu(x, inplace=True)``) or an ``out=`` argument."""
+    return [u for u in node.users if _writes(u, node)]
+
+
+def _writes(user: Node, node: Node) -> bool:
+    if user.kwargs.get("out") is node:
+        return True
+    first = user.args[0] if user.args else None
+    if first is not node:
+        return False
+    if user.op == "call_method":
+        return str(user.target).endswith("_") or user.kwargs.get("inplace") is True
+    if user.op == "call_function":
+        name = getattr(user.target, "__name__", "")
+        return (user.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+                or user.kwargs.get("inplace") is True)
+    return False
 
 
 _VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "transpose", "permute", "t", "flatten",
@@ -84,10 +100,18 @@ _VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "tra
 
 
 def _is_view(node: Node) -> bool:
+    if is_call(node, "call_function", operator.getitem) and _advanced_index(node.args[1]):
+        return False  # ``x[idx]`` with a tensor index copies: ``x[idx] += y`` writes that copy, then x by setitem
     return (node.op == "call_method" and node.target in _VIEWS) or (
         node.op == "call_function" and node.target in (operator.getitem, torch.unsqueeze, torch.squeeze,
                                                           torch.transpose, torch.permute, torch.reshape,
                                                           torch.flatten, torch.narrow, torch.select))
+
+
+def _advanced_index(index) -> bool:
+    """An index with a tensor in it (torch's advanced indexing, which always returns a copy)."""
+    parts = index if isinstance(index, (tuple, list)) else (index,)
+    return any(isinstance(p, Node) and isinstance(val(p), torch.Tensor) for p in parts)
 
 
 def alias_mutations(node: Node) -> list[Node]:
