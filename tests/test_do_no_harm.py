@@ -54,6 +54,24 @@ class ToListMoE(nn.Module):
         return y
 
 
+class UnprovenCountsMoE(ToListMoE):
+    """ToListMoE with its ids copied before the counts: the counts' length (E only for top-k ids) is not proven, so
+    its ``.tolist()`` fails under the capture settings and the frame falls back, with or without gradients."""
+
+    def forward(self, x):
+        scores = self.gate(x).softmax(-1)
+        weights, ids = scores.topk(self.k, -1)
+        ids = ids.clone()
+        y = torch.zeros_like(x)
+        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
+        for i, expert in enumerate(self.experts):
+            if counts[i] == 0:
+                continue
+            idx, top = torch.where(ids == i)
+            y[idx] += expert(x[idx]) * weights[idx, top, None]
+        return y
+
+
 class TensorCapacityMoE(nn.Module):
     """DeepSpeed ``top1gating`` style: a capacity computed as a tensor, then ``one_hot(..., num_classes=capacity)``."""
 
@@ -148,7 +166,7 @@ def test_a_frame_that_fails_under_our_settings_falls_back(make, T):
 
 def test_explain_reports_a_fallback_and_it_is_logged_once(caplog):
     torch.manual_seed(0)
-    model = ToListMoE()
+    model = UnprovenCountsMoE()
     x = torch.randn(7, 16)
     from moe_inductor import capture
 
