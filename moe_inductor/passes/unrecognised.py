@@ -100,16 +100,13 @@ _BEHIND = 4
 
 
 def _rearranges(node: Node) -> bool:
-    """``node`` stacks, slices, views or casts its tensor input(s), or scales one by a Python number."""
+    """``node`` stacks, slices, views or casts its tensor input(s), or scales or shifts one (by a number or
+    another tensor: a per-expert scale, a bias)."""
     if node.op == "call_method":
         return node.target in _REARRANGE_METHODS
     if node.op != "call_function":
         return False
-    if node.target in _REARRANGE:
-        return True
-    scaled = node.target in (operator.mul, operator.truediv) and len(node.args) == 2
-    return scaled and sum(isinstance(a, Node) for a in node.args) == 1 and all(
-        isinstance(a, (Node, int, float)) for a in node.args)
+    return node.target in _REARRANGE or node.target in (operator.mul, operator.truediv, operator.add, operator.sub)
 
 
 def _work_behind(node: Node, router: set) -> Optional[Node]:
