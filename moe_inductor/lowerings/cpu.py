@@ -4,9 +4,10 @@ Inductor fuses, around one opaque op that runs the per-expert matmuls (``moe_ind
 Why: ``moe_inductor::experts_forward`` is opaque to Inductor, so on the CPU its routing, gather, activation,
 routing-weight scale and combine run as ~17 separate aten calls behind the dispatcher and our Python, while
 ``backend="inductor"`` fuses the same steps of transformers' grouped_mm path into a few generated C++ kernels around
-its own opaque per-expert matmul loop. On the 2-layer quickstart model that host time made moe_inductor 1.1-1.2x
-slower than Inductor (benchmarks/RESULTS.md, CPU). Here Inductor sees everything but the matmul loop, which needs
-the per-expert row counts on the host (one ``tolist`` per call) and so cannot be traced.
+its own opaque per-expert matmul loop. On the 2-layer quickstart model the opaque op is 1.1-1.2x slower than
+Inductor's path; this lowering is 0.87-0.96x of it (benchmarks/RESULTS.md, CPU). Here Inductor sees everything but
+the matmul loop, which needs the per-expert row counts on the host (one ``tolist`` per call) and so cannot be
+traced.
 
 The traced forward computes on all T*k assignment rows, so that no shape depends on the routing: rows past
 ``offsets[-1]`` (capacity drops, ids outside [0, E)) are zeros out of the matmul op and are masked out of the
@@ -56,8 +57,8 @@ def _cpu_grouped_mm(a: Tensor, offsets: Tensor, w: Tensor, w_second: Optional[Te
 
 
 # Defined through torch.library.Library rather than custom_op: the op runs twice per layer in host-bound graphs, and
-# custom_op's Python dispatch layers cost about 50 us a call on the 2-core CPU machine against about 15 us for a
-# plain CPU kernel (RESULTS.md, CPU). It has no autograd kernel; the kernel refuses inputs that need a gradient.
+# over its body's own time custom_op's Python dispatch adds about 50 us a call on the 2-core CPU machine, a plain CPU
+# kernel about 20 us (RESULTS.md, CPU). It has no autograd kernel; the kernel refuses inputs that need a gradient.
 _LIB = torch.library.Library("moe_inductor", "FRAGMENT")
 _LIB.define("cpu_grouped_mm(Tensor a, Tensor offsets, Tensor w, Tensor? w_second) -> Tensor")
 _LIB.impl("cpu_grouped_mm", _cpu_grouped_mm, "CPU")
