@@ -13,6 +13,10 @@ It becomes one ``moe_inductor::experts_forward`` over the top-k only. That is ex
 built by scattering into zeros with ids from ``topk`` (distinct per row, so no write is lost), and an expert's output
 enters ``y`` only through its routing entry. Anything else is left alone.
 
+The experts may also be modules of their own, each run on every token and stacked (column e is expert e):
+
+    out = torch.stack([expert(x) for expert in self.experts], dim=1)  # (T, E, H), then the same mix
+
 Two more spellings of the same computation (``match_token_replicated``, ``match_dense_loop`` have the details):
 
     # Llama 4's reference: tokens replicated per expert, scaled by (E, T) scores zero off the top-k, bmm over E
