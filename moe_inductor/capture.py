@@ -220,7 +220,13 @@ def install() -> None:
         convert_frame._compile = _wrap_compile(convert_frame._compile)
     from . import speculation
 
-    speculation.install()
+    try:
+        speculation.install()
+    except Exception as error:  # an optional hook into Dynamo internals must never stop the backend from loading
+        import warnings
+
+        warnings.warn(f"moe_inductor: skip-of-empty-expert speculation is off on this torch ({error!r}); such "
+                      "loops fall back to plain capture")
 
 
 @torch._dynamo.assume_constant_result

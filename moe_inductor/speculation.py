@@ -389,16 +389,22 @@ def install() -> None:
         stack.extend(cls.__subclasses__())
     for cls in classes:
         table = cls.__dict__.get("dispatch_table")
-        if not isinstance(table, list):
+        if isinstance(table, list):
+            hook_table(table, dis.opmap)
+
+
+def hook_table(table: list, opmap: dict) -> None:
+    """Wrap the branch and FOR_ITER handlers of one Dynamo dispatch table (a list indexed by opcode) in place."""
+    for opname, op in opmap.items():
+        # Python 3.12's pseudo-instructions (JUMP, LOAD_METHOD, SETUP_*) have opcodes of 256 and up: they never
+        # reach the interpreter, and the table does not hold them
+        if not 0 <= op < len(table) or table[op] is None:
             continue
-        for opname, op in dis.opmap.items():
-            handler = table[op]
-            if handler is None:
-                continue
-            if opname.startswith("POP_JUMP") and opname.endswith(("_IF_TRUE", "_IF_FALSE")):
-                table[op] = _jump_hook(handler, opname.endswith("_IF_TRUE"))
-            elif opname == "FOR_ITER":
-                table[op] = _for_iter_hook(handler)
+        handler = table[op]
+        if opname.startswith("POP_JUMP") and opname.endswith(("_IF_TRUE", "_IF_FALSE")):
+            table[op] = _jump_hook(handler, opname.endswith("_IF_TRUE"))
+        elif opname == "FOR_ITER":
+            table[op] = _for_iter_hook(handler)
 
 
 def _counting(method: Callable) -> Callable:

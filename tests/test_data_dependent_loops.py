@@ -161,3 +161,17 @@ def test_the_hooks_do_nothing_under_the_inductor_backend():
     explanation = torch._dynamo.explain(model)(x)
     assert explanation.graph_break_count >= 1
     assert torch.allclose(torch.compile(model, backend="eager")(x), model(x))
+
+
+def test_hooking_a_dispatch_table_skips_opcodes_it_does_not_hold():
+    """Python 3.12's ``dis.opmap`` names pseudo-instructions with opcodes of 256 and up, past the end of Dynamo's
+    dispatch tables: hooking must skip them (indexing them raised IndexError when the backend was first loaded)."""
+    from moe_inductor import speculation
+
+    def jump(tx, inst):
+        return "jumped"
+
+    table = [None] * 8
+    table[3] = jump
+    speculation.hook_table(table, {"POP_JUMP_IF_TRUE": 3, "NOP": 5, "JUMP": 256, "LOAD_METHOD": 300})
+    assert len(table) == 8 and table[3] is not jump and table[5] is None

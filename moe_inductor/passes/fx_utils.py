@@ -102,6 +102,11 @@ _VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "tra
 def _is_view(node: Node) -> bool:
     if is_call(node, "call_function", operator.getitem) and _advanced_index(node.args[1]):
         return False  # ``x[idx]`` with a tensor index copies: ``x[idx] += y`` writes that copy, then x by setitem
+    if is_call(node, "call_function", operator.getitem) and isinstance(node.args[0], Node) and isinstance(
+            node.args[0].meta.get("example_value", node.args[0].meta.get("val")), (tuple, list)):
+        # an element of a multi-output op: a view of the op's input only for split/chunk/unbind (views
+        # themselves); topk's values and indices, say, are two tensors of their own
+        return _is_view(node.args[0])
     return (node.op == "call_method" and node.target in _VIEWS) or (
         node.op == "call_function" and node.target in (operator.getitem, torch.unsqueeze, torch.squeeze,
                                                           torch.transpose, torch.permute, torch.reshape,
