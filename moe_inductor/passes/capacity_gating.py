@@ -2,6 +2,15 @@
 (T, E, C) combine is proven to be a sum over choices j of ``gate_j * mask_j ⊗ one_hot(slot_j, C)``, each mask a
 one-hot over experts with GShard's capacity drop, choice j queued behind the choices before it.
 
+The user code this reads (top-2, fairseq's and GShard's order):
+
+    mask1 = F.one_hot(idx1, E); mask2 = F.one_hot(idx2, E)
+    loc1 = torch.cumsum(mask1, 0) - 1
+    loc2 = torch.cumsum(mask2, 0) - 1 + torch.sum(mask1, 0, keepdim=True)
+    mask1 = mask1 * torch.lt(loc1, C); mask2 = mask2 * torch.lt(loc2, C)
+    slot1 = F.one_hot((loc1 * mask1).sum(1), C); slot2 = F.one_hot((loc2 * mask2).sum(1), C)
+    combine = g1[:, None, None] * mask1[:, :, None] * slot1[:, None, :] + g2[:, None, None] * (...)
+
 Spellings read here:
 
 - one-hots: ``F.one_hot(i, N)``, or a zeros (T, N) buffer with one ``scatter_(1, i[:, None], 1)`` (fairseq's

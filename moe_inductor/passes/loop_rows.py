@@ -1,5 +1,7 @@
 """The rows one body of a per-expert loop picks, and the routing weight it reads for them (form "unrolled_loop").
 
+The user code this reads:
+
     tok, pos = torch.where(ids == e)                     # or (ids == e).nonzero(as_tuple=True)
     pos, tok = torch.where(one_hot(ids, E).permute(2, 1, 0)[e])          # HF v4's (E, k, T) mask
     tok = (ids == e).nonzero(as_tuple=True)[0]           # a top-1 router's (T,) ids
