@@ -495,3 +495,42 @@ def test_flat_block_and_any_look_alikes_are_left_alone(style, reason):
 def test_gpu_kernels_run_the_rewritten_loop_bf16(make):
     torch.manual_seed(0)
     assert_gpu_bf16_rewrite(make(), "unrolled_loop")
+
+
+class ChunkedStackMoE(nn.Module):
+    """DBRX's per-expert weights: flat (E*I, H) parameters viewed (E, I, H), ``chunk(E)``-ed and squeezed, each used
+    as ``x.matmul(w.t())`` (a tensor method, not ``torch.matmul``)."""
+
+    def __init__(self, shift=0, E=4, H=16, I=8, k=2):
+        super().__init__()
+        self.E, self.I, self.H, self.k, self.shift = E, I, H, k, shift
+        self.router = nn.Linear(H, E, bias=False)
+        self.w1, self.v1, self.w2 = (nn.Parameter(torch.randn(E * I, H) * H ** -0.5) for _ in range(3))
+
+    def forward(self, x):
+        E = self.E
+        weights, ids = torch.topk(self.router(x).softmax(-1), self.k, dim=-1)
+        mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)
+        shape = (E, self.I, self.H)
+        w1, v1 = ([w.squeeze(0) for w in p.view(shape).chunk(E, dim=0)] for p in (self.w1, self.v1))
+        w2 = [w.squeeze(0) for w in self.w2.view(E, self.H, self.I).chunk(E, dim=0)]
+        out = torch.zeros_like(x)
+        for e in range(E):
+            pos, tok = torch.where(mask[e])
+            d = (e + self.shift) % E  # shift=1: expert e runs on expert e + 1's down weight
+            h = F.silu(x[tok].matmul(w1[e].t())) * x[tok].matmul(v1[e].t())
+            out.index_add_(0, tok, h.matmul(w2[d].t()) * weights[tok, pos, None])
+        return out
+
+
+def test_chunked_views_of_a_stacked_weight_are_the_experts():
+    torch.manual_seed(0)
+    assert_rewritten_like_eager(ChunkedStackMoE(), torch.randn(11, 16), "unrolled_loop")
+
+
+def test_a_chunk_of_another_expert_is_left_alone():
+    torch.manual_seed(0)
+    model = ChunkedStackMoE(shift=1)
+    x = torch.randn(9, 16)
+    assert torch.allclose(compile_moe(model, x), model(x), atol=1e-6)
+    assert not counters["moe_inductor"]

@@ -59,6 +59,9 @@ def _expert_weight(node: Node, e: int) -> Optional[tuple[Node, bool, bool]]:
     elif is_call(node, "call_method", "t") or (is_call(node, "call_method", "transpose") and set(node.args[1:]) in ({0, 1},
                                                                                                         {-1, -2})):
         node, transposed = node.args[0], True
+    chunked = _chunk_of_stacked(node, e)
+    if chunked is not None:
+        return chunked, transposed, True
     if is_call(node, "call_function", operator.getitem) and node.args[1] == e:
         w = node.args[0]
         wv = val(w)
@@ -69,6 +72,27 @@ def _expert_weight(node: Node, e: int) -> Optional[tuple[Node, bool, bool]]:
     return None
 
 
+def _chunk_of_stacked(node: Node, e: int) -> Optional[Node]:
+    """``w`` for DBRX's ``w.chunk(E, dim=0)[e].squeeze(0)`` of a stacked (E, ., .) weight: the same tensor as
+    ``w[e]`` (E chunks of a dimension of size E are its E slices, in order)."""
+    if not (is_call(node, "call_method", "squeeze") and tuple(node.args[1:]) in ((0,), ()) and (
+            not node.kwargs or node.kwargs == {"dim": 0})):
+        return None
+    piece = node.args[0]
+    if not (is_call(piece, "call_function", operator.getitem) and piece.args[1] == e):
+        return None
+    chunk = piece.args[0]
+    if not is_call(chunk, "call_method", "chunk") or not isinstance(chunk.args[0], Node):
+        return None
+    chunks = chunk.args[1] if len(chunk.args) > 1 else chunk.kwargs.get("chunks")
+    dim = chunk.args[2] if len(chunk.args) > 2 else chunk.kwargs.get("dim", 0)
+    w = chunk.args[0]
+    wv = val(w)
+    if wv is None or wv.dim() != 3 or not wv.is_floating_point() or dim != 0 or chunks != wv.shape[0]:
+        return None
+    return w
+
+
 def _linear(node: Node, e: int) -> Optional[tuple[Node, Node, str, bool]]:
     """(input, weight, layout, stacked?) for ``a @ w.T`` / ``F.linear(a, w)`` ("nk") or ``a @ w`` ("kn"), where w is
     ``w[e]`` of a stacked weight or a per-expert one."""
@@ -77,7 +101,8 @@ def _linear(node: Node, e: int) -> Optional[tuple[Node, Node, str, bool]]:
             return None
         got = _expert_weight(node.args[1], e)
         return (node.args[0], got[0], "nk", got[2]) if got and not got[1] else None
-    if is_call(node, "call_function", operator.matmul, torch.matmul) and len(node.args) == 2:
+    if (is_call(node, "call_function", operator.matmul, torch.matmul) or is_call(node, "call_method", "matmul")) and (
+            len(node.args) == 2 and not node.kwargs):
         got = _expert_weight(node.args[1], e)
         if got is None:
             return None

@@ -6,9 +6,11 @@ weights are flat (E*I, H) parameters, viewed (E, I, H), ``chunk``-ed per expert 
 skips an empty expert with ``if token_idx.shape[0] == 0: continue``; ``x.matmul(w1.t())``, ``x.matmul(w2)``;
 ``index_add_``.
 
-Falls back: the skip is traced as running every body (speculation.py), but unrolled_loop does not read the chunked,
-squeezed views of the flat weights as per-expert weights, so no rewrite takes the bodies and the speculation is not
-kept.
+Falls back: the skip is traced as running every body (speculation.py), and unrolled_loop reads the chunked,
+squeezed views as w[e] of the (E, I, H) views, but the gate and up projections use them transposed
+(``x.matmul(w1.t())``) and the down projection as they are (``x.matmul(w2)``): stacked weights in two layouts,
+which the stacked path does not take (the flat-blocks path does, for ``w[e*I:(e+1)*I]`` slices), so no rewrite
+takes the bodies and the speculation is not kept.
 """
 import torch
 import torch.nn as nn
