@@ -501,9 +501,9 @@ class ChunkedStackMoE(nn.Module):
     """DBRX's per-expert weights: flat (E*I, H) parameters viewed (E, I, H), ``chunk(E)``-ed and squeezed, each used
     as ``x.matmul(w.t())`` (a tensor method, not ``torch.matmul``)."""
 
-    def __init__(self, shift=0, E=4, H=16, I=8, k=2):
+    def __init__(self, shift=0, E=4, H=16, I=8, k=2, mixed=False):
         super().__init__()
-        self.E, self.I, self.H, self.k, self.shift = E, I, H, k, shift
+        self.E, self.I, self.H, self.k, self.shift, self.mixed = E, I, H, k, shift, mixed
         self.router = nn.Linear(H, E, bias=False)
         self.w1, self.v1, self.w2 = (nn.Parameter(torch.randn(E * I, H) * H ** -0.5) for _ in range(3))
 
@@ -513,19 +513,24 @@ class ChunkedStackMoE(nn.Module):
         mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)
         shape = (E, self.I, self.H)
         w1, v1 = ([w.squeeze(0) for w in p.view(shape).chunk(E, dim=0)] for p in (self.w1, self.v1))
-        w2 = [w.squeeze(0) for w in self.w2.view(E, self.H, self.I).chunk(E, dim=0)]
+        w2 = [w.squeeze(0) for w in self.w2.view((E, self.I, self.H) if self.mixed else (E, self.H, self.I)).chunk(
+            E, dim=0)]  # mixed: DBRX's own down projection, h.matmul(w2[e]) in the (in, out) layout
         out = torch.zeros_like(x)
         for e in range(E):
             pos, tok = torch.where(mask[e])
             d = (e + self.shift) % E  # shift=1: expert e runs on expert e + 1's down weight
             h = F.silu(x[tok].matmul(w1[e].t())) * x[tok].matmul(v1[e].t())
-            out.index_add_(0, tok, h.matmul(w2[d].t()) * weights[tok, pos, None])
+            y = h.matmul(w2[d]) if self.mixed else h.matmul(w2[d].t())
+            out.index_add_(0, tok, y * weights[tok, pos, None])
         return out
 
 
-def test_chunked_views_of_a_stacked_weight_are_the_experts():
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-layout", "mixed-layouts"])
+def test_chunked_views_of_a_stacked_weight_are_the_experts(mixed):
+    """DBRX's chunked views, in one layout or with the down projection in the other one (the op gets (E, out, in)
+    views of each)."""
     torch.manual_seed(0)
-    assert_rewritten_like_eager(ChunkedStackMoE(), torch.randn(11, 16), "unrolled_loop")
+    assert_rewritten_like_eager(ChunkedStackMoE(mixed=mixed), torch.randn(11, 16), "unrolled_loop")
 
 
 def test_a_chunk_of_another_expert_is_left_alone():

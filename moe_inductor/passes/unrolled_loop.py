@@ -150,6 +150,8 @@ class _Body:
     stacked: bool
     read: Optional[Node] = None  # the acc[tok] read of an ``acc[tok] += c`` body
     blocks: Optional[tuple] = None  # the (gate, up, down) row blocks of flat weights it reads (flat_slices.Block)
+    #: the (gate, up, down) layouts of stacked weights that do not share one (the spec holds the down one's)
+    layouts: Optional[tuple] = None
 
 
 def _accumulation(add: Node, acc: Node) -> Optional[tuple[Node, Node, Optional[Node]]]:
@@ -284,16 +286,20 @@ def _body(add: Node, acc: Node) -> Union[_Body, str]:
     sliced = blocks([None if p is None else (p[1], p[2]) for p in (gate, up, down)])
     if isinstance(sliced, str):
         return sliced
-    if sliced is None and any(p[2] != layout for p in (gate, up) if p is not None):  # a flat one's blocks may mix
-        return "the projections mix weight layouts"
     if any(p[3] != down[3] for p in (gate, up) if p is not None):  # all stacked, or all per-expert
         return "the projections mix stacked and per-expert weights"
+    layouts = None
+    if sliced is None and any(p[2] != layout for p in (gate, up) if p is not None):  # a flat one's blocks may mix
+        if not down[3] or gated.gate_up is not None:
+            return "the projections mix weight layouts"
+        # stacked weights in two layouts (DBRX: x @ w1[e].t(), h @ w2[e]): the op gets (E, out, in) views of each
+        layouts = tuple(None if p is None else p[2] for p in (gate, up, down))
     if up is not None and (gate[4] is None) != (up[4] is None):
         return f"expert {e}'s gate projection has a bias and its up projection none, or the other way round"
     spec = MoESpec(x, ids, weights, gate[1], up[1] if up else None, w_down, layout, activation,
                    weight_position=position, b1=gate[4], b1_up=up[4] if up else None, b2=down[4],
                    **gated.spec_fields())
-    return _Body(e, spec, sel.where, add, stacked=down[3], read=read, blocks=sliced)
+    return _Body(e, spec, sel.where, add, stacked=down[3], read=read, blocks=sliced, layouts=layouts)
 
 
 def _assignment(write: Node, acc: Node) -> Optional[tuple[Node, Node, None]]:
@@ -403,7 +409,7 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
         if isinstance(spec, str):
             return spec
     elif all(b.stacked for b in bodies):
-        if any(b.spec != spec for b in bodies):  # the same region but for e (MoESpec compares its nodes)
+        if any(b.spec != spec or b.layouts != bodies[0].layouts for b in bodies):  # the same region but for e
             return "the loop bodies differ in more than the expert index"
         if sorted(b.e for b in bodies) != list(range(val(spec.gate).shape[0])):
             return f"the loop runs over experts {sorted(b.e for b in bodies)}, not each of range(E) once"
@@ -442,6 +448,15 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
     return spec, bodies, product
 
 
+def _as_nk(graph: Graph, spec: MoESpec, layouts: tuple) -> MoESpec:
+    """Stacked weights of mixed layouts as (E, out, in) views: each (E, in, out) one transposed, nothing copied."""
+    def nk(w: Optional[Node], layout: Optional[str]) -> Optional[Node]:
+        return w if w is None or layout == "nk" else graph.call_method("transpose", (w, 1, 2))
+
+    return dataclasses.replace(spec, gate=nk(spec.gate, layouts[0]), up=nk(spec.up, layouts[1]),
+                               down=nk(spec.down, layouts[2]), layout="nk")
+
+
 def _looks_like_a_body(write: Node, acc: Node) -> bool:
     """Whether a write to ``acc`` is at rows picked by ``torch.where(ids == e)`` (or nonzero): the mark of a
     per-expert loop, worth a reason in explain() when it is not rewritten."""
@@ -466,15 +481,19 @@ def match_loop(acc: Node) -> Union[Match, str, None]:
             + (f"; routing weight on the {spec.weight_position}" if spec.weight_position != "output" else "")
             + ("; the routing weight scaled the combined result" if product is not None else ""))
 
+    layouts = bodies[0].layouts
+
     def derive(graph: Graph, spec: MoESpec) -> MoESpec:
         spec = _stacked(graph, spec) if biased else views(sliced)(graph, spec) if sliced is not None else spec
+        if layouts is not None:
+            spec = _as_nk(graph, spec, layouts)
         return _column_ids(graph, spec) if one_id else spec
 
     # scaled after the loop, the result is the product (the accumulator goes with the region); else the accumulator
     end = product if product is not None else max(adds, key=position.__getitem__)
     return Match(spec, end, note, where=bodies[0].add, acc=None if product is not None else acc, writes=adds,
                  transient=tuple(b.where for b in bodies),
-                 derive=derive if biased or one_id or sliced is not None else None,
+                 derive=derive if biased or one_id or sliced is not None or layouts is not None else None,
                  top_k=1 if one_id else None)
 
 
