@@ -35,6 +35,8 @@ class Expert(nn.Module):
 class ToListMoE(nn.Module):
     """DeepSeek-V3 reference inference style: per-expert counts read back with ``.tolist()``, empty experts skipped."""
 
+    copy_ids = False
+
     def __init__(self, H=16, I=24, E=5, k=2):
         super().__init__()
         self.gate = nn.Linear(H, E, bias=False)
@@ -44,6 +46,7 @@ class ToListMoE(nn.Module):
     def forward(self, x):
         scores = self.gate(x).softmax(-1)
         weights, ids = scores.topk(self.k, -1)
+        ids = ids.clone() if self.copy_ids else ids
         y = torch.zeros_like(x)
         counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
         for i, expert in enumerate(self.experts):
@@ -58,18 +61,7 @@ class UnprovenCountsMoE(ToListMoE):
     """ToListMoE with its ids copied before the counts: the counts' length (E only for top-k ids) is not proven, so
     its ``.tolist()`` fails under the capture settings and the frame falls back, with or without gradients."""
 
-    def forward(self, x):
-        scores = self.gate(x).softmax(-1)
-        weights, ids = scores.topk(self.k, -1)
-        ids = ids.clone()
-        y = torch.zeros_like(x)
-        counts = torch.bincount(ids.flatten(), minlength=len(self.experts)).tolist()
-        for i, expert in enumerate(self.experts):
-            if counts[i] == 0:
-                continue
-            idx, top = torch.where(ids == i)
-            y[idx] += expert(x[idx]) * weights[idx, top, None]
-        return y
+    copy_ids = True
 
 
 class TensorCapacityMoE(nn.Module):
