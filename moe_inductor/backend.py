@@ -83,7 +83,8 @@ def moe_inductor_backend(
     compiled = _inner_compile(opts.inner, gm, example_inputs, mode, opts.inductor)
     if opts.inner == "eager" and gm is original:
         return compiled  # the graph as traced, run as it is: nothing of ours can fail in it
-    return _first_call_guarded(compiled, original, state.code if state is not None else None)
+    return _first_call_guarded(compiled, original, state.code if state is not None else None,
+                               state.closure if state is not None else ())
 
 
 def _speed_rule(inner: str, layer: Layer) -> tuple[bool, str]:
@@ -96,7 +97,7 @@ def _speed_rule(inner: str, layer: Layer) -> tuple[bool, str]:
     return said.startswith(KEPT), said
 
 
-def _first_call_guarded(compiled: Callable, original: torch.fx.GraphModule, code: Any) -> Callable:
+def _first_call_guarded(compiled: Callable, original: torch.fx.GraphModule, code: Any, closure: tuple = ()) -> Callable:
     """``compiled``, except that a failure on its first call falls back: the call is answered by the graph as Dynamo
     traced it, run eagerly (whose error, if it raises too, is the user's own and is raised), and the frame is
     recompiled as plain capture would on its next call. Inductor can generate code that fails at run time for
@@ -113,7 +114,7 @@ def _first_call_guarded(compiled: Callable, original: torch.fx.GraphModule, code
         except Exception as error:
             out = original(*args)  # where eager raises too, the error is the user's own: eager's is raised
             capture.note_fallback(code, "first call", error)
-            capture.mark_plain(code)
+            capture.mark_plain(code, closure)
             return out
         checked = True
         return out

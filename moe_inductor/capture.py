@@ -42,6 +42,8 @@ class _CompileState:
     plain: bool = False
     inner: str = "inductor"  # the compiler the rewritten graph goes to (the speed rule compares with Inductor only)
     code: Optional[types.CodeType] = None
+    #: what tells apart frames of one code object (``closure_key``)
+    closure: tuple = ()
     #: the skips of empty experts assumed away while tracing (speculation.Trace), made on first use
     speculation: Optional[Any] = None
 
@@ -110,8 +112,16 @@ def _unwrap_backend(fn: Any) -> tuple[bool, dict]:
     return False, options
 
 
-#: frames whose compiled code failed on its first call: their next compile is plain
-_plain_codes: "weakref.WeakSet[types.CodeType]" = weakref.WeakSet()
+#: frames whose compiled code failed on its first call, by code object and ``closure_key``: their next compile is
+#: plain. One code object serves every function a decorator makes (transformers' ``can_return_tuple`` wraps every
+#: model's forward), so the code alone would turn rewrites off for all of them
+_plain_frames: "weakref.WeakKeyDictionary[types.CodeType, set]" = weakref.WeakKeyDictionary()
+
+
+def closure_key(closure: Optional[tuple]) -> tuple:
+    """What a frame's closure holds, by identity: the functions of one code object that close over different
+    objects (the wrapped forward, say) get different keys."""
+    return tuple(id(c.cell_contents) if _cell_is_set(c) else None for c in (closure or ()))
 
 
 @contextlib.contextmanager
@@ -165,12 +175,15 @@ def note_fallback(code: Optional[types.CodeType], stage: str, error: BaseExcepti
 def _wrap_compile(original: Callable) -> Callable:
     params = list(inspect.signature(original).parameters)
     index = params.index("compiler_fn")
+    closure_at = params.index("closure") if "closure" in params else None
 
     @functools.wraps(original)
     def _compile(*args: Any, **kwargs: Any) -> Any:
         compiler_fn = args[index] if len(args) > index else kwargs.get("compiler_fn")
         ours, options = _unwrap_backend(compiler_fn)
         code = args[0] if args else kwargs.get("code")
+        closure = closure_key(args[closure_at] if closure_at is not None and len(args) > closure_at
+                              else kwargs.get("closure"))
         if not ours:
             with _compiling(_CompileState()):
                 return original(*args, **kwargs)
@@ -181,11 +194,11 @@ def _wrap_compile(original: Callable) -> Callable:
             forms, inner = parsed.forms, parsed.inner
         except ValueError:
             forms, inner = frozenset(), "inductor"  # the backend raises the error itself, once tracing is done
-        if code in _plain_codes:
-            with _compiling(_CompileState(ours=True, plain=True, code=code)):
+        if code is not None and closure in _plain_frames.get(code, ()):
+            with _compiling(_CompileState(ours=True, plain=True, code=code, closure=closure)):
                 return original(*args, **kwargs)
         before = report.checkpoint()
-        attempt = _CompileState(ours=True, forms=forms, code=code, inner=inner)
+        attempt = _CompileState(ours=True, forms=forms, code=code, inner=inner, closure=closure)
         try:
             with _compiling(attempt):
                 return original(*args, **kwargs)
@@ -194,19 +207,20 @@ def _wrap_compile(original: Callable) -> Callable:
         except Exception as error:
             report.roll_back(before)  # what the failed attempt filed did not happen: the plain compile below runs
             note_fallback(code, "compile", error, also=attempt.speculation.refusals if attempt.speculation else ())
-        with _compiling(_CompileState(ours=True, plain=True, code=code)):
+        with _compiling(_CompileState(ours=True, plain=True, code=code, closure=closure)):
             return original(*args, **kwargs)
 
     _compile._moe_inductor_original = original
     return _compile
 
 
-def mark_plain(code: Optional[types.CodeType]) -> None:
-    """Compile ``code`` as plain capture would from now on (its compiled code failed on its first call), and drop
-    its compiled entries so that the next call recompiles it."""
+def mark_plain(code: Optional[types.CodeType], closure: tuple = ()) -> None:
+    """Compile the frames of ``code`` with this ``closure_key`` as plain capture would from now on (their compiled
+    code failed on its first call), and drop the code's compiled entries so that the next call recompiles it (the
+    frames of other closures recompile with rewrites, as before)."""
     if code is None:
         return
-    _plain_codes.add(code)
+    _plain_frames.setdefault(code, set()).add(closure)
     reset = getattr(torch._C._dynamo.eval_frame, "reset_code", None)
     if reset is not None:
         reset(code)
