@@ -45,7 +45,7 @@ from .capacity_gating import (Choice, call, choice, order_choices, same_traced, 
                               versions_sound)
 from .driver import Anchor, Form, Match, every_node
 from .fx_utils import einsum_parts, read_gated, split_gated, val
-from .unrolled_loop import _biased_linear
+from .unrolled_loop import biased_linear
 
 FORM = "padded_capacity"
 
@@ -175,10 +175,10 @@ def _per_expert_experts(out: Node, E, C) -> Union[_Experts, str, None]:
         return None
     source, readings = None, []
     for e, piece in enumerate(pieces):
-        down = _biased_linear(piece, e) if isinstance(piece, Node) else None
+        down = biased_linear(piece, e) if isinstance(piece, Node) else None
         if down is None or down[3]:
             return f"expert {e}'s output is not an nn.Linear (or F.linear) on its own weights"
-        gated = read_gated(down[0], lambda n: _biased_linear(n, e))
+        gated = read_gated(down[0], lambda n: biased_linear(n, e))
         if gated is None or gated.gate[3] or (gated.up is not None and gated.up[3]):
             return f"expert {e}'s hidden state is not a known activation of its own projections"
         gate, up = gated.gate, gated.up

@@ -123,7 +123,7 @@ def expert_mlp(out: Node, e: int) -> Union[tuple[Node, str, bool, GatedRead], st
     return w_down, layout, stacked, gated
 
 
-def _biased_linear(node: Node, e: int) -> Optional[tuple[Node, Node, str, bool, Optional[Node]]]:
+def biased_linear(node: Node, e: int) -> Optional[tuple[Node, Node, str, bool, Optional[Node]]]:
     """``_linear``'s reading plus the bias: (input, weight, layout, stacked?, bias or None); a bias is read only as
     an nn.Linear's, ``F.linear(a, w, b)`` with a per-expert (out, in) weight and its own (out,) bias."""
     if is_call(node, "call_function", torch._C._nn.linear, torch.nn.functional.linear) and len(node.args) == 3 and (
@@ -255,7 +255,7 @@ def _body(add: Node, acc: Node) -> Union[_Body, str]:
     if scaled is not None:
         expert_out, weights = scaled
     def projection(n: Node):  # e's own weights: w[e] of a stacked one, a per-expert one, or a row block of a flat one
-        got = _biased_linear(n, e)
+        got = biased_linear(n, e)
         block = block_linear(n) if got is None else None
         return got if block is None else (*block, None)
 
