@@ -247,7 +247,7 @@ class _Experts:
     fields: dict
 
 
-def _experts(ys: Node) -> Union[_Experts, str, None]:
+def read_experts(ys: Node) -> Union[_Experts, str, None]:
     """The experts behind the concatenated expert outputs ``ys``."""
     parts = _cat_parts(ys)
     if not parts:
@@ -305,20 +305,27 @@ def _experts(ys: Node) -> Union[_Experts, str, None]:
 
 def _sizes_are_counts(sizes: list, d: _Dispatch, num_experts: int) -> bool:
     """``sizes[e] = counts[e].item()`` (a ``.tolist()`` as Dynamo traces it) for per-expert counts of the ids."""
+    source = listed_counts(sizes, num_experts)
+    return source is not None and _counts(source, d, num_experts)
+
+
+def listed_counts(sizes: list, num_experts: int) -> Optional[Node]:
+    """``counts`` for sizes that are ``counts.tolist()`` as Dynamo traces it (``counts[e].item()`` for each e in
+    order), E of them; else None."""
     if len(sizes) != num_experts:
-        return False
+        return None
     source = None
     for e, s in enumerate(sizes):
         if not (is_call(s, "call_method", "item") and len(s.args) == 1):
-            return False
+            return None
         g = s.args[0]
         if not (is_call(g, "call_function", operator.getitem) and g.args[1] == e):
-            return False
+            return None
         if source is None:
             source = g.args[0]
         elif g.args[0] is not source:
-            return False
-    return _counts(source, d, num_experts)
+            return None
+    return source
 
 
 def _weights_of(scale: Node, d: _Dispatch) -> Optional[Node]:
@@ -423,7 +430,7 @@ def match(acc: Node) -> Union[Match, str, None]:
     if scaled is None:
         return None
     ys, scale = scaled
-    experts = _experts(ys)
+    experts = read_experts(ys)
     if experts is None:
         return None
     if isinstance(experts, str):
