@@ -74,25 +74,29 @@ def read_receivers_of_inplace_results(graph: torch.fx.Graph) -> int:
 
 
 def inplace_users(node: Node) -> list[Node]:
-    """The users of ``node`` that write it in place: an in-place method (``x.index_add_(...)``), an in-place
-    operator (``x += y``, which Dynamo keeps as ``operator.iadd`` when ``x`` is a view it cannot rebind), an
-    in-place function (``torch.relu_(x)``, ``F.relu(x, inplace=True)``) or an ``out=`` argument."""
-    return [u for u in node.users if _writes(u, node)]
+    """The users of ``node`` that write it in place (``written_in_place``)."""
+    return [u for u in node.users if written_in_place(u) is node]
 
 
-def _writes(user: Node, node: Node) -> bool:
-    if user.kwargs.get("out") is node:
-        return True
+def written_in_place(user: Node) -> Optional[Node]:
+    """The tensor ``user`` writes in place, else None: the receiver of an in-place method (``x.index_add_(...)``),
+    the first argument of an in-place operator (``x += y``, which Dynamo keeps as ``operator.iadd`` when ``x`` is a
+    view it cannot rebind) or function (``torch.relu_(x)``, ``F.relu(x, inplace=True)``), or an ``out=``."""
+    out = user.kwargs.get("out")
+    if isinstance(out, Node):
+        return out
     first = user.args[0] if user.args else None
-    if first is not node:
-        return False
+    if not isinstance(first, Node):
+        return None
     if user.op == "call_method":
-        return str(user.target).endswith("_") or user.kwargs.get("inplace") is True
-    if user.op == "call_function":
+        inplace = str(user.target).endswith("_") or user.kwargs.get("inplace") is True
+    elif user.op == "call_function":
         name = getattr(user.target, "__name__", "")
-        return (user.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
-                or user.kwargs.get("inplace") is True)
-    return False
+        inplace = (user.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+                   or user.kwargs.get("inplace") is True)
+    else:
+        inplace = False
+    return first if inplace else None
 
 
 _VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "transpose", "permute", "t", "flatten",
@@ -143,19 +147,15 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
 
 
 def is_impure(node: Node) -> bool:
-    """FX's purity, plus what it misses in Dynamo graphs: an in-place method (``buf.add_(c)``, ``m.scatter_(...)``)
-    or in-place operator (``t += u``) whose result nobody reads is still a write. It must stay when it changes the
+    """FX's purity, plus what it misses in Dynamo graphs: an in-place write (``written_in_place``: ``buf.add_(c)``,
+    ``m.scatter_(...)``, ``t += u``, ``torch.relu_(t)``, ``out=t``) whose result nobody reads is still a write. It must stay when it changes the
     user's state (an input, parameter or buffer, or a view of one) or a tensor read after it (directly or through a
     view); a write to a tensor of the graph's own that nothing reads any more may go with it."""
     if node.is_impure():
         return True
-    inplace = (node.op == "call_method" and str(node.target).endswith("_")) or (
-        node.op == "call_function" and node.target in _INPLACE_OPERATORS)
-    if not inplace:
+    target = written_in_place(node)
+    if target is None:
         return False
-    target = node.args[0] if node.args else None
-    if not isinstance(target, Node):
-        return True
     base = target
     while _is_view(base) and base.args and isinstance(base.args[0], Node):
         base = base.args[0]
