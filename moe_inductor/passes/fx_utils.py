@@ -148,9 +148,10 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
 
 def is_impure(node: Node) -> bool:
     """FX's purity, plus what it misses in Dynamo graphs: an in-place write (``written_in_place``: ``buf.add_(c)``,
-    ``m.scatter_(...)``, ``t += u``, ``torch.relu_(t)``, ``out=t``) whose result nobody reads is still a write. It must stay when it changes the
-    user's state (an input, parameter or buffer, or a view of one) or a tensor read after it (directly or through a
-    view); a write to a tensor of the graph's own that nothing reads any more may go with it."""
+    ``m.scatter_(...)``, ``t += u``, ``torch.relu_(t)``, ``out=t``) whose result nobody reads is still a write. It
+    must stay when it changes the user's state (an input, parameter or buffer, or a view of one) or a tensor read
+    after it (directly or through a view); a write to a tensor of the graph's own that nothing reads any more may go
+    with it."""
     if node.is_impure():
         return True
     target = written_in_place(node)
