@@ -232,7 +232,7 @@ def install() -> None:
 
     if not hasattr(convert_frame._compile, "_moe_inductor_original"):
         convert_frame._compile = _wrap_compile(convert_frame._compile)
-    from . import speculation
+    from . import hit_loops, speculation
 
     try:
         speculation.install()
@@ -241,6 +241,7 @@ def install() -> None:
 
         warnings.warn(f"moe_inductor: skip-of-empty-expert speculation is off on this torch ({error!r}); such "
                       "loops fall back to plain capture")
+    hit_loops.install()  # after speculation's hooks: it opens iterations that those hooks close and tag
 
 
 @torch._dynamo.assume_constant_result

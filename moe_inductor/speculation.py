@@ -46,7 +46,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 TAG = "moe_inductor_speculation"
-#: on a bincount node whose length is proven E (``_tolist``): its size checks are facts, removable
+#: on a node whose size checks are facts, removable once its loop went with a rewrite: a bincount whose length is
+#: proven E (``_tolist``), the nonzero a hit loop was unrolled from (hit_loops.py)
 LENGTH = "moe_inductor_length_is_minlength"
 
 #: bytecode that makes the rest of an iteration more than graph work on locals (state that outlives it, exits)
@@ -78,6 +79,9 @@ class Speculation:
     failed: Optional[str] = None  # why the body is not a clean one, found when the iteration ended
     #: (ids, expert) the count counts, filled by check_traced
     counted: Optional[tuple] = None
+    #: for a speculation made elsewhere (hit_loops.py): ``counts(graph) -> (ids, e, None)`` on check_traced's copy
+    #: of the graph, raising SpeculationNotDischarged where that does not hold
+    counts: Optional[Callable] = None
 
 
 @dataclass
@@ -87,6 +91,8 @@ class Trace:
     speculations: list = field(default_factory=list)
     refusals: list = field(default_factory=list)
     mutations: int = 0
+    #: hit_loops.py's loops over the experts that got tokens, by the id of the iterator Dynamo holds
+    loops: dict = field(default_factory=dict)
 
 
 _ids = itertools.count(1)
@@ -458,27 +464,11 @@ def _fail(s: Speculation, why: str) -> SpeculationNotDischarged:
 
 def _selection_of(node: Node) -> Optional[tuple[Node, int]]:
     """(ids, e) when ``node`` is a row selection ``torch.where(ids == e)`` / ``nonzero(as_tuple=True)`` / HF's
-    ``torch.where(one_hot(ids, E).permute(2, 1, 0)[e])``: the rows of expert e."""
-    from .passes.fx_utils import is_call
+    ``torch.where(one_hot(ids, E).permute(2, 1, 0)[e])``: the rows of expert e (passes/loop_rows.py reads them)."""
+    from .passes.loop_rows import selected_ids, where_like
 
-    one_arg_where = is_call(node, "call_function", torch.where) and len(node.args) == 1 and not node.kwargs
-    nonzero = ((is_call(node, "call_method", "nonzero") or is_call(node, "call_function", torch.nonzero))
-               and node.kwargs == {"as_tuple": True} and len(node.args) == 1)
-    if not (one_arg_where or nonzero) or not isinstance(node.args[0], Node):
-        return None
-    cond = node.args[0]
-    if is_call(cond, "call_function", operator.eq, torch.eq) and isinstance(cond.args[1], int) and isinstance(
-            cond.args[0], Node):
-        return cond.args[0], cond.args[1]
-    if is_call(cond, "call_function", operator.getitem) and isinstance(cond.args[1], int):
-        perm = cond.args[0]
-        if is_call(perm, "call_method", "permute") and tuple(perm.args[1:]) in ((2, 1, 0), ((2, 1, 0),)):
-            hot = perm.args[0]
-            if is_call(hot, "call_function", torch.nn.functional.one_hot, torch._C._nn.one_hot) and hot.args:
-                num_classes = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)
-                if isinstance(num_classes, int) and 0 <= cond.args[1] < num_classes:
-                    return hot.args[0], cond.args[1]
-    return None
+    selected = selected_ids(node.args[0]) if where_like(node) and isinstance(node.args[0], Node) else None
+    return None if selected is None or not isinstance(selected[0], Node) else selected[:2]
 
 
 def _counted(graph, symbol) -> Optional[tuple[Node, int, Optional[Node]]]:
@@ -525,7 +515,7 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
             raise _fail(s, "the iteration it skips did not end in this graph")
         if s.failed:
             raise _fail(s, s.failed)
-        counted = _counted(graph, s.symbol)
+        counted = _counted(graph, s.symbol) if s.counts is None else s.counts(graph)
         if counted is None:
             raise _fail(s, "the count is not the number of rows one expert gets (bincount of the ids, or the size "
                            "of torch.where(ids == e))")

@@ -23,19 +23,52 @@ from .fx_utils import is_call, val
 
 def selected_ids(cond: Node) -> Optional[tuple[Node, int, bool]]:
     """(ids, e, token_first) for a selection condition: ``ids == e`` (rows are (token, choice)), or HF's
-    ``one_hot(ids, E).permute(2, 1, 0)[e]`` (rows are (choice, token))."""
-    if is_call(cond, "call_function", operator.eq, torch.eq) and isinstance(cond.args[1], int):
-        return cond.args[0], cond.args[1], True
-    if is_call(cond, "call_function", operator.getitem) and isinstance(cond.args[1], int):
-        perm = cond.args[0]
+    ``one_hot(ids, E).permute(2, 1, 0)[e]`` (rows are (choice, token)). e may be held by a (1,) index tensor
+    (``held_index``): ``ids == t`` and ``mask[t].squeeze(0)`` are then the same values."""
+    if is_call(cond, "call_function", operator.eq, torch.eq) and isinstance(cond.args[0], Node):
+        e = cond.args[1] if isinstance(cond.args[1], int) else held_index(cond.args[1])
+        iv = val(cond.args[0])
+        if e is not None and (isinstance(cond.args[1], int) or iv is not None and iv.dim() >= 1):
+            return cond.args[0], e, True
+    row = expert_row(cond)
+    if row is not None:
+        perm, e = row
         if is_call(perm, "call_method", "permute") and tuple(perm.args[1:]) in ((2, 1, 0), ((2, 1, 0),)):
             hot = perm.args[0]
             if is_call(hot, "call_function", torch.nn.functional.one_hot) and len(hot.args) >= 1:
                 num_classes = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)
                 ids = hot.args[0]
-                if isinstance(num_classes, int) and 0 <= cond.args[1] < num_classes:
-                    return ids, cond.args[1], False
+                if isinstance(num_classes, int) and 0 <= e < num_classes:
+                    return ids, e, False
     return None
+
+
+def held_index(t) -> Optional[int]:
+    """e for ``t = torch.full((1,), e)`` of an integer dtype: the loop variable of a loop over the experts that got
+    tokens, as hit_loops.py traces it (eager's is a (1,) int64 row of ``nonzero()``)."""
+    if not (is_call(t, "call_function", torch.full) and len(t.args) == 2 and isinstance(t.args[1], int)
+            and isinstance(t.args[0], (tuple, list)) and tuple(t.args[0]) == (1,)
+            and set(t.kwargs) <= {"dtype", "device"}):
+        return None
+    tv = val(t)
+    if tv is None or tv.dtype.is_floating_point or tv.dtype.is_complex or tv.dtype == torch.bool or tv.shape != (1,):
+        return None
+    return t.args[1]
+
+
+def expert_row(cond: Node) -> Optional[tuple[Node, int]]:
+    """(mask, e) for ``mask[e]``, or for ``mask[t].squeeze(0)`` with t holding e (``held_index``): the same values,
+    since ``mask[t]`` is ``mask[e:e + 1]`` (copied). The second is transformers v4's ``expert_mask[expert_idx]
+    .squeeze(0)`` in a loop over the experts that got tokens (hit_loops.py)."""
+    if is_call(cond, "call_function", operator.getitem) and isinstance(cond.args[1], int):
+        return cond.args[0], cond.args[1]
+    if not (is_call(cond, "call_method", "squeeze") and (cond.args[1:], cond.kwargs) in (((0,), {}), ((), {"dim": 0}))):
+        return None
+    picked = cond.args[0]
+    if not (is_call(picked, "call_function", operator.getitem) and isinstance(picked.args[0], Node)):
+        return None
+    e = held_index(picked.args[1])
+    return None if e is None else (picked.args[0], e)
 
 
 @dataclass(frozen=True)

@@ -72,4 +72,6 @@ class Wrapped(nn.Module):
 
 CASES = [Case("hf_v4_qwen2_moe", "huggingface/transformers v4.5x models/qwen2_moe/modeling_qwen2_moe.py "
               "Qwen2MoeSparseMoeBlock", Wrapped, lambda T, g: torch.randn(2, T, H, generator=g), form="unrolled_loop",
-              expect=("left_alone", "moe_region", "ids feed per-expert work"))]
+              # unrolled over every expert (hit_loops.py) and rewritten without gradients; with them, eager leaves an
+              # expert that got no tokens without a gradient (None) where the op gives it zeros, so the frame falls back
+              expect=("fell_back",))]

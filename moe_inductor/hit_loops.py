@@ -1,0 +1,334 @@
+"""Loops over the experts that got tokens: traced as the loop over every expert, kept only where a rewrite proves
+the two the same program (a speculation, as speculation.py's skips are).
+
+The user code this is for (transformers v4.48+ Mixtral, v4.5x Qwen2-MoE and their copies):
+
+    expert_mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)              # (E, k, T)
+    expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()    # (n_hit, 1): n_hit is data-dependent
+    for expert_idx in expert_hit:
+        expert_layer = self.experts[expert_idx]                               # a ModuleList at a (1,) int tensor
+        idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+        y.index_add_(0, top_x, expert_layer(x[None, top_x].reshape(-1, H)) * weights[top_x, idx, None])
+
+Dynamo cannot iterate a tensor of unbacked length. Iterating the hit experts equals iterating every expert in
+order when the body, run on an expert with no rows, adds nothing: which holds when the body is an expert MLP on the
+rows expert e selects, accumulated (what the unrolled_loop rewrite proves, and which then disappears into the op).
+So, during a moe_inductor compile only:
+
+- at ``GET_ITER`` of ``nonzero()`` of a (E,) vector that is exactly "expert e has rows" of integer ids (``hit_vector``:
+  ``one_hot(ids, E)``, permuted or not, summed over every dim but the experts' and compared ``> 0`` / ``>= 1`` /
+  ``!= 0``, or reduced by ``.any`` over those dims; or ``bincount(topk_ids.flatten(), minlength=E)`` compared so),
+  the loop iterates E (1,) int64 tensors holding 0..E-1 instead (``torch.full``: eager's rows of the nonzero output
+  have that dtype, shape and device), provided the loop body neither leaves the loop nor sets a local read after it;
+- ``ModuleList[t]`` (or a list's) at such a tensor is element e, as ``operator.index`` of it is in eager;
+- each iteration is an ordinary ``Speculation``: its graph nodes are tagged when it ends (speculation's FOR_ITER
+  hook), ``check_traced`` asks ``counts`` what it counts (the vector proven again on the final graph, unchanged in
+  place anywhere) and proves the body reads the rows of that expert of those ids only (``expert_mask[t].squeeze(0)``
+  is read as the mask of expert e by passes/loop_rows.py), and ``discharge`` requires a rewrite to take every body.
+  Anything short raises ``SpeculationNotDischarged``, and capture's fallback compiles the frame as plain capture would.
+
+A loop over the nonzero of anything else (``count > 1``, a tensor unrelated to the router) is not touched: Dynamo
+breaks the graph there as it does without moe_inductor, and explain() notes why the loop was not unrolled.
+"""
+from __future__ import annotations
+
+import dis
+import operator
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch.fx import Graph, Node
+
+from . import report, speculation
+
+#: on a ``torch.full((1,), e)`` node that stands for the e-th row of a hit loop's nonzero: e
+INDEX = "moe_inductor_hit_index"
+
+_GT = (operator.gt, torch.gt, torch.greater, "gt", "greater", "__gt__")
+_GE = (operator.ge, torch.ge, torch.greater_equal, "ge", "greater_equal", "__ge__")
+_NE = (operator.ne, torch.ne, torch.not_equal, "ne", "not_equal", "__ne__")
+#: each comparison with the constant that makes it "count > 0" (counts are never negative)
+_HAS_ROWS = [(_GT, 0), (_GE, 1), (_NE, 0)]
+
+
+def _op_in(node: Node, names: tuple) -> bool:
+    return isinstance(node, Node) and (node.op == "call_function" and node.target in names
+                                       or node.op == "call_method" and node.target in names)
+
+
+def _dims(node: Node, rank: int) -> Optional[set]:
+    """The dims a ``sum``/``any`` reduces, normalised; None when it keeps them or takes other arguments."""
+    args, kwargs = node.args[1:], dict(node.kwargs)
+    if set(kwargs) - {"dim", "keepdim"} or kwargs.get("keepdim", False) is not False or len(args) > 1:
+        return None
+    dim = args[0] if args else kwargs.get("dim")
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    if not dims or not all(isinstance(d, int) and -rank <= d < rank for d in dims):
+        return None
+    return {d % rank for d in dims}
+
+
+def _one_hot_counted(node: Node) -> Optional[tuple[Node, int, Node, int, int]]:
+    """(ids, E, the one_hot node, rank, where its class dim is) for ``one_hot(ids, E)`` optionally ``.permute``-d."""
+    from .passes.fx_utils import is_call, val
+
+    order = None
+    if is_call(node, "call_method", "permute") or is_call(node, "call_function", torch.permute):
+        dims = node.args[1:] if node.op == "call_method" else node.args[1:2]
+        order = tuple(dims[0]) if len(dims) == 1 and isinstance(dims[0], (tuple, list)) else tuple(dims)
+        node = node.args[0]
+    if not (is_call(node, "call_function", torch.nn.functional.one_hot) and node.args and isinstance(
+            node.args[0], Node)):
+        return None
+    E = node.kwargs.get("num_classes", node.args[1] if len(node.args) > 1 else None)
+    iv = val(node.args[0])
+    if not isinstance(E, int) or E <= 0 or iv is None or iv.dtype.is_floating_point or iv.dtype == torch.bool:
+        return None
+    rank = iv.dim() + 1
+    if order is None:
+        return node.args[0], E, node, rank, rank - 1
+    if sorted(d % rank for d in order if isinstance(d, int)) != list(range(rank)) or len(order) != rank:
+        return None
+    return node.args[0], E, node, rank, [d % rank for d in order].index(rank - 1)
+
+
+def _counts(node: Node) -> Union[tuple[Node, int, tuple], str]:
+    """(ids, E, the nodes the counts are made of) for a (E,) vector of how many ids equal each e: ``one_hot(ids,
+    E)[.permute(...)].sum(dims)`` over every dim but the experts', or ``bincount(topk_ids.flatten(), minlength=E)``."""
+    from .passes.fx_utils import is_call
+
+    if is_call(node, "call_method", "sum") or is_call(node, "call_function", torch.sum):
+        hot = _one_hot_counted(node.args[0]) if node.args else None
+        if hot is None:
+            return "the counts are not a sum of one_hot(ids, E)"
+        ids, E, one_hot, rank, expert_dim = hot
+        if _dims(node, rank) != set(range(rank)) - {expert_dim}:
+            return "the sum of one_hot(ids, E) keeps more than the experts' dim"
+        return ids, E, (node, node.args[0], one_hot)
+    if is_call(node, "call_function", torch.bincount) and len(node.args) == 1 and set(node.kwargs) == {"minlength"}:
+        E, flat = node.kwargs["minlength"], node.args[0]
+        if isinstance(E, int) and E > 0 and isinstance(flat, Node) and speculation._topk_ids_below(flat, E):
+            ids = flat.args[0] if flat.op == "call_method" else flat
+            return ids, E, (node, flat)
+        return "the bincount is not of top-k ids over E experts with minlength=E"
+    return "the vector is not a count of the router's ids per expert"
+
+
+def hit_vector(nonzero: Node) -> Union[tuple[Node, int], str]:
+    """(ids, E) when ``nonzero`` is ``hit.nonzero()`` of a (E,) bool vector ``hit`` that is True exactly at the
+    experts some id equals ("expert e has rows"), none of it changed in place anywhere in the graph; else why not."""
+    from .passes.fx_utils import is_call, mutated_alias, val
+
+    hit = nonzero.args[0] if nonzero.args else None
+    if not isinstance(hit, Node):
+        return "the loop runs over nonzero() of no tensor"
+    made_of: tuple = ()
+    if _op_in(hit, ("any",)) or is_call(hit, "call_function", torch.any):
+        hot = _one_hot_counted(hit.args[0]) if hit.args else None
+        if hot is None:
+            return "the loop runs over nonzero() of an any() that is not of one_hot(ids, E)"
+        ids, E, one_hot, rank, expert_dim = hot
+        if _dims(hit, rank) != set(range(rank)) - {expert_dim}:
+            return "the loop runs over nonzero() of an any() of one_hot(ids, E) that keeps more than the experts' dim"
+        made_of = (hit.args[0], one_hot)
+    else:
+        compared = next(((hit.args[0], c) for names, c in _HAS_ROWS if _op_in(hit, names) and len(hit.args) == 2
+                         and not hit.kwargs and hit.args[1] == c and isinstance(hit.args[0], Node)), None)
+        if compared is None:
+            return ("the loop runs over nonzero() of a vector that is not 'expert e got tokens' (counts > 0, >= 1 "
+                    "or != 0, or one_hot(...).any(dims))")
+        counted = _counts(compared[0])
+        if isinstance(counted, str):
+            return f"the loop runs over nonzero() of a comparison of counts, and {counted}"
+        ids, E, made_of = counted
+    hv = val(hit)
+    if hv is None or hv.dtype != torch.bool or hv.dim() != 1:
+        return "the loop runs over nonzero() of a vector that is not a (E,) bool"
+    changed = [n for n in (ids, hit, *made_of) if mutated_alias(n)]
+    if changed:
+        return f"the 'expert got tokens' vector or the ids it is made of ({changed[0].name}) is changed in place"
+    return ids, E
+
+
+def _is_nonzero(node: Node) -> bool:
+    """``t.nonzero()`` / ``torch.nonzero(t)`` (as_tuple False): a (n, t.dim()) tensor of indices."""
+    from .passes.fx_utils import is_call
+
+    if not (is_call(node, "call_method", "nonzero") or is_call(node, "call_function", torch.nonzero)):
+        return False
+    return len(node.args) == 1 and node.kwargs in ({}, {"as_tuple": False})
+
+
+# --- trace time -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Loop:
+    """One hit loop being traced: its nonzero (by name, for the check on the final graph) and its iterations."""
+
+    nonzero: str
+    E: int
+    where: str
+    iterations: list = field(default_factory=list)  # the Speculation of each iteration, in order
+    finished: bool = False  # the loop's FOR_ITER ran out of experts in this trace
+
+
+def _note(text: str) -> None:
+    """Say why a loop was not unrolled, once (Dynamo may trace a frame twice after a graph break)."""
+    got = report.current_report()
+    if got is not None and text not in got.notes:
+        report.record_note(text)
+
+
+def _unroll(tx, inst) -> bool:
+    """At GET_ITER of a hit vector's nonzero: replace it on the stack with an iterator over E index tensors (and
+    return True); else leave it (False)."""
+    from torch._dynamo.variables import ListIteratorVariable, TensorVariable
+    from torch._dynamo.variables.base import ValueMutationNew
+    from torch._dynamo.variables.builder import wrap_fx_proxy
+
+    trace = speculation._trace()
+    if trace is None or not tx.stack or not isinstance(tx.stack[-1], TensorVariable):
+        return False
+    node = tx.stack[-1].as_proxy().node
+    value = node.meta.get("example_value")
+    if not _is_nonzero(node) or not isinstance(value, torch.Tensor) or isinstance(value.shape[0], int):
+        return False
+    where = speculation._user_line(tx)
+    found = hit_vector(node)
+    reason = found if isinstance(found, str) else None
+    instructions = tx.instructions
+    head = speculation._next(tx, inst)
+    if reason is None and (head is None or head.opname != "FOR_ITER" or head.target is None):
+        reason = "the nonzero() is iterated other than by a for loop"
+    if reason is None:
+        loop = speculation._loop_of(tx, speculation._next(tx, head))
+        reason = speculation._body_refusal(tx, head, *loop) if loop and instructions[loop[0]] is head else (
+            "its loop body was not found")
+    if reason is None and any(s.tx is tx and not s.closed for s in trace.speculations):
+        reason = "it is inside a body already assumed to have rows"
+    if reason is not None:
+        text = f"{where}: the loop over a nonzero() was not unrolled over the experts: {reason}"
+        trace.refusals.append(text)
+        _note(text)
+        return False
+    ids, E = found
+    node.meta[speculation.LENGTH] = E  # its size checks (0 <= n_hit <= E) are facts: they go if its loop does
+    items = []
+    for e in range(E):
+        proxy = tx.output.create_proxy("call_function", torch.full, ((1,), e),
+                                       {"dtype": torch.int64, "device": value.device})
+        proxy.node.meta[INDEX] = e
+        items.append(wrap_fx_proxy(tx, proxy))
+    tx.pop()
+    iterator = ListIteratorVariable(items, mutation_type=ValueMutationNew())
+    tx.push(iterator)
+    trace.loops[id(iterator)] = (iterator, _Loop(node.name, E, where))
+    return True
+
+
+def _iteration(tx, inst, handler: Callable) -> None:
+    """FOR_ITER of a hit loop: the speculation hooks end the previous iteration, the iterator yields the next index,
+    and that iteration opens as a Speculation."""
+    trace = speculation._trace()
+    got = trace.loops.get(id(tx.stack[-1])) if trace is not None and tx.stack else None
+    if got is None:
+        handler(tx, inst)
+        return
+    iterator, loop = got
+    before = iterator.index
+    handler(tx, inst)
+    if iterator.index == before:
+        loop.finished = True
+        return
+    graph = tx.output.graph
+    s = speculation.Speculation(next(speculation._ids), None, loop.where, graph, speculation._last_node(graph),
+                                tx.f_code, inst.offset, tx, trace.mutations)
+    s.counts = _counts_of(loop, before)
+    loop.iterations.append(s)
+    trace.speculations.append(s)
+
+
+def _counts_of(loop: _Loop, e: int) -> Callable[[Graph], tuple]:
+    """What iteration e counts, proven on the graph the backend got (check_traced's copy): (ids, e, None)."""
+
+    def counts(graph: Graph) -> tuple:
+        s = loop.iterations[e]
+        if not loop.finished or len(loop.iterations) != loop.E:
+            raise speculation._fail(s, "the loop over the experts did not end in this graph")
+        nonzero = next((n for n in graph.nodes if n.name == loop.nonzero), None)
+        found = hit_vector(nonzero) if nonzero is not None and _is_nonzero(nonzero) else "its nonzero() is gone"
+        if isinstance(found, str):
+            raise speculation._fail(s, found)
+        return found[0], e, None
+
+    return counts
+
+
+def _subscript(tx, inst, handler: Callable) -> None:
+    """BINARY_SUBSCR of a ModuleList (or list, tuple) at a hit loop's index tensor: element e."""
+    from torch._dynamo.variables import ConstantVariable, TensorVariable
+
+    if speculation._trace() is not None and len(tx.stack) >= 2 and isinstance(tx.stack[-1], TensorVariable):
+        e = tx.stack[-1].as_proxy().node.meta.get(INDEX)
+        if e is not None and _indexable_by_int(tx.stack[-2]):
+            tx.pop()
+            tx.push(ConstantVariable.create(e))
+    handler(tx, inst)
+
+
+def _indexable_by_int(container) -> bool:
+    """A ModuleList (as Dynamo holds one), or a Python list or tuple: ``c[t]`` is ``c[operator.index(t)]``."""
+    from torch._dynamo.variables import ListVariable, TupleVariable
+
+    module = getattr(container, "value", None)
+    if isinstance(module, torch.nn.ModuleList):  # a subclass may index its own way
+        return type(module).__getitem__ is torch.nn.ModuleList.__getitem__
+    return type(container) in (ListVariable, TupleVariable)
+
+
+# --- installation -------------------------------------------------------------------------------------------------
+
+_installed = False
+
+
+def install() -> None:
+    """Hook Dynamo's GET_ITER, FOR_ITER and BINARY_SUBSCR handling (idempotent; after speculation.install); each
+    hook does nothing outside a moe_inductor compile. A failure warns: such loops then graph-break as before."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    try:
+        from torch._dynamo import symbolic_convert
+
+        classes, stack = [], [symbolic_convert.InstructionTranslatorBase]
+        while stack:
+            cls = stack.pop()
+            classes.append(cls)
+            stack.extend(cls.__subclasses__())
+        for cls in classes:
+            table = cls.__dict__.get("dispatch_table")
+            if isinstance(table, list):
+                hook_table(table, dis.opmap)
+    except Exception as error:  # an optional hook into Dynamo internals must never stop the backend from loading
+        warnings.warn(f"moe_inductor: loops over the experts that got tokens are not unrolled on this torch "
+                      f"({error!r}); they graph-break as under plain torch.compile")
+
+
+def hook_table(table: list, opmap: dict) -> None:
+    """Wrap the GET_ITER, FOR_ITER and BINARY_SUBSCR handlers of one Dynamo dispatch table in place."""
+    def hooked(handler: Callable, hook: Callable) -> Callable:
+        return lambda tx, inst: hook(tx, inst, handler)
+
+    def get_iter(tx, inst, handler):
+        if not _unroll(tx, inst):
+            handler(tx, inst)
+
+    hooks = {"GET_ITER": get_iter, "FOR_ITER": _iteration, "BINARY_SUBSCR": _subscript}
+    for opname, hook in hooks.items():
+        op = opmap.get(opname)
+        if op is not None and 0 <= op < len(table) and table[op] is not None:
+            table[op] = hooked(table[op], hook)
