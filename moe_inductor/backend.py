@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import capture, hf, report, speculation
+from . import capture, hf, hf_masks, report, speculation
 from .options import BackendOptions
 from .passes import FX_PASSES
 from .passes.driver import Layer, run_passes
@@ -160,3 +160,4 @@ def mark_backend(fn: Callable) -> Callable:
 mark_backend(moe_inductor_backend)
 capture.install()
 hf.install()
+hf_masks.install()

@@ -135,10 +135,37 @@ def _compiling(state: _CompileState) -> Iterator[_CompileState]:
             _register_known_substitutions()
             scope.enter_context(torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True,
                                                            capture_scalar_outputs=True))
+            scope.enter_context(_is_exporting_as_eager_reads_it())
         try:
             yield state
         finally:
             stack.pop()
+
+
+@contextlib.contextmanager
+def _is_exporting_as_eager_reads_it() -> Iterator[None]:
+    """While we trace, ``torch.compiler.is_exporting()`` answers what eager reads (False outside torch.export).
+
+    Dynamo before torch 2.13 answers it from a cached table that holds a constant True (pytorch#176347, fixed by
+    pytorch#176499). transformers asks it before leaving the causal mask to SDPA's ``is_causal``: told True, it
+    builds the (T, T) mask, and SDPA with a mask cannot take its flash kernel, so every compiled prefill pays for a
+    slower attention than eager's. The table entry is set for our compile and restored after it, so plain frames
+    and other backends see Dynamo's own answer; where the table differs from the one described, nothing changes."""
+    try:
+        from torch._dynamo.variables.torch import tracing_state_functions
+
+        table = tracing_state_functions()
+    except Exception:  # noqa: BLE001  (another torch: its own answer stands)
+        table = None
+    fn = getattr(torch.compiler, "is_exporting", None)
+    if not isinstance(table, dict) or fn is None or table.get(fn) is not True:
+        yield
+        return
+    table[fn] = bool(getattr(torch.compiler, "_is_exporting_flag", False))
+    try:
+        yield
+    finally:
+        table[fn] = True
 
 
 def _no_retry_errors() -> tuple[type, ...]:
