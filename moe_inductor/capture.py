@@ -259,7 +259,7 @@ def install() -> None:
 
     if not hasattr(convert_frame._compile, "_moe_inductor_original"):
         convert_frame._compile = _wrap_compile(convert_frame._compile)
-    from . import hit_loops, speculation
+    from . import hit_loops, shape_tensors, speculation
 
     try:
         speculation.install()
@@ -269,6 +269,7 @@ def install() -> None:
         warnings.warn(f"moe_inductor: skip-of-empty-expert speculation is off on this torch ({error!r}); such "
                       "loops fall back to plain capture")
     hit_loops.install()  # after speculation's hooks: it opens iterations that those hooks close and tag
+    shape_tensors.install()  # warns, rather than raises, where this torch lacks a hook it needs
 
 
 @torch._dynamo.assume_constant_result

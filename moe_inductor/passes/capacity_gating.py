@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
+from ..shape_tensors import shape_value
 from .fx_utils import einsum_parts, val
 
 _ONE_HOT = (F.one_hot, torch._C._nn.one_hot)
@@ -120,6 +121,12 @@ def same_size(handle: Any, size: Any) -> bool:
     if isinstance(handle, int) and not isinstance(handle, bool):
         return isinstance(size, int) and handle == size
     traced = handle.meta.get("example_value", handle.meta.get("val")) if isinstance(handle, Node) else None
+    if isinstance(traced, torch.Tensor):  # a 0-d shape tensor (DeepSpeed's capacity): its exact value, which is
+        # one expression for every size the guards admit, so it matches an equal int or an equal expression only
+        exact = shape_value(handle)
+        if isinstance(exact, torch.SymInt) and isinstance(size, torch.SymInt):
+            return str(exact.node.expr) == str(size.node.expr)
+        return type(exact) is int and type(size) is int and exact == size
     return isinstance(traced, torch.SymInt) and same_traced(traced, size)
 
 

@@ -8,9 +8,10 @@ to ``min_capacity`` by ``if capacity < min_capacity``; ``mask *= torch.lt(locati
 ``F.one_hot(locations_s, num_classes=capacity)`` with the tensor capacity; einsum ``"se,sc->sec"`` combine weights,
 ``"sec,sm->ecm"`` dispatch, experts over ``chunk(E, dim=1)``, ``"sec,ecm->sm"`` combine.
 
-Left alone: ``if capacity < min_capacity`` branches on a tensor, which Dynamo cannot trace (a graph break under any
-backend), so the combine and dispatch reach the experts' graph as graph inputs, and no graph holds the gating and
-the experts together for the padded-capacity proof.
+One graph under moe_inductor: the capacity is a 0-d tensor of literals and sizes, so ``moe_inductor.shape_tensors``
+evaluates ``if capacity < min_capacity`` as a shape guard and ``num_classes=capacity`` as a SymInt (every other
+backend breaks the graph at the branch), and the padded-capacity proof reads ``lt(locations, capacity)`` as the
+slots' C.
 """
 import torch
 import torch.nn as nn
@@ -109,5 +110,4 @@ class MOELayer(nn.Module):
 
 
 CASES = [Case("deepspeed_top2", "deepspeedai/DeepSpeed deepspeed/moe/sharded_moe.py top2gating + MOELayer", MOELayer,
-              lambda T, g: torch.randn(2, T, H, generator=g), form="padded_capacity",
-              expect=("left_alone", "padded_capacity", "the (T, E, C) combine weights are an input of this graph"))]
+              lambda T, g: torch.randn(2, T, H, generator=g), form="padded_capacity")]
