@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import capture, hf, hf_masks, report, speculation
+from . import capture, grad_gate, hf, hf_masks, report, speculation
 from .options import BackendOptions
 from .passes import FX_PASSES
 from .passes.driver import Layer, run_passes
@@ -80,7 +80,13 @@ def moe_inductor_backend(
         from .lowerings.cpu import swap_in_cpu_lowering
 
         swap_in_cpu_lowering(gm)
+    try:  # a skipped expert's own weights get no gradient, as in eager (grad_gate.py)
+        gated = grad_gate.add_hit_flags(gm, speculated) if gm is not original else []
+    except LookupError as error:
+        raise speculation.SpeculationNotDischarged(f"the gradient gate cannot be built: {error}") from error
     compiled = _inner_compile(opts.inner, gm, example_inputs, mode, opts.inductor)
+    if gated:
+        compiled = grad_gate.wrap(compiled, gated)
     if opts.inner == "eager" and gm is original:
         return compiled  # the graph as traced, run as it is: nothing of ours can fail in it
     return _first_call_guarded(compiled, original, state.code if state is not None else None,

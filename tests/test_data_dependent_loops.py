@@ -4,17 +4,19 @@ every body, kept only where the unrolled_loop rewrite takes every body, else the
 Genuine: DeepSeek-V3's ``counts = bincount(ids.flatten(), minlength=E).tolist(); if counts[i] == 0: continue`` and
 DBRX's ``if tok.shape[0] == 0: continue`` on the body's own selection, over stacked (E, ., .) weights, rewritten and
 equal to eager (forward and gradients) at token counts that leave experts empty; over one nn.Linear set per expert,
-rewritten without gradients. Look-alikes, each still equal to eager and not rewritten: a skip of experts with fewer
-than 2 tokens, a skip on another router's counts, a body that also counts its expert in a buffer, a body that counts
-the experts it ran in a local read after the loop, and per-expert weights with gradients on (eager leaves a skipped
-expert's weights without a gradient, None, which zeros from the op are not).
+rewritten with gradients too, a skipped expert's weights left without a gradient (None) as eager leaves them
+(grad_gate.py). Look-alikes, each still equal to eager and not rewritten: a skip of experts with fewer than 2 tokens,
+a skip on another router's counts, a body that also counts its expert in a buffer, and a body that counts the experts
+it ran in a local read after the loop.
 """
+import copy
 import dataclasses
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 import moe_inductor
 from moe_inductor import report
@@ -107,7 +109,7 @@ def _case(skip: str, expect: tuple) -> Case:
 
 
 @pytest.mark.slow  # each case compiles a model
-@pytest.mark.parametrize("skip", ["bincount", "own_rows"])
+@pytest.mark.parametrize("skip", ["bincount", "own_rows", "per_expert"])
 def test_skip_of_an_empty_expert_is_rewritten_and_equal_to_eager(skip):
     case = _case(skip, ("rewritten",))
     outcome = run_case(case)
@@ -123,8 +125,7 @@ def test_skip_of_an_empty_expert_is_rewritten_and_equal_to_eager(skip):
     ("other_counts", "the count is of expert"),
     ("buffer", "no rewrite took its body"),
     ("local", "the rest of the iteration sets ran, read after it"),
-    ("per_expert", "without a gradient (None)"),
-], ids=["counts-below-2", "another-routers-counts", "buffer-write-in-body", "local-counter", "per-expert-training"])
+], ids=["counts-below-2", "another-routers-counts", "buffer-write-in-body", "local-counter"])
 def test_a_skip_that_is_not_no_tokens_is_kept_and_equal_to_eager(skip, said):
     case = _case(skip, ("fell_back",))
     with report.collecting(report.Report()) as seen:  # what explain() would print of the fallback
@@ -136,6 +137,40 @@ def test_a_skip_that_is_not_no_tokens_is_kept_and_equal_to_eager(skip, said):
         for name in ref.grads:
             assert rel_err(got.grads[name], ref.grads[name]) < 1e-5, name
     assert any(said in f.reason for f in seen.fallbacks), [f.reason for f in seen.fallbacks]
+
+
+def _two_accumulating_steps(device: str, options: dict, tol: float = 1e-5) -> None:
+    """Per-expert nn.Linear weights in training: after two steps that accumulate (no zero_grad), each expert's
+    weights hold what eager's hold: None where neither step reached it, one step's gradient where one did."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = _build("per_expert").to(device)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="moe_inductor", options=options)
+    gen = torch.Generator().manual_seed(3)
+    for T in (2, 3):  # 4 and 6 choices over 8 experts: some expert is skipped by both steps
+        x = torch.randn(T, H, generator=gen).to(device)
+        compiled(x).square().sum().backward()
+        eager(x).square().sum().backward()
+    got, ref = dict(model.named_parameters()), dict(eager.named_parameters())
+    missing = [n for n, p in ref.items() if p.grad is None]
+    assert missing, "the token counts must leave an expert without tokens in both steps"
+    for name, p in ref.items():
+        assert (got[name].grad is None) == (p.grad is None), name
+        if p.grad is not None:
+            assert rel_err(got[name].grad, p.grad) < tol, name
+    assert counters["moe_inductor"]["unrolled_loop"] >= 1, dict(counters["moe_inductor"])
+
+
+@pytest.mark.slow
+def test_a_skipped_experts_own_weights_keep_their_gradient_as_in_eager():
+    _two_accumulating_steps("cpu", {"inner": "eager"})
+
+
+@pytest.mark.gpu
+def test_a_skipped_experts_own_weights_keep_their_gradient_under_inductor_on_the_gpu():
+    _two_accumulating_steps("cuda", {}, tol=1e-4)
 
 
 @pytest.mark.slow
