@@ -9,6 +9,10 @@ capacity ``max(min(n, int(n * factor / E)), 4)`` from the group size, exclusive-
 (b, n, E, C) from ``safe_one_hot`` (its width ``max(positions.max() + 1, C)`` depends on the data), dispatch
 ``combine.bool()``; einsum ``"bnd,bnec->ebcd"`` in, experts by einsum on (E, D, I) weights with GELU, einsum
 ``"ebcd,bnec->bnd"`` out. Second-expert policy "all" (no sampling) so eager is deterministic.
+
+A graph break under every backend: ``safe_one_hot``'s width is read from the data, and one_hot's schema takes an
+``int``, so even an unbacked width cannot be fake-run. Beyond it, the queues are per group (the batch rows: each
+row's tokens have their own positions and capacity), which the op's single choice-major capacity does not express.
 """
 import torch
 import torch.nn as nn
