@@ -259,7 +259,7 @@ def install() -> None:
 
     if not hasattr(convert_frame._compile, "_moe_inductor_original"):
         convert_frame._compile = _wrap_compile(convert_frame._compile)
-    from . import hit_loops, shape_tensors, speculation
+    from . import data_widths, hit_loops, shape_tensors, speculation
 
     try:
         speculation.install()
@@ -270,6 +270,7 @@ def install() -> None:
                       "loops fall back to plain capture")
     hit_loops.install()  # after speculation's hooks: it opens iterations that those hooks close and tag
     shape_tensors.install()  # warns, rather than raises, where this torch lacks a hook it needs
+    data_widths.install()  # after shape_tensors': it wraps the one_hot hook that one installs
 
 
 @torch._dynamo.assume_constant_result
