@@ -74,6 +74,9 @@ class Match:
     derive: Optional[Callable[[Graph, MoESpec], MoESpec]] = None
     #: k, where the spec's ids are made by ``derive`` (they have no traced value to read it from)
     top_k: Optional[int] = None
+    #: B, where the region is B independent MoEs (its queues and capacity per group): spec.x, ids and weights are
+    #: (B, T, .), the op runs once per group and the (B, T, H) result is their stack
+    groups: Optional[int] = None
 
 
 Proof = Callable[[Node], Union[Match, str, None]]
@@ -226,7 +229,17 @@ def _replace(graph: Graph, form: str, m: Match) -> Rewrite:
     if m.derive is not None:
         with graph.inserting_before(m.end):
             spec = m.derive(graph, spec)
-    y = emit_experts(graph, spec, m.end, out_dtype)
+    if m.groups is None:
+        y = emit_experts(graph, spec, m.end, out_dtype)
+    else:
+        ys = []
+        for g in range(m.groups):
+            with graph.inserting_before(m.end):
+                rows = {f: graph.call_function(operator.getitem, (getattr(spec, f), g))
+                        for f in ("x", "ids", "weights")}
+            ys.append(emit_experts(graph, dataclasses.replace(spec, **rows), m.end, out_dtype, traced_x=spec.x))
+        with graph.inserting_before(m.end):
+            y = graph.call_function(torch.stack, (ys,))
     if m.acc is None:
         m.end.replace_all_uses_with(y)
     else:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from typing import Optional
 
 import torch
 from torch.fx import Graph, Node
@@ -12,15 +13,18 @@ from ..spec import MoESpec
 from .fx_utils import val
 
 
-def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dtype) -> Node:
-    """Insert the op before ``before``; returns the node of its (T, H) output in ``out_dtype``.
+def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dtype,
+                 traced_x: Optional[Node] = None) -> Node:
+    """Insert the op before ``before``; returns the node of its (T, H) output in ``out_dtype``. ``traced_x`` stands
+    for ``spec.x`` where that is a new node (a group's rows), which has no traced value: its dtype and grad.
 
     The weights enter as views in the op's (E, K, N) form: nothing is copied. The call is described once
     (``ops.call.ExpertsCall``, with nodes for values) and ``ops.call.op_call`` gives the op and its arguments.
     """
-    x_dtype = val(spec.x).dtype
+    traced_x = traced_x if traced_x is not None else spec.x
+    x_dtype = val(traced_x).dtype
     per_expert = isinstance(spec.gate, tuple)
-    weight_nodes = [spec.x, spec.weights, *((spec.gate + (spec.up or ()) + spec.down) if per_expert
+    weight_nodes = [traced_x, spec.weights, *((spec.gate + (spec.up or ()) + spec.down) if per_expert
                                              else (spec.gate, spec.up, spec.down, spec.b1, spec.b1_up, spec.b2))]
     if spec.gate_up is not None:
         with graph.inserting_before(before):

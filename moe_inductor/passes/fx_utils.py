@@ -204,7 +204,7 @@ def einsum_parts(node: Node) -> Optional[tuple[list[str], str, list[Node]]]:
     if not node.args or not isinstance(node.args[0], str) or node.kwargs:
         return None
     eq = node.args[0].replace(" ", "")
-    if "->" not in eq or "." in eq:
+    if "->" not in eq:
         return None
     lhs, out = eq.split("->")
     subs = lhs.split(",")
@@ -213,7 +213,37 @@ def einsum_parts(node: Node) -> Optional[tuple[list[str], str, list[Node]]]:
         operands = list(operands[0])
     if len(subs) != len(operands) or not all(isinstance(o, Node) for o in operands):
         return None
+    if "." in eq:
+        return _expand_ellipsis(subs, out, operands)
     return subs, out, operands
+
+
+def _expand_ellipsis(subs: list[str], out: str, operands: list[Node]):
+    """The einsum with each ``...`` spelled as fresh letters, where every operand's ``...`` covers the same sizes
+    (no broadcasting) and the output keeps them: then it is the same einsum."""
+    terms = [*subs, out]
+    if any(t.count("...") > 1 or t.replace("...", "").count(".") for t in terms) or "..." not in out:
+        return None
+    sizes = []
+    for t, o in zip(subs, operands):
+        v = val(o)
+        if v is None:
+            return None
+        if "..." in t:
+            rank = v.dim() - len(t.replace("...", ""))
+            if rank < 0:
+                return None
+            sizes.append(tuple(v.shape[t.index("..."):t.index("...") + rank]))
+    if not sizes or any(len(s) != len(sizes[0]) or any(
+            not (a is b or (type(a) is int and type(b) is int and a == b) or str(a) == str(b))
+            for a, b in zip(s, sizes[0])) for s in sizes):
+        return None
+    used = set("".join(terms))
+    fresh = "".join([c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in used][
+        :len(sizes[0])])
+    if len(fresh) != len(sizes[0]):
+        return None
+    return [t.replace("...", fresh) for t in subs], out.replace("...", fresh), operands
 
 
 _UNARY = {F.silu: "silu", F.relu: "relu", torch.relu: "relu"}

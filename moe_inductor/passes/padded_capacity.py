@@ -420,5 +420,11 @@ def match_capacity(y: Node) -> Union[Match, str, None]:
     return Match(spec, y, note=note, derive=derive, top_k=len(found.choices))
 
 
-rewrite = Form(FORM, (Anchor(every_node, match_capacity),))
+def _match_grouped(y: Node) -> Union[Match, str, None]:
+    from .grouped_capacity import match_grouped  # it reads this module's readers
+
+    return match_grouped(y)
+
+
+rewrite = Form(FORM, (Anchor(every_node, match_capacity), Anchor(every_node, _match_grouped)))
 """Replace every provable padded-capacity MoE in a GraphModule; returns what was rewritten."""
