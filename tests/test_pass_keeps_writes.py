@@ -90,3 +90,43 @@ def test_tokens_changed_through_a_view_between_experts_are_not_rewritten(how):
     x = torch.randn(9, H)
     assert_close(compile_moe(model, x), model(x), torch.float32, "forward")
     assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+
+
+class MaskChangedBetweenExperts(nn.Module):
+    """transformers v4's one-hot expert mask, changed in place between two experts' reads (``mask[e + 1].zero_()``,
+    ``mask[e + 1] = 0``): the next expert's rows are read from the changed mask, while the ids it was made from, all
+    the op would read, are unchanged."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.router = nn.Linear(H, E, bias=False)
+        self.w1 = nn.Parameter(torch.randn(E, I, H) * H ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
+
+    def forward(self, x):
+        weights, ids = torch.topk(F.softmax(self.router(x), dim=-1), K, dim=-1)
+        mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            pos, tok = torch.where(mask[e])
+            h = F.linear(F.silu(F.linear(x[tok], self.w1[e])), self.w2[e])
+            out.index_add_(0, tok, h * weights[tok, pos, None])
+            if e + 1 < E:
+                if self.how == "zero_":
+                    mask[e + 1].zero_()
+                else:
+                    mask[e + 1] = 0
+        return out
+
+
+@pytest.mark.parametrize("how", ["zero_", "setitem"])
+def test_a_mask_changed_between_experts_is_not_rewritten(how):
+    """The region reads the mask on both sides of the write (moe_inductor/passes/stale_reads.py)."""
+    torch.manual_seed(0)
+    model = MaskChangedBetweenExperts(how)
+    x = torch.randn(9, H)
+    with torch.no_grad():
+        assert_close(compile_moe(model, x), model(x), torch.float32, "forward")
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    assert counters["moe_inductor_left_alone"]["unrolled_loop"] >= 1, dict(counters["moe_inductor_left_alone"])

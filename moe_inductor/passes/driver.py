@@ -5,8 +5,9 @@ A form (``Form``) lists, for each spelling it reads, an anchor (which nodes to t
 (the anchor is the form's mark but a check failed: the region is noted as left alone, at the anchor's line), or None
 (no such region here). The driver then, for each match in graph order:
 
-1. checks that no input of the region is changed in place anywhere in the graph (``inputs_unchanged``), else notes
-   the region as left alone;
+1. checks that no input of the region is changed in place anywhere in the graph (``inputs_unchanged``), and that
+   nothing the region derives from them is read after an in-place write (``stale_reads``), else notes the region
+   as left alone;
 2. emits the op (``emit.emit_experts``) where the region's result was complete, and points the readers of that
    result at the op;
 3. erases the region's in-place writes, the size asserts Dynamo attached to its data-dependent nodes, and what is
@@ -35,6 +36,7 @@ from .emit import emit_experts
 from .fx_utils import (canonicalize_operators, eliminate_dead_code, mutated_alias, read_receivers_of_inplace_results,
                        source_function, source_line, val)
 from .kept_errors import index_bounds, keep_removed_checks
+from .stale_reads import stale_read
 
 log = logging.getLogger("moe_inductor")
 
@@ -125,6 +127,8 @@ class Form:
                     continue
                 reason = found if isinstance(found, str) else (
                     None if inputs_unchanged(found.spec) else CHANGED_IN_PLACE)
+                if reason is None:  # and what the region derives from them is read as the proof read it
+                    reason = stale_read(spec_inputs(found.spec), (found.end, *found.writes), found.writes)
                 keep, said = (False, "") if reason is not None else _speed_verdict(self.name, found)
                 if keep:
                     reason = said
@@ -157,14 +161,19 @@ class Explainer:
         return []
 
 
+def spec_inputs(spec: MoESpec) -> list[Node]:
+    """The graph nodes the op reads: tokens, routing, expert weights and biases."""
+    nodes = [spec.x, spec.ids, spec.weights, spec.b1, spec.b1_up, spec.b2]
+    for w in (spec.gate, spec.up, spec.down):
+        nodes += list(w) if isinstance(w, tuple) else [w]
+    return [n for n in nodes if isinstance(n, Node)]
+
+
 def inputs_unchanged(spec: MoESpec) -> bool:
     """No input of the region (tokens, routing, expert weights) is changed in place anywhere in the graph, through
     any view. The op reads its inputs where the region's output was, so a change between the user's reads and that
     point would give it other values than the user's code saw."""
-    nodes = [spec.x, spec.ids, spec.weights, spec.b1, spec.b1_up, spec.b2]
-    for w in (spec.gate, spec.up, spec.down):
-        nodes += list(w) if isinstance(w, tuple) else [w]
-    return not any(isinstance(n, Node) and mutated_alias(n) for n in nodes)
+    return not any(mutated_alias(n) for n in spec_inputs(spec))
 
 
 #: the speed rule the backend hands ``run_passes``: ``speed(layer) -> (keep Inductor's path, what to say)``

@@ -1,0 +1,86 @@
+"""A region must read the values its proof reasoned about.
+
+A proof reads the graph's dataflow: ``mask = one_hot(ids, E).permute(2, 1, 0)``, then ``torch.where(mask[e])`` in
+every body, is expert e's rows of ``ids``. An in-place write does not show in that dataflow when the user's code keeps
+the old name: after ``mask[e + 1].zero_()`` the next body's ``mask[e + 1]`` reads the same node, whose memory now
+holds other values, and the op, which recomputes the rows from ``ids``, would give another result than the user's
+loop. ``inputs_unchanged`` guards the region's inputs; this guards what the region derives from them.
+
+A write counts where a node the region derives from its inputs (an ancestor of its result that descends from an
+input) is changed in place, through any view, and the region reads that node, or a view of it, both before and
+after the write: its reads saw two values where the dataflow shows one. The region's own writes into its
+accumulator (``Match.writes``) are its proof's business, and so is a write before every read (``zeros_like`` then
+``scatter_``: the proofs that accept one read it). A write whose node is rebound (``weights /= s`` makes a new node
+that later reads use) is not read stale, and does not count.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from torch.fx import Node
+
+from .fx_utils import alias_mutations
+
+STALE = "a tensor the region computes from its inputs is changed in place between its reads"
+
+
+def _ancestors(roots: Iterable[Node]) -> set[Node]:
+    seen, stack = set(), [r for r in roots if isinstance(r, Node)]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _descendants(roots: Iterable[Node]) -> set[Node]:
+    seen, stack = set(), [r for r in roots if isinstance(r, Node)]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.users)
+    return seen
+
+
+def stale_read(inputs: Iterable[Node], ends: Iterable[Node], own_writes: Iterable[Node]) -> Optional[str]:
+    """The reason the region reads a tensor it derived after an in-place write to it, or None.
+
+    ``inputs`` are the region's inputs (the op's), ``ends`` its result and its writes, ``own_writes`` the writes
+    the proof accounted for."""
+    ends = [e for e in ends if isinstance(e, Node)]
+    if not ends:
+        return None
+    graph = ends[0].graph
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    own = set(own_writes)
+    derived = _ancestors(ends) & _descendants(inputs)
+    for node in sorted(derived, key=position.__getitem__):
+        writes = [w for w in alias_mutations(node) if w not in own]
+        if not writes:
+            continue
+        reads = sorted((u for a in _aliases(node) for u in a.users if u in derived and u not in own
+                        and u not in writes), key=position.__getitem__)
+        for w in writes:  # read on both sides of the write: the reads saw two values, the proof one
+            before = [r for r in reads if position[r] < position[w]]
+            after = [r for r in reads if position[r] > position[w]]
+            if before and after:
+                return f"{STALE} ({node.name}: read by {before[0].name}, written by {w.name}, read by {after[0].name})"
+    return None
+
+
+def _aliases(node: Node) -> set[Node]:
+    """``node``, its base and every view of that base (as ``alias_mutations`` walks them)."""
+    from .fx_utils import _is_view
+
+    base = node
+    while _is_view(base) and base.args and isinstance(base.args[0], Node):
+        base = base.args[0]
+    seen, stack = set(), [base]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(u for u in n.users if _is_view(u) and u.args and u.args[0] is n)
+    return seen
