@@ -1,8 +1,9 @@
 """DeepSpeed's GShard-style top-2 gating, mirrored from deepspeedai/DeepSpeed (``deepspeed/moe/sharded_moe.py``:
 ``top2gating``, ``_capacity``, ``_one_hot_to_float``, ``MOELayer``; ``deepspeed/moe/experts.py``: ``Experts``).
 
-Style: softmax gates, ``argmax`` for the first choice, the first masked to -inf and ``argmax`` again for the second
-(no second-expert sampling here, so eager is deterministic); ``cumsum - 1`` queue positions, the second choices
+Style: gating in float32 (``TopKGate`` casts the input and ``wg`` up), softmax gates, ``argmax`` for the first
+choice, the first masked to -inf and ``argmax`` again for the second (no second-expert sampling here, so eager is
+deterministic); ``cumsum - 1`` queue positions, the second choices
 queued behind every first choice; a capacity computed as a tensor, ``ceil(T / E * 2 * capacity_factor)``, raised
 to ``min_capacity`` by ``if capacity < min_capacity``; ``mask *= torch.lt(locations, capacity)`` drops;
 ``F.one_hot(locations_s, num_classes=capacity)`` with the tensor capacity; einsum ``"se,sc->sec"`` combine weights,
@@ -100,7 +101,9 @@ class MOELayer(nn.Module):
     def forward(self, x):
         d_model = x.shape[-1]
         reshaped_input = x.reshape(-1, d_model)
-        combine_weights, dispatch_mask = top2gating(self.wg(reshaped_input), 1.0, 4)
+        # TopKGate gates in float32 whatever the model's dtype: the input and wg's weight are cast up
+        logits = F.linear(reshaped_input.float(), self.wg.weight.float())
+        combine_weights, dispatch_mask = top2gating(logits, 1.0, 4)
         dispatched_input = torch.einsum("sec,sm->ecm", dispatch_mask.type_as(x), reshaped_input)
         dispatched_input = dispatched_input.reshape(self.ep_size, self.num_local_experts, -1, d_model)
         expert_output = self.experts(dispatched_input)
