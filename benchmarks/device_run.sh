@@ -30,10 +30,13 @@ KERNEL_FILES="tests/test_kernels.py tests/test_routing.py tests/test_rewritten_g
 WORKERS=$(python -c "import xdist" 2>/dev/null && echo "-n 4")
 case "${1:-suite}" in
   suite)
-    timeout -s INT 250 python -m pytest $KERNEL_FILES $WORKERS -q -p no:warnings -rfE --durations=5 2>&1 \
-      | grep -v torch.__trace | tee "$OUT/gpu_kernel_tests.log" | tail -15
+    # -v: each test's outcome is logged as it ends, so a run cut by its timeout still names what failed
+    timeout -s INT 250 python -m pytest $KERNEL_FILES $WORKERS -v -p no:warnings -rfE --durations=5 2>&1 \
+      | grep -v torch.__trace > "$OUT/gpu_kernel_tests.log"; grep -E "FAILED|ERROR" "$OUT/gpu_kernel_tests.log"
+    tail -4 "$OUT/gpu_kernel_tests.log"
     timeout -s INT 320 python -m pytest tests -m gpu $(for f in $KERNEL_FILES; do echo "--ignore=$f"; done) $WORKERS \
-      -q -p no:warnings -rfE --durations=8 2>&1 | grep -v torch.__trace | tee "$OUT/gpu_tests.log" | tail -25 ;;
+      -v -p no:warnings -rfE --durations=8 2>&1 | grep -v torch.__trace > "$OUT/gpu_tests.log"
+    grep -E "FAILED|ERROR" "$OUT/gpu_tests.log"; tail -12 "$OUT/gpu_tests.log" ;;
   examples)
     timeout 260 compute-sanitizer --tool memcheck python -m pytest tests/test_kernels.py tests/test_grouped_mm_engine.py \
       -q -p no:warnings -x -k "not inductor_graph" \
