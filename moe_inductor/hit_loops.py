@@ -304,15 +304,8 @@ def install() -> None:
     try:
         from torch._dynamo import symbolic_convert
 
-        classes, stack = [], [symbolic_convert.InstructionTranslatorBase]
-        while stack:
-            cls = stack.pop()
-            classes.append(cls)
-            stack.extend(cls.__subclasses__())
-        for cls in classes:
-            table = cls.__dict__.get("dispatch_table")
-            if isinstance(table, list):
-                hook_table(table, dis.opmap)
+        for table in speculation.dispatch_tables(symbolic_convert.InstructionTranslatorBase):
+            hook_table(table, dis.opmap)
     except Exception as error:  # an optional hook into Dynamo internals must never stop the backend from loading
         warnings.warn(f"moe_inductor: loops over the experts that got tokens are not unrolled on this torch "
                       f"({error!r}); they graph-break as under plain torch.compile")

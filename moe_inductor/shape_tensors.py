@@ -485,15 +485,9 @@ def _jump_hook(handler: Callable) -> Callable:
 
 
 def _hook_tables(base: type) -> None:
-    classes, stack = [], [base]
-    while stack:
-        cls = stack.pop()
-        classes.append(cls)
-        stack.extend(cls.__subclasses__())
-    for cls in classes:
-        table = cls.__dict__.get("dispatch_table")
-        if not isinstance(table, list):
-            continue
+    from .speculation import dispatch_tables
+
+    for table in dispatch_tables(base):
         for opname, op in dis.opmap.items():
             # only the popping jumps: JUMP_IF_*_OR_POP would push back the replaced value, not the tensor
             if (opname.startswith("POP_JUMP") and opname.endswith(("_IF_TRUE", "_IF_FALSE")) and 0 <= op < len(table)

@@ -390,15 +390,20 @@ def install() -> None:
         return original_tolist(self, *args, **kwargs)
 
     TensorVariable.method_tolist = method_tolist
+    for table in dispatch_tables(base):
+        hook_table(table, dis.opmap)
+
+
+def dispatch_tables(base: type) -> list[list]:
+    """The bytecode dispatch table of ``base`` and of every subclass that holds its own (Dynamo builds one per
+    translator class), for the trace-time hooks to wrap entries of."""
     classes, stack = [], [base]
     while stack:
         cls = stack.pop()
         classes.append(cls)
         stack.extend(cls.__subclasses__())
-    for cls in classes:
-        table = cls.__dict__.get("dispatch_table")
-        if isinstance(table, list):
-            hook_table(table, dis.opmap)
+    tables = [cls.__dict__.get("dispatch_table") for cls in classes]
+    return [t for t in tables if isinstance(t, list)]
 
 
 def hook_table(table: list, opmap: dict) -> None:

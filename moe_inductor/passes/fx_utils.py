@@ -123,22 +123,33 @@ def _advanced_index(index) -> bool:
     return any(isinstance(p, Node) and isinstance(val(p), torch.Tensor) for p in parts)
 
 
-def alias_mutations(node: Node) -> list[Node]:
-    """Every in-place change (an ``x.op_(...)`` method or ``x[i] = v``) of ``node`` or of any tensor that may share
-    its memory through view ops: up to its base, then down to every view of that base. Conservative: getitem counts
-    as a view."""
+def base_of(node: Node) -> Node:
+    """The tensor ``node`` is a view of, through view ops (``node`` itself when it is no view)."""
     base = node
     while _is_view(base) and base.args and isinstance(base.args[0], Node):
         base = base.args[0]
-    seen, stack, found = set(), [base], []
+    return base
+
+
+def view_family(node: Node) -> list[Node]:
+    """Every node that may share ``node``'s memory through view ops: its base, then every view of that base, in the
+    order they are reached (base first)."""
+    seen, stack = {}, [base_of(node)]
     while stack:
         n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+        if n not in seen:
+            seen[n] = None
+            stack.extend(u for u in n.users if _is_view(u) and u.args and u.args[0] is n)
+    return list(seen)
+
+
+def alias_mutations(node: Node) -> list[Node]:
+    """Every in-place change (an ``x.op_(...)`` method or ``x[i] = v``) of ``node`` or of any tensor that may share
+    its memory through view ops (``view_family``). Conservative: getitem counts as a view."""
+    found = []
+    for n in view_family(node):
         found += inplace_users(n)
         found += [u for u in n.users if is_call(u, "call_function", operator.setitem) and u.args[0] is n]
-        stack.extend(u for u in n.users if _is_view(u) and u.args and u.args[0] is n)
     return list(dict.fromkeys(found))
 
 
@@ -157,18 +168,9 @@ def is_impure(node: Node) -> bool:
     target = written_in_place(node)
     if target is None:
         return False
-    base = target
-    while _is_view(base) and base.args and isinstance(base.args[0], Node):
-        base = base.args[0]
-    if base.op in ("placeholder", "get_attr"):
+    if base_of(target).op in ("placeholder", "get_attr"):
         return True
-    aliases, stack = set(), [base]
-    while stack:
-        n = stack.pop()
-        if n not in aliases:
-            aliases.add(n)
-            stack.extend(u for u in n.users if _is_view(u) and u.args and u.args[0] is n)
-    readers = {u for a in aliases for u in a.users if u is not node}
+    readers = {u for a in view_family(target) for u in a.users if u is not node}
     cur = node.next
     while cur.op != "root":
         if cur in readers:

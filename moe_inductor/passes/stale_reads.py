@@ -15,32 +15,23 @@ that later reads use) is not read stale, and does not count.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from torch.fx import Node
 
-from .fx_utils import alias_mutations
+from .fx_utils import alias_mutations, view_family
 
 STALE = "a tensor the region computes from its inputs is changed in place between its reads"
 
 
-def _ancestors(roots: Iterable[Node]) -> set[Node]:
+def _reach(roots: Iterable[Node], step: Callable[[Node], Iterable[Node]]) -> set[Node]:
+    """``roots`` and every node reached from them by ``step`` (inputs: ancestors; users: descendants)."""
     seen, stack = set(), [r for r in roots if isinstance(r, Node)]
     while stack:
         n = stack.pop()
         if n not in seen:
             seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
-
-
-def _descendants(roots: Iterable[Node]) -> set[Node]:
-    seen, stack = set(), [r for r in roots if isinstance(r, Node)]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.users)
+            stack.extend(step(n))
     return seen
 
 
@@ -55,12 +46,12 @@ def stale_read(inputs: Iterable[Node], ends: Iterable[Node], own_writes: Iterabl
     graph = ends[0].graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     own = set(own_writes)
-    derived = _ancestors(ends) & _descendants(inputs)
+    derived = _reach(ends, lambda n: n.all_input_nodes) & _reach(inputs, lambda n: n.users)
     for node in sorted(derived, key=position.__getitem__):
         writes = [w for w in alias_mutations(node) if w not in own]
         if not writes:
             continue
-        reads = sorted((u for a in _aliases(node) for u in a.users if u in derived and u not in own
+        reads = sorted((u for a in view_family(node) for u in a.users if u in derived and u not in own
                         and u not in writes), key=position.__getitem__)
         for w in writes:  # read on both sides of the write: the reads saw two values, the proof one
             before = [r for r in reads if position[r] < position[w]]
@@ -69,18 +60,3 @@ def stale_read(inputs: Iterable[Node], ends: Iterable[Node], own_writes: Iterabl
                 return f"{STALE} ({node.name}: read by {before[0].name}, written by {w.name}, read by {after[0].name})"
     return None
 
-
-def _aliases(node: Node) -> set[Node]:
-    """``node``, its base and every view of that base (as ``alias_mutations`` walks them)."""
-    from .fx_utils import _is_view
-
-    base = node
-    while _is_view(base) and base.args and isinstance(base.args[0], Node):
-        base = base.args[0]
-    seen, stack = set(), [base]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(u for u in n.users if _is_view(u) and u.args and u.args[0] is n)
-    return seen
