@@ -228,7 +228,10 @@ def _wrap_compile(original: Callable) -> Callable:
         attempt = _CompileState(ours=True, forms=forms, code=code, inner=inner, closure=closure)
         try:
             with _compiling(attempt):
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
+            if attempt.speculation is not None:
+                attempt.speculation.require_checked()
+            return result
         except _no_retry_errors():
             raise
         except Exception as error:

@@ -81,8 +81,7 @@ class Speculation:
     counted: Optional[tuple] = None
     #: the graph inputs needing gradients that only the body reads (an expert's own weights), filled by check_traced
     own: list = field(default_factory=list)
-    #: for a speculation made elsewhere (hit_loops.py): ``counts(graph) -> (ids, e, None)`` on check_traced's copy
-    #: of the graph, raising SpeculationNotDischarged where that does not hold
+    #: made elsewhere (hit_loops.py): ``counts(graph) -> (ids, e, None)`` on check_traced's graph copy, or raises
     counts: Optional[Callable] = None
 
 
@@ -95,6 +94,15 @@ class Trace:
     mutations: int = 0
     #: hit_loops.py's loops over the experts that got tokens, by the id of the iterator Dynamo holds
     loops: dict = field(default_factory=dict)
+    #: whether moe_inductor's backend was handed a graph of this compile (``of_graph``)
+    checked: bool = False
+
+    def require_checked(self) -> None:
+        """A speculation holds only through the backend's proof, which a look-alike wrapper (capture.py) that hands
+        the graph to another compiler never runs: then the frame falls back."""
+        if self.speculations and not self.checked:
+            raise SpeculationNotDischarged("skips of an empty expert were assumed while tracing, and the graph went to "
+                                           "a compiler other than moe_inductor's backend, which cannot prove them")
 
 
 _ids = itertools.count(1)
@@ -454,6 +462,7 @@ def of_graph(gm: GraphModule) -> list[Speculation]:
     trace = _trace()
     if trace is None:
         return []
+    trace.checked = True
     tags = {n.meta.get(TAG) for n in gm.graph.nodes}
     return [s for s in trace.speculations if s.graph is gm.graph or s.id in tags]
 

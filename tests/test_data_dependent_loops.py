@@ -210,3 +210,40 @@ def test_hooking_a_dispatch_table_skips_opcodes_it_does_not_hold():
     table[3] = jump
     speculation.hook_table(table, {"POP_JUMP_IF_TRUE": 3, "NOP": 5, "JUMP": 256, "LOAD_METHOD": 300})
     assert len(table) == 8 and table[3] is not jump and table[5] is None
+
+
+class AddPerExpertRun(nn.Module):
+    """Not an MoE: a loop that skips experts with no tokens and adds 1 to the output for each expert it runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+
+    def forward(self, x):
+        ids = torch.topk(self.gate(x), K, dim=-1)[1]
+        counts = torch.bincount(ids.flatten(), minlength=E).tolist()
+        y = x.clone()
+        for i in range(E):
+            if counts[i] == 0:
+                continue
+            y.add_(1.0)
+        return y
+
+
+def test_a_wrapper_that_looks_like_ours_but_compiles_elsewhere_falls_back():
+    """capture.py takes a function naming "moe_inductor" for a wrapper of ours. If it hands the graph to another
+    compiler, the skips assumed while tracing are never proven (that is the backend's work): the frame falls back,
+    and the loop runs as eager runs it."""
+
+    def lookalike(gm, example_inputs):
+        gm.meta["wanted"] = "moe_inductor"  # named, never called
+        return gm.forward
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = AddPerExpertRun()
+    x = torch.randn(2, H)  # 4 choices over 8 experts: at least 4 skipped
+    got = torch.compile(model, backend=lookalike)(x)
+    assert torch.equal(got, model(x))
+    assert counters["moe_inductor_fallback"], "the frame must fall back"
