@@ -53,8 +53,9 @@ def test_rewrite_keeps_the_users_in_place_writes():
 
 class ChangedThroughAView(nn.Module):
     """An expert loop whose tokens change between two experts' reads, through a view the loop never names
-    (``xv += 1``, ``torch.relu_(xv)``, ``xv.mul_(2)``, ``torch.mul(xv, 2, out=xv)``): experts after the first see the
-    changed tokens, so no single experts call reads what the loop read."""
+    (``xv += 1``, ``torch.relu_(xv)``, ``xv.mul_(2)``, ``torch.mul(xv, 2, out=xv)``, and ``x.float().add_(1)`` on
+    float32 tokens, a cast that returns x itself): experts after the first see the changed tokens, so no single
+    experts call reads what the loop read."""
 
     def __init__(self, how):
         super().__init__()
@@ -78,12 +79,14 @@ class ChangedThroughAView(nn.Module):
                     torch.relu_(xv)
                 elif self.how == "out":
                     torch.mul(xv, 2.0, out=xv)
+                elif self.how == "cast":  # float32 already: .float() returns x itself
+                    x.float().add_(1.0)
                 else:
                     xv.mul_(2.0)
         return out
 
 
-@pytest.mark.parametrize("how", ["iadd", "relu_", "out", "mul_"])
+@pytest.mark.parametrize("how", ["iadd", "relu_", "out", "mul_", "cast"])
 def test_tokens_changed_through_a_view_between_experts_are_not_rewritten(how):
     torch.manual_seed(0)
     model = ChangedThroughAView(how)

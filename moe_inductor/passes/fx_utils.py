@@ -103,7 +103,23 @@ _VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "tra
           "unflatten", "narrow", "select", "as_strided", "contiguous", "detach", "split", "chunk", "unbind", "view_as"}
 
 
+#: casts that return their input itself when its dtype and device already are the asked ones
+_CASTS = {"to", "type_as", "type", "float", "double", "half", "bfloat16", "long", "int", "short", "bool", "cpu",
+          "cuda"}
+
+
+def _returns_its_input(node: Node) -> bool:
+    """A cast (``x.float()``, ``x.to(dtype)``) whose traced result has its input's dtype and device: ``x`` itself,
+    so a write through it writes ``x``. Where either value is unknown it counts as ``x`` too."""
+    if not (node.op == "call_method" and node.target in _CASTS and node.args and isinstance(node.args[0], Node)):
+        return False
+    a, b = val(node.args[0]), val(node)
+    return a is None or b is None or (a.dtype == b.dtype and a.device == b.device)
+
+
 def _is_view(node: Node) -> bool:
+    if _returns_its_input(node):
+        return True
     if is_call(node, "call_function", operator.getitem) and _advanced_index(node.args[1]):
         return False  # ``x[idx]`` with a tensor index copies: ``x[idx] += y`` writes that copy, then x by setitem
     if is_call(node, "call_function", operator.getitem) and isinstance(node.args[0], Node) and isinstance(
