@@ -62,6 +62,13 @@ def current() -> _CompileState | None:
     return stack[-1] if stack else None
 
 
+def capturing() -> bool:
+    """True while Dynamo traces a frame of a moe_inductor compile that is not a plain fallback: the scope of the
+    capture settings and of every trace-time hook."""
+    state = current()
+    return bool(state is not None and state.ours and not state.plain)
+
+
 def _names_our_backend(fn: Callable) -> bool:
     """Whether a plain function that wraps a backend refers to ours: by name (``lookup_backend("moe_inductor")``), or
     through a global or closure cell holding our backend."""

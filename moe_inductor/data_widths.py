@@ -42,8 +42,7 @@ _MAXIMUM = (torch.maximum, "maximum", torch.max, "max")
 def _active() -> bool:
     from . import capture
 
-    state = capture.current()
-    return bool(state is not None and state.ours and not state.plain)
+    return capture.capturing()
 
 
 def _raise_value(arg: Any) -> Any:

@@ -39,8 +39,7 @@ NOTE = ("transformers' causal mask is left to SDPA's is_causal where eager leave
 @torch._dynamo.assume_constant_result
 def _decides_as_eager() -> bool:
     """True while Dynamo traces a frame of a moe_inductor compile (not a plain fallback). Read at trace time."""
-    state = capture.current()
-    return bool(state and state.ours and not state.plain)
+    return capture.capturing()
 
 
 @torch._dynamo.assume_constant_result

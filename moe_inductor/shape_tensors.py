@@ -104,8 +104,7 @@ class _Num:
 def _active() -> bool:
     from . import capture
 
-    state = capture.current()
-    return bool(state is not None and state.ours and not state.plain)
+    return capture.capturing()
 
 
 def _raw(x: Any) -> Any:

@@ -113,7 +113,7 @@ def _trace() -> Optional[Trace]:
     from . import capture
 
     state = capture.current()
-    if state is None or not state.ours or state.plain or "unrolled_loop" not in state.forms:
+    if not capture.capturing() or "unrolled_loop" not in state.forms:
         return None
     if state.speculation is None:
         state.speculation = Trace()
