@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import capture, grad_gate, hf, hf_masks, report, speculation
+from . import capture, grad_gate, hf, hf_attention, hf_masks, report, speculation
 from .options import BackendOptions
 from .passes import FX_PASSES
 from .passes.driver import Layer, run_passes
@@ -167,3 +167,4 @@ mark_backend(moe_inductor_backend)
 capture.install()
 hf.install()
 hf_masks.install()
+hf_attention.install()
