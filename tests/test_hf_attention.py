@@ -219,22 +219,35 @@ def test_explain_states_the_attention_rewrite():
     assert hf_attention.NOTE in report.notes
 
 
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / (b.float().norm() + 1e-12)).item()
+
+
 @pytest.mark.gpu
-def test_gpu_bf16_prefill_and_training_step_under_inductor():
+def test_gpu_bf16_prefill_and_training_step_no_further_from_eager_than_inductor():
+    """In bf16 the fused attention rounds differently from eager's materialised softmax, as Inductor's fusion of
+    it does: the logits and every gradient must be no further from eager's than Inductor's are (twice its error,
+    or 2% of the norm where Inductor's is smaller). Gradients that nearly cancel (the key biases') are where the
+    rounding shows most."""
     model = _model(torch.bfloat16).cuda()
     ids = torch.randint(0, 64, (2, 48), device="cuda", generator=torch.Generator("cuda").manual_seed(8))
     with torch.no_grad():
-        ref = model.eval()(input_ids=ids).logits.float()
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="moe_inductor")
-    with torch.no_grad():
-        got = compiled(input_ids=ids).logits.float()
-    assert (got - ref).norm() / ref.norm() < 2e-2
+        ref = model.eval()(input_ids=ids).logits
     model.train()
     model(input_ids=ids, labels=ids).loss.backward()
     expected = _grads(model)
-    model.zero_grad(set_to_none=True)
-    compiled(input_ids=ids, labels=ids).loss.backward()
-    for name, e in expected.items():
-        g = model.get_parameter(name).grad
-        assert (g.float() - e.float()).norm() <= 5e-2 * e.float().norm() + 1e-6, name
+    errors = {}
+    for backend in ("inductor", "moe_inductor"):
+        torch._dynamo.reset()
+        model.zero_grad(set_to_none=True)
+        compiled = torch.compile(model, backend=backend)
+        with torch.no_grad():
+            model.eval()
+            errors[backend, "logits"] = _rel(compiled(input_ids=ids).logits, ref)
+        model.train()
+        compiled(input_ids=ids, labels=ids).loss.backward()
+        for name, e in expected.items():
+            errors[backend, name] = _rel(model.get_parameter(name).grad, e)
+    worse = {name: (errors["moe_inductor", name], errors["inductor", name]) for (b, name) in errors
+             if b == "inductor" and errors["moe_inductor", name] > max(2 * errors["inductor", name], 2e-2)}
+    assert not worse, worse
