@@ -17,10 +17,12 @@ gradient through q' (the hi/lo split passes it once). The head dimension is padd
 fused kernels (64 -> 72 for GPT-OSS).
 
 While moe_inductor traces (not in plain fallbacks, not for other backends), the function is answered so only where
-that identity holds as written: no dropout in effect, an additive floating mask of the query's dtype (or none) over
-the S keys, queries, keys and values of one head dimension, and ``module.sinks`` of one logit per query head. Any
-other call runs the original. The attention weights it returns are eager's formula, which Dynamo drops when
-nothing reads them (the decoder layers discard them unless attentions are recorded).
+that identity holds as written and where it was measured (RESULTS.md): more than one query (prefill, training;
+decode steps keep the eager function), no dropout in effect, an additive floating mask of the query's dtype (or
+none) over the S keys, queries, keys and values of one head dimension, and ``module.sinks`` of one logit per query
+head. Any other call runs the original. The attention weights it returns are eager's formula: the compiled graph
+drops them as dead code when nothing reads them (the decoder layers discard them unless attentions are recorded;
+when they are, both forms run).
 """
 from __future__ import annotations
 
@@ -69,6 +71,8 @@ def applies(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, 
     if dropout != 0 and module.training:
         return False
     B, H, T, D = query.shape
+    if T < 2:  # a decode step: not measured against Inductor's fusion of the eager function, which is kept there
+        return False
     groups = getattr(module, "num_key_value_groups", None)
     if not isinstance(groups, int) or groups < 1 or key.shape[1] * groups != H:
         return False
