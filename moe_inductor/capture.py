@@ -69,6 +69,13 @@ def capturing() -> bool:
     return bool(state is not None and state.ours and not state.plain)
 
 
+@torch._dynamo.assume_constant_result
+def capturing_at_trace_time() -> bool:
+    """``capturing()``, read while Dynamo traces, as a constant of the graph: the guard of the trace-time
+    substitutions (hf_masks, hf_attention), which run the original function outside our compiles."""
+    return capturing()
+
+
 def _names_our_backend(fn: Callable) -> bool:
     """Whether a plain function that wraps a backend refers to ours: by name (``lookup_backend("moe_inductor")``), or
     through a global or closure cell holding our backend."""

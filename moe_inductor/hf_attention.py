@@ -45,20 +45,6 @@ NOTE = ("GPT-OSS's attention with sinks runs as one fused SDPA call (the sink as
         "not as its eager softmax over materialised scores")
 
 
-@torch._dynamo.assume_constant_result
-def _ours() -> bool:
-    """True while Dynamo traces a frame of a moe_inductor compile (not a plain fallback). Read at trace time."""
-    return capture.capturing()
-
-
-@torch._dynamo.assume_constant_result
-def _note() -> bool:
-    current = report.current_report()
-    if current is not None and NOTE not in current.notes:
-        report.record_note(NOTE)
-    return True
-
-
 def applies(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: Any) -> bool:
     """Whether the SDPA form computes what the eager function computes for these arguments (facts a compiled
     graph is specialised on: dtypes, ranks, sizes, Python values)."""
@@ -134,9 +120,9 @@ def _eager_weights(module: Any, query: torch.Tensor, key: torch.Tensor, attentio
 
 def _make_polyfill(original_clone: Callable) -> Callable:
     def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        if not _ours() or not applies(module, query, key, value, attention_mask, dropout):
+        if not capture.capturing_at_trace_time() or not applies(module, query, key, value, attention_mask, dropout):
             return original_clone(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-        _note()
+        report.record_note_once(NOTE)
         out = sinks_sdpa(module, query, key, value, attention_mask, scaling)
         return out, _eager_weights(module, query, key, attention_mask, scaling, value.dtype)
 

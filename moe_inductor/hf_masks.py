@@ -36,20 +36,6 @@ NOTE = ("transformers' causal mask is left to SDPA's is_causal where eager leave
         "queries and keys of one length): the compiled attention takes the kernel eager takes")
 
 
-@torch._dynamo.assume_constant_result
-def _decides_as_eager() -> bool:
-    """True while Dynamo traces a frame of a moe_inductor compile (not a plain fallback). Read at trace time."""
-    return capture.capturing()
-
-
-@torch._dynamo.assume_constant_result
-def _note() -> bool:
-    current = report.current_report()
-    if current is not None and NOTE not in current.notes:
-        report.record_note(NOTE)
-    return True
-
-
 def eager_skip(args: dict) -> bool:
     """Whether eager transformers skips the mask for these arguments, when that follows from facts a compiled graph
     is specialised on; False where it does not (the caller then asks the original)."""
@@ -66,13 +52,13 @@ def eager_skip(args: dict) -> bool:
 def _make_polyfill(names: list[str], defaults: dict) -> Callable[[Callable], Callable]:
     def make(original_clone: Callable) -> Callable:
         def polyfill(*args: Any, **kwargs: Any) -> bool:
-            if not _decides_as_eager():
+            if not capture.capturing_at_trace_time():
                 return original_clone(*args, **kwargs)
             bound = dict(defaults)
             bound.update(zip(names, args))
             bound.update(kwargs)
             if eager_skip(bound):
-                _note()
+                report.record_note_once(NOTE)
                 return True
             return original_clone(*args, **kwargs)
 

@@ -288,6 +288,16 @@ def record_note(text: str) -> None:
         report.notes.append(text)
 
 
+@torch._dynamo.assume_constant_result
+def record_note_once(text: str) -> bool:
+    """``record_note`` unless the report has the note already; callable at trace time (a constant argument, run once
+    while Dynamo traces), as the trace-time substitutions do."""
+    report = current_report()
+    if report is not None and text not in report.notes:
+        report.notes.append(text)
+    return True
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """The filed records at one moment, for ``roll_back``."""
