@@ -134,6 +134,23 @@ def test_recorded_attentions_are_eagers():
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-5)
 
 
+def test_token_counts_share_one_dynamic_graph():
+    """The SDPA form adds no guard beyond T >= 2: prefills of 5, 9 and 17 tokens after the first compile reuse one
+    dynamic graph, and each equals eager."""
+    from torch._dynamo.utils import counters
+
+    model = _model().eval()
+    compiled, targets = _compiled(model)
+    counters.clear()
+    with torch.no_grad():
+        for T in (4, 5, 9, 17):
+            ids = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(T))
+            torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4,
+                                       atol=1e-5)
+    assert counters["stats"]["unique_graphs"] <= 2
+    assert _sdpa_calls(targets) == len(model.model.layers) * counters["stats"]["unique_graphs"]
+
+
 def test_bf16_logits_agree_with_eager():
     model = _model(torch.bfloat16).eval()
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(4))
