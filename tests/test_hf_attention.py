@@ -6,6 +6,8 @@ identity does not cover (dropout in effect, a boolean mask, other backends) must
 """
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import moe_inductor
 from moe_inductor import hf_attention
@@ -246,6 +248,39 @@ def test_sinks_sdpa_equals_the_eager_formula(T, S, masked):
     actual = torch.autograd.grad(got, (q, k, v, module.sinks), g)
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-10)
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 3), kv_heads=st.integers(1, 3), groups=st.integers(1, 3), T=st.integers(1, 9),
+       extra_keys=st.integers(0, 6), D=st.integers(1, 20), mask=st.sampled_from(["none", "full", "broadcast_T"]),
+       masked_frac=st.floats(0, 1), seed=st.integers(0, 2**16))
+def test_sinks_sdpa_equals_the_eager_formula_at_random(B, kv_heads, groups, T, extra_keys, D, mask, masked_frac,
+                                                       seed):
+    """The identity at random shapes (head dims that are not multiples of 8, grouped heads, more keys than queries)
+    and random masks, rows with every key masked included; float64, forward and backward."""
+    gen = torch.Generator().manual_seed(seed)
+    H, S = kv_heads * groups, T + extra_keys
+    module = _Attn(H, kv_heads).double()
+    with torch.no_grad():
+        module.sinks.copy_(torch.randn(H, generator=gen, dtype=torch.float64) * 3)
+    q, k, v = (torch.randn(B, h, n, D, generator=gen, dtype=torch.float64, requires_grad=True)
+               for h, n in ((H, T), (kv_heads, S), (kv_heads, S)))
+    attention_mask = None
+    if mask != "none":
+        rows = T if mask == "full" else 1
+        hidden = torch.rand(B, 1, rows, S, generator=gen) < masked_frac
+        attention_mask = torch.zeros(B, 1, rows, S, dtype=torch.float64).masked_fill(
+            hidden, torch.finfo(torch.float64).min)
+    scaling = D ** -0.5
+    probs = hf_attention._eager_weights(module, q, k, attention_mask, scaling, torch.float64)
+    ref = torch.matmul(probs, hf_attention._repeat_heads(v, groups)).transpose(1, 2)
+    got = hf_attention.sinks_sdpa(module, q, k, v, attention_mask, scaling)
+    torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-10)
+    g = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    expected = torch.autograd.grad(ref, (q, k, v, module.sinks), g)
+    actual = torch.autograd.grad(got, (q, k, v, module.sinks), g)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-8, atol=1e-10)
 
 
 def test_explain_states_the_attention_rewrite():
