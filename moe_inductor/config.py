@@ -43,3 +43,8 @@ grouped_mm_min_rows_per_expert: int = 1024
 #: ... and experts of at least this many weights per projection (H * I). Measured on the H200: Mixtral's 4096 x 14336
 #: experts go faster through CUTLASS at 1024 rows each, while Qwen3's and OLMoE's small ones stay faster fused.
 grouped_mm_min_expert_weights: int = 32 * 1024 * 1024
+
+#: Devices on which GPT-OSS's attention with sinks runs as one SDPA call (``hf_attention.py``): where it was measured
+#: faster than Inductor's fusion of the eager function (the H200: 2.51x prefill, 1.65x training step at T = 4096,
+#: RESULTS.md). The CPU has no such measurement, so it keeps the eager function unless "cpu" is added here.
+sink_attention_devices: tuple = ("cuda",)

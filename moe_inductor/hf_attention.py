@@ -17,12 +17,13 @@ gradient through q' (the hi/lo split passes it once). The head dimension is padd
 fused kernels (64 -> 72 for GPT-OSS).
 
 While moe_inductor traces (not in plain fallbacks, not for other backends), the function is answered so only where
-that identity holds as written and where it was measured (RESULTS.md): more than one query (prefill, training;
-decode steps keep the eager function), no dropout in effect, an additive floating mask of the query's dtype (or
-none) over the S keys, queries, keys and values of one head dimension, and ``module.sinks`` of one logit per query
-head. Any other call runs the original. The attention weights it returns are eager's formula: the compiled graph
-drops them as dead code when nothing reads them (the decoder layers discard them unless attentions are recorded;
-when they are, both forms run).
+that identity holds as written and where it was measured (RESULTS.md): on a device of
+``config.sink_attention_devices`` (the GPU), with more than one query (prefill, training; decode steps keep the
+eager function), no dropout in effect, an additive floating mask of the query's dtype (or none) over the S keys,
+queries, keys and values of one head dimension, and ``module.sinks`` of one logit per query head. Any other call
+runs the original. The attention weights it returns are eager's formula: the compiled graph drops them as dead
+code when nothing reads them (the decoder layers discard them unless attentions are recorded; when they are, both
+forms run).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from . import capture, report
+from . import capture, config, report
 
 _MODULES = ("transformers.models.gpt_oss.modeling_gpt_oss",)
 _KNOWN_PARAMS = ({"module", "query", "key", "value", "attention_mask", "scaling", "dropout", "kwargs"},)
@@ -53,6 +54,8 @@ def applies(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, 
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors) or not isinstance(sinks, torch.Tensor):
         return False
     if not query.dtype.is_floating_point or any(t.dtype != query.dtype or t.device != query.device for t in tensors):
+        return False
+    if query.device.type not in config.sink_attention_devices:  # measured faster on the GPU only
         return False
     if dropout != 0 and module.training:
         return False

@@ -17,6 +17,23 @@ from tests.hf_models import tiny
 pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
 
 
+@pytest.fixture(autouse=True)
+def on_the_cpu_too(monkeypatch):
+    """The SDPA form is on by default on the GPU only (where it was measured); these tests check it on the CPU."""
+    monkeypatch.setattr(moe_inductor.config, "sink_attention_devices", ("cuda", "cpu"))
+
+
+def test_the_cpu_keeps_the_eager_function_by_default(monkeypatch):
+    monkeypatch.setattr(moe_inductor.config, "sink_attention_devices", ("cuda",))
+    model = _model().eval()
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(10))
+    compiled, targets = _compiled(model)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4,
+                                   atol=1e-5)
+    assert targets and _sdpa_calls(targets) == 0
+
+
 def _model(dtype=torch.float32, window=None, dropout=0.0):
     model = tiny("gpt_oss").to(dtype)
     with torch.no_grad():  # HF starts the sinks at zeros, where a sink that is ignored would not show
