@@ -94,19 +94,29 @@ def _one_hot_counted(node: Node) -> Optional[tuple[Node, int, Node, int, int]]:
     return node.args[0], E, node, rank, [d % rank for d in order].index(rank - 1)
 
 
+def _reduced_one_hot(node: Node) -> Union[tuple[Node, int, tuple], str]:
+    """(ids, E, the nodes it is made of) when ``node`` (a sum or an any) reduces ``one_hot(ids, E)`` over every dim
+    but the experts', else how it does not (the end of a sentence the caller begins)."""
+    hot = _one_hot_counted(node.args[0]) if node.args else None
+    if hot is None:
+        return "that is not of one_hot(ids, E)"
+    ids, E, one_hot, rank, expert_dim = hot
+    if _dims(node, rank) != set(range(rank)) - {expert_dim}:
+        return "of one_hot(ids, E) that keeps more than the experts' dim"
+    return ids, E, (node.args[0], one_hot)
+
+
 def _counts(node: Node) -> Union[tuple[Node, int, tuple], str]:
     """(ids, E, the nodes the counts are made of) for a (E,) vector of how many ids equal each e: ``one_hot(ids,
     E)[.permute(...)].sum(dims)`` over every dim but the experts', or ``bincount(topk_ids.flatten(), minlength=E)``."""
     from .passes.fx_utils import is_call
 
     if is_call(node, "call_method", "sum") or is_call(node, "call_function", torch.sum):
-        hot = _one_hot_counted(node.args[0]) if node.args else None
-        if hot is None:
-            return "the counts are not a sum of one_hot(ids, E)"
-        ids, E, one_hot, rank, expert_dim = hot
-        if _dims(node, rank) != set(range(rank)) - {expert_dim}:
-            return "the sum of one_hot(ids, E) keeps more than the experts' dim"
-        return ids, E, (node, node.args[0], one_hot)
+        reduced = _reduced_one_hot(node)
+        if isinstance(reduced, str):
+            return f"the counts are a sum {reduced}"
+        ids, E, made_of = reduced
+        return ids, E, (node, *made_of)
     if is_call(node, "call_function", torch.bincount) and len(node.args) == 1 and set(node.kwargs) == {"minlength"}:
         E, flat = node.kwargs["minlength"], node.args[0]
         if isinstance(E, int) and E > 0 and isinstance(flat, Node) and speculation._topk_ids_below(flat, E):
@@ -126,13 +136,10 @@ def hit_vector(nonzero: Node) -> Union[tuple[Node, int], str]:
         return "the loop runs over nonzero() of no tensor"
     made_of: tuple = ()
     if _op_in(hit, ("any",)) or is_call(hit, "call_function", torch.any):
-        hot = _one_hot_counted(hit.args[0]) if hit.args else None
-        if hot is None:
-            return "the loop runs over nonzero() of an any() that is not of one_hot(ids, E)"
-        ids, E, one_hot, rank, expert_dim = hot
-        if _dims(hit, rank) != set(range(rank)) - {expert_dim}:
-            return "the loop runs over nonzero() of an any() of one_hot(ids, E) that keeps more than the experts' dim"
-        made_of = (hit.args[0], one_hot)
+        reduced = _reduced_one_hot(hit)
+        if isinstance(reduced, str):
+            return f"the loop runs over nonzero() of an any() {reduced}"
+        ids, E, made_of = reduced
     else:
         compared = next(((hit.args[0], c) for names, c in _HAS_ROWS if _op_in(hit, names) and len(hit.args) == 2
                          and not hit.kwargs and hit.args[1] == c and isinstance(hit.args[0], Node)), None)
