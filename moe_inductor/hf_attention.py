@@ -18,12 +18,12 @@ fused kernels (64 -> 72 for GPT-OSS).
 
 While moe_inductor traces (not in plain fallbacks, not for other backends), the function is answered so only where
 that identity holds as written and where it was measured (RESULTS.md): on a device of
-``config.sink_attention_devices`` (the GPU), with more than one query (prefill, training; decode steps keep the
-eager function), no dropout in effect, an additive floating mask of the query's dtype (or none) over the S keys,
-queries, keys and values of one head dimension, and ``module.sinks`` of one logit per query head. Any other call
-runs the original. The attention weights it returns are eager's formula: the compiled graph drops them as dead
-code when nothing reads them (the decoder layers discard them unless attentions are recorded; when they are, both
-forms run).
+``config.sink_attention_devices`` (the GPU, in bf16 or fp16), with more than one query (prefill, training; decode
+steps keep the eager function), no dropout in effect, an additive floating mask of the query's dtype (or none)
+over the S keys, queries, keys and values of one head dimension, and ``module.sinks`` of one logit per query head.
+Any other call runs the original. The attention weights it returns are eager's formula: the compiled graph drops
+them as dead code when nothing reads them (the decoder layers discard them unless attentions are recorded; when
+they are, both forms run).
 """
 from __future__ import annotations
 
@@ -57,6 +57,8 @@ def applies(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, 
         return False
     if query.device.type not in config.sink_attention_devices:  # measured faster on the GPU only
         return False
+    if query.is_cuda and query.dtype not in (torch.bfloat16, torch.float16):
+        return False  # measured in bf16; float32 takes other SDPA kernels, not measured
     if dropout != 0 and module.training:
         return False
     B, H, T, D = query.shape
