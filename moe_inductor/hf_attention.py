@@ -125,7 +125,8 @@ def _eager_weights(module: Any, query: torch.Tensor, key: torch.Tensor, attentio
 
 def _make_polyfill(original_clone: Callable) -> Callable:
     def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        if not capture.capturing_at_trace_time() or not applies(module, query, key, value, attention_mask, dropout):
+        if (not capture.capturing_at_trace_time() or not isinstance(scaling, (int, float))
+                or not applies(module, query, key, value, attention_mask, dropout)):
             return original_clone(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
         report.record_note_once(NOTE)
         out = sinks_sdpa(module, query, key, value, attention_mask, scaling)

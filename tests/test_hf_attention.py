@@ -50,14 +50,20 @@ def _model(dtype=torch.float32, window=None, dropout=0.0):
 
 
 def _compiled(model, ours=True):
-    """The model compiled under moe_inductor (light inner compiler), or under a plain backend; and the set of
-    call targets of every graph it was handed, after dead-code removal."""
+    """The model compiled under moe_inductor (light inner compiler), or under a plain backend; and the call
+    targets of every graph it was handed that an output depends on (the graph itself is left as it is: dead-code
+    removal would drop in-place writes, such as a cache's, that no output reads)."""
     targets = []
 
     def record(gm):
-        g = gm.graph
-        g.eliminate_dead_code()
-        targets.extend(str(n.target) for n in g.nodes if n.op == "call_function")
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        live, stack = set(), list(output.all_input_nodes)
+        while stack:
+            node = stack.pop()
+            if node not in live:
+                live.add(node)
+                stack.extend(node.all_input_nodes)
+        targets.extend(str(n.target) for n in live if n.op == "call_function")
 
     def wrapped(gm, example_inputs):
         record(gm)
@@ -195,6 +201,23 @@ def test_dropout_in_effect_keeps_the_eager_function():
         torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4,
                                    atol=1e-5)
     assert _sdpa_calls(targets) == len(model.model.layers)
+
+
+def test_a_tensor_scaling_keeps_the_eager_function(monkeypatch):
+    """SDPA takes its scale as a Python number: a module whose ``scaling`` is a tensor keeps its own code."""
+    model = _model().eval()
+    for layer in model.model.layers:
+        layer.self_attn.scaling = torch.tensor(layer.self_attn.scaling)
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(11))
+    from torch._dynamo.utils import counters
+
+    compiled, targets = _compiled(model)
+    counters.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4,
+                                   atol=1e-5)
+    assert targets and _sdpa_calls(targets) == 0
+    assert not counters["moe_inductor_fallback"], "the SDPA form was tried and failed, rather than refused"
 
 
 def test_other_backends_keep_the_eager_function():
