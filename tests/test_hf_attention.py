@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import moe_inductor
 from moe_inductor import hf_attention
 from moe_inductor.backend import moe_inductor_backend
+from moe_inductor.passes.fx_utils import reach
 from tests.hf_models import tiny
 
 pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
@@ -57,12 +58,7 @@ def _compiled(model, ours=True):
 
     def record(gm):
         output = next(n for n in gm.graph.nodes if n.op == "output")
-        live, stack = set(), list(output.all_input_nodes)
-        while stack:
-            node = stack.pop()
-            if node not in live:
-                live.add(node)
-                stack.extend(node.all_input_nodes)
+        live = reach(output.all_input_nodes, lambda n: n.all_input_nodes)
         targets.extend(str(n.target) for n in live if n.op == "call_function")
 
     def wrapped(gm, example_inputs):

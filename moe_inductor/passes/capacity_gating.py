@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from ..shape_tensors import shape_value
-from .fx_utils import einsum_parts, val
+from .fx_utils import einsum_parts, reach, val
 
 _ONE_HOT = (F.one_hot, torch._C._nn.one_hot)
 _MUL = (operator.mul, torch.mul, operator.imul, "mul_")
@@ -427,16 +427,6 @@ def _writes(aliases: set[Node]) -> list[Node]:
         or (u.op == "call_function" and (u.target in _INPLACE_OPERATORS or u.target is operator.setitem)))]
 
 
-def _ancestors(roots: Iterable[Node]) -> set[Node]:
-    seen, stack = set(), list(roots)
-    while stack:
-        n = stack.pop()
-        if isinstance(n, Node) and n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
-
-
 def versions_sound(end: Node, op_inputs: Iterable[Node], fills: Iterable[Node]) -> bool:
     """Every read in the region sees the value the proof reads (its node's functional value): no tensor the region
     depends on is written in place between its definition and its last read; ``op_inputs`` are read once more, by
@@ -444,7 +434,7 @@ def versions_sound(end: Node, op_inputs: Iterable[Node], fills: Iterable[Node]) 
     read of it."""
     position = {n: i for i, n in enumerate(end.graph.nodes)}
     inputs, fills = set(op_inputs), set(fills)
-    for n in _ancestors([end, *inputs]):
+    for n in reach([end, *inputs], lambda n: n.all_input_nodes):
         if n.op in ("output",):
             continue
         writes = [m for m in _writes(_aliases(n)) if position[m] > position[n]]

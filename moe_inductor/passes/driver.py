@@ -33,8 +33,8 @@ from .. import report
 from ..report import LeftAlone, Rewrite
 from ..spec import MoESpec
 from .emit import emit_experts
-from .fx_utils import (canonicalize_operators, eliminate_dead_code, mutated_alias, read_receivers_of_inplace_results,
-                       source_function, source_line, val)
+from .fx_utils import (canonicalize_operators, eliminate_dead_code, mutated_alias, reach,
+                       read_receivers_of_inplace_results, source_function, source_line, val)
 from .kept_errors import index_bounds, keep_removed_checks
 from .stale_reads import stale_read
 
@@ -261,12 +261,7 @@ def _replace(graph: Graph, form: str, m: Match) -> Rewrite:
             cur = cur.next
         for reader in [u for u in m.acc.users if u in later]:
             reader.replace_input_with(m.acc, y)
-    doomed, stack = set(), list(m.transient)
-    while stack:
-        node = stack.pop()
-        if node not in doomed:
-            doomed.add(node)
-            stack.extend(node.users)
+    doomed = reach(m.transient, lambda n: n.users)
     for write in m.writes:
         graph.erase_node(write)
     eliminate_dead_code(graph)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,18 @@ _DUNDER_OPERATORS = {
     "__neg__": operator.neg, "__invert__": operator.invert,
 }
 _OPERATOR_ARITY = {operator.neg: 1, operator.invert: 1, operator.setitem: 3}  # 2 for every other one
+
+
+def reach(roots: Iterable[Any], step: Callable[[Node], Iterable[Node]]) -> set[Node]:
+    """The nodes among ``roots`` and every node reached from them by ``step`` (``lambda n: n.all_input_nodes``:
+    ancestors; ``lambda n: n.users``: descendants). Roots that are not nodes (constants) are skipped."""
+    seen, stack = set(), [r for r in roots if isinstance(r, Node)]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(step(n))
+    return seen
 
 
 def canonicalize_operators(graph: torch.fx.Graph) -> int:

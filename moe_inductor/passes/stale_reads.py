@@ -15,24 +15,13 @@ that later reads use) is not read stale, and does not count.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 from torch.fx import Node
 
-from .fx_utils import alias_mutations, view_family
+from .fx_utils import alias_mutations, reach, view_family
 
 STALE = "a tensor the region computes from its inputs is changed in place between its reads"
-
-
-def _reach(roots: Iterable[Node], step: Callable[[Node], Iterable[Node]]) -> set[Node]:
-    """``roots`` and every node reached from them by ``step`` (inputs: ancestors; users: descendants)."""
-    seen, stack = set(), [r for r in roots if isinstance(r, Node)]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(step(n))
-    return seen
 
 
 def stale_read(inputs: Iterable[Node], ends: Iterable[Node], own_writes: Iterable[Node]) -> Optional[str]:
@@ -46,7 +35,7 @@ def stale_read(inputs: Iterable[Node], ends: Iterable[Node], own_writes: Iterabl
     graph = ends[0].graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     own = set(own_writes)
-    derived = _reach(ends, lambda n: n.all_input_nodes) & _reach(inputs, lambda n: n.users)
+    derived = reach(ends, lambda n: n.all_input_nodes) & reach(inputs, lambda n: n.users)
     for node in sorted(derived, key=position.__getitem__):
         writes = [w for w in alias_mutations(node) if w not in own]
         if not writes:
