@@ -27,6 +27,7 @@ they are, both forms run).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from typing import Any, Callable
@@ -46,9 +47,11 @@ NOTE = ("GPT-OSS's attention with sinks runs as one fused SDPA call (the sink as
         "not as its eager softmax over materialised scores")
 
 
-def applies(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, dropout: Any) -> bool:
+def applies(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: Any, dropout: Any) -> bool:
     """Whether the SDPA form computes what the eager function computes for these arguments (facts a compiled
     graph is specialised on: dtypes, ranks, sizes, Python values)."""
+    if not isinstance(scaling, (int, float)):  # SDPA takes its scale as a number
+        return False
     sinks = getattr(module, "sinks", None)
     tensors = (query, key, value)
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors) or not isinstance(sinks, torch.Tensor):
@@ -125,8 +128,8 @@ def _eager_weights(module: Any, query: torch.Tensor, key: torch.Tensor, attentio
 
 def _make_polyfill(original_clone: Callable) -> Callable:
     def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        if (not capture.capturing_at_trace_time() or not isinstance(scaling, (int, float))
-                or not applies(module, query, key, value, attention_mask, dropout)):
+        if not capture.capturing_at_trace_time() or not applies(module, query, key, value, attention_mask, scaling,
+                                                                 dropout):
             return original_clone(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
         report.record_note_once(NOTE)
         out = sinks_sdpa(module, query, key, value, attention_mask, scaling)
@@ -135,6 +138,7 @@ def _make_polyfill(original_clone: Callable) -> Callable:
     return eager_attention_forward
 
 
+@functools.lru_cache(maxsize=None)  # asked at the start of every compile; the source does not change
 def _is_sink_softmax(fn: Callable) -> bool:
     """The function's body is the one the module docstring describes: the sinks appended to the scores, the
     softmax, the sink's column dropped. A release that computes something else there keeps its own code."""

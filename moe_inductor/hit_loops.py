@@ -182,13 +182,6 @@ class _Loop:
     finished: bool = False  # the loop's FOR_ITER ran out of experts in this trace
 
 
-def _note(text: str) -> None:
-    """Say why a loop was not unrolled, once (Dynamo may trace a frame twice after a graph break)."""
-    got = report.current_report()
-    if got is not None and text not in got.notes:
-        report.record_note(text)
-
-
 def _unroll(tx, inst) -> bool:
     """At GET_ITER of a hit vector's nonzero: replace it on the stack with an iterator over E index tensors (and
     return True); else leave it (False)."""
@@ -219,7 +212,7 @@ def _unroll(tx, inst) -> bool:
     if reason is not None:
         text = f"{where}: the loop over a nonzero() was not unrolled over the experts: {reason}"
         trace.refusals.append(text)
-        _note(text)
+        report.record_note_once(text)  # once: Dynamo may trace a frame twice after a graph break
         return False
     ids, E = found
     node.meta[speculation.LENGTH] = E  # its size checks (0 <= n_hit <= E) are facts: they go if its loop does

@@ -239,7 +239,7 @@ def test_calls_the_identity_does_not_cover_are_refused(case):
     module = _Attn()
     q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
     mask = torch.zeros(2, 1, 6, 6)
-    assert hf_attention.applies(module, q, k, v, mask, 0.0)
+    assert hf_attention.applies(module, q, k, v, mask, 8 ** -0.5, 0.0)
     if case == "bool_mask":
         mask = torch.ones(2, 1, 6, 6, dtype=torch.bool)
     elif case == "mask_narrower_than_keys":
@@ -256,7 +256,7 @@ def test_calls_the_identity_does_not_cover_are_refused(case):
         mask = mask.double()
     elif case == "one_query":
         q, mask = q[:, :, :1], mask[:, :, :1]
-    assert not hf_attention.applies(module, q, k, v, mask, 0.0)
+    assert not hf_attention.applies(module, q, k, v, mask, 8 ** -0.5, 0.0)
 
 
 @pytest.mark.parametrize("T,S", [(1, 1), (1, 7), (5, 5), (3, 9)])
