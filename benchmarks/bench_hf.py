@@ -30,6 +30,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -155,10 +156,56 @@ class Profiler:
     """torch.profiler over a few steps of a compiled column: its top kernels by device time, and the step's wall time
     outside them (launch gaps, host work the GPU waits on)."""
 
-    def __init__(self, path, rows: int = 12):
-        self.path, self.rows = path, rows
+    def __init__(self, path, rows: int = 12, host: bool = False):
+        self.path, self.rows, self.host = path, rows, host
 
     def __call__(self, title: str, step, steps: int, device: str, per: str = "step") -> None:
+        self._kernels(title, step, steps, device, per)
+        if self.host:
+            self._host(title, step, steps, device, per)
+
+    def _emit(self, lines) -> None:
+        text = "\n".join(lines)
+        print(text, flush=True)
+        if self.path:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(text + "\n")
+
+    def _host(self, title: str, step, steps: int, device: str, per: str) -> None:
+        """cProfile over the same steps: the host's own time by where it is spent (self time per package, then the
+        top functions), which says whether a host-bound cell waits on the model's code, generate's loop, Dynamo's
+        guards or the CUDA-graph replay."""
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        _sync(device)
+        t0 = time.perf_counter()
+        prof.enable()
+        for _ in range(steps):
+            step()
+        _sync(device)
+        prof.disable()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+        stats = pstats.Stats(prof).stats
+        buckets: dict = {}
+        funcs = []
+        for (filename, line, name), (_, calls, self_s, cum_s, _) in stats.items():
+            where = host_bucket(filename, name)
+            buckets[where] = buckets.get(where, 0.0) + self_s
+            funcs.append((self_s, cum_s, calls, f"{where}: {Path(filename).name}:{line}({name})"))
+        total = sum(buckets.values())
+        lines = [f"== host {title}: per {per}: wall {wall_ms:.3f} ms under cProfile, self time {total * 1e3 / steps:.3f}"
+                 f" ms"]
+        lines += [f"  {s * 1e3 / steps:9.3f} ms  {where}"
+                  for where, s in sorted(buckets.items(), key=lambda kv: -kv[1])[:self.rows]]
+        lines.append("  top functions by self time (ms per step, cumulative ms, calls per step):")
+        lines += [f"  {s * 1e3 / steps:9.3f} {c * 1e3 / steps:9.3f} x{n // steps:<6} {name[:110]}"
+                  for s, c, n, name in sorted(funcs, reverse=True)[:self.rows]]
+        self._emit(lines)
+
+    def _kernels(self, title: str, step, steps: int, device: str, per: str) -> None:
         acts = [torch.profiler.ProfilerActivity.CUDA if device == "cuda" else torch.profiler.ProfilerActivity.CPU]
         step()
         _sync(device)
@@ -180,12 +227,23 @@ class Profiler:
         lines = [f"== {title}: per {per}: wall {wall_ms:.3f} ms, kernels {busy:.3f} ms, outside kernels "
                  f"{wall_ms - busy:.3f} ms, {sum(n for _, n, _ in events)} launches"]
         lines += [f"  {ms:9.3f} ms  x{n:<5} {name[:110]}" for ms, n, name in events[:self.rows]]
-        text = "\n".join(lines)
-        print(text, flush=True)
-        if self.path:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(text + "\n")
+        self._emit(lines)
+
+
+_HOST_BUCKETS = (("torchinductor_", "compiled graphs (Inductor's generated code)"),
+                 ("/transformers/generation/", "transformers generate"), ("/transformers/", "transformers model code"),
+                 ("/torch/_dynamo/", "torch._dynamo (frame entry, guards' Python)"),
+                 ("/torch/_inductor/cudagraph", "cudagraph trees"), ("/torch/_inductor/", "torch._inductor (other)"),
+                 ("/torch/_functorch/", "aot_autograd runtime"), ("/moe_inductor/", "moe_inductor"),
+                 ("/torch/", "torch (other Python)"))
+
+
+def host_bucket(filename: str, name: str) -> str:
+    """The package a profiled function belongs to, for ``Profiler``'s host split: C functions by their name."""
+    if filename == "~":
+        return "C: " + re.sub(r"^<(built-in method|method) (\S+).*", r"\2", name).strip("'>")
+    path = filename.replace("\\", "/")
+    return next((label for part, label in _HOST_BUCKETS if part in path), "other Python")
 
 
 def tokens(cfg, shape: tuple, device: str) -> torch.Tensor:
@@ -356,7 +414,7 @@ def run_family(cells, args) -> list:
             setattr(torch._dynamo.config, name, 64)
     start = time.perf_counter()
     model, cfg = build(family, layers, args.tiny, args.device, dtype)
-    profile = Profiler(args.profile_path) if args.profile else None
+    profile = Profiler(args.profile_path, host=args.host_profile) if args.profile else None
     reference, rows = {}, []
     for _, mode, size, cols in cells:
         for column in cols:
@@ -471,6 +529,7 @@ def passthrough(args) -> list:
     out += ["--tiny"] if args.tiny else []
     out += ["--strict"] if args.strict else []
     out += ["--profile"] if args.profile else []
+    out += ["--host-profile"] if args.host_profile else []
     out += ["--profile-path", args.profile_path] if args.profile_path else []
     out += ["--layers", *(f"{k}={v}" for k, v in args.layers.items())] if args.layers else []
     return out
@@ -503,6 +562,8 @@ def main(argv=None) -> None:
     ap.add_argument("--budget", nargs="*", default=None, help="FAMILY=SECONDS, overriding --budget-s")
     ap.add_argument("--deadline-s", type=float, default=570, help="seconds the whole driver run may take")
     ap.add_argument("--profile", action="store_true", help="a torch.profiler trace of every timed compiled cell")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="with --profile: also a cProfile of the same steps, the host's time by package")
     ap.add_argument("--profile-path", default=None, help="where the traces go (default: beside --json)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)

@@ -12,13 +12,15 @@ def test_bench_hf_runs_on_a_tiny_model(capsys, tmp_path):
 
     out = tmp_path / "hf.json"
     bench_hf.main(["--tiny", "--device", "cpu", "--cells", "qwen3_moe:prefill:8:eager+moe_inductor", "--json", str(out),
-                   "--profile"])
+                   "--profile", "--host-profile"])
     printed = capsys.readouterr().out
     assert "| Qwen3-30B-A3B (4) | prefill T=8 | ms |" in printed and "== prefill T=8 moe_inductor" in printed
     rows = json.loads(out.read_text())["rows"]
     assert [r["column"] for r in rows] == ["eager", "moe_inductor"] and all(r["value"] > 0 for r in rows)
     assert rows[1]["err"] < 1e-4, rows  # fp32: the same function as eager on the same tokens
-    assert (tmp_path / "hf.profile.txt").read_text().startswith("== prefill T=8 moe_inductor")
+    traces = (tmp_path / "hf.profile.txt").read_text()
+    assert traces.startswith("== prefill T=8 moe_inductor") and "== host prefill T=8 moe_inductor" in traces
+    assert "compiled graphs (Inductor's generated code)" in traces  # the host split names the compiled call's own code
 
 
 @pytest.mark.slow
@@ -44,6 +46,11 @@ def test_bench_hf_every_family_and_mode_runs_eagerly(tmp_path):
 
 def test_bench_hf_cells_and_table():
     from benchmarks import bench_hf
+
+    assert bench_hf.host_bucket("~", "<built-in method torch.mm>") == "C: torch.mm"
+    assert bench_hf.host_bucket("/tmp/torchinductor_u/ab/cab.py", "call").startswith("compiled graphs")
+    assert bench_hf.host_bucket("/v/site-packages/transformers/generation/utils.py", "_sample") == "transformers generate"
+    assert bench_hf.host_bucket("/v/site-packages/torch/_inductor/cudagraph_trees.py", "run") == "cudagraph trees"
 
     assert bench_hf.parse_cell("gpt_oss:train:4096", ["eager"]) == ("gpt_oss", "train", 4096, ("eager",))
     cell = bench_hf.parse_cell("mixtral:prefill:512:inductor+moe_inductor", [])
