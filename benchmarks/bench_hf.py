@@ -147,6 +147,38 @@ def compiled(model, column: str, mode_name: str):
     return torch.compile(model.forward, **kwargs)
 
 
+def host_syncs(step, device: str) -> dict:
+    """How many times one call of ``step`` makes the host wait on the GPU (CUDA's sync debug mode), and where the
+    first wait comes from: a compiled step should have none (the backend promises no host sync on its path)."""
+    if device != "cuda":
+        return {}
+    import traceback
+    import warnings
+
+    _sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    count = sum("synchronizing" in str(w.message) for w in caught)
+    out = {"host_syncs": count}
+    if count:
+        _sync(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step()
+        except RuntimeError:
+            frames = traceback.extract_tb(sys.exc_info()[2])[-4:]
+            out["first_sync"] = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        _sync(device)
+    return out
+
+
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     got, ref = got.double().cpu(), ref.double().cpu()
     return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
@@ -279,7 +311,8 @@ def run_prefill(model, cfg, T, column, device, reference, profile):
         peak = _peak_mib(device)
         if profile:
             profile(f"prefill T={T} {column}", step, 3, device)
-    return dict(value=ms, unit="ms", first_call_s=first_s, err=err, peak_mib=peak)
+        syncs = host_syncs(step, device) if column != "eager" else {}
+    return dict(value=ms, unit="ms", first_call_s=first_s, err=err, peak_mib=peak, **syncs)
 
 
 def run_train(model, cfg, T, column, device, reference, profile):
@@ -309,10 +342,11 @@ def run_train(model, cfg, T, column, device, reference, profile):
         peak = _peak_mib(device)
         if profile:
             profile(f"train T={T} {column}", step, 3, device)
+        syncs = host_syncs(step, device) if column != "eager" else {}
     finally:
         model.zero_grad(set_to_none=True)
         model.eval()
-    return dict(value=ms, unit="ms", first_call_s=first_s, err=err, peak_mib=peak)
+    return dict(value=ms, unit="ms", first_call_s=first_s, err=err, peak_mib=peak, **syncs)
 
 
 def run_decode(model, cfg, B, column, device, reference, profile, new_tokens: int = 64):
@@ -347,18 +381,38 @@ def run_decode(model, cfg, B, column, device, reference, profile, new_tokens: in
         same = float((out.cpu() == ref).float().mean()) if out.shape == ref.shape else float("nan")
         _reset_peak(device)
         times = []
-        for _ in range(3):
-            _sync(device)
-            t0 = time.perf_counter()
-            out = step()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
+        with GcClock() as gc_clock:
+            for _ in range(3):
+                _sync(device)
+                t0 = time.perf_counter()
+                out = step()
+                _sync(device)
+                times.append(time.perf_counter() - t0)
         peak = _peak_mib(device)
         made = out.shape[1] - prompt.shape[1]
         if profile:
             profile(f"decode B={B} {column} ({made} new tokens)", step, 1, device, per="generate")
     return dict(value=B * made / statistics.median(times), unit="new tok/s", first_call_s=first_s, err=1.0 - same,
-                peak_mib=peak)
+                peak_mib=peak, gc_ms=gc_clock.ms / 3, gc_objects=len(gc.get_objects()))
+
+
+class GcClock:
+    """The time Python's cyclic garbage collector runs inside the block (``ms``): a host-bound decode pays it per
+    step, and a process that compiled an earlier column has more objects for it to walk."""
+
+    def __enter__(self):
+        self.ms, self._t0 = 0.0, 0.0
+        gc.callbacks.append(self._tick)
+        return self
+
+    def _tick(self, phase, info) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._tick)
 
 
 RUNNERS = {"prefill": run_prefill, "train": run_train, "decode": run_decode}
