@@ -21,6 +21,8 @@ equal to eager's) and the peak memory of the timed calls.
 
 Several families run one process each, in sequence, each under a time budget (``--budget-s``, ``--deadline-s``): a
 compile's memory and caches stay out of the next family's numbers, and a family that overruns costs only its own cells.
+Each column of a decode cell runs in a process of its own (``--decode-process``): decode is host-bound, and a process
+that has compiled and run another column first runs the host's side of the next one slower.
 ``--profile`` adds a torch.profiler trace of the timed cells' compiled columns (top kernels by device time, and the step's
 time outside kernels), written beside the JSON.
 """
@@ -292,7 +294,7 @@ def _against(reference: dict, key, column: str, got, eager, compare=rel_err):
     return reference[key] if compare is None else compare(got, reference[key])
 
 
-def run_prefill(model, cfg, T, column, device, reference, profile):
+def run_prefill(model, cfg, T, column, device, reference, profile, graph_time: bool = False):
     ids = tokens(cfg, (1, T), device)
     fwd = compiled(model, column, "prefill")
 
@@ -312,7 +314,22 @@ def run_prefill(model, cfg, T, column, device, reference, profile):
         if profile:
             profile(f"prefill T={T} {column}", step, 3, device)
         syncs = host_syncs(step, device) if column != "eager" else {}
-    return dict(value=ms, unit="ms", first_call_s=first_s, err=err, peak_mib=peak, **syncs)
+        replay = graph_replay_ms(step, device) if column != "eager" and graph_time else {}
+    return dict(value=ms, unit="ms", first_call_s=first_s, err=err, peak_mib=peak, **syncs, **replay)
+
+
+def graph_replay_ms(step, device: str) -> dict:
+    """The step's time replayed from one CUDA graph (``do_bench_cudagraph``): its GPU work without the host's
+    launches, so that ``value - graph_ms`` is what the host costs the step (idle gaps, waits)."""
+    if device != "cuda":
+        return {}
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        return {"graph_ms": do_bench_cudagraph(step, rep=200, return_mode="median")}
+    except Exception as e:  # a step that cannot be captured says why instead of failing the cell
+        torch.cuda.synchronize()
+        return {"graph_error": f"{type(e).__name__}: {str(e)[:200]}"}
 
 
 def run_train(model, cfg, T, column, device, reference, profile):
@@ -479,8 +496,9 @@ def run_family(cells, args) -> list:
             else:
                 try:
                     counters["stats"].clear()
+                    extra = {"graph_time": True} if mode == "prefill" and args.graph_time else {}
                     row |= RUNNERS[mode](model, cfg, size, column, args.device, reference,
-                                         profile if column != "eager" else None)
+                                         profile if column != "eager" else None, **extra)
                     row["graphs"] = counters["stats"]["unique_graphs"]  # > 1 per compile: breaks or recompiles
                 except Exception as e:  # one broken column must not cost the family's other cells
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -584,9 +602,28 @@ def passthrough(args) -> list:
     out += ["--strict"] if args.strict else []
     out += ["--profile"] if args.profile else []
     out += ["--host-profile"] if args.host_profile else []
+    out += ["--graph-time"] if args.graph_time else []
     out += ["--profile-path", args.profile_path] if args.profile_path else []
     out += ["--layers", *(f"{k}={v}" for k, v in args.layers.items())] if args.layers else []
     return out
+
+
+def process_groups(cells, alone: bool) -> list:
+    """The cells each child process runs: consecutive cells of one family share a process, except that with ``alone``
+    every column of a decode cell gets a process of its own. Decode is host-bound, and a process that compiled and
+    ran another column first (its heap, its CUDA-graph trees) slows the host for the next one: measured with the
+    columns of one cell in a shared process, whichever ran second lost."""
+    groups: list = []
+    for cell in cells:
+        family, mode, size, cols = cell
+        if alone and mode == "decode":
+            groups += [[(family, mode, size, (c,))] for c in cols]
+            groups.append([])  # the family's next cells start a process of their own
+        elif groups and groups[-1] and groups[-1][0][0] == family:
+            groups[-1].append(cell)
+        else:
+            groups.append([cell])
+    return [g for g in groups if g]
 
 
 def _pairs(items, kind):
@@ -618,6 +655,10 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true", help="a torch.profiler trace of every timed compiled cell")
     ap.add_argument("--host-profile", action="store_true",
                     help="with --profile: also a cProfile of the same steps, the host's time by package")
+    ap.add_argument("--graph-time", action="store_true",
+                    help="prefill: also the step's time replayed from a CUDA graph (its GPU work alone)")
+    ap.add_argument("--decode-process", choices=("column", "family"), default="column",
+                    help="decode cells: each column in a process of its own (default), or in its family's process")
     ap.add_argument("--profile-path", default=None, help="where the traces go (default: beside --json)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
@@ -632,12 +673,7 @@ def main(argv=None) -> None:
     else:
         sizes = {"prefill": args.tokens, "decode": args.batches, "train": args.train_tokens}
         cells = [(f, m, s, tuple(args.columns)) for f in args.families for m in args.modes for s in sizes[m]]
-    groups: list = []
-    for cell in cells:  # consecutive cells of one family share a process
-        if groups and groups[-1][0][0] == cell[0]:
-            groups[-1].append(cell)
-        else:
-            groups.append([cell])
+    groups = process_groups(cells, alone=args.decode_process == "column" and not args.child)
     meta = versions(args.device)
     if args.child or len(groups) == 1:
         if not args.child:

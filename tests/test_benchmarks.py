@@ -47,6 +47,12 @@ def test_bench_hf_every_family_and_mode_runs_eagerly(tmp_path):
 def test_bench_hf_cells_and_table():
     from benchmarks import bench_hf
 
+    cells = [("mixtral", "prefill", 8, ("eager", "inductor")), ("mixtral", "decode", 1, ("inductor", "moe_inductor")),
+             ("mixtral", "train", 8, ("eager",)), ("olmoe", "train", 8, ("eager",))]
+    assert bench_hf.process_groups(cells, alone=True) == [  # each decode column alone, the rest by family
+        [cells[0]], [("mixtral", "decode", 1, ("inductor",))], [("mixtral", "decode", 1, ("moe_inductor",))],
+        [cells[2]], [cells[3]]]
+    assert bench_hf.process_groups(cells, alone=False) == [cells[:3], [cells[3]]]
     assert bench_hf.host_bucket("~", "<built-in method torch.mm>") == "C: torch.mm"
     assert bench_hf.host_bucket("/tmp/torchinductor_u/ab/cab.py", "call").startswith("compiled graphs")
     assert bench_hf.host_bucket("/v/site-packages/transformers/generation/utils.py", "_sample") == "transformers generate"
