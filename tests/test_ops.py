@@ -167,6 +167,73 @@ def test_opcheck_experts_forward(gated, bias, capacity):
     torch.library.opcheck(experts_forward, _opcheck_args(gated=gated, bias=bias, capacity=capacity))
 
 
+def _whole_gate_up_args(T=7):
+    """``_opcheck_args`` with the gate/up pair passed whole in w1 (op_call's ``gate_up``), no w1_up."""
+    p = make_problem(T, 16, 8, 5, 2, bias=True, activation="silu_glu")
+    whole = p.w1.transpose(1, 2)  # (E, H, 2I), [gate | up], the transpose of HF's (E, 2I, H) parameter
+    _, _, d, bg, bu = p.views()
+    return p, (p.x, p.topk_ids, p.topk_weights, whole, None, d, bg, bu, p.b2, p.activation, "output", 1.702, 7.0,
+               None, True)
+
+
+def test_opcheck_experts_forward_with_the_gate_up_weight_whole():
+    torch.library.opcheck(experts_forward, _whole_gate_up_args()[1])
+
+
+def test_a_whole_gate_up_weight_gets_one_gradient_equal_to_the_halves():
+    """The op given the [gate | up] weight whole computes what it computes from the two halves, and its backward
+    returns the whole weight's gradient: exactly the two halves' gradients side by side."""
+    p, args = _whole_gate_up_args()
+    whole = args[3].detach().requires_grad_()
+    I = whole.shape[2] // 2
+    halves = [whole.detach()[:, :, :I].clone().requires_grad_(), whole.detach()[:, :, I:].clone().requires_grad_()]
+    y_whole = experts_forward(*args[:3], whole, None, *args[5:])[0]
+    y_halves = experts_forward(*args[:3], *halves, *args[5:])[0]
+    torch.testing.assert_close(y_whole, y_halves)  # (one GEMM of width 2I against two: rounding may differ)
+    dy = torch.randn_like(y_whole)
+    (g_whole,) = torch.autograd.grad(y_whole, whole, dy)
+    g_halves = torch.autograd.grad(y_halves, halves, dy)
+    assert g_whole.shape == whole.shape
+    torch.testing.assert_close(g_whole, torch.cat(g_halves, 2))
+
+
+def test_traced_training_passes_the_gate_up_weight_whole():
+    """Traced with a gradient to make, fused_experts hands the op HF's gate_up parameter whole, so the backward
+    graph holds one gradient for it: no ``slice_backward`` stitching two halves' gradients into it (a further read
+    and write of the whole gradient per layer and step). Gradients equal eager's."""
+    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, _):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    p = make_problem(9, 16, 8, 5, 2, activation="silu_glu")
+    gate_up = torch.nn.Parameter(p.w1.detach().clone())
+    down = torch.nn.Parameter(p.w2.detach().clone())
+
+    def run(x, ids, tw):
+        return moe_inductor.fused_experts(x, ids, tw, gate_up, down, activation="silu_glu", layout="nk")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(run, backend=aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw")))
+    compiled(p.x, p.topk_ids, p.topk_weights).square().sum().backward()
+    got = gate_up.grad.clone(), down.grad.clone()
+    gate_up.grad = down.grad = None
+    run(p.x, p.topk_ids, p.topk_weights).square().sum().backward()
+    torch.testing.assert_close(got[0], gate_up.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], down.grad, rtol=1e-5, atol=1e-6)
+    ops = [n for n in graphs["fw"].graph.nodes if n.target is torch.ops.moe_inductor.experts_forward.default]
+    assert len(ops) == 1 and ops[0].args[4] is None and ops[0].args[3].meta["val"].shape == (5, 16, 16)
+    bw_targets = {n.target for n in graphs["bw"].graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.slice_backward.default not in bw_targets, graphs["bw"].code
+    assert torch.ops.moe_inductor.experts_backward.default in bw_targets
+
+
 def _backward_args(combined_gate_up: bool):
     args = _opcheck_args()
     with torch.no_grad():

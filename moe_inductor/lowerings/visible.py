@@ -76,10 +76,10 @@ def swap_in_visible_ops(gm: torch.fx.GraphModule) -> int:
     swapped = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.moe_inductor.experts_forward.default:
-            x, w1 = _example(node.args[0]), _example(node.args[3])
+            x, w2 = _example(node.args[0]), _example(node.args[5])
             # (a weight view our rewrite made may carry no example value: then only the engine rule is unknown, and
             # both ops compute the same)
-            engine_may_run = w1 is not None and grouped_mm_engine.may_take_experts_of(w1)
+            engine_may_run = w2 is not None and grouped_mm_engine.may_take_experts_of(w2)
             if x is not None and use_triton(x) and not engine_may_run:
                 node.target = torch.ops.moe_inductor.experts_forward_visible.default
                 swapped += 1

@@ -157,7 +157,11 @@ def fused_experts(
         check_topk_ids(ids, g.shape[0], name)
     elif config.validate_routing:
         assert_ids_in_range(ids, g.shape[0], name)
-    op, args = op_call(call)
+    # Traced with a gradient to make, a [gate | up] weight goes to the op whole (op_call's gate_up): the backward
+    # graph then holds one gradient for it, not two slices' gradients stitched together in a further pass.
+    whole = (to_kn(w1, layout) if compiling and wants_grad and u is not None and gate_up == "concat"
+             and isinstance(w1, torch.Tensor) else None)
+    op, args = op_call(call, gate_up=whole)
     # Eager inference runs the op's body directly: the same code, without the dispatcher's per-call overhead.
     # Traced or differentiable calls go through the op, so graphs see it and autograd finds its backward.
     direct = not wants_grad and not torch.compiler.is_compiling()

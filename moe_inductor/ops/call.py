@@ -21,7 +21,8 @@ from .activations import GPTOSS_ALPHA, GPTOSS_LIMIT, Activation, check_activatio
 #: a field's value: a Tensor on the tensor route, a ``torch.fx.Node`` on the FX route
 Value = Any
 
-__all__ = ["Activation", "ExpertWeights", "ExpertsCall", "Routing", "check_call", "from_op_args", "op_call"]
+__all__ = ["Activation", "ExpertWeights", "ExpertsCall", "Routing", "check_call", "from_op_args", "gate_up_whole",
+           "op_call"]
 
 WEIGHT_POSITIONS = ("output", "between", "input")
 
@@ -64,9 +65,14 @@ class ExpertsCall(NamedTuple):
     save_pre: bool = False
 
 
-def op_call(call: ExpertsCall) -> tuple[Any, tuple]:
+def op_call(call: ExpertsCall, gate_up: Optional[Value] = None) -> tuple[Any, tuple]:
     """The op overload that runs ``call`` and its positional arguments: ``experts_forward`` for stacked weights,
-    ``experts_forward_list`` for per-expert ones. Both return (y, pre, order, sorted_expert, offsets)."""
+    ``experts_forward_list`` for per-expert ones. Both return (y, pre, order, sorted_expert, offsets).
+
+    ``gate_up``: the (E, H, 2I) [gate | up] weight that ``call``'s w1 and w1_up are the halves of. It is passed
+    whole in w1's place, with no w1_up (``from_op_args`` takes the halves again): the op's backward then gives one
+    gradient for the whole weight. Passed as two slices, their two gradients are stitched into the weight's
+    gradient by a further pass over it (``slice_backward`` and an add, a read and a write of the whole gradient)."""
     r, w, act = call.routing, call.weights, call.activation
     if isinstance(w.w1, (tuple, list)):
         if w.b1 is not None or w.b1_up is not None or w.b2 is not None:
@@ -78,16 +84,27 @@ def op_call(call: ExpertsCall) -> tuple[Any, tuple]:
         return torch.ops.moe_inductor.experts_forward_list.default, (
             call.x, r.topk_ids, r.topk_weights, list(w.w1), list(w.w1_up or ()), list(w.w2), act.name,
             call.save_pre, call.weight_position, w.layout)
+    w1, w1_up = (gate_up, None) if gate_up is not None and w.w1_up is not None else (w.w1, w.w1_up)
     return torch.ops.moe_inductor.experts_forward.default, (
-        call.x, r.topk_ids, r.topk_weights, w.w1, w.w1_up, w.w2, w.b1, w.b1_up, w.b2, act.name, call.weight_position,
+        call.x, r.topk_ids, r.topk_weights, w1, w1_up, w.w2, w.b1, w.b1_up, w.b2, act.name, call.weight_position,
         float(act.alpha), float(act.limit), r.capacity, call.save_pre)
+
+
+def gate_up_whole(w1: Any, w1_up: Any, activation: str) -> bool:
+    """Whether ``experts_forward``'s w1 holds a gated activation's gate and up weights whole, [gate | up] along its
+    last dim, with no w1_up (``op_call``'s ``gate_up``)."""
+    return w1_up is None and is_gated(activation) and isinstance(w1, torch.Tensor) and w1.dim() == 3 \
+        and w1.shape[2] % 2 == 0
 
 
 def from_op_args(args: tuple) -> ExpertsCall:
     """The call that ``experts_forward``'s positional arguments describe (``op_call``'s inverse for stacked
-    weights)."""
+    weights; a whole [gate | up] w1 becomes its two halves again)."""
     (x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position, alpha, limit, capacity,
      save_pre) = args
+    if gate_up_whole(w1, w1_up, activation):
+        half = w1.shape[2] // 2
+        w1, w1_up = w1[:, :, :half], w1[:, :, half:]
     return ExpertsCall(x, Routing(topk_ids, topk_weights, capacity), ExpertWeights(w1, w1_up, w2, b1, b1_up, b2),
                        Activation(activation, alpha, limit), weight_position, save_pre)
 

@@ -22,7 +22,7 @@ from torch import Tensor
 from ..kernels.launch import interleaved_pairs
 from . import cpu_path, grouped_mm_engine
 from .activations import NO_ACTIVATION, Activation, activation_backward, apply_activation
-from .call import ExpertsCall, ExpertWeights, Routing, from_op_args
+from .call import ExpertsCall, ExpertWeights, Routing, from_op_args, gate_up_whole
 from .grouped import (
     ROWS_ASSIGNMENT,
     ROWS_SORTED,
@@ -440,21 +440,26 @@ def _setup_context(ctx, inputs, output):
     _, pre, order, sorted_expert, offsets = output
     ctx.save_for_backward(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets)
     ctx.options = (*call.activation, call.weight_position, capacity is not None)
+    ctx.gate_up_whole = gate_up_whole(inputs[3], inputs[4], call.activation.name)  # one input, one gradient
 
 
 def _autograd_backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
     x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets = ctx.saved_tensors
     activation, alpha, limit, weight_position, dropped = ctx.options
     ni = ctx.needs_input_grad
-    needs = Needs(ni[0], ni[2], ni[3], ni[4] and w1_up is not None, ni[5], ni[6] and b1 is not None,
-                  ni[7] and b1_up is not None, ni[8] and b2 is not None)
+    whole = ctx.gate_up_whole
+    needs = Needs(ni[0], ni[2], ni[3], (ni[3] if whole else ni[4]) and w1_up is not None, ni[5],
+                  ni[6] and b1 is not None, ni[7] and b1_up is not None, ni[8] and b2 is not None)
     if dy is None:
         dy = torch.zeros_like(x)
-    needs = needs._replace(combined_gate_up=needs.w1 and needs.w1_up and _gate_up_is_one_tensor(w1, w1_up))
+    one_tensor = whole or _gate_up_is_one_tensor(w1, w1_up)
+    needs = needs._replace(combined_gate_up=needs.w1 and needs.w1_up and one_tensor)
     grads = experts_backward(dy.contiguous(), x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order,
                              sorted_expert, offsets, activation, weight_position, alpha, limit, dropped, list(needs))
     dx, dtw, dw1, dw1_up, dw2, db1, db1_up, db2 = (g if need else None for g, need in zip(grads, needs))
-    if needs.combined_gate_up:  # two views of one gradient: ops.fused_experts hands it to the parameter without a copy
+    if whole:  # the gate/up weight came as one input: its gradient is the combined one
+        dw1_up = None
+    elif needs.combined_gate_up:  # two views of one gradient: ops.fused_experts hands it to the parameter uncopied
         I = w1.shape[2]
         dw1, dw1_up = dw1[:, :, :I], dw1[:, :, I:]
     return dx, None, dtw, dw1, dw1_up, dw2, db1, db1_up, db2, None, None, None, None, None, None

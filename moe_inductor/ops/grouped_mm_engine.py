@@ -63,9 +63,11 @@ def _large_experts(H: int, I: int) -> bool:
     return H * I >= config.grouped_mm_min_expert_weights
 
 
-def may_take_experts_of(w1: Tensor) -> bool:
-    """Whether experts of this size can take the engine at some token count (its size rule alone, shapes only)."""
-    E, H, I = w1.shape
+def may_take_experts_of(w2: Tensor) -> bool:
+    """Whether experts of this size can take the engine at some token count (its size rule alone, shapes only).
+    ``w2`` is the (E, I, H) down weight: unlike w1, which may hold the gate and up weights whole, it has the
+    experts' own width."""
+    E, I, H = w2.shape
     return config.gemm_engine == "grouped_mm" or (config.gemm_engine == "auto" and _large_experts(H, I))
 
 
