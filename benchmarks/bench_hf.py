@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch._dynamo.utils import counters
@@ -567,32 +568,64 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
+def lanes_of(groups, gpus: int) -> list:
+    """The groups' indices per GPU: each family keeps to one GPU (all its cells' columns are compared on the same
+    device), families go round-robin over ``gpus``, and a GPU runs its groups one after another."""
+    lane_of: dict = {}
+    lanes: list = [[] for _ in range(max(1, gpus))]
+    for i, cells in enumerate(groups):
+        lane = lane_of.setdefault(cells[0][0], len(lane_of) % len(lanes))
+        lanes[lane].append(i)
+    return [lane for lane in lanes if lane]
+
+
 def drive(groups, args, argv) -> list:
-    """One child process per group of cells (one family each), in order, each under its time budget."""
+    """One child process per group of cells (a family, or one decode column), each under its time budget; with
+    ``--gpus N`` the families run side by side, one GPU each (``lanes_of``), so that one run of every cell fits a
+    machine's call limit. Rows come back in the groups' order."""
+    import concurrent.futures
+
     deadline = time.perf_counter() + args.deadline_s
     out_dir = Path(args.json).resolve().parent if args.json else Path(".")
-    rows = []
-    for i, cells in enumerate(groups):
-        left = deadline - time.perf_counter()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(max(1, args.gpus))]
+    results: dict = {}
+
+    def run_group(i: int, device: Optional[str]) -> None:
+        cells = groups[i]
         family = cells[0][0]
+        left = deadline - time.perf_counter()
         part = out_dir / f".bench_hf_part{i}_{family}.json"
         if left < 30:
-            rows += [dict(family=family, checkpoint=FAMILIES[family][1],
-                          layers=args.layers.get(family, FAMILIES[family][2]), mode=m, size=s, column=c,
-                          skipped="deadline") for _, m, s, cols in cells for c in cols]
-            continue
+            results[i] = [dict(family=family, checkpoint=FAMILIES[family][1],
+                               layers=args.layers.get(family, FAMILIES[family][2]), mode=m, size=s, column=c,
+                               skipped="deadline") for _, m, s, cols in cells for c in cols]
+            return
         budget = min(args.budget.get(family, args.budget_s), left - 20)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--json", str(part), "--budget-s",
                str(budget), "--cells", *map(cell_text, cells)] + argv
-        print(f"### {family}: {len(cells)} cells, budget {budget:.0f} s", flush=True)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=device) if device is not None else None
+        where = f" on GPU {device}" if device is not None else ""
+        print(f"### {family}: {len(cells)} cells, budget {budget:.0f} s{where}", flush=True)
         try:
-            subprocess.run(cmd, timeout=budget + 60, check=False)
+            subprocess.run(cmd, timeout=budget + 60, check=False, env=env)
         except subprocess.TimeoutExpired:
             print(f"### {family}: killed at its time limit", flush=True)
-        if part.exists():
-            rows += json.loads(part.read_text())["rows"]
-            part.unlink()
-    return rows
+        results[i] = json.loads(part.read_text())["rows"] if part.exists() else []
+        part.unlink(missing_ok=True)
+
+    lanes = lanes_of(groups, args.gpus)
+    if len(lanes) == 1:
+        for i in lanes[0]:
+            run_group(i, None)
+    else:
+        def run_lane(lane_index: int) -> None:
+            for i in lanes[lane_index]:
+                run_group(i, devices[lane_index % len(devices)])
+
+        with concurrent.futures.ThreadPoolExecutor(len(lanes)) as pool:
+            list(pool.map(run_lane, range(len(lanes))))
+    return [row for i in range(len(groups)) for row in results.get(i, [])]
 
 
 def passthrough(args) -> list:
@@ -653,6 +686,8 @@ def main(argv=None) -> None:
     ap.add_argument("--budget-s", type=float, default=150, help="seconds one family's process may start cells in")
     ap.add_argument("--budget", nargs="*", default=None, help="FAMILY=SECONDS, overriding --budget-s")
     ap.add_argument("--deadline-s", type=float, default=570, help="seconds the whole driver run may take")
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="run the families side by side, one GPU each (one family's cells all on one GPU)")
     ap.add_argument("--profile", action="store_true", help="a torch.profiler trace of every timed compiled cell")
     ap.add_argument("--host-profile", action="store_true",
                     help="with --profile: also a cProfile of the same steps, the host's time by package")

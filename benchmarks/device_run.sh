@@ -6,6 +6,8 @@
 #   bash benchmarks/device_run.sh experts    # bench_experts.py, the experts-alone table                  (~5 min)
 #   bash benchmarks/device_run.sh hf         # bench_hf.py: every family at prefill T=4096, the Qwen3 and
 #                                            # GPT-OSS training steps, Qwen3 decode B=1, with profiles     (~9 min)
+#   bash benchmarks/device_run.sh hfall      # bench_hf.py over every family, mode and size in one run, one
+#                                            # family per GPU: needs an 8-GPU machine (nvidia-h200-x8)    (~9 min)
 #   bash benchmarks/device_run.sh bwd        # forward + backward kernel breakdown, ours against sort +
 #                                            # _grouped_mm (profile_experts.py, Qwen3, GPT-OSS, DeepSeek-V3) (~3 min)
 #   bash benchmarks/device_run.sh bwdengine  # fwd+bwd with each pairing of GEMM engines (bench_backward_engine.py),
@@ -59,6 +61,22 @@ case "${1:-suite}" in
       mixtral:prefill:4096 olmoe:prefill:4096 qwen2_moe:prefill:4096 deepseek_v3:prefill:4096 \
       --json "$OUT/bench_hf.json" --markdown "$OUT/bench_hf.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       | tee "$OUT/bench_hf.log" | grep -v "^  " ;;
+  hfall)  # every family, mode and size in one run: one family per GPU, side by side (--gpus 6), so it needs a
+          # machine of 8 GPUs (kind nvidia-h200-x8); each family's cells, most wanted first, under a 540 s budget.
+          # Qwen3 also gets the max-autotune-no-cudagraphs column in prefill.
+    CELLS=$(python - <<'PY'
+out = []
+for f in ("qwen3_moe", "mixtral", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3"):
+    extra = "+max-autotune-no-cudagraphs" if f == "qwen3_moe" else ""
+    out += [f"{f}:prefill:4096:eager+inductor+moe_inductor{extra}", f"{f}:train:4096", f"{f}:decode:1",
+            f"{f}:decode:16", f"{f}:prefill:512:eager+inductor+moe_inductor{extra}",
+            f"{f}:prefill:16384:eager+inductor+moe_inductor{extra}"]
+print(" ".join(out))
+PY
+)
+    timeout 590 python benchmarks/bench_hf.py --gpus 6 --deadline-s 570 --budget-s 540 --layers qwen3_moe=2 \
+      --cells $CELLS --json "$OUT/bench_hf_all.json" --markdown "$OUT/bench_hf_all.md" 2>&1 \
+      | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_all.log"; cat "$OUT/bench_hf_all.md" ;;
   bwd)
     for shape in qwen3 gptoss deepseekv3; do
       timeout 150 python benchmarks/profile_experts.py --shape $shape --tokens 4096 --backward --reference 2>&1 \

@@ -53,6 +53,11 @@ def test_bench_hf_cells_and_table():
         [cells[0]], [("mixtral", "decode", 1, ("inductor",))], [("mixtral", "decode", 1, ("moe_inductor",))],
         [cells[2]], [cells[3]]]
     assert bench_hf.process_groups(cells, alone=False) == [cells[:3], [cells[3]]]
+    groups = bench_hf.process_groups(cells + [("gpt_oss", "train", 8, ("eager",))], alone=True)
+    # one GPU per family, round-robin; a family's groups (its decode columns too) stay on its GPU, in order
+    assert bench_hf.lanes_of(groups, 2) == [[0, 1, 2, 3, 5], [4]]
+    assert bench_hf.lanes_of(groups, 8) == [[0, 1, 2, 3], [4], [5]]
+    assert bench_hf.lanes_of(groups, 1) == [list(range(6))]
     assert bench_hf.host_bucket("~", "<built-in method torch.mm>") == "C: torch.mm"
     assert bench_hf.host_bucket("/tmp/torchinductor_u/ab/cab.py", "call").startswith("compiled graphs")
     assert bench_hf.host_bucket("/v/site-packages/transformers/generation/utils.py", "_sample") == "transformers generate"
