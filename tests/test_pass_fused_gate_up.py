@@ -84,6 +84,32 @@ def test_fused_gate_up_is_rewritten_and_equal(style):
         assert_rewritten_like_eager(model, torch.randn(T, H), FORMS[style], f"{style} T={T}")
 
 
+@pytest.mark.parametrize("style", [s for s in FORMS if s != "loop_linear_split"])  # that one takes the list op
+def test_training_hands_the_op_a_stacked_gate_up_weight_whole(style, monkeypatch):
+    """With a gradient to make, a stacked [gate | up] weight reaches the op whole (no w1_up), so its backward gives
+    one gradient for it instead of two halves' gradients stitched together; interleaved halves and inference keep
+    the two halves."""
+    from moe_inductor.ops import experts as experts_module
+
+    seen = []
+    real = experts_module.from_op_args
+
+    def spy(args):
+        seen.append((args[4] is None, tuple(args[3].shape) if isinstance(args[3], torch.Tensor) else None))
+        return real(args)
+
+    monkeypatch.setattr(experts_module, "from_op_args", spy)
+    torch.manual_seed(0)
+    model = FusedMoE(style)
+    assert_rewritten_like_eager(model, torch.randn(6, H), FORMS[style], style)
+    whole = style in ("loop_chunk", "loop_kn_slices", "gathered_chunk", "dense_slices")
+    assert seen and all(s == ((True, (E, H, 2 * I)) if whole else (False, s[1])) for s in seen), seen
+    seen.clear()
+    with torch.no_grad():
+        compile_moe(model, torch.randn(6, H))
+    assert seen and not any(s[0] for s in seen), seen  # inference: the halves
+
+
 @pytest.mark.parametrize("style", ["loop_up_first", "loop_overlapping_halves", "loop_uneven_split",
                                    "loop_gate_squared"])
 def test_splits_that_are_not_gate_up_halves_are_left_alone(style):

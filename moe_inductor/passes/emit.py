@@ -26,11 +26,13 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
     per_expert = isinstance(spec.gate, tuple)
     weight_nodes = [traced_x, spec.weights, *((spec.gate + (spec.up or ()) + spec.down) if per_expert
                                              else (spec.gate, spec.up, spec.down, spec.b1, spec.b1_up, spec.b2))]
+    # Dynamo compiles under the grad mode it traced in (and guards on it), so it is the mode the op will run in
+    save_pre = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in map(val, weight_nodes))
+    # In training a stacked [gate | up] weight goes to the op whole (op_call's gate_up), for one gradient of it
+    fused = spec.gate if spec.gate_up == "concat" and not per_expert and save_pre else None
     if spec.gate_up is not None:
         with graph.inserting_before(before):
             spec = _split_fused(graph, spec)
-    # Dynamo compiles under the grad mode it traced in (and guards on it), so it is the mode the op will run in
-    save_pre = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in map(val, weight_nodes))
     with graph.inserting_before(before):
         weights = graph.call_method("to", (spec.weights, x_dtype))
         if per_expert:  # nn.Linear weights: the list op stacks them at each call
@@ -41,7 +43,9 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
             experts = ExpertWeights(*views, spec.b1, spec.b1_up, spec.b2)
         call = ExpertsCall(spec.x, Routing(spec.ids, weights, spec.capacity), experts,
                            Activation(spec.activation, spec.alpha, spec.limit), spec.weight_position, save_pre)
-        op = graph.call_function(*op_call(call))
+        whole = None if fused is None else graph.call_method("transpose", (fused, 1, 2)) if spec.layout == "nk" \
+            else fused
+        op = graph.call_function(*op_call(call, gate_up=whole))
         out = graph.call_function(operator.getitem, (op, 0))
         if out_dtype != x_dtype:
             out = graph.call_method("to", (out, out_dtype))
