@@ -33,19 +33,18 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
     if spec.gate_up is not None:
         with graph.inserting_before(before):
             spec = _split_fused(graph, spec)
+    def kn(w: Optional[Node]) -> Optional[Node]:  # a stacked weight as the op's (E, K, N) view
+        return None if w is None else graph.call_method("transpose", (w, 1, 2)) if spec.layout == "nk" else w
+
     with graph.inserting_before(before):
         weights = graph.call_method("to", (spec.weights, x_dtype))
         if per_expert:  # nn.Linear weights: the list op stacks them at each call
             experts = ExpertWeights(spec.gate, spec.up, spec.down, spec.b1, spec.b1_up, spec.b2, spec.layout)
         else:
-            views = [None if w is None else graph.call_method("transpose", (w, 1, 2)) if spec.layout == "nk" else w
-                     for w in (spec.gate, spec.up, spec.down)]
-            experts = ExpertWeights(*views, spec.b1, spec.b1_up, spec.b2)
+            experts = ExpertWeights(kn(spec.gate), kn(spec.up), kn(spec.down), spec.b1, spec.b1_up, spec.b2)
         call = ExpertsCall(spec.x, Routing(spec.ids, weights, spec.capacity), experts,
                            Activation(spec.activation, spec.alpha, spec.limit), spec.weight_position, save_pre)
-        whole = None if fused is None else graph.call_method("transpose", (fused, 1, 2)) if spec.layout == "nk" \
-            else fused
-        op = graph.call_function(*op_call(call, gate_up=whole))
+        op = graph.call_function(*op_call(call, gate_up=kn(fused)))
         out = graph.call_function(operator.getitem, (op, 0))
         if out_dtype != x_dtype:
             out = graph.call_method("to", (out, out_dtype))
