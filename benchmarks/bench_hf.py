@@ -641,23 +641,44 @@ def passthrough(args) -> list:
     return out
 
 
-def process_groups(cells, alone: bool) -> list:
+def process_groups(cells, alone: bool, repeats: int = 1) -> list:
     """The cells each child process runs: consecutive cells of one family share a process, except that with ``alone``
     every column of a decode cell gets a process of its own. Decode is host-bound, and a process that compiled and
     ran another column first slows the host for the next one: with the columns of one cell in a shared process,
     whichever ran second lost (Qwen3 B=1 on the H200: 0.86x second, 1.06x first; not the garbage collector, which
-    took 0.03 ms a generate; RESULTS.md)."""
+    took 0.03 ms a generate; RESULTS.md). With ``repeats`` R > 1 each decode column runs in R processes, the
+    columns' order reversed every other round (A B, B A, ...): one process's host speed varies from the next's by
+    more than the columns differ (GPT-OSS, same kernels in both columns: 0.97x at B=1, 1.11x at B=16)."""
     groups: list = []
     for cell in cells:
         family, mode, size, cols = cell
         if alone and mode == "decode":
-            groups += [[(family, mode, size, (c,))] for c in cols]
+            for r in range(max(1, repeats)):
+                groups += [[(family, mode, size, (c,))] for c in (cols if r % 2 == 0 else cols[::-1])]
             groups.append([])  # the family's next cells start a process of their own
         elif groups and groups[-1] and groups[-1][0][0] == family:
             groups[-1].append(cell)
         else:
             groups.append([cell])
     return [g for g in groups if g]
+
+
+def merge_repeats(rows) -> list:
+    """One row per (family, mode, size, column): where a column ran in several processes (``--decode-repeats``), its
+    value is the median of theirs, which are kept in ``values``; the other fields are the first process's."""
+    merged: dict = {}
+    for row in rows:
+        key = (row["family"], row["mode"], row["size"], row["column"])
+        if key not in merged:
+            merged[key] = dict(row)
+            continue
+        first = merged[key]
+        if "value" in row:
+            first.setdefault("values", [first["value"]] if "value" in first else []).append(row["value"])
+    for row in merged.values():
+        if "values" in row:
+            row["value"] = statistics.median(row["values"])
+    return list(merged.values())
 
 
 def _pairs(items, kind):
@@ -695,6 +716,9 @@ def main(argv=None) -> None:
                     help="prefill: also the step's time replayed from a CUDA graph (its GPU work alone)")
     ap.add_argument("--decode-process", choices=("column", "family"), default="column",
                     help="decode cells: each column in a process of its own (default), or in its family's process")
+    ap.add_argument("--decode-repeats", type=int, default=1,
+                    help="with column processes: each decode column in this many processes, alternating the columns' "
+                         "order; the median is reported")
     ap.add_argument("--profile-path", default=None, help="where the traces go (default: beside --json)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
@@ -709,7 +733,8 @@ def main(argv=None) -> None:
     else:
         sizes = {"prefill": args.tokens, "decode": args.batches, "train": args.train_tokens}
         cells = [(f, m, s, tuple(args.columns)) for f in args.families for m in args.modes for s in sizes[m]]
-    groups = process_groups(cells, alone=args.decode_process == "column" and not args.child)
+    groups = process_groups(cells, alone=args.decode_process == "column" and not args.child,
+                            repeats=args.decode_repeats)
     meta = versions(args.device)
     if args.child or len(groups) == 1:
         if not args.child:
@@ -721,7 +746,7 @@ def main(argv=None) -> None:
     else:
         print(meta, flush=True)
         meta["command"] = " ".join(["python benchmarks/bench_hf.py", *(argv if argv is not None else sys.argv[1:])])
-        rows = drive(groups, args, passthrough(args))
+        rows = merge_repeats(drive(groups, args, passthrough(args)))
     if args.json:
         write(args.json, dict(meta=meta, rows=rows))
     table = markdown(rows)

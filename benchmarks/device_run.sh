@@ -14,6 +14,8 @@
 #                                            # then the engine's GPU tests                                (~5 min)
 #   bash benchmarks/device_run.sh tune       # tune the weight-gradient kernel (tune_weight_grad.py), merge into
 #                                            # the shipped table, rerun the backward GPU tests with it    (~8 min)
+#   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys
+#                                            # (tune_gemm.py, compiles in 14 processes), merge into the table (~6 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
 # Outputs go to $OUT (the device tool brings back at most 8 files). The project must be installed for the entry point.
 set -uo pipefail
@@ -94,5 +96,10 @@ PY
     timeout -s INT 120 python -m pytest tests/test_kernels.py tests/test_ops.py -o addopts="--strict-markers" -q \
       -p no:warnings --tb=short -k "backward or weight_grad or wgrad or fp64" 2>&1 | grep -v "torch.__trace" \
       | tee "$OUT/tune_wgrad_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
+  tunegemm)
+    timeout 420 python benchmarks/tune_gemm.py --shapes olmoe qwen2moe deepseekv3 qwen3 --tokens 16 512 4096 16384 \
+      --workers 14 --json "$OUT/tuned_gemm.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_gemm.log"
+    grep -v "autotuning gemm" "$OUT/tune_gemm.log" | cut -c1-220 | tail -50
+    cp moe_inductor/kernels/tuned/NVIDIA_H200.json "$OUT/NVIDIA_H200.json" ;;
   *) echo "unknown mode $1"; exit 2 ;;
 esac

@@ -53,6 +53,16 @@ def test_bench_hf_cells_and_table():
         [cells[0]], [("mixtral", "decode", 1, ("inductor",))], [("mixtral", "decode", 1, ("moe_inductor",))],
         [cells[2]], [cells[3]]]
     assert bench_hf.process_groups(cells, alone=False) == [cells[:3], [cells[3]]]
+    one = lambda c: [("mixtral", "decode", 1, (c,))]  # noqa: E731
+    assert bench_hf.process_groups(cells[1:2], alone=True, repeats=3) == [  # the order reversed every other round
+        one("inductor"), one("moe_inductor"), one("moe_inductor"), one("inductor"), one("inductor"), one("moe_inductor")]
+    ran = [dict(family="mixtral", mode="decode", size=1, column=c, value=v, err=e) for c, v, e in
+           [("inductor", 100.0, 0.1), ("moe_inductor", 90.0, 0.2), ("moe_inductor", 130.0, 0.3),
+            ("inductor", 110.0, 0.4), ("inductor", 120.0, 0.5), ("moe_inductor", 120.0, 0.6)]]
+    merged = bench_hf.merge_repeats(ran + [dict(family="olmoe", mode="train", size=8, column="eager", value=5.0)])
+    assert [(r["column"], r["value"], r.get("values"), r.get("err")) for r in merged] == [  # the first's other fields
+        ("inductor", 110.0, [100.0, 110.0, 120.0], 0.1), ("moe_inductor", 120.0, [90.0, 130.0, 120.0], 0.2),
+        ("eager", 5.0, None, None)]
     groups = bench_hf.process_groups(cells + [("gpt_oss", "train", 8, ("eager",))], alone=True)
     # one GPU per family, round-robin; a family's groups (its decode columns too) stay on its GPU, in order
     assert bench_hf.lanes_of(groups, 2) == [[0, 1, 2, 3, 5], [4]]
@@ -168,3 +178,44 @@ def test_bench_cpu_quickstart_mode_runs(capsys):
     bench_cpu.main(["--model", "quickstart", "--tokens", "8", "--rounds", "1", "--calls", "1", "--backends",
                     "inductor", "moe_inductor"])
     assert "| 8 |" in capsys.readouterr().out
+
+
+def test_tune_gemm_records_each_candidate_launch_without_running_it():
+    """tune_gemm.py's first pass stands in for the tuner: every candidate's launch of an untuned key is recorded as a
+    compile job (tensors as their dtypes, for ``JITFunction.warmup`` in a worker), nothing runs, and the launch
+    function is put back."""
+    from benchmarks import tune_gemm
+    from moe_inductor.kernels import configs, launch
+
+    real = launch.launch_kernel
+    cands = configs.gemm_candidates(torch.bfloat16)[:3]
+    a = torch.zeros(4, 8, dtype=torch.bfloat16)
+    ran = []
+
+    def run(cfg):
+        ran.append(cfg)
+        launch.launch_kernel(launch.grouped_gemm_kernel, (cfg.BLOCK_M, 1), (a, 3, 1.5), {"BLOCK_M": cfg.BLOCK_M})
+
+    recorder = tune_gemm.Recorder()
+    key = "gemm|E4|N8|K8|torch.bfloat16|g1|a1|c0|m2"
+    assert recorder(key, lambda: cands, run) == cands[0]
+    assert ran == cands and launch.launch_kernel is real
+    jobs = recorder.jobs[key]
+    assert [job[2] for job in jobs] == [(c.BLOCK_M, 1) for c in cands]
+    assert jobs[0][:2] == ("moe_inductor.kernels.grouped_gemm", "grouped_gemm_kernel")
+    assert jobs[0][3] == (torch.bfloat16, 3, 1.5) and jobs[1][4] == {"BLOCK_M": cands[1].BLOCK_M}
+    assert recorder("wgrad|E4|N8|K8|torch.bfloat16|a1|g0|m2", lambda: cands, run) == cands[0]
+    assert list(recorder.jobs) == [key]  # the weight-gradient kernel is not this script's
+
+
+def test_tune_gemm_reads_the_default_config_from_a_key(monkeypatch):
+    from benchmarks import tune_gemm
+    from moe_inductor.kernels import configs
+
+    monkeypatch.setattr(configs, "interpreting", lambda: False)  # the GPU's defaults, which differ by bucket and dtype
+    assert configs.default_gemm_config(2048, 1024, 2048, torch.bfloat16, True) != \
+        configs.default_gemm_config(2, 1024, 2048, torch.bfloat16, True)
+    assert tune_gemm.default_of("gemm|E64|N1024|K2048|torch.bfloat16|g1|a1|c0|m2048") == \
+        configs.default_gemm_config(2048, 1024, 2048, torch.bfloat16, True)
+    assert tune_gemm.default_of("gemm|E60|N2048|K1408|torch.float32|g0|a0|c2|m2|il") == \
+        configs.default_gemm_config(2, 2048, 1408, torch.float32, False)

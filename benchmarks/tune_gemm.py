@@ -1,0 +1,214 @@
+"""Tune the forward grouped GEMM's launch configs on this GPU for the named shapes, and measure what they buy.
+
+    python benchmarks/tune_gemm.py --shapes olmoe qwen2moe deepseekv3 qwen3 --tokens 16 512 4096 16384 \\
+        --workers 12 --json tuned_gemm.json --merge
+
+For each shape and token count, in one process: the experts forward (no gradients, HF's weight layout, our fused
+kernels: gemm_engine="triton") with the configs the table has now ("before"); then every forward-GEMM key that
+call meets and the table lacks is tuned (each of ``configs.gemm_candidates`` timed by do_bench medians); then the
+forward again ("after") and sort + torch._grouped_mm. Keys the table has already are left as they are.
+
+Compiling the candidates is most of a tune (about a hundred Triton compiles per kernel variant), and it is CPU
+work, so it is done first, in ``--workers`` processes at once: each compiles its share through
+``JITFunction.warmup`` into Triton's on-disk cache, and the timing in this process then loads them from there.
+--json writes the tuned entries with each key's default and best time; --merge adds the entries to the shipped
+table (moe_inductor/kernels/tuned/<GPU>.json).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import moe_inductor
+from moe_inductor.kernels import configs, launch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from benchmarks.bench_backward_engine import EXTRA_SHAPES, _weights  # noqa: E402
+from benchmarks.bench_experts import SHAPES, bench, make_routing, sort_grouped_mm  # noqa: E402
+
+GEMM = "gemm|"
+
+
+def _portable(arg):
+    """A kernel argument as a worker can rebuild it: a tensor becomes its dtype (Triton's ``MockTensor``)."""
+    return arg.dtype if isinstance(arg, torch.Tensor) else arg
+
+
+def _warm(jobs: list[tuple]) -> int:
+    """Compile each job (module, kernel name, grid, args, meta) into Triton's cache; returns how many compiled."""
+    done = 0
+    for module, name, grid, args, meta in jobs:
+        kernel = getattr(importlib.import_module(module), name)
+        try:
+            kernel.warmup(*args, grid=grid, **meta)
+            done += 1
+        except Exception:  # a config that does not compile is skipped by the tuner too
+            pass
+    return done
+
+
+class Recorder:
+    """Stands in for ``configs.tune``: records every candidate's launch (not run) of each key the table lacks."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, list[tuple]] = {}
+
+    def __call__(self, key, candidates, run, bench=None):
+        cands = candidates()
+        if key.startswith(GEMM) and key not in self.jobs:
+            jobs = self.jobs[key] = []
+            real = launch.launch_kernel
+
+            def capture(kernel, grid, args, meta):
+                if isinstance(kernel, launch.LazyKernel):
+                    kernel = kernel.resolve()
+                jobs.append((kernel.fn.__module__, kernel.fn.__name__, tuple(grid),
+                             tuple(_portable(a) for a in args), dict(meta)))
+
+            launch.launch_kernel = capture
+            try:
+                for cfg in cands:
+                    run(cfg)
+            finally:
+                launch.launch_kernel = real
+        return cands[0]  # this call's own result is thrown away
+
+
+class Timings:
+    """Wraps ``configs.tune`` to keep every candidate's time, so the default's can be shown beside the best's."""
+
+    def __init__(self) -> None:
+        self.real = configs.tune
+        self.times: dict[str, dict[configs.LaunchConfig, float]] = {}
+
+    def __call__(self, key, candidates, run, bench=None):
+        if not key.startswith(GEMM):
+            return configs.TABLE.lookup(key) or candidates()[0]
+        cands = candidates()
+        order = iter(cands)
+        times = self.times[key] = {}
+        from triton.testing import do_bench
+
+        def timed(fn):
+            cfg = next(order)
+            ms = do_bench(fn, warmup=5, rep=25, return_mode="median")
+            times[cfg] = ms
+            return ms
+
+        return self.real(key, lambda: cands, run, bench=timed)
+
+
+def save(entries: dict[str, dict], json_path: str | None, merge: bool) -> None:
+    """Write the tuned entries (with their times) to ``json_path``; with ``merge``, add their configs to the shipped
+    table of this GPU."""
+    if json_path:
+        Path(json_path).write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
+    if merge:
+        path = configs._TUNED_DIR / f"{configs.ConfigTable.device_tag()}.json"
+        table = json.loads(path.read_text()) if path.exists() else {}
+        table.update({key: {f: v for f, v in e.items() if not f.startswith("_")} for key, e in entries.items()})
+        path.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
+
+
+def default_of(key: str) -> configs.LaunchConfig:
+    """The config a forward-GEMM key gets without a table entry (``launch.launch_grouped_gemm``'s key layout:
+    ``gemm|E..|N..|K..|dtype|g..|a..|c..|m..[|il]``)."""
+    parts = key.split("|")
+    n, k, dtype, gated = int(parts[2][1:]), int(parts[3][1:]), getattr(torch, parts[4].split(".")[-1]), parts[5] == "g1"
+    return configs.default_gemm_config(int(parts[8][1:]), n, k, dtype, gated)
+
+
+def forward(x, ids, weights, w1, w2):
+    with torch.no_grad():
+        return moe_inductor.fused_experts(x, ids, weights, w1, w2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="*", default=["olmoe", "qwen2moe", "deepseekv3", "qwen3"],
+                    choices=[*SHAPES, *EXTRA_SHAPES])
+    ap.add_argument("--tokens", nargs="*", type=int, default=[16, 512, 4096, 16384])
+    ap.add_argument("--workers", type=int, default=8, help="processes compiling candidates at once")
+    ap.add_argument("--json", help="write the tuned entries (with default and best times) here")
+    ap.add_argument("--merge", action="store_true", help="add them to the shipped table for this GPU")
+    args = ap.parse_args()
+    moe_inductor.config.validate_routing = False
+    moe_inductor.config.gemm_engine = "triton"  # the fused kernels are what is tuned
+    print(f"torch {torch.__version__}, GPU {torch.cuda.get_device_name()}", flush=True)
+    dev, dt = "cuda", torch.bfloat16
+    cases = []
+    for name in args.shapes:
+        H, I, E, k = {**SHAPES, **EXTRA_SHAPES}[name]
+        gen = torch.Generator().manual_seed(0)
+        w1, w2 = _weights(name, dev, dt)
+        for T in args.tokens:
+            x = torch.randn(T, H, device=dev, dtype=dt)
+            ids, weights = make_routing(T, E, k, False, gen, dev)
+            cases.append((name, T, E, k, (x, ids, weights.to(dt), w1, w2)))
+
+    before = {(n, T): bench(lambda c=c: forward(*c), 25, 100) for n, T, _, _, c in cases}
+
+    # 1. record the candidates' launches of every untuned key, 2. compile them in worker processes
+    recorder = Recorder()
+    real_tune, configs.tune = configs.tune, recorder
+    moe_inductor.config.autotune = True
+    launch._GEMM_DECISIONS.clear()
+    try:
+        for *_, c in cases:
+            forward(*c)
+    finally:
+        configs.tune = real_tune
+    jobs = [job for key_jobs in recorder.jobs.values() for job in key_jobs]
+    unique = list({(j[0], j[1], repr(j[3]), repr(sorted(j[4].items()))): j for j in jobs}.values())
+    start = time.perf_counter()
+    print(f"compiling {len(unique)} candidate kernels for {len(recorder.jobs)} keys in {args.workers} processes",
+          flush=True)
+    shares = [unique[i::args.workers] for i in range(args.workers)]
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        compiled = sum(pool.map(_warm, shares))
+    print(f"compiled {compiled}/{len(unique)} in {time.perf_counter() - start:.0f} s", flush=True)
+
+    # 3. tune (every compile is now a cache load), keeping each candidate's time
+    timings = Timings()
+    configs.tune = timings
+    launch._GEMM_DECISIONS.clear()
+    try:
+        for *_, c in cases:
+            forward(*c)
+    finally:
+        configs.tune = real_tune
+        moe_inductor.config.autotune = False
+    launch._GEMM_DECISIONS.clear()
+
+    print("| key | default (ms) | best (ms) | best config | default / best |")
+    print("|---|---|---|---|---|")
+    entries = {}
+    for key, times in timings.times.items():
+        cfg = configs.TABLE.lookup(key)
+        default = default_of(key)
+        d_ms, b_ms = times.get(default, float("nan")), times[cfg]
+        entries[key] = {**vars(cfg), "_default_ms": round(d_ms, 4), "_best_ms": round(b_ms, 4)}
+        print(f"| {key} | {d_ms:.4f} | {b_ms:.4f} | {cfg} | {d_ms / b_ms:.2f}x |", flush=True)
+
+    save(entries, args.json, args.merge)  # before the last timings: a run cut short keeps what it tuned
+
+    print("| shape | T | before (ms) | after (ms) | sort+_grouped_mm (ms) | before / after | sort+gmm / after |")
+    print("|---|---|---|---|---|---|---|")
+    for name, T, E, k, c in cases:
+        after = bench(lambda: forward(*c), 25, 100)
+        x, ids, weights, w1, w2 = c
+        ref = bench(lambda: sort_grouped_mm(x, ids, weights, w1.transpose(1, 2), w2.transpose(1, 2)), 25, 100)
+        b = before[(name, T)]
+        print(f"| {name} | {T} | {b:.3f} | {after:.3f} | {ref:.3f} | {b / after:.2f}x | {ref / after:.2f}x |",
+              flush=True)
+
+
+
+if __name__ == "__main__":
+    main()
