@@ -254,9 +254,13 @@ def test_opcheck_experts_backward(combined_gate_up):
 def test_combined_gate_up_gradient_is_the_two_halves(on_triton, monkeypatch):
     """The ninth ``needs`` flag: dw1 comes back as one (E, H, 2I) tensor, laid out as the (E, 2I, H) parameter is,
     holding exactly the separate gate and up gradients."""
+    # the Triton kernels take CPU tensors under the interpreter only; with a GPU they run on its copies
+    device = "cuda" if on_triton and torch.cuda.is_available() else "cpu"
+    on = lambda args: tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)  # noqa: E731
+    separate_args, combined_args = on(_backward_args(False)), on(_backward_args(True))
     monkeypatch.setattr(moe_inductor.config, "triton_on_cpu", on_triton)
-    separate = experts_backward(*_backward_args(False))
-    combined = experts_backward(*_backward_args(True))
+    separate = experts_backward(*separate_args)
+    combined = experts_backward(*combined_args)
     I = separate[2].shape[2]
     assert combined[2].shape[2] == 2 * I and combined[3].numel() == 0
     assert combined[2].stride(1) == 1  # the transpose of a dense (E, 2I, H), like the nn.Linear-style parameter
