@@ -681,6 +681,15 @@ def merge_repeats(rows) -> list:
     return list(merged.values())
 
 
+def cpu_list(text: str) -> set:
+    """The cores of a list like ``0-3,8,10-11``."""
+    out: set = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        out.update(range(int(first), int(last or first) + 1))
+    return out
+
+
 def _pairs(items, kind):
     out = {}
     for item in items or ():
@@ -719,6 +728,9 @@ def main(argv=None) -> None:
     ap.add_argument("--decode-repeats", type=int, default=1,
                     help="with column processes: each decode column in this many processes, alternating the columns' "
                          "order; the median is reported")
+    ap.add_argument("--cpus", default=None,
+                    help="CPU cores every process runs on, e.g. 0-7 or 0,2,4: a host-bound decode column's speed "
+                         "then does not depend on where the scheduler put its process")
     ap.add_argument("--profile-path", default=None, help="where the traces go (default: beside --json)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
@@ -726,6 +738,8 @@ def main(argv=None) -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.layers, args.budget = _pairs(args.layers, int), _pairs(args.budget, float)
+    if args.cpus:
+        os.sched_setaffinity(0, cpu_list(args.cpus))  # children inherit it
     if args.profile and not args.profile_path and args.json:
         args.profile_path = str(Path(args.json).with_suffix(".profile.txt"))
     if args.cells:

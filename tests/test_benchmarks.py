@@ -68,6 +68,7 @@ def test_bench_hf_cells_and_table():
     assert bench_hf.lanes_of(groups, 2) == [[0, 1, 2, 3, 5], [4]]
     assert bench_hf.lanes_of(groups, 8) == [[0, 1, 2, 3], [4], [5]]
     assert bench_hf.lanes_of(groups, 1) == [list(range(6))]
+    assert bench_hf.cpu_list("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11} and bench_hf.cpu_list("5") == {5}
     assert bench_hf.host_bucket("~", "<built-in method torch.mm>") == "C: torch.mm"
     assert bench_hf.host_bucket("/tmp/torchinductor_u/ab/cab.py", "call").startswith("compiled graphs")
     assert bench_hf.host_bucket("/v/site-packages/transformers/generation/utils.py", "_sample") == "transformers generate"
