@@ -124,6 +124,20 @@ def default_of(key: str) -> configs.LaunchConfig:
     return configs.default_gemm_config(int(parts[8][1:]), n, k, dtype, gated)
 
 
+def run_with_tuner(stand_in, cases: list[tuple]) -> None:
+    """Run the forward of every case with autotuning on and ``stand_in`` in the place of ``configs.tune``; launch
+    decisions made before or during it are forgotten, so that every key meets the tuner and then its table entry."""
+    real = configs.tune
+    configs.tune, moe_inductor.config.autotune = stand_in, True
+    launch._GEMM_DECISIONS.clear()
+    try:
+        for case in cases:
+            forward(*case)
+    finally:
+        configs.tune, moe_inductor.config.autotune = real, False
+        launch._GEMM_DECISIONS.clear()
+
+
 def forward(x, ids, weights, w1, w2):
     with torch.no_grad():
         return moe_inductor.fused_experts(x, ids, weights, w1, w2)
@@ -156,14 +170,7 @@ def main() -> None:
 
     # 1. record the candidates' launches of every untuned key, 2. compile them in worker processes
     recorder = Recorder()
-    real_tune, configs.tune = configs.tune, recorder
-    moe_inductor.config.autotune = True
-    launch._GEMM_DECISIONS.clear()
-    try:
-        for *_, c in cases:
-            forward(*c)
-    finally:
-        configs.tune = real_tune
+    run_with_tuner(recorder, [c for *_, c in cases])
     jobs = [job for key_jobs in recorder.jobs.values() for job in key_jobs]
     unique = list({(j[0], j[1], repr(j[3]), repr(sorted(j[4].items()))): j for j in jobs}.values())
     start = time.perf_counter()
@@ -176,15 +183,7 @@ def main() -> None:
 
     # 3. tune (every compile is now a cache load), keeping each candidate's time
     timings = Timings()
-    configs.tune = timings
-    launch._GEMM_DECISIONS.clear()
-    try:
-        for *_, c in cases:
-            forward(*c)
-    finally:
-        configs.tune = real_tune
-        moe_inductor.config.autotune = False
-    launch._GEMM_DECISIONS.clear()
+    run_with_tuner(timings, [c for *_, c in cases])
 
     print("| key | default (ms) | best (ms) | best config | default / best |")
     print("|---|---|---|---|---|")
