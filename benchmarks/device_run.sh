@@ -8,6 +8,8 @@
 #                                            # GPT-OSS training steps, Qwen3 decode B=1, with profiles     (~9 min)
 #   bash benchmarks/device_run.sh hfall      # bench_hf.py over every family, mode and size in one run, one
 #                                            # family per GPU: needs an 8-GPU machine (nvidia-h200-x8)    (~9 min)
+#   bash benchmarks/device_run.sh decode     # decode B=1 of GPT-OSS and OLMoE, each column in 3 processes
+#                                            # (order alternating), on fixed cores, with host profiles      (~7 min)
 #   bash benchmarks/device_run.sh bwd        # forward + backward kernel breakdown, ours against sort +
 #                                            # _grouped_mm (profile_experts.py, Qwen3, GPT-OSS, DeepSeek-V3) (~3 min)
 #   bash benchmarks/device_run.sh bwdengine  # fwd+bwd with each pairing of GEMM engines (bench_backward_engine.py),
@@ -63,6 +65,13 @@ case "${1:-suite}" in
       mixtral:prefill:4096 olmoe:prefill:4096 qwen2_moe:prefill:4096 deepseek_v3:prefill:4096 \
       --json "$OUT/bench_hf.json" --markdown "$OUT/bench_hf.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       | tee "$OUT/bench_hf.log" | grep -v "^  " ;;
+  decode)  # the host-bound cells below 1.0x, measured so that one process's host speed cannot decide them: three
+            # processes per column, the columns' order alternating, every process on the same cores (0-7)
+    timeout 590 python benchmarks/bench_hf.py --deadline-s 575 --budget-s 80 --decode-repeats 3 --cpus 0-7 \
+      --profile --host-profile --cells gpt_oss:decode:1:inductor+moe_inductor olmoe:decode:1:inductor+moe_inductor \
+      --json "$OUT/bench_hf_decode.json" \
+      --markdown "$OUT/bench_hf_decode.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_decode.log"
+    cat "$OUT/bench_hf_decode.md" ;;
   hfall)  # every family, mode and size in one run: one family per GPU, side by side (--gpus 6), so it needs a
           # machine of 8 GPUs (kind nvidia-h200-x8); each family's cells, most wanted first, under a 540 s budget.
           # Qwen3 also gets the max-autotune-no-cudagraphs column in prefill.
