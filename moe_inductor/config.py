@@ -44,6 +44,10 @@ grouped_mm_min_rows_per_expert: int = 1024
 #: experts go faster through CUTLASS at 1024 rows each, while Qwen3's and OLMoE's small ones stay faster fused.
 grouped_mm_min_expert_weights: int = 32 * 1024 * 1024
 
+#: Take a rewrite only where the whole-model measurements say it is faster than Inductor (speed_rule.py). Off, every
+#: proven MoE layer is rewritten: that is how the measurements themselves are taken (env MOE_INDUCTOR_SPEED_RULE=0).
+speed_rule: bool = os.environ.get("MOE_INDUCTOR_SPEED_RULE", "1") == "1"
+
 #: Devices on which GPT-OSS's attention with sinks runs as one SDPA call (``hf_attention.py``): where it was measured
 #: faster than Inductor's fusion of the eager function (the H200: 2.51x prefill, 1.65x training step at T = 4096,
 #: RESULTS.md). The CPU has no such measurement, so it keeps the eager function unless "cpu" is added here.

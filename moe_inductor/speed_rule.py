@@ -85,6 +85,10 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
     """The rule's word on one layer, for explain(): "kept Inductor's path: ..." (the measurement that says our
     rewrite would be slower) or "speed rule: ..." (why the rewrite is taken). ``mode`` is "train" (a
     differentiable call), "inference" (the worse of "prefill" and "decode"), or either of those two."""
+    from . import config
+
+    if not config.speed_rule:
+        return "speed rule: off (moe_inductor.config.speed_rule = False)"
     if inner != "inductor":
         return f"speed rule: not applied (inner compiler {inner!r}, no Inductor path to compare with)"
     if device.type != "cuda":
@@ -127,7 +131,8 @@ KEPT = "kept Inductor's path"
 
 def mode_of(x: torch.Tensor, weights: tuple) -> str:
     """"train" where the call builds a graph for the backward, else "inference" (prefill and decode alike: telling
-    them apart would read the token count, and under dynamic shapes that adds a guard and a recompile)."""
+    them apart would read the token count, and under dynamic shapes that adds a guard and a recompile; even
+    ``type()`` or ``isinstance`` of a symbolic size specialises it while Dynamo traces)."""
     if torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in (x, *weights)):
         return "train"
     return "inference"

@@ -76,6 +76,17 @@ def test_mode_of_reads_grad_only():
         assert speed_rule.mode_of(torch.zeros(4096, 4), (w,)) == "inference"
 
 
+def test_with_the_rule_off_every_proven_layer_is_rewritten(monkeypatch):
+    """How the measurements themselves are taken: moe_inductor.config.speed_rule = False."""
+    import moe_inductor
+
+    monkeypatch.setattr(moe_inductor.config, "speed_rule", False)
+    with _on("NVIDIA_H200"):
+        said = speed_rule.verdict(GPT_OSS, CUDA, "prefill", "inductor")
+        assert said == "speed rule: off (moe_inductor.config.speed_rule = False)"
+        assert keeps_inductor(GPT_OSS, CUDA, "train", "inductor") is None
+
+
 def test_inference_takes_the_worse_of_prefill_and_decode():
     with _on("NVIDIA_H200"):
         assert "0.93x" in keeps_inductor(GPT_OSS, CUDA, "inference", "inductor")
