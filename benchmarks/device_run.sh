@@ -10,6 +10,8 @@
 #                                            # family per GPU: needs an 8-GPU machine (nvidia-h200-x8)    (~9 min)
 #   bash benchmarks/device_run.sh decode     # decode B=1 of GPT-OSS and OLMoE, each column in 3 processes
 #                                            # (order alternating), on fixed cores, with host profiles      (~7 min)
+#   bash benchmarks/device_run.sh rule       # the speed rule's own data for GPT-OSS: its cells with every proven
+#                                            # layer rewritten (MOE_INDUCTOR_SPEED_RULE=0)                  (~8 min)
 #   bash benchmarks/device_run.sh bwd        # forward + backward kernel breakdown, ours against sort +
 #                                            # _grouped_mm (profile_experts.py, Qwen3, GPT-OSS, DeepSeek-V3) (~3 min)
 #   bash benchmarks/device_run.sh bwdengine  # fwd+bwd with each pairing of GEMM engines (bench_backward_engine.py),
@@ -72,6 +74,13 @@ case "${1:-suite}" in
       --json "$OUT/bench_hf_decode.json" \
       --markdown "$OUT/bench_hf_decode.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_decode.log"
     cat "$OUT/bench_hf_decode.md" ;;
+  rule)  # what kernels/tuned/whole_model/ says of GPT-OSS (0.93x prefill, 0.83x training) predates its attention
+         # and kernel changes; with the rule off, moe_inductor's column runs our experts in every mode
+    MOE_INDUCTOR_SPEED_RULE=0 timeout 580 python benchmarks/bench_hf.py --deadline-s 565 --profile \
+      --budget gpt_oss=540 --columns inductor moe_inductor --cells gpt_oss:prefill:4096 gpt_oss:decode:16 \
+      gpt_oss:decode:1 gpt_oss:train:4096 --json "$OUT/bench_hf_rule_off.json" --markdown "$OUT/bench_hf_rule_off.md" \
+      2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_rule_off.log"
+    cat "$OUT/bench_hf_rule_off.md" ;;
   hfall)  # every family, mode and size in one run: one family per GPU, side by side (--gpus 6), so it needs a
           # machine of 8 GPUs (kind nvidia-h200-x8); each family's cells, most wanted first, under a 540 s budget.
           # Qwen3 also gets the max-autotune-no-cudagraphs column in prefill.
