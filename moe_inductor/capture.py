@@ -297,6 +297,44 @@ def rewriting_enabled(form: str) -> bool:
     return bool(state and state.ours and form in state.forms)
 
 
+#: what ``_probe_tokens`` last found, read back by ``_probed_tokens`` (Dynamo compiles one frame at a time)
+_probed: list = [-1]
+
+
+def _probe_tokens(ctx: Any) -> None:
+    """Run by Dynamo's ``comptime`` while it traces ``static_token_count``: the token count of its local ``x`` from the
+    fake tensor itself, where every leading dimension is a plain int, else -1. Read here, a symbolic size is neither
+    specialised nor guarded on, as it would be by Python code that Dynamo traces (even ``type()`` of it)."""
+    dims = ctx.get_local("x").as_fake().shape[:-1]
+    count = 1
+    for d in dims:
+        if type(d) is not int:
+            _probed[0] = -1
+            return
+        count *= d
+    _probed[0] = count
+
+
+@torch._dynamo.assume_constant_result
+def _probed_tokens() -> int:
+    return _probed[0]
+
+
+def static_token_count(x: torch.Tensor) -> Optional[int]:
+    """The number of tokens (the product of all dimensions but the last) of ``x`` where it is static, None where it
+    is symbolic (a graph traced with dynamic shapes); no guard is added either way."""
+    if not torch.compiler.is_compiling():
+        count = 1
+        for d in x.shape[:-1]:
+            count *= int(d)
+        return count
+    from torch._dynamo.comptime import comptime
+
+    comptime(_probe_tokens)
+    count = _probed_tokens()
+    return None if count < 0 else count
+
+
 @torch._dynamo.assume_constant_result
 def speed_rule_verdict(form: str, activation: str, gate_up: str, bias: bool, shape: tuple, device: str,
                        mode: str) -> str:

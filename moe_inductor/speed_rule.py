@@ -7,7 +7,9 @@ over ``torch.compile``'s default in each mode ("prefill", "decode", "train"), fr
 rule reads shapes, dtypes and modes only (nothing on the device), so it costs nothing per call.
 
 - A layer kind with a measured value below 1.0 in the current mode is left to Inductor. Where the mode itself was not
-  measured, the worst value measured for that layer kind decides.
+  measured, the worst value measured for that layer kind decides. The mode (``mode_of``) is "train" for a call that
+  makes a gradient, "decode" or "prefill" by a static token count of the sizes those were measured at, else
+  "inference", the worse of the two.
 - On a GPU with no file, the rule is conservative: it uses the measurements of the GPUs that have one, and leaves a
   layer kind to Inductor unless it won there by ``UNMEASURED_GPU_MARGIN``.
 - Layer kinds never measured are rewritten (the op benchmark, ``bench_experts.py``, shows the op ahead of
@@ -84,7 +86,7 @@ def route_of(form: str) -> str:
 def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: str = "hf_grouped_mm") -> str:
     """The rule's word on one layer, for explain(): "kept Inductor's path: ..." (the measurement that says our
     rewrite would be slower) or "speed rule: ..." (why the rewrite is taken). ``mode`` is "train" (a
-    differentiable call), "inference" (the worse of "prefill" and "decode"), or either of those two."""
+    differentiable call), "prefill" or "decode" (``mode_of``), or "inference" (the worse of those two)."""
     from . import config
 
     if not config.speed_rule:
@@ -129,10 +131,24 @@ def keeps_inductor(kind: LayerKind, device: torch.device, mode: str, inner: str,
 KEPT = "kept Inductor's path"
 
 
+#: the sizes the modes were measured at (benchmarks/bench_hf.py): decode at batch 1 and 16, prefill from 512 tokens
+DECODE_MAX_TOKENS = 16
+PREFILL_MIN_TOKENS = 512
+
+
 def mode_of(x: torch.Tensor, weights: tuple) -> str:
-    """"train" where the call builds a graph for the backward, else "inference" (prefill and decode alike: telling
-    them apart would read the token count, and under dynamic shapes that adds a guard and a recompile; even
-    ``type()`` or ``isinstance`` of a symbolic size specialises it while Dynamo traces)."""
+    """"train" where the call builds a graph for the backward. Otherwise, where the token count is static (the graph
+    is specialised on it already), "decode" up to ``DECODE_MAX_TOKENS`` tokens and "prefill" from
+    ``PREFILL_MIN_TOKENS``: the sizes those modes were measured at. Between them, and wherever the count is symbolic
+    (never read, ``capture.static_token_count``: a comparison would add a guard and a recompile), "inference": the
+    worse of the two."""
     if torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in (x, *weights)):
         return "train"
+    from .capture import static_token_count
+
+    tokens = static_token_count(x)
+    if tokens is not None and tokens <= DECODE_MAX_TOKENS:
+        return "decode"
+    if tokens is not None and tokens >= PREFILL_MIN_TOKENS:
+        return "prefill"
     return "inference"

@@ -67,13 +67,70 @@ def test_hf_experts_the_rule_keeps_are_left_to_inductor_with_the_reason():
     assert any("measured slower" in m.reason for m in report.left_alone)
 
 
-def test_mode_of_reads_grad_only():
-    """No token count is read: under dynamic shapes a comparison on it would add a guard and a recompile."""
+def test_mode_of_reads_grad_and_a_static_token_count():
+    """decode and prefill where the token count is one of the measured sizes, the worse of the two between."""
     w = torch.zeros(2, 2, requires_grad=True)
     assert speed_rule.mode_of(torch.zeros(8, 4), (w,)) == "train"
     with torch.no_grad():
-        assert speed_rule.mode_of(torch.zeros(8, 4), (w,)) == "inference"
-        assert speed_rule.mode_of(torch.zeros(4096, 4), (w,)) == "inference"
+        assert speed_rule.mode_of(torch.zeros(1, 1, 4), (w,)) == "decode"  # batch 1, one new token
+        assert speed_rule.mode_of(torch.zeros(16, 4), (w,)) == "decode"
+        assert speed_rule.mode_of(torch.zeros(17, 4), (w,)) == "inference"  # between the measured sizes
+        assert speed_rule.mode_of(torch.zeros(1, 511, 4), (w,)) == "inference"
+        assert speed_rule.mode_of(torch.zeros(2, 256, 4), (w,)) == "prefill"
+        assert speed_rule.mode_of(torch.zeros(4096, 4), (w,)) == "prefill"
+
+
+_MODES = ("decode", "prefill", "inference", "train")
+
+
+def _reads_mode(x):
+    # the mode comes back in the output: a global list appended to while traced would be guarded on (its length)
+    return x.sum() * 0 + _MODES.index(speed_rule.mode_of(x, ()))
+
+
+def _modes_traced(dynamic, sizes):
+    """mode_of as Dynamo traces it, for each call, and how many frames were compiled."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(_reads_mode, backend=counter, dynamic=dynamic)
+    with torch.no_grad():
+        modes = [_MODES[int(compiled(torch.zeros(tokens, 4)))] for tokens in sizes]
+    return modes, counter.frame_count
+
+
+def test_mode_of_reads_a_static_count_while_traced():
+    torch._dynamo.reset()
+    assert _modes_traced(False, (8, 4096, 100)) == (["decode", "prefill", "inference"], 3)
+
+
+def test_mode_of_never_reads_a_symbolic_token_count():
+    """Under dynamic shapes the count is a SymInt: reading it would add a guard and a recompile per size class."""
+    torch._dynamo.reset()
+    assert _modes_traced(True, (8, 4096, 100)) == (["inference"] * 3, 1)
+
+
+def test_hf_experts_are_judged_in_the_mode_of_their_static_size():
+    """The HF route hands the rule the mode of the traced call: a one-token step is "decode", a long prompt
+    "prefill", and the same model traced with dynamic shapes "inference"."""
+    from hf_models import tiny
+
+    torch.manual_seed(0)
+    model = tiny("qwen3_moe").eval()
+    modes = []
+
+    def record(kind, device, mode, inner, form):
+        modes.append(mode)
+        return "speed rule: recorded"
+
+    with mock.patch.object(speed_rule, "verdict", side_effect=record), torch.no_grad():
+        for tokens, dynamic in ((1, False), (600, False), (600, True)):
+            torch._dynamo.reset()
+            modes.clear()
+            torch.compile(model, backend="moe_inductor", dynamic=dynamic, options={"inner": "eager"})(
+                torch.randint(0, 64, (1, tokens)))
+            want = "inference" if dynamic else ("decode" if tokens == 1 else "prefill")
+            assert modes and set(modes) == {want}, (tokens, dynamic, modes)
 
 
 def test_with_the_rule_off_every_proven_layer_is_rewritten(monkeypatch):
