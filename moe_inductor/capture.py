@@ -30,6 +30,11 @@ import torch
 
 from . import report
 
+try:
+    from torch._dynamo.comptime import comptime as _comptime
+except ImportError:  # a torch without it: token counts are never read while traced (speed_rule.mode_of)
+    _comptime = None
+
 BACKEND_MARKER = "_is_moe_inductor_backend"
 BACKEND_NAME = "moe_inductor"
 
@@ -305,11 +310,14 @@ def _probe_tokens(ctx: Any) -> None:
     """Run by Dynamo's ``comptime`` while it traces ``static_token_count``: the token count of its local ``x`` from the
     fake tensor itself, where every leading dimension is a plain int, else -1. Read here, a symbolic size is neither
     specialised nor guarded on, as it would be by Python code that Dynamo traces (even ``type()`` of it)."""
-    dims = ctx.get_local("x").as_fake().shape[:-1]
+    _probed[0] = -1
+    try:
+        dims = ctx.get_local("x").as_fake().shape[:-1]
+    except Exception:  # noqa: BLE001  (another torch's comptime: the count stays unknown, the mode "inference")
+        return
     count = 1
     for d in dims:
         if type(d) is not int:
-            _probed[0] = -1
             return
         count *= d
     _probed[0] = count
@@ -328,9 +336,9 @@ def static_token_count(x: torch.Tensor) -> Optional[int]:
         for d in x.shape[:-1]:
             count *= int(d)
         return count
-    from torch._dynamo.comptime import comptime
-
-    comptime(_probe_tokens)
+    if _comptime is None:
+        return None
+    _comptime(_probe_tokens)
     count = _probed_tokens()
     return None if count < 0 else count
 
