@@ -213,3 +213,16 @@ def test_hf_measurements_do_not_hold_for_the_fx_route():
         said = speed_rule.verdict(GPT_OSS, CUDA, "prefill", "inductor", form="gathered_weights")
         assert not said.startswith(speed_rule.KEPT) and "never measured" in said and "fx route" in said
         assert "1.11x" in speed_rule.verdict(QWEN3, CUDA, "prefill", "inductor", form="hf_grouped_mm")
+
+
+def test_a_failing_token_probe_leaves_the_mode_inference(monkeypatch):
+    """Where the fake tensor cannot be read at trace time (another torch's comptime), the count stays unknown: the
+    trace goes on, and the mode is the worse of prefill and decode, as if the count were symbolic."""
+    from torch._dynamo.comptime import ComptimeContext
+
+    def broken(self, name, *, stacklevel=0):
+        raise RuntimeError("no such local")
+
+    monkeypatch.setattr(ComptimeContext, "get_local", broken)
+    torch._dynamo.reset()
+    assert _modes_traced(False, (8, 4096)) == (["inference"] * 2, 2)
