@@ -540,7 +540,9 @@ def markdown(rows) -> str:
             return "–"
         if "value" not in r:
             return "skipped" if "skipped" in r else "error"
-        return f"{r['value']:.0f}" if r["unit"] != "ms" else f"{r['value']:.2f}"
+        fmt = "{:.0f}" if r["unit"] != "ms" else "{:.2f}"
+        spread = f" ({fmt.format(min(r['values']))}-{fmt.format(max(r['values']))})" if r.get("values") else ""
+        return fmt.format(r["value"]) + spread  # a median over processes shows their range
 
     def pair(c, key, fmt):
         out = []

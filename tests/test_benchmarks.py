@@ -63,6 +63,8 @@ def test_bench_hf_cells_and_table():
     assert [(r["column"], r["value"], r.get("values"), r.get("err")) for r in merged] == [  # the first's other fields
         ("inductor", 110.0, [100.0, 110.0, 120.0], 0.1), ("moe_inductor", 120.0, [90.0, 130.0, 120.0], 0.2),
         ("eager", 5.0, None, None)]
+    assert "| decode B=1 | new tok/s | – | 110 (100-120) | – | 120 (90-130) | 1.09 |" in bench_hf.markdown(
+        [dict(r, layers=2, unit="new tok/s") for r in merged[:2]])
     groups = bench_hf.process_groups(cells + [("gpt_oss", "train", 8, ("eager",))], alone=True)
     # one GPU per family, round-robin; a family's groups (its decode columns too) stay on its GPU, in order
     assert bench_hf.lanes_of(groups, 2) == [[0, 1, 2, 3, 5], [4]]
