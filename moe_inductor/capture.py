@@ -315,12 +315,17 @@ def _probe_tokens(ctx: Any) -> None:
         dims = ctx.get_local("x").as_fake().shape[:-1]
     except Exception:  # noqa: BLE001  (another torch's comptime: the count stays unknown, the mode "inference")
         return
+    _probed[0] = _count_of(dims)
+
+
+def _count_of(dims: Iterable) -> int:
+    """The product of ``dims`` where every one is a plain int, else -1 (run as plain Python, never traced)."""
     count = 1
     for d in dims:
         if type(d) is not int:
-            return
+            return -1
         count *= d
-    _probed[0] = count
+    return count
 
 
 @torch._dynamo.assume_constant_result
@@ -332,14 +337,12 @@ def static_token_count(x: torch.Tensor) -> Optional[int]:
     """The number of tokens (the product of all dimensions but the last) of ``x`` where it is static, None where it
     is symbolic (a graph traced with dynamic shapes); no guard is added either way."""
     if not torch.compiler.is_compiling():
-        count = 1
-        for d in x.shape[:-1]:
-            count *= int(d)
-        return count
-    if _comptime is None:
+        count = _count_of(x.shape[:-1])
+    elif _comptime is None:
         return None
-    _comptime(_probe_tokens)
-    count = _probed_tokens()
+    else:
+        _comptime(_probe_tokens)
+        count = _probed_tokens()
     return None if count < 0 else count
 
 

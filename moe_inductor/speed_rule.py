@@ -32,6 +32,9 @@ from typing import Optional
 
 import torch
 
+from . import config
+from .capture import static_token_count
+
 _DATA_DIR = Path(__file__).parent / "kernels" / "tuned" / "whole_model"
 #: on a GPU without measurements, a layer kind must have won by this much on the measured GPUs
 UNMEASURED_GPU_MARGIN = 1.1
@@ -87,8 +90,6 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
     """The rule's word on one layer, for explain(): "kept Inductor's path: ..." (the measurement that says our
     rewrite would be slower) or "speed rule: ..." (why the rewrite is taken). ``mode`` is "train" (a
     differentiable call), "prefill" or "decode" (``mode_of``), or "inference" (the worse of those two)."""
-    from . import config
-
     if not config.speed_rule:
         return "speed rule: off (moe_inductor.config.speed_rule = False)"
     if inner != "inductor":
@@ -144,8 +145,6 @@ def mode_of(x: torch.Tensor, weights: tuple) -> str:
     worse of the two."""
     if torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in (x, *weights)):
         return "train"
-    from .capture import static_token_count
-
     tokens = static_token_count(x)
     if tokens is not None and tokens <= DECODE_MAX_TOKENS:
         return "decode"
