@@ -48,10 +48,7 @@ def save(json_path: str | None, merge: bool) -> None:
     if json_path:
         Path(json_path).write_text(json.dumps(tuned, indent=1) + "\n")
     if merge:
-        path = configs._TUNED_DIR / f"{configs.ConfigTable.device_tag()}.json"
-        table = json.loads(path.read_text()) if path.exists() else {}
-        table.update(tuned)
-        path.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
+        configs.TABLE.merge_into_shipped(tuned_entries())
 
 
 def main() -> None:

@@ -222,3 +222,19 @@ def test_tune_gemm_reads_the_default_config_from_a_key(monkeypatch):
         configs.default_gemm_config(2048, 1024, 2048, torch.bfloat16, True)
     assert tune_gemm.default_of("gemm|E60|N2048|K1408|torch.float32|g0|a0|c2|m2|il") == \
         configs.default_gemm_config(2, 2048, 1408, torch.float32, False)
+
+
+def test_tuned_entries_merge_into_the_shipped_table(tmp_path, monkeypatch):
+    """The tuning scripts' --merge: new keys are added, existing ones replaced, the rest kept, keys sorted."""
+    import json
+
+    from moe_inductor.kernels import configs
+
+    monkeypatch.setattr(configs, "_TUNED_DIR", tmp_path)
+    monkeypatch.setattr(configs.ConfigTable, "device_tag", staticmethod(lambda: "GPU_X"))
+    old, new = configs.LaunchConfig(16, 64, 64, 4, 3), configs.LaunchConfig(128, 128, 64, 8, 3)
+    (tmp_path / "GPU_X.json").write_text(json.dumps({"gemm|b": vars(old), "gemm|z": vars(old)}))
+    path = configs.TABLE.merge_into_shipped({"gemm|a": new, "gemm|z": new})
+    table = json.loads(path.read_text())
+    assert path == tmp_path / "GPU_X.json" and list(table) == ["gemm|a", "gemm|b", "gemm|z"]
+    assert table["gemm|a"] == table["gemm|z"] == vars(new) and table["gemm|b"] == vars(old)

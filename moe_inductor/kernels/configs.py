@@ -182,6 +182,15 @@ class ConfigTable:
                 warnings.warn(f"moe_inductor: cannot save tuned configs to {path} ({exc}); they last this run only "
                               "(MOE_INDUCTOR_CACHE_DIR picks another directory)", stacklevel=3)
 
+    def merge_into_shipped(self, entries: dict[str, LaunchConfig]) -> Path:
+        """Add ``entries`` to the table shipped for this GPU (``kernels/tuned/<GPU>.json``), as the tuning scripts in
+        benchmarks/ do; returns its path."""
+        path = _TUNED_DIR / f"{self.device_tag()}.json"
+        table = json.loads(path.read_text()) if path.exists() else {}
+        table.update({key: asdict(cfg) for key, cfg in entries.items()})
+        path.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
+        return path
+
     def dump(self, path: str | os.PathLike) -> None:
         Path(path).write_text(json.dumps({k: asdict(v) for k, v in sorted(self._table.items())}, indent=1))
 
