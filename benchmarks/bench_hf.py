@@ -29,6 +29,7 @@ time outside kernels), written beside the JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -159,27 +160,31 @@ def host_syncs(step, device: str) -> dict:
     import warnings
 
     _sync(device)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, _sync_debug_mode("warn"):
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        step()
     count = sum("synchronizing" in str(w.message) for w in caught)
     out = {"host_syncs": count}
     if count:
         _sync(device)
-        torch.cuda.set_sync_debug_mode("error")
         try:
-            step()
+            with _sync_debug_mode("error"):
+                step()
         except RuntimeError:
             frames = traceback.extract_tb(sys.exc_info()[2])[-4:]
             out["first_sync"] = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         _sync(device)
     return out
+
+
+@contextlib.contextmanager
+def _sync_debug_mode(mode: str):
+    """CUDA's sync debug mode ``mode`` ("warn" or "error") for the block, back to "default" after it."""
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
