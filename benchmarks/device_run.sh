@@ -12,14 +12,16 @@
 #                                            # (order alternating), on fixed cores, with host profiles      (~7 min)
 #   bash benchmarks/device_run.sh rule       # the speed rule's own data for GPT-OSS: its cells with every proven
 #                                            # layer rewritten (MOE_INDUCTOR_SPEED_RULE=0)                  (~8 min)
+#   bash benchmarks/device_run.sh hostab     # GPT-OSS decode B=1 host time, moe_inductor's pieces taken away one
+#                                            # at a time (decode_host_ab.py), 2 rounds in alternating order (~5 min)
 #   bash benchmarks/device_run.sh bwd        # forward + backward kernel breakdown, ours against sort +
 #                                            # _grouped_mm (profile_experts.py, Qwen3, GPT-OSS, DeepSeek-V3) (~3 min)
 #   bash benchmarks/device_run.sh bwdengine  # fwd+bwd with each pairing of GEMM engines (bench_backward_engine.py),
 #                                            # then the engine's GPU tests                                (~5 min)
 #   bash benchmarks/device_run.sh tune       # tune the weight-gradient kernel (tune_weight_grad.py), merge into
 #                                            # the shipped table, rerun the backward GPU tests with it    (~8 min)
-#   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys
-#                                            # (tune_gemm.py, compiles in 14 processes), merge into the table (~6 min)
+#   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys, GPT-OSS's
+#                                            # own layout first (tune_gemm.py, 14 compiling processes), merge (~7 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
 # Outputs go to $OUT (the device tool brings back at most 8 files). The project must be installed for the entry point.
 set -uo pipefail
@@ -74,8 +76,9 @@ case "${1:-suite}" in
       --json "$OUT/bench_hf_decode.json" \
       --markdown "$OUT/bench_hf_decode.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_decode.log"
     cat "$OUT/bench_hf_decode.md" ;;
-  rule)  # what kernels/tuned/whole_model/ says of GPT-OSS (0.93x prefill, 0.83x training) predates its attention
-         # and kernel changes; with the rule off, moe_inductor's column runs our experts in every mode
+  rule)  # with the rule off, moe_inductor's column runs our experts in every mode. A whole_model/ value is this
+         # column's time against moe_inductor's with the rule on (the layer left to Inductor, the rest as ours),
+         # which is the inductor column only where nothing else in the model is rewritten (not GPT-OSS's attention)
     MOE_INDUCTOR_SPEED_RULE=0 timeout 580 python benchmarks/bench_hf.py --deadline-s 565 --profile \
       --budget gpt_oss=540 --columns inductor moe_inductor --cells gpt_oss:prefill:4096 gpt_oss:decode:16 \
       gpt_oss:decode:1 gpt_oss:train:4096 --json "$OUT/bench_hf_rule_off.json" --markdown "$OUT/bench_hf_rule_off.md" \
@@ -115,9 +118,16 @@ PY
       -p no:warnings --tb=short -k "backward or weight_grad or wgrad or fp64" 2>&1 | grep -v "torch.__trace" \
       | tee "$OUT/tune_wgrad_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
   tunegemm)
-    timeout 420 python benchmarks/tune_gemm.py --shapes olmoe qwen2moe deepseekv3 qwen3 --tokens 16 512 4096 16384 \
+    timeout 420 python benchmarks/tune_gemm.py --shapes gptoss olmoe qwen2moe deepseekv3 qwen3 --tokens 16 512 4096 16384 \
       --workers 14 --json "$OUT/tuned_gemm.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_gemm.log"
     grep -v "autotuning gemm" "$OUT/tune_gemm.log" | cut -c1-220 | tail -50
     cp moe_inductor/kernels/tuned/NVIDIA_H200.json "$OUT/NVIDIA_H200.json" ;;
+  hostab)  # one process per variant; the second round reverses the first's order (a variant is not judged by
+            # its place in the sequence, which moves host time by up to 1.4x: RESULTS.md, fourteenth session)
+    for order in "ind moe custom moe_nowrap ind_imp" "ind_imp moe_nowrap custom moe ind"; do
+      for v in $order; do
+        timeout 80 taskset -c 0-7 python benchmarks/decode_host_ab.py $v 2>&1 | grep '^{' | tee -a "$OUT/host_ab.jsonl"
+      done
+    done ;;
   *) echo "unknown mode $1"; exit 2 ;;
 esac

@@ -136,9 +136,31 @@ def run_with_tuner(stand_in, cases: list[tuple]) -> None:
         launch._GEMM_DECISIONS.clear()
 
 
-def forward(x, ids, weights, w1, w2):
+def forward(x, ids, weights, w1, w2, kw=None):
     with torch.no_grad():
-        return moe_inductor.fused_experts(x, ids, weights, w1, w2)
+        return moe_inductor.fused_experts(x, ids, weights, w1, w2, **(kw or {}))
+
+
+def shape_cases(name: str, tokens: list[int], dev, dt) -> list[tuple[int, tuple]]:
+    """(T, forward's arguments) for each token count. "gptoss" is GPT-OSS's experts as the model holds them: (E, H,
+    2I) gate_up with interleaved columns, biases and the clamped glu, whose GEMMs have keys of their own (``|il``);
+    every other shape is HF's concatenated (E, 2I, H) layout with SiLU."""
+    H, I, E, k = {**SHAPES, **EXTRA_SHAPES}[name]
+    gen = torch.Generator().manual_seed(0)
+    if name == "gptoss":
+        w1 = torch.randn(E, H, 2 * I, generator=gen).mul_(H ** -0.5).to(dev, dt)
+        w2 = torch.randn(E, I, H, generator=gen).mul_(I ** -0.5).to(dev, dt)
+        kw = dict(b1=torch.randn(E, 2 * I, generator=gen).mul_(0.02).to(dev, dt),
+                  b2=torch.randn(E, H, generator=gen).mul_(0.02).to(dev, dt),
+                  activation="gptoss_glu", layout="kn", gate_up="interleaved")
+    else:
+        (w1, w2), kw = _weights(name, dev, dt), {}
+    out = []
+    for T in tokens:
+        x = torch.randn(T, H, generator=gen).to(dev, dt)
+        ids, weights = make_routing(T, E, k, False, gen, dev)
+        out.append((T, (x, ids, weights.to(dt), w1, w2, kw)))
+    return out
 
 
 def main() -> None:
@@ -154,15 +176,7 @@ def main() -> None:
     moe_inductor.config.gemm_engine = "triton"  # the fused kernels are what is tuned
     print(f"torch {torch.__version__}, GPU {torch.cuda.get_device_name()}", flush=True)
     dev, dt = "cuda", torch.bfloat16
-    cases = []
-    for name in args.shapes:
-        H, I, E, k = {**SHAPES, **EXTRA_SHAPES}[name]
-        gen = torch.Generator().manual_seed(0)
-        w1, w2 = _weights(name, dev, dt)
-        for T in args.tokens:
-            x = torch.randn(T, H, device=dev, dtype=dt)
-            ids, weights = make_routing(T, E, k, False, gen, dev)
-            cases.append((name, T, (x, ids, weights.to(dt), w1, w2)))
+    cases = [(name, T, case) for name in args.shapes for T, case in shape_cases(name, args.tokens, dev, dt)]
 
     before = {(n, T): bench(lambda c=c: forward(*c), 25, 100) for n, T, c in cases}
 
@@ -199,8 +213,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name, T, c in cases:
         after = bench(lambda: forward(*c), 25, 100)
-        x, ids, weights, w1, w2 = c
-        ref = bench(lambda: sort_grouped_mm(x, ids, weights, w1.transpose(1, 2), w2.transpose(1, 2)), 25, 100)
+        x, ids, weights, w1, w2, kw = c
+        ref = float("nan") if kw else bench(  # sort + _grouped_mm here takes the plain (nk, concat) layout only
+            lambda: sort_grouped_mm(x, ids, weights, w1.transpose(1, 2), w2.transpose(1, 2)), 25, 100)
         b = before[(name, T)]
         print(f"| {name} | {T} | {b:.3f} | {after:.3f} | {ref:.3f} | {b / after:.2f}x | {ref / after:.2f}x |",
               flush=True)

@@ -224,6 +224,36 @@ def test_tune_gemm_reads_the_default_config_from_a_key(monkeypatch):
         configs.default_gemm_config(2, 2048, 1408, torch.float32, False)
 
 
+def test_tune_gemm_gptoss_case_is_the_models_own_layout(monkeypatch):
+    """tune_gemm.py's "gptoss" case is GPT-OSS's experts as the model holds them ((E, H, 2I) gate_up, interleaved
+    columns, biases, clamped glu), so that its tuned keys are the ones the model meets: its forward equals that
+    layer written out expert by expert."""
+    from benchmarks import tune_gemm
+
+    monkeypatch.setitem(tune_gemm.SHAPES, "gptoss", (8, 4, 3, 2))
+    (T, case), = tune_gemm.shape_cases("gptoss", [5], "cpu", torch.float32)
+    x, ids, weights, w1, w2, kw = case
+    assert T == 5 and w1.shape == (3, 8, 8) and kw["gate_up"] == "interleaved" and kw["layout"] == "kn"
+    want = torch.zeros_like(x)
+    for t in range(T):
+        for e, w in zip(ids[t].tolist(), weights[t]):
+            h = x[t] @ w1[e] + kw["b1"][e]
+            gate, up = h[0::2].clamp(max=7.0), h[1::2].clamp(-7.0, 7.0)
+            want[t] += w * (((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ w2[e] + kw["b2"][e])
+    torch.testing.assert_close(tune_gemm.forward(*case), want, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_host_ab_variants_name_their_backends():
+    """decode_host_ab.py's variants: Inductor, a plain compile_fx backend with none of ours, and moe_inductor."""
+    from benchmarks import decode_host_ab
+
+    assert decode_host_ab.backend_of("ind") == decode_host_ab.backend_of("ind_imp") == "inductor"
+    assert decode_host_ab.backend_of("custom") is decode_host_ab.plain_backend
+    assert decode_host_ab.backend_of("moe") == "moe_inductor"
+    with pytest.raises(ValueError, match="unknown variant"):
+        decode_host_ab.backend_of("moe_inductor")
+
+
 def test_tuned_entries_merge_into_the_shipped_table(tmp_path, monkeypatch):
     """The tuning scripts' --merge: new keys are added, existing ones replaced, the rest kept, keys sorted."""
     import json
