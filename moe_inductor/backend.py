@@ -28,28 +28,41 @@ def _moe_ops_in(gm: torch.fx.GraphModule) -> int:
                and getattr(n.target, "namespace", None) == "moe_inductor" and n.target._opname in _MOE_OPS)
 
 
-#: torch.compile modes in which Inductor replays the graph as CUDA graphs
-_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
 def _inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs: list[Any], mode: Optional[str],
                    inductor_options: Optional[dict] = None) -> Callable:
-    """Hand the rewritten graph to the inner compiler. For Inductor, ``mode`` sets the patches torch.compile's mode
-    would, and ``inductor_options`` (the backend options that are Inductor settings) go on top, as
-    ``torch.compile(..., options=)`` does for ``backend="inductor"``."""
+    """Hand the rewritten graph to the inner compiler. Inductor gets it through the wrapper that
+    ``torch.compile(backend="inductor", mode=mode, options=inductor_options)`` builds, so that each mode's settings,
+    the options' checks and the CUDA-graph side effects (the profiler's CUPTI settings) are Inductor's own."""
     if name == "eager":
         return gm.forward
     if name == "aot_eager":
         from torch._dynamo.backends.registry import lookup_backend
 
         return lookup_backend("aot_eager")(gm, example_inputs)
-    from torch._inductor.compile_fx import compile_fx
+    inductor = torch._TorchCompileInductorWrapper(mode, inductor_options or None, None)
+    if inductor.config.get("triton.cudagraphs"):
+        _state.recorded_cuda_graphs = True
+    return inductor(gm, example_inputs)
 
-    patches = {"triton.cudagraphs": True} if mode in _CUDA_GRAPH_MODES else {}
-    if mode == "max-autotune":
-        patches["max_autotune"] = True
-    patches.update(inductor_options or {})
-    return compile_fx(gm, example_inputs, config_patches=patches or None)
+
+class _BackendState:
+    #: a compile of ours ran under CUDA graphs since the last ``torch._dynamo.reset()``
+    recorded_cuda_graphs = False
+
+
+_state = _BackendState()
+
+
+def _reset() -> None:
+    """What ``torch._dynamo.reset()`` does for ``backend="inductor"`` (``_TorchCompileInductorWrapper.reset``): the
+    CUDA-graph trees recorded under a CUDA-graph mode are freed, and their memory pools with them."""
+    import torch._inductor.config as inductor_config
+
+    if _state.recorded_cuda_graphs or inductor_config.triton.cudagraphs:
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        reset_cudagraph_trees()
+    _state.recorded_cuda_graphs = False
 
 
 def moe_inductor_backend(
@@ -72,7 +85,7 @@ def moe_inductor_backend(
     record = report.file_graph(gm.code, _moe_ops_in(gm), traced.rewrites + rewrites, traced.left_alone + left_alone)
     from . import config
 
-    if config.visible_kernels and opts.inner == "inductor" and not _uses_cuda_graphs(mode):
+    if config.visible_kernels and opts.inner == "inductor" and not _uses_cuda_graphs(mode, opts.inductor):
         from .lowerings.visible import swap_in_visible_ops
 
         record.visible_ops = swap_in_visible_ops(gm)
@@ -145,15 +158,25 @@ def _warn_unseen_wrapper() -> None:
                        "its capture settings (fix: moe_inductor.mark_backend(your_backend))")
 
 
-def _uses_cuda_graphs(mode: Optional[str]) -> bool:
-    """Whether Inductor will replay this graph as CUDA graphs. The visible kernels exist to cut host time per call,
-    which graph replay removes anyway; there the opaque op keeps its per-call choices (routing path, GEMM config
-    from the real token count). Measured once on the H200: the visible op under reduce-overhead decoded at batch 16
+def _uses_cuda_graphs(mode: Optional[str], inductor_options: Optional[dict] = None) -> bool:
+    """Whether Inductor will replay this graph as CUDA graphs (by the mode's settings, the options, or Inductor's own
+    config). The visible kernels exist to cut host time per call, which graph replay removes anyway; there the
+    opaque op keeps its per-call choices (routing path, GEMM config from the real token count). Measured once on the H200: the visible op under reduce-overhead decoded at batch 16
     at 957 new tokens/s against 2834 for torch.compile and 4988 for the opaque op a session earlier (RESULTS.md);
     the cause is not known yet."""
     import torch._inductor.config as inductor_config
 
-    return mode in _CUDA_GRAPH_MODES or bool(inductor_config.triton.cudagraphs)
+    settings = {**_mode_settings(mode), **{k.replace("-", "_"): v for k, v in (inductor_options or {}).items()}}
+    return bool(settings.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
+
+
+def _mode_settings(mode: Optional[str]) -> dict:
+    """The Inductor settings ``torch.compile``'s ``mode`` stands for ({} for none or "default")."""
+    if not mode or mode == "default":
+        return {}
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
 
 
 def mark_backend(fn: Callable) -> Callable:
@@ -164,6 +187,7 @@ def mark_backend(fn: Callable) -> Callable:
 
 
 mark_backend(moe_inductor_backend)
+moe_inductor_backend.reset = _reset  # type: ignore[attr-defined]  (torch._dynamo.reset() calls a backend's reset)
 capture.install()
 hf.install()
 hf_masks.install()

@@ -341,7 +341,7 @@ def test_inductor_options_pass_through_and_mode_works_with_them(monkeypatch):
     from torch._inductor import compile_fx
 
     seen = []
-    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, inputs, config_patches=None: seen.append(config_patches)
+    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, inputs, config_patches=None, **_: seen.append(config_patches)
                         or gm.forward)
     model, x = _loop_moe()(), torch.randn(6, 16)
     torch._dynamo.reset()
