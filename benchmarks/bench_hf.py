@@ -12,7 +12,10 @@ Modes (a cell is family:mode:size[:column+column...]):
   its decode step itself, through its CompileConfig); new tokens per second.
 - train T: ``zero_grad(set_to_none=True)``, forward with ``labels=``, ``loss.backward()``; milliseconds.
 
-Columns: eager, inductor (``torch.compile`` default), max-autotune-no-cudagraphs, moe_inductor (``backend="moe_inductor"``).
+Columns: eager, inductor (``torch.compile`` default), max-autotune-no-cudagraphs, moe_inductor (``backend="moe_inductor"``),
+moe_inductor_rule_off (the same with its speed rule off) and moe_inductor_experts_kept (no MoE form rewritten). The
+last two side by side give the speed rule's value for a cell (a second table), the measurement that
+``kernels/tuned/whole_model/`` ships.
 Each (cell, column) compiles afresh with static shapes, so that every size gets the code a user's first call would get.
 Times are ``triton.testing.do_bench`` medians (prefill, train) or the median of three ``generate`` calls (decode), after
 a warm-up: the first forwards after a compile run slower than later ones. Beside each time: the first call's wall time
@@ -45,7 +48,11 @@ import torch
 from torch._dynamo.utils import counters
 
 MODES = ("prefill", "decode", "train")
-COLUMNS = ("eager", "inductor", "max-autotune-no-cudagraphs", "moe_inductor")
+#: backend="moe_inductor" with its speed rule off (every proven layer rewritten), and with no MoE form rewritten (the
+#: experts left to Inductor; attention and masks still moe_inductor's). Their ratio is what rewriting the experts
+#: buys with everything else in the model compiled alike: the speed rule's value (``rule_values``)
+RULE_OFF, EXPERTS_KEPT = "moe_inductor_rule_off", "moe_inductor_experts_kept"
+COLUMNS = ("eager", "inductor", "max-autotune-no-cudagraphs", "moe_inductor", RULE_OFF, EXPERTS_KEPT)
 DEFAULT_COLUMNS = ("eager", "inductor", "moe_inductor")
 
 # (transformers class name, real widths, default layers, tiny widths). The real widths are the named checkpoints';
@@ -144,8 +151,8 @@ def compiled(model, column: str, mode_name: str):
     if column == "eager":
         return model.forward
     kwargs = {"dynamic": False}
-    if column == "moe_inductor":
-        kwargs["backend"] = "moe_inductor"
+    if column in ("moe_inductor", RULE_OFF, EXPERTS_KEPT):
+        kwargs["backend"] = moe_backend(column)
     elif column == "max-autotune-no-cudagraphs":
         kwargs["mode"] = column
     return torch.compile(model.forward, **kwargs)
@@ -379,7 +386,7 @@ def run_decode(model, cfg, B, column, device, reference, profile, new_tokens: in
     if column == "eager":
         extra = {"disable_compile": True}
     else:
-        backend = "moe_inductor" if column == "moe_inductor" else "inductor"
+        backend = moe_backend(column) if column in ("moe_inductor", RULE_OFF, EXPERTS_KEPT) else "inductor"
         if column == "max-autotune-no-cudagraphs":
             raise ValueError("decode runs its compiled columns under reduce-overhead; max-autotune is a prefill column")
         extra = {"compile_config": CompileConfig(backend=backend, mode="reduce-overhead" if device == "cuda" else None,
@@ -503,8 +510,9 @@ def run_family(cells, args) -> list:
                 try:
                     counters["stats"].clear()
                     extra = {"graph_time": True} if mode == "prefill" and args.graph_time else {}
-                    row |= RUNNERS[mode](model, cfg, size, column, args.device, reference,
-                                         profile if column != "eager" else None, **extra)
+                    with speed_rule_off(column == RULE_OFF):
+                        row |= RUNNERS[mode](model, cfg, size, column, args.device, reference,
+                                             profile if column != "eager" else None, **extra)
                     row["graphs"] = counters["stats"]["unique_graphs"]  # > 1 per compile: breaks or recompiles
                 except Exception as e:  # one broken column must not cost the family's other cells
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -520,6 +528,64 @@ def run_family(cells, args) -> list:
             if args.json:
                 write(args.json, dict(meta=versions(args.device), rows=rows))
     return rows
+
+
+def moe_backend(column: str):
+    """The backend a moe_inductor column compiles with: by name, or with no MoE form rewritten (``EXPERTS_KEPT``)."""
+    if column != EXPERTS_KEPT:
+        return "moe_inductor"
+    import moe_inductor
+
+    return moe_inductor.with_options(forms=())
+
+
+@contextlib.contextmanager
+def speed_rule_off(off: bool):
+    """``moe_inductor.config.speed_rule = False`` inside the block where ``off`` (the rule is read while tracing, so
+    the whole column runs inside it: a recompile reads it again)."""
+    if not off:
+        yield
+        return
+    from moe_inductor import config
+
+    before, config.speed_rule = config.speed_rule, False
+    try:
+        yield
+    finally:
+        config.speed_rule = before
+
+
+def rule_values(rows) -> list[dict]:
+    """Per (family, mode, size) with both ``EXPERTS_KEPT`` and ``RULE_OFF``: the speed rule's value, the model's time
+    with the experts left to Inductor over its time with every proven layer rewritten (> 1: rewriting is faster),
+    everything else compiled alike."""
+    cells: dict = {}
+    for r in rows:
+        if "value" in r:
+            cells.setdefault((r["family"], r["layers"], r["mode"], r["size"]), {})[r["column"]] = r
+    out = []
+    for (family, layers, mode, size), c in cells.items():
+        on, off = c.get(EXPERTS_KEPT), c.get(RULE_OFF)
+        if on is None or off is None:
+            continue
+        value = on["value"] / off["value"] if on["unit"] == "ms" else off["value"] / on["value"]
+        out.append(dict(family=family, layers=layers, mode=mode, size=size, unit=on["unit"], rule_on=on["value"],
+                        rule_off=off["value"], value=value))
+    return out
+
+
+def rule_markdown(rows) -> str:
+    """The speed rule's values (``rule_values``) as a table; empty where no cell ran both moe_inductor columns."""
+    values = rule_values(rows)
+    if not values:
+        return ""
+    lines = ["| family (layers) | mode | unit | experts kept | every proven layer rewritten | rewriting buys |",
+             "|---|---|---|---|---|---|"]
+    for v in values:
+        fmt = "{:.0f}" if v["unit"] != "ms" else "{:.2f}"
+        lines.append(f"| {FAMILIES[v['family']][1]} ({v['layers']}) | {v['mode']} {v['size']} | {v['unit']} | "
+                     f"{fmt.format(v['rule_on'])} | {fmt.format(v['rule_off'])} | {v['value']:.2f} |")
+    return "\n".join(lines)
 
 
 def write(path, data) -> None:
@@ -771,6 +837,8 @@ def main(argv=None) -> None:
     if args.json:
         write(args.json, dict(meta=meta, rows=rows))
     table = markdown(rows)
+    if rule_markdown(rows):
+        table += "\n\nThe speed rule's values (kernels/tuned/whole_model/):\n\n" + rule_markdown(rows)
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
     print(table, flush=True)

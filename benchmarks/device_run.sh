@@ -10,8 +10,8 @@
 #                                            # family per GPU: needs an 8-GPU machine (nvidia-h200-x8)    (~9 min)
 #   bash benchmarks/device_run.sh decode     # decode B=1 of GPT-OSS and OLMoE, each column in 3 processes
 #                                            # (order alternating), on fixed cores, with host profiles      (~7 min)
-#   bash benchmarks/device_run.sh rule       # the speed rule's own data for GPT-OSS: its cells with every proven
-#                                            # layer rewritten (MOE_INDUCTOR_SPEED_RULE=0)                  (~8 min)
+#   bash benchmarks/device_run.sh rule       # the speed rule's values: each family's prefill and GPT-OSS's training,
+#                                            # experts kept against every layer rewritten (bench_hf)        (~9 min)
 #   bash benchmarks/device_run.sh hostab     # GPT-OSS decode B=1 host time, moe_inductor's pieces taken away one
 #                                            # at a time (decode_host_ab.py), 2 rounds in alternating order (~5 min)
 #   bash benchmarks/device_run.sh bwd        # forward + backward kernel breakdown, ours against sort +
@@ -76,14 +76,16 @@ case "${1:-suite}" in
       --json "$OUT/bench_hf_decode.json" \
       --markdown "$OUT/bench_hf_decode.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_decode.log"
     cat "$OUT/bench_hf_decode.md" ;;
-  rule)  # with the rule off, moe_inductor's column runs our experts in every mode. A whole_model/ value is this
-         # column's time against moe_inductor's with the rule on (the layer left to Inductor, the rest as ours),
-         # which is the inductor column only where nothing else in the model is rewritten (not GPT-OSS's attention)
-    MOE_INDUCTOR_SPEED_RULE=0 timeout 580 python benchmarks/bench_hf.py --deadline-s 565 --profile \
-      --budget gpt_oss=540 --columns inductor moe_inductor --cells gpt_oss:prefill:4096 gpt_oss:decode:16 \
-      gpt_oss:decode:1 gpt_oss:train:4096 --json "$OUT/bench_hf_rule_off.json" --markdown "$OUT/bench_hf_rule_off.md" \
-      2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_rule_off.log"
-    cat "$OUT/bench_hf_rule_off.md" ;;
+  rule)  # the speed rule's values (kernels/tuned/whole_model/): every family's prefill T=4096 and GPT-OSS's training
+         # step with the experts left to Inductor against every proven layer rewritten, the rest compiled alike
+    C=moe_inductor_experts_kept+moe_inductor_rule_off
+    timeout 580 python benchmarks/bench_hf.py --deadline-s 565 --profile --layers qwen3_moe=2 \
+      --budget gpt_oss=200 qwen3_moe=75 mixtral=75 olmoe=60 qwen2_moe=60 deepseek_v3=80 \
+      --cells gpt_oss:train:4096:$C gpt_oss:prefill:4096:$C qwen3_moe:prefill:4096:$C mixtral:prefill:4096:$C \
+      olmoe:prefill:4096:$C qwen2_moe:prefill:4096:$C deepseek_v3:prefill:4096:$C \
+      --json "$OUT/bench_hf_rule.json" --markdown "$OUT/bench_hf_rule.md" 2>&1 \
+      | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_rule.log"
+    cat "$OUT/bench_hf_rule.md" ;;
   hfall)  # every family, mode and size in one run: one family per GPU, side by side (--gpus 6), so it needs a
           # machine of 8 GPUs (kind nvidia-h200-x8); each family's cells, most wanted first, under a 540 s budget.
           # Qwen3 also gets the max-autotune-no-cudagraphs column in prefill.

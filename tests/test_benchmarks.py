@@ -183,6 +183,42 @@ def test_bench_cpu_quickstart_mode_runs(capsys):
     assert "| 8 |" in capsys.readouterr().out
 
 
+def test_bench_hf_rule_values_divide_the_two_moe_inductor_columns():
+    """The speed rule's value of a cell: rule-on time over rule-off time (ms), or rule-off over rule-on (tok/s)."""
+    from benchmarks import bench_hf
+
+    def row(mode, column, value, unit):
+        return dict(family="gpt_oss", layers=2, mode=mode, size=1 if mode == "decode" else 4096, column=column,
+                    value=value, unit=unit)
+
+    kept, off = bench_hf.EXPERTS_KEPT, bench_hf.RULE_OFF
+    rows = [row("prefill", kept, 8.57, "ms"), row("prefill", off, 10.19, "ms"),
+            row("decode", kept, 401.0, "new tok/s"), row("decode", off, 464.0, "new tok/s"),
+            row("train", "moe_inductor", 50.0, "ms"), row("train", off, 54.0, "ms")]  # no experts-kept column
+    values = {v["mode"]: round(v["value"], 2) for v in bench_hf.rule_values(rows)}
+    assert values == {"prefill": 0.84, "decode": 1.16}
+    table = bench_hf.rule_markdown(rows)
+    assert "| GPT-OSS-20B (2) | prefill 4096 | ms | 8.57 | 10.19 | 0.84 |" in table
+    assert bench_hf.rule_markdown(rows[4:]) == ""
+
+
+@pytest.mark.slow
+def test_bench_hf_rule_columns_compile_with_the_rule_off_and_with_no_form(capsys, monkeypatch):
+    """moe_inductor_rule_off traces with moe_inductor.config.speed_rule = False (the moe_inductor column with it
+    on), moe_inductor_experts_kept rewrites no MoE form, and the run prints the rule's table."""
+    from benchmarks import bench_hf
+    from moe_inductor import config, speed_rule
+
+    seen, real = [], speed_rule.verdict
+    monkeypatch.setattr(speed_rule, "verdict", lambda *a, **k: seen.append(config.speed_rule) or real(*a, **k))
+    columns = ("moe_inductor", bench_hf.RULE_OFF, bench_hf.EXPERTS_KEPT)
+    bench_hf.main(["--tiny", "--device", "cpu", "--cells", "qwen3_moe:prefill:8:" + "+".join(columns)])
+    # the rule is asked once a layer (4), with the rule on, then off; the experts-kept column rewrites no layer
+    assert seen == [True] * 4 + [False] * 4
+    assert config.speed_rule  # put back after the column
+    assert "| Qwen3-30B-A3B (4) | prefill 8 | ms |" in capsys.readouterr().out
+
+
 def test_tune_gemm_records_each_candidate_launch_without_running_it():
     """tune_gemm.py's first pass stands in for the tuner: every candidate's launch of an untuned key is recorded as a
     compile job (tensors as their dtypes, for ``JITFunction.warmup`` in a worker), nothing runs, and the launch
