@@ -282,12 +282,31 @@ def _backward_middle_fused(dy: Tensor, call: ExpertsCall, routed: Routed, pre: T
                                   scale=routed.scale)
     del h
     if w.b2 is not None and needs.b2:
-        db2 = _sum_by_expert(dy[rows.token].to(f32) * rows.s_sorted, rows.expert, E, w.b2.dtype)
+        db2 = _sum_rows_by_expert(dy, routed, ROWS_TOKEN, w.b2.dtype, scale=routed.scale)
     if w.b1 is not None and needs.b1:
-        db1 = _sum_by_expert(d_gate, rows.expert, E, w.b1.dtype)
+        db1 = _sum_rows_by_expert(d_gate, routed, ROWS_SORTED, w.b1.dtype)
     if w.b1_up is not None and needs.b1_up:
-        db1_up = _sum_by_expert(d_up, rows.expert, E, w.b1_up.dtype)
+        db1_up = _sum_rows_by_expert(d_up, routed, ROWS_SORTED, w.b1_up.dtype)
     return _MiddleGrads(d_gate, d_up, d_scale_sorted, dw2, db2, db1, db1_up)
+
+
+#: the width of the column of ones that turns the weight-gradient GEMM into per-expert row sums (a GEMM tile's
+#: smallest width; the other 15 columns of the result are the same sums, computed and dropped)
+_ONES_WIDTH = 16
+
+
+def _sum_rows_by_expert(g: Tensor, routed: Routed, g_rows: int, dtype: torch.dtype,
+                        scale: Optional[Tensor] = None) -> Tensor:
+    """(E, width) sums, per expert, of the rows of ``g`` its sorted rows read (``g_rows`` as in the weight-gradient
+    GEMM, each times ``scale`` of its assignment where given), accumulated in fp32 and cast to ``dtype``: a bias
+    gradient. It is the weight-gradient GEMM of a column of ones, ``ones^T @ g_e``: each program sums its expert's
+    rows in order, where an ``index_add_`` into E rows serialises on atomics (GPT-OSS's training profile in
+    RESULTS.md) and sums in no fixed order."""
+    E = routed.num_experts
+    ones = g.new_ones(routed.order.shape[0], _ONES_WIDTH)
+    sums = g.new_empty(E, _ONES_WIDTH, g.shape[1], dtype=dtype)
+    grouped_weight_grad(ones, g, routed.rows, sums, a_rows=ROWS_SORTED, g_rows=g_rows, scale=scale)
+    return sums[:, 0].contiguous()
 
 
 def _sum_by_expert(rows: Tensor, expert: Tensor, num_experts: int, dtype: torch.dtype) -> Tensor:
