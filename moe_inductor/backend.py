@@ -161,9 +161,9 @@ def _warn_unseen_wrapper() -> None:
 def _uses_cuda_graphs(mode: Optional[str], inductor_options: Optional[dict] = None) -> bool:
     """Whether Inductor will replay this graph as CUDA graphs (by the mode's settings, the options, or Inductor's own
     config). The visible kernels exist to cut host time per call, which graph replay removes anyway; there the
-    opaque op keeps its per-call choices (routing path, GEMM config from the real token count). Measured once on the H200: the visible op under reduce-overhead decoded at batch 16
-    at 957 new tokens/s against 2834 for torch.compile and 4988 for the opaque op a session earlier (RESULTS.md);
-    the cause is not known yet."""
+    opaque op keeps its per-call choices (routing path, GEMM config from the real token count). Measured once on the
+    H200: the visible op under reduce-overhead decoded at batch 16 at 957 new tokens/s against 2834 for
+    torch.compile and 4988 for the opaque op a session earlier (RESULTS.md); the cause is not known yet."""
     import torch._inductor.config as inductor_config
 
     settings = {**_mode_settings(mode), **{k.replace("-", "_"): v for k, v in (inductor_options or {}).items()}}

@@ -27,7 +27,9 @@ def with_options(**options: Any) -> Callable:
     from .options import BackendOptions
 
     BackendOptions.parse(options)  # a bad option fails here, not at the first compile
-    return functools.partial(moe_inductor_backend, options=dict(options))
+    backend = functools.partial(moe_inductor_backend, options=dict(options))
+    backend.reset = moe_inductor_backend.reset  # type: ignore[attr-defined]  (torch._dynamo.reset() calls it)
+    return backend
 
 
 def compile_generate(model: torch.nn.Module, *, dynamic: Optional[bool] = None, mode: Optional[str] = None,

@@ -52,7 +52,9 @@ def test_dynamo_reset_frees_the_cuda_graph_trees_as_for_inductor(mode, resets, m
     _patches_seen(monkeypatch)
     freed = []
     monkeypatch.setattr(cudagraph_trees, "reset_cudagraph_trees", lambda: freed.append(True))
-    for backend in ("inductor", "moe_inductor"):
+    import moe_inductor
+
+    for backend in ("inductor", "moe_inductor", moe_inductor.with_options(epilogue_fusion=False)):
         torch._dynamo.reset()
         freed.clear()
         torch.compile(_mlp(), backend=backend, mode=mode)(torch.randn(3, 8))
