@@ -49,7 +49,11 @@ def test_dynamo_reset_frees_the_cuda_graph_trees_as_for_inductor(mode, resets, m
     CUDA-graph mode recorded; a moe_inductor compile in such a mode is freed the same way."""
     from torch._inductor import cudagraph_trees
 
+    from moe_inductor import backend as moe_backend
+
     _patches_seen(monkeypatch)
+    # a CUDA-graph compile of another test, through a wrapper without reset, leaves the flag up
+    monkeypatch.setattr(moe_backend._state, "recorded_cuda_graphs", False)
     freed = []
     monkeypatch.setattr(cudagraph_trees, "reset_cudagraph_trees", lambda: freed.append(True))
     import moe_inductor
