@@ -39,30 +39,33 @@ def _inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs: list[Any
         from torch._dynamo.backends.registry import lookup_backend
 
         return lookup_backend("aot_eager")(gm, example_inputs)
-    inductor = torch._TorchCompileInductorWrapper(mode, inductor_options or None, None)
-    if inductor.config.get("triton.cudagraphs"):
-        _state.recorded_cuda_graphs = True
+    inductor = _inductor_wrapper(mode, inductor_options)
+    if inductor not in _state.wrappers:  # one per distinct setting (the wrappers compare by their config)
+        _state.wrappers.append(inductor)
     return inductor(gm, example_inputs)
 
 
+def _inductor_wrapper(mode: Optional[str], inductor_options: Optional[dict]) -> Any:
+    """What ``torch.compile(backend="inductor", mode=mode, options=inductor_options)`` builds: a compiler whose
+    ``config`` is the mode's settings with the options on top, and whose ``reset`` frees what it recorded."""
+    return torch._TorchCompileInductorWrapper(mode, inductor_options or None, None)
+
+
 class _BackendState:
-    #: a compile of ours ran under CUDA graphs since the last ``torch._dynamo.reset()``
-    recorded_cuda_graphs = False
+    def __init__(self) -> None:
+        #: the Inductor compilers (one per setting) of our compiles since the last ``torch._dynamo.reset()``
+        self.wrappers: list = []
 
 
 _state = _BackendState()
 
 
 def _reset() -> None:
-    """What ``torch._dynamo.reset()`` does for ``backend="inductor"`` (``_TorchCompileInductorWrapper.reset``): the
-    CUDA-graph trees recorded under a CUDA-graph mode are freed, and their memory pools with them."""
-    import torch._inductor.config as inductor_config
-
-    if _state.recorded_cuda_graphs or inductor_config.triton.cudagraphs:
-        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
-
-        reset_cudagraph_trees()
-    _state.recorded_cuda_graphs = False
+    """What ``torch._dynamo.reset()`` does for ``backend="inductor"``: each of our Inductor compilers is reset as
+    Inductor's own is (the CUDA-graph trees recorded under a CUDA-graph mode are freed, with their memory pools)."""
+    for wrapper in _state.wrappers:
+        wrapper.reset()
+    _state.wrappers.clear()
 
 
 def moe_inductor_backend(
@@ -166,17 +169,8 @@ def _uses_cuda_graphs(mode: Optional[str], inductor_options: Optional[dict] = No
     torch.compile and 4988 for the opaque op a session earlier (RESULTS.md); the cause is not known yet."""
     import torch._inductor.config as inductor_config
 
-    settings = {**_mode_settings(mode), **{k.replace("-", "_"): v for k, v in (inductor_options or {}).items()}}
+    settings = _inductor_wrapper(mode, inductor_options).config
     return bool(settings.get("triton.cudagraphs", inductor_config.triton.cudagraphs))
-
-
-def _mode_settings(mode: Optional[str]) -> dict:
-    """The Inductor settings ``torch.compile``'s ``mode`` stands for ({} for none or "default")."""
-    if not mode or mode == "default":
-        return {}
-    from torch._inductor import list_mode_options
-
-    return dict(list_mode_options(mode))
 
 
 def mark_backend(fn: Callable) -> Callable:

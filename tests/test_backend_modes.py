@@ -52,8 +52,8 @@ def test_dynamo_reset_frees_the_cuda_graph_trees_as_for_inductor(mode, resets, m
     from moe_inductor import backend as moe_backend
 
     _patches_seen(monkeypatch)
-    # a CUDA-graph compile of another test, through a wrapper without reset, leaves the flag up
-    monkeypatch.setattr(moe_backend._state, "recorded_cuda_graphs", False)
+    # a CUDA-graph compile of another test, through a wrapper without reset, leaves its compiler to be reset
+    monkeypatch.setattr(moe_backend._state, "wrappers", [])
     freed = []
     monkeypatch.setattr(cudagraph_trees, "reset_cudagraph_trees", lambda: freed.append(True))
     import moe_inductor
