@@ -329,20 +329,27 @@ def routing_check_cost(T: int = 4096, shape: str = "qwen3") -> dict:
             "check_share": times[True] / times[False] - 1.0}
 
 
+def gptoss_weights(gen: torch.Generator, device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """GPT-OSS's experts weights as the model holds them, drawn from ``gen``: (E, H, 2I) gate_up with interleaved
+    columns, (E, I, H) down, and their biases."""
+    H, I, E, _ = SHAPES["gptoss"]
+    return ((torch.randn(E, H, 2 * I, generator=gen) * H ** -0.5).to(device, dtype),
+            (torch.randn(E, I, H, generator=gen) * I ** -0.5).to(device, dtype),
+            (torch.randn(E, 2 * I, generator=gen) * 0.02).to(device, dtype),
+            (torch.randn(E, H, generator=gen) * 0.02).to(device, dtype))
+
+
 def gptoss_layout(T: int) -> dict:
     """GPT-OSS's experts as the model holds them: (E, H, 2I) gate_up with interleaved columns, biases, the clamped
     glu. ``ours`` reads the interleaved weight as one contiguous tile per step; ``ours_strided`` passes gate and up
     as stride-2 views of two copies, which the kernel cannot pair (how every interleaved weight ran before);
     ``sort_gmm`` is HF's grouped_mm path (one GEMM over the whole weight, the glu on its columns)."""
-    H, I, E, k = SHAPES["gptoss"]
+    H, _, E, k = SHAPES["gptoss"]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
     ids, weights = make_routing(T, E, k, False, gen, "cuda")
     weights = weights.to(torch.bfloat16)
-    gate_up = (torch.randn(E, H, 2 * I, generator=gen) * H ** -0.5).to("cuda", torch.bfloat16)
-    down = (torch.randn(E, I, H, generator=gen) * I ** -0.5).to("cuda", torch.bfloat16)
-    b_gate_up = (torch.randn(E, 2 * I, generator=gen) * 0.02).to("cuda", torch.bfloat16)
-    b_down = (torch.randn(E, H, generator=gen) * 0.02).to("cuda", torch.bfloat16)
+    gate_up, down, b_gate_up, b_down = gptoss_weights(gen, "cuda", torch.bfloat16)
     kw = dict(activation="gptoss_glu", layout="kn", b2=b_down)
     ours = partial(moe_inductor.fused_experts, x, ids, weights, gate_up, down, b1=b_gate_up, gate_up="interleaved",
                    **kw)

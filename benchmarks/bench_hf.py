@@ -52,7 +52,8 @@ MODES = ("prefill", "decode", "train")
 #: experts left to Inductor; attention and masks still moe_inductor's). Their ratio is what rewriting the experts
 #: buys with everything else in the model compiled alike: the speed rule's value (``rule_values``)
 RULE_OFF, EXPERTS_KEPT = "moe_inductor_rule_off", "moe_inductor_experts_kept"
-COLUMNS = ("eager", "inductor", "max-autotune-no-cudagraphs", "moe_inductor", RULE_OFF, EXPERTS_KEPT)
+MOE_COLUMNS = ("moe_inductor", RULE_OFF, EXPERTS_KEPT)
+COLUMNS = ("eager", "inductor", "max-autotune-no-cudagraphs", *MOE_COLUMNS)
 DEFAULT_COLUMNS = ("eager", "inductor", "moe_inductor")
 
 # (transformers class name, real widths, default layers, tiny widths). The real widths are the named checkpoints';
@@ -151,7 +152,7 @@ def compiled(model, column: str, mode_name: str):
     if column == "eager":
         return model.forward
     kwargs = {"dynamic": False}
-    if column in ("moe_inductor", RULE_OFF, EXPERTS_KEPT):
+    if column in MOE_COLUMNS:
         kwargs["backend"] = moe_backend(column)
     elif column == "max-autotune-no-cudagraphs":
         kwargs["mode"] = column
@@ -386,7 +387,7 @@ def run_decode(model, cfg, B, column, device, reference, profile, new_tokens: in
     if column == "eager":
         extra = {"disable_compile": True}
     else:
-        backend = moe_backend(column) if column in ("moe_inductor", RULE_OFF, EXPERTS_KEPT) else "inductor"
+        backend = moe_backend(column) if column in MOE_COLUMNS else "inductor"
         if column == "max-autotune-no-cudagraphs":
             raise ValueError("decode runs its compiled columns under reduce-overhead; max-autotune is a prefill column")
         extra = {"compile_config": CompileConfig(backend=backend, mode="reduce-overhead" if device == "cuda" else None,
@@ -565,12 +566,13 @@ def rule_values(rows) -> list[dict]:
             cells.setdefault((r["family"], r["layers"], r["mode"], r["size"]), {})[r["column"]] = r
     out = []
     for (family, layers, mode, size), c in cells.items():
-        on, off = c.get(EXPERTS_KEPT), c.get(RULE_OFF)
-        if on is None or off is None:
+        kept, rewritten = c.get(EXPERTS_KEPT), c.get(RULE_OFF)
+        if kept is None or rewritten is None:
             continue
-        value = on["value"] / off["value"] if on["unit"] == "ms" else off["value"] / on["value"]
-        out.append(dict(family=family, layers=layers, mode=mode, size=size, unit=on["unit"], rule_on=on["value"],
-                        rule_off=off["value"], value=value))
+        ratio = kept["value"] / rewritten["value"]
+        value = ratio if kept["unit"] == "ms" else 1.0 / ratio
+        out.append(dict(family=family, layers=layers, mode=mode, size=size, unit=kept["unit"], kept=kept["value"],
+                        rewritten=rewritten["value"], value=value))
     return out
 
 
@@ -584,7 +586,7 @@ def rule_markdown(rows) -> str:
     for v in values:
         fmt = "{:.0f}" if v["unit"] != "ms" else "{:.2f}"
         lines.append(f"| {FAMILIES[v['family']][1]} ({v['layers']}) | {v['mode']} {v['size']} | {v['unit']} | "
-                     f"{fmt.format(v['rule_on'])} | {fmt.format(v['rule_off'])} | {v['value']:.2f} |")
+                     f"{fmt.format(v['kept'])} | {fmt.format(v['rewritten'])} | {v['value']:.2f} |")
     return "\n".join(lines)
 
 

@@ -30,7 +30,7 @@ import moe_inductor
 from moe_inductor.kernels import configs, launch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from benchmarks.bench_backward_engine import EXTRA_SHAPES, _weights  # noqa: E402
-from benchmarks.bench_experts import SHAPES, bench, make_routing, sort_grouped_mm  # noqa: E402
+from benchmarks.bench_experts import SHAPES, bench, gptoss_weights, make_routing, sort_grouped_mm  # noqa: E402
 
 GEMM = "gemm|"
 
@@ -148,11 +148,8 @@ def shape_cases(name: str, tokens: list[int], dev, dt) -> list[tuple[int, tuple]
     H, I, E, k = {**SHAPES, **EXTRA_SHAPES}[name]
     gen = torch.Generator().manual_seed(0)
     if name == "gptoss":
-        w1 = torch.randn(E, H, 2 * I, generator=gen).mul_(H ** -0.5).to(dev, dt)
-        w2 = torch.randn(E, I, H, generator=gen).mul_(I ** -0.5).to(dev, dt)
-        kw = dict(b1=torch.randn(E, 2 * I, generator=gen).mul_(0.02).to(dev, dt),
-                  b2=torch.randn(E, H, generator=gen).mul_(0.02).to(dev, dt),
-                  activation="gptoss_glu", layout="kn", gate_up="interleaved")
+        w1, w2, b1, b2 = gptoss_weights(gen, dev, dt)
+        kw = dict(b1=b1, b2=b2, activation="gptoss_glu", layout="kn", gate_up="interleaved")
     else:
         (w1, w2), kw = _weights(name, dev, dt), {}
     out = []
