@@ -343,7 +343,9 @@ def gptoss_layout(T: int) -> dict:
     """GPT-OSS's experts as the model holds them: (E, H, 2I) gate_up with interleaved columns, biases, the clamped
     glu. ``ours`` reads the interleaved weight as one contiguous tile per step; ``ours_strided`` passes gate and up
     as stride-2 views of two copies, which the kernel cannot pair (how every interleaved weight ran before);
-    ``sort_gmm`` is HF's grouped_mm path (one GEMM over the whole weight, the glu on its columns)."""
+    ``sort_gmm`` is HF's grouped_mm path (one GEMM over the whole weight, the glu on its columns). ``engine``: whether
+    "auto" gives the GEMMs to ``torch._grouped_mm`` at this T; ``ours_fused`` is the same call on our fused kernels
+    only, and ``fwd_bwd_*`` time forward + backward of each (every input a leaf)."""
     H, _, E, k = SHAPES["gptoss"]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
@@ -369,10 +371,39 @@ def gptoss_layout(T: int) -> dict:
         y = torch.empty_like(o).index_copy_(0, order, o)
         return (y.view(T, k, H) * weights[..., None]).sum(1)
 
+    def fused(fn):  # the same call on our fused kernels only, wherever "auto" would pick the engine
+        def run():
+            engine, moe_inductor.config.gemm_engine = moe_inductor.config.gemm_engine, "triton"
+            try:
+                return fn()
+            finally:
+                moe_inductor.config.gemm_engine = engine
+        return run
+
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weights, gate_up, down, b_gate_up, b_down)]
+    dy = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
+
+    def fwd_bwd():
+        lx, lw, lgu, ld, lbgu, lbd = leaves
+        y = moe_inductor.fused_experts(lx, ids, lw, lgu, ld, b1=lbgu, gate_up="interleaved", activation="gptoss_glu",
+                                       layout="kn", b2=lbd)
+        torch.autograd.grad(y, leaves, dy)
+
+    from moe_inductor.ops import grouped_mm_engine
+
+    E_rows = T * k / E
+    engine_ran = grouped_mm_engine.grouped_mm_weights(
+        x, gate_up[..., 0::2], gate_up[..., 1::2], down, b_gate_up[:, 0::2], b_down, "output", False, T * k) is not None
     with torch.no_grad():
         err = (ours().float() - sort_gmm().float()).norm() / sort_gmm().float().norm()
-        return {"shape": "gptoss (HF layout)", "T": T, "ours": bench(ours), "ours_strided": bench(strided),
-                "sort_gmm": bench(sort_gmm), "rel_err_vs_sort_gmm": float(err)}
+        err_fused = (fused(ours)().float() - sort_gmm().float()).norm() / sort_gmm().float().norm()
+        row = {"shape": "gptoss (HF layout)", "T": T, "rows_per_expert": E_rows, "engine": engine_ran,
+               "ours": bench(ours), "ours_fused": bench(fused(ours)), "ours_strided": bench(strided),
+               "sort_gmm": bench(sort_gmm), "rel_err_vs_sort_gmm": float(err),
+               "rel_err_fused_vs_sort_gmm": float(err_fused)}
+    row["fwd_bwd_ours"] = bench(fwd_bwd)
+    row["fwd_bwd_fused"] = bench(fused(fwd_bwd))
+    return row
 
 
 def list_stack_cost(T: int, shape: str) -> dict:

@@ -44,6 +44,10 @@ grouped_mm_min_rows_per_expert: int = 1024
 #: experts go faster through CUTLASS at 1024 rows each, while Qwen3's and OLMoE's small ones stay faster fused.
 grouped_mm_min_expert_weights: int = 32 * 1024 * 1024
 
+#: "auto"'s rule for layers with biases (GPT-OSS's kind), any expert size: the forward's GEMMs go to
+#: ``torch._grouped_mm`` from this many rows per expert on average (ops/grouped_mm_engine.py).
+grouped_mm_biased_min_rows_per_expert: int = 256
+
 #: Take a rewrite only where the whole-model measurements say it is faster than Inductor (speed_rule.py). Off, every
 #: proven MoE layer is rewritten: that is how the measurements themselves are taken (env MOE_INDUCTOR_SPEED_RULE=0).
 speed_rule: bool = os.environ.get("MOE_INDUCTOR_SPEED_RULE", "1") == "1"

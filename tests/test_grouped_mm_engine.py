@@ -80,6 +80,17 @@ def test_grouped_mm_engine_passes_opcheck(engine_calls):
     assert engine_calls["forward"] > 0
 
 
+@needs_grouped_mm
+def test_grouped_mm_engine_with_biases_passes_opcheck(engine_calls):
+    """Up and down biases through the engine (a unary activation, so that opcheck's copies keep the engine)."""
+    p = make_problem(5, 32, 16, 3, 2, dtype=torch.bfloat16, device=DEVICE, activation="gelu", bias=True,
+                     requires_grad=False)
+    g, _, d, b1, _ = expert_weight_views(p.w1, p.w2, p.b1, activation="gelu", layout="nk", gate_up="concat")
+    args = (p.x, p.topk_ids, p.topk_weights, g, None, d, b1, None, p.b2, "gelu", "output", 1.702, 7.0, None, True)
+    torch.library.opcheck(torch.ops.moe_inductor.experts_forward.default, args)
+    assert engine_calls["forward"] > 0
+
+
 def _weights(activation="silu_glu", layout="nk", gate_up="concat", dtype=torch.bfloat16, bias=False):
     p = make_problem(4, 32, 16, 3, 2, dtype=dtype, device=DEVICE, activation=activation, layout=layout,
                      gate_up=gate_up, bias=bias, requires_grad=False)
@@ -103,12 +114,11 @@ def test_combined_up_weights_refuses_what_is_not_one_tensor():
     assert grouped_mm_engine.combined_up_weights(u, g) is None  # the halves the wrong way round
 
 
-@pytest.mark.parametrize("case", ["bias", "capacity", "input", "between", "fp32", "interleaved", "triton", "auto-cpu"])
+@pytest.mark.parametrize("case", ["capacity", "input", "between", "fp32", "triton", "auto-cpu"])
 def test_grouped_mm_engine_is_not_chosen_where_it_does_not_apply(case, monkeypatch, triton_kernels):
     """Negative cases: whatever the engine cannot run exactly as the fused op does stays on the fused kernels."""
     monkeypatch.setattr(config, "gemm_engine", {"triton": "triton", "auto-cpu": "auto"}.get(case, "grouped_mm"))
-    p, (g, u, d, b1, _) = _weights(bias=case == "bias", dtype=torch.float32 if case == "fp32" else torch.bfloat16,
-                                   gate_up="interleaved" if case == "interleaved" else "concat")
+    p, (g, u, d, b1, _) = _weights(dtype=torch.float32 if case == "fp32" else torch.bfloat16)
     position = case if case in ("input", "between") else "output"
     got = grouped_mm_engine.grouped_mm_weights(p.x, g, u, d, b1, p.b2, position, case == "capacity", 8)
     if case == "auto-cpu" and torch.cuda.is_available():
@@ -117,6 +127,22 @@ def test_grouped_mm_engine_is_not_chosen_where_it_does_not_apply(case, monkeypat
     monkeypatch.setattr(config, "gemm_engine", "grouped_mm")
     _, (g, u, d, _, _) = _weights()
     assert grouped_mm_engine.grouped_mm_weights(p.x.bfloat16(), g, u, d, None, None, "output", False, 8) is not None
+
+
+@pytest.mark.parametrize("gate_up", ["concat", "interleaved"])
+def test_biases_and_interleaved_pairs_take_the_engine(gate_up, monkeypatch, triton_kernels):
+    """Biases, and GPT-OSS's interleaved pairs read as one (E, H, 2I) weight, run through the engine, forward and
+    backward; interleaved pairs in the nk layout (no dense whole weight) stay fused."""
+    monkeypatch.setattr(config, "gemm_engine", "grouped_mm")
+    interleaved = gate_up == "interleaved"
+    p, (g, u, d, b1, _) = _weights(activation="gptoss_glu", layout="kn", gate_up=gate_up, bias=True)
+    for backward in (False, True):
+        w = grouped_mm_engine.grouped_mm_weights(p.x, g, u, d, b1, p.b2, "output", False, 8, backward=backward)
+        assert w is not None and w.shape == (3, 32, 32) and w.data_ptr() == g.data_ptr()
+        assert grouped_mm_engine.is_interleaved(w, g) == interleaved
+    if interleaved:
+        p, (g, u, d, _, _) = _weights(activation="gptoss_glu", layout="nk", gate_up=gate_up)
+        assert grouped_mm_engine.grouped_mm_weights(p.x, g, u, d, None, None, "output", False, 8) is None
 
 
 @pytest.mark.gpu
@@ -331,3 +357,145 @@ def test_engine_backward_holds_one_sorted_copy_of_the_rows_at_a_time(engine_call
     sorted_rows = T * k * H * 2  # M x H in bf16
     gradients = sum(g.numel() * g.element_size() for g in grads)
     assert peaks[0] < 1.5 * sorted_rows + gradients, (peaks[0], sorted_rows, gradients)
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("T,E,k,activation,gate_up,routing", [
+    pytest.param(6, 4, 2, "gptoss_glu", "interleaved", "random", id="gptoss-interleaved"),
+    pytest.param(5, 5, 2, "gptoss_glu", "interleaved", "random", id="interleaved-E5"),
+    pytest.param(1, 3, 2, "gptoss_glu", "interleaved", "random", id="interleaved-T1"),
+    pytest.param(5, 3, 2, "gptoss_glu", "interleaved", "one_expert", id="interleaved-one-hot-expert"),
+    pytest.param(6, 4, 2, "gptoss_glu", "interleaved", "skip_odd", id="interleaved-empty-experts"),
+    pytest.param(6, 3, 2, "silu_glu", "concat", "random", id="concat-biases"),
+    pytest.param(4, 3, 1, "silu", "concat", "random", id="unary-biases-k1"),
+])
+def test_engine_with_biases_matches_the_reference(T, E, k, activation, gate_up, routing, engine_calls, nan_empty):
+    """Layers with biases (GPT-OSS: (E, H, 2I) gate_up_proj with interleaved pairs, clamped glu) through the engine,
+    the biases in the activation pass and the combine, their gradients as per-expert row sums: forward and every
+    gradient against the float64 reference."""
+    p = make_problem(T, 32, 16, E, k, dtype=torch.bfloat16, device=DEVICE, activation=activation, layout="kn",
+                     gate_up=gate_up, bias=True, routing=routing)
+    y = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2, b1=p.b1, b2=p.b2,
+                                   activation=activation, layout="kn", gate_up=gate_up)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y)
+    leaves = p.leaves()
+    grads = torch.autograd.grad(y, leaves, dy)
+    assert engine_calls == {"forward": 1, "backward": 1}
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    x64, w64, w1_64, w2_64, b1_64, b2_64 = leaves64
+    views = expert_weight_views(w1_64, w2_64, b1_64, activation=activation, layout="kn", gate_up=gate_up)
+    ref = moe_reference(x64, p.topk_ids, w64, *views, b2_64, activation, "output", 1.702, 7.0, None)
+    assert_close(y, ref, torch.bfloat16, "y")
+    names = ["x", "topk_weights", "w1", "w2", "b1", "b2"]
+    for name, got, want in zip(names, grads, torch.autograd.grad(ref, leaves64, dy.double())):
+        assert_close(got, want.to(got.dtype), torch.bfloat16, f"d{name}")
+
+
+@needs_grouped_mm
+def test_engine_forward_keeps_pre_in_the_fused_forwards_layout(engine_calls, monkeypatch):
+    """The raw up projection the engine keeps for interleaved pairs is the fused forward's: [gate | up] halves,
+    before the biases (either backward reads it so)."""
+    p = make_problem(6, 32, 16, 4, 2, dtype=torch.bfloat16, device=DEVICE, activation="gptoss_glu", layout="kn",
+                     gate_up="interleaved", bias=True, requires_grad=False)
+    g, u, d, bg, bu = expert_weight_views(p.w1, p.w2, p.b1, activation="gptoss_glu", layout="kn",
+                                          gate_up="interleaved")
+    args = (p.x, p.topk_ids, p.topk_weights, g, u, d, bg, bu, p.b2, "gptoss_glu", "output", 1.702, 7.0, None, True)
+    y_engine, pre_engine = torch.ops.moe_inductor.experts_forward.default(*args)[:2]
+    assert engine_calls["forward"] == 1
+    monkeypatch.setattr(config, "gemm_engine", "triton")
+    y_fused, pre_fused = torch.ops.moe_inductor.experts_forward.default(*args)[:2]
+    assert engine_calls["forward"] == 1
+    assert pre_engine.shape == pre_fused.shape == (12, 32)
+    # the same products, rounded once in each: only the GEMMs' summation order differs
+    torch.testing.assert_close(pre_engine.float(), pre_fused.float(), rtol=2e-2, atol=2e-2)
+    assert_close(y_engine, y_fused.double(), torch.bfloat16, "y")
+
+
+def test_combine_adds_each_assignments_expert_bias_before_its_scale(triton_kernels):
+    """combine(bias=b): y[t] = sum_j scale_j * (row_j + b[e_j]); an out-of-range id adds nothing."""
+    from moe_inductor.ops.grouped import combine
+
+    gen = torch.Generator().manual_seed(3)
+    T, k, H, E = 3, 2, 8, 4
+    rows = torch.randn(T * k, H, generator=gen)
+    ids = torch.tensor([[0, 3], [2, 2], [1, 4]])  # 4 is out of range: that assignment is skipped
+    scale = torch.rand(T * k, generator=gen)
+    bias = torch.randn(E, H, generator=gen)
+    want = torch.zeros(T, H)
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j])
+            if e < E:
+                want[t] += scale[t * k + j] * (rows[t * k + j] + bias[e])
+    torch.testing.assert_close(combine(rows, ids, E, scale=scale, bias=bias), want)
+    config.triton_on_cpu = False  # the plain-torch path too (monkeypatch restores the flag)
+    torch.testing.assert_close(combine(rows, ids, E, scale=scale, bias=bias), want)
+
+
+def test_biased_layers_stay_visible_where_their_rows_are_too_few(monkeypatch):
+    """"auto": a layer with biases may take the engine at an unknown row count or from its rows-per-expert rule;
+    at a static decode-sized count it keeps the visible launches. Layers without biases keep the size rule."""
+    monkeypatch.setattr(config, "gemm_engine", "auto")
+    E, I, H = 32, 2880, 2880
+    w2 = torch.empty(E, I, H, device="meta")
+    per = config.grouped_mm_biased_min_rows_per_expert
+    assert grouped_mm_engine.may_take_experts_of(w2, biased=True, num_rows=None)
+    assert grouped_mm_engine.may_take_experts_of(w2, biased=True, num_rows=per * E)
+    assert not grouped_mm_engine.may_take_experts_of(w2, biased=True, num_rows=16 * 4)
+    assert not grouped_mm_engine.may_take_experts_of(w2, biased=False, num_rows=None)  # 8.3M weights: small
+    monkeypatch.setattr(config, "gemm_engine", "triton")
+    assert not grouped_mm_engine.may_take_experts_of(w2, biased=True, num_rows=None)
+
+
+@pytest.mark.gpu
+def test_auto_engine_takes_biased_interleaved_layers_from_their_row_rule(monkeypatch):
+    """"auto" on the H200: GPT-OSS's layer (biases, interleaved pairs) goes to torch._grouped_mm, forward and
+    backward, from the rule's rows per expert, and stays fused below it."""
+    monkeypatch.setattr(config, "gemm_engine", "auto")
+    E, H, I, k = 4, 2880, 2880, 4
+    per = config.grouped_mm_biased_min_rows_per_expert
+    gate_up = torch.randn(E, H, 2 * I, device="cuda", dtype=torch.bfloat16)
+    w1, w1_up = gate_up[..., 0::2], gate_up[..., 1::2]
+    w2 = torch.randn(E, I, H, device="cuda", dtype=torch.bfloat16)
+    b1 = torch.randn(E, I, device="cuda", dtype=torch.bfloat16)
+    b2 = torch.randn(E, H, device="cuda", dtype=torch.bfloat16)
+
+    def chosen(rows, backward=False):
+        x = torch.randn(rows // k, H, device="cuda", dtype=torch.bfloat16)
+        w = grouped_mm_engine.grouped_mm_weights(x, w1, w1_up, w2, b1, b2, "output", False, rows, backward=backward)
+        return w is not None and w.data_ptr() == gate_up.data_ptr() and grouped_mm_engine.is_interleaved(w, w1)
+
+    for backward in (False, True):
+        assert chosen(per * E, backward)
+        assert not chosen(per * E // 2, backward)
+
+
+@needs_grouped_mm
+def test_engine_runs_gptoss_inside_a_compiled_training_step(engine_calls, monkeypatch):
+    """A whole (tiny) GPT-OSS compiled by moe_inductor, its experts forced onto the engine: loss and every experts
+    gradient (biases included) as eager's, bf16. The speed rule would keep Inductor's path for GPT-OSS training on
+    the H200, so it is off here: this checks the path, not the choice."""
+    from torch._dynamo.utils import counters
+
+    from tests.hf_models import tiny
+
+    monkeypatch.setattr(config, "speed_rule", False)
+    model = tiny("gpt_oss").to(DEVICE, torch.bfloat16)
+    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    torch._dynamo.reset()
+    counters.clear()
+    inner = "inductor" if DEVICE == "cuda" else "eager"
+    compiled = torch.compile(model, backend="moe_inductor", options={"inner": inner})
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    got = {n: p.grad.float().clone() for n, p in model.named_parameters() if "experts" in n}
+    model.zero_grad()
+    ref = model(ids, labels=ids).loss
+    ref.backward()
+    assert counters["moe_inductor"]["hf_grouped_mm"] == 2, dict(counters["moe_inductor"])
+    assert engine_calls["forward"] >= 2 and engine_calls["backward"] >= 2
+    assert abs(loss.item() - ref.item()) < 2e-2 * abs(ref.item())
+    assert len(got) == 8  # gate_up_proj, its bias, down_proj, its bias, in each of 2 layers
+    for name, p in model.named_parameters():
+        if "experts" in name:
+            assert_close(got[name], p.grad.double(), torch.bfloat16, f"d{name}")

@@ -352,22 +352,26 @@ def launch_route(topk_ids: torch.Tensor, num_experts: int, capacity: Optional[in
 
 
 def launch_combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
-                   row_of: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   row_of: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
+                   bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y (T, H) by combine.py's kernel: the sum over k of ``rows`` (T*k, H), skipping out-of-range ids; ``row_of``
-    and ``scale`` as the kernel's INDEXED and SCALED."""
+    and ``scale`` as the kernel's INDEXED and SCALED; ``bias`` (E, H): each assignment's row gets its expert's
+    bias added before its scale."""
     T, k = topk_ids.shape
     H = rows.shape[1]
     y = rows.new_empty(T, H)
     if _traceable:
         k, H, num_experts = static_dim(k), static_dim(H), static_dim(num_experts)
+    bias_c = bias.contiguous() if bias is not None else None
     if T > 0:
         block_h = min(1024, next_pow2(H))
         with device_guard(rows):
             launch_kernel(combine_kernel, (T, cdiv(H, block_h)),
                           (rows, topk_ids.contiguous(), y, row_of if row_of is not None else rows,
-                           scale if scale is not None else rows, H, rows.stride(0), y.stride(0)),
+                           scale if scale is not None else rows, bias_c if bias_c is not None else rows, H,
+                           rows.stride(0), y.stride(0), bias_c.stride(0) if bias_c is not None else 0),
                           dict(NUM_EXPERTS=num_experts, TOPK=k, BLOCK_H=block_h, INDEXED=row_of is not None,
-                               SCALED=scale is not None))
+                               SCALED=scale is not None, BIASED=bias_c is not None))
     return y
 
 
@@ -399,15 +403,32 @@ def launch_backward_middle(pre: torch.Tensor, g: torch.Tensor, routing: SortedRo
             )
 
 
-def launch_activation(pre: torch.Tensor, act: KernelActivation) -> torch.Tensor:
-    """h (M, I) = act(pre) by activation.py's kernel; ``pre`` (M, 2I) holds [gate | up] when gated."""
+def launch_activation(pre: torch.Tensor, act: KernelActivation, interleaved: bool = False,
+                      biases: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
+                      sorted_expert: Optional[torch.Tensor] = None,
+                      pre_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """h (M, I) = act(pre) by activation.py's kernel; ``pre`` (M, 2I) holds [gate | up] when gated, or (gate, up)
+    pairs in its even and odd columns when ``interleaved``. ``biases`` = (b1, b1_up), (E, I) each, added per row
+    by its expert (``sorted_expert``); ``pre_out`` (M, 2I): also write pre there as [gate | up] halves."""
     M = pre.shape[0]
     I = pre.shape[1] // (2 if act.gated else 1)
     h = pre.new_empty(M, I)
+    b1, b1_up = biases
+    has_bias = b1 is not None
+    if has_bias and sorted_expert is None:
+        raise ValueError("moe_inductor: biases in the activation pass need each row's expert (sorted_expert)")
+    b1c = b1.contiguous() if has_bias else pre
+    b1_upc = b1_up.contiguous() if has_bias and act.gated else b1c
     if M:
         block_m, block_i = (16, 32) if configs.interpreting() else (8, 512)
         with device_guard(pre):
             launch_kernel(activation_kernel, (cdiv(M, block_m), cdiv(I, block_i)),
-                          (pre, h, M, I, pre.stride(0), h.stride(0), float(act.alpha), float(act.limit)),
-                          dict(GATED=act.gated, ACT=act.act_id, BLOCK_M=block_m, BLOCK_I=block_i, num_warps=4))
+                          (pre, h, sorted_expert if has_bias else pre, b1c, b1_upc,
+                           pre_out if pre_out is not None else pre, M, I, pre.stride(0), h.stride(0),
+                           b1c.stride(0) if has_bias else 0, pre_out.stride(0) if pre_out is not None else 0,
+                           float(act.alpha), float(act.limit)),
+                          dict(GATED=act.gated, ACT=act.act_id, BLOCK_M=block_m, BLOCK_I=block_i,
+                               INTERLEAVED=interleaved and act.gated, HAS_BIAS=has_bias,
+                               NUM_EXPERTS=b1c.shape[0] if has_bias else 1, STORE_PRE=pre_out is not None,
+                               num_warps=4))
     return h

@@ -10,7 +10,8 @@ RESULTS.md).
 
 Experts large enough for the ``torch._grouped_mm`` engine (ops/grouped_mm_engine.py) stay opaque: the engine decides
 per call from the token count, which a traced graph cannot, and at their size the host time is small against the GPU
-time. The backward stays the opaque ``experts_backward``.
+time. Layers with biases stay opaque only where their row count is unknown or reaches the engine's rule for them, so
+their decode keeps the visible launches. The backward stays the opaque ``experts_backward``.
 
 What changes under tracing (``kernels.launch.traceable_launches``): launches go through ``wrap_triton``; with a
 symbolic token count (a dynamic graph), routing takes its two-launch path (right for every token count, no guard on
@@ -76,10 +77,13 @@ def swap_in_visible_ops(gm: torch.fx.GraphModule) -> int:
     swapped = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.moe_inductor.experts_forward.default:
-            x, w2 = _example(node.args[0]), _example(node.args[5])
+            x, ids, w2 = _example(node.args[0]), _example(node.args[1]), _example(node.args[5])
+            biased = any(a is not None for a in node.args[6:9])
+            rows = ids.shape[0] * ids.shape[1] if ids is not None else None
             # (a weight view our rewrite made may carry no example value: then only the engine rule is unknown, and
             # both ops compute the same)
-            engine_may_run = w2 is not None and grouped_mm_engine.may_take_experts_of(w2)
+            engine_may_run = w2 is not None and grouped_mm_engine.may_take_experts_of(
+                w2, biased, rows if isinstance(rows, int) else None)
             if x is not None and use_triton(x) and not engine_may_run:
                 node.target = torch.ops.moe_inductor.experts_forward_visible.default
                 swapped += 1

@@ -37,9 +37,11 @@ from .grouped import (
     grouped_gemm,
     grouped_weight_grad,
     is_dense_transpose,
+    sum_rows_by_expert,
     use_triton,
 )
 from .routing import prepare_routing
+
 
 class Needs(NamedTuple):
     """Which gradients ``experts_backward`` makes (its ``needs`` list, by name); ``combined_gate_up`` asks for the
@@ -121,8 +123,9 @@ def experts_forward_call(call: ExpertsCall) -> tuple[Tensor, Tensor, Tensor, Ten
     w_up = grouped_mm_engine.grouped_mm_weights(x, w.w1, w.w1_up, w.w2, w.b1, w.b2, call.weight_position,
                                                 routed.dropped, M)
     if w_up is not None:  # the compute-bound regime: torch._grouped_mm runs the GEMMs
-        y, pre_full = grouped_mm_engine.forward(x, routed, w_up, w.w2, call.activation)
-        return y, pre_full if call.save_pre else x.new_empty(0), routed.order, routed.sorted_expert, routed.offsets
+        y, pre = grouped_mm_engine.forward(x, routed, w_up, w.w2, call.activation, (w.b1, w.b1_up, w.b2),
+                                           grouped_mm_engine.is_interleaved(w_up, w.w1), call.save_pre)
+        return y, pre, routed.order, routed.sorted_expert, routed.offsets
     n_pre = w.w1.shape[2] * (2 if w.w1_up is not None else 1)
     # rows of dropped assignments are never written by the kernel: zero them so the output is fully defined
     alloc = x.new_zeros if routed.dropped else x.new_empty
@@ -282,31 +285,12 @@ def _backward_middle_fused(dy: Tensor, call: ExpertsCall, routed: Routed, pre: T
                                   scale=routed.scale)
     del h
     if w.b2 is not None and needs.b2:
-        db2 = _sum_rows_by_expert(dy, routed, ROWS_TOKEN, w.b2.dtype, scale=routed.scale)
+        db2 = sum_rows_by_expert(dy, routed, ROWS_TOKEN, w.b2.dtype, scale=routed.scale)
     if w.b1 is not None and needs.b1:
-        db1 = _sum_rows_by_expert(d_gate, routed, ROWS_SORTED, w.b1.dtype)
+        db1 = sum_rows_by_expert(d_gate, routed, ROWS_SORTED, w.b1.dtype)
     if w.b1_up is not None and needs.b1_up:
-        db1_up = _sum_rows_by_expert(d_up, routed, ROWS_SORTED, w.b1_up.dtype)
+        db1_up = sum_rows_by_expert(d_up, routed, ROWS_SORTED, w.b1_up.dtype)
     return _MiddleGrads(d_gate, d_up, d_scale_sorted, dw2, db2, db1, db1_up)
-
-
-#: the width of the column of ones that turns the weight-gradient GEMM into per-expert row sums (a GEMM tile's
-#: smallest width; the other 15 columns of the result are the same sums, computed and dropped)
-_ONES_WIDTH = 16
-
-
-def _sum_rows_by_expert(g: Tensor, routed: Routed, g_rows: int, dtype: torch.dtype,
-                        scale: Optional[Tensor] = None) -> Tensor:
-    """(E, width) sums, per expert, of the rows of ``g`` its sorted rows read (``g_rows`` as in the weight-gradient
-    GEMM, each times ``scale`` of its assignment where given), accumulated in fp32 and cast to ``dtype``: a bias
-    gradient. It is the weight-gradient GEMM of a column of ones, ``ones^T @ g_e``: each program sums its expert's
-    rows in order, where an ``index_add_`` into E rows serialises on atomics (GPT-OSS's training profile in
-    RESULTS.md) and sums in no fixed order."""
-    E = routed.num_experts
-    ones = g.new_ones(routed.order.shape[0], _ONES_WIDTH)
-    sums = g.new_empty(E, _ONES_WIDTH, g.shape[1], dtype=dtype)
-    grouped_weight_grad(ones, g, routed.rows, sums, a_rows=ROWS_SORTED, g_rows=g_rows, scale=scale)
-    return sums[:, 0].contiguous()
 
 
 def _sum_by_expert(rows: Tensor, expert: Tensor, num_experts: int, dtype: torch.dtype) -> Tensor:

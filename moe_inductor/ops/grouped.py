@@ -186,20 +186,43 @@ def grouped_weight_grad_reference(a: torch.Tensor, g: torch.Tensor, rows: Rows, 
     return dw
 
 
+#: the width of the column of ones that turns the weight-gradient GEMM into per-expert row sums (a GEMM tile's
+#: smallest width; the other 15 columns of the result are the same sums, computed and dropped)
+_ONES_WIDTH = 16
+
+
+def sum_rows_by_expert(g: torch.Tensor, routed: Routed, g_rows: int, dtype: torch.dtype,
+                       scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(E, width) sums, per expert, of the rows of ``g`` its sorted rows read (``g_rows`` as in the weight-gradient
+    GEMM, each times ``scale`` of its assignment where given), accumulated in fp32 and cast to ``dtype``: a bias
+    gradient. It is the weight-gradient GEMM of a column of ones, ``ones^T @ g_e``: each program sums its expert's
+    rows in order, where an ``index_add_`` into E rows serialises on atomics (GPT-OSS's training profile in
+    RESULTS.md) and sums in no fixed order."""
+    E = routed.num_experts
+    ones = g.new_ones(routed.order.shape[0], _ONES_WIDTH)
+    sums = g.new_empty(E, _ONES_WIDTH, g.shape[1], dtype=dtype)
+    grouped_weight_grad(ones, g, routed.rows, sums, a_rows=ROWS_SORTED, g_rows=g_rows, scale=scale)
+    return sums[:, 0].contiguous()
+
+
 def combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, row_of: Optional[torch.Tensor] = None,
-            scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+            scale: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y (T, H) = sum over k of rows (T*k, H), skipping assignments with an id outside [0, E) (rows never written).
 
     ``row_of`` (T*k,): assignment t*k + j is read from row ``row_of[t*k + j]`` (rows in expert-sorted order);
-    ``scale`` (T*k,): each assignment's row is multiplied by it, in fp32, before the sum.
+    ``scale`` (T*k,): each assignment's row is multiplied by it, in fp32, before the sum;
+    ``bias`` (E, H): each assignment's row gets its expert's bias added, in fp32, before the scale.
     """
     if use_triton(rows):
-        return launch_combine(rows, topk_ids, num_experts, row_of, scale)
+        return launch_combine(rows, topk_ids, num_experts, row_of, scale, bias)
     T, k = topk_ids.shape
     H = rows.shape[1]
     valid = ((topk_ids >= 0) & (topk_ids < num_experts)).reshape(-1)
     picked = rows[row_of.long()] if row_of is not None else rows  # row_of is a permutation of the rows
-    picked = picked.float() * (scale.float()[:, None] if scale is not None else 1.0)
+    picked = picked.float()
+    if bias is not None:
+        picked = picked + bias.float()[topk_ids.reshape(-1).long().clamp(0, num_experts - 1)]
+    picked = picked * (scale.float()[:, None] if scale is not None else 1.0)
     return torch.where(valid[:, None], picked, 0.0).view(T, k, H).sum(1).to(rows.dtype)
 
 

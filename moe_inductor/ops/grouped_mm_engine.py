@@ -4,8 +4,16 @@ Why: with few large experts and many rows each (Mixtral at T >= 4096: 8 experts,
 weights) the GEMMs are compute-bound, and there our Triton grouped GEMM reaches about 480 TFLOP/s against CUTLASS's
 ~650 (benchmarks/RESULTS.md). Fusing the gather into the GEMM saves little there, since the GEMM dwarfs a copy of x.
 So in that regime the op keeps its routing, activation, combine and backward middle (our kernels) and hands the
-four GEMMs to ``torch._grouped_mm``. Everywhere else (small experts, short batches, biases, capacity, other
-weight positions) the fused Triton kernels stay: they win there.
+four GEMMs to ``torch._grouped_mm``. Everywhere else (small experts, short batches, capacity, other weight
+positions) the fused Triton kernels stay: they win there.
+
+Layers with biases (GPT-OSS's: interleaved gate/up, clamped glu) take the engine in the forward from
+``config.grouped_mm_biased_min_rows_per_expert`` rows per expert: their fused GEMM, with the interleaved pairs and
+the biases in its epilogue, ran 1.5x CUTLASS's time inside the model at T = 4096 (RESULTS.md, fifteenth session).
+The biases then go into the activation pass (up) and the combine (down), the interleaved pairs are read as they
+lie, and a kept ``pre`` is written in the one [gate | up] layout that either backward reads. In the backward the
+bias gradients are per-expert row sums (``sum_rows_by_expert``), and dx reads the interleaved weight whole from
+the gate and up gradients paired up again.
 
 ``config.gemm_engine`` picks: "auto" (the rule in ``grouped_mm_weights``), "triton" (never this), "grouped_mm"
 (whenever the layout allows; also on the CPU with ``config.triton_on_cpu``, where the tests drive it).
@@ -22,10 +30,11 @@ import torch
 from torch import Tensor
 
 from .. import config
-from ..kernels.launch import launch_activation, tracing_launches
+from ..kernels.launch import interleaved_pairs, launch_activation, tracing_launches
 from .activations import Activation
 from .call import ExpertsCall
-from .grouped import Routed, backward_middle, combine, is_dense_transpose, kernel_activation, use_triton
+from .grouped import (ROWS_SORTED, ROWS_TOKEN, Routed, backward_middle, combine, is_dense_transpose,
+                      kernel_activation, sum_rows_by_expert, use_triton)
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,12 +72,19 @@ def _large_experts(H: int, I: int) -> bool:
     return H * I >= config.grouped_mm_min_expert_weights
 
 
-def may_take_experts_of(w2: Tensor) -> bool:
-    """Whether experts of this size can take the engine at some token count (its size rule alone, shapes only).
+def may_take_experts_of(w2: Tensor, biased: bool = False, num_rows: Optional[int] = None) -> bool:
+    """Whether experts of this size can take the engine at some token count (its size and row rules, shapes only).
     ``w2`` is the (E, I, H) down weight: unlike w1, which may hold the gate and up weights whole, it has the
-    experts' own width."""
+    experts' own width. ``biased``: the layer has biases; ``num_rows``: the call's row count (T * k) where it is
+    static, None where it is not known."""
     E, I, H = w2.shape
-    return config.gemm_engine == "grouped_mm" or (config.gemm_engine == "auto" and _large_experts(H, I))
+    if config.gemm_engine == "grouped_mm":
+        return True
+    if config.gemm_engine != "auto":
+        return False
+    if biased:
+        return num_rows is None or num_rows >= config.grouped_mm_biased_min_rows_per_expert * E
+    return _large_experts(H, I)
 
 
 def engine_mode(backward: bool = False) -> str:
@@ -95,13 +111,17 @@ def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tenso
     if mode == "triton" or tracing_launches() or isinstance(num_rows, torch.SymInt) or num_rows == 0:
         return None
     E, H, I = w1.shape
+    biased = b1 is not None or b2 is not None
     # the size rule first: it is the cheapest test, and most calls (decode, small experts) stop here
-    if mode == "auto" and backward:  # the backward's weight gradients favour CUTLASS at any expert size measured
+    if mode == "auto" and biased:
+        if num_rows < config.grouped_mm_biased_min_rows_per_expert * E:
+            return None
+    elif mode == "auto" and backward:  # the backward's weight gradients favour CUTLASS at any expert size measured
         if num_rows < config.grouped_mm_backward_min_rows_per_expert * E:
             return None
     elif mode == "auto" and (num_rows < config.grouped_mm_min_rows_per_expert * E or not _large_experts(H, I)):
         return None
-    if weight_position != "output" or dropped or b1 is not None or b2 is not None:
+    if weight_position != "output" or dropped:
         return None
     if x.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm") or not use_triton(x) or H % 8 or I % 8:
         return None
@@ -110,9 +130,17 @@ def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tenso
     if not x.is_cuda and mode != "grouped_mm":
         return None
     w_up = combined_up_weights(w1, w1_up)
+    if w_up is None and w1_up is not None:  # GPT-OSS's pairs: read as they lie
+        w_up = interleaved_pairs(w1, w1_up)
     if w_up is None or not _dense_enough(w_up) or not _dense_enough(w2):
         return None
     return w_up
+
+
+def is_interleaved(w_up: Tensor, w1: Tensor) -> bool:
+    """Whether ``grouped_mm_weights``' up weights hold (gate, up) in even and odd columns (else [gate | up] or
+    ungated): the whole weight's columns are twice as dense as the gate's."""
+    return w_up.shape[2] == 2 * w1.shape[2] and w1.stride(2) == 2 * w_up.stride(2)
 
 
 def _row_of(order: Tensor) -> Tensor:
@@ -121,16 +149,27 @@ def _row_of(order: Tensor) -> Tensor:
     return torch.empty_like(order).scatter_(0, order.long(), torch.arange(M, dtype=order.dtype, device=order.device))
 
 
-def forward(x: Tensor, routed: Routed, w_up: Tensor, w2: Tensor, act: Activation) -> tuple[Tensor, Tensor]:
-    """(y, pre): the experts forward with "output" routing weights; pre (M, n_pre) is the raw up projection."""
+def forward(x: Tensor, routed: Routed, w_up: Tensor, w2: Tensor, act: Activation,
+            biases: tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]] = (None, None, None),
+            interleaved: bool = False, save_pre: bool = True) -> tuple[Tensor, Tensor]:
+    """(y, pre): the experts forward with "output" routing weights; pre (M, n_pre) is the raw up projection as
+    [gate | up] halves, without biases (empty unless ``save_pre``). ``biases`` = (b1, b1_up, b2); ``interleaved``:
+    ``w_up``'s columns are (gate, up) pairs."""
+    b1, b1_up, b2 = biases
     group_ends = routed.offsets[1:]
     x_sorted = x.index_select(0, routed.order.long() // routed.topk)
-    pre = torch._grouped_mm(x_sorted, w_up, offs=group_ends)
+    raw = torch._grouped_mm(x_sorted, w_up, offs=group_ends)
     del x_sorted
-    h = launch_activation(pre, kernel_activation(act))
+    kact = kernel_activation(act)
+    # the raw GEMM output is already the kept layout unless its pairs are interleaved or it is not to be kept
+    reorder = save_pre and interleaved and kact.gated
+    pre = x.new_empty(raw.shape) if reorder else (raw if save_pre else x.new_empty(0))
+    h = launch_activation(raw, kact, interleaved=interleaved, biases=(b1, b1_up),
+                          sorted_expert=routed.sorted_expert, pre_out=pre if reorder else None)
+    del raw
     out_sorted = torch._grouped_mm(h, w2, offs=group_ends)
     del h
-    y = combine(out_sorted, routed.topk_ids, w2.shape[0], row_of=_row_of(routed.order), scale=routed.scale)
+    y = combine(out_sorted, routed.topk_ids, w2.shape[0], row_of=_row_of(routed.order), scale=routed.scale, bias=b2)
     return y, pre
 
 
@@ -155,20 +194,33 @@ def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: T
     M = order.shape[0]
     E, _, I = w1.shape
     gated = w1_up is not None
+    interleaved = is_interleaved(w_up, w1)
     group_ends = offsets[1:]
     token = order.long() // topk
     # Workspace is freed as soon as it is dead, and x sorted (M x H) is gathered only for dW1, after dy sorted (also
     # M x H) is gone: one fewer such tensor at the backward's peak than gathering both up front.
-    if pre.shape[0] != M:  # the forward did not keep it
+    if pre.shape[0] != M:  # the forward did not keep it: the raw up projection again, as [gate | up] halves
         pre = torch._grouped_mm(x.index_select(0, token), w_up, offs=group_ends)
+        if interleaved:
+            pre = pre.view(M, I, 2).transpose(1, 2).reshape(M, 2 * I)
     dy_sorted = dy.index_select(0, token)
     g = torch._grouped_mm(dy_sorted, w2.transpose(1, 2), offs=group_ends)  # d h, before the routing weight
     d_pre = x.new_empty(M, pre.shape[1])
-    h_scaled, _, _, d_scale_sorted = backward_middle(pre, g, routed.sorted, (None, None), act, x.dtype,
+    h_scaled, _, _, d_scale_sorted = backward_middle(pre, g, routed.sorted, (w.b1, w.b1_up), act, x.dtype,
                                                      out=(d_pre[:, :I], d_pre[:, I:] if gated else None), scale_h=True)
     del g
+    if w.b2 is not None and needs.topk_weights:  # the routing weight also scales the down bias
+        expert_c = sorted_expert.long().clamp(max=E - 1)
+        d_scale_sorted = d_scale_sorted + (dy_sorted.float() * w.b2[expert_c].float()).sum(-1)
     dw2 = _weight_grad(h_scaled, dy_sorted, group_ends, w2) if needs.w2 else None
     del h_scaled, dy_sorted, pre
+    db2 = db1 = db1_up = None
+    if w.b2 is not None and needs.b2:
+        db2 = sum_rows_by_expert(dy, routed, ROWS_TOKEN, w.b2.dtype, scale=routed.scale)
+    if w.b1 is not None and needs.b1:
+        db1 = sum_rows_by_expert(d_pre[:, :I], routed, ROWS_SORTED, w.b1.dtype)
+    if w.b1_up is not None and needs.b1_up:
+        db1_up = sum_rows_by_expert(d_pre[:, I:], routed, ROWS_SORTED, w.b1_up.dtype)
     dw1 = dw1_up = None
     if combined_gate_up or needs.w1 or needs.w1_up:
         x_sorted = x.index_select(0, token)
@@ -180,6 +232,8 @@ def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: T
         del x_sorted
     dx = None
     if needs.x:
+        if interleaved:  # the whole weight's columns are (gate, up) pairs: so must d_pre's be
+            d_pre = torch.stack((d_pre[:, :I], d_pre[:, I:]), -1).view(M, 2 * I)
         dx_sorted = torch._grouped_mm(d_pre, w_up.transpose(1, 2), offs=group_ends)
         del d_pre
         dx = combine(dx_sorted, routed.topk_ids, E, row_of=_row_of(order))
@@ -189,5 +243,5 @@ def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: T
         d_scale_sorted = torch.where(sorted_expert < E, d_scale_sorted, 0.0)
         d_flat = torch.zeros(M, dtype=torch.float32, device=x.device).index_put_((order.long(),), d_scale_sorted)
         d_weights = d_flat.view(T, topk).to(topk_weights.dtype)
-    grads = (dx, d_weights, dw1, dw1_up, dw2, None, None, None)  # no biases on this path
+    grads = (dx, d_weights, dw1, dw1_up, dw2, db1, db1_up, db2)
     return tuple(t if t is not None else x.new_empty(0) for t in grads)  # distinct empties: outputs may not alias
