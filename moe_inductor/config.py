@@ -45,8 +45,18 @@ grouped_mm_min_rows_per_expert: int = 1024
 grouped_mm_min_expert_weights: int = 32 * 1024 * 1024
 
 #: "auto"'s rule for layers with biases (GPT-OSS's kind), any expert size: the forward's GEMMs go to
-#: ``torch._grouped_mm`` from this many rows per expert on average (ops/grouped_mm_engine.py).
-grouped_mm_biased_min_rows_per_expert: int = 256
+#: ``torch._grouped_mm`` from this many rows per expert on average (ops/grouped_mm_engine.py). Measured on the H200
+#: inside GPT-OSS at T = 4096 (512 rows each): 1.15x our fused forward. Op-alone, at uniform routing, the two tie
+#: from 512 rows and the engine is 6% slower at 256 (RESULTS.md, fifteenth session).
+grouped_mm_biased_min_rows_per_expert: int = 512
+
+#: ... and the backward's: from this many rows per expert, where forward + backward through the engine took 0.86x
+#: the fused time at 256 rows each, 0.82x at 512 and 0.75x at 2048 (GPT-OSS's shape, op-alone).
+grouped_mm_biased_backward_min_rows_per_expert: int = 256
+
+#: ... both for experts of at least this many weights per projection (H * I): GPT-OSS's 2880 x 2880 is the one
+#: size measured; smaller experts with biases stay fused.
+grouped_mm_biased_min_expert_weights: int = 4 * 1024 * 1024
 
 #: Take a rewrite only where the whole-model measurements say it is faster than Inductor (speed_rule.py). Off, every
 #: proven MoE layer is rewritten: that is how the measurements themselves are taken (env MOE_INDUCTOR_SPEED_RULE=0).

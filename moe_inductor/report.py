@@ -160,7 +160,7 @@ def _engine_short(mode: str, backward: bool, hopper: bool) -> str:
         return "torch._grouped_mm, our kernels around it"
     if backward:
         return f"torch._grouped_mm in bf16 from {config.grouped_mm_backward_min_rows_per_expert} rows/expert, else ours"
-    return "our Triton kernels; torch._grouped_mm for large bf16 experts"
+    return "our Triton kernels; torch._grouped_mm for large bf16 experts and biased ones with many rows"
 
 
 def gemm_engine_summary() -> str:
@@ -179,13 +179,18 @@ def _engine_rule(mode: str, backward: bool) -> str:
         return "our fused Triton kernels"
     if mode == "grouped_mm":
         return "torch._grouped_mm wherever the layout allows, our kernels around it"
+    biased = _size(config.grouped_mm_biased_min_expert_weights)
     if backward:
         return (f"torch._grouped_mm for bf16 on Hopper at >= {config.grouped_mm_backward_min_rows_per_expert}"
-                " rows per expert, else our fused Triton kernels")
-    weights = config.grouped_mm_min_expert_weights
-    size = f"{weights / 2**20:g}Mi" if weights % 2**20 == 0 else str(weights)
-    return (f"our fused Triton kernels; torch._grouped_mm for bf16 on Hopper when experts have H*I >= {size} and "
-            f">= {config.grouped_mm_min_rows_per_expert} rows each")
+                f" rows per expert (layers with biases: H*I >= {biased} and >="
+                f" {config.grouped_mm_biased_backward_min_rows_per_expert}), else our fused Triton kernels")
+    return (f"our fused Triton kernels; torch._grouped_mm for bf16 on Hopper when experts have H*I >="
+            f" {_size(config.grouped_mm_min_expert_weights)} and >= {config.grouped_mm_min_rows_per_expert} rows each,"
+            f" or biases, H*I >= {biased} and >= {config.grouped_mm_biased_min_rows_per_expert} rows each")
+
+
+def _size(weights: int) -> str:
+    return f"{weights / 2**20:g}Mi" if weights % 2**20 == 0 else str(weights)
 
 
 # --- the record API: what a compile did, from both routes (trace-time substitutions and FX passes) -------------

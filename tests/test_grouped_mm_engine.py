@@ -427,7 +427,8 @@ def test_combine_adds_each_assignments_expert_bias_before_its_scale(triton_kerne
             e = int(ids[t, j])
             if e < E:
                 want[t] += scale[t * k + j] * (rows[t * k + j] + bias[e])
-    torch.testing.assert_close(combine(rows, ids, E, scale=scale, bias=bias), want)
+    on = [t.to(DEVICE) for t in (rows, ids, scale, bias)]  # the kernel (the interpreter on the CPU)
+    torch.testing.assert_close(combine(on[0], on[1], E, scale=on[2], bias=on[3]).cpu(), want)
     config.triton_on_cpu = False  # the plain-torch path too (monkeypatch restores the flag)
     torch.testing.assert_close(combine(rows, ids, E, scale=scale, bias=bias), want)
 
@@ -443,6 +444,8 @@ def test_biased_layers_stay_visible_where_their_rows_are_too_few(monkeypatch):
     assert grouped_mm_engine.may_take_experts_of(w2, biased=True, num_rows=per * E)
     assert not grouped_mm_engine.may_take_experts_of(w2, biased=True, num_rows=16 * 4)
     assert not grouped_mm_engine.may_take_experts_of(w2, biased=False, num_rows=None)  # 8.3M weights: small
+    small = torch.empty(E, 1024, 2048, device="meta")  # 2M weights per projection: below the biased size rule
+    assert not grouped_mm_engine.may_take_experts_of(small, biased=True, num_rows=None)
     monkeypatch.setattr(config, "gemm_engine", "triton")
     assert not grouped_mm_engine.may_take_experts_of(w2, biased=True, num_rows=None)
 
@@ -460,14 +463,17 @@ def test_auto_engine_takes_biased_interleaved_layers_from_their_row_rule(monkeyp
     b1 = torch.randn(E, I, device="cuda", dtype=torch.bfloat16)
     b2 = torch.randn(E, H, device="cuda", dtype=torch.bfloat16)
 
-    def chosen(rows, backward=False):
+    def chosen(rows: int, backward: bool = False) -> bool:
         x = torch.randn(rows // k, H, device="cuda", dtype=torch.bfloat16)
         w = grouped_mm_engine.grouped_mm_weights(x, w1, w1_up, w2, b1, b2, "output", False, rows, backward=backward)
         return w is not None and w.data_ptr() == gate_up.data_ptr() and grouped_mm_engine.is_interleaved(w, w1)
 
-    for backward in (False, True):
-        assert chosen(per * E, backward)
-        assert not chosen(per * E // 2, backward)
+    assert chosen(per * E) and not chosen(per * E // 2)
+    monkeypatch.setattr(config, "grouped_mm_biased_min_expert_weights", H * I + 1)  # the size rule
+    assert not chosen(per * E) and not chosen(per * E, backward=True)
+    monkeypatch.setattr(config, "grouped_mm_biased_min_expert_weights", H * I)
+    per_backward = config.grouped_mm_biased_backward_min_rows_per_expert
+    assert chosen(per_backward * E, backward=True) and not chosen(per_backward * E // 2, backward=True)
 
 
 @needs_grouped_mm

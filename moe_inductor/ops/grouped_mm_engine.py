@@ -7,9 +7,10 @@ So in that regime the op keeps its routing, activation, combine and backward mid
 four GEMMs to ``torch._grouped_mm``. Everywhere else (small experts, short batches, capacity, other weight
 positions) the fused Triton kernels stay: they win there.
 
-Layers with biases (GPT-OSS's: interleaved gate/up, clamped glu) take the engine in the forward from
-``config.grouped_mm_biased_min_rows_per_expert`` rows per expert: their fused GEMM, with the interleaved pairs and
-the biases in its epilogue, ran 1.5x CUTLASS's time inside the model at T = 4096 (RESULTS.md, fifteenth session).
+Layers with biases (GPT-OSS's: interleaved gate/up, clamped glu) take the engine from
+``config.grouped_mm_biased_min_rows_per_expert`` rows per expert in the forward (``..._backward_...`` in the
+backward): inside the model at T = 4096 their fused GEMMs, with the interleaved pairs and the biases in the
+epilogue, took 1.5x CUTLASS's time, and their fused backward's GEMMs 1.8x (RESULTS.md, fifteenth session).
 The biases then go into the activation pass (up) and the combine (down), the interleaved pairs are read as they
 lie, and a kept ``pre`` is written in the one [gate | up] layout that either backward reads. In the backward the
 bias gradients are per-expert row sums (``sum_rows_by_expert``), and dx reads the interleaved weight whole from
@@ -83,7 +84,8 @@ def may_take_experts_of(w2: Tensor, biased: bool = False, num_rows: Optional[int
     if config.gemm_engine != "auto":
         return False
     if biased:
-        return num_rows is None or num_rows >= config.grouped_mm_biased_min_rows_per_expert * E
+        return H * I >= config.grouped_mm_biased_min_expert_weights and (
+            num_rows is None or num_rows >= config.grouped_mm_biased_min_rows_per_expert * E)
     return _large_experts(H, I)
 
 
@@ -114,7 +116,9 @@ def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tenso
     biased = b1 is not None or b2 is not None
     # the size rule first: it is the cheapest test, and most calls (decode, small experts) stop here
     if mode == "auto" and biased:
-        if num_rows < config.grouped_mm_biased_min_rows_per_expert * E:
+        per_expert = (config.grouped_mm_biased_backward_min_rows_per_expert if backward
+                      else config.grouped_mm_biased_min_rows_per_expert)
+        if num_rows < per_expert * E or H * I < config.grouped_mm_biased_min_expert_weights:
             return None
     elif mode == "auto" and backward:  # the backward's weight gradients favour CUTLASS at any expert size measured
         if num_rows < config.grouped_mm_backward_min_rows_per_expert * E:
