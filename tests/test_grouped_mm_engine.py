@@ -505,3 +505,28 @@ def test_engine_runs_gptoss_inside_a_compiled_training_step(engine_calls, monkey
     for name, p in model.named_parameters():
         if "experts" in name:
             assert_close(got[name], p.grad.double(), torch.bfloat16, f"d{name}")
+
+
+@needs_grouped_mm
+def test_engine_backward_remakes_an_unkept_pre_of_interleaved_pairs(engine_calls):
+    """Where the forward kept no raw up projection, the engine's backward makes it again from the interleaved weight,
+    in the [gate | up] layout: the same gradients as from the kept one."""
+    p = make_problem(6, 32, 16, 4, 2, dtype=torch.bfloat16, device=DEVICE, activation="gptoss_glu", layout="kn",
+                     gate_up="interleaved", bias=True, requires_grad=False)
+    g, u, d, bg, bu = expert_weight_views(p.w1, p.w2, p.b1, activation="gptoss_glu", layout="kn",
+                                          gate_up="interleaved")
+    args = (p.x, p.topk_ids, p.topk_weights, g, u, d, bg, bu, p.b2, "gptoss_glu", "output", 1.702, 7.0, None, True)
+    _, pre, order, sorted_expert, offsets = torch.ops.moe_inductor.experts_forward.default(*args)
+    dy = torch.randn(p.x.shape, generator=torch.Generator().manual_seed(2)).to(p.x)
+    needs = [True] * 8 + [False]
+
+    def grads(kept):
+        return torch.ops.moe_inductor.experts_backward.default(
+            dy, p.x, p.topk_ids, p.topk_weights, g, u, d, bg, bu, p.b2, kept, order, sorted_expert, offsets,
+            "gptoss_glu", "output", 1.702, 7.0, False, needs)
+
+    from_kept, remade = grads(pre), grads(p.x.new_empty(0))
+    assert engine_calls == {"forward": 1, "backward": 2}
+    for name, a, b in zip(["dx", "dtopk_weights", "dw1", "dw1_up", "dw2", "db1", "db1_up", "db2"], from_kept, remade):
+        assert a.numel() > 0, name
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
