@@ -20,7 +20,12 @@ So, during a moe_inductor compile only:
   ``!= 0``, or reduced by ``.any`` over those dims; or ``bincount(topk_ids.flatten(), minlength=E)`` compared so),
   the loop iterates E (1,) int64 tensors holding 0..E-1 instead (``torch.full``: eager's rows of the nonzero output
   have that dtype, shape and device), provided the loop body neither leaves the loop nor sets a local read after it;
-- ``ModuleList[t]`` (or a list's) at such a tensor is element e, as ``operator.index`` of it is in eager;
+- ``ModuleList[t]`` (or a list's) at such a tensor is element e, as ``operator.index`` of it is in eager; so is
+  any indexing at its one element ``t[0]`` (transformers v5's ``expert_idx = expert_idx[0]``), a tensor's too
+  (``w[t[0]]`` is the view ``w[e]``);
+- a branch on ``t[0] == c`` (or another comparison with an int) takes its known value: v5's ``if expert_idx ==
+  num_experts: continue``, which skips the spare class of its ``one_hot(ids, E + 1)``. An iteration left with
+  nothing but such reads of its index (``speculation.check_traced``: vacuous) computes nothing, as eager's does;
 - each iteration is an ordinary ``Speculation``: its graph nodes are tagged when it ends (speculation's FOR_ITER
   hook), ``check_traced`` asks ``counts`` what it counts (the vector proven again on the final graph, unchanged in
   place anywhere) and proves the body reads the rows of that expert of those ids only (``expert_mask[t].squeeze(0)``
@@ -267,15 +272,71 @@ def _counts_of(loop: _Loop, e: int) -> Callable[[Graph], tuple]:
     return counts
 
 
+def _held(node: Node) -> tuple[Optional[int], bool]:
+    """(e, is 0-d) where ``node`` is a hit loop's index tensor ``full((1,), e)`` (False) or its one element
+    ``t[0]`` / ``t[-1]`` (True: transformers v5's ``expert_idx = expert_idx[0]``); (None, False) otherwise."""
+    e = node.meta.get(INDEX)
+    if e is not None:
+        return e, False
+    if (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], Node)
+            and type(node.args[1]) is int and node.args[1] in (0, -1)):
+        e = node.args[0].meta.get(INDEX)
+        if e is not None:
+            return e, True
+    return None, False
+
+
 def _subscript(tx, inst, handler: Callable) -> None:
-    """BINARY_SUBSCR of a ModuleList (or list, tuple) at a hit loop's index tensor: element e."""
+    """BINARY_SUBSCR at a hit loop's index: element e of a ModuleList (or list, tuple) at the index tensor or its
+    element; a tensor at the 0-d element is ``tensor[e]`` (eager indexes by a 0-d integer tensor as by the int,
+    and returns the same view)."""
     from torch._dynamo.variables import ConstantVariable, TensorVariable
 
     if speculation._trace() is not None and len(tx.stack) >= 2 and isinstance(tx.stack[-1], TensorVariable):
-        e = tx.stack[-1].as_proxy().node.meta.get(INDEX)
-        if e is not None and _indexable_by_int(tx.stack[-2]):
+        e, scalar = _held(tx.stack[-1].as_proxy().node)
+        container = tx.stack[-2]
+        if e is not None and (_indexable_by_int(container) or scalar and isinstance(container, TensorVariable)):
             tx.pop()
             tx.push(ConstantVariable.create(e))
+    handler(tx, inst)
+
+
+_COMPARISONS = {
+    operator.eq: ("eq", "__eq__"), operator.ne: ("ne", "__ne__"), operator.lt: ("lt", "__lt__"),
+    operator.le: ("le", "__le__"), operator.gt: ("gt", "__gt__"), operator.ge: ("ge", "__ge__"),
+}
+
+
+def _compared_index(node: Node) -> Optional[bool]:
+    """The value of ``index <op> c`` for a hit loop's index (``_held``) and an int c: known while tracing, since
+    the index stands for expert e (transformers v5's ``if expert_idx == self.num_experts: continue``); else None."""
+    if node.op not in ("call_function", "call_method") or len(node.args) != 2 or node.kwargs:
+        return None
+    a, c = node.args
+    if not isinstance(a, Node) or type(c) is not int:
+        return None
+    for op, names in _COMPARISONS.items():
+        if node.target is op or node.target in names or node.target in (getattr(torch, names[0]),):
+            e, _ = _held(a)
+            return None if e is None else op(e, c)
+    return None
+
+
+def is_index_arithmetic(node: Node) -> bool:
+    """A hit loop's index element ``t[0]`` / ``t[-1]``, or its comparison with an int: nodes that compute nothing
+    but the value the trace already knows (speculation.check_traced's vacuous iterations)."""
+    return _held(node)[1] or _compared_index(node) is not None
+
+
+def _branch(tx, inst, handler: Callable) -> None:
+    """A branch on a comparison of a hit loop's index with an int: taken as its traced value."""
+    from torch._dynamo.variables import ConstantVariable, TensorVariable
+
+    if speculation._trace() is not None and tx.stack and isinstance(tx.stack[-1], TensorVariable):
+        known = _compared_index(tx.stack[-1].as_proxy().node)
+        if known is not None:
+            tx.pop()
+            tx.push(ConstantVariable.create(known))
     handler(tx, inst)
 
 
@@ -295,7 +356,7 @@ _installed = False
 
 
 def install() -> None:
-    """Hook Dynamo's GET_ITER, FOR_ITER and BINARY_SUBSCR handling (idempotent; after speculation.install); each
+    """Hook Dynamo's GET_ITER, FOR_ITER, BINARY_SUBSCR and branch handling (idempotent; after speculation.install); each
     hook does nothing outside a moe_inductor compile. A failure warns: such loops then graph-break as before."""
     global _installed
     if _installed:
@@ -312,7 +373,7 @@ def install() -> None:
 
 
 def hook_table(table: list, opmap: dict) -> None:
-    """Wrap the GET_ITER, FOR_ITER and BINARY_SUBSCR handlers of one Dynamo dispatch table in place."""
+    """Wrap the GET_ITER, FOR_ITER, BINARY_SUBSCR and POP_JUMP_IF_* handlers of one Dynamo dispatch table in place."""
     def hooked(handler: Callable, hook: Callable) -> Callable:
         return lambda tx, inst: hook(tx, inst, handler)
 
@@ -321,6 +382,8 @@ def hook_table(table: list, opmap: dict) -> None:
             handler(tx, inst)
 
     hooks = {"GET_ITER": get_iter, "FOR_ITER": _iteration, "BINARY_SUBSCR": _subscript}
+    hooks.update({name: _branch for name in opmap if name.startswith("POP_JUMP") and name.endswith(("_IF_TRUE",
+                                                                                                      "_IF_FALSE"))})
     for opname, hook in hooks.items():
         op = opmap.get(opname)
         if op is not None and 0 <= op < len(table) and table[op] is not None:

@@ -83,6 +83,9 @@ class Speculation:
     own: list = field(default_factory=list)
     #: made elsewhere (hit_loops.py): ``counts(graph) -> (ids, e, None)`` on check_traced's graph copy, or raises
     counts: Optional[Callable] = None
+    #: a hit loop's iteration that computes nothing (a branch on its index skipped it whole, as transformers v5
+    #: skips its sentinel class): found by check_traced, and then nothing of it is to be rewritten
+    vacuous: bool = False
 
 
 @dataclass
@@ -537,6 +540,9 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
                            "of torch.where(ids == e))")
         ids, e, own = counted
         body = [n for n in graph.nodes if n.meta.get(TAG) == s.id]
+        if s.counts is not None and _computes_nothing(body):
+            s.vacuous = True
+            continue
         read = {own} if own is not None else set()
         for node in body:
             if _selection_of(node) is not None:
@@ -560,11 +566,21 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
         s.counted = (ids.name, e)
 
 
+def _computes_nothing(body: list[Node]) -> bool:
+    """Whether an iteration's nodes are only reads of its hit-loop index (``t[0]``, ``t == c``): what is left of an
+    iteration that a branch on the index skipped whole."""
+    from .hit_loops import is_index_arithmetic
+
+    return all(is_index_arithmetic(n) for n in body)
+
+
 def discharge(gm: GraphModule, speculations: list[Speculation], left_alone: Iterable = ()) -> None:
     """After the passes: every speculated body went with a rewrite (no node of it is left but inputs); then the
     counts' proven size checks go. Raises SpeculationNotDischarged, saying what the passes said (``left_alone``,
     report.LeftAlone records)."""
     for s in speculations:
+        if s.vacuous:
+            continue
         left = [n for n in gm.graph.nodes if n.meta.get(TAG) == s.id and n.op not in ("placeholder", "get_attr")]
         if left:
             said = "; ".join(f"{m.form} left {m.where} alone: {m.reason}" for m in left_alone)

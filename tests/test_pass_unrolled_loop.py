@@ -205,7 +205,7 @@ def test_look_alikes_are_left_alone(style):
 
 @pytest.mark.parametrize("style,reason", [
     ("partial", "not each of range(E) once"),
-    ("shifted_expert", "output is not a bias-free matmul or F.linear on w[0]"),
+    ("shifted_expert", "output is not a matmul or F.linear on w[0]"),
     ("up_shifted", "hidden state is not a known activation"),
     ("extra_write", "also changed by something other than the loop's writes"),
     ("setitem_repeated_ids", "ids not from topk"),

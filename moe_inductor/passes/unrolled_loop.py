@@ -124,19 +124,47 @@ def expert_mlp(out: Node, e: int) -> Union[tuple[Node, str, bool, GatedRead], st
 
 
 def biased_linear(node: Node, e: int) -> Optional[tuple[Node, Node, str, bool, Optional[Node]]]:
-    """``_linear``'s reading plus the bias: (input, weight, layout, stacked?, bias or None); a bias is read only as
-    an nn.Linear's, ``F.linear(a, w, b)`` with a per-expert (out, in) weight and its own (out,) bias."""
+    """``_linear``'s reading plus the bias: (input, weight, layout, stacked?, bias or None). A bias is read as an
+    nn.Linear's, ``F.linear(a, w, b)`` with a per-expert (out, in) weight and its own (out,) bias; or, on a stacked
+    weight, as row e of a stacked (E, out) bias: ``a @ w[e] + b[e]`` or ``F.linear(a, w[e], b[e])`` (transformers
+    v5's GPT-OSS eager loop). The bias is then the stacked one."""
     if is_call(node, "call_function", torch._C._nn.linear, torch.nn.functional.linear) and len(node.args) == 3 and (
             node.args[2] is not None and not node.kwargs):
         got = _expert_weight(node.args[1], e)
         b = node.args[2]
+        if got is not None and got[2] and not got[1]:  # w[e] of a stacked (E, out, in) weight, and b[e]
+            stacked_b = _stacked_bias_row(b, e, got[0], out_dim=1)
+            return None if stacked_b is None else (node.args[0], got[0], "nk", True, stacked_b)
         bv, wv = (val(b), val(got[0])) if got and isinstance(b, Node) else (None, None)
         if got is None or got[1] or got[2] or b.op not in ("placeholder", "get_attr") or bv is None or wv is None or (
                 tuple(bv.shape) != (wv.shape[0],)) or bv.dtype != wv.dtype:
             return None
         return node.args[0], got[0], "nk", False, b
+    if is_call(node, "call_function", operator.add) and len(node.args) == 2 and not node.kwargs:
+        for product, b in (node.args, node.args[::-1]):
+            got = _linear(product, e) if isinstance(product, Node) else None
+            if got is None or not got[3]:  # a per-expert weight's bias is an nn.Linear's (above)
+                continue
+            stacked_b = _stacked_bias_row(b, e, got[1], out_dim=1 if got[2] == "nk" else 2)
+            if stacked_b is not None:
+                return (*got, stacked_b)
+        return None
     got = _linear(node, e)
     return None if got is None else (*got, None)
+
+
+def _stacked_bias_row(b: object, e: int, w: Node, out_dim: int) -> Optional[Node]:
+    """The stacked (E, out) bias B when ``b`` is ``B[e]`` and B matches the stacked weight ``w`` (E experts, its
+    output width at ``out_dim``, its dtype), a graph input; else None."""
+    if not (is_call(b, "call_function", operator.getitem) and b.args[1] == e and isinstance(b.args[0], Node)):
+        return None
+    B = b.args[0]
+    bv, wv = val(B), val(w)
+    if B.op not in ("placeholder", "get_attr") or bv is None or wv is None or wv.dim() != 3:
+        return None
+    if tuple(bv.shape) != (wv.shape[0], wv.shape[out_dim]) or bv.dtype != wv.dtype:
+        return None
+    return B
 
 
 @dataclass(frozen=True)
@@ -261,7 +289,8 @@ def _body(add: Node, acc: Node) -> Union[_Body, str]:
 
     down = projection(expert_out)
     if down is None:
-        return f"expert {e}'s output is not a bias-free matmul or F.linear on w[{e}] (stacked) or a per-expert weight"
+        return (f"expert {e}'s output is not a matmul or F.linear on w[{e}] (stacked, plus row {e} of a stacked bias) "
+                "or on a per-expert weight (plus its nn.Linear bias)")
     h, w_down, layout = down[:3]
     if weights is None and (scaled := routing_scaled(h, tok, sel)) is not None:
         (h, weights), position = scaled, "between"
