@@ -38,9 +38,19 @@ class LoopMoE(nn.Module):
         if r.idioms["selection"] == "boolmask":
             return self._masked(x, weights, ids)
         out = torch.zeros_like(x)
+        v5 = r.idioms["selection"] == "hit_v5"
+        experts = range(r.E)
         if r.idioms["selection"] == "onehot":
             hits = F.one_hot(ids, num_classes=r.E).permute(2, 1, 0)  # (E, k, T), transformers v4's expert_mask
-        for e in range(r.E):
+        elif v5:  # transformers v5's eager loop: a spare class, the loop over the experts that got tokens
+            with torch.no_grad():
+                hits = F.one_hot(ids, num_classes=r.E + 1).permute(2, 1, 0)
+                experts = torch.greater(hits.sum(dim=(-1, -2)), 0).nonzero()
+        for e in experts:
+            if v5:
+                e = e[0]
+                if e == r.E:
+                    continue
             if r.flaw == "skipped" and e == 1:
                 continue
             if r.flaw == "soft":  # every token through every expert, weighted by its full probability

@@ -26,7 +26,7 @@ FUSED = ("fused_chunk", "fused_split", "fused_slice", "fused_interleaved")
 #: idiom axes of each form (an axis whose options depend on earlier draws is narrowed in ``draw_recipe``)
 AXES: dict[str, dict[str, tuple]] = {
     "loop": {
-        "selection": ("where", "nonzero", "onehot", "boolmask", "any"),
+        "selection": ("where", "nonzero", "onehot", "boolmask", "any", "hit_v5"),
         "experts": ("modulelist", "moduledict", "stacked_nk", "stacked_kn", "slices") + FUSED,
         "position": ("output", "input", "between"),
         "combine": ("index_add", "index_put", "setitem", "scatter_add"),
@@ -138,6 +138,8 @@ def draw_recipe(draw: Draw, lookalike: Optional[bool] = None) -> Recipe:
         k, router = 2, "softmax_topk" if router == "argmax" else router
     if form == "loop" and idioms["selection"] in ("boolmask", "any") and flaw in ("soft", "skipped", "other_rows", "other_slot"):
         idioms["selection"] = "where"  # these flaws are written in the zeros-accumulator loop
+    if form == "loop" and idioms["selection"] == "hit_v5" and idioms["experts"] in ("moduledict", "slices"):
+        idioms["experts"] = "stacked_nk"  # v5's 0-d index keys no dict and slices no flat weight, in eager either
     if form == "loop" and idioms["selection"] == "boolmask":
         idioms["combine"] = draw("masked_combine", ("view_sum", "bmm"))
     T = draw("T", (1, 2, 3, 5, 8, 11, 16))
