@@ -20,6 +20,8 @@ So, during a moe_inductor compile only:
   ``!= 0``, or reduced by ``.any`` over those dims; or ``bincount(topk_ids.flatten(), minlength=E)`` compared so),
   the loop iterates E (1,) int64 tensors holding 0..E-1 instead (``torch.full``: eager's rows of the nonzero output
   have that dtype, shape and device), provided the loop body neither leaves the loop nor sets a local read after it;
+  a loop over the nonzero's one column (``.squeeze(-1)``, ``.flatten()``, ``.view(-1)``, ``[:, 0]``) iterates E 0-d
+  ones;
 - ``ModuleList[t]`` (or a list's) at such a tensor is element e, as ``operator.index`` of it is in eager; so is
   any indexing at its one element ``t[0]`` (transformers v5's ``expert_idx = expert_idx[0]``), a tensor's too
   (``w[t[0]]`` is the view ``w[e]``);
@@ -197,7 +199,9 @@ def _unroll(tx, inst) -> bool:
     trace = speculation._trace()
     if trace is None or not tx.stack or not isinstance(tx.stack[-1], TensorVariable):
         return False
-    node = tx.stack[-1].as_proxy().node
+    iterated = tx.stack[-1].as_proxy().node
+    node = _column_of(iterated) or iterated  # the nonzero itself, or its one column as a (n,) vector
+    scalar = node is not iterated  # each item a 0-d index, not a (1,) row
     value = node.meta.get("example_value")
     if not _is_nonzero(node) or not isinstance(value, torch.Tensor) or isinstance(value.shape[0], int):
         return False
@@ -223,7 +227,7 @@ def _unroll(tx, inst) -> bool:
     node.meta[speculation.LENGTH] = E  # its size checks (0 <= n_hit <= E) are facts: they go if its loop does
     items = []
     for e in range(E):
-        proxy = tx.output.create_proxy("call_function", torch.full, ((1,), e),
+        proxy = tx.output.create_proxy("call_function", torch.full, ((), e) if scalar else ((1,), e),
                                        {"dtype": torch.int64, "device": value.device})
         proxy.node.meta[INDEX] = e
         items.append(wrap_fx_proxy(tx, proxy))
@@ -272,12 +276,36 @@ def _counts_of(loop: _Loop, e: int) -> Callable[[Graph], tuple]:
     return counts
 
 
+def _column_of(node: Node) -> Optional[Node]:
+    """The nonzero ``n`` when ``node`` is its one column as a vector: ``n.squeeze(-1)`` / ``squeeze(1)``,
+    ``n.flatten()``, ``n.view(-1)`` / ``reshape(-1)`` or ``n[:, 0]`` of a (n_hit, 1) nonzero; else None."""
+    from .passes.fx_utils import is_call
+
+    if node.op != "call_method" and not (node.op == "call_function" and node.target is operator.getitem):
+        return None
+    base = node.args[0] if node.args else None
+    if not isinstance(base, Node) or not _is_nonzero(base):
+        return None
+    bv = base.meta.get("example_value")
+    if not isinstance(bv, torch.Tensor) or bv.dim() != 2 or bv.shape[1] != 1:
+        return None
+    rest, kw = tuple(node.args[1:]), node.kwargs
+    column = ((is_call(node, "call_method", "squeeze") and (rest, kw) in (((-1,), {}), ((1,), {}), ((), {"dim": -1}),
+                                                                        ((), {"dim": 1})))
+              or (is_call(node, "call_method", "flatten") and not rest and not kw)
+              or (node.op == "call_method" and node.target in ("view", "reshape") and rest in ((-1,), ((-1,),))
+                  and not kw)
+              or (node.op == "call_function" and rest == ((slice(None), 0),)))
+    return base if column else None
+
+
 def _held(node: Node) -> tuple[Optional[int], bool]:
-    """(e, is 0-d) where ``node`` is a hit loop's index tensor ``full((1,), e)`` (False) or its one element
-    ``t[0]`` / ``t[-1]`` (True: transformers v5's ``expert_idx = expert_idx[0]``); (None, False) otherwise."""
+    """(e, is 0-d) where ``node`` is a hit loop's index tensor ``full((1,), e)`` (False) or ``full((), e)`` (True:
+    the loop runs over the nonzero's one column), or the (1,) one's element ``t[0]`` / ``t[-1]`` (True: transformers
+    v5's ``expert_idx = expert_idx[0]``); (None, False) otherwise."""
     e = node.meta.get(INDEX)
     if e is not None:
-        return e, False
+        return e, node.args[0] == ()
     if (node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], Node)
             and type(node.args[1]) is int and node.args[1] in (0, -1)):
         e = node.args[0].meta.get(INDEX)

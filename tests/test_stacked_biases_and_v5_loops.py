@@ -5,9 +5,10 @@
   included) equal to eager. Look-alikes, equal to eager and left alone with the reason: another expert's bias row,
   one bias shared by every expert, a bias that does not match the weight's width.
 - The loop over the hit experts with a 0-d index and a branch on it (hit_loops.py): ``expert_idx = expert_idx[0]``,
-  ``if expert_idx == num_experts: continue`` (the spare class of an E + 1 one-hot skipped whole). Genuine:
-  rewritten, equal to eager. Look-alikes, equal to eager and not rewritten: a skip of a real expert (``== 0``), a
-  comparison with a tensor (not known while tracing).
+  ``if expert_idx == num_experts: continue`` (the spare class of an E + 1 one-hot skipped whole), or the loop over
+  the nonzero's one column (``squeeze(-1)``, ``flatten()``, ``view(-1)``, ``[:, 0]``). Genuine: rewritten, equal to
+  eager. Look-alikes, equal to eager and not rewritten: a skip of a real expert (``== 0``), a comparison with a
+  tensor (not known while tracing), the first column of a two-column nonzero.
 """
 import pytest
 import torch
@@ -82,11 +83,12 @@ def test_bias_look_alikes_are_left_alone(style, reason):
 
 
 class V5HitLoop(nn.Module):
-    """transformers v5's eager loop over the hit experts; ``skip`` picks the branch on the index."""
+    """transformers v5's eager loop over the hit experts; ``skip`` picks the branch on the index, ``column`` loops
+    over the nonzero's one column (0-d indices, no ``expert_idx[0]``) in one of its spellings."""
 
-    def __init__(self, skip: str = "spare_class"):
+    def __init__(self, skip: str = "spare_class", column: str = ""):
         super().__init__()
-        self.skip = skip
+        self.skip, self.column = skip, column
         self.num_experts = E
         self.router = nn.Linear(H, E, bias=False)
         self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H) * H ** -0.5)
@@ -99,8 +101,12 @@ class V5HitLoop(nn.Module):
         with torch.no_grad():
             mask = F.one_hot(ids, num_classes=self.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        if self.column:
+            hit = {"squeeze": lambda: hit.squeeze(-1), "flatten": hit.flatten, "view": lambda: hit.view(-1),
+                   "first": lambda: hit[:, 0]}[self.column]()
         for expert_idx in hit:
-            expert_idx = expert_idx[0]
+            if not self.column:
+                expert_idx = expert_idx[0]
             if self.skip == "spare_class" and expert_idx == self.num_experts:
                 continue
             if self.skip == "expert_0" and expert_idx == 0:  # a real expert skipped: not an MoE over range(E)
@@ -114,9 +120,33 @@ class V5HitLoop(nn.Module):
         return out
 
 
-def test_the_v5_hit_loop_is_rewritten_and_equal_to_eager():
+@pytest.mark.parametrize("column", ["", "squeeze", "flatten", "view", "first"])
+def test_the_v5_hit_loop_is_rewritten_and_equal_to_eager(column):
     torch.manual_seed(0)
-    assert_rewritten_like_eager(V5HitLoop(), torch.randn(9, H), "unrolled_loop")
+    assert_rewritten_like_eager(V5HitLoop(column=column), torch.randn(9, H), "unrolled_loop")
+
+
+def test_a_loop_over_a_nonzero_of_two_columns_is_not_unrolled():
+    """The nonzero of a (E, k) matrix has two columns: its first column repeats experts, it is no list of hit
+    experts. Equal to eager, not rewritten."""
+
+    class TwoColumns(V5HitLoop):
+        def forward(self, x):
+            weights, ids = torch.topk(F.softmax(self.router(x), dim=-1), K, dim=-1)
+            out = torch.zeros_like(x)
+            mask = F.one_hot(ids, num_classes=self.num_experts).permute(2, 1, 0)
+            for expert_idx in (mask.sum(-1) > 0).nonzero()[:, 0]:  # (E, k) counts: an expert once per slot
+                top_k_pos, token_idx = torch.where(mask[expert_idx])
+                h = F.relu(F.linear(x[token_idx], self.gate_up_proj[expert_idx][:I]))
+                y = F.linear(h, self.down_proj[expert_idx])
+                out.index_add_(0, token_idx, y * weights[token_idx, top_k_pos, None])
+            return out
+
+    torch.manual_seed(0)
+    model = TwoColumns()
+    x = torch.randn(7, H)
+    assert torch.allclose(compile_moe(model, x), model(x), rtol=1e-6, atol=1e-6)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
 
 
 @pytest.mark.parametrize("skip", ["expert_0", "tensor"])
