@@ -344,7 +344,7 @@ def _compared_index(node: Node) -> Optional[bool]:
     if not isinstance(a, Node) or type(c) is not int:
         return None
     for op, names in _COMPARISONS.items():
-        if node.target is op or node.target in names or node.target in (getattr(torch, names[0]),):
+        if node.target in (op, getattr(torch, names[0])) or node.target in names:
             e, _ = _held(a)
             return None if e is None else op(e, c)
     return None
@@ -410,8 +410,7 @@ def hook_table(table: list, opmap: dict) -> None:
             handler(tx, inst)
 
     hooks = {"GET_ITER": get_iter, "FOR_ITER": _iteration, "BINARY_SUBSCR": _subscript}
-    hooks.update({name: _branch for name in opmap if name.startswith("POP_JUMP") and name.endswith(("_IF_TRUE",
-                                                                                                      "_IF_FALSE"))})
+    hooks.update({name: _branch for name in opmap if speculation.is_bool_branch(name)})
     for opname, hook in hooks.items():
         op = opmap.get(opname)
         if op is not None and 0 <= op < len(table) and table[op] is not None:

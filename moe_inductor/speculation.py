@@ -417,6 +417,12 @@ def dispatch_tables(base: type) -> list[list]:
     return [t for t in tables if isinstance(t, list)]
 
 
+def is_bool_branch(opname: str) -> bool:
+    """Whether the opcode named ``opname`` jumps on the truth of the value it pops (POP_JUMP_[FORWARD_|BACKWARD_]
+    IF_TRUE / IF_FALSE, across Python versions)."""
+    return opname.startswith("POP_JUMP") and opname.endswith(("_IF_TRUE", "_IF_FALSE"))
+
+
 def hook_table(table: list, opmap: dict) -> None:
     """Wrap the branch and FOR_ITER handlers of one Dynamo dispatch table (a list indexed by opcode) in place."""
     for opname, op in opmap.items():
@@ -425,7 +431,7 @@ def hook_table(table: list, opmap: dict) -> None:
         if not 0 <= op < len(table) or table[op] is None:
             continue
         handler = table[op]
-        if opname.startswith("POP_JUMP") and opname.endswith(("_IF_TRUE", "_IF_FALSE")):
+        if is_bool_branch(opname):
             table[op] = _jump_hook(handler, opname.endswith("_IF_TRUE"))
         elif opname == "FOR_ITER":
             table[op] = _for_iter_hook(handler)
