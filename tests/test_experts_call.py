@@ -110,8 +110,9 @@ def test_the_emitter_builds_the_op_call_from_a_spec():
 
 
 def test_needs_are_read_by_name_in_the_schemas_order():
-    assert Needs._fields == ("x", "topk_weights", "w1", "w1_up", "w2", "b1", "b1_up", "b2", "combined_gate_up")
-    assert Needs(*[False] * 8).combined_gate_up is False
+    assert Needs._fields == ("x", "topk_weights", "w1", "w1_up", "w2", "b1", "b1_up", "b2", "combined_gate_up",
+                             "gate_up_pairs")
+    assert Needs(*[False] * 8).combined_gate_up is False and Needs(*[False] * 8).gate_up_pairs is False
     call = _stacked_call(save_pre=True)
     y, pre, order, sorted_expert, offsets = experts_forward_impl(*op_call(call)[1])
     w = call.weights

@@ -86,9 +86,9 @@ def test_fused_gate_up_is_rewritten_and_equal(style):
 
 @pytest.mark.parametrize("style", [s for s in FORMS if s != "loop_linear_split"])  # that one takes the list op
 def test_training_hands_the_op_a_stacked_gate_up_weight_whole(style, monkeypatch):
-    """With a gradient to make, a stacked [gate | up] weight reaches the op whole (no w1_up), so its backward gives
-    one gradient for it instead of two halves' gradients stitched together; interleaved halves and inference keep
-    the two halves."""
+    """With a gradient to make, a stacked fused gate/up weight reaches the op whole (no w1_up), so its backward gives
+    one gradient for it instead of two halves' gradients stitched together: (E, H, 2I) when [gate | up], its
+    (E, H, I, 2) pairs when interleaved. Inference keeps the two halves."""
     from moe_inductor.ops import experts as experts_module
 
     seen = []
@@ -102,8 +102,9 @@ def test_training_hands_the_op_a_stacked_gate_up_weight_whole(style, monkeypatch
     torch.manual_seed(0)
     model = FusedMoE(style)
     assert_rewritten_like_eager(model, torch.randn(6, H), FORMS[style], style)
-    whole = style in ("loop_chunk", "loop_kn_slices", "gathered_chunk", "dense_slices")
-    assert seen and all(s == ((True, (E, H, 2 * I)) if whole else (False, s[1])) for s in seen), seen
+    whole = {"loop_chunk": (E, H, 2 * I), "loop_kn_slices": (E, H, 2 * I), "gathered_chunk": (E, H, 2 * I),
+             "dense_slices": (E, H, 2 * I), "loop_kn_interleaved": (E, H, I, 2)}.get(style)
+    assert seen and all(s == ((True, whole) if whole else (False, s[1])) for s in seen), seen
     seen.clear()
     with torch.no_grad():
         compile_moe(model, torch.randn(6, H))

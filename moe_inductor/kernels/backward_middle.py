@@ -7,7 +7,8 @@ Between the two GEMMs of the backward, per sorted row r and column j of the inte
   d_gate, d_up = act'(p) * (g * scale[r])      the gradients of the raw projections
 (with SCALE_H, h is stored as h * scale[r]: d_scale is summed before that.)
 Done in torch this is some twenty passes over (M, I) fp32 tensors; here it is one read of pre and g and one write
-of h, d_gate and d_up in the input dtype. Rows past the experts (dropped by a capacity) get zero gradients.
+of h, d_gate and d_up in the input dtype. d_gate and d_up share their strides (``stride_d_i`` 2 writes them as the
+even and odd columns of one tensor, an interleaved weight's layout). Rows past the experts (dropped by a capacity) get zero gradients.
 The arithmetic is ops/activations.py's, in fp32.
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ def backward_middle_kernel(
     p_pre, p_g, p_scale, p_order, p_sorted_expert, p_b1, p_b1_up,
     p_h, p_d_gate, p_d_up, p_d_scale,
     M, I,
-    stride_pre_m, stride_g_m, stride_h_m, stride_d_m, stride_b_e,
+    stride_pre_m, stride_g_m, stride_h_m, stride_d_m, stride_d_i, stride_b_e,
     alpha, limit,
     NUM_EXPERTS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, SCALE_H: tl.constexpr = False,
@@ -87,7 +88,8 @@ def backward_middle_kernel(
                 d_gate = dact * up * _unary_grad(gate, ACT)
                 d_up = dact * u
             d_up = tl.where(m_valid, d_up, 0.0)
-            tl.store(p_d_up + rows[:, None] * stride_d_m + o_i[None, :], d_up.to(p_d_up.dtype.element_ty), mask=m_all)
+            tl.store(p_d_up + rows[:, None] * stride_d_m + o_i[None, :] * stride_d_i, d_up.to(p_d_up.dtype.element_ty),
+                     mask=m_all)
         else:
             h = _unary_act(gate, ACT)
             d_gate = g * scale[:, None] * _unary_grad(gate, ACT)
@@ -96,6 +98,6 @@ def backward_middle_kernel(
         if SCALE_H:  # h * scale, the A operand of dW2 = (h * scale)^T @ dy[token] when dy is not scaled
             h = h * scale[:, None]
         tl.store(p_h + rows[:, None] * stride_h_m + o_i[None, :], h.to(p_h.dtype.element_ty), mask=m_all)
-        tl.store(p_d_gate + rows[:, None] * stride_d_m + o_i[None, :], d_gate.to(p_d_gate.dtype.element_ty),
-                 mask=m_all)
+        tl.store(p_d_gate + rows[:, None] * stride_d_m + o_i[None, :] * stride_d_i,
+                 d_gate.to(p_d_gate.dtype.element_ty), mask=m_all)
     tl.store(p_d_scale + o_m, d_scale, mask=m_m)

@@ -379,8 +379,11 @@ def launch_backward_middle(pre: torch.Tensor, g: torch.Tensor, routing: SortedRo
                            biases: tuple[Optional[torch.Tensor], Optional[torch.Tensor]], outs: tuple,
                            act: KernelActivation, scale_h: bool = False) -> None:
     """backward_middle.py's kernel: writes ``outs`` = (h, d_gate, d_up or None, d_scale) from the raw up projection
-    ``pre`` and ``g`` = dy @ W2^T; ``biases`` = (b1, b1_up), both None without biases."""
+    ``pre`` and ``g`` = dy @ W2^T; ``biases`` = (b1, b1_up), both None without biases. d_up, where given, has
+    d_gate's strides."""
     h, d_gate, d_up, d_scale = outs
+    if d_up is not None and d_up.stride() != d_gate.stride():
+        raise ValueError(f"moe_inductor: d_gate and d_up must share strides; got {d_gate.stride()} and {d_up.stride()}")
     M, I = g.shape
     num_experts = routing.num_experts
     if _traceable:
@@ -396,7 +399,8 @@ def launch_backward_middle(pre: torch.Tensor, g: torch.Tensor, routing: SortedRo
                 backward_middle_kernel, (cdiv(M, block_m),),
                 (pre, g, routing.scale, routing.order, routing.sorted_expert, b1c, b1_upc, h, d_gate,
                  d_up if act.gated else d_gate, d_scale,
-                 M, I, pre.stride(0), g.stride(0), h.stride(0), d_gate.stride(0), b1c.stride(0) if has_bias else 0,
+                 M, I, pre.stride(0), g.stride(0), h.stride(0), d_gate.stride(0), d_gate.stride(1),
+                 b1c.stride(0) if has_bias else 0,
                  float(act.alpha), float(act.limit)),
                 dict(NUM_EXPERTS=num_experts, GATED=act.gated, ACT=act.act_id, HAS_BIAS=has_bias, BLOCK_M=block_m,
                      BLOCK_I=block_i, SCALE_H=scale_h, num_warps=4),

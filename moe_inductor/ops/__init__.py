@@ -8,7 +8,7 @@ from torch import Tensor
 
 from .. import config
 from .activations import ACTIVATIONS, GPTOSS_ALPHA, GPTOSS_LIMIT, Activation, apply_activation, is_gated
-from .call import ExpertsCall, ExpertWeights, Routing, check_call, op_call
+from .call import ExpertsCall, ExpertWeights, Routing, check_call, op_call, pairs_view
 from . import expert_lists  # noqa: F401  (registers moe_inductor::experts_forward_list)
 from .experts import experts_backward, experts_forward, experts_forward_impl, to_kn
 from .grouped_mm import grouped_mm, grouped_mm_reference
@@ -157,10 +157,12 @@ def fused_experts(
         check_topk_ids(ids, g.shape[0], name)
     elif config.validate_routing:
         assert_ids_in_range(ids, g.shape[0], name)
-    # Traced with a gradient to make, a [gate | up] weight goes to the op whole (op_call's gate_up): the backward
-    # graph then holds one gradient for it, not two slices' gradients stitched together in a further pass.
-    whole = (to_kn(w1, layout) if compiling and wants_grad and u is not None and gate_up == "concat"
-             and isinstance(w1, torch.Tensor) else None)
+    # Traced with a gradient to make, a fused gate/up weight goes to the op whole (op_call's gate_up; an interleaved
+    # one as its pairs_view): the backward graph then holds one gradient for it, not two slices' gradients
+    # stitched together in a further pass.
+    whole = None
+    if compiling and wants_grad and u is not None and isinstance(w1, torch.Tensor):
+        whole = to_kn(w1, layout) if gate_up == "concat" else pairs_view(to_kn(w1, layout))
     op, args = op_call(call, gate_up=whole)
     # Eager inference runs the op's body directly: the same code, without the dispatcher's per-call overhead.
     # Traced or differentiable calls go through the op, so graphs see it and autograd finds its backward.

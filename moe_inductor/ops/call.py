@@ -21,8 +21,8 @@ from .activations import GPTOSS_ALPHA, GPTOSS_LIMIT, Activation, check_activatio
 #: a field's value: a Tensor on the tensor route, a ``torch.fx.Node`` on the FX route
 Value = Any
 
-__all__ = ["Activation", "ExpertWeights", "ExpertsCall", "Routing", "check_call", "from_op_args", "gate_up_whole",
-           "op_call"]
+__all__ = ["Activation", "ExpertWeights", "ExpertsCall", "Routing", "check_call", "from_op_args", "gate_up_pairs",
+           "gate_up_whole", "op_call", "pairs_view"]
 
 WEIGHT_POSITIONS = ("output", "between", "input")
 
@@ -69,10 +69,12 @@ def op_call(call: ExpertsCall, gate_up: Optional[Value] = None) -> tuple[Any, tu
     """The op overload that runs ``call`` and its positional arguments: ``experts_forward`` for stacked weights,
     ``experts_forward_list`` for per-expert ones. Both return (y, pre, order, sorted_expert, offsets).
 
-    ``gate_up``: the (E, H, 2I) [gate | up] weight that ``call``'s w1 and w1_up are the halves of. It is passed
-    whole in w1's place, with no w1_up (``from_op_args`` takes the halves again): the op's backward then gives one
-    gradient for the whole weight. Passed as two slices, their two gradients are stitched into the weight's
-    gradient by a further pass over it (``slice_backward`` and an add, a read and a write of the whole gradient)."""
+    ``gate_up``: the weight that ``call``'s w1 and w1_up are the two parts of, whole: (E, H, 2I) when they are its
+    [gate | up] halves, or (E, H, I, 2) (``pairs_view``) when they are its even and odd columns (GPT-OSS's
+    interleaved gate_up_proj). It is passed in w1's place, with no w1_up (``from_op_args`` takes the parts again):
+    the op's backward then gives one gradient for the whole weight. Passed as two slices, their two gradients are
+    stitched into the weight's gradient by a further pass over it (``slice_backward`` and an add, a read and a
+    write of the whole gradient)."""
     r, w, act = call.routing, call.weights, call.activation
     if isinstance(w.w1, (tuple, list)):
         if w.b1 is not None or w.b1_up is not None or w.b2 is not None:
@@ -97,14 +99,30 @@ def gate_up_whole(w1: Any, w1_up: Any, activation: str) -> bool:
         and w1.shape[2] % 2 == 0
 
 
+def gate_up_pairs(w1: Any, w1_up: Any, activation: str) -> bool:
+    """Whether ``experts_forward``'s w1 holds a gated activation's gate and up weights whole as (E, H, I, 2) pairs,
+    the gate in [..., 0] and the up in [..., 1], with no w1_up (``op_call``'s ``gate_up``, from ``pairs_view``).
+    A fourth dim of 2 says it: the op's schema has no other word for the layout, and no other w1 has four dims."""
+    return w1_up is None and is_gated(activation) and isinstance(w1, torch.Tensor) and w1.dim() == 4 \
+        and w1.shape[3] == 2
+
+
+def pairs_view(w: torch.Tensor) -> torch.Tensor:
+    """The (E, H, I, 2) view of an (E, H, 2I) weight whose even and odd columns are the gate and up weights (no
+    copy, any strides): ``op_call``'s ``gate_up`` for an interleaved pair."""
+    return w.unflatten(2, (w.shape[2] // 2, 2))
+
+
 def from_op_args(args: tuple) -> ExpertsCall:
     """The call that ``experts_forward``'s positional arguments describe (``op_call``'s inverse for stacked
-    weights; a whole [gate | up] w1 becomes its two halves again)."""
+    weights; a whole gate/up w1 becomes its two parts again: halves, or the stride-2 views of its pairs)."""
     (x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, weight_position, alpha, limit, capacity,
      save_pre) = args
     if gate_up_whole(w1, w1_up, activation):
         half = w1.shape[2] // 2
         w1, w1_up = w1[:, :, :half], w1[:, :, half:]
+    elif gate_up_pairs(w1, w1_up, activation):
+        w1, w1_up = w1[..., 0], w1[..., 1]
     return ExpertsCall(x, Routing(topk_ids, topk_weights, capacity), ExpertWeights(w1, w1_up, w2, b1, b1_up, b2),
                        Activation(activation, alpha, limit), weight_position, save_pre)
 

@@ -22,7 +22,7 @@ from torch import Tensor
 from ..kernels.launch import interleaved_pairs
 from . import cpu_path, grouped_mm_engine
 from .activations import NO_ACTIVATION, Activation, activation_backward, apply_activation
-from .call import ExpertsCall, ExpertWeights, Routing, from_op_args, gate_up_whole
+from .call import ExpertsCall, ExpertWeights, Routing, from_op_args, gate_up_pairs, gate_up_whole
 from .grouped import (
     ROWS_ASSIGNMENT,
     ROWS_SORTED,
@@ -46,7 +46,9 @@ from .routing import prepare_routing
 class Needs(NamedTuple):
     """Which gradients ``experts_backward`` makes (its ``needs`` list, by name); ``combined_gate_up`` asks for the
     gate and up gradients as one (E, H, 2I) tensor in the w1 slot (gate and up being the halves of one tensor,
-    ``_gate_up_is_one_tensor``), so that nothing has to stitch them together afterwards."""
+    ``_gate_up_is_one_tensor``), so that nothing has to stitch them together afterwards; with ``gate_up_pairs``
+    that tensor is (E, H, I, 2), the gradient of an interleaved weight's ``pairs_view`` (gate and up being its
+    even and odd columns)."""
 
     x: bool
     topk_weights: bool
@@ -57,6 +59,7 @@ class Needs(NamedTuple):
     b1_up: bool
     b2: bool
     combined_gate_up: bool = False
+    gate_up_pairs: bool = False
 
 
 def _grad_buffer(w: Tensor) -> Tensor:
@@ -73,6 +76,15 @@ def _combined_grad_buffer(w1: Tensor) -> Tensor:
     if w1.stride(1) == 1:
         return w1.new_empty(E, 2 * I, H).transpose(1, 2)
     return w1.new_empty(E, H, 2 * I)
+
+
+def _pairs_grad_buffer(w1: Tensor) -> Tensor:
+    """An empty (E, H, I, 2) gradient for an interleaved gate/up pair whose gate is ``w1`` (E, H, I), laid out as
+    the whole weight's ``pairs_view`` is: of a dense (E, 2I, H) when ``w1`` is column-major, of (E, H, 2I) else."""
+    E, H, I = w1.shape
+    if w1.stride(1) == 1:
+        return w1.new_empty(E, I, 2, H).permute(0, 3, 1, 2)
+    return w1.new_empty(E, H, I, 2)
 
 
 def _gate_up_is_one_tensor(w1: Tensor, w1_up: Optional[Tensor]) -> bool:
@@ -234,6 +246,7 @@ class _MiddleGrads(NamedTuple):
     db2: Optional[Tensor]
     db1: Optional[Tensor]
     db1_up: Optional[Tensor]
+    d_pairs: Optional[Tensor] = None  # (M, 2I): d_gate and d_up are its even and odd columns
 
 
 def _backward(dy: Tensor, call: ExpertsCall, routed: Routed, pre: Tensor, needs: Needs) -> tuple:
@@ -274,8 +287,12 @@ def _backward_middle_fused(dy: Tensor, call: ExpertsCall, routed: Routed, pre: T
     f32 = torch.float32
     g = torch.empty(M, I, dtype=f32, device=x.device)
     grouped_gemm(dy, w.w2.transpose(1, 2), routed.rows, g, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED)
-    h, d_gate, d_up, d_scale_sorted = backward_middle(pre, g, routed.sorted, (w.b1, w.b1_up), call.activation,
-                                                       x.dtype)
+    # an interleaved weight's gradients are written as its (gate, up) column pairs: dx's GEMM and the whole weight's
+    # gradient read them so, with no stack of the two afterwards
+    d_pairs = x.new_empty(M, 2 * I) if interleaved_pairs(w.w1, w.w1_up) is not None else None
+    h, d_gate, d_up, d_scale_sorted = backward_middle(
+        pre, g, routed.sorted, (w.b1, w.b1_up), call.activation, x.dtype,
+        out=(d_pairs[:, 0::2], d_pairs[:, 1::2]) if d_pairs is not None else None)
     del g
     if w.b2 is not None:
         d_scale_sorted = d_scale_sorted + (dy[rows.token].to(f32) * w.b2[rows.expert_c].to(f32)).sum(-1)
@@ -290,7 +307,7 @@ def _backward_middle_fused(dy: Tensor, call: ExpertsCall, routed: Routed, pre: T
         db1 = sum_rows_by_expert(d_gate, routed, ROWS_SORTED, w.b1.dtype)
     if w.b1_up is not None and needs.b1_up:
         db1_up = sum_rows_by_expert(d_up, routed, ROWS_SORTED, w.b1_up.dtype)
-    return _MiddleGrads(d_gate, d_up, d_scale_sorted, dw2, db2, db1, db1_up)
+    return _MiddleGrads(d_gate, d_up, d_scale_sorted, dw2, db2, db1, db1_up, d_pairs)
 
 
 def _sum_by_expert(rows: Tensor, expert: Tensor, num_experts: int, dtype: torch.dtype) -> Tensor:
@@ -383,7 +400,15 @@ def _backward_through_up(call: ExpertsCall, routed: Routed, valid: Tensor, mid: 
     gated = w1_up is not None
     f32 = torch.float32
     dw1 = dw1_up = None
-    if needs.combined_gate_up:  # one (E, H, 2I) gradient for the gate/up pair, written as its two halves
+    # an interleaved pair's gradients as the columns of one (M, 2I) tensor, as the weight holds them (the fused
+    # middle writes them so)
+    d_pairs = mid.d_pairs
+    if needs.combined_gate_up and needs.gate_up_pairs:  # one GEMM for the whole interleaved weight
+        if d_pairs is None:
+            d_pairs = torch.stack((d_gate, d_up), -1).view(M, 2 * w1.shape[2])
+        dw1 = _pairs_grad_buffer(w1)
+        grouped_weight_grad(x, d_pairs, rows, dw1.flatten(2), a_rows=ROWS_TOKEN, g_rows=ROWS_SORTED)
+    elif needs.combined_gate_up:  # one (E, H, 2I) gradient for the gate/up pair, written as its two halves
         I = w1.shape[2]
         dw1 = _combined_grad_buffer(w1)
         grouped_weight_grad(x, d_gate, rows, dw1[:, :, :I], a_rows=ROWS_TOKEN, g_rows=ROWS_SORTED)
@@ -397,7 +422,8 @@ def _backward_through_up(call: ExpertsCall, routed: Routed, valid: Tensor, mid: 
         dx_rows = x.new_zeros(M, H) if routed.dropped or topk == 1 else x.new_empty(M, H)  # k = 1: the rows are dx
         pairs = interleaved_pairs(w1, w1_up) if gated and use_triton(x) else None
         if pairs is not None:  # one GEMM over the whole weight, read along its contiguous 2I axis
-            d_pairs = torch.stack((d_gate, d_up), -1).view(M, 2 * w1.shape[2])
+            if d_pairs is None:
+                d_pairs = torch.stack((d_gate, d_up), -1).view(M, 2 * w1.shape[2])
             grouped_gemm(d_pairs, pairs.transpose(1, 2), rows, dx_rows, a_rows=ROWS_SORTED, c_rows=ROWS_ASSIGNMENT)
         else:
             grouped_gemm(d_gate, w1.transpose(1, 2), rows, dx_rows, a_rows=ROWS_SORTED, c_rows=ROWS_ASSIGNMENT)
@@ -428,7 +454,8 @@ def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, s
     return (
         maybe(need.x, x, torch.empty_like),
         maybe(need.topk_weights, topk_weights, torch.empty_like),
-        maybe(need.w1, w1, _combined_grad_buffer if need.combined_gate_up else _grad_buffer),
+        maybe(need.w1, w1, (_pairs_grad_buffer if need.gate_up_pairs else _combined_grad_buffer)
+              if need.combined_gate_up else _grad_buffer),
         maybe(need.w1_up and not need.combined_gate_up, w1_up, _grad_buffer),
         maybe(need.w2, w2, _grad_buffer),
         maybe(need.b1, b1, torch.empty_like),
@@ -443,20 +470,24 @@ def _setup_context(ctx, inputs, output):
     _, pre, order, sorted_expert, offsets = output
     ctx.save_for_backward(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets)
     ctx.options = (*call.activation, call.weight_position, capacity is not None)
-    ctx.gate_up_whole = gate_up_whole(inputs[3], inputs[4], call.activation.name)  # one input, one gradient
+    # one input, one gradient: (E, H, 2I) halves or (E, H, I, 2) pairs
+    ctx.gate_up_whole = gate_up_whole(inputs[3], inputs[4], call.activation.name)
+    ctx.gate_up_pairs = gate_up_pairs(inputs[3], inputs[4], call.activation.name)
 
 
 def _autograd_backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
     x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets = ctx.saved_tensors
     activation, alpha, limit, weight_position, dropped = ctx.options
     ni = ctx.needs_input_grad
-    whole = ctx.gate_up_whole
+    pairs = ctx.gate_up_pairs
+    whole = ctx.gate_up_whole or pairs
     needs = Needs(ni[0], ni[2], ni[3], (ni[3] if whole else ni[4]) and w1_up is not None, ni[5],
                   ni[6] and b1 is not None, ni[7] and b1_up is not None, ni[8] and b2 is not None)
     if dy is None:
         dy = torch.zeros_like(x)
     one_tensor = whole or _gate_up_is_one_tensor(w1, w1_up)
-    needs = needs._replace(combined_gate_up=needs.w1 and needs.w1_up and one_tensor)
+    needs = needs._replace(combined_gate_up=needs.w1 and needs.w1_up and one_tensor,
+                           gate_up_pairs=pairs and needs.w1 and needs.w1_up)
     grads = experts_backward(dy.contiguous(), x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order,
                              sorted_expert, offsets, activation, weight_position, alpha, limit, dropped, list(needs))
     dx, dtw, dw1, dw1_up, dw2, db1, db1_up, db2 = (g if need else None for g, need in zip(grads, needs))

@@ -233,8 +233,8 @@ def backward_middle(pre: torch.Tensor, g: torch.Tensor, routing: SortedRouting,
     d_up None when the activation is not gated; ``biases`` = (b1, b1_up), both None without biases.
 
     Args:
-        out: (d_gate, d_up) buffers to write into (two column halves of one (M, 2I) tensor, say); d_gate's row
-            stride is used for both.
+        out: (d_gate, d_up) buffers to write into, of one shape and strides (two column halves of one (M, 2I)
+            tensor, or its even and odd columns).
         scale_h: store h multiplied by its routing weight.
     """
     M, I = g.shape

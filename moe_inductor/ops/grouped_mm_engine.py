@@ -209,9 +209,13 @@ def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: T
             pre = pre.view(M, I, 2).transpose(1, 2).reshape(M, 2 * I)
     dy_sorted = dy.index_select(0, token)
     g = torch._grouped_mm(dy_sorted, w2.transpose(1, 2), offs=group_ends)  # d h, before the routing weight
+    # d_pre's columns lie as w_up's do: (gate, up) pairs when interleaved, so that dx's GEMM and the whole weight's
+    # gradient read it as it is
     d_pre = x.new_empty(M, pre.shape[1])
+    d_gate, d_up = ((d_pre[:, 0::2], d_pre[:, 1::2]) if interleaved else (d_pre[:, :I], d_pre[:, I:])) if gated \
+        else (d_pre, None)
     h_scaled, _, _, d_scale_sorted = backward_middle(pre, g, routed.sorted, (w.b1, w.b1_up), act, x.dtype,
-                                                     out=(d_pre[:, :I], d_pre[:, I:] if gated else None), scale_h=True)
+                                                     out=(d_gate, d_up), scale_h=True)
     del g
     if w.b2 is not None and needs.topk_weights:  # the routing weight also scales the down bias
         expert_c = sorted_expert.long().clamp(max=E - 1)
@@ -222,22 +226,30 @@ def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: T
     if w.b2 is not None and needs.b2:
         db2 = sum_rows_by_expert(dy, routed, ROWS_TOKEN, w.b2.dtype, scale=routed.scale)
     if w.b1 is not None and needs.b1:
-        db1 = sum_rows_by_expert(d_pre[:, :I], routed, ROWS_SORTED, w.b1.dtype)
+        db1 = sum_rows_by_expert(d_gate, routed, ROWS_SORTED, w.b1.dtype)
     if w.b1_up is not None and needs.b1_up:
-        db1_up = sum_rows_by_expert(d_pre[:, I:], routed, ROWS_SORTED, w.b1_up.dtype)
+        db1_up = sum_rows_by_expert(d_up, routed, ROWS_SORTED, w.b1_up.dtype)
     dw1 = dw1_up = None
     if combined_gate_up or needs.w1 or needs.w1_up:
         x_sorted = x.index_select(0, token)
-        if combined_gate_up:  # one GEMM over d_pre
+        if combined_gate_up:  # one GEMM over d_pre: (E, H, 2I) halves, or pairs seen as (E, H, I, 2)
             dw1 = _weight_grad(x_sorted, d_pre, group_ends, w_up)
-        else:  # two GEMMs: the gradients of an op must not be views of one tensor
-            dw1 = _weight_grad(x_sorted, d_pre[:, :I], group_ends, w1) if needs.w1 else None
-            dw1_up = _weight_grad(x_sorted, d_pre[:, I:], group_ends, w1_up) if needs.w1_up else None
+            if needs.gate_up_pairs:
+                dw1 = dw1.unflatten(2, (I, 2))
+            elif interleaved:  # [gate | up] halves asked of a pair (ops.experts._combined_grad_buffer's layout)
+                pairs = dw1
+                dw1 = w1.new_empty(E, 2 * I, H).transpose(1, 2) if w1.stride(1) == 1 else w1.new_empty(E, H, 2 * I)
+                dw1[:, :, :I].copy_(pairs[:, :, 0::2])
+                dw1[:, :, I:].copy_(pairs[:, :, 1::2])
+                del pairs
+        else:  # two GEMMs (of dense operands): the gradients of an op must not be views of one tensor
+            dense = (lambda t: t.contiguous()) if interleaved else (lambda t: t)  # noqa: E731
+            dw1 = _weight_grad(x_sorted, dense(d_gate), group_ends, w1) if needs.w1 else None
+            dw1_up = _weight_grad(x_sorted, dense(d_up), group_ends, w1_up) if needs.w1_up else None
         del x_sorted
+    del d_gate, d_up
     dx = None
     if needs.x:
-        if interleaved:  # the whole weight's columns are (gate, up) pairs: so must d_pre's be
-            d_pre = torch.stack((d_pre[:, :I], d_pre[:, I:]), -1).view(M, 2 * I)
         dx_sorted = torch._grouped_mm(d_pre, w_up.transpose(1, 2), offs=group_ends)
         del d_pre
         dx = combine(dx_sorted, routed.topk_ids, E, row_of=_row_of(order))

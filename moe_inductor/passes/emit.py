@@ -28,8 +28,10 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
                                              else (spec.gate, spec.up, spec.down, spec.b1, spec.b1_up, spec.b2))]
     # Dynamo compiles under the grad mode it traced in (and guards on it), so it is the mode the op will run in
     save_pre = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in map(val, weight_nodes))
-    # In training a stacked [gate | up] weight goes to the op whole (op_call's gate_up), for one gradient of it
-    fused = spec.gate if spec.gate_up == "concat" and not per_expert and save_pre else None
+    # In training a stacked fused gate/up weight goes to the op whole (op_call's gate_up; an interleaved one as its
+    # pairs_view), for one gradient of it
+    fused = spec.gate if spec.gate_up is not None and not per_expert and save_pre else None
+    interleaved = spec.gate_up == "interleaved"
     if spec.gate_up is not None:
         with graph.inserting_before(before):
             spec = _split_fused(graph, spec)
@@ -44,7 +46,11 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
             experts = ExpertWeights(kn(spec.gate), kn(spec.up), kn(spec.down), spec.b1, spec.b1_up, spec.b2)
         call = ExpertsCall(spec.x, Routing(spec.ids, weights, spec.capacity), experts,
                            Activation(spec.activation, spec.alpha, spec.limit), spec.weight_position, save_pre)
-        op = graph.call_function(*op_call(call, gate_up=kn(fused)))
+        whole = kn(fused)
+        if whole is not None and interleaved:
+            width = val(fused).shape[1 if spec.layout == "nk" else 2]
+            whole = graph.call_method("unflatten", (whole, 2, (width // 2, 2)))
+        op = graph.call_function(*op_call(call, gate_up=whole))
         out = graph.call_function(operator.getitem, (op, 0))
         if out_dtype != x_dtype:
             out = graph.call_method("to", (out, out_dtype))
