@@ -14,8 +14,8 @@
 #                                            # experts kept against every layer rewritten (bench_hf)        (~9 min)
 #   bash benchmarks/device_run.sh gptoss     # GPT-OSS's experts on both engines: the op alone (fused against
 #                                            # torch._grouped_mm, fwd and fwd+bwd) at T 512..16384, then the whole
-#                                            # model's prefill 4096/16384 and training step, experts kept
-#                                            # against rewritten (bench_experts gptoss_layout, bench_hf)    (~6 min)
+#                                            # model's training step and prefill 2048/512/4096, experts kept
+#                                            # against rewritten (bench_experts gptoss_layout, bench_hf)    (~9 min)
 #   bash benchmarks/device_run.sh hostab     # GPT-OSS decode B=1 host time, moe_inductor's pieces taken away one
 #                                            # at a time (decode_host_ab.py), 2 rounds in alternating order (~5 min)
 #   bash benchmarks/device_run.sh bwd        # forward + backward kernel breakdown, ours against sort +
@@ -40,7 +40,7 @@ if [ -d .wheels ]; then python -m pip install --no-deps -q .wheels/*.whl >/dev/n
 # which is CPU-bound, so four workers share the GPU (pytest-xdist and execnet come as wheels in .wheels/; without
 # them it runs serially, in about 15 minutes: split it with -k then).
 KERNEL_FILES="tests/test_kernels.py tests/test_routing.py tests/test_rewritten_graphs.py tests/test_grouped_mm_engine.py
-  tests/test_visible_kernels.py"
+  tests/test_visible_kernels.py tests/test_interleaved_gate_up_whole.py"
 WORKERS=$(python -c "import xdist" 2>/dev/null && echo "-n 4")
 case "${1:-suite}" in
   suite)
@@ -129,14 +129,16 @@ PY
     grep -v "autotuning gemm" "$OUT/tune_gemm.log" | cut -c1-220 | tail -50
     cp moe_inductor/kernels/tuned/NVIDIA_H200.json "$OUT/NVIDIA_H200.json" ;;
   gptoss)  # the engine's own GPU tests first; then what the biased-layer rule of ops/grouped_mm_engine.py rests on
-    timeout -s INT 100 python -m pytest tests/test_grouped_mm_engine.py $WORKERS -q -p no:warnings -rfE 2>&1 \
-      | grep -v torch.__trace > "$OUT/engine_tests.log"; grep -E "FAILED|ERROR" "$OUT/engine_tests.log"
-    tail -2 "$OUT/engine_tests.log"
-    timeout 100 python benchmarks/bench_experts.py --shapes --tokens 512 1024 2048 4096 16384 --extras gptoss_layout \
+    timeout -s INT 110 python -m pytest tests/test_grouped_mm_engine.py tests/test_interleaved_gate_up_whole.py $WORKERS \
+      -q -p no:warnings -rfE 2>&1 | grep -v torch.__trace > "$OUT/engine_tests.log"
+    grep -E "FAILED|ERROR" "$OUT/engine_tests.log"; tail -2 "$OUT/engine_tests.log"
+    timeout 80 python benchmarks/bench_experts.py --shapes --tokens 512 2048 4096 16384 --extras gptoss_layout \
       --json "$OUT/gptoss_engine.json" > "$OUT/gptoss_engine.log" 2>&1; grep "^{" "$OUT/gptoss_engine.log" | cut -c1-400
+    # the cells most wanted first: the training step, then the prefill sizes below the engine's row rule
     C=moe_inductor_experts_kept+moe_inductor_rule_off
-    timeout 340 python benchmarks/bench_hf.py --deadline-s 330 --profile --budget gpt_oss=320 \
-      --cells gpt_oss:prefill:4096:$C gpt_oss:train:4096:$C gpt_oss:prefill:16384:$C --json "$OUT/bench_hf_engine.json" \
+    timeout 385 python benchmarks/bench_hf.py --deadline-s 375 --profile --budget gpt_oss=370 \
+      --cells gpt_oss:train:4096:$C gpt_oss:prefill:2048:$C gpt_oss:prefill:512:$C gpt_oss:prefill:4096:$C \
+      --json "$OUT/bench_hf_engine.json" \
       --markdown "$OUT/bench_hf_engine.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_engine.log"
     tail -8 "$OUT/bench_hf_engine.md" ;;
   hostab)  # one process per variant; the second round reverses the first's order (a variant is not judged by
