@@ -151,7 +151,7 @@ def test_opcheck_experts_forward_and_backward_with_pairs():
     torch.library.opcheck(experts_forward, args)
     gate, up, d, bg, bu = expert_weight_views(p.w1, p.w2, p.b1, activation=ACT, layout="kn", gate_up="interleaved")
     fwd = experts_forward(*_args(p, gate, up))
-    dy = torch.randn(fwd[0].shape, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(fwd[0].shape, generator=torch.Generator().manual_seed(1)).to(p.x)
     torch.library.opcheck(experts_backward, (dy, p.x, p.topk_ids, p.topk_weights, gate, up, d, bg, bu, p.b2,
                                              *fwd[1:], ACT, "output", 1.702, 7.0, False, [True] * 8 + [True, True]))
 
