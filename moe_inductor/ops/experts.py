@@ -289,7 +289,7 @@ def _backward_middle_fused(dy: Tensor, call: ExpertsCall, routed: Routed, pre: T
     grouped_gemm(dy, w.w2.transpose(1, 2), routed.rows, g, a_rows=ROWS_TOKEN, c_rows=ROWS_SORTED)
     # an interleaved weight's gradients are written as its (gate, up) column pairs: dx's GEMM and the whole weight's
     # gradient read them so, with no stack of the two afterwards
-    d_pairs = x.new_empty(M, 2 * I) if interleaved_pairs(w.w1, w.w1_up) is not None else None
+    d_pairs = x.new_empty(M, 2 * I) if needs.gate_up_pairs and interleaved_pairs(w.w1, w.w1_up) is not None else None
     h, d_gate, d_up, d_scale_sorted = backward_middle(
         pre, g, routed.sorted, (w.b1, w.b1_up), call.activation, x.dtype,
         out=(d_pairs[:, 0::2], d_pairs[:, 1::2]) if d_pairs is not None else None)

@@ -212,7 +212,9 @@ def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: T
     # d_pre's columns lie as w_up's do: (gate, up) pairs when interleaved, so that dx's GEMM and the whole weight's
     # gradient read it as it is
     d_pre = x.new_empty(M, pre.shape[1])
-    d_gate, d_up = ((d_pre[:, 0::2], d_pre[:, 1::2]) if interleaved else (d_pre[:, :I], d_pre[:, I:])) if gated \
+    # (only where the weight came whole: two gradients want dense halves, and stride-2 stores cost more than a stack)
+    paired = interleaved and needs.gate_up_pairs
+    d_gate, d_up = ((d_pre[:, 0::2], d_pre[:, 1::2]) if paired else (d_pre[:, :I], d_pre[:, I:])) if gated \
         else (d_pre, None)
     h_scaled, _, _, d_scale_sorted = backward_middle(pre, g, routed.sorted, (w.b1, w.b1_up), act, x.dtype,
                                                      out=(d_gate, d_up), scale_h=True)
@@ -236,20 +238,21 @@ def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: T
             dw1 = _weight_grad(x_sorted, d_pre, group_ends, w_up)
             if needs.gate_up_pairs:
                 dw1 = dw1.unflatten(2, (I, 2))
-            elif interleaved:  # [gate | up] halves asked of a pair (ops.experts._combined_grad_buffer's layout)
+            elif paired:  # [gate | up] halves asked of a pair (ops.experts._combined_grad_buffer's layout)
                 pairs = dw1
                 dw1 = w1.new_empty(E, 2 * I, H).transpose(1, 2) if w1.stride(1) == 1 else w1.new_empty(E, H, 2 * I)
                 dw1[:, :, :I].copy_(pairs[:, :, 0::2])
                 dw1[:, :, I:].copy_(pairs[:, :, 1::2])
                 del pairs
-        else:  # two GEMMs (of dense operands): the gradients of an op must not be views of one tensor
-            dense = (lambda t: t.contiguous()) if interleaved else (lambda t: t)  # noqa: E731
-            dw1 = _weight_grad(x_sorted, dense(d_gate), group_ends, w1) if needs.w1 else None
-            dw1_up = _weight_grad(x_sorted, dense(d_up), group_ends, w1_up) if needs.w1_up else None
+        else:  # two GEMMs: the gradients of an op must not be views of one tensor
+            dw1 = _weight_grad(x_sorted, d_gate, group_ends, w1) if needs.w1 else None
+            dw1_up = _weight_grad(x_sorted, d_up, group_ends, w1_up) if needs.w1_up else None
         del x_sorted
     del d_gate, d_up
     dx = None
     if needs.x:
+        if interleaved and not paired:  # the whole weight's columns are (gate, up) pairs: so must d_pre's be
+            d_pre = torch.stack((d_pre[:, :I], d_pre[:, I:]), -1).view(M, 2 * I)
         dx_sorted = torch._grouped_mm(d_pre, w_up.transpose(1, 2), offs=group_ends)
         del d_pre
         dx = combine(dx_sorted, routed.topk_ids, E, row_of=_row_of(order))
