@@ -103,6 +103,21 @@ def make_problem(
     return p
 
 
+def graph_keeping_backend(graphs: dict):
+    """An ``aot_autograd`` backend that runs the traced forward and backward graphs as they are and keeps them in
+    ``graphs`` under "fw" and "bw", for a test to read what the op was given and what the backward computes."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(name):
+        def compiler(gm, _):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    return aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"))
+
+
 def compile_moe(model, *args, inner: str = "eager"):
     """Fresh Dynamo state and counters, then ``model`` compiled with moe_inductor (light inner compiler) on args."""
     from torch._dynamo.utils import counters

@@ -16,7 +16,7 @@ from moe_inductor import config
 from moe_inductor.ops import (expert_weight_views, experts_backward, experts_forward, grouped_mm_engine, moe_reference,
                               to_kn)
 from moe_inductor.ops.call import from_op_args, gate_up_pairs, gate_up_whole, pairs_view
-from tests.helpers import assert_close, make_problem
+from tests.helpers import assert_close, graph_keeping_backend, make_problem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ACT = "gptoss_glu"
@@ -161,17 +161,7 @@ def test_traced_training_passes_the_interleaved_weight_whole(layout):
     """Traced with a gradient to make, fused_experts hands the op the interleaved parameter as its pairs view: the
     backward graph has no ``slice_backward`` stitching two stride-2 halves' gradients into the weight's, and every
     gradient equals eager's. Inference still passes the two views."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
     graphs = {}
-
-    def keep(name):
-        def compiler(gm, _):
-            graphs[name] = gm
-            return make_boxed_func(gm.forward)
-        return compiler
-
     p = make_problem(9, 16, 8, 5, 2, activation=ACT, layout=layout, gate_up="interleaved", bias=True)
     params = [torch.nn.Parameter(t.detach().clone()) for t in (p.w1, p.b1, p.w2, p.b2)]
 
@@ -180,7 +170,7 @@ def test_traced_training_passes_the_interleaved_weight_whole(layout):
                                           activation=ACT, layout=layout, gate_up="interleaved")
 
     torch._dynamo.reset()
-    compiled = torch.compile(run, backend=aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw")))
+    compiled = torch.compile(run, backend=graph_keeping_backend(graphs))
     compiled(p.x, p.topk_ids, p.topk_weights).square().sum().backward()
     got = [q.grad.clone() for q in params]
     for q in params:
@@ -198,7 +188,7 @@ def test_traced_training_passes_the_interleaved_weight_whole(layout):
     torch._dynamo.reset()
     graphs.clear()
     with torch.no_grad():
-        compiled = torch.compile(run, backend=aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw")))
+        compiled = torch.compile(run, backend=graph_keeping_backend(graphs))
         compiled(p.x, p.topk_ids, p.topk_weights)
     ops = [n for n in graphs["fw"].graph.nodes if n.target is torch.ops.moe_inductor.experts_forward.default]
     assert len(ops) == 1 and ops[0].args[4] is not None  # inference: gate and up as two views

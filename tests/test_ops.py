@@ -4,7 +4,7 @@ import torch
 
 import moe_inductor
 from moe_inductor.ops import expert_weight_views, experts_backward, experts_forward, moe_reference, route
-from tests.helpers import assert_close, make_problem
+from tests.helpers import assert_close, graph_keeping_backend, make_problem
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -201,17 +201,7 @@ def test_traced_training_passes_the_gate_up_weight_whole():
     """Traced with a gradient to make, fused_experts hands the op HF's gate_up parameter whole, so the backward
     graph holds one gradient for it: no ``slice_backward`` stitching two halves' gradients into it (a further read
     and write of the whole gradient per layer and step). Gradients equal eager's."""
-    from torch._dynamo.backends.common import aot_autograd
-    from functorch.compile import make_boxed_func
-
     graphs = {}
-
-    def keep(name):
-        def compiler(gm, _):
-            graphs[name] = gm
-            return make_boxed_func(gm.forward)
-        return compiler
-
     p = make_problem(9, 16, 8, 5, 2, activation="silu_glu")
     gate_up = torch.nn.Parameter(p.w1.detach().clone())
     down = torch.nn.Parameter(p.w2.detach().clone())
@@ -220,7 +210,7 @@ def test_traced_training_passes_the_gate_up_weight_whole():
         return moe_inductor.fused_experts(x, ids, tw, gate_up, down, activation="silu_glu", layout="nk")
 
     torch._dynamo.reset()
-    compiled = torch.compile(run, backend=aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw")))
+    compiled = torch.compile(run, backend=graph_keeping_backend(graphs))
     compiled(p.x, p.topk_ids, p.topk_weights).square().sum().backward()
     got = gate_up.grad.clone(), down.grad.clone()
     gate_up.grad = down.grad = None

@@ -8,7 +8,8 @@ Between the two GEMMs of the backward, per sorted row r and column j of the inte
 (with SCALE_H, h is stored as h * scale[r]: d_scale is summed before that.)
 Done in torch this is some twenty passes over (M, I) fp32 tensors; here it is one read of pre and g and one write
 of h, d_gate and d_up in the input dtype. d_gate and d_up share their strides (``stride_d_i`` 2 writes them as the
-even and odd columns of one tensor, an interleaved weight's layout). Rows past the experts (dropped by a capacity) get zero gradients.
+even and odd columns of one tensor, an interleaved weight's layout). Rows past the experts (dropped by a capacity)
+get zero gradients.
 The arithmetic is ops/activations.py's, in fp32.
 """
 from __future__ import annotations

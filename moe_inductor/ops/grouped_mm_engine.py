@@ -209,13 +209,17 @@ def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: T
             pre = pre.view(M, I, 2).transpose(1, 2).reshape(M, 2 * I)
     dy_sorted = dy.index_select(0, token)
     g = torch._grouped_mm(dy_sorted, w2.transpose(1, 2), offs=group_ends)  # d h, before the routing weight
-    # d_pre's columns lie as w_up's do: (gate, up) pairs when interleaved, so that dx's GEMM and the whole weight's
-    # gradient read it as it is
+    # Where the interleaved weight came whole, d_pre's columns are written as its (gate, up) pairs, which the whole
+    # weight's gradient and dx's GEMM read as they are. Else they are [gate | up] halves: two gradients want dense
+    # operands, and one stack for dx costs less than stride-2 stores.
     d_pre = x.new_empty(M, pre.shape[1])
-    # (only where the weight came whole: two gradients want dense halves, and stride-2 stores cost more than a stack)
     paired = interleaved and needs.gate_up_pairs
-    d_gate, d_up = ((d_pre[:, 0::2], d_pre[:, 1::2]) if paired else (d_pre[:, :I], d_pre[:, I:])) if gated \
-        else (d_pre, None)
+    if not gated:
+        d_gate, d_up = d_pre, None
+    elif paired:
+        d_gate, d_up = d_pre[:, 0::2], d_pre[:, 1::2]
+    else:
+        d_gate, d_up = d_pre[:, :I], d_pre[:, I:]
     h_scaled, _, _, d_scale_sorted = backward_middle(pre, g, routed.sorted, (w.b1, w.b1_up), act, x.dtype,
                                                      out=(d_gate, d_up), scale_h=True)
     del g
@@ -234,16 +238,10 @@ def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: T
     dw1 = dw1_up = None
     if combined_gate_up or needs.w1 or needs.w1_up:
         x_sorted = x.index_select(0, token)
-        if combined_gate_up:  # one GEMM over d_pre: (E, H, 2I) halves, or pairs seen as (E, H, I, 2)
+        if combined_gate_up:  # one GEMM over d_pre, its columns in d_pre's order (pairs seen as (E, H, I, 2))
             dw1 = _weight_grad(x_sorted, d_pre, group_ends, w_up)
-            if needs.gate_up_pairs:
+            if paired:
                 dw1 = dw1.unflatten(2, (I, 2))
-            elif paired:  # [gate | up] halves asked of a pair (ops.experts._combined_grad_buffer's layout)
-                pairs = dw1
-                dw1 = w1.new_empty(E, 2 * I, H).transpose(1, 2) if w1.stride(1) == 1 else w1.new_empty(E, H, 2 * I)
-                dw1[:, :, :I].copy_(pairs[:, :, 0::2])
-                dw1[:, :, I:].copy_(pairs[:, :, 1::2])
-                del pairs
         else:  # two GEMMs: the gradients of an op must not be views of one tensor
             dw1 = _weight_grad(x_sorted, d_gate, group_ends, w1) if needs.w1 else None
             dw1_up = _weight_grad(x_sorted, d_up, group_ends, w1_up) if needs.w1_up else None
