@@ -305,6 +305,10 @@ def sm90_kernel_report() -> None:
             _compile_for_sm90(f"backward middle act={act} gated={gated}", backward_middle_kernel, bf,
                               dict(NUM_EXPERTS=128, GATED=gated, ACT=act, HAS_BIAS=True, BLOCK_M=16, BLOCK_I=256),
                               floats=("alpha", "limit"))
+    for act in (4, 5):  # d_gate and d_up as one tensor's (gate, up) column pairs, an interleaved weight's layout
+        _compile_for_sm90(f"backward middle act={act} pairs", backward_middle_kernel, bf,
+                          dict(NUM_EXPERTS=32, GATED=True, ACT=act, HAS_BIAS=True, BLOCK_M=16, BLOCK_I=128, PAIRS=True),
+                          floats=("alpha", "limit"))
     for single in (True, False):
         _compile_for_sm90(f"route place single={single}", route_place_kernel, {},
                           dict(CHOICE_MAJOR=False, TOPK=8, CHUNK=1024, BINS=256, SINGLE=single), num_warps=4)

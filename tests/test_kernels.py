@@ -77,9 +77,11 @@ def test_grouped_mm_triton_vs_reference(dtype, triton_kernels):
 @pytest.mark.parametrize("activation", ["silu_glu", "gelu_glu", "gelu_tanh_glu", "relu_glu", "gptoss_glu", "silu",
                                         "gelu", "gelu_tanh", "relu", "none"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_fused_backward_middle_matches_the_torch_formulas(activation, bias, triton_kernels):
+@pytest.mark.parametrize("layout", ["own", "pairs"])
+def test_fused_backward_middle_matches_the_torch_formulas(activation, bias, layout, triton_kernels):
     """kernels/backward_middle.py against ops/activations.py's definitions: h, d(scale), d(gate), d(up), with rows
-    past the experts (dropped) zeroed, and an I that is not a multiple of the column block."""
+    past the experts (dropped) zeroed, and an I that is not a multiple of the column block. ``pairs``: d_gate and d_up
+    written as the even and odd columns of one tensor (the kernel's joined store)."""
     from moe_inductor.ops.activations import activation_backward, apply_activation, is_gated
     from moe_inductor.kernels.launch import SortedRouting
     from moe_inductor.ops.activations import Activation
@@ -89,6 +91,8 @@ def test_fused_backward_middle_matches_the_torch_formulas(activation, bias, trit
     E, I, T, k = 3, 40, 9, 2
     M = T * k
     gated = is_gated(activation)
+    if layout == "pairs" and not gated:
+        pytest.skip("pairs are a gated activation's layout")
     pre = (torch.randn(M, 2 * I if gated else I, generator=gen) * 3).to(DEVICE)  # wide enough to cross the clamps
     g = torch.randn(M, I, generator=gen).to(DEVICE)
     scale = torch.rand(M, generator=gen).to(DEVICE)
@@ -98,8 +102,13 @@ def test_fused_backward_middle_matches_the_torch_formulas(activation, bias, trit
     sorted_expert = sorted_expert.to(DEVICE)
     b1 = torch.randn(E, I, generator=gen).to(DEVICE) if bias else None
     b1_up = torch.randn(E, I, generator=gen).to(DEVICE) if bias and gated else None
+    pairs = torch.full((M, 2 * I), float("nan"), device=DEVICE) if layout == "pairs" else None
     h, d_gate, d_up, d_scale = backward_middle(pre, g, SortedRouting(scale, order, sorted_expert, E), (b1, b1_up),
-                                                Activation(activation), torch.float32)
+                                                Activation(activation), torch.float32,
+                                                out=(pairs[:, 0::2], pairs[:, 1::2]) if pairs is not None else None)
+    if pairs is not None:  # every element written, each in its own column
+        assert not pairs.isnan().any()
+        assert d_gate.data_ptr() == pairs.data_ptr() and d_up.stride() == (2 * I, 2)
 
     valid = (sorted_expert < E)[:, None]
     expert_c = sorted_expert.long().clamp(max=E - 1)
@@ -118,6 +127,24 @@ def test_fused_backward_middle_matches_the_torch_formulas(activation, bias, trit
         torch.testing.assert_close(d_up, ref_up.masked_fill(~valid, 0.0), rtol=1e-5, atol=1e-5)
     else:
         assert d_up is None
+
+
+def test_backward_middle_refuses_column_strided_gradients_that_are_not_pairs(triton_kernels):
+    """A stride-2 d_gate is only right as one tensor's even columns with d_up its odd ones; anything else must raise,
+    not write the wrong elements."""
+    from moe_inductor.kernels.launch import SortedRouting
+    from moe_inductor.ops.activations import Activation
+    from moe_inductor.ops.grouped import backward_middle
+
+    M, I, E = 6, 8, 2
+    pre, g = torch.randn(M, 2 * I, device=DEVICE), torch.randn(M, I, device=DEVICE)
+    routing = SortedRouting(torch.rand(M, device=DEVICE), torch.arange(M, dtype=torch.int32, device=DEVICE),
+                            torch.zeros(M, dtype=torch.int32, device=DEVICE), E)
+    wide = torch.empty(M, 4 * I, device=DEVICE)
+    for out in ((wide[:, 0:2 * I:2], wide[:, 2 * I::2]),   # stride 2, but not neighbours
+                (wide[:, 1:2 * I:2], wide[:, 0:2 * I:2])):  # neighbours the wrong way round
+        with pytest.raises(ValueError, match="even and odd columns"):
+            backward_middle(pre, g, routing, (None, None), Activation("silu_glu"), torch.float32, out=out)
 
 
 @pytest.mark.parametrize("sizes", [[1, 17, 0, 33, 1], [1, 1, 1, 1, 1, 1, 1], [0, 0, 49, 0]],

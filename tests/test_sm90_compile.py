@@ -21,7 +21,8 @@ def compiled():
 
 def test_every_kernel_compiles_and_fits(compiled):
     names = [k["name"] for k in compiled]
-    for expected in ("gemm default bf16 m4096 gated=True", "wgrad default bf16", "backward middle act=5 gated=True", "route place single=False", "route count", "combine",
+    for expected in ("gemm default bf16 m4096 gated=True", "wgrad default bf16", "backward middle act=5 gated=True",
+                     "backward middle act=5 pairs", "route place single=False", "route count", "combine",
                      "combine indexed scaled", "activation act=5"):
         assert expected in names
     assert sum(name.startswith("gemm tuned") for name in names) >= 10  # the shipped H200 table, every entry
@@ -44,3 +45,13 @@ def test_16_bit_kernels_do_not_spill_much(compiled):
     assert usage, "cuobjdump gave no resource usage"
     heavy = [k for k in usage if k["stack"] > 64]
     assert not heavy, heavy
+
+
+def test_the_paired_backward_middle_spills_no_more_than_the_two_stores(compiled):
+    """Storing (gate, up) pairs joins two (16, 128) tiles into one (16, 256) before its store (the launcher halves BLOCK_I for it); that must not cost
+    registers the two separate stores did not."""
+    by_name = {k["name"]: k for k in compiled}
+    for act in (4, 5):
+        pairs, halves = by_name[f"backward middle act={act} pairs"], by_name[f"backward middle act={act} gated=True"]
+        if "stack" in pairs and "stack" in halves:
+            assert pairs["stack"] <= max(halves["stack"], 8), (pairs, halves)

@@ -7,9 +7,9 @@ Between the two GEMMs of the backward, per sorted row r and column j of the inte
   d_gate, d_up = act'(p) * (g * scale[r])      the gradients of the raw projections
 (with SCALE_H, h is stored as h * scale[r]: d_scale is summed before that.)
 Done in torch this is some twenty passes over (M, I) fp32 tensors; here it is one read of pre and g and one write
-of h, d_gate and d_up in the input dtype. d_gate and d_up share their strides (``stride_d_i`` 2 writes them as the
-even and odd columns of one tensor, an interleaved weight's layout). Rows past the experts (dropped by a capacity)
-get zero gradients.
+of h, d_gate and d_up in the input dtype. d_gate and d_up are two tensors of one stride, or (PAIRS) the even and odd
+columns of one (M, 2I) tensor, an interleaved weight's layout: then each tile is stored as one contiguous run of
+(gate, up) pairs, not as two stride-2 stores. Rows past the experts (dropped by a capacity) get zero gradients.
 The arithmetic is ops/activations.py's, in fp32.
 """
 from __future__ import annotations
@@ -44,10 +44,10 @@ def backward_middle_kernel(
     p_pre, p_g, p_scale, p_order, p_sorted_expert, p_b1, p_b1_up,
     p_h, p_d_gate, p_d_up, p_d_scale,
     M, I,
-    stride_pre_m, stride_g_m, stride_h_m, stride_d_m, stride_d_i, stride_b_e,
+    stride_pre_m, stride_g_m, stride_h_m, stride_d_m, stride_b_e,
     alpha, limit,
     NUM_EXPERTS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, SCALE_H: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, SCALE_H: tl.constexpr = False, PAIRS: tl.constexpr = False,
 ):
     o_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
@@ -89,8 +89,9 @@ def backward_middle_kernel(
                 d_gate = dact * up * _unary_grad(gate, ACT)
                 d_up = dact * u
             d_up = tl.where(m_valid, d_up, 0.0)
-            tl.store(p_d_up + rows[:, None] * stride_d_m + o_i[None, :] * stride_d_i, d_up.to(p_d_up.dtype.element_ty),
-                     mask=m_all)
+            if not PAIRS:
+                tl.store(p_d_up + rows[:, None] * stride_d_m + o_i[None, :], d_up.to(p_d_up.dtype.element_ty),
+                         mask=m_all)
         else:
             h = _unary_act(gate, ACT)
             d_gate = g * scale[:, None] * _unary_grad(gate, ACT)
@@ -99,6 +100,12 @@ def backward_middle_kernel(
         if SCALE_H:  # h * scale, the A operand of dW2 = (h * scale)^T @ dy[token] when dy is not scaled
             h = h * scale[:, None]
         tl.store(p_h + rows[:, None] * stride_h_m + o_i[None, :], h.to(p_h.dtype.element_ty), mask=m_all)
-        tl.store(p_d_gate + rows[:, None] * stride_d_m + o_i[None, :] * stride_d_i,
-                 d_gate.to(p_d_gate.dtype.element_ty), mask=m_all)
+        if PAIRS and GATED:  # [m, 2i + c] = (d_gate, d_up)[c][m, i]: one store of the interleaved tile
+            o_p = 2 * i0 + tl.arange(0, 2 * BLOCK_I)
+            both = tl.reshape(tl.join(d_gate, d_up), (BLOCK_M, 2 * BLOCK_I))
+            tl.store(p_d_gate + rows[:, None] * stride_d_m + o_p[None, :], both.to(p_d_gate.dtype.element_ty),
+                     mask=m_m[:, None] & (o_p < 2 * I)[None, :])
+        else:
+            tl.store(p_d_gate + rows[:, None] * stride_d_m + o_i[None, :], d_gate.to(p_d_gate.dtype.element_ty),
+                     mask=m_all)
     tl.store(p_d_scale + o_m, d_scale, mask=m_m)

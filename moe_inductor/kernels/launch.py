@@ -380,10 +380,16 @@ def launch_backward_middle(pre: torch.Tensor, g: torch.Tensor, routing: SortedRo
                            act: KernelActivation, scale_h: bool = False) -> None:
     """backward_middle.py's kernel: writes ``outs`` = (h, d_gate, d_up or None, d_scale) from the raw up projection
     ``pre`` and ``g`` = dy @ W2^T; ``biases`` = (b1, b1_up), both None without biases. d_up, where given, has
-    d_gate's strides."""
+    d_gate's strides: dense columns, or the odd columns of one (M, 2I) tensor whose even columns are d_gate."""
     h, d_gate, d_up, d_scale = outs
     if d_up is not None and d_up.stride() != d_gate.stride():
         raise ValueError(f"moe_inductor: d_gate and d_up must share strides; got {d_gate.stride()} and {d_up.stride()}")
+    pairs = (d_up is not None and d_gate.stride(1) == 2
+             and d_up.storage_offset() == d_gate.storage_offset() + 1)
+    if d_gate.shape[1] > 1 and d_gate.stride(1) != 1 and not pairs:
+        raise ValueError("moe_inductor: d_gate's columns must be dense, or with d_up the even and odd columns of one "
+                         f"tensor; got strides {d_gate.stride()}, storage offsets {d_gate.storage_offset()} and "
+                         f"{d_up.storage_offset() if d_up is not None else None}")
     M, I = g.shape
     num_experts = routing.num_experts
     if _traceable:
@@ -393,17 +399,19 @@ def launch_backward_middle(pre: torch.Tensor, g: torch.Tensor, routing: SortedRo
     b1c = b1.contiguous() if has_bias else g
     b1_upc = b1_up.contiguous() if has_bias and act.gated else b1c
     if M:
-        block_m, block_i = (16, 32) if configs.interpreting() else (16, 256)
+        # pairs join two (BLOCK_M, BLOCK_I) tiles before their store: half the width keeps that in registers (at 256
+        # it spills on sm_90; tests/test_sm90_compile.py)
+        block_m, block_i = (16, 32) if configs.interpreting() else (16, 128 if pairs else 256)
         with device_guard(g):
             launch_kernel(
                 backward_middle_kernel, (cdiv(M, block_m),),
                 (pre, g, routing.scale, routing.order, routing.sorted_expert, b1c, b1_upc, h, d_gate,
                  d_up if act.gated else d_gate, d_scale,
-                 M, I, pre.stride(0), g.stride(0), h.stride(0), d_gate.stride(0), d_gate.stride(1),
+                 M, I, pre.stride(0), g.stride(0), h.stride(0), d_gate.stride(0),
                  b1c.stride(0) if has_bias else 0,
                  float(act.alpha), float(act.limit)),
                 dict(NUM_EXPERTS=num_experts, GATED=act.gated, ACT=act.act_id, HAS_BIAS=has_bias, BLOCK_M=block_m,
-                     BLOCK_I=block_i, SCALE_H=scale_h, num_warps=4),
+                     BLOCK_I=block_i, SCALE_H=scale_h, PAIRS=pairs, num_warps=4),
             )
 
 
