@@ -129,7 +129,8 @@ PY
     grep -v "autotuning gemm" "$OUT/tune_gemm.log" | cut -c1-220 | tail -50
     cp moe_inductor/kernels/tuned/NVIDIA_H200.json "$OUT/NVIDIA_H200.json" ;;
   gptoss)  # the engine's own GPU tests first; then what the biased-layer rule of ops/grouped_mm_engine.py rests on
-    timeout -s INT 110 python -m pytest tests/test_grouped_mm_engine.py tests/test_interleaved_gate_up_whole.py $WORKERS \
+    timeout -s INT 130 python -m pytest tests/test_grouped_mm_engine.py tests/test_interleaved_gate_up_whole.py $WORKERS \
+      tests/test_kernels.py::test_fused_backward_middle_matches_the_torch_formulas \
       -q -p no:warnings -rfE 2>&1 | grep -v torch.__trace > "$OUT/engine_tests.log"
     grep -E "FAILED|ERROR" "$OUT/engine_tests.log"; tail -2 "$OUT/engine_tests.log"
     timeout 80 python benchmarks/bench_experts.py --shapes --tokens 512 2048 4096 16384 --extras gptoss_layout \
