@@ -16,6 +16,8 @@
 #                                            # torch._grouped_mm, fwd and fwd+bwd) at T 512..16384, then the whole
 #                                            # model's training step and prefill 2048/512/4096, experts kept
 #                                            # against rewritten (bench_experts gptoss_layout, bench_hf)    (~9 min)
+#   bash benchmarks/device_run.sh gptosstrain # the same tests and op alone, then GPT-OSS's training step and prefill
+#                                            # 4096 only, experts kept against rewritten                  (~8 min)
 #   bash benchmarks/device_run.sh hostab     # GPT-OSS decode B=1 host time, moe_inductor's pieces taken away one
 #                                            # at a time (decode_host_ab.py), 2 rounds in alternating order (~5 min)
 #   bash benchmarks/device_run.sh bwd        # forward + backward kernel breakdown, ours against sort +
@@ -142,6 +144,19 @@ PY
       --json "$OUT/bench_hf_engine.json" \
       --markdown "$OUT/bench_hf_engine.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_engine.log"
     tail -8 "$OUT/bench_hf_engine.md" ;;
+  gptosstrain)  # the gptoss mode's tests and op-alone table, then only the training step and prefill 4096
+    timeout -s INT 130 python -m pytest tests/test_grouped_mm_engine.py tests/test_interleaved_gate_up_whole.py $WORKERS \
+      tests/test_kernels.py::test_fused_backward_middle_matches_the_torch_formulas \
+      tests/test_kernels.py::test_expert_row_sums_kernel_matches_the_torch_sum \
+      -q -p no:warnings -rfE 2>&1 | grep -v torch.__trace > "$OUT/engine_tests.log"
+    grep -E "FAILED|ERROR" "$OUT/engine_tests.log"; tail -2 "$OUT/engine_tests.log"
+    timeout 80 python benchmarks/bench_experts.py --shapes --tokens 2048 4096 16384 --extras gptoss_layout \
+      --json "$OUT/gptoss_engine.json" > "$OUT/gptoss_engine.log" 2>&1; grep "^{" "$OUT/gptoss_engine.log" | cut -c1-400
+    C=moe_inductor_experts_kept+moe_inductor_rule_off
+    timeout 300 python benchmarks/bench_hf.py --deadline-s 290 --profile --budget gpt_oss=285 \
+      --cells gpt_oss:train:4096:$C gpt_oss:prefill:4096:$C --json "$OUT/bench_hf_engine.json" \
+      --markdown "$OUT/bench_hf_engine.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_engine.log"
+    tail -5 "$OUT/bench_hf_engine.md" ;;
   hostab)  # one process per variant; the second round reverses the first's order (a variant is not judged by
             # its place in the sequence, which moves host time by up to 1.4x: RESULTS.md, fourteenth session)
     for order in "ind moe custom moe_nowrap ind_imp" "ind_imp moe_nowrap custom moe ind"; do

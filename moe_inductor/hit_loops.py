@@ -43,7 +43,7 @@ import dis
 import operator
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch.fx import Graph, Node

@@ -309,6 +309,12 @@ def sm90_kernel_report() -> None:
         _compile_for_sm90(f"backward middle act={act} pairs", backward_middle_kernel, bf,
                           dict(NUM_EXPERTS=32, GATED=True, ACT=act, HAS_BIAS=True, BLOCK_M=16, BLOCK_I=128, PAIRS=True),
                           floats=("alpha", "limit"))
+    from moe_inductor.kernels.row_sums import expert_row_sums_kernel
+
+    for g_rows, has_scale in ((0, False), (1, True)):
+        _compile_for_sm90(f"expert row sums rows={g_rows}", expert_row_sums_kernel,
+                          {"p_g": "*bf16", "p_out": "*bf16", "p_scale": "*bf16"},
+                          dict(G_ROWS=g_rows, HAS_SCALE=has_scale, BLOCK_M=32, BLOCK_N=128))
     for single in (True, False):
         _compile_for_sm90(f"route place single={single}", route_place_kernel, {},
                           dict(CHOICE_MAJOR=False, TOPK=8, CHUNK=1024, BINS=256, SINGLE=single), num_warps=4)

@@ -129,6 +129,56 @@ def test_fused_backward_middle_matches_the_torch_formulas(activation, bias, layo
         assert d_up is None
 
 
+@pytest.mark.parametrize("g_rows", [0, 1], ids=["sorted-rows", "token-rows"])
+@pytest.mark.parametrize("case", ["uniform", "one-hot", "empty-experts", "dropped", "pairs-column", "T=0"])
+def test_expert_row_sums_kernel_matches_the_torch_sum(g_rows, case, nan_empty, monkeypatch):
+    """kernels/row_sums.py (a bias gradient) against a plain per-expert sum in fp64, and against the path off the
+    kernels (the ones-column GEMM): every expert's row written, zeros where an expert has no rows, rows dropped by a
+    capacity left out, a column-strided ``g`` read at its own elements, and the routing weight applied."""
+    from moe_inductor import config
+    from moe_inductor.ops.grouped import ROWS_SORTED, ROWS_TOKEN, sum_rows_by_expert
+    from moe_inductor.ops.call import Routing
+    from moe_inductor.ops.routing import prepare_routing
+
+    gen = torch.Generator().manual_seed(5)
+    E, k, N = 5, 2, 70
+    T = 0 if case == "T=0" else 11
+    if case == "one-hot":
+        ids = torch.full((T, k), 3)
+    elif case == "empty-experts":
+        ids = torch.randint(0, 2, (T, k), generator=gen) * 4  # experts 1..3 get nothing
+    else:
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]) if T else torch.zeros(0, k)
+    ids = ids.long()
+    weights = torch.rand(T, k, generator=gen)
+    routed = prepare_routing(Routing(ids, weights, capacity=3 if case == "dropped" else None), E)
+    M = T * k
+    rows_needed = M if g_rows == ROWS_SORTED else T
+    if case == "pairs-column":  # d_up: the odd columns of a (rows, 2N) pairs tensor
+        g = torch.randn(rows_needed, 2 * N, generator=gen)[:, 1::2]
+    else:
+        g = torch.randn(rows_needed, N, generator=gen)
+    scale = routed.scale if g_rows == ROWS_TOKEN else None
+
+    expected = torch.zeros(E, N, dtype=torch.float64)
+    order, offsets = routed.order.long(), routed.offsets.tolist()
+    for e in range(E):
+        for pos in range(offsets[e], offsets[e + 1]):
+            assignment = order[pos]
+            row = pos if g_rows == ROWS_SORTED else assignment // k
+            expected[e] += g[row].double() * (scale[assignment].double() if scale is not None else 1.0)
+    if case == "dropped":
+        assert offsets[-1] < M  # the capacity dropped rows: they must not count
+
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    kernel = sum_rows_by_expert(g, routed, g_rows, torch.float32, scale=scale)
+    monkeypatch.setattr(config, "triton_on_cpu", False)
+    off_kernels = sum_rows_by_expert(g, routed, g_rows, torch.float32, scale=scale)
+    assert kernel.shape == (E, N) and kernel.is_contiguous()
+    torch.testing.assert_close(kernel.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(off_kernels.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_backward_middle_refuses_column_strided_gradients_that_are_not_pairs(triton_kernels):
     """A stride-2 d_gate is only right as one tensor's even columns with d_up its odd ones; anything else must raise,
     not write the wrong elements."""

@@ -45,6 +45,7 @@ route_place_kernel = LazyKernel("routing", "route_place_kernel")
 combine_kernel = LazyKernel("combine", "combine_kernel")
 backward_middle_kernel = LazyKernel("backward_middle", "backward_middle_kernel")
 activation_kernel = LazyKernel("activation", "activation_kernel")
+expert_row_sums_kernel = LazyKernel("row_sums", "expert_row_sums_kernel")
 
 
 class Rows(NamedTuple):
@@ -282,6 +283,26 @@ def launch_grouped_weight_grad(a: torch.Tensor, g: torch.Tensor, rows: Rows, dw:
     cfg = _pick(key, default, lambda: configs.weight_grad_candidates(a.dtype), run, autotune=autotune)
     with device_guard(a):
         run(cfg)
+
+
+def launch_expert_row_sums(g: torch.Tensor, rows: Rows, out: torch.Tensor, *, g_rows: int,
+                           scale: Optional[torch.Tensor] = None) -> None:
+    """row_sums.py's kernel: ``out`` (E, N) = per expert, the sum of the rows of ``g`` its sorted rows read
+    (``g_rows`` a row mode of grouped_gemm.py), each times ``scale`` of its assignment where given; zeros for an
+    empty expert. ``out``'s rows must be dense."""
+    order, offsets, topk = rows
+    num_experts, n_dim = out.shape
+    if out.shape[1] > 1 and out.stride(1) != 1:
+        raise ValueError(f"moe_inductor: expert row sums are written to dense rows; got strides {out.stride()}")
+    if _traceable:
+        num_experts, n_dim = static_dim(num_experts), static_dim(n_dim)
+    block_m, block_n = (16, 32) if configs.interpreting() else (32, 128)
+    with device_guard(g):
+        launch_kernel(expert_row_sums_kernel, (num_experts, cdiv(n_dim, block_n)),
+                      (g, out, order, scale if scale is not None else offsets, offsets, n_dim, topk,
+                       g.stride(0), g.stride(1), out.stride(0)),
+                      dict(G_ROWS=g_rows, HAS_SCALE=scale is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                           num_warps=4))
 
 
 class KernelActivation(NamedTuple):

@@ -37,6 +37,7 @@ from .grouped import (
     grouped_gemm,
     grouped_weight_grad,
     is_dense_transpose,
+    gate_up_bias_grads,
     sum_rows_by_expert,
     use_triton,
 )
@@ -303,10 +304,8 @@ def _backward_middle_fused(dy: Tensor, call: ExpertsCall, routed: Routed, pre: T
     del h
     if w.b2 is not None and needs.b2:
         db2 = sum_rows_by_expert(dy, routed, ROWS_TOKEN, w.b2.dtype, scale=routed.scale)
-    if w.b1 is not None and needs.b1:
-        db1 = sum_rows_by_expert(d_gate, routed, ROWS_SORTED, w.b1.dtype)
-    if w.b1_up is not None and needs.b1_up:
-        db1_up = sum_rows_by_expert(d_up, routed, ROWS_SORTED, w.b1_up.dtype)
+    db1, db1_up = gate_up_bias_grads(d_gate, d_up, d_pairs, routed,
+                                     (w.b1 if needs.b1 else None, w.b1_up if needs.b1_up else None))
     return _MiddleGrads(d_gate, d_up, d_scale_sorted, dw2, db2, db1, db1_up, d_pairs)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from .. import config
 from ..kernels.launch import (Epilogue, KernelActivation, Rows, SortedRouting, launch_backward_middle, launch_combine,
-                              launch_grouped_gemm, launch_grouped_weight_grad)
+                              launch_expert_row_sums, launch_grouped_gemm, launch_grouped_weight_grad)
 from ..kernels.modes import (  # noqa: F401  (re-exported constants)
     ROWS_ASSIGNMENT,
     ROWS_SORTED,
@@ -195,14 +195,33 @@ def sum_rows_by_expert(g: torch.Tensor, routed: Routed, g_rows: int, dtype: torc
                        scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(E, width) sums, per expert, of the rows of ``g`` its sorted rows read (``g_rows`` as in the weight-gradient
     GEMM, each times ``scale`` of its assignment where given), accumulated in fp32 and cast to ``dtype``: a bias
-    gradient. It is the weight-gradient GEMM of a column of ones, ``ones^T @ g_e``: each program sums its expert's
-    rows in order, where an ``index_add_`` into E rows serialises on atomics (GPT-OSS's training profile in
-    RESULTS.md) and sums in no fixed order."""
+    gradient. Each program of kernels/row_sums.py sums its expert's rows in order, where an ``index_add_`` into E
+    rows serialises on atomics (GPT-OSS's training profile in RESULTS.md) and sums in no fixed order. Off the
+    kernels it is the weight-gradient GEMM of a column of ones, ``ones^T @ g_e``."""
     E = routed.num_experts
+    if use_triton(g):
+        sums = g.new_empty(E, g.shape[1], dtype=dtype)
+        launch_expert_row_sums(g, routed.rows, sums, g_rows=g_rows, scale=scale)
+        return sums
     ones = g.new_ones(routed.order.shape[0], _ONES_WIDTH)
     sums = g.new_empty(E, _ONES_WIDTH, g.shape[1], dtype=dtype)
     grouped_weight_grad(ones, g, routed.rows, sums, a_rows=ROWS_SORTED, g_rows=g_rows, scale=scale)
     return sums[:, 0].contiguous()
+
+
+def gate_up_bias_grads(d_gate: torch.Tensor, d_up: Optional[torch.Tensor], pairs: Optional[torch.Tensor],
+                       routed: Routed, wanted: tuple[Optional[torch.Tensor], Optional[torch.Tensor]]) -> tuple:
+    """(db1, db1_up): the per-expert row sums of d_gate and d_up, for each of ``wanted`` = (b1, b1_up) given (None:
+    no gradient wanted), in its dtype. Where the two are the even and odd columns of ``pairs`` (M, 2I) and both are
+    wanted, one pass over the pairs gives both, split into two tensors after (an op's gradients must not be views
+    of one)."""
+    b1, b1_up = wanted
+    if pairs is not None and b1 is not None and b1_up is not None and b1.dtype == b1_up.dtype:
+        both = sum_rows_by_expert(pairs, routed, ROWS_SORTED, b1.dtype)
+        return both[:, 0::2].contiguous(), both[:, 1::2].contiguous()
+    db1 = sum_rows_by_expert(d_gate, routed, ROWS_SORTED, b1.dtype) if b1 is not None else None
+    db1_up = sum_rows_by_expert(d_up, routed, ROWS_SORTED, b1_up.dtype) if b1_up is not None else None
+    return db1, db1_up
 
 
 def combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, row_of: Optional[torch.Tensor] = None,

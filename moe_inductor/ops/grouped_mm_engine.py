@@ -34,8 +34,8 @@ from .. import config
 from ..kernels.launch import interleaved_pairs, launch_activation, tracing_launches
 from .activations import Activation
 from .call import ExpertsCall
-from .grouped import (ROWS_SORTED, ROWS_TOKEN, Routed, backward_middle, combine, is_dense_transpose,
-                      kernel_activation, sum_rows_by_expert, use_triton)
+from .grouped import (ROWS_TOKEN, Routed, backward_middle, combine, is_dense_transpose,
+                      gate_up_bias_grads, kernel_activation, sum_rows_by_expert, use_triton)
 
 
 @functools.lru_cache(maxsize=None)
@@ -231,10 +231,8 @@ def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: T
     db2 = db1 = db1_up = None
     if w.b2 is not None and needs.b2:
         db2 = sum_rows_by_expert(dy, routed, ROWS_TOKEN, w.b2.dtype, scale=routed.scale)
-    if w.b1 is not None and needs.b1:
-        db1 = sum_rows_by_expert(d_gate, routed, ROWS_SORTED, w.b1.dtype)
-    if w.b1_up is not None and needs.b1_up:
-        db1_up = sum_rows_by_expert(d_up, routed, ROWS_SORTED, w.b1_up.dtype)
+    db1, db1_up = gate_up_bias_grads(d_gate, d_up, d_pre if paired else None, routed,
+                                     (w.b1 if needs.b1 else None, w.b1_up if needs.b1_up else None))
     dw1 = dw1_up = None
     if combined_gate_up or needs.w1 or needs.w1_up:
         x_sorted = x.index_select(0, token)
