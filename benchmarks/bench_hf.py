@@ -499,7 +499,7 @@ def run_family(cells, args) -> list:
             setattr(torch._dynamo.config, name, 64)
     start = time.perf_counter()
     model, cfg = build(family, layers, args.tiny, args.device, dtype)
-    profile = Profiler(args.profile_path, host=args.host_profile) if args.profile else None
+    profile = Profiler(args.profile_path, rows=args.profile_rows, host=args.host_profile) if args.profile else None
     reference, rows = {}, []
     for _, mode, size, cols in cells:
         for column in cols:
@@ -710,6 +710,7 @@ def passthrough(args) -> list:
     out += ["--strict"] if args.strict else []
     out += ["--profile"] if args.profile else []
     out += ["--host-profile"] if args.host_profile else []
+    out += ["--profile-rows", str(args.profile_rows)]
     out += ["--graph-time"] if args.graph_time else []
     out += ["--profile-path", args.profile_path] if args.profile_path else []
     out += ["--layers", *(f"{k}={v}" for k, v in args.layers.items())] if args.layers else []
@@ -794,6 +795,7 @@ def main(argv=None) -> None:
     ap.add_argument("--gpus", type=int, default=1,
                     help="run the families side by side, one GPU each (one family's cells all on one GPU)")
     ap.add_argument("--profile", action="store_true", help="a torch.profiler trace of every timed compiled cell")
+    ap.add_argument("--profile-rows", type=int, default=12, help="kernels (and host rows) listed per profiled cell")
     ap.add_argument("--host-profile", action="store_true",
                     help="with --profile: also a cProfile of the same steps, the host's time by package")
     ap.add_argument("--graph-time", action="store_true",

@@ -153,7 +153,7 @@ PY
     timeout 80 python benchmarks/bench_experts.py --shapes --tokens 2048 4096 16384 --extras gptoss_layout \
       --json "$OUT/gptoss_engine.json" > "$OUT/gptoss_engine.log" 2>&1; grep "^{" "$OUT/gptoss_engine.log" | cut -c1-400
     C=moe_inductor_experts_kept+moe_inductor_rule_off
-    timeout 300 python benchmarks/bench_hf.py --deadline-s 290 --profile --budget gpt_oss=285 \
+    timeout 300 python benchmarks/bench_hf.py --deadline-s 290 --profile --profile-rows 30 --budget gpt_oss=285 \
       --cells gpt_oss:train:4096:$C gpt_oss:prefill:4096:$C --json "$OUT/bench_hf_engine.json" \
       --markdown "$OUT/bench_hf_engine.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_engine.log"
     tail -5 "$OUT/bench_hf_engine.md" ;;
