@@ -154,10 +154,12 @@ def test_expert_row_sums_kernel_matches_the_torch_sum(g_rows, case, nan_empty, m
     routed = prepare_routing(Routing(ids, weights, capacity=3 if case == "dropped" else None), E)
     M = T * k
     rows_needed = M if g_rows == ROWS_SORTED else T
-    if case == "pairs-column":  # d_up: the odd columns of a (rows, 2N) pairs tensor
-        g = torch.randn(rows_needed, 2 * N, generator=gen)[:, 1::2]
+    if case == "pairs-column":  # d_up: the odd columns of a (rows, 2N) pairs tensor, on either device
+        full = torch.randn(rows_needed, 2 * N, generator=gen)
+        g, g_d = full[:, 1::2], full.to(DEVICE)[:, 1::2]
     else:
         g = torch.randn(rows_needed, N, generator=gen)
+        g_d = g.to(DEVICE)
     scale = routed.scale if g_rows == ROWS_TOKEN else None
 
     expected = torch.zeros(E, N, dtype=torch.float64)
@@ -170,9 +172,11 @@ def test_expert_row_sums_kernel_matches_the_torch_sum(g_rows, case, nan_empty, m
     if case == "dropped":
         assert offsets[-1] < M  # the capacity dropped rows: they must not count
 
-    monkeypatch.setattr(config, "triton_on_cpu", True)
-    kernel = sum_rows_by_expert(g, routed, g_rows, torch.float32, scale=scale)
-    monkeypatch.setattr(config, "triton_on_cpu", False)
+    monkeypatch.setattr(config, "triton_on_cpu", True)  # the kernel on DEVICE (the interpreter without a GPU)
+    routed_d = prepare_routing(Routing(ids.to(DEVICE), weights.to(DEVICE), capacity=3 if case == "dropped" else None), E)
+    kernel = sum_rows_by_expert(g_d, routed_d, g_rows, torch.float32,
+                                scale=routed_d.scale if scale is not None else None).cpu()
+    monkeypatch.setattr(config, "triton_on_cpu", False)  # CPU tensors off the kernels
     off_kernels = sum_rows_by_expert(g, routed, g_rows, torch.float32, scale=scale)
     assert kernel.shape == (E, N) and kernel.is_contiguous()
     torch.testing.assert_close(kernel.double(), expected, rtol=1e-5, atol=1e-5)
