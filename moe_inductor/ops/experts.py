@@ -37,6 +37,7 @@ from .grouped import (
     grouped_gemm,
     grouped_weight_grad,
     is_dense_transpose,
+    down_bias_scale_grad,
     gate_up_bias_grads,
     sum_rows_by_expert,
     use_triton,
@@ -296,7 +297,7 @@ def _backward_middle_fused(dy: Tensor, call: ExpertsCall, routed: Routed, pre: T
         out=(d_pairs[:, 0::2], d_pairs[:, 1::2]) if d_pairs is not None else None)
     del g
     if w.b2 is not None:
-        d_scale_sorted = d_scale_sorted + (dy[rows.token].to(f32) * w.b2[rows.expert_c].to(f32)).sum(-1)
+        d_scale_sorted = d_scale_sorted + down_bias_scale_grad(dy, w.b2, rows.token, rows.expert_c)
     dw2 = db2 = db1 = db1_up = None
     if needs.w2:
         dw2 = grouped_weight_grad(h, dy, routed.rows, _grad_buffer(w.w2), a_rows=ROWS_SORTED, g_rows=ROWS_TOKEN,
@@ -352,7 +353,7 @@ def _backward_middle_torch(dy: Tensor, call: ExpertsCall, routed: Routed, pre: T
     if weight_position == "output":
         d_scale_sorted = (h * g).sum(-1)
         if b2 is not None:
-            d_scale_sorted = d_scale_sorted + (dy[token].to(f32) * b2[expert_c].to(f32)).sum(-1)
+            d_scale_sorted = d_scale_sorted + down_bias_scale_grad(dy, b2, token, expert_c)
     elif weight_position == "between":
         d_scale_sorted = (h_act * g).sum(-1)
     del h_act

@@ -209,6 +209,14 @@ def sum_rows_by_expert(g: torch.Tensor, routed: Routed, g_rows: int, dtype: torc
     return sums[:, 0].contiguous()
 
 
+def down_bias_scale_grad(dy: torch.Tensor, b2: torch.Tensor, token: torch.Tensor,
+                         expert: torch.Tensor) -> torch.Tensor:
+    """(M,) fp32: for each sorted row, ``dy[token] . b2[expert]``, the routing weight's gradient through the down
+    bias (``expert`` clamped into range). It is one (T, E) product of dy with every expert's bias and a gather of M
+    of its entries, not the two (M, H) fp32 tensors that gathering dy's and b2's rows would make first."""
+    return (dy.float() @ b2.float().t())[token, expert]
+
+
 def gate_up_bias_grads(d_gate: torch.Tensor, d_up: Optional[torch.Tensor], pairs: Optional[torch.Tensor],
                        routed: Routed, wanted: tuple[Optional[torch.Tensor], Optional[torch.Tensor]]) -> tuple:
     """(db1, db1_up): the per-expert row sums of d_gate and d_up, for each of ``wanted`` = (b1, b1_up) given (None:

@@ -34,7 +34,7 @@ from .. import config
 from ..kernels.launch import interleaved_pairs, launch_activation, tracing_launches
 from .activations import Activation
 from .call import ExpertsCall
-from .grouped import (ROWS_TOKEN, Routed, backward_middle, combine, is_dense_transpose,
+from .grouped import (ROWS_TOKEN, Routed, backward_middle, combine, down_bias_scale_grad, is_dense_transpose,
                       gate_up_bias_grads, kernel_activation, sum_rows_by_expert, use_triton)
 
 
@@ -225,7 +225,7 @@ def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: T
     del g
     if w.b2 is not None and needs.topk_weights:  # the routing weight also scales the down bias
         expert_c = sorted_expert.long().clamp(max=E - 1)
-        d_scale_sorted = d_scale_sorted + (dy_sorted.float() * w.b2[expert_c].float()).sum(-1)
+        d_scale_sorted = d_scale_sorted + down_bias_scale_grad(dy, w.b2, token, expert_c)
     dw2 = _weight_grad(h_scaled, dy_sorted, group_ends, w2) if needs.w2 else None
     del h_scaled, dy_sorted, pre
     db2 = db1 = db1_up = None
