@@ -345,7 +345,8 @@ def gptoss_layout(T: int) -> dict:
     as stride-2 views of two copies, which the kernel cannot pair (how every interleaved weight ran before);
     ``sort_gmm`` is HF's grouped_mm path (one GEMM over the whole weight, the glu on its columns). ``engine``: whether
     "auto" gives the GEMMs to ``torch._grouped_mm`` at this T; ``ours_fused`` is the same call on our fused kernels
-    only, and ``fwd_bwd_*`` time forward + backward of each (every input a leaf)."""
+    only, and ``fwd_bwd_*`` time forward + backward of each (every input a leaf); ``fwd_bwd_whole*`` with the gate_up
+    weight passed to the op whole, as a compiled training step does."""
     H, _, E, k = SHAPES["gptoss"]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
@@ -403,6 +404,13 @@ def gptoss_layout(T: int) -> dict:
                "rel_err_fused_vs_sort_gmm": float(err_fused)}
     row["fwd_bwd_ours"] = bench(fwd_bwd)
     row["fwd_bwd_fused"] = bench(fused(fwd_bwd))
+    # as a compiled training step runs it: the interleaved weight passed to the op whole, one gradient for it
+    moe_inductor.ops._whole_gate_up_eagerly = True
+    try:
+        row["fwd_bwd_whole"] = bench(fwd_bwd)
+        row["fwd_bwd_whole_fused"] = bench(fused(fwd_bwd))
+    finally:
+        moe_inductor.ops._whole_gate_up_eagerly = False
     return row
 
 

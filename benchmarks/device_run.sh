@@ -18,6 +18,8 @@
 #                                            # against rewritten (bench_experts gptoss_layout, bench_hf)    (~9 min)
 #   bash benchmarks/device_run.sh gptosstrain # the same tests and op alone, then GPT-OSS's training step and prefill
 #                                            # 4096 only, experts kept against rewritten                  (~8 min)
+#   bash benchmarks/device_run.sh gptossbwd  # GPT-OSS's experts alone, fwd+bwd per kernel at T 1024/2048, the weight
+#                                            # whole and in halves; then bench_experts gptoss_layout      (~6 min)
 #   bash benchmarks/device_run.sh hostab     # GPT-OSS decode B=1 host time, moe_inductor's pieces taken away one
 #                                            # at a time (decode_host_ab.py), 2 rounds in alternating order (~5 min)
 #   bash benchmarks/device_run.sh bwd        # forward + backward kernel breakdown, ours against sort +
@@ -113,6 +115,16 @@ PY
       timeout 150 python benchmarks/profile_experts.py --shape $shape --tokens 4096 --backward --reference 2>&1 \
         | grep -v "torch.__trace" | tee -a "$OUT/bwd_profile.log" | grep -E "^==|Self CUDA time total" | cut -c1-160
     done ;;
+  gptossbwd)  # GPT-OSS's experts alone in the model's layout, fwd + bwd with the weight whole (as a compiled step
+              # runs it) and in halves, per kernel, at the sizes where the training step loses (RESULTS.md, seventeenth)
+    for T in 1024 2048; do
+      for whole in --whole ""; do
+        timeout 120 python benchmarks/profile_experts.py --shape gptoss_layout --tokens $T --backward $whole 2>&1 \
+          | grep -v "torch.__trace" | tee -a "$OUT/gptoss_bwd_profile.log" | grep -E "^==|grouped|Self CUDA" | cut -c1-160
+      done
+    done
+    timeout 150 python benchmarks/bench_experts.py --shapes --tokens 1024 2048 4096 --extras gptoss_layout \
+      --json "$OUT/gptoss_whole.json" > "$OUT/gptoss_whole.log" 2>&1; grep "^{" "$OUT/gptoss_whole.log" | cut -c1-600 ;;
   bwdengine)
     timeout 330 python benchmarks/bench_backward_engine.py 2>&1 | grep -v "torch.__trace" | tee "$OUT/bwd_engine.log"
     timeout -s INT 100 python -m pytest tests/test_grouped_mm_engine.py -o addopts="--strict-markers" -q \

@@ -2,9 +2,12 @@
 
     python benchmarks/profile_experts.py --shape qwen3 --tokens 16 4096
     python benchmarks/profile_experts.py --shape qwen3 --tokens 4096 --backward --reference
+    python benchmarks/profile_experts.py --shape gptoss_layout --tokens 1024 --backward --whole
 
 --backward times forward + backward with gradients for x, the routing weights and both weights (what training
 asks); --reference profiles sort + torch._grouped_mm (bench_experts.py's reference column) the same way.
+``gptoss_layout`` is GPT-OSS's experts as the model holds them (interleaved (E, H, 2I) gate_up, biases, the clamped
+glu); --whole passes that weight to the op whole, as a compiled training step does.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from triton.testing import do_bench
 
 import moe_inductor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from benchmarks.bench_experts import SHAPES, hf_expert_weights, make_routing, sort_grouped_mm  # noqa: E402
+from benchmarks.bench_experts import (SHAPES, gptoss_weights, hf_expert_weights, make_routing,  # noqa: E402
+                                     sort_grouped_mm)
 
 
 def profile(label: str, call) -> None:
@@ -42,14 +46,44 @@ def profile(label: str, call) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=70))
 
 
+def profile_gptoss_layout(tokens, backward: bool, whole: bool) -> None:
+    """GPT-OSS's experts in the model's layout, profiled as ``profile`` does; ``whole``: the gate_up weight reaches
+    the op whole (ops._whole_gate_up_eagerly), so the backward is the one a compiled training step runs."""
+    H, _, E, k = SHAPES["gptoss"]
+    gen = torch.Generator().manual_seed(0)
+    gate_up, down, b_gate_up, b_down = gptoss_weights(gen, "cuda", torch.bfloat16)
+    moe_inductor.ops._whole_gate_up_eagerly = whole
+    for T in tokens:
+        x = torch.randn(T, H, generator=gen).to("cuda", torch.bfloat16)
+        ids, weights = make_routing(T, E, k, False, gen, "cuda")
+        leaves = [t.detach().clone().requires_grad_(backward)
+                  for t in (x, weights.to(torch.bfloat16), gate_up, down, b_gate_up, b_down)]
+        dy = torch.randn_like(x)
+
+        def run():
+            lx, lw, lgu, ld, lbgu, lbd = leaves
+            y = moe_inductor.fused_experts(lx, ids, lw, lgu, ld, b1=lbgu, gate_up="interleaved",
+                                           activation="gptoss_glu", layout="kn", b2=lbd)
+            if backward:
+                torch.autograd.grad(y, leaves, dy)
+            return y
+
+        what = ("fwd+bwd" if backward else "fwd") + (", gate_up whole" if whole else "")
+        profile(f"gptoss_layout T={T} {what} moe_inductor", run)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="qwen3", choices=list(SHAPES))
+    ap.add_argument("--shape", default="qwen3", choices=[*SHAPES, "gptoss_layout"])
+    ap.add_argument("--whole", action="store_true", help="gptoss_layout: the gate_up weight to the op whole")
     ap.add_argument("--tokens", nargs="*", type=int, default=[16, 4096])
     ap.add_argument("--backward", action="store_true", help="forward + backward, gradients for every input")
     ap.add_argument("--reference", action="store_true", help="also profile sort + torch._grouped_mm")
     args = ap.parse_args()
     moe_inductor.config.validate_routing = False
+    if args.shape == "gptoss_layout":
+        profile_gptoss_layout(args.tokens, args.backward, args.whole)
+        return
     H, I, E, k = SHAPES[args.shape]
     dev, dt = "cuda", torch.bfloat16
     w1, w2 = hf_expert_weights(args.shape, dev, dt)

@@ -192,3 +192,35 @@ def test_traced_training_passes_the_interleaved_weight_whole(layout):
         compiled(p.x, p.topk_ids, p.topk_weights)
     ops = [n for n in graphs["fw"].graph.nodes if n.target is torch.ops.moe_inductor.experts_forward.default]
     assert len(ops) == 1 and ops[0].args[4] is not None  # inference: gate and up as two views
+
+
+@pytest.mark.parametrize("path", ["fused"], indirect=True)
+def test_the_benchmarks_eager_whole_weight_switch_takes_the_pairs_backward(path, monkeypatch):
+    """``ops._whole_gate_up_eagerly`` (what the op benchmarks set to time a compiled step's backward alone) hands an
+    eager call the whole weight: the op's backward then writes the pairs layout, and every gradient equals the
+    halves' (the switch off)."""
+    import moe_inductor.ops as ops
+    import moe_inductor.ops.grouped as grouped
+
+    p = _problem("kn", torch.float32)
+
+    def grads():
+        leaves = [t.detach().clone().requires_grad_() for t in (p.x, p.topk_weights, p.w1, p.w2, p.b1, p.b2)]
+        y = moe_inductor.fused_experts(leaves[0], p.topk_ids, leaves[1], leaves[2], leaves[3], b1=leaves[4],
+                                       b2=leaves[5], activation=ACT, layout="kn", gate_up="interleaved")
+        return torch.autograd.grad(y, leaves, torch.ones_like(y))
+
+    strides = []
+    real = grouped.launch_backward_middle
+
+    def spy(pre, g, routing, biases, outs, act, scale_h=False):
+        strides.append(outs[1].stride(1))
+        return real(pre, g, routing, biases, outs, act, scale_h)
+
+    monkeypatch.setattr(grouped, "launch_backward_middle", spy)
+    halves = grads()
+    monkeypatch.setattr(ops, "_whole_gate_up_eagerly", True)
+    whole = grads()
+    assert strides == [1, 2]  # halves, then the (gate, up) pairs of the whole weight
+    for name, a, b in zip(("dx", "dtw", "dw1", "dw2", "db1", "db2"), halves, whole):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)

@@ -102,6 +102,11 @@ def expert_weight_views(
     return views[0], views[1], to_kn(w2, layout), bias[0], bias[1]
 
 
+#: Benchmarks set this to give the op a fused gate/up weight whole in eager calls too, so that the op alone runs the
+#: backward a compiled training step runs (benchmarks/bench_experts.py, profile_experts.py). Users leave it off.
+_whole_gate_up_eagerly = False
+
+
 def fused_experts(
     x: Tensor,
     topk_ids: Tensor,
@@ -161,7 +166,7 @@ def fused_experts(
     # one as its pairs_view): the backward graph then holds one gradient for it, not two slices' gradients
     # stitched together in a further pass.
     whole = None
-    if compiling and wants_grad and u is not None and isinstance(w1, torch.Tensor):
+    if (compiling or _whole_gate_up_eagerly) and wants_grad and u is not None and isinstance(w1, torch.Tensor):
         whole = to_kn(w1, layout) if gate_up == "concat" else pairs_view(to_kn(w1, layout))
     op, args = op_call(call, gate_up=whole)
     # Eager inference runs the op's body directly: the same code, without the dispatcher's per-call overhead.
