@@ -296,7 +296,7 @@ def _backward_middle_fused(dy: Tensor, call: ExpertsCall, routed: Routed, pre: T
         pre, g, routed.sorted, (w.b1, w.b1_up), call.activation, x.dtype,
         out=(d_pairs[:, 0::2], d_pairs[:, 1::2]) if d_pairs is not None else None)
     del g
-    if w.b2 is not None:
+    if w.b2 is not None and needs.topk_weights:  # only the routing weights' gradient reads d_scale
         d_scale_sorted = d_scale_sorted + down_bias_scale_grad(dy, w.b2, rows.token, rows.expert_c)
     dw2 = db2 = db1 = db1_up = None
     if needs.w2:
