@@ -24,7 +24,10 @@ So, during a moe_inductor compile only:
   ones;
 - ``ModuleList[t]`` (or a list's) at such a tensor is element e, as ``operator.index`` of it is in eager; so is
   any indexing at its one element ``t[0]`` (transformers v5's ``expert_idx = expert_idx[0]``), a tensor's too
-  (``w[t[0]]`` is the view ``w[e]``);
+  (``w[t[0]]`` is the view ``w[e]``), and ``t.item()`` is the int e;
+- a no-tokens skip inside the loop (``if len(top_x) == 0: continue``, as copies of the loop add) is part of the
+  iteration: an expert with no rows computes nothing either way, and check_traced proves the count is of that
+  iteration's own expert;
 - a branch on ``t[0] == c`` (or another comparison with an int) takes its known value: v5's ``if expert_idx ==
   num_experts: continue``, which skips the spare class of its ``one_hot(ids, E + 1)``. An iteration left with
   nothing but such reads of its index (``speculation.check_traced``: vacuous) computes nothing, as eager's does;
@@ -395,9 +398,29 @@ def install() -> None:
 
         for table in speculation.dispatch_tables(symbolic_convert.InstructionTranslatorBase):
             hook_table(table, dis.opmap)
+        _hook_item()
     except Exception as error:  # an optional hook into Dynamo internals must never stop the backend from loading
         warnings.warn(f"moe_inductor: loops over the experts that got tokens are not unrolled on this torch "
                       f"({error!r}); they graph-break as under plain torch.compile")
+
+
+def _hook_item() -> None:
+    """``t.item()`` of a hit loop's index tensor is the int e, as in eager (copies of transformers' loop that read
+    ``expert_idx = expert_idx.item()`` and index with the int); every other ``.item()`` is Dynamo's own."""
+    from torch._dynamo.variables import ConstantVariable, VariableTracker
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    real = TensorVariable.method_item
+
+    def method_item(self, *args, **kwargs):
+        user_args = [a for a in args if isinstance(a, VariableTracker)]  # torch >= 2.12 also passes the translator
+        if speculation._trace() is not None and not user_args and not kwargs:
+            e, _ = _held(self.as_proxy().node)
+            if e is not None:
+                return ConstantVariable.create(e)
+        return real(self, *args, **kwargs)
+
+    TensorVariable.method_item = method_item
 
 
 def hook_table(table: list, opmap: dict) -> None:

@@ -287,9 +287,15 @@ def _speculate(tx, inst, jumps_when: bool) -> bool:
     loop = _loop_of(tx, inst)
     head = tx.instructions[loop[0]] if loop else None
     reason = None
+    open_here = [s for s in trace.speculations if s.tx is tx and not s.closed]
+    # A hit loop's iteration (hit_loops.py) takes the skip of its own expert's empty rows as part of itself: an
+    # expert with no rows computes nothing either way. check_traced proves the count is that expert's.
+    hit_iteration = (open_here[0] if len(open_here) == 1 and open_here[0].counts is not None
+                     and open_here[0].symbol is None and head is not None
+                     and open_here[0].loop_head == head.offset else None)
     if loop is None or _resolve(tx, zero_side) is not head or _resolve(tx, rows_side) is head:
         reason = "its no-tokens side does not go straight to the next iteration (continue)"
-    elif any(s.tx is tx and not s.closed for s in trace.speculations):
+    elif open_here and hit_iteration is None:
         reason = "it is inside another skipped body"
     else:
         reason = _body_refusal(tx, inst, *loop)
@@ -297,8 +303,11 @@ def _speculate(tx, inst, jumps_when: bool) -> bool:
         trace.refusals.append(f"{where}: the branch on {expr}: {reason}: not assumed away")
         return False
     graph = tx.output.graph
-    trace.speculations.append(Speculation(next(_ids), symbol, where, graph, _last_node(graph), tx.f_code,
-                                          head.offset, tx, trace.mutations))
+    if hit_iteration is not None:
+        hit_iteration.symbol = symbol
+    else:
+        trace.speculations.append(Speculation(next(_ids), symbol, where, graph, _last_node(graph), tx.f_code,
+                                              head.offset, tx, trace.mutations))
     tx.pop()
     if not zero_jumps:  # the rows side is the jump target
         tx.jump(inst)
@@ -545,6 +554,10 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
             raise _fail(s, "the count is not the number of rows one expert gets (bincount of the ids, or the size "
                            "of torch.where(ids == e))")
         ids, e, own = counted
+        if s.counts is not None and s.symbol is not None:  # a hit loop's iteration that skipped its empty rows
+            skipped = _counted(graph, s.symbol)
+            if skipped is None or skipped[0] is not ids or skipped[1] != e:
+                raise _fail(s, f"its no-tokens skip does not count the rows of its own expert {e} (of {ids.name})")
         body = [n for n in graph.nodes if n.meta.get(TAG) == s.id]
         if s.counts is not None and _computes_nothing(body):
             s.vacuous = True

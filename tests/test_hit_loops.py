@@ -5,10 +5,12 @@ unrolled_loop rewrite takes every body, else the frame falls back.
 Genuine: the v4 Qwen2-MoE / Mixtral spelling and three other spellings of "expert e got tokens" (``> 0`` on the
 summed mask, ``one_hot(...).any(dims)``, ``bincount(...) >= 1``), rewritten without gradients, equal to eager at
 token counts that leave most experts empty, in at most 2 compiles over 4 token counts and no graph break; with
-gradients rewritten too, equal to eager, forward and gradients (an empty expert's weights keep a None gradient). Look-alikes, each
+gradients rewritten too, equal to eager, forward and gradients (an empty expert's weights keep a None gradient). The body may skip
+its own empty expert (``if len(top_x) == 0: continue``) and index by ``expert_idx.item()``. Look-alikes, each
 equal to eager and not rewritten, with the reason explain() gives: a count > 1, a vector unrelated to the router, a
 hit vector edited in place, a body that also writes a buffer, appends to a list read after the loop, selects another
-expert's rows (a computed index, a constant expert) or sets a local read after the loop.
+expert's rows (a computed index, a constant expert), skips on another expert's count or on fewer than 2 rows, or sets
+a local read after the loop.
 """
 import pytest
 import torch
@@ -79,6 +81,8 @@ class HitLoopMoE(nn.Module):
         expert_mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)
         ran = []
         for expert_idx in self.hit_experts(ids, expert_mask):
+            if self.body == "item_skip":  # copies of the loop that index with the int
+                expert_idx = expert_idx.item()
             expert_layer = self.experts[expert_idx]
             if self.body == "other_expert":
                 idx, top_x = torch.where(expert_mask[(expert_idx + 1) % E].squeeze(0))
@@ -86,6 +90,12 @@ class HitLoopMoE(nn.Module):
                 idx, top_x = torch.where(expert_mask[0])
             else:
                 idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+            if self.body in ("skip_empty", "item_skip") and len(top_x) == 0:  # a no-tokens skip, as copies add
+                continue
+            if self.body == "skip_on_expert_0" and len(torch.where(expert_mask[0])[1]) == 0:  # another expert's
+                continue
+            if self.body == "skip_below_2" and len(top_x) < 2:  # not a no-tokens test: an expert with 1 row skipped
+                continue
             current = x[None, top_x].reshape(-1, hidden)
             out = expert_layer(current) * weights[top_x, idx, None]
             if self.body == "buffer":
@@ -148,9 +158,13 @@ def _build(hit: str = "greater_sum", body: str = "mlp") -> nn.Module:
     return LastExpertMoE(hit, body) if body == "local" else HitLoopMoE(hit, body)
 
 
-@pytest.mark.parametrize("hit", ["greater_sum", "gt_sum", "any", "bincount"])
-def test_a_loop_over_the_hit_experts_is_rewritten_and_equal_to_eager(hit):
-    outputs, graphs, breaks, seen = _run(_build(hit))
+@pytest.mark.parametrize("hit, body", [("greater_sum", "mlp"), ("gt_sum", "mlp"), ("any", "mlp"), ("bincount", "mlp"),
+                                       ("greater_sum", "skip_empty"), ("greater_sum", "item_skip"),
+                                       ("bincount", "item_skip")])
+def test_a_loop_over_the_hit_experts_is_rewritten_and_equal_to_eager(hit, body):
+    """Also with the body's own no-tokens skip (``if len(top_x) == 0: continue``) and with ``expert_idx.item()``,
+    as copies of the loop that offload experts write it."""
+    outputs, graphs, breaks, seen = _run(_build(hit, body))
     assert dict(counters["moe_inductor"]) == {"unrolled_loop": graphs}, (dict(counters["moe_inductor"]),
                                                                           [f.reason for f in seen.fallbacks])
     assert 1 <= graphs <= 2 and breaks == 0, (graphs, breaks)
@@ -191,13 +205,24 @@ def test_a_loop_that_is_not_over_the_hit_experts_is_not_unrolled(hit, body, said
     ("list", "changes Python state"),
     ("other_expert", "selects no expert's rows"),
     ("expert_0", "reads the rows of expert 0"),
-], ids=["buffer-write", "list-append", "computed-other-expert", "constant-expert"])
+    ("skip_on_expert_0", "does not count the rows of its own expert"),
+], ids=["buffer-write", "list-append", "computed-other-expert", "constant-expert", "skip-on-another-expert"])
 def test_a_body_that_is_not_the_expert_accumulation_falls_back(body, said):
     outputs, _, _, seen = _run(_build("greater_sum", body))
     assert not counters["moe_inductor"], dict(counters["moe_inductor"])
     for got, ref in outputs:
         assert rel_err(got, ref) < 1e-5
     assert any(said in f.reason for f in seen.fallbacks), [f.reason for f in seen.fallbacks]
+
+
+def test_a_skip_that_is_not_of_no_tokens_is_not_assumed_away():
+    """``if len(top_x) < 2: continue`` skips an expert with one row, which the rewrite would compute: the branch is
+    not assumed away, the frame falls back, and the result is eager's."""
+    outputs, _, _, seen = _run(_build("greater_sum", "skip_below_2"))
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    for got, ref in outputs:
+        assert rel_err(got, ref) < 1e-5
+    assert seen.fallbacks or counters["graph_break"]
 
 
 def test_the_hooks_do_nothing_under_another_backend():

@@ -59,7 +59,8 @@ def held_index(t) -> Optional[int]:
 def expert_row(cond: Node) -> Optional[tuple[Node, int]]:
     """(mask, e) for ``mask[e]``, or for ``mask[t].squeeze(0)`` with t holding e (``held_index``): the same values,
     since ``mask[t]`` is ``mask[e:e + 1]`` (copied). The second is transformers v4's ``expert_mask[expert_idx]
-    .squeeze(0)`` in a loop over the experts that got tokens (hit_loops.py)."""
+    .squeeze(0)`` in a loop over the experts that got tokens (hit_loops.py). ``mask[e].squeeze(0)`` at an int e is
+    ``mask[e]`` where its first dim is not 1 (the squeeze then does nothing)."""
     if is_call(cond, "call_function", operator.getitem) and isinstance(cond.args[1], int):
         return cond.args[0], cond.args[1]
     if not (is_call(cond, "call_method", "squeeze") and (cond.args[1:], cond.kwargs) in (((0,), {}), ((), {"dim": 0}))):
@@ -67,6 +68,10 @@ def expert_row(cond: Node) -> Optional[tuple[Node, int]]:
     picked = cond.args[0]
     if not (is_call(picked, "call_function", operator.getitem) and isinstance(picked.args[0], Node)):
         return None
+    if isinstance(picked.args[1], int):  # mask[e].squeeze(0) at an int (``expert_idx.item()``): a no-op squeeze
+        pv = val(picked)  # when the choices' dim is not 1, which eager's two-way unpack of the where requires
+        shape0 = pv.shape[0] if pv is not None and pv.dim() >= 1 else None
+        return (picked.args[0], picked.args[1]) if isinstance(shape0, int) and shape0 > 1 else None
     e = held_index(picked.args[1])
     return None if e is None else (picked.args[0], e)
 
