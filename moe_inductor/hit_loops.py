@@ -410,7 +410,9 @@ def _hook_item() -> None:
     from torch._dynamo.variables import ConstantVariable, VariableTracker
     from torch._dynamo.variables.tensor import TensorVariable
 
-    real = TensorVariable.method_item
+    real = getattr(TensorVariable, "method_item", None)
+    if real is None:  # a torch without it: such loops graph-break at .item(), as under plain torch.compile
+        return
 
     def method_item(self, *args, **kwargs):
         user_args = [a for a in args if isinstance(a, VariableTracker)]  # torch >= 2.12 also passes the translator
