@@ -152,3 +152,35 @@ def test_a_form_file_holds_only_its_proof(path):
               for n in ast.walk(tree) if isinstance(n, ast.Call)}
     assert not called & _DRIVER_STEPS, f"{path} does the driver's work itself: {sorted(called & _DRIVER_STEPS)}"
     assert "The user code this" in (ast.get_docstring(tree) or "")
+
+
+def test_identity_casts_are_dropped_and_real_conversions_kept():
+    """``drop_identity_casts`` (run_pass's canonical form): ``.to`` of a device or dtype the tensor already has is the
+    tensor itself in eager, and goes; a cast to another dtype, ``copy=True`` and a memory format stay."""
+    from moe_inductor.passes.fx_utils import drop_identity_casts
+
+    def f(x, w):
+        same = w.to(x.device) * x
+        same = same + w.to(x.dtype)
+        wider = w.to(torch.float64)
+        copied = w.to(x.dtype, copy=True)
+        laid = w.to(memory_format=torch.contiguous_format)
+        return same, wider, copied, laid
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm
+
+    torch._dynamo.reset()
+    x, w = torch.randn(3, 4), torch.randn(3, 4)
+    torch.compile(f, backend=capture)(x, w)
+    ((gm, example_inputs),) = graphs
+    assert drop_identity_casts(gm.graph) == 2
+    gm.recompile()
+    kept = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "to"]
+    assert len(kept) == 3  # float64, copy=True, memory_format
+    assert any(torch.float64 in n.args for n in kept)
+    for got, ref in zip(gm(*example_inputs), f(x, w)):  # the graph's inputs in Dynamo's order
+        assert torch.equal(got, ref)

@@ -33,7 +33,7 @@ from .. import report
 from ..report import LeftAlone, Rewrite
 from ..spec import MoESpec
 from .emit import emit_experts
-from .fx_utils import (canonicalize_operators, eliminate_dead_code, mutated_alias, reach,
+from .fx_utils import (canonicalize_operators, drop_identity_casts, eliminate_dead_code, mutated_alias, reach,
                        read_receivers_of_inplace_results, source_function, source_line, val)
 from .kept_errors import index_bounds, keep_removed_checks
 from .stale_reads import stale_read
@@ -316,6 +316,7 @@ def run_pass(name: str, rewrite: Callable[[GraphModule], list[Rewrite]],
     try:
         with report.recording() as records:
             canonicalize_operators(candidate.graph)
+            drop_identity_casts(candidate.graph)
             read_receivers_of_inplace_results(candidate.graph)
             bounds = index_bounds(candidate.graph)
             found = rewrite(candidate)

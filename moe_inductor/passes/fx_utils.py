@@ -64,6 +64,28 @@ def canonicalize_operators(graph: torch.fx.Graph) -> int:
     return changed
 
 
+def drop_identity_casts(graph: torch.fx.Graph) -> int:
+    """Replace ``t.to(...)`` by ``t`` where it converts nothing: its traced value has ``t``'s dtype and device, and
+    no ``copy=True`` or ``memory_format`` is asked. Eager's ``Tensor.to`` then returns ``t`` itself, so the uses
+    see the same tensor either way (user code moves the routing weight to the expert output's device, or casts it to
+    the dtype it already has). Returns how many were dropped."""
+    dropped = 0
+    for node in list(graph.nodes):
+        if node.op != "call_method" or node.target != "to" or not node.args or not isinstance(node.args[0], Node):
+            continue
+        if node.kwargs.get("copy", False) or "memory_format" in node.kwargs or len(node.args) > 3:
+            continue
+        if any(a is True for a in node.args[2:]):  # to(dtype, non_blocking, copy) spelled positionally
+            continue
+        before, after = val(node.args[0]), val(node)
+        if before is None or after is None or before.dtype != after.dtype or before.device != after.device:
+            continue
+        node.replace_all_uses_with(node.args[0])
+        graph.erase_node(node)
+        dropped += 1
+    return dropped
+
+
 #: the in-place combines (each returns its receiver) whose result user code may read instead of the buffer. The
 #: writes that build a routing matrix (``scatter_``, ``masked_fill_``) are left as they are: the proofs read the
 #: matrix through them

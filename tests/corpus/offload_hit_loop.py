@@ -5,9 +5,11 @@ found in several public repositories through the code index (CPU-offload and pre
 Style: the v4 loop over the experts that got tokens (``greater(expert_mask.sum((-1, -2)), 0).nonzero()``), whose
 body first turns the (1,) row into an int (``expert_idx = expert_idx_tensor.item()``), selects the rows with
 ``torch.where(expert_mask[expert_idx].squeeze(0))`` at that int, and skips an expert left without rows (``if
-len(top_x) == 0: continue``) before running ``experts[expert_idx]`` on them; the weighted rows are
-``index_add_``-ed into a zeros buffer; a shared expert with a sigmoid gate after the loop. The forks' device moves and bookkeeping (prefetch caches, hit counters) are left out: counters of Python
-state would make the loop body impure, and the rewrite rightly refuses such bodies.
+len(top_x) == 0: continue``) before running ``experts[expert_idx]`` on them; the routing weights are moved to
+the expert output's device (``.to(out.device)``, a no-op on one device), the weighted rows ``index_add_``-ed into
+a zeros buffer; a shared expert with a sigmoid gate after the loop. The forks' other device moves and bookkeeping
+(prefetch caches, hit counters) are left out: counters of Python state would make the loop body impure, and the
+rewrite rightly refuses such bodies.
 """
 import torch
 import torch.nn as nn
@@ -55,7 +57,7 @@ class OffloadingSparseBlock(nn.Module):
                 continue
             rows = flat[None, top_x].reshape(-1, hidden_dim)
             out = self.experts[expert_idx](rows)
-            out = out * routing_weights[top_x, idx, None]
+            out = out * routing_weights[top_x, idx, None].to(out.device)  # the forks' move to the expert's device
             final.index_add_(0, top_x, out.to(final.dtype))
         shared = self.shared_expert(flat) * torch.sigmoid(self.shared_expert_gate(flat))
         return (final + shared).view(batch, seq, hidden_dim), router_logits
