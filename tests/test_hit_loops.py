@@ -225,10 +225,12 @@ def test_a_skip_that_is_not_of_no_tokens_is_not_assumed_away():
     assert seen.fallbacks or counters["graph_break"]
 
 
-def test_the_hooks_do_nothing_under_another_backend():
-    """backend="eager" (plain Dynamo): the loop over the hit experts still graph-breaks, as without moe_inductor."""
+@pytest.mark.parametrize("body", ["mlp", "item_skip"])
+def test_the_hooks_do_nothing_under_another_backend(body):
+    """backend="eager" (plain Dynamo): the loop over the hit experts still graph-breaks, as without moe_inductor,
+    and so does its ``.item()``."""
     torch._dynamo.reset()
-    model = _build()
+    model = _build("greater_sum", body)
     x = torch.randn(1, 3, H)
     assert torch._dynamo.explain(model)(x).graph_break_count >= 1
     with torch.no_grad():
