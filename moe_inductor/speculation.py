@@ -45,18 +45,13 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
+# the bytecode reading, shared with hit_loops.py (which reaches it through this module)
+from .loop_bytecode import _UNCONDITIONAL, _body_refusal, _loop_of, _next, _resolve  # noqa: F401
+
 TAG = "moe_inductor_speculation"
 #: on a node whose size checks are facts, removable once its loop went with a rewrite: a bincount whose length is
 #: proven E (``_tolist``), the nonzero a hit loop was unrolled from (hit_loops.py)
 LENGTH = "moe_inductor_length_is_minlength"
-
-#: bytecode that makes the rest of an iteration more than graph work on locals (state that outlives it, exits)
-_FORBIDDEN = {"RETURN_VALUE", "RETURN_CONST", "YIELD_VALUE", "STORE_GLOBAL", "DELETE_GLOBAL", "STORE_ATTR",
-              "DELETE_ATTR", "STORE_DEREF", "DELETE_DEREF", "IMPORT_NAME", "RAISE_VARARGS", "RERAISE",
-              "BEFORE_WITH", "SETUP_WITH", "PUSH_EXC_INFO", "SETUP_FINALLY", "END_ASYNC_FOR", "GET_AWAITABLE"}
-_UNCONDITIONAL = {"NOP", "JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_ABSOLUTE", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP"}
-_JUMPS = set(dis.hasjrel) | set(dis.hasjabs)
-
 
 class SpeculationNotDischarged(RuntimeError):
     """A skip assumed away while tracing was not proven equal to running the body (the frame falls back)."""
@@ -176,88 +171,6 @@ def _no_rows_test(expr, symbol) -> Optional[bool]:
     if len(set(at[1:])) != 1 or at[0] == at[1]:
         return None
     return at[0]
-
-
-def _resolve(tx, inst):
-    """The first instruction that does something, following unconditional jumps and NOPs from ``inst``."""
-    for _ in range(16):
-        if inst is None or inst.opname not in _UNCONDITIONAL:
-            return inst
-        inst = inst.target if inst.opname != "NOP" else _next(tx, inst)
-    return inst
-
-
-def _next(tx, inst):
-    instructions = tx.instructions
-    index = tx.indexof[inst] if hasattr(tx, "indexof") else instructions.index(inst)
-    return instructions[index + 1] if index + 1 < len(instructions) else None
-
-
-def _loop_of(tx, inst):
-    """(index of the innermost FOR_ITER around ``inst``, index of its exit), or None."""
-    instructions = tx.instructions
-    index = instructions.index(inst)
-    best = None
-    for i in range(index - 1, -1, -1):
-        head = instructions[i]
-        if head.opname == "FOR_ITER" and head.target is not None and instructions.index(head.target) > index:
-            best = (i, instructions.index(head.target))
-            break
-    return best
-
-
-def _local_names(ins) -> tuple:
-    names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
-    return tuple(n for n in names if isinstance(n, str))
-
-
-def _body_refusal(tx, inst, head: int, exit_: int) -> Optional[str]:
-    """Why the rest of the iteration after the branch ``inst`` is not plain graph work, or None."""
-    instructions = tx.instructions
-    start = instructions.index(inst) + 1
-    written = set()
-    for i in range(start, exit_):
-        ins = instructions[i]
-        if ins.opname in _FORBIDDEN:
-            return f"the rest of the iteration runs {ins.opname}"
-        if ins.opcode in _JUMPS and ins.opname != "FOR_ITER" and ins.target is not None and not (
-                head <= instructions.index(ins.target) < exit_):
-            return "the rest of the iteration can leave the loop (break or return)"
-        if ins.opcode in dis.haslocal and ("STORE" in ins.opname or "DELETE" in ins.opname):
-            written.update(_local_names(ins))
-    outlives = sorted(v for v in written if _read_before_written(instructions, head, v))
-    if outlives:
-        return f"the rest of the iteration sets {', '.join(outlives)}, read after it"
-    return None
-
-
-_ENDS = {"RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE"} | _UNCONDITIONAL - {"NOP"}
-
-
-def _read_before_written(instructions: list, start: int, name: str) -> bool:
-    """Whether some path of the code from ``instructions[start]`` reads the local ``name`` before it writes it (the
-    value it holds at ``start`` is used)."""
-    index_of = {id(ins): i for i, ins in enumerate(instructions)}
-    seen, stack = set(), [start]
-    while stack:
-        i = stack.pop()
-        if i in seen or i >= len(instructions):
-            continue
-        seen.add(i)
-        ins = instructions[i]
-        if ins.opcode in dis.haslocal and name in _local_names(ins):
-            if "LOAD" in ins.opname or "DELETE" in ins.opname:
-                return True
-            if "STORE" in ins.opname:
-                continue
-        if ins.opname not in _ENDS:
-            stack.append(i + 1)
-        if ins.opcode in _JUMPS and ins.target is not None:
-            stack.append(index_of[id(ins.target)])
-        entry = getattr(ins, "exn_tab_entry", None)
-        if entry is not None:
-            stack.append(index_of[id(entry.target)])
-    return False
 
 
 def _last_node(graph) -> Optional[Node]:
