@@ -46,6 +46,14 @@ if [ -d .wheels ]; then python -m pip install --no-deps -q .wheels/*.whl >/dev/n
 KERNEL_FILES="tests/test_kernels.py tests/test_routing.py tests/test_rewritten_graphs.py tests/test_grouped_mm_engine.py
   tests/test_visible_kernels.py tests/test_interleaved_gate_up_whole.py"
 WORKERS=$(python -c "import xdist" 2>/dev/null && echo "-n 4")
+# the GPU tests the GPT-OSS modes rest on: the engine, the whole interleaved weight, the backward middle, row sums
+gptoss_tests() {
+  timeout -s INT 130 python -m pytest tests/test_grouped_mm_engine.py tests/test_interleaved_gate_up_whole.py $WORKERS \
+    tests/test_kernels.py::test_fused_backward_middle_matches_the_torch_formulas \
+    tests/test_kernels.py::test_expert_row_sums_kernel_matches_the_torch_sum \
+    -q -p no:warnings -rfE 2>&1 | grep -v torch.__trace > "$OUT/engine_tests.log"
+  grep -E "FAILED|ERROR" "$OUT/engine_tests.log"; tail -2 "$OUT/engine_tests.log"
+}
 case "${1:-suite}" in
   suite)
     # -v: each test's outcome is logged as it ends, so a run cut by its timeout still names what failed
@@ -143,10 +151,7 @@ PY
     grep -v "autotuning gemm" "$OUT/tune_gemm.log" | cut -c1-220 | tail -50
     cp moe_inductor/kernels/tuned/NVIDIA_H200.json "$OUT/NVIDIA_H200.json" ;;
   gptoss)  # the engine's own GPU tests first; then what the biased-layer rule of ops/grouped_mm_engine.py rests on
-    timeout -s INT 130 python -m pytest tests/test_grouped_mm_engine.py tests/test_interleaved_gate_up_whole.py $WORKERS \
-      tests/test_kernels.py::test_fused_backward_middle_matches_the_torch_formulas \
-      -q -p no:warnings -rfE 2>&1 | grep -v torch.__trace > "$OUT/engine_tests.log"
-    grep -E "FAILED|ERROR" "$OUT/engine_tests.log"; tail -2 "$OUT/engine_tests.log"
+    gptoss_tests
     timeout 80 python benchmarks/bench_experts.py --shapes --tokens 512 2048 4096 16384 --extras gptoss_layout \
       --json "$OUT/gptoss_engine.json" > "$OUT/gptoss_engine.log" 2>&1; grep "^{" "$OUT/gptoss_engine.log" | cut -c1-400
     # the cells most wanted first: the training step, then the prefill sizes below the engine's row rule
@@ -157,11 +162,7 @@ PY
       --markdown "$OUT/bench_hf_engine.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_engine.log"
     tail -8 "$OUT/bench_hf_engine.md" ;;
   gptosstrain)  # the gptoss mode's tests and op-alone table, then only the training step and prefill 4096
-    timeout -s INT 130 python -m pytest tests/test_grouped_mm_engine.py tests/test_interleaved_gate_up_whole.py $WORKERS \
-      tests/test_kernels.py::test_fused_backward_middle_matches_the_torch_formulas \
-      tests/test_kernels.py::test_expert_row_sums_kernel_matches_the_torch_sum \
-      -q -p no:warnings -rfE 2>&1 | grep -v torch.__trace > "$OUT/engine_tests.log"
-    grep -E "FAILED|ERROR" "$OUT/engine_tests.log"; tail -2 "$OUT/engine_tests.log"
+    gptoss_tests
     timeout 80 python benchmarks/bench_experts.py --shapes --tokens 2048 4096 16384 --extras gptoss_layout \
       --json "$OUT/gptoss_engine.json" > "$OUT/gptoss_engine.log" 2>&1; grep "^{" "$OUT/gptoss_engine.log" | cut -c1-400
     C=moe_inductor_experts_kept+moe_inductor_rule_off

@@ -52,6 +52,7 @@ import torch
 from torch.fx import Graph, Node
 
 from . import report, speculation
+from .loop_bytecode import _body_refusal, _loop_of, _next
 
 #: on a ``torch.full((1,), e)`` node that stands for the e-th row of a hit loop's nonzero: e
 INDEX = "moe_inductor_hit_index"
@@ -212,12 +213,12 @@ def _unroll(tx, inst) -> bool:
     found = hit_vector(node)
     reason = found if isinstance(found, str) else None
     instructions = tx.instructions
-    head = speculation._next(tx, inst)
+    head = _next(tx, inst)
     if reason is None and (head is None or head.opname != "FOR_ITER" or head.target is None):
         reason = "the nonzero() is iterated other than by a for loop"
     if reason is None:
-        loop = speculation._loop_of(tx, speculation._next(tx, head))
-        reason = speculation._body_refusal(tx, head, *loop) if loop and instructions[loop[0]] is head else (
+        loop = _loop_of(tx, _next(tx, head))
+        reason = _body_refusal(tx, head, *loop) if loop and instructions[loop[0]] is head else (
             "its loop body was not found")
     if reason is None and any(s.tx is tx and not s.closed for s in trace.speculations):
         reason = "it is inside a body already assumed to have rows"

@@ -45,8 +45,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-# the bytecode reading, shared with hit_loops.py (which reaches it through this module)
-from .loop_bytecode import _UNCONDITIONAL, _body_refusal, _loop_of, _next, _resolve  # noqa: F401
+from .loop_bytecode import _body_refusal, _loop_of, _next, _resolve
 
 TAG = "moe_inductor_speculation"
 #: on a node whose size checks are facts, removable once its loop went with a rewrite: a bincount whose length is
