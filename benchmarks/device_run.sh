@@ -20,6 +20,8 @@
 #                                            # 4096 only, experts kept against rewritten                  (~8 min)
 #   bash benchmarks/device_run.sh gptossbwd  # GPT-OSS's experts alone, fwd+bwd per kernel at T 1024/2048, the weight
 #                                            # whole and in halves; then bench_experts gptoss_layout      (~6 min)
+#   bash benchmarks/device_run.sh gptosssizes # GPT-OSS's training step at T 1024, 2048 and 4096, experts kept against
+#                                            # rewritten, after the GPU tests of the traced interleaved weight (~9 min)
 #   bash benchmarks/device_run.sh hostab     # GPT-OSS decode B=1 host time, moe_inductor's pieces taken away one
 #                                            # at a time (decode_host_ab.py), 2 rounds in alternating order (~5 min)
 #   bash benchmarks/device_run.sh bwd        # forward + backward kernel breakdown, ours against sort +
@@ -133,6 +135,14 @@ PY
     done
     timeout 150 python benchmarks/bench_experts.py --shapes --tokens 1024 2048 4096 --extras gptoss_layout \
       --json "$OUT/gptoss_whole.json" > "$OUT/gptoss_whole.log" 2>&1; grep "^{" "$OUT/gptoss_whole.log" | cut -c1-600 ;;
+  gptosssizes)
+    timeout -s INT 100 python -m pytest tests/test_visible_kernels.py tests/test_interleaved_gate_up_whole.py -m gpu \
+      -q -p no:warnings -rfE 2>&1 | grep -v torch.__trace | tail -3
+    C=moe_inductor_experts_kept+moe_inductor_rule_off
+    timeout 470 python benchmarks/bench_hf.py --deadline-s 455 --budget gpt_oss=450 \
+      --cells gpt_oss:train:1024:$C gpt_oss:train:2048:$C gpt_oss:train:4096:$C \
+      --json "$OUT/bench_hf_sizes.json" --markdown "$OUT/bench_hf_sizes.md" 2>&1 \
+      | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_sizes.log"; cat "$OUT/bench_hf_sizes.md" ;;
   bwdengine)
     timeout 330 python benchmarks/bench_backward_engine.py 2>&1 | grep -v "torch.__trace" | tee "$OUT/bwd_engine.log"
     timeout -s INT 100 python -m pytest tests/test_grouped_mm_engine.py -o addopts="--strict-markers" -q \

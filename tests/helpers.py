@@ -408,3 +408,54 @@ def visible_dynamic_token_guards() -> list:
 
     _trace_visible_with_aot(read_guards, 17, True, dynamic=None)
     return guards
+
+
+def visible_interleaved_launches(spelling: str) -> list:
+    """For a GPT-OSS-like layer (gptoss_glu, an interleaved (E, H, 2I) gate/up weight W, biases), traced into the
+    visible op by Dynamo and AOT autograd: one (tensor type, ``INTERLEAVED``) pair per gated GEMM launch the traces
+    make (FakeTensor: Dynamo's run of the op; FunctionalTensor: AOT autograd's). The launches are read where
+    ``launch_kernel`` is called and skipped, so nothing launches and Triton never looks at the kernel (which needs
+    a GPU to analyse). ``spelling``: "whole" passes W as its pairs view (the rewrite's training form), "views"
+    passes W's even and odd columns (its inference form), "two_weights" passes the even columns of W and the odd
+    ones of another tensor of W's shape, where the pairs layout must not be read."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from moe_inductor import config
+    from moe_inductor.kernels import launch
+    from moe_inductor.ops.call import pairs_view
+
+    config.triton_on_cpu = True
+    import moe_inductor.lowerings.visible  # noqa: F401  (registers the op)
+
+    act = "gptoss_glu"
+    p = make_problem(6, 32, 16, 5, 2, activation=act, layout="kn", gate_up="interleaved", bias=True,
+                     requires_grad=False)
+    _, _, d, bg, bu = expert_weight_views(p.w1, p.w2, p.b1, activation=act, layout="kn", gate_up="interleaved")
+    seen = []
+
+    def read_launch(kernel, grid, args, meta):
+        if meta.get("GATED") and kernel.name == "grouped_gemm_kernel":
+            seen.append((type(args[1]).__name__, bool(meta["INTERLEAVED"])))
+
+    def stop(gm, example_inputs):
+        raise _Captured
+
+    def layer(x, ids, tw, w, other):
+        if spelling == "whole":
+            gate, up = pairs_view(w), None
+        else:
+            gate, up = w[..., 0::2], (w if spelling == "views" else other)[..., 1::2]
+        return torch.ops.moe_inductor.experts_forward_visible(x, ids, tw, gate, up, d, bg, bu, p.b2, act, "output",
+                                                              1.702, 7.0, None, False)[0]
+
+    real, launch.launch_kernel = launch.launch_kernel, read_launch
+    try:
+        torch._dynamo.reset()
+        torch.compile(layer, backend=aot_autograd(fw_compiler=stop))(p.x, p.topk_ids, p.topk_weights, p.w1,
+                                                                     p.w1.clone())
+    except Exception as e:  # stopped on purpose once the graph was traced
+        if not isinstance(e, _Captured) and "_Captured" not in repr(e):
+            raise
+    finally:
+        launch.launch_kernel = real
+    return seen

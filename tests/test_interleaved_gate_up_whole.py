@@ -224,3 +224,32 @@ def test_the_benchmarks_eager_whole_weight_switch_takes_the_pairs_backward(path,
     assert strides == [1, 2]  # halves, then the (gate, up) pairs of the whole weight
     for name, a, b in zip(("dx", "dtw", "dw1", "dw2", "db1", "db2"), halves, whole):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_same_storage_proves_views_of_one_tensor_real_fake_or_functional():
+    """``same_storage`` is what lets a traced launch read two stride-2 views as one weight: it must say yes for
+    views of one tensor and no for two tensors, whether they are real, fake (every fake data pointer is 0) or
+    functional (AOT autograd's, whose views keep no ``_base``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from moe_inductor.kernels.launch import interleaved_pairs, same_storage
+
+    answers = {}
+
+    def probe(w, other):
+        answers["views"] = same_storage(w[..., 0::2], w[..., 1::2])
+        answers["two"] = same_storage(w[..., 0::2], other[..., 1::2])
+        answers["pairs"] = interleaved_pairs(w[..., 0::2], w[..., 1::2]) is not None
+        answers["two_pairs"] = interleaved_pairs(w[..., 0::2], other[..., 1::2]) is not None
+        return w + other
+
+    w, other = torch.randn(3, 4, 8), torch.randn(3, 4, 8)
+    want = {"views": True, "two": False, "pairs": True, "two_pairs": False}
+    probe(w, other)
+    assert answers == want, "real"
+    with FakeTensorMode() as mode:
+        probe(mode.from_tensor(w), mode.from_tensor(other))
+    assert answers == want, "fake"
+    make_fx(torch.func.functionalize(probe), tracing_mode="fake")(w, other)
+    assert answers == want, "functional"

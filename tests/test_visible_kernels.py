@@ -105,6 +105,19 @@ def _trace_the_visible_op_in_a_subprocess(call: str):
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("spelling,whole", [("whole", True), ("views", True), ("two_weights", False)])
+def test_the_traced_visible_op_reads_an_interleaved_weight_whole(spelling, whole):
+    """Traced by Dynamo (fake tensors) and AOT autograd (functional tensors), whose views keep no ``_base``, the
+    gate/up GEMM still proves that its two stride-2 views are one interleaved weight and reads it whole
+    (``INTERLEAVED``). It once read the pairs form as two strided views in every compiled GPT-OSS training step,
+    about 9x slower at T = 1024. Views of two different tensors are never read as one."""
+    from tests.helpers import visible_interleaved_launches
+
+    seen = visible_interleaved_launches(spelling)
+    assert {kind for kind, _ in seen} == {"FakeTensor", "FunctionalTensor"}, seen
+    assert all(flag == whole for _, flag in seen), seen
+
+
 def test_every_dimension_symbolic_specialises_only_the_weight_dims():
     """With every dimension symbolic (opcheck's test_aot_dispatch_dynamic; it once failed on the H200 with
     "unhashable type: SymInt"), the launchers specialise k, E, H and I, which pick constexprs and configs, and
@@ -210,3 +223,43 @@ def test_gpu_visible_kernels_compile_at_most_twice(monkeypatch):
     for T in (5, 17, 33, 64):
         compiled(torch.randn(T, 16, device="cuda", requires_grad=True)).sum().backward()
     assert counters["stats"]["unique_graphs"] <= 2
+
+
+@pytest.mark.gpu
+def test_gpu_a_compiled_training_step_reads_the_interleaved_weight_whole(monkeypatch):
+    """GPT-OSS's layer (interleaved gate/up with biases, gptoss_glu) in a compiled training step: the visible op's
+    gate/up GEMM is traced with ``INTERLEAVED`` (the whole weight read as (gate, up) pairs), and the output and
+    every gradient equal eager's."""
+    import moe_inductor
+    from moe_inductor.kernels import launch
+
+    monkeypatch.setattr(config, "visible_kernels", True)
+    traced = []
+    real = launch.launch_kernel
+
+    def spy(kernel, grid, args, meta):
+        if meta.get("GATED") and kernel.name == "grouped_gemm_kernel" and type(args[1]) is not torch.Tensor:
+            traced.append(bool(meta["INTERLEAVED"]))
+        return real(kernel, grid, args, meta)
+
+    monkeypatch.setattr(launch, "launch_kernel", spy)
+    act = "gptoss_glu"
+    p = make_problem(40, 64, 32, 6, 2, dtype=torch.bfloat16, device="cuda", activation=act, layout="kn",
+                     gate_up="interleaved", bias=True, requires_grad=False)
+    params = [torch.nn.Parameter(t.detach().clone()) for t in (p.w1, p.b1, p.w2, p.b2)]
+    x = p.x.detach().clone().requires_grad_()
+
+    def run(x):
+        return moe_inductor.fused_experts(x, p.topk_ids, p.topk_weights, params[0], params[2], b1=params[1],
+                                          b2=params[3], activation=act, layout="kn", gate_up="interleaved")
+
+    torch._dynamo.reset()
+    dy = torch.randn_like(p.x)
+    out = torch.compile(run, backend="moe_inductor")(x)
+    got = torch.autograd.grad(out, [x, *params], dy)
+    ref_out = run(x)
+    ref = torch.autograd.grad(ref_out, [x, *params], dy)
+    assert traced and all(traced), traced
+    torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from .. import config
+from ..kernels.launch import same_storage
 from .activations import ACTIVATIONS, GPTOSS_ALPHA, GPTOSS_LIMIT, Activation, apply_activation, is_gated
 from .call import ExpertsCall, ExpertWeights, Routing, check_call, op_call, pairs_view
 from . import expert_lists  # noqa: F401  (registers moe_inductor::experts_forward_list)
@@ -54,7 +55,7 @@ class _SplitGateUp(torch.autograd.Function):
     def backward(ctx, d_gate: Optional[Tensor], d_up: Optional[Tensor]) -> tuple[Tensor, None]:
         half = ctx.w_shape[2] // 2
         if (not ctx.interleaved and d_gate is not None and d_up is not None and d_gate.stride() == d_up.stride()
-                and d_gate.untyped_storage().data_ptr() == d_up.untyped_storage().data_ptr()
+                and same_storage(d_gate, d_up)
                 and d_up.storage_offset() - d_gate.storage_offset() == half * d_gate.stride(2)):
             return d_gate.as_strided(ctx.w_shape, d_gate.stride(), d_gate.storage_offset()), None
         ref = d_gate if d_gate is not None else d_up

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .. import config
-from ..kernels.launch import interleaved_pairs, launch_activation, tracing_launches
+from ..kernels.launch import interleaved_pairs, launch_activation, same_storage, tracing_launches
 from .activations import Activation
 from .call import ExpertsCall
 from .grouped import (ROWS_TOKEN, Routed, backward_middle, combine, down_bias_scale_grad, is_dense_transpose,
@@ -60,7 +60,7 @@ def combined_up_weights(w1: Tensor, w1_up: Optional[Tensor]) -> Optional[Tensor]
     E, H, I = w1.shape
     if w1_up.stride() != w1.stride() or w1_up.dtype != w1.dtype:
         return None
-    if w1_up.untyped_storage().data_ptr() != w1.untyped_storage().data_ptr():
+    if not same_storage(w1, w1_up):
         return None
     s0, s1, s2 = w1.stride()
     if w1_up.storage_offset() - w1.storage_offset() != I * s2:  # up's columns start right after gate's
