@@ -22,6 +22,8 @@
 #                                            # whole and in halves; then bench_experts gptoss_layout      (~6 min)
 #   bash benchmarks/device_run.sh gptosssizes # GPT-OSS's training step at T 1024, 2048 and 4096, experts kept against
 #                                            # rewritten, after the GPU tests of the traced interleaved weight (~9 min)
+#   bash benchmarks/device_run.sh tunegptoss # tune the weight-gradient keys of GPT-OSS's compiled training step
+#                                            # (T 1024, 2048), merge, then that step kept against rewritten (~8 min)
 #   bash benchmarks/device_run.sh hostab     # GPT-OSS decode B=1 host time, moe_inductor's pieces taken away one
 #                                            # at a time (decode_host_ab.py), 2 rounds in alternating order (~5 min)
 #   bash benchmarks/device_run.sh bwd        # forward + backward kernel breakdown, ours against sort +
@@ -143,6 +145,16 @@ PY
       --cells gpt_oss:train:1024:$C gpt_oss:train:2048:$C gpt_oss:train:4096:$C \
       --json "$OUT/bench_hf_sizes.json" --markdown "$OUT/bench_hf_sizes.md" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_sizes.log"; cat "$OUT/bench_hf_sizes.md" ;;
+  tunegptoss)
+    timeout 330 python benchmarks/tune_weight_grad.py --shapes gptoss_layout --tokens 1024 2048 \
+      --json "$OUT/tuned_wgrad_gptoss.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_wgrad_gptoss.log"
+    grep -v "autotuning " "$OUT/tune_wgrad_gptoss.log" | tail -12
+    cp moe_inductor/kernels/tuned/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+    C=moe_inductor_experts_kept+moe_inductor_rule_off
+    timeout 200 python benchmarks/bench_hf.py --deadline-s 190 --budget gpt_oss=185 \
+      --cells gpt_oss:train:1024:$C gpt_oss:train:2048:$C \
+      --json "$OUT/bench_hf_tuned.json" --markdown "$OUT/bench_hf_tuned.md" 2>&1 \
+      | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_tuned.log"; tail -5 "$OUT/bench_hf_tuned.md" ;;
   bwdengine)
     timeout 330 python benchmarks/bench_backward_engine.py 2>&1 | grep -v "torch.__trace" | tee "$OUT/bwd_engine.log"
     timeout -s INT 100 python -m pytest tests/test_grouped_mm_engine.py -o addopts="--strict-markers" -q \
