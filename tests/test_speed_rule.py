@@ -20,9 +20,9 @@ def _on(gpu):
 def test_a_layer_kind_measured_slower_keeps_inductors_path():
     with _on("NVIDIA_H200"):
         reason = keeps_inductor(GPT_OSS, CUDA, "prefill", "inductor")
-        assert reason and "0.90x" in reason and "NVIDIA_H200" in reason
+        assert reason and "0.85x" in reason and "NVIDIA_H200" in reason
         assert keeps_inductor(GPT_OSS, CUDA, "decode", "inductor") is None  # 1.16x: rewritten
-        assert "0.46x" in keeps_inductor(GPT_OSS, CUDA, "train", "inductor")
+        assert "0.88x" in keeps_inductor(GPT_OSS, CUDA, "train", "inductor")
         assert keeps_inductor(QWEN3, CUDA, "prefill", "inductor") is None  # measured faster: rewritten
         assert keeps_inductor(QWEN3, CUDA, "train", "inductor") is None  # a tie is not a loss
         # a mode never measured for a kind takes its worst measured mode: Mixtral has prefill only
@@ -150,7 +150,7 @@ def test_with_the_rule_off_every_proven_layer_is_rewritten(monkeypatch):
 
 def test_inference_takes_the_worse_of_prefill_and_decode():
     with _on("NVIDIA_H200"):
-        assert "0.90x" in keeps_inductor(GPT_OSS, CUDA, "inference", "inductor")  # min(0.90, 1.16)
+        assert "0.85x" in keeps_inductor(GPT_OSS, CUDA, "inference", "inductor")  # min(0.85, 1.16)
         assert keeps_inductor(QWEN3, CUDA, "inference", "inductor") is None  # min(1.11, 1.06)
 
 
