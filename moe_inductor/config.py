@@ -50,9 +50,11 @@ grouped_mm_min_expert_weights: int = 32 * 1024 * 1024
 #: from 512 rows and the engine is 6% slower at 256 (RESULTS.md, fifteenth session).
 grouped_mm_biased_min_rows_per_expert: int = 512
 
-#: ... and the backward's: from this many rows per expert, where forward + backward through the engine took 0.86x
-#: the fused time at 256 rows each, 0.82x at 512 and 0.75x at 2048 (GPT-OSS's shape, op-alone).
-grouped_mm_biased_backward_min_rows_per_expert: int = 256
+#: ... and the backward's: from this many rows per expert. Op-alone (GPT-OSS's shape), forward + backward through
+#: the engine took 0.86x the fused time at 256 rows each, 0.82x at 512 and 0.75x at 2048. Inside GPT-OSS's compiled
+#: training step at 128 rows each (T = 1024), the engine's backward made the step 0.93x Inductor's, against 0.88x
+#: with the fused backward (RESULTS.md, eighteenth session).
+grouped_mm_biased_backward_min_rows_per_expert: int = 128
 
 #: ... both for experts of at least this many weights per projection (H * I): GPT-OSS's 2880 x 2880 is the one
 #: size measured; smaller experts with biases stay fused.

@@ -22,7 +22,7 @@ def test_a_layer_kind_measured_slower_keeps_inductors_path():
         reason = keeps_inductor(GPT_OSS, CUDA, "prefill", "inductor")
         assert reason and "0.85x" in reason and "NVIDIA_H200" in reason
         assert keeps_inductor(GPT_OSS, CUDA, "decode", "inductor") is None  # 1.16x: rewritten
-        assert "0.88x" in keeps_inductor(GPT_OSS, CUDA, "train", "inductor")
+        assert "0.93x" in keeps_inductor(GPT_OSS, CUDA, "train", "inductor")
         assert keeps_inductor(QWEN3, CUDA, "prefill", "inductor") is None  # measured faster: rewritten
         assert keeps_inductor(QWEN3, CUDA, "train", "inductor") is None  # a tie is not a loss
         # a mode never measured for a kind takes its worst measured mode: Mixtral has prefill only
