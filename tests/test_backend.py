@@ -254,7 +254,7 @@ def test_explain_report():
                              "(gemm_engine='triton', gemm_engine_backward='grouped_mm')"),
     ("auto", "triton", "backward: our fused Triton kernels (gemm_engine='auto', gemm_engine_backward='triton')"),
     ("auto", None, "or biases, H*I >= 4Mi and >= 512 rows each; backward: torch._grouped_mm for bf16 on Hopper at "
-                   ">= 128 rows per expert (layers with biases: H*I >= 4Mi and >= 256)"),
+                   ">= 128 rows per expert (layers with biases: H*I >= 4Mi and >= 128)"),
 ])
 def test_explain_names_each_directions_gemm_engine(forward, backward, expected, monkeypatch):
     monkeypatch.setattr(moe_inductor.config, "gemm_engine", forward)
