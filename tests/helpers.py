@@ -424,7 +424,6 @@ def visible_interleaved_launches(spelling: str) -> list:
     from moe_inductor.kernels import launch
     from moe_inductor.ops.call import pairs_view
 
-    config.triton_on_cpu = True
     import moe_inductor.lowerings.visible  # noqa: F401  (registers the op)
 
     act = "gptoss_glu"
@@ -449,6 +448,7 @@ def visible_interleaved_launches(spelling: str) -> list:
                                                               1.702, 7.0, None, False)[0]
 
     real, launch.launch_kernel = launch.launch_kernel, read_launch
+    on_cpu, config.triton_on_cpu = config.triton_on_cpu, True
     try:
         torch._dynamo.reset()
         torch.compile(layer, backend=aot_autograd(fw_compiler=stop))(p.x, p.topk_ids, p.topk_weights, p.w1,
@@ -457,5 +457,6 @@ def visible_interleaved_launches(spelling: str) -> list:
         if not isinstance(e, _Captured) and "_Captured" not in repr(e):
             raise
     finally:
-        launch.launch_kernel = real
+        launch.launch_kernel, config.triton_on_cpu = real, on_cpu
+        torch._dynamo.reset()
     return seen
