@@ -149,6 +149,14 @@ def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     Inductor traces the visible op with (their views keep no ``_base``, and a fake storage's data pointer is 0 for
     every tensor, so neither can prove it there). False whenever it cannot be proven: the caller then takes the
     path that reads each tensor on its own, which is right for any two tensors."""
+    if (type(a) is torch.Tensor and type(b) is torch.Tensor and not torch._is_functional_tensor(a)
+            and not torch._is_functional_tensor(b)):
+        # the eager launch (every gated GEMM call asks): real tensors, whose data pointers say it, in about a
+        # microsecond. Fake tensors, functional ones (Python subclasses, or torch.func's C++ wrappers) go below.
+        try:
+            return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage
+            return False
     from torch._subclasses.fake_tensor import is_fake
     from torch._subclasses.functional_tensor import FunctionalTensor
 
