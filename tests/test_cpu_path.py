@@ -93,18 +93,24 @@ def test_the_swap_takes_inference_graphs_only(requires_grad, grad_mode, swapped)
     assert counters["moe_inductor_cpu_lowering"]["swapped"] == swapped
 
 
-def test_compiled_under_inductor_matches_eager_and_takes_the_lowering():
-    """Inference through the Inductor inner compiler takes the lowering; the model's output is eager's."""
+@pytest.mark.parametrize("options", [{}, {"capacity": 2, "bias": True}], ids=["plain", "capacity-drops-bias"])
+def test_compiled_under_inductor_matches_eager_and_takes_the_lowering(options):
+    """Inference through the Inductor inner compiler takes the lowering; the model's output is eager's, dropped rows
+    and their biases included. The combine in the generated code is a gather, not an atomic scatter-add."""
     import moe_inductor
+    from torch._inductor.utils import run_and_get_code
 
-    p = make_problem(6, 16, 8, 5, 2, requires_grad=False)
+    capacity, bias = options.get("capacity"), options.get("bias", False)
+    p = make_problem(6, 16, 8, 5, 2, bias=bias, requires_grad=False)
 
     def run(x, ids, w):
-        return moe_inductor.fused_experts(x, ids, w, p.w1, p.w2)
+        return moe_inductor.fused_experts(x, ids, w, p.w1, p.w2, b1=p.b1, b2=p.b2, capacity=capacity)
 
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(run, backend="moe_inductor", options={"inner": "inductor"})
     with torch.no_grad():
-        assert_close(compiled(p.x, p.topk_ids, p.topk_weights), run(p.x, p.topk_ids, p.topk_weights), torch.float32)
+        got, codes = run_and_get_code(compiled, p.x, p.topk_ids, p.topk_weights)
+        assert_close(got, run(p.x, p.topk_ids, p.topk_weights), torch.float32)
     assert counters["moe_inductor_cpu_lowering"]["swapped"] == 1
+    assert not any("atomic_add" in code for code in codes)

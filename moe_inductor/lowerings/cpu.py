@@ -105,7 +105,10 @@ def experts_forward_traced(*args: object) -> tuple[Tensor, Tensor, Tensor, Tenso
     if position == "output":
         o = o * s.to(acc)
     o = torch.where(valid, o, 0.0)  # a dropped row's bias or scale must not reach y
-    y = torch.zeros(T, H, dtype=acc, device=x.device).index_add_(0, token, o).to(x.dtype)
+    # The combine gathers each token's k rows back through the inverse of ``order`` and sums them: a scatter-add
+    # (``index_add_``) becomes an atomic add per element in Inductor's C++ kernel, which costs more than the gather.
+    slot = torch.empty_like(assignment).scatter_(0, assignment, torch.arange(T * k, device=x.device))
+    y = o[slot].view(T, k, H).sum(1).to(x.dtype)
     pre = h if call.save_pre else x.new_empty(0)
     return y, pre, order, sorted_expert, offsets
 
