@@ -2,6 +2,7 @@
 
     python benchmarks/bench_cpu.py                       # the op's plain-torch path against transformers' eager loop
     python benchmarks/bench_cpu.py --model quickstart    # the quickstart model: eager, inductor, moe_inductor
+    python benchmarks/bench_cpu.py --model quickstart --train   # its training step: forward, loss.backward()
 
 The op mode reports wall-clock means over repeated calls. The model mode builds the model ``examples/quickstart.py``
 builds on the CPU (a tiny random Qwen3-MoE), compiles it with ``torch.compile``'s default backend and with
@@ -96,17 +97,21 @@ def round_ratio_quartiles(ours: list[float], theirs: list[float]) -> tuple[float
 
 
 def model_table(tokens: list[int], rounds: int, calls: int, backends: Optional[list[str]] = None,
-                clock: str = "wall") -> list[dict]:
+                clock: str = "wall", train: bool = False) -> list[dict]:
     """Time the quickstart model at each token count (one sequence of T tokens) under eager, inductor and
     moe_inductor; print a markdown table and return its rows. ``clock``: "wall" (``time.perf_counter``) or "cpu"
     (``time.thread_time``, the CPU time of this thread: on a machine shared with other work it leaves out the time
-    the thread waits for a core; it needs one intra-op thread)."""
+    the thread waits for a core; it needs one intra-op thread). ``train``: time a training step instead (the
+    forward with ``labels=``, then ``loss.backward()`` and the gradients set to None), the error then that of the
+    loss and of the gradients' norm."""
     backends = backends or ["eager", "inductor", "moe_inductor"]
     if clock == "cpu" and torch.get_num_threads() != 1:
         raise ValueError("the cpu clock reads this thread only: run with --threads 1")
     model, vocab = quickstart_model()
+    model.train(train)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; quickstart Qwen3-MoE (CPU build), fp32, "
-          f"median of {rounds} interleaved rounds of {calls} calls, {clock} clock")
+          f"{'training step' if train else 'inference'}, median of {rounds} interleaved rounds of {calls} calls, "
+          f"{clock} clock")
     print("| T | " + " | ".join(f"{b} ms" for b in backends)
           + " | moe_inductor / inductor | per-round ratio, quartiles | rel. err vs eager |")
     print("|---|" + "---|" * (len(backends) + 3))
@@ -118,9 +123,9 @@ def model_table(tokens: list[int], rounds: int, calls: int, backends: Optional[l
         fns = {}
         for b in backends:
             compiled = model if b == "eager" else torch.compile(model, backend=b)
-            fns[b] = lambda c=compiled: c(ids).logits
-        with torch.no_grad():
-            ref = model(ids).logits
+            fns[b] = (lambda c=compiled: _train_step(model, c, ids)) if train else (lambda c=compiled: c(ids).logits)
+        with torch.set_grad_enabled(train):
+            ref = fns["eager"]() if "eager" in fns else (_train_step(model, model, ids) if train else model(ids).logits)
             errs = {b: ((fn() - ref).norm() / ref.norm()).item() for b, fn in fns.items()}  # compiles here
             for fn in fns.values():  # warm caches and the allocator outside the timing
                 for _ in range(3):
@@ -139,6 +144,16 @@ def model_table(tokens: list[int], rounds: int, calls: int, backends: Optional[l
     return rows
 
 
+def _train_step(model: torch.nn.Module, fn: Callable, ids: torch.Tensor) -> torch.Tensor:
+    """One training step of ``fn`` (``model`` or a compile of it): the loss and every parameter's gradient norm, as
+    one tensor to compare across backends; the gradients are set to None after."""
+    loss = fn(ids, labels=ids).loss
+    loss.backward()
+    norms = [p.grad.norm() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return torch.stack([loss.detach()] + norms)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["quickstart"], help="time a whole model instead of the op")
@@ -148,11 +163,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--backends", nargs="+", choices=["eager", "inductor", "moe_inductor"])
     p.add_argument("--threads", type=int, help="torch.set_num_threads (1 on a machine shared with other work)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="see model_table")
+    p.add_argument("--train", action="store_true", help="with --model: time a training step (see model_table)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.model == "quickstart":
-        model_table(args.tokens, args.rounds, args.calls, args.backends, args.clock)
+        model_table(args.tokens, args.rounds, args.calls, args.backends, args.clock, args.train)
     else:
         op_table()
 

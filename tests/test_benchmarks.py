@@ -183,6 +183,17 @@ def test_bench_cpu_quickstart_mode_runs(capsys):
     assert "| 8 |" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # an eager step and a moe_inductor compile of the quickstart model's training step
+def test_bench_cpu_train_mode_compares_loss_and_gradients(capsys):
+    """The training mode's rows hold the error of the loss and the gradient norms against eager's (it raises over
+    1e-4)."""
+    from benchmarks import bench_cpu
+
+    rows = bench_cpu.model_table([8], rounds=1, calls=1, backends=["eager", "moe_inductor"], train=True)
+    assert "training step" in capsys.readouterr().out
+    assert rows[0]["err"]["eager"] == 0.0 and rows[0]["err"]["moe_inductor"] < 1e-4
+
+
 def test_bench_hf_rule_values_divide_the_two_moe_inductor_columns():
     """The speed rule's value of a cell: rule-on time over rule-off time (ms), or rule-off over rule-on (tok/s)."""
     from benchmarks import bench_hf

@@ -42,31 +42,55 @@ def test_traced_forward_matches_the_reference_and_the_opaque_op(case, dtype, nan
         torch.testing.assert_close(a, b, msg=name)
 
 
-@pytest.mark.parametrize("second,capacity", [("combined", None), ("separate", None), (None, 1)],
-                         ids=["combined-gate-up", "separate-gate-up", "plain-dropped-rows"])
-def test_opcheck_cpu_grouped_mm(second, capacity):
+def _per_expert_loop(rows, offsets, w, w_second):
+    """cpu_grouped_mm as the definition reads: expert e's rows times w[e] (and w_second[e]), zero past the experts."""
+    bounds = offsets.tolist()
+    width = w.shape[2] * (1 if w_second is None else 2)
+    parts = []
+    for e, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        part = rows[lo:hi] @ w[e]
+        parts.append(torch.cat([part, rows[lo:hi] @ w_second[e]], 1) if w_second is not None else part)
+    parts.append(rows.new_zeros(rows.shape[0] - bounds[-1], width))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("second,capacity,routing", [
+    ("combined", None, "random"),
+    ("separate", None, "random"),
+    (None, 1, "random"),             # rows past the experts (capacity drops) are zero, and so is their gradient
+    ("combined", None, "skip_odd"),  # empty experts: a zero weight gradient
+    (None, None, "one_expert"),      # every row on experts 0 and 1
+], ids=["combined-gate-up", "separate-gate-up", "plain-dropped-rows", "empty-experts", "one-hot"])
+def test_cpu_grouped_mm_and_its_gradients_match_a_per_expert_loop(second, capacity, routing):
+    """The matmul op, forward and backward (its input- and weight-gradient ops), against the per-expert loop, and
+    opcheck of all three ops."""
+    from moe_inductor.lowerings.cpu import cpu_grouped_mm_input_grad, cpu_grouped_weight_grad
     from moe_inductor.ops.routing import route_reference
 
-    p = make_problem(7, 16, 8, 5, 2, requires_grad=False, activation="silu_glu" if second else "gelu",
-                     gate_up="interleaved" if second == "separate" else "concat")
+    E = 5
+    p = make_problem(7, 16, 8, E, 2, requires_grad=False, activation="silu_glu" if second else "gelu",
+                     gate_up="interleaved" if second == "separate" else "concat", routing=routing)
     g, u, _, _, _ = expert_weight_views(p.w1, p.w2, None, activation=p.activation, layout="nk",
                                         gate_up="interleaved" if second == "separate" else "concat")
-    order, _, offsets = route_reference(p.topk_ids, 5, capacity)
+    order, _, offsets = route_reference(p.topk_ids, E, capacity)
     rows = p.x[order.long() // 2]
     torch.library.opcheck(cpu_grouped_mm, (rows, offsets, g, u))
     out = cpu_grouped_mm(rows, offsets, g, u)
     kept = int(offsets[-1])
     assert (out[kept:] == 0).all() and (capacity is None) == (kept == rows.shape[0])
+    dout = torch.randn_like(out)
+    torch.library.opcheck(cpu_grouped_mm_input_grad, (dout, offsets, g, u))
+    torch.library.opcheck(cpu_grouped_weight_grad, (rows, dout, offsets, E))
 
-
-def test_cpu_grouped_mm_refuses_inputs_that_need_a_gradient():
-    """It has no backward: a gradient through it would be silently missing, so it raises instead."""
-    a, w = torch.randn(4, 8), torch.randn(2, 8, 3, requires_grad=True)
-    offsets = torch.tensor([0, 1, 4], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="no backward"):
-        cpu_grouped_mm(a, offsets, w, None)
-    with torch.no_grad():
-        torch.testing.assert_close(cpu_grouped_mm(a, offsets, w, None), torch.cat([a[:1] @ w[0], a[1:] @ w[1]]))
+    # the gradients reach the weight the user holds (both halves of gate_up, where gated) through its views
+    leaves = [rows.clone().requires_grad_(), p.w1.clone().requires_grad_()]
+    views = expert_weight_views(leaves[1], p.w2, None, activation=p.activation, layout="nk",
+                                gate_up="interleaved" if second == "separate" else "concat")[:2]
+    got = cpu_grouped_mm(leaves[0], offsets, *views)
+    want = _per_expert_loop(leaves[0], offsets, *views)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got, leaves, dout), torch.autograd.grad(want, leaves, dout)):
+        torch.testing.assert_close(a, b)
 
 
 def _graph(inputs: tuple) -> torch.fx.GraphModule:
@@ -80,17 +104,17 @@ def _graph(inputs: tuple) -> torch.fx.GraphModule:
     return gm
 
 
-@pytest.mark.parametrize("requires_grad,grad_mode,swapped", [(False, True, 1), (True, False, 1), (True, True, 0)],
+@pytest.mark.parametrize("requires_grad,grad_mode", [(False, True), (True, False), (True, True)],
                          ids=["nothing-needs-grad", "no-grad-mode", "training"])
-def test_the_swap_takes_inference_graphs_only(requires_grad, grad_mode, swapped):
-    """The matmul op has no autograd: a graph AOTAutograd differentiates keeps the opaque op."""
+def test_the_swap_takes_inference_and_training_graphs(requires_grad, grad_mode):
+    """The matmul op has a backward, so a graph AOTAutograd differentiates takes the lowering too."""
     p = make_problem(7, 16, 8, 5, 2, requires_grad=requires_grad)
     g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
     gm = _graph((p.x, p.topk_ids, p.topk_weights, g, u, d))
     counters.clear()
     with torch.set_grad_enabled(grad_mode):
-        assert swap_in_cpu_lowering(gm) == swapped
-    assert counters["moe_inductor_cpu_lowering"]["swapped"] == swapped
+        assert swap_in_cpu_lowering(gm) == 1
+    assert counters["moe_inductor_cpu_lowering"]["swapped"] == 1
 
 
 @pytest.mark.parametrize("options", [{}, {"capacity": 2, "bias": True}], ids=["plain", "capacity-drops-bias"])
@@ -114,3 +138,45 @@ def test_compiled_under_inductor_matches_eager_and_takes_the_lowering(options):
         assert_close(got, run(p.x, p.topk_ids, p.topk_weights), torch.float32)
     assert counters["moe_inductor_cpu_lowering"]["swapped"] == 1
     assert not any("atomic_add" in code for code in codes)
+
+
+@pytest.mark.parametrize("case", [
+    dict(),
+    dict(capacity=2, bias=True, weight_position="between"),  # drops, biases, the scale between the projections
+    dict(layout="kn", gate_up="interleaved", activation="gptoss_glu", bias=True),  # GPT-OSS's layout
+    dict(weight_position="input", activation="gelu"),  # not gated, the scale on the expert's input
+], ids=["plain", "capacity-bias-between", "gptoss-interleaved", "input-gelu"])
+def test_compiled_training_under_inductor_matches_eager(case):
+    """A training step through the Inductor inner compiler takes the lowering; y and every gradient (tokens,
+    routing weights, weights, biases) equal eager's. Without biases (whose gradient sums rows per expert) the
+    generated forward and backward have no atomic add."""
+    import moe_inductor
+    from torch._inductor.utils import run_and_get_code
+
+    case = dict(case)
+    capacity, position = case.pop("capacity", None), case.pop("weight_position", "output")
+    p = make_problem(9, 16, 8, 5, 2, requires_grad=False, **case)
+    leaves = [t.clone().requires_grad_() for t in (p.x, p.topk_weights, p.w1, p.w2)]
+    leaves += [t.clone().requires_grad_() for t in (p.b1, p.b2) if t is not None]
+
+    def run(x, w, w1, w2, *biases):
+        b1, b2 = biases if biases else (None, None)
+        return moe_inductor.fused_experts(x, p.topk_ids, w, w1, w2, b1=b1, b2=b2, activation=p.activation,
+                                          layout=p.layout, gate_up=p.gate_up, weight_position=position,
+                                          capacity=capacity)
+
+    def step(fn):
+        y = fn(*leaves)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+        return (y,) + torch.autograd.grad(y, leaves, dy)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(run, backend="moe_inductor", options={"inner": "inductor"})
+    got, codes = run_and_get_code(lambda: step(compiled))
+    for a, b, name in zip(got, step(run), ("y", "dx", "dw", "dw1", "dw2", "db1", "db2")):
+        assert_close(a, b, torch.float32, name)
+    assert counters["moe_inductor_cpu_lowering"]["swapped"] == 1
+    assert len(codes) == 2  # the forward and the backward
+    if p.b1 is None:
+        assert not any("atomic_add" in code for code in codes)

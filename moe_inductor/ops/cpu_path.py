@@ -20,18 +20,8 @@ from torch import Tensor
 
 from .activations import apply_activation
 from .call import ExpertsCall
-from .grouped import Routed
+from .grouped import Routed, project
 from .grouped_mm_engine import combined_up_weights
-
-
-def project(rows: Tensor, sizes: list[int], w: Tensor, out: Tensor) -> Tensor:
-    """``out[lo:hi] = rows[lo:hi] @ w[e]`` for each expert e, its rows [lo, hi) ``sizes[e]`` long; ``sizes`` may
-    end with one more entry, rows past the experts' that are left alone. The views come from one ``split``/``unbind``
-    each, not from a slice per expert."""
-    for n, r, we, o in zip(sizes, rows.split_with_sizes(sizes), w.unbind(0), out.split_with_sizes(sizes)):
-        if n:
-            torch.mm(r, we, out=o)
-    return out
 
 
 def _to(t: Tensor, dtype: torch.dtype) -> Tensor:

@@ -92,6 +92,60 @@ def _rows(mode: int, positions: torch.Tensor, assignment: torch.Tensor, topk: in
     return assignment
 
 
+def project(rows: torch.Tensor, sizes: list[int], w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[lo:hi] = rows[lo:hi] @ w[e]`` for each expert e, its rows [lo, hi) ``sizes[e]`` long; ``sizes`` may
+    end with one more entry, rows past the experts' that are left alone. The views come from one ``split``/``unbind``
+    each, not from a slice per expert."""
+    for n, r, we, o in zip(sizes, rows.split_with_sizes(sizes), w.unbind(0), out.split_with_sizes(sizes)):
+        if n:
+            torch.mm(r, we, out=o)
+    return out
+
+
+def _plain(epi: Epilogue) -> bool:
+    """Whether ``epi`` only stores (or adds) the GEMM's result: no second dot, raw results, scale, bias or
+    activation."""
+    return (epi.b2 is None and epi.pre is None and epi.bias is None and epi.bias2 is None
+            and epi.scale_mode == SCALE_NONE and epi.act_id == PLAIN.act_id)
+
+
+def _sorted_sizes(offsets: torch.Tensor) -> list[int]:
+    """Each expert's number of sorted rows (CPU only: the sizes are read back to the host)."""
+    bounds = offsets.tolist()
+    return [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+
+
+def _gather_sorted(t: torch.Tensor, mode: int, order_kept: torch.Tensor, topk: int) -> torch.Tensor:
+    """The rows of ``t`` that the kept sorted rows read (``mode`` as in the kernels), in sorted order."""
+    if mode == ROWS_SORTED:
+        return t[:order_kept.shape[0]]
+    return t.index_select(0, order_kept // topk if mode == ROWS_TOKEN else order_kept)
+
+
+def grouped_gemm_cpu(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch.Tensor, *, a_rows: int,
+                     c_rows: int, accumulate: bool) -> torch.Tensor:
+    """``grouped_gemm_reference`` with a plain epilogue, batched for the CPU: one gather of every kept row, one
+    ``torch.mm`` per non-empty expert into one buffer, one store (or add) of all rows. The reference's per-expert
+    indexing costs more than its matmuls at the sizes CPU users train at (RESULTS.md, CPU training step)."""
+    order, offsets, topk = rows
+    sizes = _sorted_sizes(offsets)
+    kept = sum(sizes)
+    if kept == 0:
+        return out
+    order_kept = order[:kept].long()
+    h = project(_gather_sorted(a, a_rows, order_kept, topk), sizes, b, a.new_empty(kept, b.shape[2]))
+    h = h if h.dtype == out.dtype else h.to(out.dtype)
+    if c_rows == ROWS_SORTED:
+        if accumulate:
+            out[:kept] += h
+        else:
+            out[:kept] = h
+    else:  # within one expert a token appears once, so adding all experts' rows at once is the reference's sum
+        dest = order_kept // topk if c_rows == ROWS_TOKEN else order_kept
+        out.index_add_(0, dest, h) if accumulate else out.index_copy_(0, dest, h)
+    return out
+
+
 def grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch.Tensor, *, a_rows: int, c_rows: int,
                  epi: Epilogue = PLAIN) -> torch.Tensor:
     """Writes into ``out`` and returns it. ``b`` is (E, K, N) in any strides; ``epi.pre`` gets the raw GEMM
@@ -99,6 +153,9 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch.Tensor
     if use_triton(a):
         launch_grouped_gemm(a, b, rows, out, a_rows=a_rows, c_rows=c_rows, epilogue=epi, autotune=config.autotune)
         return out
+    # a token's rows of different experts land on one output row: only an add is order-free there
+    if _plain(epi) and (c_rows != ROWS_TOKEN or epi.accumulate):
+        return grouped_gemm_cpu(a, b, rows, out, a_rows=a_rows, c_rows=c_rows, accumulate=epi.accumulate)
     return grouped_gemm_reference(a, b, rows, out, a_rows=a_rows, c_rows=c_rows, epi=epi)
 
 
@@ -164,7 +221,28 @@ def grouped_weight_grad(a: torch.Tensor, g: torch.Tensor, rows: Rows, dw: torch.
         launch_grouped_weight_grad(a, g, rows, dw, a_rows=a_rows, g_rows=g_rows, scale=scale,
                                    autotune=config.autotune)
         return dw
-    return grouped_weight_grad_reference(a, g, rows, dw, a_rows=a_rows, g_rows=g_rows, scale=scale)
+    return grouped_weight_grad_cpu(a, g, rows, dw, a_rows=a_rows, g_rows=g_rows, scale=scale)
+
+
+def grouped_weight_grad_cpu(a: torch.Tensor, g: torch.Tensor, rows: Rows, dw: torch.Tensor, *, a_rows: int,
+                            g_rows: int, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``grouped_weight_grad_reference`` batched for the CPU: one gather of each operand's kept rows (and one
+    scale), then one ``torch.mm`` per expert on contiguous slices."""
+    order, offsets, topk = rows
+    sizes = _sorted_sizes(offsets)
+    order_kept = order[:sum(sizes)].long()
+    rows_a = _gather_sorted(a, a_rows, order_kept, topk)
+    rows_g = _gather_sorted(g, g_rows, order_kept, topk)
+    if scale is not None:
+        rows_g = (rows_g * scale[order_kept].to(rows_g.dtype)[:, None]).to(g.dtype)
+    for n, ra, rg, d in zip(sizes, rows_a.split_with_sizes(sizes), rows_g.split_with_sizes(sizes), dw.unbind(0)):
+        if n == 0:
+            d.zero_()
+        elif d.is_contiguous() and d.dtype == ra.dtype:
+            torch.mm(ra.t(), rg, out=d)
+        else:
+            d.copy_(ra.t() @ rg)
+    return dw
 
 
 def grouped_weight_grad_reference(a: torch.Tensor, g: torch.Tensor, rows: Rows, dw: torch.Tensor, *, a_rows: int,
