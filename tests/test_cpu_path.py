@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from moe_inductor.lowerings.cpu import cpu_grouped_mm, experts_forward_traced, swap_in_cpu_lowering
+from moe_inductor.lowerings.cpu import (cpu_grouped_mm, cpu_grouped_mm_autograd, experts_forward_traced,
+                                        swap_in_cpu_lowering)
 from moe_inductor.ops import expert_weight_views, moe_reference
 from tests.helpers import assert_close, make_problem
 
@@ -63,7 +64,7 @@ def _per_expert_loop(rows, offsets, w, w_second):
 ], ids=["combined-gate-up", "separate-gate-up", "plain-dropped-rows", "empty-experts", "one-hot"])
 def test_cpu_grouped_mm_and_its_gradients_match_a_per_expert_loop(second, capacity, routing):
     """The matmul op, forward and backward (its input- and weight-gradient ops), against the per-expert loop, and
-    opcheck of all three ops."""
+    opcheck of all four ops."""
     from moe_inductor.lowerings.cpu import cpu_grouped_mm_input_grad, cpu_grouped_weight_grad
     from moe_inductor.ops.routing import route_reference
 
@@ -75,6 +76,7 @@ def test_cpu_grouped_mm_and_its_gradients_match_a_per_expert_loop(second, capaci
     order, _, offsets = route_reference(p.topk_ids, E, capacity)
     rows = p.x[order.long() // 2]
     torch.library.opcheck(cpu_grouped_mm, (rows, offsets, g, u))
+    torch.library.opcheck(cpu_grouped_mm_autograd, (rows, offsets, g, u))
     out = cpu_grouped_mm(rows, offsets, g, u)
     kept = int(offsets[-1])
     assert (out[kept:] == 0).all() and (capacity is None) == (kept == rows.shape[0])
@@ -86,11 +88,21 @@ def test_cpu_grouped_mm_and_its_gradients_match_a_per_expert_loop(second, capaci
     leaves = [rows.clone().requires_grad_(), p.w1.clone().requires_grad_()]
     views = expert_weight_views(leaves[1], p.w2, None, activation=p.activation, layout="nk",
                                 gate_up="interleaved" if second == "separate" else "concat")[:2]
-    got = cpu_grouped_mm(leaves[0], offsets, *views)
+    got = cpu_grouped_mm_autograd(leaves[0], offsets, *views)
     want = _per_expert_loop(leaves[0], offsets, *views)
     torch.testing.assert_close(got, want)
     for a, b in zip(torch.autograd.grad(got, leaves, dout), torch.autograd.grad(want, leaves, dout)):
         torch.testing.assert_close(a, b)
+
+
+def test_cpu_grouped_mm_without_a_backward_refuses_inputs_that_need_a_gradient():
+    """The inference graphs' op has no backward: a gradient through it would be silently missing, so it raises."""
+    a, w = torch.randn(4, 8), torch.randn(2, 8, 3, requires_grad=True)
+    offsets = torch.tensor([0, 1, 4], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="no backward"):
+        cpu_grouped_mm(a, offsets, w, None)
+    with torch.no_grad():
+        torch.testing.assert_close(cpu_grouped_mm(a, offsets, w, None), torch.cat([a[:1] @ w[0], a[1:] @ w[1]]))
 
 
 def _graph(inputs: tuple) -> torch.fx.GraphModule:
@@ -138,6 +150,8 @@ def test_compiled_under_inductor_matches_eager_and_takes_the_lowering(options):
         assert_close(got, run(p.x, p.topk_ids, p.topk_weights), torch.float32)
     assert counters["moe_inductor_cpu_lowering"]["swapped"] == 1
     assert not any("atomic_add" in code for code in codes)
+    assert any("cpu_grouped_mm.default" in code for code in codes)
+    assert not any("cpu_grouped_mm_autograd" in code for code in codes)  # no autograd kernel per call
 
 
 @pytest.mark.parametrize("case", [

@@ -7,10 +7,10 @@ backward as ~40 more), while ``backend="inductor"`` fuses the same steps of tran
 generated C++ kernels around its own opaque per-expert matmul loop. Here Inductor sees everything but the matmul
 loop, which needs the per-expert row counts on the host (one ``tolist`` per call) and so cannot be traced.
 
-The matmul op has a backward (``register_autograd``): its input gradient is the same per-expert loop through the
-transposed weights (``cpu_grouped_mm_input_grad``), its weight gradient one ``a_e^T @ g_e`` per expert
-(``cpu_grouped_weight_grad``). AOTAutograd differentiates everything else, so a training graph's backward is
-Inductor's too.
+In a graph AOTAutograd differentiates, the matmuls are ``cpu_grouped_mm_autograd``, the same kernel with a backward
+(``register_autograd``): its input gradient is the same per-expert loop through the transposed weights
+(``cpu_grouped_mm_input_grad``), its weight gradient one ``a_e^T @ g_e`` per expert (``cpu_grouped_weight_grad``).
+AOTAutograd differentiates everything else, so a training graph's backward is Inductor's too.
 
 The traced forward computes on all T*k assignment rows, so that no shape depends on the routing: rows past
 ``offsets[-1]`` (capacity drops, ids outside [0, E)) are zeros out of the matmul op and are masked out of the
@@ -87,22 +87,35 @@ def _cpu_grouped_weight_grad(a: Tensor, g: Tensor, offsets: Tensor, num_experts:
     return dw
 
 
+def _cpu_grouped_mm_no_grad(a: Tensor, offsets: Tensor, w: Tensor, w_second: Optional[Tensor]) -> Tensor:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (a, w, w_second)):
+        raise RuntimeError("moe_inductor::cpu_grouped_mm has no backward: a graph that differentiates it takes "
+                           "moe_inductor::cpu_grouped_mm_autograd")
+    return _cpu_grouped_mm(a, offsets, w, w_second)
+
+
 # Defined through torch.library.Library rather than custom_op: the op runs twice per layer in host-bound graphs, and
 # over its body's own time custom_op's Python dispatch adds about 50 us a call on the 2-core CPU machine, a plain CPU
-# kernel about 20 us (RESULTS.md, CPU). Compiled graphs call the CPU kernels directly: AOTAutograd traces the backward
-# formula below into the graph, so the Python autograd kernel runs only in eager calls.
+# kernel about 20 us (RESULTS.md, CPU). A registered backward costs a Python autograd kernel on every call, grad mode
+# on or off (about 20 us more), so the matmuls come as two ops of one kernel: ``cpu_grouped_mm`` with no backward,
+# for graphs AOTAutograd does not differentiate, and ``cpu_grouped_mm_autograd`` with one.
 _LIB = torch.library.Library("moe_inductor", "FRAGMENT")
 _LIB.define("cpu_grouped_mm(Tensor a, Tensor offsets, Tensor w, Tensor? w_second) -> Tensor")
-_LIB.impl("cpu_grouped_mm", _cpu_grouped_mm, "CPU")
+_LIB.impl("cpu_grouped_mm", _cpu_grouped_mm_no_grad, "CPU")
+_LIB.define("cpu_grouped_mm_autograd(Tensor a, Tensor offsets, Tensor w, Tensor? w_second) -> Tensor")
+_LIB.impl("cpu_grouped_mm_autograd", _cpu_grouped_mm, "CPU")
 _LIB.define("cpu_grouped_mm_input_grad(Tensor g, Tensor offsets, Tensor w, Tensor? w_second) -> Tensor")
 _LIB.impl("cpu_grouped_mm_input_grad", _cpu_grouped_mm_input_grad, "CPU")
 _LIB.define("cpu_grouped_weight_grad(Tensor a, Tensor g, Tensor offsets, int num_experts) -> Tensor")
 _LIB.impl("cpu_grouped_weight_grad", _cpu_grouped_weight_grad, "CPU")
 
 
-@torch.library.register_fake("moe_inductor::cpu_grouped_mm")
-def _(a, offsets, w, w_second):
+def _grouped_mm_fake(a, offsets, w, w_second):
     return a.new_empty(a.shape[0], w.shape[2] * (1 if w_second is None else 2))
+
+
+torch.library.register_fake("moe_inductor::cpu_grouped_mm", _grouped_mm_fake)
+torch.library.register_fake("moe_inductor::cpu_grouped_mm_autograd", _grouped_mm_fake)
 
 
 @torch.library.register_fake("moe_inductor::cpu_grouped_mm_input_grad")
@@ -116,6 +129,7 @@ def _(a, g, offsets, num_experts):
 
 
 cpu_grouped_mm = torch.ops.moe_inductor.cpu_grouped_mm.default
+cpu_grouped_mm_autograd = torch.ops.moe_inductor.cpu_grouped_mm_autograd.default
 cpu_grouped_mm_input_grad = torch.ops.moe_inductor.cpu_grouped_mm_input_grad.default
 cpu_grouped_weight_grad = torch.ops.moe_inductor.cpu_grouped_weight_grad.default
 
@@ -141,7 +155,7 @@ def _backward(ctx, grad):
     return da, None, dw, dw_second
 
 
-torch.library.register_autograd("moe_inductor::cpu_grouped_mm", _backward, setup_context=_setup)
+torch.library.register_autograd("moe_inductor::cpu_grouped_mm_autograd", _backward, setup_context=_setup)
 
 
 def experts_forward_traced(*args: object) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -166,7 +180,10 @@ def experts_forward_traced(*args: object) -> tuple[Tensor, Tensor, Tensor, Tenso
     weights = call.routing.topk_weights.reshape(M)
     s = weights.new_empty(M).index_copy(0, slot, weights)[:, None]
     gated = w.w1_up is not None
-    h = cpu_grouped_mm(rows, offsets, w.w1, w.w1_up)
+    inputs = (x, call.routing.topk_weights, w.w1, w.w1_up, w.w2, w.b1, w.b1_up, w.b2)
+    differentiated = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    matmuls = cpu_grouped_mm_autograd if differentiated else cpu_grouped_mm
+    h = matmuls(rows, offsets, w.w1, w.w1_up)
     gate, up = (h[:, :I], h[:, I:]) if gated else (h, None)
     if position == "input":
         gate, up = gate * s.to(h.dtype), (up * s.to(h.dtype) if gated else None)
@@ -176,7 +193,7 @@ def experts_forward_traced(*args: object) -> tuple[Tensor, Tensor, Tensor, Tenso
     a = apply_activation(act.name, gate, up, act.alpha, act.limit)
     if position == "between":
         a = a * s.to(a.dtype)
-    o = cpu_grouped_mm(a.to(x.dtype), offsets, w.w2, None)
+    o = matmuls(a.to(x.dtype), offsets, w.w2, None)
     if w.b2 is not None:
         o = o + w.b2[expert]
     acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
