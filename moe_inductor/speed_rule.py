@@ -19,7 +19,9 @@ rule reads shapes, dtypes and modes only (nothing on the device), so it costs no
   forms (gathered weights, loops, capacity einsums) Inductor's path is the user's code, unmeasured as a whole model,
   so they count as never measured.
 - It applies only when the inner compiler is Inductor on a CUDA device: with ``inner="aot_eager"``/``"eager"`` (tests,
-  explain()) there is no Inductor path to compare against, and on the CPU the op is not measured against it yet.
+  explain()) there is no Inductor path to compare against. On the CPU the experts run as ``lowerings/cpu.py`` lowers
+  them, measured faster than Inductor's path in inference and training on the quickstart model
+  (``benchmarks/bench_cpu.py``, fp32; no per-layer table).
 """
 from __future__ import annotations
 

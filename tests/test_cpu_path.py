@@ -55,23 +55,26 @@ def _per_expert_loop(rows, offsets, w, w_second):
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("second,capacity,routing", [
-    ("combined", None, "random"),
-    ("separate", None, "random"),
-    (None, 1, "random"),             # rows past the experts (capacity drops) are zero, and so is their gradient
-    ("combined", None, "skip_odd"),  # empty experts: a zero weight gradient
-    (None, None, "one_expert"),      # every row on experts 0 and 1
-], ids=["combined-gate-up", "separate-gate-up", "plain-dropped-rows", "empty-experts", "one-hot"])
-def test_cpu_grouped_mm_and_its_gradients_match_a_per_expert_loop(second, capacity, routing):
+@pytest.mark.parametrize("second,capacity,routing,layout", [
+    ("combined", None, "random", "nk"),
+    ("separate", None, "random", "nk"),    # interleaved columns of a transposed weight: two separate views
+    ("separate", 1, "random", "kn"),       # GPT-OSS's (E, H, 2I) interleaved weight: read whole, with drops
+    (None, 1, "random", "nk"),             # rows past the experts (capacity drops) are zero, and so their gradient
+    ("combined", None, "skip_odd", "nk"),  # empty experts: a zero weight gradient
+    (None, None, "one_expert", "nk"),      # every row on experts 0 and 1
+], ids=["combined-gate-up", "separate-gate-up", "interleaved-pairs-kn", "plain-dropped-rows", "empty-experts",
+        "one-hot"])
+def test_cpu_grouped_mm_and_its_gradients_match_a_per_expert_loop(second, capacity, routing, layout):
     """The matmul op, forward and backward (its input- and weight-gradient ops), against the per-expert loop, and
     opcheck of all four ops."""
+    from moe_inductor.kernels.launch import interleaved_pairs
     from moe_inductor.lowerings.cpu import cpu_grouped_mm_input_grad, cpu_grouped_weight_grad
     from moe_inductor.ops.routing import route_reference
 
     E = 5
     p = make_problem(7, 16, 8, E, 2, requires_grad=False, activation="silu_glu" if second else "gelu",
-                     gate_up="interleaved" if second == "separate" else "concat", routing=routing)
-    g, u, _, _, _ = expert_weight_views(p.w1, p.w2, None, activation=p.activation, layout="nk",
+                     gate_up="interleaved" if second == "separate" else "concat", routing=routing, layout=layout)
+    g, u, _, _, _ = expert_weight_views(p.w1, p.w2, None, activation=p.activation, layout=layout,
                                         gate_up="interleaved" if second == "separate" else "concat")
     order, _, offsets = route_reference(p.topk_ids, E, capacity)
     rows = p.x[order.long() // 2]
@@ -86,8 +89,9 @@ def test_cpu_grouped_mm_and_its_gradients_match_a_per_expert_loop(second, capaci
 
     # the gradients reach the weight the user holds (both halves of gate_up, where gated) through its views
     leaves = [rows.clone().requires_grad_(), p.w1.clone().requires_grad_()]
-    views = expert_weight_views(leaves[1], p.w2, None, activation=p.activation, layout="nk",
+    views = expert_weight_views(leaves[1], p.w2, None, activation=p.activation, layout=layout,
                                 gate_up="interleaved" if second == "separate" else "concat")[:2]
+    assert (interleaved_pairs(*views) is not None) == (layout == "kn" and second == "separate")
     got = cpu_grouped_mm_autograd(leaves[0], offsets, *views)
     want = _per_expert_loop(leaves[0], offsets, *views)
     torch.testing.assert_close(got, want)

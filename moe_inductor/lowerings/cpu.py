@@ -28,6 +28,7 @@ from torch import Tensor
 from ..ops.activations import apply_activation
 from ..ops.call import from_op_args
 from ..ops.grouped import project, use_triton
+from ..kernels.launch import interleaved_pairs
 from ..ops.grouped_mm_engine import combined_up_weights
 from ..ops.routing import route_reference
 
@@ -45,8 +46,12 @@ def _cpu_grouped_mm(a: Tensor, offsets: Tensor, w: Tensor, w_second: Optional[Te
     if kept < M:
         out[kept:].zero_()
     both = combined_up_weights(w, w_second)
+    pairs = interleaved_pairs(w, w_second) if both is None else None
     if both is not None:
         project(a, sizes, both, out)
+    elif pairs is not None:  # a matmul reads a stride-2 view through a copy: read the whole weight, split the columns
+        joint = project(a, sizes, pairs, a.new_empty(M, 2 * n))[:kept]
+        out[:kept, :n], out[:kept, n:] = joint[:, 0::2], joint[:, 1::2]
     else:  # two tensors: each half of the output gets its own matmul
         project(a, sizes, w, out[:, :n])
         project(a, sizes, w_second, out[:, n:])
@@ -67,6 +72,10 @@ def _cpu_grouped_mm_input_grad(g: Tensor, offsets: Tensor, w: Tensor, w_second: 
     both = combined_up_weights(w, w_second)
     if both is not None:  # one matmul per expert through the whole gate/up weight
         return project(g, sizes, both.transpose(1, 2), out)
+    pairs = interleaved_pairs(w, w_second)
+    if pairs is not None:  # the gradient's two halves interleaved as the weight's columns are
+        joint = torch.stack((g[:, :n], g[:, n:]), -1).view(M, 2 * n)
+        return project(joint, sizes, pairs.transpose(1, 2), out)
     project(g[:, :n], sizes, w.transpose(1, 2), out)
     if w_second is not None:
         out[:kept] += project(g[:, n:], sizes, w_second.transpose(1, 2), torch.empty_like(out))[:kept]
