@@ -3,13 +3,14 @@
     python benchmarks/bench_cpu.py                       # the op's plain-torch path against transformers' eager loop
     python benchmarks/bench_cpu.py --model quickstart    # the quickstart model: eager, inductor, moe_inductor
     python benchmarks/bench_cpu.py --model quickstart --train   # its training step: forward, loss.backward()
+    python benchmarks/bench_cpu.py --model gptoss        # a tiny GPT-OSS: biases, clamped glu, interleaved gate/up
 
 The op mode reports wall-clock means over repeated calls. The model mode builds the model ``examples/quickstart.py``
-builds on the CPU (a tiny random Qwen3-MoE), compiles it with ``torch.compile``'s default backend and with
-``backend="moe_inductor"`` in the same process, and times the three in interleaved rounds: each round times a block
-of calls of every candidate, in a rotating order, so that a busy machine slows all of them alike; the table gives
-the median over rounds of the per-call time, and the quartiles over rounds of moe_inductor's time over inductor's. Each token count is compiled afresh (``torch._dynamo.reset``), so both
-backends see one static shape.
+builds on the CPU (a tiny random Qwen3-MoE), or a tiny GPT-OSS, compiles it with ``torch.compile``'s default backend
+and with ``backend="moe_inductor"`` in the same process, and times the three in interleaved rounds: each round times
+a block of calls of every candidate, in a rotating order, so that a busy machine slows all of them alike; the table
+gives the median over rounds of the per-call time, and the quartiles over rounds of moe_inductor's time over
+inductor's. Each token count is compiled afresh (``torch._dynamo.reset``), so both backends see one static shape.
 """
 from __future__ import annotations
 
@@ -61,6 +62,18 @@ def op_table() -> None:
         print(f"| {T} | {H} | {I} | {E} | {k} | {t_hf:.3f} | {t_ours:.3f} | {t_ours / t_hf:.2f} | {diff:.1e} |")
 
 
+def gptoss_model() -> tuple[torch.nn.Module, int]:
+    """A tiny random GPT-OSS (2 layers, H=64, 8 experts of I=64, k=2) on the CPU, fp32, and its vocab size: biases,
+    the clamped glu and the interleaved (E, H, 2I) gate/up weight, the layout the quickstart model lacks."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                       layer_types=["full_attention"] * 2)
+    return GptOssForCausalLM(cfg).float().eval(), cfg.vocab_size
+
+
 def quickstart_model() -> tuple[torch.nn.Module, int]:
     """The model ``examples/quickstart.py`` builds on the CPU (loaded from the example itself), and its vocab size."""
     spec = importlib.util.spec_from_file_location("quickstart", QUICKSTART)
@@ -68,6 +81,10 @@ def quickstart_model() -> tuple[torch.nn.Module, int]:
     spec.loader.exec_module(module)
     model, _, _ = module.build("cpu")
     return model, model.config.vocab_size
+
+
+#: the whole models ``--model`` times
+MODELS: dict[str, Callable[[], tuple[torch.nn.Module, int]]] = {"quickstart": quickstart_model, "gptoss": gptoss_model}
 
 
 def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int, calls: int,
@@ -97,7 +114,7 @@ def round_ratio_quartiles(ours: list[float], theirs: list[float]) -> tuple[float
 
 
 def model_table(tokens: list[int], rounds: int, calls: int, backends: Optional[list[str]] = None,
-                clock: str = "wall", train: bool = False) -> list[dict]:
+                clock: str = "wall", train: bool = False, model_name: str = "quickstart") -> list[dict]:
     """Time the quickstart model at each token count (one sequence of T tokens) under eager, inductor and
     moe_inductor; print a markdown table and return its rows. ``clock``: "wall" (``time.perf_counter``) or "cpu"
     (``time.thread_time``, the CPU time of this thread: on a machine shared with other work it leaves out the time
@@ -107,9 +124,9 @@ def model_table(tokens: list[int], rounds: int, calls: int, backends: Optional[l
     backends = backends or ["eager", "inductor", "moe_inductor"]
     if clock == "cpu" and torch.get_num_threads() != 1:
         raise ValueError("the cpu clock reads this thread only: run with --threads 1")
-    model, vocab = quickstart_model()
+    model, vocab = MODELS[model_name]()
     model.train(train)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; quickstart Qwen3-MoE (CPU build), fp32, "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {model_name} model (CPU build), fp32, "
           f"{'training step' if train else 'inference'}, median of {rounds} interleaved rounds of {calls} calls, "
           f"{clock} clock")
     print("| T | " + " | ".join(f"{b} ms" for b in backends)
@@ -156,7 +173,7 @@ def _train_step(model: torch.nn.Module, fn: Callable, ids: torch.Tensor) -> torc
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=["quickstart"], help="time a whole model instead of the op")
+    p.add_argument("--model", choices=sorted(MODELS), help="time a whole model instead of the op")
     p.add_argument("--tokens", type=int, nargs="+", default=[64, 512])
     p.add_argument("--rounds", type=int, default=41)
     p.add_argument("--calls", type=int, default=10, help="calls per candidate per round")
@@ -167,8 +184,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.model == "quickstart":
-        model_table(args.tokens, args.rounds, args.calls, args.backends, args.clock, args.train)
+    if args.model:
+        model_table(args.tokens, args.rounds, args.calls, args.backends, args.clock, args.train, args.model)
     else:
         op_table()
 
