@@ -8,8 +8,8 @@ generated C++ kernels around its own opaque per-expert matmul loop. Here Inducto
 loop, which needs the per-expert row counts on the host (one ``tolist`` per call) and so cannot be traced.
 
 In a graph AOTAutograd differentiates, the matmuls are ``cpu_grouped_mm_autograd``, the same kernel with a backward
-(``register_autograd``): its input gradient is the same per-expert loop through the transposed weights
-(``cpu_grouped_mm_input_grad``), its weight gradient one ``a_e^T @ g_e`` per expert (``cpu_grouped_weight_grad``).
+(``register_autograd``): one more op, ``cpu_grouped_mm_backward``, makes both of its gradients in one pass over the
+experts (the rows through the transposed weights, and one ``a_e^T @ g_e`` per expert for the weights).
 AOTAutograd differentiates everything else, so a training graph's backward is Inductor's too.
 
 The traced forward computes on all T*k assignment rows, so that no shape depends on the routing: rows past
@@ -58,42 +58,44 @@ def _cpu_grouped_mm(a: Tensor, offsets: Tensor, w: Tensor, w_second: Optional[Te
     return out
 
 
-def _cpu_grouped_mm_input_grad(g: Tensor, offsets: Tensor, w: Tensor, w_second: Optional[Tensor]) -> Tensor:
-    """(M, K): the gradient of ``cpu_grouped_mm``'s ``a`` from the gradient ``g`` of its output,
-    ``g[:, :N] @ w[e]^T (+ g[:, N:] @ w_second[e]^T)`` per expert; rows past ``offsets[-1]`` are zero. Whether the
-    two weights are one tensor's halves is decided here, on the real tensors, as in the forward."""
+def _cpu_grouped_mm_backward(grad: Tensor, a: Tensor, offsets: Tensor, w: Tensor, w_second: Optional[Tensor],
+                             need_a: bool, need_w: bool) -> tuple[Tensor, Tensor]:
+    """The gradients of ``cpu_grouped_mm`` from the gradient ``grad`` of its (M, N) or (M, 2N) output, in one pass
+    over the experts (one host read of their sizes, one split of the rows):
+
+    - (M, K) ``da``: ``grad[:, :N] @ w[e]^T (+ grad[:, N:] @ w_second[e]^T)`` per expert, zero past the experts;
+    - (E, K, N) or (E, K, 2N) ``dw``: ``a[rows of e]^T @ grad[rows of e]`` per expert, zero for an expert with no
+      rows: w's gradient and then w_second's, as the columns of ``grad`` hold them.
+
+    An empty tensor where not wanted. Whether the two weights are one tensor's halves or its interleaved columns is
+    decided here, on the real tensors, as in the forward."""
     bounds = offsets.tolist()
-    M, kept = g.shape[0], bounds[-1]
+    M, kept = grad.shape[0], bounds[-1]
     sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])] + [M - kept]
     n = w.shape[2]
-    out = g.new_empty(M, w.shape[1])
-    if kept < M:
-        out[kept:].zero_()
-    both = combined_up_weights(w, w_second)
-    if both is not None:  # one matmul per expert through the whole gate/up weight
-        return project(g, sizes, both.transpose(1, 2), out)
-    pairs = interleaved_pairs(w, w_second)
-    if pairs is not None:  # the gradient's two halves interleaved as the weight's columns are
-        joint = torch.stack((g[:, :n], g[:, n:]), -1).view(M, 2 * n)
-        return project(joint, sizes, pairs.transpose(1, 2), out)
-    project(g[:, :n], sizes, w.transpose(1, 2), out)
-    if w_second is not None:
-        out[:kept] += project(g[:, n:], sizes, w_second.transpose(1, 2), torch.empty_like(out))[:kept]
-    return out
-
-
-def _cpu_grouped_weight_grad(a: Tensor, g: Tensor, offsets: Tensor, num_experts: int) -> Tensor:
-    """(E, K, N): ``a[rows of e]^T @ g[rows of e]`` for each expert e (rows as in ``cpu_grouped_mm``), zeros for an
-    expert with no rows: the gradient of ``cpu_grouped_mm``'s weight."""
-    bounds = offsets.tolist()
-    sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])] + [a.shape[0] - bounds[-1]]
-    dw = a.new_empty(num_experts, a.shape[1], g.shape[1])
-    for n, ra, rg, d in zip(sizes, a.split_with_sizes(sizes), g.split_with_sizes(sizes), dw.unbind(0)):
-        if n:
-            torch.mm(ra.t(), rg, out=d)
+    da = dw = grad.new_empty(0)
+    if need_a:
+        da = grad.new_empty(M, w.shape[1])
+        if kept < M:
+            da[kept:].zero_()
+        both = combined_up_weights(w, w_second)
+        pairs = interleaved_pairs(w, w_second) if both is None else None
+        if both is not None:  # one matmul per expert through the whole gate/up weight
+            project(grad, sizes, both.transpose(1, 2), da)
+        elif pairs is not None:  # the gradient's two halves interleaved as the weight's columns are
+            project(torch.stack((grad[:, :n], grad[:, n:]), -1).view(M, 2 * n), sizes, pairs.transpose(1, 2), da)
         else:
-            d.zero_()
-    return dw
+            project(grad[:, :n], sizes, w.transpose(1, 2), da)
+            if w_second is not None:
+                da[:kept] += project(grad[:, n:], sizes, w_second.transpose(1, 2), torch.empty_like(da))[:kept]
+    if need_w:
+        dw = a.new_empty(w.shape[0], a.shape[1], grad.shape[1])
+        for rows, ra, rg, d in zip(sizes, a.split_with_sizes(sizes), grad.split_with_sizes(sizes), dw.unbind(0)):
+            if rows:
+                torch.mm(ra.t(), rg, out=d)
+            else:
+                d.zero_()
+    return da, dw
 
 
 def _cpu_grouped_mm_no_grad(a: Tensor, offsets: Tensor, w: Tensor, w_second: Optional[Tensor]) -> Tensor:
@@ -113,10 +115,9 @@ _LIB.define("cpu_grouped_mm(Tensor a, Tensor offsets, Tensor w, Tensor? w_second
 _LIB.impl("cpu_grouped_mm", _cpu_grouped_mm_no_grad, "CPU")
 _LIB.define("cpu_grouped_mm_autograd(Tensor a, Tensor offsets, Tensor w, Tensor? w_second) -> Tensor")
 _LIB.impl("cpu_grouped_mm_autograd", _cpu_grouped_mm, "CPU")
-_LIB.define("cpu_grouped_mm_input_grad(Tensor g, Tensor offsets, Tensor w, Tensor? w_second) -> Tensor")
-_LIB.impl("cpu_grouped_mm_input_grad", _cpu_grouped_mm_input_grad, "CPU")
-_LIB.define("cpu_grouped_weight_grad(Tensor a, Tensor g, Tensor offsets, int num_experts) -> Tensor")
-_LIB.impl("cpu_grouped_weight_grad", _cpu_grouped_weight_grad, "CPU")
+_LIB.define("cpu_grouped_mm_backward(Tensor grad, Tensor a, Tensor offsets, Tensor w, Tensor? w_second, bool need_a, "
+            "bool need_w) -> (Tensor, Tensor)")
+_LIB.impl("cpu_grouped_mm_backward", _cpu_grouped_mm_backward, "CPU")
 
 
 def _grouped_mm_fake(a, offsets, w, w_second):
@@ -127,20 +128,15 @@ torch.library.register_fake("moe_inductor::cpu_grouped_mm", _grouped_mm_fake)
 torch.library.register_fake("moe_inductor::cpu_grouped_mm_autograd", _grouped_mm_fake)
 
 
-@torch.library.register_fake("moe_inductor::cpu_grouped_mm_input_grad")
-def _(g, offsets, w, w_second):
-    return g.new_empty(g.shape[0], w.shape[1])
-
-
-@torch.library.register_fake("moe_inductor::cpu_grouped_weight_grad")
-def _(a, g, offsets, num_experts):
-    return a.new_empty(num_experts, a.shape[1], g.shape[1])
+@torch.library.register_fake("moe_inductor::cpu_grouped_mm_backward")
+def _(grad, a, offsets, w, w_second, need_a, need_w):
+    return (grad.new_empty(grad.shape[0], w.shape[1]) if need_a else grad.new_empty(0),
+            a.new_empty(w.shape[0], a.shape[1], grad.shape[1]) if need_w else grad.new_empty(0))
 
 
 cpu_grouped_mm = torch.ops.moe_inductor.cpu_grouped_mm.default
 cpu_grouped_mm_autograd = torch.ops.moe_inductor.cpu_grouped_mm_autograd.default
-cpu_grouped_mm_input_grad = torch.ops.moe_inductor.cpu_grouped_mm_input_grad.default
-cpu_grouped_weight_grad = torch.ops.moe_inductor.cpu_grouped_weight_grad.default
+cpu_grouped_mm_backward = torch.ops.moe_inductor.cpu_grouped_mm_backward.default
 
 
 def _setup(ctx, inputs, output):
@@ -153,15 +149,10 @@ def _backward(ctx, grad):
     """Rows past ``offsets[-1]`` are zeros whatever ``a`` holds: their gradient is zero, as the matmuls give it."""
     a, offsets, w, w_second = ctx.saved_tensors
     n = w.shape[2]
-    g1, g2 = (grad[:, :n], grad[:, n:]) if ctx.second else (grad, None)
-    da = dw = dw_second = None
-    if ctx.needs_input_grad[0]:
-        da = cpu_grouped_mm_input_grad(grad, offsets, w, w_second)
-    if ctx.needs_input_grad[2]:
-        dw = cpu_grouped_weight_grad(a, g1, offsets, w.shape[0])
-    if ctx.second and ctx.needs_input_grad[3]:
-        dw_second = cpu_grouped_weight_grad(a, g2, offsets, w.shape[0])
-    return da, None, dw, dw_second
+    need_a, need_w1 = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    need_w2 = ctx.second and ctx.needs_input_grad[3]
+    da, dw = cpu_grouped_mm_backward(grad, a, offsets, w, w_second, need_a, need_w1 or need_w2)
+    return (da if need_a else None, None, dw[..., :n] if need_w1 else None, dw[..., n:] if need_w2 else None)
 
 
 torch.library.register_autograd("moe_inductor::cpu_grouped_mm_autograd", _backward, setup_context=_setup)
