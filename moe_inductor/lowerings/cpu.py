@@ -33,14 +33,20 @@ from ..ops.grouped_mm_engine import combined_up_weights
 from ..ops.routing import route_reference
 
 
+def _row_sizes(offsets: Tensor, num_rows: int) -> tuple[list[int], int]:
+    """Each expert's row count, then the count of the rows past the experts (for one ``split`` of all ``num_rows``),
+    and how many rows the experts have: one read of ``offsets`` on the host."""
+    bounds = offsets.tolist()
+    return [hi - lo for lo, hi in zip(bounds, bounds[1:])] + [num_rows - bounds[-1]], bounds[-1]
+
+
 def _cpu_grouped_mm(a: Tensor, offsets: Tensor, w: Tensor, w_second: Optional[Tensor]) -> Tensor:
     """Per-expert matmuls of expert-sorted rows: (M, K) ``a``, whose rows of expert e are
     [offsets[e], offsets[e+1]), times (E, K, N) ``w``; with ``w_second`` (E, K, N) too, the (M, 2N) [a@w | a@w_second]
     (one matmul on the combined weight when the two are the halves of one tensor). Rows past ``offsets[-1]`` are
     zero."""
-    bounds = offsets.tolist()
-    M, kept = a.shape[0], bounds[-1]
-    sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])] + [M - kept]
+    M = a.shape[0]
+    sizes, kept = _row_sizes(offsets, M)
     n = w.shape[2]
     out = a.new_empty(M, n * (1 if w_second is None else 2))
     if kept < M:
@@ -69,9 +75,8 @@ def _cpu_grouped_mm_backward(grad: Tensor, a: Tensor, offsets: Tensor, w: Tensor
 
     An empty tensor where not wanted. Whether the two weights are one tensor's halves or its interleaved columns is
     decided here, on the real tensors, as in the forward."""
-    bounds = offsets.tolist()
-    M, kept = grad.shape[0], bounds[-1]
-    sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])] + [M - kept]
+    M = grad.shape[0]
+    sizes, kept = _row_sizes(offsets, M)
     n = w.shape[2]
     da = dw = grad.new_empty(0)
     if need_a:

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..kernels.launch import interleaved_pairs
 from .activations import apply_activation
 from .call import ExpertsCall
 from .grouped import Routed, project
@@ -54,8 +55,12 @@ def forward_sorted(call: ExpertsCall, routed: Routed, pre: Optional[Tensor]) -> 
     n_pre = I * (2 if gated else 1)
     h = pre[:kept] if pre is not None else x.new_empty(kept, n_pre)
     w_up = combined_up_weights(w1, w1_up)
+    pairs = interleaved_pairs(w1, w1_up) if w_up is None else None
     if w_up is not None:
         project(rows, sizes, w_up, h)
+    elif pairs is not None:  # torch.mm copies a stride-2 view: read the whole weight, then split its columns
+        joint = project(rows, sizes, pairs, x.new_empty(kept, 2 * I))
+        h[:, :I], h[:, I:] = joint[:, 0::2], joint[:, 1::2]
     else:  # gate and up in two tensors: each half of h gets its own matmul
         project(rows, sizes, w1, h[:, :I])
         project(rows, sizes, w1_up, h[:, I:])

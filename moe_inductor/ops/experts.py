@@ -420,7 +420,7 @@ def _backward_through_up(call: ExpertsCall, routed: Routed, valid: Tensor, mid: 
     dx = None
     if needs.x:
         dx_rows = x.new_zeros(M, H) if routed.dropped or topk == 1 else x.new_empty(M, H)  # k = 1: the rows are dx
-        pairs = interleaved_pairs(w1, w1_up) if gated and use_triton(x) else None
+        pairs = interleaved_pairs(w1, w1_up) if gated else None
         if pairs is not None:  # one GEMM over the whole weight, read along its contiguous 2I axis
             if d_pairs is None:
                 d_pairs = torch.stack((d_gate, d_up), -1).view(M, 2 * w1.shape[2])
