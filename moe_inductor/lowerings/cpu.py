@@ -25,10 +25,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..kernels.launch import interleaved_pairs
 from ..ops.activations import apply_activation
 from ..ops.call import from_op_args
 from ..ops.grouped import project, use_triton
-from ..kernels.launch import interleaved_pairs
 from ..ops.grouped_mm_engine import combined_up_weights
 from ..ops.routing import route_reference
 

@@ -142,7 +142,10 @@ def grouped_gemm_cpu(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch.Te
             out[:kept] = h
     else:  # within one expert a token appears once, so adding all experts' rows at once is the reference's sum
         dest = order_kept // topk if c_rows == ROWS_TOKEN else order_kept
-        out.index_add_(0, dest, h) if accumulate else out.index_copy_(0, dest, h)
+        if accumulate:
+            out.index_add_(0, dest, h)
+        else:
+            out.index_copy_(0, dest, h)
     return out
 
 
