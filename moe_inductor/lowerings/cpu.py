@@ -28,40 +28,23 @@ from torch import Tensor
 from ..kernels.launch import interleaved_pairs
 from ..ops.activations import apply_activation
 from ..ops.call import from_op_args
-from ..ops.grouped import project, use_triton
+from ..ops.cpu_path import project_up
+from ..ops.grouped import project, row_sizes, use_triton
 from ..ops.grouped_mm_engine import combined_up_weights
 from ..ops.routing import route_reference
-
-
-def _row_sizes(offsets: Tensor, num_rows: int) -> tuple[list[int], int]:
-    """Each expert's row count, then the count of the rows past the experts (for one ``split`` of all ``num_rows``),
-    and how many rows the experts have: one read of ``offsets`` on the host."""
-    bounds = offsets.tolist()
-    return [hi - lo for lo, hi in zip(bounds, bounds[1:])] + [num_rows - bounds[-1]], bounds[-1]
 
 
 def _cpu_grouped_mm(a: Tensor, offsets: Tensor, w: Tensor, w_second: Optional[Tensor]) -> Tensor:
     """Per-expert matmuls of expert-sorted rows: (M, K) ``a``, whose rows of expert e are
     [offsets[e], offsets[e+1]), times (E, K, N) ``w``; with ``w_second`` (E, K, N) too, the (M, 2N) [a@w | a@w_second]
-    (one matmul on the combined weight when the two are the halves of one tensor). Rows past ``offsets[-1]`` are
-    zero."""
+    (``project_up``: one matmul per expert where the two are one tensor's halves or interleaved columns). Rows past
+    ``offsets[-1]`` are zero."""
     M = a.shape[0]
-    sizes, kept = _row_sizes(offsets, M)
-    n = w.shape[2]
-    out = a.new_empty(M, n * (1 if w_second is None else 2))
+    sizes, kept = row_sizes(offsets, M)
+    out = a.new_empty(M, w.shape[2] * (1 if w_second is None else 2))
     if kept < M:
         out[kept:].zero_()
-    both = combined_up_weights(w, w_second)
-    pairs = interleaved_pairs(w, w_second) if both is None else None
-    if both is not None:
-        project(a, sizes, both, out)
-    elif pairs is not None:  # a matmul reads a stride-2 view through a copy: read the whole weight, split the columns
-        joint = project(a, sizes, pairs, a.new_empty(M, 2 * n))[:kept]
-        out[:kept, :n], out[:kept, n:] = joint[:, 0::2], joint[:, 1::2]
-    else:  # two tensors: each half of the output gets its own matmul
-        project(a, sizes, w, out[:, :n])
-        project(a, sizes, w_second, out[:, n:])
-    return out
+    return project_up(a, sizes, w, w_second, out)
 
 
 def _cpu_grouped_mm_backward(grad: Tensor, a: Tensor, offsets: Tensor, w: Tensor, w_second: Optional[Tensor],
@@ -76,7 +59,7 @@ def _cpu_grouped_mm_backward(grad: Tensor, a: Tensor, offsets: Tensor, w: Tensor
     An empty tensor where not wanted. Whether the two weights are one tensor's halves or its interleaved columns is
     decided here, on the real tensors, as in the forward."""
     M = grad.shape[0]
-    sizes, kept = _row_sizes(offsets, M)
+    sizes, kept = row_sizes(offsets, M)
     n = w.shape[2]
     da = dw = grad.new_empty(0)
     if need_a:

@@ -21,8 +21,27 @@ from torch import Tensor
 from ..kernels.launch import interleaved_pairs
 from .activations import apply_activation
 from .call import ExpertsCall
-from .grouped import Routed, project
+from .grouped import Routed, project, row_sizes
 from .grouped_mm_engine import combined_up_weights
+
+
+def project_up(rows: Tensor, sizes: list[int], w1: Tensor, w1_up: Optional[Tensor], out: Tensor) -> Tensor:
+    """``out[lo:hi] = [rows[lo:hi] @ w1[e] | rows[lo:hi] @ w1_up[e]]`` for each expert e (``rows @ w1[e]`` where
+    ``w1_up`` is None), ``sizes`` as in ``project``. One matmul per expert where the two are one tensor's halves (HF's
+    gate_up_proj) or its interleaved columns (GPT-OSS's, whose stride-2 views ``torch.mm`` would copy), else two."""
+    both = combined_up_weights(w1, w1_up)
+    if both is not None:
+        return project(rows, sizes, both, out)
+    n = w1.shape[2]
+    pairs = interleaved_pairs(w1, w1_up)
+    if pairs is not None:
+        joint = project(rows, sizes, pairs, rows.new_empty(rows.shape[0], 2 * n))
+        kept = sum(sizes[:w1.shape[0]])  # rows past the experts' are left alone, as ``project`` leaves them
+        out[:kept, :n], out[:kept, n:] = joint[:kept, 0::2], joint[:kept, 1::2]
+        return out
+    project(rows, sizes, w1, out[:, :n])
+    project(rows, sizes, w1_up, out[:, n:])
+    return out
 
 
 def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -42,9 +61,7 @@ def forward_sorted(call: ExpertsCall, routed: Routed, pre: Optional[Tensor]) -> 
     E, _, I = w1.shape
     acc_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     y = torch.zeros(T, H, dtype=acc_dtype, device=x.device)
-    bounds = routed.offsets.tolist()  # CPU only: the slices need their sizes
-    kept = bounds[-1]
-    sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+    sizes, kept = row_sizes(routed.offsets)
     if kept == 0:
         return _to(y, x.dtype)
     assignment = routed.order[:kept].long()
@@ -54,16 +71,7 @@ def forward_sorted(call: ExpertsCall, routed: Routed, pre: Optional[Tensor]) -> 
     gated = w1_up is not None
     n_pre = I * (2 if gated else 1)
     h = pre[:kept] if pre is not None else x.new_empty(kept, n_pre)
-    w_up = combined_up_weights(w1, w1_up)
-    pairs = interleaved_pairs(w1, w1_up) if w_up is None else None
-    if w_up is not None:
-        project(rows, sizes, w_up, h)
-    elif pairs is not None:  # torch.mm copies a stride-2 view: read the whole weight, then split its columns
-        joint = project(rows, sizes, pairs, x.new_empty(kept, 2 * I))
-        h[:, :I], h[:, I:] = joint[:, 0::2], joint[:, 1::2]
-    else:  # gate and up in two tensors: each half of h gets its own matmul
-        project(rows, sizes, w1, h[:, :I])
-        project(rows, sizes, w1_up, h[:, I:])
+    project_up(rows, sizes, w1, w1_up, h)
     gate, up = (h[:, :I], h[:, I:]) if gated else (h, None)
     if weight_position == "input":
         gate, up = gate * _to(s, h.dtype), (up * _to(s, h.dtype) if gated else None)

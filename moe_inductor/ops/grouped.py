@@ -109,10 +109,13 @@ def _plain(epi: Epilogue) -> bool:
             and epi.scale_mode == SCALE_NONE and epi.act_id == PLAIN.act_id)
 
 
-def _sorted_sizes(offsets: torch.Tensor) -> list[int]:
-    """Each expert's number of sorted rows (CPU only: the sizes are read back to the host)."""
+def row_sizes(offsets: torch.Tensor, num_rows: Optional[int] = None) -> tuple[list[int], int]:
+    """Each expert's number of sorted rows, then, where ``num_rows`` is given, the number of rows past the experts
+    (for one ``split`` of all ``num_rows``); and how many rows the experts have. One read of ``offsets`` on the
+    host: CPU only."""
     bounds = offsets.tolist()
-    return [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+    sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+    return (sizes if num_rows is None else sizes + [num_rows - bounds[-1]]), bounds[-1]
 
 
 def _gather_sorted(t: torch.Tensor, mode: int, order_kept: torch.Tensor, topk: int) -> torch.Tensor:
@@ -128,8 +131,7 @@ def grouped_gemm_cpu(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch.Te
     ``torch.mm`` per non-empty expert into one buffer, one store (or add) of all rows. The reference's per-expert
     indexing costs more than its matmuls at the sizes CPU users train at (RESULTS.md, CPU training step)."""
     order, offsets, topk = rows
-    sizes = _sorted_sizes(offsets)
-    kept = sum(sizes)
+    sizes, kept = row_sizes(offsets)
     if kept == 0:
         return out
     order_kept = order[:kept].long()
@@ -232,8 +234,8 @@ def grouped_weight_grad_cpu(a: torch.Tensor, g: torch.Tensor, rows: Rows, dw: to
     """``grouped_weight_grad_reference`` batched for the CPU: one gather of each operand's kept rows (and one
     scale), then one ``torch.mm`` per expert on contiguous slices."""
     order, offsets, topk = rows
-    sizes = _sorted_sizes(offsets)
-    order_kept = order[:sum(sizes)].long()
+    sizes, kept = row_sizes(offsets)
+    order_kept = order[:kept].long()
     rows_a = _gather_sorted(a, a_rows, order_kept, topk)
     rows_g = _gather_sorted(g, g_rows, order_kept, topk)
     if scale is not None:
