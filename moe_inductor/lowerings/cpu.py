@@ -29,7 +29,7 @@ from ..kernels.launch import interleaved_pairs
 from ..ops.activations import apply_activation
 from ..ops.call import from_op_args
 from ..ops.cpu_path import project_up
-from ..ops.grouped import project, row_sizes, use_triton
+from ..ops.grouped import project, project_weight_grad, row_sizes, use_triton
 from ..ops.grouped_mm_engine import combined_up_weights
 from ..ops.routing import route_reference
 
@@ -77,12 +77,7 @@ def _cpu_grouped_mm_backward(grad: Tensor, a: Tensor, offsets: Tensor, w: Tensor
             if w_second is not None:
                 da[:kept] += project(grad[:, n:], sizes, w_second.transpose(1, 2), torch.empty_like(da))[:kept]
     if need_w:
-        dw = a.new_empty(w.shape[0], a.shape[1], grad.shape[1])
-        for rows, ra, rg, d in zip(sizes, a.split_with_sizes(sizes), grad.split_with_sizes(sizes), dw.unbind(0)):
-            if rows:
-                torch.mm(ra.t(), rg, out=d)
-            else:
-                d.zero_()
+        dw = project_weight_grad(a, grad, sizes, a.new_empty(w.shape[0], a.shape[1], grad.shape[1]))
     return da, dw
 
 

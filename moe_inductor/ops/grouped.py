@@ -102,6 +102,20 @@ def project(rows: torch.Tensor, sizes: list[int], w: torch.Tensor, out: torch.Te
     return out
 
 
+def project_weight_grad(rows_a: torch.Tensor, rows_g: torch.Tensor, sizes: list[int], dw: torch.Tensor) -> torch.Tensor:
+    """``dw[e] = rows_a[lo:hi]^T @ rows_g[lo:hi]`` for each expert e, ``sizes`` as in ``project`` (rows past the
+    experts' are not read), zeros for an expert with no rows; ``dw`` in any strides and dtype."""
+    pieces = zip(sizes, rows_a.split_with_sizes(sizes), rows_g.split_with_sizes(sizes), dw.unbind(0))
+    for n, ra, rg, d in pieces:
+        if n == 0:
+            d.zero_()
+        elif d.is_contiguous() and d.dtype == ra.dtype:
+            torch.mm(ra.t(), rg, out=d)
+        else:
+            d.copy_(ra.t() @ rg)
+    return dw
+
+
 def _plain(epi: Epilogue) -> bool:
     """Whether ``epi`` only stores (or adds) the GEMM's result: no second dot, raw results, scale, bias or
     activation."""
@@ -240,14 +254,7 @@ def grouped_weight_grad_cpu(a: torch.Tensor, g: torch.Tensor, rows: Rows, dw: to
     rows_g = _gather_sorted(g, g_rows, order_kept, topk)
     if scale is not None:
         rows_g = (rows_g * scale[order_kept].to(rows_g.dtype)[:, None]).to(g.dtype)
-    for n, ra, rg, d in zip(sizes, rows_a.split_with_sizes(sizes), rows_g.split_with_sizes(sizes), dw.unbind(0)):
-        if n == 0:
-            d.zero_()
-        elif d.is_contiguous() and d.dtype == ra.dtype:
-            torch.mm(ra.t(), rg, out=d)
-        else:
-            d.copy_(ra.t() @ rg)
-    return dw
+    return project_weight_grad(rows_a, rows_g, sizes, dw)
 
 
 def grouped_weight_grad_reference(a: torch.Tensor, g: torch.Tensor, rows: Rows, dw: torch.Tensor, *, a_rows: int,
