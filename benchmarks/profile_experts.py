@@ -25,6 +25,28 @@ from benchmarks.bench_experts import (SHAPES, gptoss_weights, hf_expert_weights,
                                      sort_grouped_mm)
 
 
+def host_profile(call, calls: int = 50, rows: int = 14) -> None:
+    """cProfile over ``calls`` calls: the host functions by self time (microseconds per call)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = sorted(((tt, ct, n, f"{Path(f).name}:{line}({name})")
+                    for (f, line, name), (_, n, tt, ct, _) in pstats.Stats(prof).stats.items()), reverse=True)
+    print(f"   host self time {sum(s[0] for s in stats) / calls * 1e6:.1f} us/call; top functions "
+          "(self us/call, cumulative us/call, calls/call):")
+    for tt, ct, n, name in stats[:rows]:
+        print(f"   {tt / calls * 1e6:8.1f} {ct / calls * 1e6:8.1f} x{n / calls:<5.1f} {name[:100]}")
+
+
+HOST = False  # --host: also the cProfile breakdown of each call's host time
+
+
 def profile(label: str, call) -> None:
     """Host launch time, wall time, do_bench median and the top GPU kernels of ``call``."""
     for _ in range(3):
@@ -44,6 +66,8 @@ def profile(label: str, call) -> None:
     print(f"== {label}: host launch {host * 1e3:.3f} ms/call, wall {wall * 1e3:.3f} ms/call, "
           f"do_bench median {median:.3f} ms")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=70))
+    if HOST:
+        host_profile(call)
 
 
 def profile_gptoss_layout(tokens, backward: bool, whole: bool) -> None:
@@ -79,7 +103,10 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="*", type=int, default=[16, 4096])
     ap.add_argument("--backward", action="store_true", help="forward + backward, gradients for every input")
     ap.add_argument("--reference", action="store_true", help="also profile sort + torch._grouped_mm")
+    ap.add_argument("--host", action="store_true", help="also the cProfile breakdown of each call's host time")
     args = ap.parse_args()
+    global HOST
+    HOST = args.host
     moe_inductor.config.validate_routing = False
     if args.shape == "gptoss_layout":
         profile_gptoss_layout(args.tokens, args.backward, args.whole)
