@@ -195,6 +195,25 @@ def test_bench_cpu_train_mode_compares_loss_and_gradients(capsys):
     assert rows[0]["err"]["eager"] == 0.0 and rows[0]["err"]["moe_inductor"] < 1e-4
 
 
+@pytest.mark.slow  # an eager run and a moe_inductor compile of the quickstart model
+def test_bench_cpu_model_mode_in_bf16(capsys):
+    """--dtype bfloat16 builds the model in bf16 (the header says so) and holds the error against eager in the
+    bf16 bound."""
+    from benchmarks import bench_cpu
+
+    rows = bench_cpu.model_table([8], rounds=1, calls=1, backends=["eager", "moe_inductor"],
+                                 dtype=torch.bfloat16)
+    assert "bfloat16" in capsys.readouterr().out
+    assert rows[0]["err"]["moe_inductor"] < bench_cpu.ERROR_BOUND[torch.bfloat16]
+
+
+def test_bench_cpu_model_mode_refuses_a_dtype_it_has_no_bound_for():
+    from benchmarks import bench_cpu
+
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        bench_cpu.model_table([8], rounds=1, calls=1, dtype=torch.float16)
+
+
 def test_bench_hf_rule_values_divide_the_two_moe_inductor_columns():
     """The speed rule's value of a cell: rule-on time over rule-off time (ms), or rule-off over rule-on (tok/s)."""
     from benchmarks import bench_hf

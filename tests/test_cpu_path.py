@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from moe_inductor.lowerings.cpu import (cpu_grouped_mm, cpu_grouped_mm_autograd, experts_forward_traced,
+from moe_inductor.lowerings.cpu import (aten_grouped_mm_serves, cpu_grouped_mm, cpu_grouped_mm_autograd,
+                                        experts_forward_traced, experts_forward_traced_aten_matmuls,
                                         swap_in_cpu_lowering)
 from moe_inductor.ops import expert_weight_views, moe_reference
 from tests.helpers import assert_close, make_problem
@@ -27,15 +28,21 @@ CASES = {  # name: (T, E, k, problem options, call options)
 }
 
 
+@pytest.mark.parametrize("traced", [experts_forward_traced, experts_forward_traced_aten_matmuls],
+                         ids=["cpu_grouped_mm", "aten_grouped_mm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_traced_forward_matches_the_reference_and_the_opaque_op(case, dtype, nan_empty):
+def test_traced_forward_matches_the_reference_and_the_opaque_op(case, dtype, traced, nan_empty):
     """Run eagerly, the forward Inductor traces gives the reference's y and the opaque op's metadata and raw up
-    projections (``nan_empty``: a row it never writes shows up as NaN)."""
+    projections (``nan_empty``: a row it never writes shows up as NaN), with its matmuls by our op or, as bf16
+    inference graphs take them, by ``torch._grouped_mm`` (whose rows past the experts' are undefined: dropped by
+    capacity here, they must not reach y or pre)."""
+    if traced is experts_forward_traced_aten_matmuls and not aten_grouped_mm_serves(torch.bfloat16):
+        pytest.skip("this torch has no torch._grouped_mm on the CPU")
     T, E, k, problem, call = CASES[case]
     p = make_problem(T, 16, 8, E, k, dtype=dtype, requires_grad=False, **problem)
     args = _args(p, **call)
-    got = experts_forward_traced(*args)
+    got = traced(*args)
     ref = moe_reference(*args[:14])
     assert_close(got[0], ref, dtype, "y")
     opaque = torch.ops.moe_inductor.experts_forward(*args)
@@ -156,6 +163,65 @@ def test_compiled_under_inductor_matches_eager_and_takes_the_lowering(options):
     assert not any("atomic_add" in code for code in codes)
     assert any("cpu_grouped_mm.default" in code for code in codes)
     assert not any("cpu_grouped_mm_autograd" in code for code in codes)  # no autograd kernel per call
+
+
+@pytest.mark.parametrize("case", [
+    dict(),
+    dict(capacity=2, bias=True),  # undefined rows of torch._grouped_mm past the experts' (drops), under biases
+    dict(layout="kn", gate_up="interleaved", activation="gptoss_glu", bias=True),  # one call for the pairs
+], ids=["plain", "capacity-drops-bias", "gptoss-interleaved"])
+def test_bf16_inference_takes_aten_grouped_mm(case):
+    """A bf16 inference graph runs its matmuls as ``torch._grouped_mm`` (no op of ours left in the generated code)
+    and gives eager's output. A bf16 training graph of the same layer keeps ``cpu_grouped_mm_autograd``: the aten
+    op's backward would leave the gradient of dropped rows undefined."""
+    import moe_inductor
+    from torch._inductor.utils import run_and_get_code
+
+    if not aten_grouped_mm_serves(torch.bfloat16):
+        pytest.skip("this torch has no torch._grouped_mm on the CPU")
+    case = dict(case)
+    capacity = case.pop("capacity", None)
+    p = make_problem(9, 16, 8, 5, 2, dtype=torch.bfloat16, requires_grad=False, **case)
+
+    def run(x, w, w1):
+        return moe_inductor.fused_experts(x, p.topk_ids, w, w1, p.w2, b1=p.b1, b2=p.b2, activation=p.activation,
+                                          layout=p.layout, gate_up=p.gate_up, capacity=capacity)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(run, backend="moe_inductor", options={"inner": "inductor"})
+    with torch.no_grad():
+        got, codes = run_and_get_code(compiled, p.x, p.topk_weights, p.w1)
+        assert_close(got, run(p.x, p.topk_weights, p.w1), torch.bfloat16)
+    assert counters["moe_inductor_cpu_lowering"]["swapped"] == 1
+    assert any("_grouped_mm" in code for code in codes)
+    assert not any("cpu_grouped_mm" in code for code in codes)
+    torch._dynamo.reset()
+    w1 = p.w1.clone().requires_grad_()
+    _, codes = run_and_get_code(lambda: compiled(p.x, p.topk_weights, w1).float().sum().backward())
+    assert any("cpu_grouped_mm_autograd" in code for code in codes)
+
+
+@pytest.mark.parametrize("hidden,dtype", [(12, torch.bfloat16), (16, torch.float32)],
+                         ids=["bf16-rows-off-16-bytes", "fp32"])
+def test_inference_keeps_cpu_grouped_mm_where_aten_grouped_mm_does_not_serve(hidden, dtype):
+    """Rows of 12 bf16 values (24 bytes) are off the 16-byte strides ``torch._grouped_mm`` checks for, and fp32
+    measured faster on our op: both keep ``cpu_grouped_mm``, with eager's output."""
+    import moe_inductor
+    from torch._inductor.utils import run_and_get_code
+
+    p = make_problem(9, hidden, 8, 5, 2, dtype=dtype, requires_grad=False)
+
+    def run(x, w):
+        return moe_inductor.fused_experts(x, p.topk_ids, w, p.w1, p.w2)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(run, backend="moe_inductor", options={"inner": "inductor"})
+    with torch.no_grad():
+        got, codes = run_and_get_code(compiled, p.x, p.topk_weights)
+        assert_close(got, run(p.x, p.topk_weights), dtype)
+    assert any("cpu_grouped_mm.default" in code for code in codes)
+    assert not any("aten._grouped_mm" in code for code in codes)
 
 
 @pytest.mark.parametrize("case", [

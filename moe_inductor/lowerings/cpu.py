@@ -20,6 +20,7 @@ and the combine in fp32 for 16-bit inputs.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -141,9 +142,77 @@ def _backward(ctx, grad):
 torch.library.register_autograd("moe_inductor::cpu_grouped_mm_autograd", _backward, setup_context=_setup)
 
 
+@functools.lru_cache(maxsize=None)
+def aten_grouped_mm_serves(dtype: torch.dtype) -> bool:
+    """Whether an inference graph in ``dtype`` takes ``torch._grouped_mm`` for its matmuls instead of
+    ``cpu_grouped_mm``: in bf16, where its per-expert loop in C++ measured faster than ours (in fp32 ours is the
+    faster; RESULTS.md, twentieth session), and only where this torch runs it on the CPU and gets it right (asked
+    once, on a tiny case with an empty expert)."""
+    if dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.arange(1, 4, dtype=dtype).repeat_interleave(8).view(3, 8)
+        y = torch._grouped_mm(a, torch.ones(3, 8, 8, dtype=dtype), offs=torch.tensor([1, 1, 3], dtype=torch.int32))
+        return y.shape == (3, 8) and y[:, 0].tolist() == [8.0, 16.0, 24.0]
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return False
+
+
+def _unit_stride(t: Optional[Tensor]) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``t`` (rows, or an (E, K, N) weight): one of its matrix dims of stride 1,
+    and its other strides and its start on 16-byte boundaries, as the op checks."""
+    if t is None:
+        return True
+    size = t.element_size()
+    if t.stride(-1) != 1 and t.stride(-2) != 1:
+        return False
+    return (t.storage_offset() * size) % 16 == 0 and all(
+        (s * size) % 16 == 0 for s, n in zip(t.stride(), t.shape) if s != 1 and n > 1)
+
+
+def _aten_matmuls_fit(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tensor) -> bool:
+    """Whether ``_aten_up`` and the down projection can run this layer through ``torch._grouped_mm``: rows of H
+    and I elements on 16-byte boundaries, and weights it takes (a stride-2 view that is not half of an interleaved
+    pair, say, it does not)."""
+    H, I = x.shape[1], w2.shape[1]
+    if (H * x.element_size()) % 16 or (I * x.element_size()) % 16:
+        return False
+    both = combined_up_weights(w1, w1_up)
+    pairs = interleaved_pairs(w1, w1_up) if both is None else None
+    up = (both is not None and _unit_stride(both)) or (pairs is not None and _unit_stride(pairs)) or (
+        _unit_stride(w1) and _unit_stride(w1_up))
+    return up and _unit_stride(w2)
+
+
+def _aten_up(rows: Tensor, offsets: Tensor, w1: Tensor, w1_up: Optional[Tensor]) -> Tensor:
+    """``cpu_grouped_mm``'s up projection by ``torch._grouped_mm`` (inference only): [rows @ w1[e] | rows @ w1_up[e]]
+    per expert, one call where the two are one tensor's halves or its interleaved columns. Rows past
+    ``offsets[-1]`` are left undefined (the caller masks them): its backward would leave their gradient so too,
+    which is why differentiated graphs keep ``cpu_grouped_mm_autograd``."""
+    ends = offsets[1:]
+    both = combined_up_weights(w1, w1_up)
+    if both is not None and _unit_stride(both):
+        return torch._grouped_mm(rows, both, offs=ends)
+    pairs = interleaved_pairs(w1, w1_up)
+    if pairs is not None and _unit_stride(pairs):  # (gate, up) column pairs out, as the weight holds them; the halves as cpu_grouped_mm's
+        joint = torch._grouped_mm(rows, pairs, offs=ends)
+        return torch.cat((joint[:, 0::2], joint[:, 1::2]), 1)
+    return torch.cat((torch._grouped_mm(rows, w1, offs=ends), torch._grouped_mm(rows, w1_up, offs=ends)), 1)
+
+
 def experts_forward_traced(*args: object) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``experts_forward`` with its arguments, in aten ops and ``cpu_grouped_mm`` (the same five outputs), for
     Inductor to trace on the CPU."""
+    return _traced(args, aten_matmuls=False)
+
+
+def experts_forward_traced_aten_matmuls(*args: object) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``experts_forward_traced`` with an inference graph's matmuls as ``torch._grouped_mm`` (where
+    ``aten_grouped_mm_serves`` says so; a differentiated graph keeps ``cpu_grouped_mm_autograd``)."""
+    return _traced(args, aten_matmuls=True)
+
+
+def _traced(args: tuple, aten_matmuls: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     call = from_op_args(args)
     x, w, act, position = call.x, call.weights, call.activation, call.weight_position
     T, H = x.shape
@@ -166,7 +235,13 @@ def experts_forward_traced(*args: object) -> tuple[Tensor, Tensor, Tensor, Tenso
     inputs = (x, call.routing.topk_weights, w.w1, w.w1_up, w.w2, w.b1, w.b1_up, w.b2)
     differentiated = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
     matmuls = cpu_grouped_mm_autograd if differentiated else cpu_grouped_mm
-    h = matmuls(rows, offsets, w.w1, w.w1_up)
+    aten_matmuls = aten_matmuls and not differentiated and _aten_matmuls_fit(x, w.w1, w.w1_up, w.w2)
+    if aten_matmuls:
+        # rows past offsets[-1] come out undefined: zeros, as cpu_grouped_mm gives them (a select, not a product,
+        # so that no inf or nan there reaches anything)
+        h = torch.where(valid, _aten_up(rows, offsets, w.w1, w.w1_up), 0.0)
+    else:
+        h = matmuls(rows, offsets, w.w1, w.w1_up)
     gate, up = (h[:, :I], h[:, I:]) if gated else (h, None)
     if position == "input":
         gate, up = gate * s.to(h.dtype), (up * s.to(h.dtype) if gated else None)
@@ -176,7 +251,10 @@ def experts_forward_traced(*args: object) -> tuple[Tensor, Tensor, Tensor, Tenso
     a = apply_activation(act.name, gate, up, act.alpha, act.limit)
     if position == "between":
         a = a * s.to(a.dtype)
-    o = matmuls(a.to(x.dtype), offsets, w.w2, None)
+    if aten_matmuls:
+        o = torch._grouped_mm(a.to(x.dtype), w.w2, offs=offsets[1:])  # its undefined rows: masked below
+    else:
+        o = matmuls(a.to(x.dtype), offsets, w.w2, None)
     if w.b2 is not None:
         o = o + w.b2[expert]
     acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
@@ -204,7 +282,8 @@ def swap_in_cpu_lowering(gm: torch.fx.GraphModule) -> int:
                 and not node.kwargs):
             x = _example(node.args[0])
             if isinstance(x, torch.Tensor) and x.device.type == "cpu" and not use_triton(x):
-                node.target = experts_forward_traced
+                aten = aten_grouped_mm_serves(x.dtype)
+                node.target = experts_forward_traced_aten_matmuls if aten else experts_forward_traced
                 swapped += 1
     if swapped:
         from torch._dynamo.utils import counters
