@@ -348,7 +348,7 @@ def static_token_count(x: torch.Tensor) -> Optional[int]:
 
 @torch._dynamo.assume_constant_result
 def speed_rule_verdict(form: str, activation: str, gate_up: str, bias: bool, shape: tuple, device: str,
-                       mode: str) -> str:
+                       mode: str, dtype: Optional[torch.dtype] = None) -> str:
     """The speed rule's word on this layer in the compile being traced (``speed_rule.verdict``: it starts with
     ``speed_rule.KEPT`` where the layer is left to Inductor); read at trace time, unguarded (the answer depends on
     shapes and settings the graph is specialised on already)."""
@@ -356,7 +356,7 @@ def speed_rule_verdict(form: str, activation: str, gate_up: str, bias: bool, sha
 
     state = current()
     inner = state.inner if state is not None else "inductor"
-    return verdict(LayerKind(activation, gate_up, bias, shape), torch.device(device), mode, inner, form)
+    return verdict(LayerKind(activation, gate_up, bias, shape, dtype), torch.device(device), mode, inner, form)
 
 
 # --- trace-time substitutions ---------------------------------------------------------------------------------------

@@ -152,7 +152,8 @@ def _speed_rule_verdict(form: str, kw: dict, hidden_states: torch.Tensor, top_k:
     E, *inner = kw["w2"].shape
     H, I = inner if kw["layout"] == "nk" else inner[::-1]
     shape = (int(H), int(I), int(E), int(top_k))
-    return capture.speed_rule_verdict(form, kw["activation"], gate_up, bias, shape, str(hidden_states.device), mode)
+    return capture.speed_rule_verdict(form, kw["activation"], gate_up, bias, shape, str(hidden_states.device), mode,
+                                      hidden_states.dtype)
 
 
 def _make_polyfill(form: str) -> Callable[[Callable], Callable]:

@@ -18,10 +18,11 @@ rule reads shapes, dtypes and modes only (nothing on the device), so it costs no
   route bench_hf.py measures). What Inductor makes of the user's own code depends on how it is written: for the FX
   forms (gathered weights, loops, capacity einsums) Inductor's path is the user's code, unmeasured as a whole model,
   so they count as never measured.
-- It applies only when the inner compiler is Inductor on a CUDA device: with ``inner="aot_eager"``/``"eager"`` (tests,
-  explain()) there is no Inductor path to compare against. On the CPU the experts run as ``lowerings/cpu.py`` lowers
-  them, measured faster than Inductor's path in inference and training on the quickstart model
-  (``benchmarks/bench_cpu.py``, fp32; no per-layer table).
+- It applies only when the inner compiler is Inductor: with ``inner="aot_eager"``/``"eager"`` (tests, explain())
+  there is no Inductor path to compare against. On the CPU the experts run as ``lowerings/cpu.py`` lowers them,
+  measured against Inductor's path on the quickstart model (``benchmarks/bench_cpu.py``; no per-layer table): faster
+  or tied in fp32 and in bf16 inference, slower in a 16-bit training step (``CPU_KEPT``), where transformers' experts
+  are left to Inductor.
 """
 from __future__ import annotations
 
@@ -50,6 +51,13 @@ class LayerKind:
     gate_up: str  # "concat", "interleaved" or "separate"
     bias: bool
     shape: tuple = ()  # (H, I, E, k): the measured layer of this kind nearest to it decides
+    dtype: Optional[torch.dtype] = None  # the tokens' (the CPU's rule reads it; None where the caller did not say)
+
+
+#: On the CPU, per (mode, dtype), what bench_cpu.py measured of transformers' experts lowered by lowerings/cpu.py
+#: against Inductor's own path (the quickstart model's training step in bf16, T = 64: 1.11x Inductor's time, so
+#: 0.90x its speed; 1.00x at T = 512). The layer is left to Inductor there.
+CPU_KEPT = {("train", torch.bfloat16): 0.90, ("train", torch.float16): 0.90}
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,8 +104,12 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
         return "speed rule: off (moe_inductor.config.speed_rule = False)"
     if inner != "inductor":
         return f"speed rule: not applied (inner compiler {inner!r}, no Inductor path to compare with)"
+    if device.type == "cpu" and route_of(form) == "hf" and (mode, kind.dtype) in CPU_KEPT:
+        return (f"{KEPT}: transformers' experts in a {str(kind.dtype).removeprefix('torch.')} {mode} step on the "
+                f"CPU ran at {CPU_KEPT[mode, kind.dtype]:.2f}x Inductor's speed on the quickstart model "
+                f"(benchmarks/bench_cpu.py, RESULTS.md)")
     if device.type != "cuda":
-        return f"speed rule: not applied on {device.type} (measured on CUDA GPUs only)"
+        return f"speed rule: not applied on {device.type} (measured on CUDA GPUs only, and on the CPU's 16-bit training)"
     tables = _tables()
     tag = _gpu_tag(device)
     sources = {tag: tables[tag]} if tag in tables else tables

@@ -46,6 +46,49 @@ def test_the_rule_applies_to_inductor_on_cuda_only(inner):
         assert keeps_inductor(GPT_OSS, torch.device("cpu"), "prefill", "inductor") is None
 
 
+def test_on_the_cpu_only_a_16_bit_training_step_of_hf_experts_is_kept():
+    """The CPU's measurement: transformers' experts in a bf16 training step ran slower lowered than under Inductor;
+    fp32, inference, the FX route and other inner compilers are not affected."""
+    cpu = torch.device("cpu")
+    bf16 = LayerKind("silu_glu", "concat", False, (64, 32, 8, 2), torch.bfloat16)
+    said = keeps_inductor(bf16, cpu, "train", "inductor")
+    assert said and "bfloat16 train step" in said and "0.90x" in said
+    assert keeps_inductor(LayerKind("silu_glu", "concat", False, (64, 32, 8, 2), torch.float16), cpu, "train",
+                          "inductor")
+    fp32 = LayerKind("silu_glu", "concat", False, (64, 32, 8, 2), torch.float32)
+    assert keeps_inductor(fp32, cpu, "train", "inductor") is None
+    assert keeps_inductor(bf16, cpu, "prefill", "inductor") is None
+    assert keeps_inductor(bf16, cpu, "inference", "inductor") is None
+    assert keeps_inductor(bf16, cpu, "train", "aot_eager") is None
+    assert keeps_inductor(bf16, cpu, "train", "inductor", form="loop_unrolled") is None
+
+
+@pytest.mark.slow  # an Inductor compile of a tiny model's training step on the CPU
+def test_a_bf16_training_step_on_the_cpu_leaves_hf_experts_to_inductor():
+    """End to end: the HF experts of a bf16 model in a compiled training step are left to Inductor (nothing
+    rewritten, the compile's report says why), its gradients those of eager."""
+    from hf_models import tiny
+
+    torch.manual_seed(0)
+    model = tiny("qwen3_moe").to(torch.bfloat16)
+    ids = torch.randint(0, 64, (1, 9))
+    from moe_inductor.report import Report, collecting
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor", options={"inner": "inductor"})
+    with collecting(Report()) as report:
+        compiled(ids, labels=ids).loss.backward()
+    got = [p.grad.float().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    model(ids, labels=ids).loss.backward()
+    for a, p in zip(got, model.parameters()):
+        torch.testing.assert_close(a, p.grad.float(), rtol=2e-2, atol=2e-2)
+    assert sum(counters["moe_inductor"].values()) == 0
+    assert not report.rewrites
+    assert any("bfloat16 train step" in m.reason for m in report.left_alone)
+
+
 def test_never_measured_kinds_are_rewritten():
     with _on("NVIDIA_H200"):
         assert keeps_inductor(LayerKind("gelu", "separate", False, (1024, 4096, 8, 2)), CUDA, "train",
