@@ -26,6 +26,11 @@
 #                                            # (T 1024, 2048), merge, then that step kept against rewritten (~8 min)
 #   bash benchmarks/device_run.sh hostab     # GPT-OSS decode B=1 host time, moe_inductor's pieces taken away one
 #                                            # at a time (decode_host_ab.py), 2 rounds in alternating order (~5 min)
+#   bash benchmarks/device_run.sh inmodel    # why GPT-OSS's fused forward is slower in the model than alone: the op
+#                                            # on the model's captured arguments, on uniform routing, in the eager
+#                                            # and the compiled model, with each GEMM kernel's specialisation
+#                                            # (inmodel_experts.py); then OLMoE's and Qwen3's small-T op with its
+#                                            # host time (profile_experts.py --host)                        (~6 min)
 #   bash benchmarks/device_run.sh bwd        # forward + backward kernel breakdown, ours against sort +
 #                                            # _grouped_mm (profile_experts.py, Qwen3, GPT-OSS, DeepSeek-V3) (~3 min)
 #   bash benchmarks/device_run.sh bwdengine  # fwd+bwd with each pairing of GEMM engines (bench_backward_engine.py),
@@ -192,6 +197,13 @@ PY
       --cells gpt_oss:train:4096:$C gpt_oss:prefill:4096:$C --json "$OUT/bench_hf_engine.json" \
       --markdown "$OUT/bench_hf_engine.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_engine.log"
     tail -5 "$OUT/bench_hf_engine.md" ;;
+  inmodel)
+    timeout 260 python benchmarks/inmodel_experts.py --family gpt_oss --tokens 1024 2048 > "$OUT/gptoss_inmodel.log" 2>&1
+    grep -v "triton_meta\|launch:\|^    " "$OUT/gptoss_inmodel.log" | tail -40
+    timeout 100 python benchmarks/profile_experts.py --shape olmoe --tokens 16 512 --reference --host \
+      > "$OUT/olmoe_small.log" 2>&1; grep -E "^==|host self" "$OUT/olmoe_small.log"
+    timeout 60 python benchmarks/profile_experts.py --shape qwen3 --tokens 16 --host > "$OUT/qwen3_small.log" 2>&1
+    grep -E "^==|host self" "$OUT/qwen3_small.log" ;;
   hostab)  # one process per variant; the second round reverses the first's order (a variant is not judged by
             # its place in the sequence, which moves host time by up to 1.4x: RESULTS.md, fourteenth session)
     for order in "ind moe custom moe_nowrap ind_imp" "ind_imp moe_nowrap custom moe ind"; do
