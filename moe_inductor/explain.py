@@ -99,7 +99,8 @@ def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, *
     """Compile ``model_or_fn`` with moe_inductor on these inputs and say what was done.
 
     Runs it twice under a light inner compiler: once with every rewrite off (the graphs "before") and once as
-    configured ("after"). Dynamo's caches are not reset: a model the user already compiled stays compiled (warm),
+    configured ("after"). The speed rule judges each layer as the user's compile would (Inductor's inner compiler),
+    unless ``options`` names an inner compiler. Inputs run under ``torch.no_grad()``, so the rule judges inference. Dynamo's caches are not reset: a model the user already compiled stays compiled (warm),
     and explain's graphs get cache entries of their own. A ``torch.compile`` wrapper is looked through: explain
     compiles the module or function inside it.
 
@@ -108,13 +109,19 @@ def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, *
         each MoE-looking region left as it was with the reason (``report.left_alone``), and the graph code before
         and after; ``print(report)`` reads well in a terminal.
     """
+    from . import speed_rule
+
     options = dict(options or {})
+    # The speed rule judges as the user's compile would, Inductor's, unless an inner compiler is named: explain's
+    # own light one has no Inductor path to compare with, and would make the rule say nothing.
+    judged = None if "inner" in options else "inductor"
     options.setdefault("inner", "eager")
     fn = _unwrap_compiled(model_or_fn)
     before = Report()
     _compile_and_run(fn, args, kwargs, dict(options, forms=()), before)
     report = Report(device=_device_of(fn, args, kwargs))
-    _compile_and_run(fn, args, kwargs, options, report)
+    with speed_rule.judging_as(judged):
+        _compile_and_run(fn, args, kwargs, options, report)
     report.before = before.graphs
     return report
 

@@ -26,12 +26,13 @@ rule reads shapes, dtypes and modes only (nothing on the device), so it costs no
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -96,10 +97,27 @@ def route_of(form: str) -> str:
     return "hf" if form.startswith("hf_") else "fx"
 
 
+#: The inner compiler the rule judges for, where it is not the one the graph is handed to: explain() compiles with a
+#: light one, but says (and does) what the user's ``backend="moe_inductor"`` compile, Inductor's, would.
+_judged_inner: Optional[str] = None
+
+
+@contextlib.contextmanager
+def judging_as(inner: Optional[str]) -> Iterator[None]:
+    """Inside the block, the rule judges as if the inner compiler were ``inner`` (None: the real one)."""
+    global _judged_inner
+    before, _judged_inner = _judged_inner, inner
+    try:
+        yield
+    finally:
+        _judged_inner = before
+
+
 def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: str = "hf_grouped_mm") -> str:
     """The rule's word on one layer, for explain(): "kept Inductor's path: ..." (the measurement that says our
     rewrite would be slower) or "speed rule: ..." (why the rewrite is taken). ``mode`` is "train" (a
     differentiable call), "prefill" or "decode" (``mode_of``), or "inference" (the worse of those two)."""
+    inner = _judged_inner or inner
     if not config.speed_rule:
         return "speed rule: off (moe_inductor.config.speed_rule = False)"
     if inner != "inductor":

@@ -244,12 +244,37 @@ def test_each_rewrite_says_what_the_rule_said():
     torch.manual_seed(0)
     model = _fx_models()["unrolled_loop"]()
     report = moe_inductor.explain(model, torch.randn(7, 16))
+    # judged as the user's compile (Inductor's) would be: on the CPU, the rule has no measurement for inference
+    assert report.rewrites and all("speed rule: not applied on cpu" in r.note for r in report.rewrites)
+    report = moe_inductor.explain(model, torch.randn(7, 16), options={"inner": "aot_eager"})  # named: judged so
     assert report.rewrites and all("speed rule: not applied (inner compiler" in r.note for r in report.rewrites)
     hf_model = tiny("qwen3_moe").eval()
     with torch.no_grad():
         report = moe_inductor.explain(hf_model, torch.randint(0, 64, (1, 9)))
     assert report.rewrites and all("speed rule:" in r.note for r in report.rewrites)
     assert "speed rule:" in str(report)
+
+
+def test_explain_keeps_what_the_users_compile_would_keep():
+    """explain() compiles with a light inner compiler, but the rule judges as under Inductor: a layer the rule keeps
+    on Inductor's path (GPT-OSS's prefill on the H200, here made to run on the CPU) is left alone in explain()'s
+    report too, with the measurement as the reason, and its output is eager's."""
+    import moe_inductor
+    from hf_models import tiny
+
+    model = tiny("gpt_oss").eval()
+    ids = torch.randint(0, 64, (1, 9))
+    real = speed_rule.verdict
+
+    def on_the_h200(kind, device, mode, inner, form="hf_grouped_mm"):
+        return real(kind, CUDA, "prefill", inner, form)
+
+    with _on("NVIDIA_H200"), mock.patch.object(speed_rule, "verdict", side_effect=on_the_h200):
+        report = moe_inductor.explain(model, ids)
+        assert not report.rewrites
+        assert any("kept Inductor's path" in m.reason and "0.85x" in m.reason for m in report.left_alone)
+        report = moe_inductor.explain(model, ids, options={"inner": "eager"})
+        assert report.rewrites and not any("kept Inductor's path" in m.reason for m in report.left_alone)
 
 
 def test_hf_measurements_do_not_hold_for_the_fx_route():
