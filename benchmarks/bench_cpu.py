@@ -196,7 +196,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--threads", type=int, help="torch.set_num_threads (1 on a machine shared with other work)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="see model_table")
     p.add_argument("--train", action="store_true", help="with --model: time a training step (see model_table)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="with --model: the model's dtype")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="with --model: the model's dtype")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

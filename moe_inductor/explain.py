@@ -100,9 +100,10 @@ def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, *
 
     Runs it twice under a light inner compiler: once with every rewrite off (the graphs "before") and once as
     configured ("after"). The speed rule judges each layer as the user's compile would (Inductor's inner compiler),
-    unless ``options`` names an inner compiler. Inputs run under ``torch.no_grad()``, so the rule judges inference. Dynamo's caches are not reset: a model the user already compiled stays compiled (warm),
-    and explain's graphs get cache entries of their own. A ``torch.compile`` wrapper is looked through: explain
-    compiles the module or function inside it.
+    unless ``options`` names an inner compiler (the inputs run under ``torch.no_grad()``, so transformers' experts
+    are judged in an inference mode). Dynamo's caches are not reset: a model the user already compiled stays
+    compiled (warm), and explain's graphs get cache entries of their own. A ``torch.compile`` wrapper is looked
+    through: explain compiles the module or function inside it.
 
     Returns:
         a Report: graphs, graph breaks with reasons, each rewrite (form, module, E, k, activation, weight shapes),

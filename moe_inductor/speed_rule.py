@@ -127,7 +127,8 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
                 f"CPU ran at {CPU_KEPT[mode, kind.dtype]:.2f}x Inductor's speed on the quickstart model "
                 f"(benchmarks/bench_cpu.py, RESULTS.md)")
     if device.type != "cuda":
-        return f"speed rule: not applied on {device.type} (measured on CUDA GPUs only, and on the CPU's 16-bit training)"
+        return (f"speed rule: not applied on {device.type} (measured on CUDA GPUs only, and on the CPU's 16-bit "
+                f"training)")
     tables = _tables()
     tag = _gpu_tag(device)
     sources = {tag: tables[tag]} if tag in tables else tables
