@@ -68,13 +68,14 @@ def jit_specialisations() -> list[str]:
 
 
 def inductor_specialisations(code: str) -> list[str]:
-    """The triton_meta Inductor compiled each of our GEMM kernels with (signature, constants, divisibility)."""
+    """The decorator Inductor compiled each of our GEMM kernels with (its triton_meta: signature, constants,
+    divisibility), the text before each ``def grouped_gemm_kernel``."""
     out = []
-    for m in re.finditer(r"triton_meta=(\{.*?\}),\s*\n", code):
-        start = max(0, m.start() - 200)
-        after = code[m.end():m.end() + 600]
-        if KERNEL in after.split("\n@", 1)[0] or KERNEL in code[start:m.start()]:
-            out.append(m.group(1)[:3000])
+    for m in re.finditer(r"def " + KERNEL + r"\w*\(", code):
+        head = code[max(0, m.start() - 6000):m.start()]
+        at = head.rfind("triton_meta")
+        if at >= 0:
+            out.append(head[at:at + 3000].replace("\n", " "))
     return out
 
 
@@ -87,7 +88,6 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     from triton.testing import do_bench
 
-    import moe_inductor
     from moe_inductor import hf
 
     model, cfg = bench_hf.build(args.family, args.layers, False, "cuda", torch.bfloat16)
@@ -154,7 +154,6 @@ def main(argv=None) -> None:
             kms, n, every = kernel_ms(step)
         print(f"  compiled (rule off): do_bench {ms:.3f} ms; {KERNEL} {kms:.3f} ms in {n} launches "
               f"({kms / max(n, 1):.3f} each); all kernels {every:.3f} ms")
-        print(f"  moe_inductor.explain: {moe_inductor.explain()!s:.600}")
         code = "\n".join(codes)
         for meta in inductor_specialisations(code):
             print("  inductor triton_meta:", meta)

@@ -240,3 +240,20 @@ def test_indexed_combine_matches_the_torch_path(scaled, monkeypatch):
         got = combine(rows.to(DEVICE), ids.to(DEVICE), E, row_of=row_of.to(DEVICE),
                       scale=scale.to(DEVICE) if scaled else None)
         torch.testing.assert_close(got.float().cpu(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_gptoss_epilogue_casts_its_scalars_to_fp32_before_use():
+    """Inductor's wrapper passes the clamped glu's ``alpha`` and ``limit`` as fp64 scalars (the JIT passes fp32),
+    which made the compiled GPT-OSS epilogue, sigmoid included, fp64: its gate/up GEMM took 1.5x the eager launch's
+    time inside the model (RESULTS.md, twentieth session). Both kernels that compute the glu cast them first; this
+    reads their source, since the CPU cannot compile for the GPU to see the types."""
+    import inspect
+
+    from moe_inductor.kernels import backward_middle, grouped_gemm
+
+    for fn in (grouped_gemm._activation, backward_middle.backward_middle_kernel):
+        src = inspect.getsource(fn.fn)
+        branch = src[src.index("ACT == 5"):]
+        cast = branch.index("tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)")
+        first_use = min(branch.index("tl.minimum(gate, limit)"), branch.index("* alpha"))
+        assert cast < first_use, fn.fn.__name__

@@ -73,6 +73,7 @@ def backward_middle_kernel(
                 up += tl.load(p_b1_up + expert_c[:, None] * stride_b_e + o_i[None, :], mask=m_all,
                               other=0.0).to(tl.float32)
             if ACT == 5:  # GPT-OSS glu: (clamp(up) + 1) * gate_c * sigmoid(alpha * gate_c), gate_c = min(gate, limit)
+                alpha, limit = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)  # fp32, as in _activation
                 gate_c = tl.minimum(gate, limit)
                 up_c = tl.minimum(tl.maximum(up, -limit), limit)
                 sig = _sigmoid(gate_c * alpha)

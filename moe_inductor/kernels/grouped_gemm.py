@@ -48,6 +48,8 @@ def _activation(gate, up, GATED: tl.constexpr, ACT: tl.constexpr, alpha, limit):
     ops/activations.py, 5 being GPT-OSS's glu: clamp, gate * sigmoid(alpha * gate) * (up + 1)."""
     if GATED:
         if ACT == 5:
+            # in fp32: Inductor's wrapper passes Python floats as fp64 scalars, which would make the epilogue fp64
+            alpha, limit = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)
             gate_c = tl.minimum(gate, limit)
             up_c = tl.minimum(tl.maximum(up, -limit), limit)
             out = (up_c + 1.0) * (gate_c * _sigmoid(gate_c * alpha))
