@@ -175,35 +175,40 @@ def _grouped_mm_takes(t: Optional[Tensor]) -> bool:
         (s * size) % 16 == 0 for s, n in zip(t.stride(), t.shape) if s != 1 and n > 1)
 
 
+def _aten_up_weights(w1: Tensor, w1_up: Optional[Tensor]) -> Optional[tuple[tuple[Tensor, ...], bool]]:
+    """The weights ``torch._grouped_mm`` multiplies for the up projection, and whether they are one interleaved
+    (gate, up) pair weight: the one (E, K, 2N) view where the two are one tensor's halves or its interleaved columns,
+    else the two tensors; None where the op does not take them (a stride-2 view that is not half of a pair, say)."""
+    both = combined_up_weights(w1, w1_up)
+    if both is not None and _grouped_mm_takes(both):
+        return (both,), False
+    pairs = interleaved_pairs(w1, w1_up)
+    if pairs is not None and _grouped_mm_takes(pairs):
+        return (pairs,), True
+    if w1_up is not None and _grouped_mm_takes(w1) and _grouped_mm_takes(w1_up):
+        return (w1, w1_up), False
+    return None
+
+
 def _aten_matmuls_fit(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tensor) -> bool:
     """Whether ``_aten_up`` and the down projection can run this layer through ``torch._grouped_mm``: rows of H
-    and I elements on 16-byte boundaries, and weights it takes (a stride-2 view that is not half of an interleaved
-    pair, say, it does not)."""
+    and I elements on 16-byte boundaries, and weights it takes."""
     H, I = x.shape[1], w2.shape[1]
     if (H * x.element_size()) % 16 or (I * x.element_size()) % 16:
         return False
-    both = combined_up_weights(w1, w1_up)
-    pairs = interleaved_pairs(w1, w1_up) if both is None else None
-    up = (both is not None and _grouped_mm_takes(both)) or (pairs is not None and _grouped_mm_takes(pairs)) or (
-        _grouped_mm_takes(w1) and _grouped_mm_takes(w1_up))
-    return up and _grouped_mm_takes(w2)
+    return _aten_up_weights(w1, w1_up) is not None and _grouped_mm_takes(w2)
 
 
 def _aten_up(rows: Tensor, offsets: Tensor, w1: Tensor, w1_up: Optional[Tensor]) -> Tensor:
-    """``cpu_grouped_mm``'s up projection by ``torch._grouped_mm`` (inference only): [rows @ w1[e] | rows @ w1_up[e]]
-    per expert, one call where the two are one tensor's halves or its interleaved columns. Rows past
-    ``offsets[-1]`` are left undefined (the caller masks them): its backward would leave their gradient so too,
-    which is why differentiated graphs keep ``cpu_grouped_mm_autograd``."""
-    ends = offsets[1:]
-    both = combined_up_weights(w1, w1_up)
-    if both is not None and _grouped_mm_takes(both):
-        return torch._grouped_mm(rows, both, offs=ends)
-    pairs = interleaved_pairs(w1, w1_up)
-    if pairs is not None and _grouped_mm_takes(pairs):
-        # (gate, up) column pairs come out as the weight holds them; the halves then, as cpu_grouped_mm gives them
-        joint = torch._grouped_mm(rows, pairs, offs=ends)
-        return torch.cat((joint[:, 0::2], joint[:, 1::2]), 1)
-    return torch.cat((torch._grouped_mm(rows, w1, offs=ends), torch._grouped_mm(rows, w1_up, offs=ends)), 1)
+    """``cpu_grouped_mm``'s up projection by ``torch._grouped_mm`` (inference only; ``_aten_matmuls_fit`` first):
+    [rows @ w1[e] | rows @ w1_up[e]] per expert. Rows past ``offsets[-1]`` are left undefined (the caller masks
+    them): its backward would leave their gradient so too, which is why differentiated graphs keep
+    ``cpu_grouped_mm_autograd``."""
+    weights, interleaved = _aten_up_weights(w1, w1_up)
+    outs = [torch._grouped_mm(rows, w, offs=offsets[1:]) for w in weights]
+    if interleaved:  # (gate, up) column pairs come out as the weight holds them; the halves, as cpu_grouped_mm's
+        outs = [outs[0][:, 0::2], outs[0][:, 1::2]]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
 
 def experts_forward_traced(*args: object) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
