@@ -140,12 +140,26 @@ def test_the_swap_takes_inference_and_training_graphs(requires_grad, grad_mode):
     assert counters["moe_inductor_cpu_lowering"]["swapped"] == 1
 
 
+def _compiled_inference(run, args: tuple, dtype: torch.dtype):
+    """``run`` compiled under the Inductor inner compiler and called on ``args`` without grad: its output must be
+    eager's and the lowering swapped in once. Returns the compiled function and the generated code."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(run, backend="moe_inductor", options={"inner": "inductor"})
+    with torch.no_grad():
+        got, codes = run_and_get_code(compiled, *args)
+        assert_close(got, run(*args), dtype)
+    assert counters["moe_inductor_cpu_lowering"]["swapped"] == 1
+    return compiled, codes
+
+
 @pytest.mark.parametrize("options", [{}, {"capacity": 2, "bias": True}], ids=["plain", "capacity-drops-bias"])
 def test_compiled_under_inductor_matches_eager_and_takes_the_lowering(options):
     """Inference through the Inductor inner compiler takes the lowering; the model's output is eager's, dropped rows
     and their biases included. The combine in the generated code is a gather, not an atomic scatter-add."""
     import moe_inductor
-    from torch._inductor.utils import run_and_get_code
 
     capacity, bias = options.get("capacity"), options.get("bias", False)
     p = make_problem(6, 16, 8, 5, 2, bias=bias, requires_grad=False)
@@ -153,13 +167,7 @@ def test_compiled_under_inductor_matches_eager_and_takes_the_lowering(options):
     def run(x, ids, w):
         return moe_inductor.fused_experts(x, ids, w, p.w1, p.w2, b1=p.b1, b2=p.b2, capacity=capacity)
 
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(run, backend="moe_inductor", options={"inner": "inductor"})
-    with torch.no_grad():
-        got, codes = run_and_get_code(compiled, p.x, p.topk_ids, p.topk_weights)
-        assert_close(got, run(p.x, p.topk_ids, p.topk_weights), torch.float32)
-    assert counters["moe_inductor_cpu_lowering"]["swapped"] == 1
+    _, codes = _compiled_inference(run, (p.x, p.topk_ids, p.topk_weights), torch.float32)
     assert not any("atomic_add" in code for code in codes)
     assert any("cpu_grouped_mm.default" in code for code in codes)
     assert not any("cpu_grouped_mm_autograd" in code for code in codes)  # no autograd kernel per call
@@ -187,13 +195,7 @@ def test_bf16_inference_takes_aten_grouped_mm(case):
         return moe_inductor.fused_experts(x, p.topk_ids, w, w1, p.w2, b1=p.b1, b2=p.b2, activation=p.activation,
                                           layout=p.layout, gate_up=p.gate_up, capacity=capacity)
 
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(run, backend="moe_inductor", options={"inner": "inductor"})
-    with torch.no_grad():
-        got, codes = run_and_get_code(compiled, p.x, p.topk_weights, p.w1)
-        assert_close(got, run(p.x, p.topk_weights, p.w1), torch.bfloat16)
-    assert counters["moe_inductor_cpu_lowering"]["swapped"] == 1
+    compiled, codes = _compiled_inference(run, (p.x, p.topk_weights, p.w1), torch.bfloat16)
     assert any("_grouped_mm" in code for code in codes)
     assert not any("cpu_grouped_mm" in code for code in codes)
     torch._dynamo.reset()
@@ -208,18 +210,13 @@ def test_inference_keeps_cpu_grouped_mm_where_aten_grouped_mm_does_not_serve(hid
     """Rows of 12 bf16 values (24 bytes) are off the 16-byte strides ``torch._grouped_mm`` checks for, and fp32
     measured faster on our op: both keep ``cpu_grouped_mm``, with eager's output."""
     import moe_inductor
-    from torch._inductor.utils import run_and_get_code
 
     p = make_problem(9, hidden, 8, 5, 2, dtype=dtype, requires_grad=False)
 
     def run(x, w):
         return moe_inductor.fused_experts(x, p.topk_ids, w, p.w1, p.w2)
 
-    torch._dynamo.reset()
-    compiled = torch.compile(run, backend="moe_inductor", options={"inner": "inductor"})
-    with torch.no_grad():
-        got, codes = run_and_get_code(compiled, p.x, p.topk_weights)
-        assert_close(got, run(p.x, p.topk_weights), dtype)
+    _, codes = _compiled_inference(run, (p.x, p.topk_weights), dtype)
     assert any("cpu_grouped_mm.default" in code for code in codes)
     assert not any("aten._grouped_mm" in code for code in codes)
 
