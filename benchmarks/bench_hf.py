@@ -47,6 +47,9 @@ from typing import Optional
 import torch
 from torch._dynamo.utils import counters
 
+sys.path.insert(0, str(Path(__file__).parent))
+import hf_rounds  # noqa: E402
+
 MODES = ("prefill", "decode", "train")
 #: backend="moe_inductor" with its speed rule off (every proven layer rewritten), and with no MoE form rewritten (the
 #: experts left to Inductor; attention and masks still moe_inductor's). Their ratio is what rewriting the experts
@@ -146,9 +149,12 @@ def timed_ms(fn, device: str) -> float:
     return do_bench(fn, warmup=25, rep=max(200, 15 * each_ms), return_mode="median")  # >= 15 timed calls
 
 
-def compiled(model, column: str, mode_name: str):
-    """The forward a column runs. Decode's compiled columns go through generate's CompileConfig instead."""
-    torch._dynamo.reset()
+def compiled(model, column: str, mode_name: str, reset: bool = True):
+    """The forward a column runs. Decode's compiled columns go through generate's CompileConfig instead. ``reset``:
+    drop every earlier compile first (each column compiles afresh); without it, the columns' compiles live side by
+    side (Dynamo keeps one cache entry per backend), as the interleaved rounds need."""
+    if reset:
+        torch._dynamo.reset()
     if column == "eager":
         return model.forward
     kwargs = {"dynamic": False}
@@ -308,12 +314,25 @@ def _against(reference: dict, key, column: str, got, eager, compare=rel_err):
     return reference[key] if compare is None else compare(got, reference[key])
 
 
+def make_step(model, cfg, mode: str, size: int, column: str, device: str, reset: bool = True):
+    """One prefill (the last logits) or training step (zero_grad, forward with ``labels=``, backward; the loss) of
+    ``column``; the caller sets no_grad for prefill and ``model.train()`` for a training step."""
+    ids = tokens(cfg, (1, size), device)
+    fwd = compiled(model, column, mode, reset)
+    if mode == "prefill":
+        return lambda: fwd(input_ids=ids, logits_to_keep=1).logits
+
+    def train_step():
+        model.zero_grad(set_to_none=True)
+        loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+    return train_step
+
+
 def run_prefill(model, cfg, T, column, device, reference, profile, graph_time: bool = False):
     ids = tokens(cfg, (1, T), device)
-    fwd = compiled(model, column, "prefill")
-
-    def step():
-        return fwd(input_ids=ids, logits_to_keep=1).logits
+    step = make_step(model, cfg, "prefill", T, column, device)
 
     with torch.no_grad():
         t0 = time.perf_counter()
@@ -349,13 +368,7 @@ def graph_replay_ms(step, device: str) -> dict:
 def run_train(model, cfg, T, column, device, reference, profile):
     ids = tokens(cfg, (1, T), device)
     model.train()
-    fwd = compiled(model, column, "train")
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        loss = fwd(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss
+    step = make_step(model, cfg, "train", T, column, device)
 
     try:
         t0 = time.perf_counter()
@@ -520,15 +533,64 @@ def run_family(cells, args) -> list:
                     if args.strict:
                         raise
             rows.append(row)
-            shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                     if k not in ("family", "checkpoint", "layers", "mode", "size", "column")}
-            print(f"{family} {mode} {size} {column}: {shown}", flush=True)
+            _show(row)
             gc.collect()
             if args.device == "cuda":
                 torch.cuda.empty_cache()
             if args.json:
                 write(args.json, dict(meta=versions(args.device), rows=rows))
+        if args.interleave > 1 and mode != "decode" and time.perf_counter() - start <= args.budget_s:
+            interleave_cell(model, cfg, rows[-len(cols):], args)
+            if args.json:
+                write(args.json, dict(meta=versions(args.device), rows=rows))
     return rows
+
+
+def _show(row: dict, label: str = "") -> None:
+    shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+             if k not in ("family", "checkpoint", "layers", "mode", "size", "column")}
+    print(f"{row['family']} {row['mode']} {row['size']} {row['column']}{label}: {shown}", flush=True)
+
+
+def interleave_cell(model, cfg, cell_rows: list, args) -> None:
+    """The cell's measured columns timed again in ``args.interleave`` rounds, their order reversed every other round
+    (``hf_rounds``); each row's ``value`` becomes the median of its rounds, the one-after-another time kept as
+    ``value_alone``. The columns compile again side by side first (from the caches their first compiles filled)."""
+    rows = [r for r in cell_rows if "value" in r]
+    if len(rows) < 2:
+        return
+    mode, size = rows[0]["mode"], rows[0]["size"]
+    torch._dynamo.reset()
+    model.train(mode == "train")
+    try:
+        with torch.set_grad_enabled(mode == "train"):
+            steps = {}
+            for r in rows:
+                with speed_rule_off(r["column"] == RULE_OFF):
+                    steps[r["column"]] = make_step(model, cfg, mode, size, r["column"], args.device, reset=False)
+                    for _ in range(2):  # its compile, then one call: the first forwards after a compile run slower
+                        steps[r["column"]]()
+            graphs = counters["stats"]["unique_graphs"]
+            got = hf_rounds.interleaved(steps, args.interleave, lambda step: timed_ms(step, args.device),
+                                        lambda column: speed_rule_off(column == RULE_OFF), args.device,
+                                        clocks=args.clocks)
+            recompiled = counters["stats"]["unique_graphs"] - graphs  # a guard that failed between columns: say so
+    except Exception as e:  # the cell keeps its one-after-another values, and says why it has no rounds
+        for r in rows:
+            r["interleave_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            if args.strict:
+                raise
+        return
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.eval()
+        torch._dynamo.reset()
+    for r in rows:
+        r["value_alone"] = r["value"]
+        r.update(got[r["column"]])
+        if recompiled:
+            r["interleave_recompiled"] = recompiled
+        _show(r, f" ({args.interleave} interleaved rounds)")
 
 
 def moe_backend(column: str):
@@ -614,8 +676,9 @@ def markdown(rows) -> str:
         if "value" not in r:
             return "skipped" if "skipped" in r else "error"
         fmt = "{:.0f}" if r["unit"] != "ms" else "{:.2f}"
-        spread = f" ({fmt.format(min(r['values']))}-{fmt.format(max(r['values']))})" if r.get("values") else ""
-        return fmt.format(r["value"]) + spread  # a median over processes shows their range
+        several = r.get("values") or r.get("rounds")
+        spread = f" ({fmt.format(min(several))}-{fmt.format(max(several))})" if several else ""
+        return fmt.format(r["value"]) + spread  # a median over processes or rounds shows their range
 
     def pair(c, key, fmt):
         out = []
@@ -640,6 +703,10 @@ def markdown(rows) -> str:
                      f"{val(c.get('moe_inductor'))} | {ratio('inductor')} | {ratio('eager')} | "
                      f"{pair(c, 'first_call_s', '{:.0f}')} | {pair(c, 'err', '{:.1e}')} | "
                      f"{pair(c, 'peak_mib', '{:.0f}')} |")
+    rounds = {len(r["rounds"]) for r in rows if r.get("rounds")}
+    if rounds:
+        lines.append(f"\nTimes with a range are the median of {'/'.join(map(str, sorted(rounds)))} interleaved rounds "
+                     "(the columns' order reversed every other round) and their range.")
     return "\n".join(lines)
 
 
@@ -712,6 +779,7 @@ def passthrough(args) -> list:
     out += ["--host-profile"] if args.host_profile else []
     out += ["--profile-rows", str(args.profile_rows)]
     out += ["--graph-time"] if args.graph_time else []
+    out += ["--interleave", str(args.interleave)] + (["--clocks"] if args.clocks else [])
     out += ["--profile-path", args.profile_path] if args.profile_path else []
     out += ["--layers", *(f"{k}={v}" for k, v in args.layers.items())] if args.layers else []
     return out
@@ -808,6 +876,11 @@ def main(argv=None) -> None:
     ap.add_argument("--cpus", default=None,
                     help="CPU cores every process runs on, e.g. 0-7 or 0,2,4: a host-bound decode column's speed "
                          "then does not depend on where the scheduler put its process")
+    ap.add_argument("--interleave", type=int, default=1, metavar="R",
+                    help="prefill and train cells: after each column ran, time the cell's columns again in R rounds, "
+                         "the order reversed every other round, and report each column's median (hf_rounds.py)")
+    ap.add_argument("--clocks", action="store_true",
+                    help="with --interleave: the GPU's SM clock, temperature and power while each column is timed")
     ap.add_argument("--profile-path", default=None, help="where the traces go (default: beside --json)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)

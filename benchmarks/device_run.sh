@@ -8,6 +8,8 @@
 #                                            # GPT-OSS training steps, Qwen3 decode B=1, with profiles     (~9 min)
 #   bash benchmarks/device_run.sh hfall      # bench_hf.py over every family, mode and size in one run, one
 #                                            # family per GPU: needs an 8-GPU machine (nvidia-h200-x8)    (~9 min)
+#   bash benchmarks/device_run.sh fair       # bench_hf.py: every prefill T=4096 cell but GPT-OSS's, and Qwen3's training
+#                                            # step, each cell's columns again in 3 interleaved rounds, GPU clocks (~9 min)
 #   bash benchmarks/device_run.sh decode     # decode B=1 of GPT-OSS and OLMoE, each column in 3 processes
 #                                            # (order alternating), on fixed cores, with host profiles      (~7 min)
 #   bash benchmarks/device_run.sh rule       # the speed rule's values: each family's prefill and GPT-OSS's training,
@@ -94,6 +96,15 @@ case "${1:-suite}" in
       mixtral:prefill:4096 olmoe:prefill:4096 qwen2_moe:prefill:4096 deepseek_v3:prefill:4096 \
       --json "$OUT/bench_hf.json" --markdown "$OUT/bench_hf.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       | tee "$OUT/bench_hf.log" | grep -v "^  " ;;
+  fair)  # every prefill T=4096 cell and Qwen3's training step, each cell's columns timed again in 3 interleaved
+         # rounds (order reversed every other round) with the GPU's clock sampled: the column timed second meets a
+         # slower card (RESULTS.md, twenty-first session), and bench_hf times moe_inductor after inductor (~9 min)
+    timeout 580 python benchmarks/bench_hf.py --deadline-s 565 --interleave 3 --clocks --layers qwen3_moe=2 \
+      --budget qwen3_moe=175 mixtral=80 olmoe=75 qwen2_moe=75 deepseek_v3=90 \
+      --cells qwen3_moe:prefill:4096 qwen3_moe:train:4096:eager+inductor+moe_inductor mixtral:prefill:4096 \
+      qwen2_moe:prefill:4096 olmoe:prefill:4096 deepseek_v3:prefill:4096 \
+      --json "$OUT/bench_hf_fair.json" --markdown "$OUT/bench_hf_fair.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
+      | tee "$OUT/bench_hf_fair.log" | grep -v "^  " | grep -v Warning ;;
   decode)  # the host-bound cells below 1.0x, measured so that one process's host speed cannot decide them: three
             # processes per column, the columns' order alternating, every process on the same cores (0-7)
     timeout 590 python benchmarks/bench_hf.py --deadline-s 575 --budget-s 80 --decode-repeats 3 --cpus 0-7 \
