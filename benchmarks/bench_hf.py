@@ -36,7 +36,6 @@ import contextlib
 import gc
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -49,54 +48,11 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).parent))
 import hf_rounds  # noqa: E402
-
-MODES = ("prefill", "decode", "train")
-#: backend="moe_inductor" with its speed rule off (every proven layer rewritten), and with no MoE form rewritten (the
-#: experts left to Inductor; attention and masks still moe_inductor's). Their ratio is what rewriting the experts
-#: buys with everything else in the model compiled alike: the speed rule's value (``rule_values``)
-RULE_OFF, EXPERTS_KEPT = "moe_inductor_rule_off", "moe_inductor_experts_kept"
-MOE_COLUMNS = ("moe_inductor", RULE_OFF, EXPERTS_KEPT)
-COLUMNS = ("eager", "inductor", "max-autotune-no-cudagraphs", *MOE_COLUMNS)
-DEFAULT_COLUMNS = ("eager", "inductor", "moe_inductor")
-
-# (transformers class name, real widths, default layers, tiny widths). The real widths are the named checkpoints';
-# the layer counts keep one family's compiles and timings inside a few minutes of the H200.
-FAMILIES = {
-    "qwen3_moe": ("Qwen3Moe", "Qwen3-30B-A3B", 4, dict(
-        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
-        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8), dict(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, num_experts=8, num_experts_per_tok=2)),
-    "mixtral": ("Mixtral", "Mixtral-8x7B", 2, dict(
-        hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128), dict(
-        hidden_size=64, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16)),
-    "gpt_oss": ("GptOss", "GPT-OSS-20B", 2, dict(
-        hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, num_attention_heads=64,
-        num_key_value_heads=8, head_dim=64, sliding_window=128), dict(
-        hidden_size=64, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=8)),
-    "olmoe": ("Olmoe", "OLMoE-1B-7B", 2, dict(
-        hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8, num_attention_heads=16,
-        num_key_value_heads=16), dict(
-        hidden_size=64, intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_attention_heads=4,
-        num_key_value_heads=4)),
-    "qwen2_moe": ("Qwen2Moe", "Qwen1.5-MoE-A2.7B", 2, dict(
-        hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
-        num_experts=60, num_experts_per_tok=4, num_attention_heads=16, num_key_value_heads=16), dict(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-        num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=4)),
-    "deepseek_v3": ("DeepseekV3", "DeepSeek-V3", 1, dict(
-        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
-        num_experts_per_tok=8, n_group=8, topk_group=4, n_shared_experts=1, first_k_dense_replace=0,
-        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
-        qk_nope_head_dim=128, v_head_dim=128, routed_scaling_factor=2.5), dict(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
-        n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=0, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-        routed_scaling_factor=2.5)),
-}
+from hf_families import (COLUMNS, DEFAULT_COLUMNS, EXPERTS_KEPT, FAMILIES, MODES, MOE_COLUMNS,  # noqa: E402
+                         RULE_OFF)
+from hf_processes import cpu_list, lanes_of, merge_repeats, process_groups  # noqa: E402
+from hf_profile import GcClock, Profiler  # noqa: E402
+from hf_tables import markdown, rule_markdown  # noqa: E402
 
 
 def build(family: str, layers: int, tiny: bool, device: str, dtype: torch.dtype):
@@ -204,100 +160,6 @@ def _sync_debug_mode(mode: str):
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     got, ref = got.double().cpu(), ref.double().cpu()
     return float((got - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-class Profiler:
-    """torch.profiler over a few steps of a compiled column: its top kernels by device time, and the step's wall time
-    outside them (launch gaps, host work the GPU waits on)."""
-
-    def __init__(self, path, rows: int = 12, host: bool = False):
-        self.path, self.rows, self.host = path, rows, host
-
-    def __call__(self, title: str, step, steps: int, device: str, per: str = "step") -> None:
-        self._kernels(title, step, steps, device, per)
-        if self.host:
-            self._host(title, step, steps, device, per)
-
-    def _emit(self, lines) -> None:
-        text = "\n".join(lines)
-        print(text, flush=True)
-        if self.path:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(text + "\n")
-
-    def _host(self, title: str, step, steps: int, device: str, per: str) -> None:
-        """cProfile over the same steps: the host's own time by where it is spent (self time per package, then the
-        top functions), which says whether a host-bound cell waits on the model's code, generate's loop, Dynamo's
-        guards or the CUDA-graph replay."""
-        import cProfile
-        import pstats
-
-        prof = cProfile.Profile()
-        _sync(device)
-        t0 = time.perf_counter()
-        prof.enable()
-        for _ in range(steps):
-            step()
-        _sync(device)
-        prof.disable()
-        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-        stats = pstats.Stats(prof).stats
-        buckets: dict = {}
-        funcs = []
-        for (filename, line, name), (_, calls, self_s, cum_s, _) in stats.items():
-            where = host_bucket(filename, name)
-            buckets[where] = buckets.get(where, 0.0) + self_s
-            funcs.append((self_s, cum_s, calls, f"{where}: {Path(filename).name}:{line}({name})"))
-        total = sum(buckets.values())
-        lines = [f"== host {title}: per {per}: wall {wall_ms:.3f} ms under cProfile, self time {total * 1e3 / steps:.3f}"
-                 f" ms"]
-        lines += [f"  {s * 1e3 / steps:9.3f} ms  {where}"
-                  for where, s in sorted(buckets.items(), key=lambda kv: -kv[1])[:self.rows]]
-        lines.append("  top functions by self time (ms per step, cumulative ms, calls per step):")
-        lines += [f"  {s * 1e3 / steps:9.3f} {c * 1e3 / steps:9.3f} x{n // steps:<6} {name[:110]}"
-                  for s, c, n, name in sorted(funcs, reverse=True)[:self.rows]]
-        self._emit(lines)
-
-    def _kernels(self, title: str, step, steps: int, device: str, per: str) -> None:
-        acts = [torch.profiler.ProfilerActivity.CUDA if device == "cuda" else torch.profiler.ProfilerActivity.CPU]
-        step()
-        _sync(device)
-        with torch.profiler.profile(activities=acts) as prof:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            _sync(device)
-            wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-        events = []
-        for evt in prof.key_averages():
-            us = getattr(evt, "self_device_time_total", None)
-            if us is None or device != "cuda":
-                us = getattr(evt, "self_cuda_time_total", 0) if device == "cuda" else evt.self_cpu_time_total
-            if us > 0:  # kernels, copies and sets (the runtime calls that launch them take no device time)
-                events.append((us / 1e3 / steps, evt.count // steps, evt.key))
-        events.sort(reverse=True)
-        busy = sum(ms for ms, _, _ in events) if device == "cuda" else float("nan")
-        lines = [f"== {title}: per {per}: wall {wall_ms:.3f} ms, kernels {busy:.3f} ms, outside kernels "
-                 f"{wall_ms - busy:.3f} ms, {sum(n for _, n, _ in events)} launches"]
-        lines += [f"  {ms:9.3f} ms  x{n:<5} {name[:110]}" for ms, n, name in events[:self.rows]]
-        self._emit(lines)
-
-
-_HOST_BUCKETS = (("torchinductor_", "compiled graphs (Inductor's generated code)"),
-                 ("/transformers/generation/", "transformers generate"), ("/transformers/", "transformers model code"),
-                 ("/torch/_dynamo/", "torch._dynamo (frame entry, guards' Python)"),
-                 ("/torch/_inductor/cudagraph", "cudagraph trees"), ("/torch/_inductor/", "torch._inductor (other)"),
-                 ("/torch/_functorch/", "aot_autograd runtime"), ("/moe_inductor/", "moe_inductor"),
-                 ("/torch/", "torch (other Python)"))
-
-
-def host_bucket(filename: str, name: str) -> str:
-    """The package a profiled function belongs to, for ``Profiler``'s host split: C functions by their name."""
-    if filename == "~":
-        return "C: " + re.sub(r"^<(built-in method|method) (\S+).*", r"\2", name).strip("'>")
-    path = filename.replace("\\", "/")
-    return next((label for part, label in _HOST_BUCKETS if part in path), "other Python")
 
 
 def tokens(cfg, shape: tuple, device: str) -> torch.Tensor:
@@ -438,25 +300,6 @@ def run_decode(model, cfg, B, column, device, reference, profile, new_tokens: in
             profile(f"decode B={B} {column} ({made} new tokens)", step, 1, device, per="generate")
     return dict(value=B * made / statistics.median(times), unit="new tok/s", first_call_s=first_s, err=1.0 - same,
                 peak_mib=peak, gc_ms=gc_clock.ms / 3, gc_objects=len(gc.get_objects()))
-
-
-class GcClock:
-    """The time Python's cyclic garbage collector runs inside the block (``ms``): a host-bound decode pays it per
-    step, and a process that compiled an earlier column has more objects for it to walk."""
-
-    def __enter__(self):
-        self.ms, self._t0 = 0.0, 0.0
-        gc.callbacks.append(self._tick)
-        return self
-
-    def _tick(self, phase, info) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.ms += (time.perf_counter() - self._t0) * 1e3
-
-    def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self._tick)
 
 
 RUNNERS = {"prefill": run_prefill, "train": run_train, "decode": run_decode}
@@ -618,107 +461,12 @@ def speed_rule_off(off: bool):
         config.speed_rule = before
 
 
-def rule_values(rows) -> list[dict]:
-    """Per (family, mode, size) with both ``EXPERTS_KEPT`` and ``RULE_OFF``: the speed rule's value, the model's time
-    with the experts left to Inductor over its time with every proven layer rewritten (> 1: rewriting is faster),
-    everything else compiled alike."""
-    cells: dict = {}
-    for r in rows:
-        if "value" in r:
-            cells.setdefault((r["family"], r["layers"], r["mode"], r["size"]), {})[r["column"]] = r
-    out = []
-    for (family, layers, mode, size), c in cells.items():
-        kept, rewritten = c.get(EXPERTS_KEPT), c.get(RULE_OFF)
-        if kept is None or rewritten is None:
-            continue
-        ratio = kept["value"] / rewritten["value"]
-        value = ratio if kept["unit"] == "ms" else 1.0 / ratio
-        out.append(dict(family=family, layers=layers, mode=mode, size=size, unit=kept["unit"], kept=kept["value"],
-                        rewritten=rewritten["value"], value=value))
-    return out
-
-
-def rule_markdown(rows) -> str:
-    """The speed rule's values (``rule_values``) as a table; empty where no cell ran both moe_inductor columns."""
-    values = rule_values(rows)
-    if not values:
-        return ""
-    lines = ["| family (layers) | mode | unit | experts kept | every proven layer rewritten | rewriting buys |",
-             "|---|---|---|---|---|---|"]
-    for v in values:
-        fmt = "{:.0f}" if v["unit"] != "ms" else "{:.2f}"
-        lines.append(f"| {FAMILIES[v['family']][1]} ({v['layers']}) | {v['mode']} {v['size']} | {v['unit']} | "
-                     f"{fmt.format(v['kept'])} | {fmt.format(v['rewritten'])} | {v['value']:.2f} |")
-    return "\n".join(lines)
-
-
 def write(path, data) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
     os.replace(tmp, path)
-
-
-def markdown(rows) -> str:
-    """One line per (family, mode, size): each column's value, then moe_inductor against inductor and against eager
-    (> 1 is faster), the first call's seconds, the error against eager and the peak memory."""
-    cells: dict = {}
-    for r in rows:
-        cells.setdefault((r["family"], r["layers"], r["mode"], r["size"]), {})[r["column"]] = r
-    head = ("| family (layers) | mode | unit | eager | inductor | max-autotune-no-cg | moe_inductor | vs inductor | "
-            "vs eager | first call s (ind / moe) | err vs eager (ind / moe) | peak MiB (ind / moe) |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-
-    def val(r):
-        if r is None:
-            return "–"
-        if "value" not in r:
-            return "skipped" if "skipped" in r else "error"
-        fmt = "{:.0f}" if r["unit"] != "ms" else "{:.2f}"
-        several = r.get("values") or r.get("rounds")
-        spread = f" ({fmt.format(min(several))}-{fmt.format(max(several))})" if several else ""
-        return fmt.format(r["value"]) + spread  # a median over processes or rounds shows their range
-
-    def pair(c, key, fmt):
-        out = []
-        for name in ("inductor", "moe_inductor"):
-            v = c.get(name, {}).get(key)
-            out.append(fmt.format(v) if v is not None else "–")
-        return " / ".join(out)
-
-    for (family, layers, mode, size), c in cells.items():
-        unit = next((r["unit"] for r in c.values() if "unit" in r), "")
-        moe = c.get("moe_inductor", {}).get("value")
-
-        def ratio(name):
-            other = c.get(name, {}).get("value")
-            if moe is None or other is None:
-                return "–"
-            return f"{(moe / other if unit != 'ms' else other / moe):.2f}"
-
-        label = {"prefill": f"prefill T={size}", "train": f"train T={size}", "decode": f"decode B={size}"}[mode]
-        lines.append(f"| {FAMILIES[family][1]} ({layers}) | {label} | {unit} | {val(c.get('eager'))} | "
-                     f"{val(c.get('inductor'))} | {val(c.get('max-autotune-no-cudagraphs'))} | "
-                     f"{val(c.get('moe_inductor'))} | {ratio('inductor')} | {ratio('eager')} | "
-                     f"{pair(c, 'first_call_s', '{:.0f}')} | {pair(c, 'err', '{:.1e}')} | "
-                     f"{pair(c, 'peak_mib', '{:.0f}')} |")
-    rounds = {len(r["rounds"]) for r in rows if r.get("rounds")}
-    if rounds:
-        lines.append(f"\nTimes with a range are the median of {'/'.join(map(str, sorted(rounds)))} interleaved rounds "
-                     "(the columns' order reversed every other round) and their range.")
-    return "\n".join(lines)
-
-
-def lanes_of(groups, gpus: int) -> list:
-    """The groups' indices per GPU: each family keeps to one GPU (all its cells' columns are compared on the same
-    device), families go round-robin over ``gpus``, and a GPU runs its groups one after another."""
-    lane_of: dict = {}
-    lanes: list = [[] for _ in range(max(1, gpus))]
-    for i, cells in enumerate(groups):
-        lane = lane_of.setdefault(cells[0][0], len(lane_of) % len(lanes))
-        lanes[lane].append(i)
-    return [lane for lane in lanes if lane]
 
 
 def drive(groups, args, argv) -> list:
@@ -782,55 +530,6 @@ def passthrough(args) -> list:
     out += ["--interleave", str(args.interleave)] + (["--clocks"] if args.clocks else [])
     out += ["--profile-path", args.profile_path] if args.profile_path else []
     out += ["--layers", *(f"{k}={v}" for k, v in args.layers.items())] if args.layers else []
-    return out
-
-
-def process_groups(cells, alone: bool, repeats: int = 1) -> list:
-    """The cells each child process runs: consecutive cells of one family share a process, except that with ``alone``
-    every column of a decode cell gets a process of its own. Decode is host-bound, and a process that compiled and
-    ran another column first slows the host for the next one: with the columns of one cell in a shared process,
-    whichever ran second lost (Qwen3 B=1 on the H200: 0.86x second, 1.06x first; not the garbage collector, which
-    took 0.03 ms a generate; RESULTS.md). With ``repeats`` R > 1 each decode column runs in R processes, the
-    columns' order reversed every other round (A B, B A, ...): one process's host speed varies from the next's by
-    more than the columns differ (GPT-OSS, same kernels in both columns: 0.97x at B=1, 1.11x at B=16)."""
-    groups: list = []
-    for cell in cells:
-        family, mode, size, cols = cell
-        if alone and mode == "decode":
-            for r in range(max(1, repeats)):
-                groups += [[(family, mode, size, (c,))] for c in (cols if r % 2 == 0 else cols[::-1])]
-            groups.append([])  # the family's next cells start a process of their own
-        elif groups and groups[-1] and groups[-1][0][0] == family:
-            groups[-1].append(cell)
-        else:
-            groups.append([cell])
-    return [g for g in groups if g]
-
-
-def merge_repeats(rows) -> list:
-    """One row per (family, mode, size, column): where a column ran in several processes (``--decode-repeats``), its
-    value is the median of theirs, which are kept in ``values``; the other fields are the first process's."""
-    merged: dict = {}
-    for row in rows:
-        key = (row["family"], row["mode"], row["size"], row["column"])
-        if key not in merged:
-            merged[key] = dict(row)
-            continue
-        first = merged[key]
-        if "value" in row:
-            first.setdefault("values", [first["value"]] if "value" in first else []).append(row["value"])
-    for row in merged.values():
-        if "values" in row:
-            row["value"] = statistics.median(row["values"])
-    return list(merged.values())
-
-
-def cpu_list(text: str) -> set:
-    """The cores of a list like ``0-3,8,10-11``."""
-    out: set = set()
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        out.update(range(int(first), int(last or first) + 1))
     return out
 
 

@@ -49,36 +49,36 @@ def test_bench_hf_every_family_and_mode_runs_eagerly(tmp_path):
 
 
 def test_bench_hf_cells_and_table():
-    from benchmarks import bench_hf
+    from benchmarks import bench_hf, hf_processes, hf_profile, hf_tables
 
     cells = [("mixtral", "prefill", 8, ("eager", "inductor")), ("mixtral", "decode", 1, ("inductor", "moe_inductor")),
              ("mixtral", "train", 8, ("eager",)), ("olmoe", "train", 8, ("eager",))]
-    assert bench_hf.process_groups(cells, alone=True) == [  # each decode column alone, the rest by family
+    assert hf_processes.process_groups(cells, alone=True) == [  # each decode column alone, the rest by family
         [cells[0]], [("mixtral", "decode", 1, ("inductor",))], [("mixtral", "decode", 1, ("moe_inductor",))],
         [cells[2]], [cells[3]]]
-    assert bench_hf.process_groups(cells, alone=False) == [cells[:3], [cells[3]]]
+    assert hf_processes.process_groups(cells, alone=False) == [cells[:3], [cells[3]]]
     one = lambda c: [("mixtral", "decode", 1, (c,))]  # noqa: E731
-    assert bench_hf.process_groups(cells[1:2], alone=True, repeats=3) == [  # the order reversed every other round
+    assert hf_processes.process_groups(cells[1:2], alone=True, repeats=3) == [  # the order reversed every other round
         one("inductor"), one("moe_inductor"), one("moe_inductor"), one("inductor"), one("inductor"), one("moe_inductor")]
     ran = [dict(family="mixtral", mode="decode", size=1, column=c, value=v, err=e) for c, v, e in
            [("inductor", 100.0, 0.1), ("moe_inductor", 90.0, 0.2), ("moe_inductor", 130.0, 0.3),
             ("inductor", 110.0, 0.4), ("inductor", 120.0, 0.5), ("moe_inductor", 120.0, 0.6)]]
-    merged = bench_hf.merge_repeats(ran + [dict(family="olmoe", mode="train", size=8, column="eager", value=5.0)])
+    merged = hf_processes.merge_repeats(ran + [dict(family="olmoe", mode="train", size=8, column="eager", value=5.0)])
     assert [(r["column"], r["value"], r.get("values"), r.get("err")) for r in merged] == [  # the first's other fields
         ("inductor", 110.0, [100.0, 110.0, 120.0], 0.1), ("moe_inductor", 120.0, [90.0, 130.0, 120.0], 0.2),
         ("eager", 5.0, None, None)]
-    assert "| decode B=1 | new tok/s | – | 110 (100-120) | – | 120 (90-130) | 1.09 |" in bench_hf.markdown(
+    assert "| decode B=1 | new tok/s | – | 110 (100-120) | – | 120 (90-130) | 1.09 |" in hf_tables.markdown(
         [dict(r, layers=2, unit="new tok/s") for r in merged[:2]])
-    groups = bench_hf.process_groups(cells + [("gpt_oss", "train", 8, ("eager",))], alone=True)
+    groups = hf_processes.process_groups(cells + [("gpt_oss", "train", 8, ("eager",))], alone=True)
     # one GPU per family, round-robin; a family's groups (its decode columns too) stay on its GPU, in order
-    assert bench_hf.lanes_of(groups, 2) == [[0, 1, 2, 3, 5], [4]]
-    assert bench_hf.lanes_of(groups, 8) == [[0, 1, 2, 3], [4], [5]]
-    assert bench_hf.lanes_of(groups, 1) == [list(range(6))]
-    assert bench_hf.cpu_list("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11} and bench_hf.cpu_list("5") == {5}
-    assert bench_hf.host_bucket("~", "<built-in method torch.mm>") == "C: torch.mm"
-    assert bench_hf.host_bucket("/tmp/torchinductor_u/ab/cab.py", "call").startswith("compiled graphs")
-    assert bench_hf.host_bucket("/v/site-packages/transformers/generation/utils.py", "_sample") == "transformers generate"
-    assert bench_hf.host_bucket("/v/site-packages/torch/_inductor/cudagraph_trees.py", "run") == "cudagraph trees"
+    assert hf_processes.lanes_of(groups, 2) == [[0, 1, 2, 3, 5], [4]]
+    assert hf_processes.lanes_of(groups, 8) == [[0, 1, 2, 3], [4], [5]]
+    assert hf_processes.lanes_of(groups, 1) == [list(range(6))]
+    assert hf_processes.cpu_list("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11} and hf_processes.cpu_list("5") == {5}
+    assert hf_profile.host_bucket("~", "<built-in method torch.mm>") == "C: torch.mm"
+    assert hf_profile.host_bucket("/tmp/torchinductor_u/ab/cab.py", "call").startswith("compiled graphs")
+    assert hf_profile.host_bucket("/v/site-packages/transformers/generation/utils.py", "_sample") == "transformers generate"
+    assert hf_profile.host_bucket("/v/site-packages/torch/_inductor/cudagraph_trees.py", "run") == "cudagraph trees"
 
     assert bench_hf.parse_cell("gpt_oss:train:4096", ["eager"]) == ("gpt_oss", "train", 4096, ("eager",))
     cell = bench_hf.parse_cell("mixtral:prefill:512:inductor+moe_inductor", [])
@@ -87,7 +87,7 @@ def test_bench_hf_cells_and_table():
         bench_hf.parse_cell("mixtral:prefil:512", [])
     common = dict(family="mixtral", layers=2, mode="prefill", size=512, unit="ms")
     decode = dict(common, mode="decode", size=1, unit="new tok/s")
-    table = bench_hf.markdown([dict(common, column="eager", value=3.0), dict(common, column="inductor", value=2.0),
+    table = hf_tables.markdown([dict(common, column="eager", value=3.0), dict(common, column="inductor", value=2.0),
                                dict(common, column="moe_inductor", value=1.0, first_call_s=9.0, err=1e-3),
                                dict(decode, column="inductor", value=100.0),
                                dict(decode, column="moe_inductor", value=150.0)])
@@ -220,7 +220,7 @@ def test_bench_cpu_model_mode_refuses_a_dtype_it_has_no_bound_for():
 
 def test_bench_hf_rule_values_divide_the_two_moe_inductor_columns():
     """The speed rule's value of a cell: rule-on time over rule-off time (ms), or rule-off over rule-on (tok/s)."""
-    from benchmarks import bench_hf
+    from benchmarks import bench_hf, hf_tables
 
     def row(mode, column, value, unit):
         return dict(family="gpt_oss", layers=2, mode=mode, size=1 if mode == "decode" else 4096, column=column,
@@ -230,11 +230,11 @@ def test_bench_hf_rule_values_divide_the_two_moe_inductor_columns():
     rows = [row("prefill", kept, 8.57, "ms"), row("prefill", off, 10.19, "ms"),
             row("decode", kept, 401.0, "new tok/s"), row("decode", off, 464.0, "new tok/s"),
             row("train", "moe_inductor", 50.0, "ms"), row("train", off, 54.0, "ms")]  # no experts-kept column
-    values = {v["mode"]: round(v["value"], 2) for v in bench_hf.rule_values(rows)}
+    values = {v["mode"]: round(v["value"], 2) for v in hf_tables.rule_values(rows)}
     assert values == {"prefill": 0.84, "decode": 1.16}
-    table = bench_hf.rule_markdown(rows)
+    table = hf_tables.rule_markdown(rows)
     assert "| GPT-OSS-20B (2) | prefill 4096 | ms | 8.57 | 10.19 | 0.84 |" in table
-    assert bench_hf.rule_markdown(rows[4:]) == ""
+    assert hf_tables.rule_markdown(rows[4:]) == ""
 
 
 @pytest.mark.slow

@@ -1,0 +1,49 @@
+"""The model families ``bench_hf.py`` builds (real and tiny widths), its modes and its columns."""
+
+MODES = ("prefill", "decode", "train")
+#: backend="moe_inductor" with its speed rule off (every proven layer rewritten), and with no MoE form rewritten (the
+#: experts left to Inductor; attention and masks still moe_inductor's). Their ratio is what rewriting the experts
+#: buys with everything else in the model compiled alike: the speed rule's value (``rule_values``)
+RULE_OFF, EXPERTS_KEPT = "moe_inductor_rule_off", "moe_inductor_experts_kept"
+MOE_COLUMNS = ("moe_inductor", RULE_OFF, EXPERTS_KEPT)
+COLUMNS = ("eager", "inductor", "max-autotune-no-cudagraphs", *MOE_COLUMNS)
+DEFAULT_COLUMNS = ("eager", "inductor", "moe_inductor")
+
+# (transformers class name, real widths, default layers, tiny widths). The real widths are the named checkpoints';
+# the layer counts keep one family's compiles and timings inside a few minutes of the H200.
+FAMILIES = {
+    "qwen3_moe": ("Qwen3Moe", "Qwen3-30B-A3B", 4, dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8), dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=8, num_experts_per_tok=2)),
+    "mixtral": ("Mixtral", "Mixtral-8x7B", 2, dict(
+        hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128), dict(
+        hidden_size=64, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16)),
+    "gpt_oss": ("GptOss", "GPT-OSS-20B", 2, dict(
+        hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, sliding_window=128), dict(
+        hidden_size=64, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8)),
+    "olmoe": ("Olmoe", "OLMoE-1B-7B", 2, dict(
+        hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8, num_attention_heads=16,
+        num_key_value_heads=16), dict(
+        hidden_size=64, intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_attention_heads=4,
+        num_key_value_heads=4)),
+    "qwen2_moe": ("Qwen2Moe", "Qwen1.5-MoE-A2.7B", 2, dict(
+        hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+        num_experts=60, num_experts_per_tok=4, num_attention_heads=16, num_key_value_heads=16), dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_experts=8, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=4)),
+    "deepseek_v3": ("DeepseekV3", "DeepSeek-V3", 1, dict(
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+        num_experts_per_tok=8, n_group=8, topk_group=4, n_shared_experts=1, first_k_dense_replace=0,
+        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, routed_scaling_factor=2.5), dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=0, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        routed_scaling_factor=2.5)),
+}
