@@ -123,18 +123,23 @@ def compiled(model, column: str, mode_name: str, reset: bool = True):
 
 def host_syncs(step, device: str) -> dict:
     """How many times one call of ``step`` makes the host wait on the GPU (CUDA's sync debug mode), and where the
-    first wait comes from: a compiled step should have none (the backend promises no host sync on its path)."""
+    first wait comes from: a compiled step should have none (the backend promises no host sync on its path). The
+    count is the second of two calls': a process's first counted call waits once more, whichever column it is
+    (RESULTS.md, twenty-first session); that first count is kept as ``host_syncs_first_call`` where it differs."""
     if device != "cuda":
         return {}
     import traceback
     import warnings
 
-    _sync(device)
-    with warnings.catch_warnings(record=True) as caught, _sync_debug_mode("warn"):
-        warnings.simplefilter("always")
-        step()
-    count = sum("synchronizing" in str(w.message) for w in caught)
-    out = {"host_syncs": count}
+    counts = []
+    for _ in range(2):
+        _sync(device)
+        with warnings.catch_warnings(record=True) as caught, _sync_debug_mode("warn"):
+            warnings.simplefilter("always")
+            step()
+        counts.append(sum("synchronizing" in str(w.message) for w in caught))
+    count = counts[-1]
+    out = {"host_syncs": count} | ({"host_syncs_first_call": counts[0]} if counts[0] != count else {})
     if count:
         _sync(device)
         try:

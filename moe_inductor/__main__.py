@@ -1,7 +1,8 @@
 """``python -m moe_inductor inspect path/to/file.py:make_inputs_and_model [--summary] [--check]``
 
 The callable takes no arguments and returns ``(model_or_fn, args)`` (a tuple or list of inputs); the CLI prints
-``moe_inductor.explain(model_or_fn, *args)``: with ``--summary`` without the graph code. ``--check`` exits with
+``moe_inductor.explain(model_or_fn, *args)`` under ``torch.no_grad()`` (``--train``: with autograd recording, so that
+each layer is judged for a training step): with ``--summary`` without the graph code. ``--check`` exits with
 status 1 when the model's MoE code is not all rewritten (no rewrite at all, a graph break, or a region left alone),
 so that a test suite can keep a model on the fast path.
 """
@@ -67,12 +68,18 @@ def main(argv=None) -> None:
     inspect.add_argument("--summary", action="store_true", help="the report without the graph code")
     inspect.add_argument("--check", action="store_true",
                          help="exit 1 unless something was rewritten, with no graph break and nothing left alone")
+    inspect.add_argument("--train", action="store_true",
+                         help="judge the layers for a training step (the inputs run with autograd recording); "
+                              "by default for inference (under torch.no_grad())")
     args = ap.parse_args(argv)
+    import torch
+
     from . import explain
 
     fn = _load(args.target)
     model, inputs = _model_and_inputs(fn(), args.target.rpartition(":")[2])
-    report = explain(model, *inputs)
+    with torch.set_grad_enabled(args.train):
+        report = explain(model, *inputs)
     print(report.summary() if args.summary else report)
     if args.check:
         problems = [f"{report.graph_break_count} graph break(s)"] if report.graph_break_count else []

@@ -61,9 +61,10 @@ def _unwrap_compiled(model_or_fn: Callable) -> Callable:
     return torch._dynamo.eval_frame.innermost_fn(model_or_fn)
 
 
-def _compile_and_run(fn: Callable, args, kwargs, options: dict, report: Report) -> None:
-    """Compile ``fn`` with moe_inductor through a backend made for this call and run it once, recording each
-    graph, its source lines and the graph break that ended it (as ``torch._dynamo.explain`` counts them)."""
+def _compile_and_run(fn: Callable, args, kwargs, options: dict, report: Report, grad: bool) -> None:
+    """Compile ``fn`` with moe_inductor through a backend made for this call and run it once (with autograd
+    recording where ``grad``; nothing calls backward, so no gradient is written), recording each graph, its source
+    lines and the graph break that ended it (as ``torch._dynamo.explain`` counts them)."""
     from . import capture
     from .backend import moe_inductor_backend
 
@@ -88,7 +89,7 @@ def _compile_and_run(fn: Callable, args, kwargs, options: dict, report: Report) 
     lifted = {} if isolate else {limit: max(getattr(torch._dynamo.config, limit), 1 << 16)}
     with collecting(report), torch._dynamo.config.patch(lifted):
         compiled = torch.compile(fn, backend=backend, options=options, **isolate)
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             compiled(*args, **kwargs)
 
 
@@ -100,8 +101,10 @@ def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, *
 
     Runs it twice under a light inner compiler: once with every rewrite off (the graphs "before") and once as
     configured ("after"). The speed rule judges each layer as the user's compile would (Inductor's inner compiler),
-    unless ``options`` names an inner compiler (the inputs run under ``torch.no_grad()``, so transformers' experts
-    are judged in an inference mode). Dynamo's caches are not reset: a model the user already compiled stays
+    unless ``options`` names an inner compiler. The inputs run in the caller's grad mode, as the user's compiled
+    call would: under ``torch.no_grad()`` each layer is judged for inference; with grad enabled and weights that
+    require grad, for a training step (the forward's graph then records for autograd; no gradient is written).
+    Dynamo's caches are not reset: a model the user already compiled stays
     compiled (warm), and explain's graphs get cache entries of their own. A ``torch.compile`` wrapper is looked
     through: explain compiles the module or function inside it.
 
@@ -118,11 +121,12 @@ def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, *
     judged = None if "inner" in options else "inductor"
     options.setdefault("inner", "eager")
     fn = _unwrap_compiled(model_or_fn)
+    grad = torch.is_grad_enabled()
     before = Report()
-    _compile_and_run(fn, args, kwargs, dict(options, forms=()), before)
+    _compile_and_run(fn, args, kwargs, dict(options, forms=()), before, grad)
     report = Report(device=_device_of(fn, args, kwargs))
     with speed_rule.judging_as(judged):
-        _compile_and_run(fn, args, kwargs, options, report)
+        _compile_and_run(fn, args, kwargs, options, report, grad)
     report.before = before.graphs
     return report
 

@@ -20,9 +20,9 @@ rule reads shapes, dtypes and modes only (nothing on the device), so it costs no
   so they count as never measured.
 - It applies only when the inner compiler is Inductor: with ``inner="aot_eager"``/``"eager"`` (tests, explain())
   there is no Inductor path to compare against. On the CPU the experts run as ``lowerings/cpu.py`` lowers them,
-  measured against Inductor's path on the quickstart model (``benchmarks/bench_cpu.py``; no per-layer table): faster
-  or tied in fp32 and in bf16 inference, slower in a bf16 training step (``CPU_KEPT``), where transformers' experts
-  are left to Inductor (fp16 is unmeasured there, and so rewritten).
+  measured against Inductor's path on the quickstart model (``benchmarks/bench_cpu.py``; ``whole_model/cpu.json``,
+  per mode and dtype): faster or tied in fp32 and in bf16 inference, slower in a bf16 training step, where
+  transformers' experts are left to Inductor (fp16 is unmeasured there, and so rewritten).
 """
 from __future__ import annotations
 
@@ -55,10 +55,8 @@ class LayerKind:
     dtype: Optional[torch.dtype] = None  # the tokens' (the CPU's rule reads it; None where the caller did not say)
 
 
-#: On the CPU, per (mode, dtype), what bench_cpu.py measured of transformers' experts lowered by lowerings/cpu.py
-#: against Inductor's own path (the quickstart model's training step in bf16, T = 64: 1.11x Inductor's time, so
-#: 0.90x its speed; 1.00x at T = 512). The layer is left to Inductor there.
-CPU_KEPT = {("train", torch.bfloat16): 0.90}
+#: the CPU's measurements (``cpu_measured``), beside the GPUs' files, which are named by the GPU
+_CPU_FILE = "cpu"
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,8 +64,20 @@ def _tables() -> dict[str, list[dict]]:
     """GPU name -> its measured layers."""
     out = {}
     for path in sorted(_DATA_DIR.glob("*.json")):
-        out[path.stem] = json.loads(path.read_text())["layers"]
+        if path.stem != _CPU_FILE:
+            out[path.stem] = json.loads(path.read_text())["layers"]
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_measured() -> dict[tuple[str, torch.dtype], float]:
+    """(mode, dtype) -> Inductor's time over ours for transformers' experts on the CPU (``whole_model/cpu.json``,
+    from bench_cpu.py on the quickstart model); the cells not listed were not measured slower."""
+    path = _DATA_DIR / f"{_CPU_FILE}.json"
+    if not path.exists():
+        return {}
+    return {(e["mode"], getattr(torch, e["dtype"])): float(e["value"]) for e in json.loads(path.read_text())["layers"]
+            if e.get("route", "hf") == "hf"}
 
 
 def _gpu_tag(device: torch.device) -> str:
@@ -122,9 +132,10 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
         return "speed rule: off (moe_inductor.config.speed_rule = False)"
     if inner != "inductor":
         return f"speed rule: not applied (inner compiler {inner!r}, no Inductor path to compare with)"
-    if device.type == "cpu" and route_of(form) == "hf" and (mode, kind.dtype) in CPU_KEPT:
+    on_cpu = cpu_measured().get((mode, kind.dtype)) if device.type == "cpu" and route_of(form) == "hf" else None
+    if on_cpu is not None and on_cpu < 1.0:
         return (f"{KEPT}: transformers' experts in a {str(kind.dtype).removeprefix('torch.')} {mode} step on the "
-                f"CPU ran at {CPU_KEPT[mode, kind.dtype]:.2f}x Inductor's speed on the quickstart model "
+                f"CPU ran at {on_cpu:.2f}x Inductor's speed on the quickstart model "
                 f"(benchmarks/bench_cpu.py, RESULTS.md)")
     if device.type != "cuda":
         return (f"speed rule: not applied on {device.type} (measured on CUDA GPUs only, and on the CPU's bf16 "

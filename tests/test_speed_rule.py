@@ -61,6 +61,10 @@ def test_on_the_cpu_only_a_bf16_training_step_of_hf_experts_is_kept():
     assert keeps_inductor(bf16, cpu, "inference", "inductor") is None
     assert keeps_inductor(bf16, cpu, "train", "aot_eager") is None
     assert keeps_inductor(bf16, cpu, "train", "inductor", form="loop_unrolled") is None
+    # the measurement ships as data (whole_model/cpu.json), apart from the GPUs' tables
+    assert speed_rule.cpu_measured() == {("train", torch.bfloat16): 0.90} and "cpu" not in speed_rule._tables()
+    with mock.patch.object(speed_rule, "cpu_measured", return_value={("train", torch.bfloat16): 1.05}):
+        assert keeps_inductor(bf16, cpu, "train", "inductor") is None  # measured faster: rewritten
 
 
 @pytest.mark.slow  # an Inductor compile of a tiny model's training step on the CPU
@@ -87,6 +91,36 @@ def test_a_bf16_training_step_on_the_cpu_leaves_hf_experts_to_inductor():
     assert sum(counters["moe_inductor"].values()) == 0
     assert not report.rewrites
     assert any("bfloat16 train step" in m.reason for m in report.left_alone)
+
+
+def test_explain_judges_in_the_callers_grad_mode(tmp_path, capsys):
+    """explain() runs the inputs as the user's compiled call would: with autograd recording (weights requiring
+    grad) a bf16 model's HF experts on the CPU are judged for a training step and left alone, as the compile of
+    the test above leaves them; under no_grad the same model is judged for inference and rewritten. No gradient is
+    written either way. The CLI judges for inference unless told ``--train``."""
+    import moe_inductor
+    from hf_models import tiny
+
+    torch.manual_seed(0)
+    model = tiny("qwen3_moe").to(torch.bfloat16)
+    ids = torch.randint(0, 64, (1, 9))
+    training = moe_inductor.explain(model, ids)
+    assert not training.rewrites and any("bfloat16 train step" in m.reason for m in training.left_alone)
+    assert all(p.grad is None for p in model.parameters())
+    with torch.no_grad():
+        inference = moe_inductor.explain(model, ids)
+    assert inference.rewrites and not any("train step" in m.reason for m in inference.left_alone)
+
+    from moe_inductor.__main__ import main
+
+    target = tmp_path / "make.py"
+    target.write_text("import torch\nfrom hf_models import tiny\n\ndef make():\n"
+                      "    torch.manual_seed(0)\n"
+                      "    return tiny('qwen3_moe').to(torch.bfloat16), (torch.randint(0, 64, (1, 9)),)\n")
+    main(["inspect", f"{target}:make", "--summary"])
+    assert "bfloat16 train step" not in capsys.readouterr().out
+    main(["inspect", f"{target}:make", "--summary", "--train"])
+    assert "bfloat16 train step" in capsys.readouterr().out
 
 
 def test_never_measured_kinds_are_rewritten():
