@@ -10,6 +10,8 @@
 #                                            # family per GPU: needs an 8-GPU machine (nvidia-h200-x8)    (~9 min)
 #   bash benchmarks/device_run.sh fair       # bench_hf.py: every prefill T=4096 cell but GPT-OSS's, and Qwen3's training
 #                                            # step, each cell's columns again in 3 interleaved rounds, GPU clocks (~9 min)
+#   bash benchmarks/device_run.sh mem        # the live allocations at a compiled training step's peak, by site,
+#                                            # inductor against moe_inductor, Qwen3 and Mixtral (mem_peak.py) (~4 min)
 #   bash benchmarks/device_run.sh decode     # decode B=1 of GPT-OSS and OLMoE, each column in 3 processes
 #                                            # (order alternating), on fixed cores, with host profiles      (~7 min)
 #   bash benchmarks/device_run.sh rule       # the speed rule's values: each family's prefill and GPT-OSS's training,
@@ -105,6 +107,12 @@ case "${1:-suite}" in
       qwen2_moe:prefill:4096 olmoe:prefill:4096 deepseek_v3:prefill:4096 \
       --json "$OUT/bench_hf_fair.json" --markdown "$OUT/bench_hf_fair.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       | tee "$OUT/bench_hf_fair.log" | grep -v "^  " | grep -v Warning ;;
+  mem)  # what is alive at the peak of a compiled training step, by the line that allocated it, Inductor's column
+        # against ours: the families whose step took more memory under moe_inductor (RESULTS.md)     (~4 min)
+    for fam in qwen3_moe mixtral; do
+      timeout 250 python benchmarks/mem_peak.py --family $fam --mode train --tokens 4096 --top 25 2>&1 \
+        | grep -v "torch.__trace\|Warning" | tee -a "$OUT/mem_peak.log" | grep "^=="
+    done ;;
   decode)  # the host-bound cells below 1.0x, measured so that one process's host speed cannot decide them: three
             # processes per column, the columns' order alternating, every process on the same cores (0-7)
     timeout 590 python benchmarks/bench_hf.py --deadline-s 575 --budget-s 80 --decode-repeats 3 --cpus 0-7 \

@@ -370,3 +370,26 @@ def test_interleaved_rounds_alternate_the_order_and_take_medians():
     assert sampler.summary() == {}
     with pytest.raises(ValueError, match="at least 1"):
         hf_rounds.interleaved({"a": step("a")}, 0, time_ms, context, "cpu")
+
+
+def test_mem_peak_replays_an_allocator_trace():
+    """The peak of a trace's live bytes and what is live at its first reaching, by the frame charged: the
+    innermost in generated code, moe_inductor or transformers, else the innermost outside torch."""
+    from benchmarks import mem_peak
+
+    gen = {"filename": "/tmp/torchinductor_u/ab/cab.py", "line": 12, "name": "call"}
+    ours = {"filename": "/x/moe_inductor/ops/grouped_mm_engine.py", "line": 210, "name": "backward"}
+    torch_frame = {"filename": "/v/torch/nn/functional.py", "line": 5, "name": "linear"}
+    user = {"filename": "/home/me/train.py", "line": 7, "name": "step"}
+    assert mem_peak.site([torch_frame, ours, gen, user]) == "grouped_mm_engine.py:210 backward"
+    assert mem_peak.site([torch_frame, user]) == "train.py:7 step" and mem_peak.site([]) == "?"
+    events = [dict(action="alloc", addr=1, size=100, frames=[gen]),
+              dict(action="alloc", addr=2, size=50, frames=[ours, gen]),
+              dict(action="free_requested", addr=1, size=100),  # not yet reusable: still counted
+              dict(action="alloc", addr=3, size=30, frames=[ours, gen]),
+              dict(action="free_completed", addr=1, size=100),
+              dict(action="alloc", addr=4, size=60, frames=[user])]
+    peak, sites = mem_peak.peak_live(events)
+    assert peak == 180 and sites == {"cab.py:12 call": 100, "grouped_mm_engine.py:210 backward": 80}
+    peak, _ = mem_peak.peak_live([e for e in events if e["action"] != "free_completed"])  # frees as requested then
+    assert peak == 150
