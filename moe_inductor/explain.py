@@ -104,9 +104,9 @@ def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, *
     unless ``options`` names an inner compiler. The inputs run in the caller's grad mode, as the user's compiled
     call would: under ``torch.no_grad()`` each layer is judged for inference; with grad enabled and weights that
     require grad, for a training step (the forward's graph then records for autograd; no gradient is written).
-    Dynamo's caches are not reset: a model the user already compiled stays
-    compiled (warm), and explain's graphs get cache entries of their own. A ``torch.compile`` wrapper is looked
-    through: explain compiles the module or function inside it.
+    Dynamo's caches are not reset: a model the user already compiled stays compiled (warm), and explain's graphs
+    get cache entries of their own. A ``torch.compile`` wrapper is looked through: explain compiles the module or
+    function inside it.
 
     Returns:
         a Report: graphs, graph breaks with reasons, each rewrite (form, module, E, k, activation, weight shapes),

@@ -21,8 +21,8 @@ rule reads shapes, dtypes and modes only (nothing on the device), so it costs no
 - It applies only when the inner compiler is Inductor: with ``inner="aot_eager"``/``"eager"`` (tests, explain())
   there is no Inductor path to compare against. On the CPU the experts run as ``lowerings/cpu.py`` lowers them,
   measured against Inductor's path on the quickstart model (``benchmarks/bench_cpu.py``; ``whole_model/cpu.json``,
-  per mode and dtype): faster or tied in fp32 and in bf16 inference, slower in a bf16 training step, where
-  transformers' experts are left to Inductor (fp16 is unmeasured there, and so rewritten).
+  per mode and dtype): faster or tied in fp32, fp16 and bf16 inference and in fp32 and fp16 training steps, slower
+  in a bf16 training step, where transformers' experts are left to Inductor.
 """
 from __future__ import annotations
 
