@@ -215,7 +215,7 @@ def test_bench_cpu_model_mode_refuses_a_dtype_it_has_no_bound_for():
     from benchmarks import bench_cpu
 
     with pytest.raises(ValueError, match="dtype must be one of"):
-        bench_cpu.model_table([8], rounds=1, calls=1, dtype=torch.float16)
+        bench_cpu.model_table([8], rounds=1, calls=1, dtype=torch.float64)
 
 
 def test_bench_hf_rule_values_divide_the_two_moe_inductor_columns():
