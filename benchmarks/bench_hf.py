@@ -51,7 +51,7 @@ import hf_rounds  # noqa: E402
 from hf_families import (COLUMNS, DEFAULT_COLUMNS, EXPERTS_KEPT, FAMILIES, MODES, MOE_COLUMNS,  # noqa: E402
                          RULE_OFF)
 from hf_processes import cpu_list, lanes_of, merge_repeats, process_groups  # noqa: E402
-from hf_profile import GcClock, Profiler  # noqa: E402
+from hf_profile import GcClock, Profiler, sync  # noqa: E402
 from hf_tables import markdown, rule_markdown  # noqa: E402
 
 
@@ -81,11 +81,6 @@ def build(family: str, layers: int, tiny: bool, device: str, dtype: torch.dtype)
     return model.to(dtype).eval(), cfg
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed_ms(fn, device: str) -> float:
     """The do_bench median on the GPU, after a second of warm-up; the mean of 3 calls (after one) on the CPU."""
     if device != "cuda":
@@ -100,7 +95,7 @@ def timed_ms(fn, device: str) -> float:
     while calls < 3 or time.perf_counter() - t0 < 1.0:
         fn()
         calls += 1
-    _sync(device)
+    sync(device)
     each_ms = (time.perf_counter() - t0) * 1e3 / calls
     return do_bench(fn, warmup=25, rep=max(200, 15 * each_ms), return_mode="median")  # >= 15 timed calls
 
@@ -133,7 +128,7 @@ def host_syncs(step, device: str) -> dict:
 
     counts = []
     for _ in range(2):
-        _sync(device)
+        sync(device)
         with warnings.catch_warnings(record=True) as caught, _sync_debug_mode("warn"):
             warnings.simplefilter("always")
             step()
@@ -141,14 +136,14 @@ def host_syncs(step, device: str) -> dict:
     count = counts[-1]
     out = {"host_syncs": count} | ({"host_syncs_first_call": counts[0]} if counts[0] != count else {})
     if count:
-        _sync(device)
+        sync(device)
         try:
             with _sync_debug_mode("error"):
                 step()
         except RuntimeError:
             frames = traceback.extract_tb(sys.exc_info()[2])[-4:]
             out["first_sync"] = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
-        _sync(device)
+        sync(device)
     return out
 
 
@@ -181,10 +176,10 @@ def _against(reference: dict, key, column: str, got, eager, compare=rel_err):
     return reference[key] if compare is None else compare(got, reference[key])
 
 
-def make_step(model, cfg, mode: str, size: int, column: str, device: str, reset: bool = True):
+def make_step(model, ids: torch.Tensor, mode: str, column: str, reset: bool = True):
     """One prefill (the last logits) or training step (zero_grad, forward with ``labels=``, backward; the loss) of
-    ``column``; the caller sets no_grad for prefill and ``model.train()`` for a training step."""
-    ids = tokens(cfg, (1, size), device)
+    ``column`` over the token ids ``ids``; the caller sets no_grad for prefill and ``model.train()`` for a training
+    step."""
     fwd = compiled(model, column, mode, reset)
     if mode == "prefill":
         return lambda: fwd(input_ids=ids, logits_to_keep=1).logits
@@ -199,12 +194,12 @@ def make_step(model, cfg, mode: str, size: int, column: str, device: str, reset:
 
 def run_prefill(model, cfg, T, column, device, reference, profile, graph_time: bool = False):
     ids = tokens(cfg, (1, T), device)
-    step = make_step(model, cfg, "prefill", T, column, device)
+    step = make_step(model, ids, "prefill", column)
 
     with torch.no_grad():
         t0 = time.perf_counter()
         logits = step()
-        _sync(device)
+        sync(device)
         first_s = time.perf_counter() - t0
         err = _against(reference, ("prefill", T), column, logits.float().cpu(),
                        lambda: model(input_ids=ids, logits_to_keep=1).logits.float().cpu())
@@ -235,12 +230,12 @@ def graph_replay_ms(step, device: str) -> dict:
 def run_train(model, cfg, T, column, device, reference, profile):
     ids = tokens(cfg, (1, T), device)
     model.train()
-    step = make_step(model, cfg, "train", T, column, device)
+    step = make_step(model, ids, "train", column)
 
     try:
         t0 = time.perf_counter()
         loss = step()
-        _sync(device)
+        sync(device)
         first_s = time.perf_counter() - t0
 
         def eager_loss():
@@ -284,7 +279,7 @@ def run_decode(model, cfg, B, column, device, reference, profile, new_tokens: in
     with torch.no_grad():
         t0 = time.perf_counter()
         out = step()  # compile, warm up, capture
-        _sync(device)
+        sync(device)
         first_s = time.perf_counter() - t0
         eager_gen = {k: v for k, v in gen.items() if k != "compile_config"} | {"disable_compile": True}
         ref = _against(reference, ("decode", B), column, out.cpu(), lambda: model.generate(prompt, **eager_gen).cpu(),
@@ -294,10 +289,10 @@ def run_decode(model, cfg, B, column, device, reference, profile, new_tokens: in
         times = []
         with GcClock() as gc_clock:
             for _ in range(3):
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 out = step()
-                _sync(device)
+                sync(device)
                 times.append(time.perf_counter() - t0)
         peak = _peak_mib(device)
         made = out.shape[1] - prompt.shape[1]
@@ -412,10 +407,10 @@ def interleave_cell(model, cfg, cell_rows: list, args) -> None:
     model.train(mode == "train")
     try:
         with torch.set_grad_enabled(mode == "train"):
-            steps = {}
+            steps, ids = {}, tokens(cfg, (1, size), args.device)
             for r in rows:
                 with speed_rule_off(r["column"] == RULE_OFF):
-                    steps[r["column"]] = make_step(model, cfg, mode, size, r["column"], args.device, reset=False)
+                    steps[r["column"]] = make_step(model, ids, mode, r["column"], reset=False)
                     for _ in range(2):  # its compile, then one call: the first forwards after a compile run slower
                         steps[r["column"]]()
             graphs = counters["stats"]["unique_graphs"]
@@ -424,10 +419,10 @@ def interleave_cell(model, cfg, cell_rows: list, args) -> None:
                                         clocks=args.clocks)
             recompiled = counters["stats"]["unique_graphs"] - graphs  # a guard that failed between columns: say so
     except Exception as e:  # the cell keeps its one-after-another values, and says why it has no rounds
+        if args.strict:
+            raise
         for r in rows:
             r["interleave_error"] = f"{type(e).__name__}: {str(e)[:200]}"
-            if args.strict:
-                raise
         return
     finally:
         model.zero_grad(set_to_none=True)

@@ -111,8 +111,9 @@ def interleaved(steps: dict[str, Callable[[], object]], rounds: int, time_ms: Ca
                 sampler = GpuSampler(device) if clocks else None
                 with sampler if sampler is not None else contextlib.nullcontext():
                     times[column].append(time_ms(steps[column]))
-                if sampler is not None and sampler.summary():
-                    states[column].append(sampler.summary())
+                state = sampler.summary() if sampler is not None else {}
+                if state:
+                    states[column].append(state)
     out = {}
     for column, ms in times.items():
         row: dict = {"value": statistics.median(ms), "rounds": ms}

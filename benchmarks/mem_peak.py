@@ -67,7 +67,7 @@ def measure(model, cfg, mode: str, tokens: int, column: str) -> tuple[int, int, 
     """(bytes allocated before the step, the step's own peak, its live bytes at the peak by site) for one column."""
     model.train(mode == "train")
     with torch.set_grad_enabled(mode == "train"), bench_hf.speed_rule_off(column == bench_hf.RULE_OFF):
-        step = bench_hf.make_step(model, cfg, mode, tokens, column, "cuda")
+        step = bench_hf.make_step(model, bench_hf.tokens(cfg, (1, tokens), "cuda"), mode, column)
         for _ in range(2):
             step()
         torch.cuda.synchronize()
@@ -103,7 +103,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     for column in args.columns:
         before, peak, sites = measure(model, cfg, args.mode, args.tokens, column)
         print(f"== {args.family} ({args.layers}) {args.mode} T={args.tokens} {column}: {before / mib:.0f} MiB "
-              f"before the step, its own peak {peak / mib:.0f} MiB ({(before + peak) / mib:.0f} MiB in all)", flush=True)
+              f"before the step, its own peak {peak / mib:.0f} MiB ({(before + peak) / mib:.0f} MiB in all)",
+              flush=True)
         for where, size in sorted(sites.items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"  {size / mib:9.1f} MiB  {where[:150]}", flush=True)
         torch._dynamo.reset()

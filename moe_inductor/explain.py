@@ -61,10 +61,10 @@ def _unwrap_compiled(model_or_fn: Callable) -> Callable:
     return torch._dynamo.eval_frame.innermost_fn(model_or_fn)
 
 
-def _compile_and_run(fn: Callable, args, kwargs, options: dict, report: Report, grad: bool) -> None:
-    """Compile ``fn`` with moe_inductor through a backend made for this call and run it once (with autograd
-    recording where ``grad``; nothing calls backward, so no gradient is written), recording each graph, its source
-    lines and the graph break that ended it (as ``torch._dynamo.explain`` counts them)."""
+def _compile_and_run(fn: Callable, args, kwargs, options: dict, report: Report) -> None:
+    """Compile ``fn`` with moe_inductor through a backend made for this call and run it once, in the caller's grad
+    mode (nothing calls backward, so no gradient is written), recording each graph, its source lines and the graph
+    break that ended it (as ``torch._dynamo.explain`` counts them)."""
     from . import capture
     from .backend import moe_inductor_backend
 
@@ -89,8 +89,7 @@ def _compile_and_run(fn: Callable, args, kwargs, options: dict, report: Report, 
     lifted = {} if isolate else {limit: max(getattr(torch._dynamo.config, limit), 1 << 16)}
     with collecting(report), torch._dynamo.config.patch(lifted):
         compiled = torch.compile(fn, backend=backend, options=options, **isolate)
-        with torch.set_grad_enabled(grad):
-            compiled(*args, **kwargs)
+        compiled(*args, **kwargs)
 
 
 _HAS_ISOLATE_RECOMPILES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
@@ -121,12 +120,11 @@ def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, *
     judged = None if "inner" in options else "inductor"
     options.setdefault("inner", "eager")
     fn = _unwrap_compiled(model_or_fn)
-    grad = torch.is_grad_enabled()
     before = Report()
-    _compile_and_run(fn, args, kwargs, dict(options, forms=()), before, grad)
+    _compile_and_run(fn, args, kwargs, dict(options, forms=()), before)
     report = Report(device=_device_of(fn, args, kwargs))
     with speed_rule.judging_as(judged):
-        _compile_and_run(fn, args, kwargs, options, report, grad)
+        _compile_and_run(fn, args, kwargs, options, report)
     report.before = before.graphs
     return report
 

@@ -138,8 +138,10 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
                 f"CPU ran at {on_cpu:.2f}x Inductor's speed on the quickstart model "
                 f"(benchmarks/bench_cpu.py, RESULTS.md)")
     if device.type != "cuda":
-        return (f"speed rule: not applied on {device.type} (measured on CUDA GPUs only, and on the CPU's bf16 "
-                f"training)")
+        slower = cpu_measured().items()
+        kept = ", ".join(sorted(f"{str(d).removeprefix('torch.')} {m}" for (m, d), v in slower if v < 1.0))
+        return (f"speed rule: not applied on {device.type} (measured on CUDA GPUs"
+                f"{f', and slower on the CPU only in: {kept}' if kept else ' only'})")
     tables = _tables()
     tag = _gpu_tag(device)
     sources = {tag: tables[tag]} if tag in tables else tables
