@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .experts import _grad_buffer
+from .backward import _grad_buffer
 from ..kernels.launch import Rows
 from .grouped import ROWS_SORTED, grouped_gemm, grouped_weight_grad
 

@@ -185,58 +185,66 @@ def _weight_grad(a: Tensor, g: Tensor, group_ends: Tensor, like: Tensor) -> Tens
     return torch._grouped_mm(a.t(), g, offs=group_ends)
 
 
-def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: Tensor, needs) -> tuple:
-    """The gradients of ``forward`` (see ``experts_backward`` for ``needs``, an ``experts.Needs``, and the returned
-    tuple); ``needs.combined_gate_up``: the gate and up gradients as one (E, H, 2I) tensor in the dw1 slot."""
+def middle_grads(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: Tensor, needs) -> tuple:
+    """The first half of ``backward``, the last that reads ``pre``: (d_pre, d_scale_sorted, dw2, db2, db1, db1_up).
+    d_pre (M, n_pre) holds the gradients of the raw up projection, as its (gate, up) column pairs where
+    ``needs.gate_up_pairs`` and the weight is interleaved, else as [gate | up] halves (see ``experts.Needs``)."""
     x, w, act = call.x, call.weights, call.activation
-    topk_weights = call.routing.topk_weights
-    w1, w1_up, w2 = w.w1, w.w1_up, w.w2
     order, offsets, topk = routed.rows
     sorted_expert = routed.sorted_expert
-    combined_gate_up = needs.combined_gate_up
-    T, H = x.shape
     M = order.shape[0]
-    E, _, I = w1.shape
-    gated = w1_up is not None
-    interleaved = is_interleaved(w_up, w1)
+    E, _, I = w.w1.shape
+    gated = w.w1_up is not None
+    interleaved = is_interleaved(w_up, w.w1)
     group_ends = offsets[1:]
     token = order.long() // topk
-    # Workspace is freed as soon as it is dead, and x sorted (M x H) is gathered only for dW1, after dy sorted (also
-    # M x H) is gone: one fewer such tensor at the backward's peak than gathering both up front.
     if pre.shape[0] != M:  # the forward did not keep it: the raw up projection again, as [gate | up] halves
         pre = torch._grouped_mm(x.index_select(0, token), w_up, offs=group_ends)
         if interleaved:
             pre = pre.view(M, I, 2).transpose(1, 2).reshape(M, 2 * I)
     dy_sorted = dy.index_select(0, token)
-    g = torch._grouped_mm(dy_sorted, w2.transpose(1, 2), offs=group_ends)  # d h, before the routing weight
+    g = torch._grouped_mm(dy_sorted, w.w2.transpose(1, 2), offs=group_ends)  # d h, before the routing weight
     # Where the interleaved weight came whole, d_pre's columns are written as its (gate, up) pairs, which the whole
     # weight's gradient and dx's GEMM read as they are. Else they are [gate | up] halves: two gradients want dense
     # operands, and one stack for dx costs less than stride-2 stores.
     d_pre = x.new_empty(M, pre.shape[1])
-    paired = interleaved and needs.gate_up_pairs
-    if not gated:
-        d_gate, d_up = d_pre, None
-    elif paired:
-        d_gate, d_up = d_pre[:, 0::2], d_pre[:, 1::2]
-    else:
-        d_gate, d_up = d_pre[:, :I], d_pre[:, I:]
+    d_gate, d_up = gate_up_columns(d_pre, gated, interleaved and needs.gate_up_pairs)
     h_scaled, _, _, d_scale_sorted = backward_middle(pre, g, routed.sorted, (w.b1, w.b1_up), act, x.dtype,
                                                      out=(d_gate, d_up), scale_h=True)
-    del g
+    del g, pre
     if w.b2 is not None and needs.topk_weights:  # the routing weight also scales the down bias
         expert_c = sorted_expert.long().clamp(max=E - 1)
         d_scale_sorted = d_scale_sorted + down_bias_scale_grad(dy, w.b2, token, expert_c)
-    dw2 = _weight_grad(h_scaled, dy_sorted, group_ends, w2) if needs.w2 else None
-    del h_scaled, dy_sorted, pre
-    db2 = db1 = db1_up = None
+    dw2 = _weight_grad(h_scaled, dy_sorted, group_ends, w.w2) if needs.w2 else None
+    del h_scaled, dy_sorted
+    db2 = None
     if w.b2 is not None and needs.b2:
         db2 = sum_rows_by_expert(dy, routed, ROWS_TOKEN, w.b2.dtype, scale=routed.scale)
+    paired = interleaved and needs.gate_up_pairs
     db1, db1_up = gate_up_bias_grads(d_gate, d_up, d_pre if paired else None, routed,
                                      (w.b1 if needs.b1 else None, w.b1_up if needs.b1_up else None))
+    return d_pre, d_scale_sorted, dw2, db2, db1, db1_up
+
+
+def up_grads(call: ExpertsCall, routed: Routed, w_up: Tensor, d_pre: Tensor, d_scale_sorted: Optional[Tensor],
+             needs) -> tuple:
+    """The second half of ``backward``, from ``middle_grads``' d_pre and d_scale_sorted: (dx, d_weights, dw1,
+    dw1_up), None where not wanted."""
+    x, w1, w1_up = call.x, call.weights.w1, call.weights.w1_up
+    topk_weights = call.routing.topk_weights
+    order, offsets, topk = routed.rows
+    T, H = x.shape
+    M = order.shape[0]
+    E, _, I = w1.shape
+    gated = w1_up is not None
+    interleaved = is_interleaved(w_up, w1)
+    paired = interleaved and needs.gate_up_pairs
+    d_gate, d_up = gate_up_columns(d_pre, gated, paired)
+    group_ends = offsets[1:]
     dw1 = dw1_up = None
-    if combined_gate_up or needs.w1 or needs.w1_up:
-        x_sorted = x.index_select(0, token)
-        if combined_gate_up:  # one GEMM over d_pre, its columns in d_pre's order (pairs seen as (E, H, I, 2))
+    if needs.combined_gate_up or needs.w1 or needs.w1_up:
+        x_sorted = x.index_select(0, order.long() // topk)
+        if needs.combined_gate_up:  # one GEMM over d_pre, its columns in d_pre's order (pairs seen as (E, H, I, 2))
             dw1 = _weight_grad(x_sorted, d_pre, group_ends, w_up)
             if paired:
                 dw1 = dw1.unflatten(2, (I, 2))
@@ -255,8 +263,30 @@ def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: T
     d_weights = None
     if needs.topk_weights:
         # rows of out-of-range ids (masked choices) were never computed: their h, and so their sum, may be garbage
-        d_scale_sorted = torch.where(sorted_expert < E, d_scale_sorted, 0.0)
+        d_scale_sorted = torch.where(routed.sorted_expert < E, d_scale_sorted, 0.0)
         d_flat = torch.zeros(M, dtype=torch.float32, device=x.device).index_put_((order.long(),), d_scale_sorted)
         d_weights = d_flat.view(T, topk).to(topk_weights.dtype)
+    return dx, d_weights, dw1, dw1_up
+
+
+def gate_up_columns(d_pre: Tensor, gated: bool, paired: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """(d_gate, d_up) as views of d_pre (M, n_pre): its even and odd columns when ``paired``, else its halves; the
+    whole of it and None when the activation is not gated."""
+    if not gated:
+        return d_pre, None
+    if paired:
+        return d_pre[:, 0::2], d_pre[:, 1::2]
+    half = d_pre.shape[1] // 2
+    return d_pre[:, :half], d_pre[:, half:]
+
+
+def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: Tensor, needs) -> tuple:
+    """The gradients of ``forward`` (see ``experts_backward`` for ``needs``, an ``experts.Needs``, and the returned
+    tuple): ``middle_grads`` then ``up_grads``. Workspace is freed as soon as it is dead, and x sorted (M x H) is
+    gathered only for dW1, after dy sorted (also M x H) is gone: one fewer such tensor at the backward's peak than
+    gathering both up front."""
+    d_pre, d_scale_sorted, dw2, db2, db1, db1_up = middle_grads(dy, call, routed, w_up, pre, needs)
+    del pre
+    dx, d_weights, dw1, dw1_up = up_grads(call, routed, w_up, d_pre, d_scale_sorted, needs)
     grads = (dx, d_weights, dw1, dw1_up, dw2, db1, db1_up, db2)
-    return tuple(t if t is not None else x.new_empty(0) for t in grads)  # distinct empties: outputs may not alias
+    return tuple(t if t is not None else call.x.new_empty(0) for t in grads)  # distinct empties: outputs may not alias
