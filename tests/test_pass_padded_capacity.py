@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from tests.helpers import assert_gpu_bf16_rewrite, compile_moe
+from tests.helpers import assert_gpu_bf16_rewrite, assert_rewritten_like_eager, compile_moe
 
 E, H, I = 5, 16, 8
 
@@ -180,26 +180,29 @@ def _scatter_one_hot(i, n):
 
 
 class _FFN(nn.Module):
-    def __init__(self, bias, act):
+    def __init__(self, bias, act, drop=None):
         super().__init__()
         self.fc1, self.fc2, self.act = nn.Linear(H, I, bias=bias), nn.Linear(I, H, bias=bias), act
+        self.drop = nn.Dropout(drop) if drop is not None else nn.Identity()  # between the projections
 
     def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
+        return self.fc2(self.drop(self.act(self.fc1(x))))
 
 
 class ChunkedExpertsMoE(nn.Module):
     """fairseq's top-2 (scatter one-hots, ``+=`` and ``/=``, bmm terms, mm dispatch and combine, relu experts with
     biases) or DeepSpeed's top-1 (``*=`` drop, ``einsum("se,sc->sec", gates * mask, slots)``, gelu experts), one
     nn.Linear MLP per expert on ``chunk(E, dim=1)`` of the slots. ``variant`` changes one thing: "first_behind_second"
-    is still an MoE (its priority is second choices first); every other variant makes a look-alike."""
+    (its priority is second choices first) and "expert_dropout" (nn.Dropout(0.0) between each expert's projections)
+    are still an MoE; every other variant makes a look-alike ("expert_dropout_p": nn.Dropout(0.1) there)."""
 
     def __init__(self, style, variant=None, capacity=3):
         super().__init__()
         self.style, self.variant, self.capacity, self.E = style, variant, capacity, 4
         self.wg = nn.Linear(H, self.E, bias=False)
         bias, act = (True, F.relu) if style == "fairseq" else (False, F.gelu)
-        self.experts = nn.ModuleList([_FFN(bias, act) for _ in range(self.E)])
+        drop = {"expert_dropout": 0.0, "expert_dropout_p": 0.1}.get(variant)
+        self.experts = nn.ModuleList([_FFN(bias, act, drop) for _ in range(self.E)])
 
     def gating(self, x):
         C, E, variant = self.capacity, self.E, self.variant
@@ -303,3 +306,236 @@ def test_fairseq_and_deepspeed_look_alikes_are_left_alone(style, variant):
 def test_gpu_kernels_run_the_rewritten_capacity_bf16():
     torch.manual_seed(0)
     assert_gpu_bf16_rewrite(CapacityMoE("top2"), "padded_capacity")
+
+
+class BiasedSlotsMoE(nn.Module):
+    """Switch top-1 into (T, E, C) tensors, experts by ``torch.bmm`` on stacked (E, in, out) weights with
+    per-expert biases broadcast over the slots, and dropouts: nanoMoE's MLPExperts and GShard-style stacked experts.
+    The router's bias keeps the last expert from every token (all its slots stay empty, so only its biases reach
+    its output), and capacity 3 drops tokens of the others.
+
+    ``bias``: "e_i" ((E, I) and (E, H) biases as ``b[:, None, :]`` and ``b.unsqueeze(1)``), "e1i_inplace" ((E, 1, N)
+    parameters added by ``+=``), "gated" (silu glu, gate and up biases), or the look-alikes "eci" (a bias per
+    slot), "gate_only" (a gated expert with a bias on the gate projection only), "shared" (one (I,) bias for every
+    expert, not read as a per-expert one); None: no biases. ``drop``: (where, p) with where "after" the experts or
+    "between" the projections, an ``nn.Dropout(p)`` there (it drops only in training)."""
+
+    def __init__(self, bias="e_i", drop=None, capacity=3):
+        super().__init__()
+        self.bias, self.capacity = bias, capacity
+        self.router = nn.Linear(H, E)
+        with torch.no_grad():
+            self.router.bias[-1] = -1e4
+        gated = bias in ("gated", "gate_only")
+        self.w1 = nn.Parameter(torch.randn(E, H, I) * H ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(E, H, I) * H ** -0.5) if gated else None
+        self.w2 = nn.Parameter(torch.randn(E, I, H) * I ** -0.5)
+        first, second = {"e1i_inplace": ((E, 1, I), (E, 1, H)), "eci": ((E, capacity, I), (E, capacity, H)),
+                         "shared": ((I,), (H,))}.get(bias, ((E, I), (E, H)))
+        self.b1 = nn.Parameter(torch.randn(first) * 0.5) if bias else None
+        self.b3 = nn.Parameter(torch.randn(first) * 0.5) if bias == "gated" else None
+        self.b2 = nn.Parameter(torch.randn(second) * 0.5) if bias else None
+        self.where = drop[0] if drop else None
+        self.drop = nn.Dropout(drop[1]) if drop else None
+
+    def routing(self, x):
+        C = self.capacity
+        gates = F.softmax(self.router(x), dim=-1)
+        mask = F.one_hot(torch.argmax(gates, dim=-1), num_classes=E)
+        loc = torch.cumsum(mask, dim=0) - 1
+        mask = mask * torch.lt(loc, C)
+        gate = (gates * mask).sum(dim=1)
+        return gate[:, None, None] * mask[:, :, None] * F.one_hot(torch.sum(loc * mask, dim=1), C)[:, None, :]
+
+    def _bias(self, b):
+        if self.bias in ("e_i", "gated", "gate_only"):
+            return b[:, None, :] if b is self.b1 else b.unsqueeze(1)
+        return b
+
+    def project(self, xin, w, b):
+        h = torch.bmm(xin, w)
+        if b is None:
+            return h
+        if self.bias == "e1i_inplace":
+            h += b
+            return h
+        return h + self._bias(b)
+
+    def forward(self, x):
+        combine = self.routing(x)
+        xin = torch.einsum("tec,th->ech", combine.bool().to(x.dtype), x)
+        h = self.project(xin, self.w1, self.b1)
+        h = F.silu(h) * self.project(xin, self.w3, self.b3) if self.w3 is not None else F.gelu(h)
+        if self.where == "between":
+            h = self.drop(h)
+        out = self.project(h, self.w2, self.b2)
+        if self.where == "after":
+            out = self.drop(out)
+        return torch.einsum("tec,ech->th", combine, out)
+
+
+def _left_alone_reason(model, x) -> str:
+    """The one region explain() reports for ``model``: nothing rewritten, a padded_capacity region left alone; its
+    reason. Dynamo is reset first: a recompile of the same code with another dropout p would take p as an input
+    (automatic dynamic floats), no longer the literal a test asks about."""
+    import moe_inductor
+
+    torch._dynamo.reset()
+    report = moe_inductor.explain(model, x)
+    (left,) = report.left_alone
+    assert not report.rewrites and left.form == "padded_capacity", report
+    return left.reason
+
+
+def _drops_and_starves(model, x) -> None:
+    """The input routes more than C tokens to some expert (drops) and none to the last one (empty slots)."""
+    counts = torch.bincount(model.router(x).argmax(-1), minlength=E)
+    assert counts.max() > model.capacity and counts[-1] == 0, counts
+
+
+@pytest.mark.parametrize("bias", ["e_i", "e1i_inplace", "gated"])
+def test_stacked_biases_are_rewritten_with_drops_and_an_empty_expert(bias):
+    """Per-expert biases on bmm experts: the op gets them as (E, N) views; forward and every gradient (the biases'
+    included: an empty slot's biased output meets a zero combine weight) equal eager's."""
+    torch.manual_seed(5)
+    model = BiasedSlotsMoE(bias)
+    x = torch.randn(23, H)
+    _drops_and_starves(model, x)
+    assert_rewritten_like_eager(model, x, "padded_capacity", bias)
+    assert not counters["moe_inductor_left_alone"]
+
+
+@pytest.mark.parametrize("bias, reason", [
+    ("eci", "varies per slot (E, C, N)"),
+    ("gate_only", "one of the gate and up projections has a bias and the other has none"),
+    ("shared", "not a per-expert bias")])
+def test_bias_look_alikes_are_left_alone(bias, reason):
+    """A bias per slot is not a per-expert bias (the op has no slots); a gate bias without an up bias is not the
+    op's gated layer; a bias shared by the experts is not read. Each is left alone, and explain() says why."""
+    torch.manual_seed(5)
+    model = BiasedSlotsMoE(bias)
+    x = torch.randn(23, H)
+    torch.testing.assert_close(compile_moe(model, x), model(x), rtol=1e-5, atol=1e-5)
+    assert counters["moe_inductor"]["padded_capacity"] == 0
+    assert reason in _left_alone_reason(model, x)
+
+
+@pytest.mark.parametrize("drop, train", [(("after", 0.0), True), (("between", 0.0), True), (("between", 0.1), False)])
+def test_identity_dropouts_are_read_through(drop, train):
+    """``nn.Dropout(0.0)`` after the experts or between the projections (in the graph as ``F.dropout(t, 0.0, True,
+    False)``), and a dropout of p=0.1 in eval mode, are the identity: the region is rewritten, equal to eager."""
+    torch.manual_seed(5)
+    model = BiasedSlotsMoE("e_i", drop).train(train)
+    x = torch.randn(23, H)
+    _drops_and_starves(model, x)
+    assert_rewritten_like_eager(model, x, "padded_capacity", str(drop))
+
+
+@pytest.mark.parametrize("where", ["after", "between"])
+def test_a_dropout_in_training_is_left_alone(where):
+    """p=0.1 in training draws a random mask over the padded slots, which the op does not: left alone, with that
+    reason."""
+    torch.manual_seed(5)
+    model = BiasedSlotsMoE("e_i", (where, 0.1))
+    assert "a dropout with p=0.1 in training" in _left_alone_reason(model, torch.randn(23, H))
+
+
+def test_per_expert_modules_read_through_an_identity_dropout():
+    """fairseq-style experts (one nn.Linear MLP per chunk) with nn.Dropout(0.0) between their projections."""
+    torch.manual_seed(4)
+    model = ChunkedExpertsMoE("fairseq", "expert_dropout")
+    assert_rewritten_like_eager(model, torch.randn(13, H), "padded_capacity", "expert_dropout")
+
+
+def test_per_expert_modules_with_a_dropout_in_training_are_left_alone():
+    torch.manual_seed(4)
+    model = ChunkedExpertsMoE("fairseq", "expert_dropout_p")
+    assert "a dropout with p=0.1 in training" in _left_alone_reason(model, torch.randn(13, H))
+
+
+class StackedChoicesMoE(nn.Module):
+    """nanoMoE's Router and MOELayer in small: top-2 ids one-hot into a (k, T, E) stack, one cumsum over its
+    (k*T, E) rows (choice-major queues), ``*=`` drop, slots one-hot, ``sum(dim=0)`` of the stacked outer products;
+    dispatch by ``mask.permute(1, 2, 0).type_as(x) @ x``, biased bmm experts, ``nn.Dropout(0.0)``, mm combine.
+    Input (B, S, H). The router's bias keeps the last expert from every token; capacity 3 drops.
+
+    ``variant``: "einsum" (the stack summed by ``einsum("kte,ktc->tec")``, dispatch by einsum, (T, H) input), or
+    the look-alikes "token_major" (the queues numbered over the (T, k, E) mask's rows: a token's choices before the
+    next token's) and "swap_ec" (the dispatch permuted to (C, E, T), with C == E so that it runs)."""
+
+    def __init__(self, variant=None):
+        super().__init__()
+        self.variant, self.k = variant, 2
+        self.capacity = E if variant == "swap_ec" else 3
+        self.router = nn.Linear(H, E)
+        with torch.no_grad():
+            self.router.bias[-1] = -1e4
+        self.c_fc = nn.Parameter(torch.randn(E, H, I) * H ** -0.5)
+        self.c_proj = nn.Parameter(torch.randn(E, I, H) * I ** -0.5)
+        self.fc_bias = nn.Parameter(torch.randn(E, 1, I) * 0.5)
+        self.proj_bias = nn.Parameter(torch.randn(E, 1, H) * 0.5)
+        self.dropout = nn.Dropout(0.0)
+
+    def routing(self, x):
+        T, k, C = x.shape[0], self.k, self.capacity
+        logits = self.router(x)
+        top_logits, ids = logits.topk(k, dim=-1)
+        probs = torch.full_like(logits, float("-inf"))
+        probs.scatter_(-1, ids, top_logits)  # written in place before the softmax that the op's weights come from
+        probs = F.softmax(probs, dim=-1)
+        mask = F.one_hot(ids, num_classes=E)  # (T, k, E)
+        if self.variant == "token_major":
+            rank = (torch.cumsum(mask.reshape(T * k, E), dim=0) - 1).reshape(T, k, E).permute(1, 0, 2)
+            mask = mask.permute(1, 0, 2)
+        else:
+            mask = mask.view(T, k, E).permute(1, 0, 2)
+            rank = (torch.cumsum(mask.reshape(k * T, E), dim=0) - 1).reshape(k, T, E)
+        mask *= torch.lt(rank, C)
+        slots = F.one_hot(torch.sum(mask * rank, dim=-1), num_classes=C)  # (k, T, C)
+        weights = mask * probs.view(T, E)[None, :]
+        if self.variant == "einsum":
+            return torch.einsum("kte,ktc->tec", weights, slots.to(weights.dtype))
+        return torch.sum(weights.unsqueeze(3) * slots.unsqueeze(2), dim=0)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, H)
+        combine = self.routing(x)
+        if self.variant == "einsum":
+            xin = torch.einsum("tec,th->ech", combine.bool().to(x.dtype), x)
+        else:
+            dims = (2, 1, 0) if self.variant == "swap_ec" else (1, 2, 0)
+            xin = combine.bool().permute(*dims).type_as(x) @ x
+        h = torch.bmm(xin, self.c_fc)
+        h += self.fc_bias
+        out = torch.bmm(F.gelu(h), self.c_proj)
+        out += self.proj_bias
+        out = self.dropout(out)
+        return (combine.view(x.shape[0], -1) @ out.view(-1, H)).view(shape)
+
+
+@pytest.mark.parametrize("variant", [None, "einsum"])
+def test_stacked_choices_are_rewritten_with_drops_and_an_empty_expert(variant):
+    """nanoMoE's gating: the stacked (k, T, E) queue is the op's choice-major one; forward and every gradient equal
+    eager's at a length that drops assignments, with one expert that gets none."""
+    torch.manual_seed(6)
+    model = StackedChoicesMoE(variant)
+    x = torch.randn(2, 9, H) if variant is None else torch.randn(18, H)
+    counts = torch.bincount(model.router(x.reshape(-1, H)).topk(2, dim=-1).indices.reshape(-1), minlength=E)
+    assert counts.max() > model.capacity and counts[-1] == 0, counts
+    assert_rewritten_like_eager(model, x, "padded_capacity", str(variant))
+    assert not counters["moe_inductor_left_alone"]
+
+
+@pytest.mark.parametrize("variant, reason", [
+    ("token_major", "token-major order"),
+    ("swap_ec", "its slots are not filled by a dispatch of combine's support")])
+def test_stacked_choices_look_alikes_are_left_alone(variant, reason):
+    """Queues numbered token-major drop other assignments than the op; a dispatch permuted to (C, E, T) fills
+    slot (c, e) with what the combine reads at (e, c). Both left alone, equal to eager, with their reasons."""
+    torch.manual_seed(6)
+    model = StackedChoicesMoE(variant)
+    x = torch.randn(2, 9, H)
+    torch.testing.assert_close(compile_moe(model, x), model(x), rtol=1e-5, atol=1e-5)
+    assert counters["moe_inductor"]["padded_capacity"] == 0
+    assert reason in _left_alone_reason(model, x)

@@ -427,14 +427,15 @@ def _writes(aliases: set[Node]) -> list[Node]:
         or (u.op == "call_function" and (u.target in _INPLACE_OPERATORS or u.target is operator.setitem)))]
 
 
-def versions_sound(end: Node, op_inputs: Iterable[Node], fills: Iterable[Node]) -> bool:
+def versions_sound(end: Node, op_inputs: Iterable[Node], fills: Iterable[Node], from_inputs: bool = False) -> bool:
     """Every read in the region sees the value the proof reads (its node's functional value): no tensor the region
     depends on is written in place between its definition and its last read; ``op_inputs`` are read once more, by
     the op at ``end``. The one exception is a one-hot's buffer, whose one fill (in ``fills``) comes before every
-    read of it."""
+    read of it. ``from_inputs``: the region starts at ``op_inputs`` (the proof reads nothing above them, as where
+    a router fills its (T, E) probabilities by ``scatter_`` before the softmax that the op's weights are read from)."""
     position = {n: i for i, n in enumerate(end.graph.nodes)}
     inputs, fills = set(op_inputs), set(fills)
-    for n in reach([end, *inputs], lambda n: n.all_input_nodes):
+    for n in reach([end, *inputs], lambda n: [] if from_inputs and n in inputs else n.all_input_nodes):
         if n.op in ("output",):
             continue
         writes = [m for m in _writes(_aliases(n)) if position[m] > position[n]]

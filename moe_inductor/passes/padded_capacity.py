@@ -14,11 +14,15 @@ other spellings are listed in ``capacity_gating.py``):
     out = einsum("eci,ehi->ech", act(einsum("ech,eih->eci", xin, w1)) [* einsum(.., w3)], w2)
     y = einsum("tec,ech->th", combine, out)
 
-Beside the einsums: fairseq's ``mm(dispatch.permute(1, 2, 0).view(E*C, T), x)`` dispatch and
-``mm(combine.view(T, E*C), out.view(E*C, H))`` combine; experts as ``torch.bmm`` / ``@`` on stacked weights, or as
-one module per expert on ``xin.chunk(E, dim)`` (fairseq's and DeepSpeed's ModuleList, nn.Linear with or without
-biases) joined by ``cat`` along the same dim. The (E, C, H) buffer may pass through reshapes that regroup it
-(``reshape(1, E, -1, H)``): a reshape keeps the row-major order, so slot (e, c) stays where it was.
+Beside the einsums: fairseq's ``mm(dispatch.permute(1, 2, 0).view(E*C, T), x)`` and nanoMoE's
+``dispatch.permute(1, 2, 0).type_as(x) @ x`` dispatch, and ``mm(combine.view(T, E*C), out.view(E*C, H))`` combine;
+experts as ``torch.bmm`` / ``@`` on stacked weights, with or without per-expert biases broadcast over the slots
+(``+ b[:, None, :]``, ``+= b`` of an (E, 1, N) parameter: ``slot_layers.py``), or as one module per expert on
+``xin.chunk(E, dim)`` (fairseq's and DeepSpeed's ModuleList, nn.Linear with or without biases) joined by ``cat``
+along the same dim. The (E, C, H) buffer may pass through reshapes that regroup it (``reshape(1, E, -1, H)``): a
+reshape keeps the row-major order, so slot (e, c) stays where it was; so does a dropout that is the identity (p == 0
+or not training, ``slot_layers.py``), also between the projections. nanoMoE's gating, the k choices stacked in one
+(k, T, E) mask and summed by ``sum(dim=0)``, is read by ``stacked_choices.py``.
 
 Why it is exact: the queue positions come from a cumsum over tokens, so within an expert every kept (token, choice)
 gets its own slot (choice j queues behind all earlier choices, kept or not, which drops exactly what the op drops
@@ -28,7 +32,7 @@ output, bias and all, is multiplied by a zero combine weight). The op does the s
 idx_{k-1}), weights (gate_0, ..) and capacity C, without the padding. A dispatch that is not the exact support of
 combine (``combine > 0.5``, or slots moved), a mask without the drop, a queue that ignores the earlier choices (or
 puts them in another order), or a capacity that differs between the drop and the slots, is a different computation
-and is left alone.
+and is left alone; so are a bias that varies per slot and a dropout that may drop (p > 0 in training).
 """
 from __future__ import annotations
 
@@ -45,6 +49,8 @@ from .capacity_gating import (Choice, call, choice, order_choices, same_traced, 
                               versions_sound)
 from .driver import Anchor, Form, Match, every_node
 from .fx_utils import einsum_parts, read_gated, split_gated, val
+from .slot_layers import Bias, biased, dropout, op_bias, per_expert_bias, through_dropouts
+from .stacked_choices import StackedChoices, stacked_routing
 from .unrolled_loop import biased_linear
 
 FORM = "padded_capacity"
@@ -61,11 +67,15 @@ def _flatten(node: Node, targets: tuple, keep_going) -> list:
 
 
 def _regrouped(node: Any) -> list[Node]:
-    """``node`` and what it is a reshape of, outermost first: every one holds the same elements in the same
-    row-major order."""
+    """``node`` and what it is a reshape (or an identity dropout) of, outermost first: every one holds the same
+    elements in the same row-major order."""
     chain = []
     while isinstance(node, Node):
         chain.append(node)
+        identity = dropout(node)  # p == 0 or not training: the same elements, in the same order
+        if identity is not None and identity[1] is None:
+            node = identity[0]
+            continue
         if not (call(node, *_RESHAPES) and node.args and isinstance(node.args[0], Node) and not node.kwargs):
             break
         node = node.args[0]
@@ -123,26 +133,52 @@ class _Experts:
     down: Any
     layout: str
     activation: str
-    biases: tuple = (None, None, None)  # b1, b1_up, b2: per-expert tuples (the per-expert reading only)
+    biases: tuple = (None, None, None)  # b1, b1_up, b2: per-expert tuples, or stacked ``slot_layers.Bias``
     fields: tuple = ()  # the gated reading's spec fields (gate_up, alpha, limit)
 
 
-def _stacked_experts(out: Node, E) -> list[_Experts]:
-    """Experts by einsum / bmm on stacked weights, ``out`` (E, C, H) their down projection."""
+def _projections(node: Any, biases: bool, reasons: list) -> list[tuple[Node, Node, str, Optional[Bias]]]:
+    """(input, weight, layout, bias or None) readings of a slot projection under identity dropouts; with a
+    per-expert bias added (``slot_layers``) when ``biases``. Why a reading failed goes to ``reasons``."""
+    node, why = through_dropouts(node)
+    if why is not None:
+        reasons.append(why)
+        return []
+    found = [(*r, None) for r in _slot_projection(node)]
+    for product, b in biased(node) if biases else ():
+        for xin, w, layout in _slot_projection(product):
+            bias = per_expert_bias(b, w, layout, shape(product)[-2])
+            if isinstance(bias, str):
+                reasons.append(bias)
+            else:
+                found.append((xin, w, layout, bias))
+    return found
+
+
+def _stacked_experts(out: Node, E, biases: bool = False, reasons: Optional[list] = None) -> list[_Experts]:
+    """Experts by einsum / bmm on stacked weights, ``out`` (E, C, H) their down projection; with per-expert biases
+    when ``biases`` (the op then gets them, see ``match_capacity``). Why a reading failed goes to ``reasons``."""
+    reasons = [] if reasons is None else reasons
     found = []
-    for down_in, down_w, layout in _slot_projection(out):
-        split = split_gated(down_in)
+    for down_in, down_w, layout, b2 in _projections(out, biases, reasons):
+        hidden, why = through_dropouts(down_in)
+        split = split_gated(hidden) if why is None else None
         if split is None:
+            reasons += [why] if why is not None else []
             continue
         activation, _, gate_in, up_node = split
-        ups = _slot_projection(up_node) if up_node is not None else [None]
-        for g in _slot_projection(gate_in):
+        ups = _projections(up_node, biases, reasons) if up_node is not None else [None]
+        for g in _projections(gate_in, biases, reasons):
             for u in ups:
                 if (u is not None and (u[0] is not g[0] or u[2] != g[2])) or g[2] != layout:
                     continue
                 if val(down_w) is None or val(down_w).shape[0] != E or val(g[1]).shape[0] != E:
                     continue
-                found.append(_Experts(g[0], g[1], u[1] if u is not None else None, down_w, layout, activation))
+                if u is not None and (g[3] is None) != (u[3] is None):
+                    reasons.append("one of the gate and up projections has a bias and the other has none")
+                    continue
+                found.append(_Experts(g[0], g[1], u[1] if u is not None else None, down_w, layout, activation,
+                                      (g[3], u[3] if u is not None else None, b2)))
     return found
 
 
@@ -175,10 +211,14 @@ def _per_expert_experts(out: Node, E, C) -> Union[_Experts, str, None]:
         return None
     source, readings = None, []
     for e, piece in enumerate(pieces):
-        down = biased_linear(piece, e) if isinstance(piece, Node) else None
+        piece, why = through_dropouts(piece)
+        down = biased_linear(piece, e) if isinstance(piece, Node) and why is None else None
         if down is None or down[3]:
-            return f"expert {e}'s output is not an nn.Linear (or F.linear) on its own weights"
-        gated = read_gated(down[0], lambda n: biased_linear(n, e))
+            return why or f"expert {e}'s output is not an nn.Linear (or F.linear) on its own weights"
+        hidden, why = through_dropouts(down[0])
+        gated = read_gated(hidden, lambda n: biased_linear(n, e)) if why is None else None
+        if why is not None:
+            return why
         if gated is None or gated.gate[3] or (gated.up is not None and gated.up[3]):
             return f"expert {e}'s hidden state is not a known activation of its own projections"
         gate, up = gated.gate, gated.up
@@ -211,18 +251,19 @@ def _per_expert_experts(out: Node, E, C) -> Union[_Experts, str, None]:
 
 def _experts_on(out: Node, E, C) -> Union[list[_Experts], str]:
     """The readings of ``out`` (the slot outputs, through reshapes) as experts on slots, or why there are none."""
-    found, reason = [], "its slot outputs are not experts on the slots (einsum, bmm or one module per chunk)"
+    found, reasons = [], []
     for node in _regrouped(out):
         if _is_slots(node, E, C) is None:
             continue
         if len(shape(node)) == 3:
-            found += _stacked_experts(node, E)
+            found += _stacked_experts(node, E, biases=True, reasons=reasons)
         per = _per_expert_experts(node, E, C)
         if isinstance(per, _Experts):
             found.append(per)
         elif isinstance(per, str):
-            reason = per
-    return found or reason
+            reasons.insert(0, per)
+    return found or (reasons[0] if reasons else
+                     "its slot outputs are not experts on the slots (einsum, bmm or one module per chunk)")
 
 
 def _dispatch_of(node: Any) -> Optional[Node]:
@@ -245,9 +286,15 @@ def _dispatch_of(node: Any) -> Optional[Node]:
     return None
 
 
+def _permute_dims(perm: Node) -> tuple:
+    args = perm.args[1:]
+    return tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else tuple(args)
+
+
 def _dispatched(xin: Node, T, E, C) -> Optional[tuple[Node, Node]]:
-    """(dispatch (T, E, C), x (T, H)) when ``xin`` (through reshapes) is ``einsum("tec,th->ech", dispatch, x)`` or
-    ``mm(dispatch.permute(1, 2, 0).view(E*C, T), x)``: slot (e, c) holds sum_t dispatch[t, e, c] * x[t]."""
+    """(dispatch (T, E, C), x (T, H)) when ``xin`` (through reshapes) is ``einsum("tec,th->ech", dispatch, x)``,
+    ``mm(dispatch.permute(1, 2, 0).view(E*C, T), x)`` or ``dispatch.permute(1, 2, 0) @ x``: slot (e, c) holds
+    sum_t dispatch[t, e, c] * x[t]."""
     for node in _regrouped(xin):
         parsed = einsum_parts(node)
         if parsed is not None and len(parsed[2]) == 2:
@@ -257,16 +304,22 @@ def _dispatched(xin: Node, T, E, C) -> Optional[tuple[Node, Node]]:
                 if len(ds) == 3 and len(xs) == 2 and len(set(ds + xs)) == 4 and xs[0] == ds[0] and (
                         out_subs == ds[1:] + xs[1]):
                     return ops[di], ops[xi]
+        if call(node, *_MM) and len(node.args) == 2 and not node.kwargs and len(shape(node) or ()) == 3:
+            # nanoMoE's ``dispatch.permute(1, 2, 0).type_as(x) @ x``: (E, C, T) @ (T, H); a cast of the permuted
+            # 0/1 dispatch is exact
+            perm, x = strip_casts(node.args[0], zero_one=True), node.args[1]
+            s = shape(perm.args[0]) if call(perm, "permute", torch.permute) and not perm.kwargs else None
+            if s is not None and len(s) == 3 and _permute_dims(perm) == (1, 2, 0) and len(shape(x) or ()) == 2 \
+                    and same_traced(s[0], T) and same_traced(s[1], E) and same_traced(s[2], C):
+                return perm.args[0], x
         if call(node, *_MM) and len(node.args) == 2 and not node.kwargs and len(shape(node) or ()) == 2:
             flat, x = node.args
             chain = _regrouped(flat)
             perm = chain[-1]
             if len(chain) < 2 or not (call(perm, "permute", torch.permute) and not perm.kwargs):
                 continue
-            dims = tuple(perm.args[1]) if len(perm.args) == 2 and isinstance(perm.args[1], (tuple, list)) \
-                else tuple(perm.args[1:])
             s = shape(perm.args[0])
-            if dims != (1, 2, 0) or s is None or len(s) != 3 or len(shape(flat)) != 2:
+            if _permute_dims(perm) != (1, 2, 0) or s is None or len(s) != 3 or len(shape(flat)) != 2:
                 continue
             if not (same_traced(s[0], T) and same_traced(s[1], E) and same_traced(s[2], C)
                     and same_traced(shape(flat)[1], T)):
@@ -304,7 +357,7 @@ def _capacity_combines(y: Node) -> list[tuple[Node, Node]]:
 class _Match:
     experts: _Experts
     x: Node
-    choices: list[Choice]
+    choices: Union[list[Choice], StackedChoices]
     capacity: Any
 
 
@@ -340,15 +393,20 @@ def _match_parts(y: Node, combine: Node, out: Node) -> Union[_Match, str]:
         x = dispatched[1]
         if shape(x) is None or len(shape(x)) != 2 or not same_traced(shape(x)[0], T):
             continue
-        choices = _routing(combine, T, E, C)
+        stacked = stacked_routing(combine, T, E, C)
+        choices = _routing(combine, T, E, C) if stacked is None else stacked
         if isinstance(choices, str):
             return choices
-        inputs = [x, *(n for c in choices for n in (c.idx, c.gate, c.full) if n is not None)]
-        if not versions_sound(y, inputs, [f for c in choices for f in c.fills()]):
+        if isinstance(choices, StackedChoices):  # nothing above its ids and gate is read
+            sound = versions_sound(y, [x, *choices.inputs()], [], from_inputs=True)
+        else:
+            inputs = [x, *(n for c in choices for n in (c.idx, c.gate, c.full) if n is not None)]
+            sound = versions_sound(y, inputs, [f for c in choices for f in c.fills()])
+        if not sound:
             return ("a (T, E, C) combine over capacity slots whose gating tensors are changed in place after "
                     "they are read")
-        capacity = C if isinstance(C, int) else choices[0].capacity  # the op takes an int or a size node
-        return _Match(ex, x, choices, capacity)
+        held = choices.capacity if isinstance(choices, StackedChoices) else choices[0].capacity
+        return _Match(ex, x, choices, C if isinstance(C, int) else held)  # the op takes an int or a size node
     return reason
 
 
@@ -375,6 +433,21 @@ def _routing(combine: Node, T, E, C) -> Union[list[Choice], str]:
     return ordered
 
 
+def _op_routing(graph: Graph, choices: list[Choice]) -> tuple[Node, Node]:
+    """The op's (T, k) ids and weights, stacked from the proven choices."""
+    # fairseq's scatter one-hot takes (T, 1) ids: the op's column is their (T,) view
+    ids = graph.call_function(torch.stack, ([c.idx if val(c.idx).dim() == 1 else graph.call_method(
+        "reshape", (c.idx, -1)) for c in choices],), {"dim": 1})
+    columns = []
+    for c in choices:
+        if c.full is not None:  # a (T, E) gate times the one-hot: its entry at the kept expert
+            column = graph.call_method("view", (c.idx, -1, 1))
+            columns.append(graph.call_method("reshape", (graph.call_method("gather", (c.full, 1, column)), -1)))
+        else:
+            columns.append(graph.call_method("reshape", (c.gate, -1)))
+    return ids, graph.call_function(torch.stack, (columns,), {"dim": 1})
+
+
 def match_capacity(y: Node) -> Union[Match, str, None]:
     """The padded-capacity MoE whose (T, E, C) combine ends at ``y``; or why not, when ``y`` is such a combine."""
     found = match(y)
@@ -382,25 +455,20 @@ def match_capacity(y: Node) -> Union[Match, str, None]:
         return found
     ex = found.experts
     per_expert = isinstance(ex.gate, tuple)
-    b1, b1_up, b2 = ex.biases
+    b1, b1_up, b2 = (b.node if isinstance(b, Bias) else b for b in ex.biases)
     # the routing is proven; the op's (T, k) ids and weights are stacked from its choices by ``derive``
     spec = MoESpec(found.x, None, None, ex.gate, ex.up, ex.down, ex.layout, ex.activation, capacity=found.capacity,
                    b1=b1, b1_up=b1_up, b2=b2, **dict(ex.fields))
 
+    stacked = isinstance(found.choices, StackedChoices)
+
     def derive(graph: Graph, spec: MoESpec) -> MoESpec:
-        # fairseq's scatter one-hot takes (T, 1) ids: the op's column is their (T,) view
-        ids = graph.call_function(torch.stack, ([c.idx if val(c.idx).dim() == 1 else graph.call_method(
-            "reshape", (c.idx, -1)) for c in found.choices],), {"dim": 1})
-        columns = []
-        for c in found.choices:
-            if c.full is not None:  # a (T, E) gate times the one-hot: its entry at the kept expert
-                column = graph.call_method("view", (c.idx, -1, 1))
-                columns.append(graph.call_method("reshape", (graph.call_method("gather", (c.full, 1, column)), -1)))
-            else:
-                columns.append(graph.call_method("reshape", (c.gate, -1)))
-        weights = graph.call_function(torch.stack, (columns,), {"dim": 1})
+        ids, weights = found.choices.op_routing(graph) if stacked else _op_routing(graph, found.choices)
         spec = dataclasses.replace(spec, ids=ids, weights=weights)
-        if per_expert:  # the list op has no capacity: the op with capacity takes them stacked, at each call
+        if not per_expert:  # a stacked (E, 1, N) bias as the op's (E, N) view
+            spec = dataclasses.replace(spec, **{f: op_bias(graph, b) for f, b in zip(("b1", "b1_up", "b2"),
+                                                                                     ex.biases)})
+        else:  # the list op has no capacity: the op with capacity takes them stacked, at each call
             def stack(t):
                 return None if t is None else graph.call_function(torch.stack, (list(t),))
             spec = dataclasses.replace(spec, gate=stack(spec.gate), up=stack(spec.up), down=stack(spec.down),
@@ -417,7 +485,7 @@ def match_capacity(y: Node) -> Union[Match, str, None]:
         if isinstance(found.capacity, int) else "the padded slots"
     note = (f"capacity {found.capacity}, the same drops; runs the T*k routed rows instead of {padded}, no (T, E, C) "
             "dispatch" + ("; per-expert weights stacked at each call" if per_expert else ""))
-    return Match(spec, y, note=note, derive=derive, top_k=len(found.choices))
+    return Match(spec, y, note=note, derive=derive, top_k=found.choices.k if stacked else len(found.choices))
 
 
 def _match_grouped(y: Node) -> Union[Match, str, None]:

@@ -116,6 +116,7 @@ class MOELayer(nn.Module):
         return output.view(B, T, n_embd)
 
 
+# The capacity is Python arithmetic on the token count and one_hot specialises on it, so each capacity is a graph
+# of its own under any backend: the token counts share one (C = 8), and the second one drops an assignment.
 CASES = [Case("nanomoe", "wolfecameron/nanoMoE model.py MOELayer + Router + MLPExperts", MOELayer,
-              lambda T, g: torch.randn(2, T, H, generator=g), form="padded_capacity",
-              expect=("left_alone", "padded_capacity", "slot outputs are not experts on the slots"))]
+              lambda T, g: torch.randn(2, T, H, generator=g), form="padded_capacity", token_counts=(6, 7))]
