@@ -361,9 +361,7 @@ def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, s
     M = order.shape[0]
     n_pre = w1.shape[2] * (2 if w1_up is not None else 1)
     d_scale = x.new_empty(M, dtype=torch.float32) if need.topk_weights else x.new_empty(0)
-    return (x.new_empty(M, n_pre), d_scale, _maybe(need.w2, w2, _grad_buffer, x),
-            _maybe(need.b1, b1, torch.empty_like, x), _maybe(need.b1_up, b1_up, torch.empty_like, x),
-            _maybe(need.b2, b2, torch.empty_like, x))
+    return (x.new_empty(M, n_pre), d_scale, *_fake_middle_grads(need, x, w2, b1, b1_up, b2))
 
 
 @torch.library.custom_op("moe_inductor::experts_backward_up", mutates_args=())
@@ -385,7 +383,15 @@ def experts_backward_up(
 @experts_backward_up.register_fake
 def _(d_pre, d_scale_sorted, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, order, sorted_expert, offsets,
       activation, weight_position, alpha, limit, dropped, needs):
-    need = Needs(*needs)
+    return _fake_up_grads(Needs(*needs), x, topk_weights, w1, w1_up)
+
+
+def _maybe(flag: bool, t: Optional[Tensor], like, x: Tensor) -> Tensor:
+    return like(t) if (flag and t is not None) else x.new_empty(0)
+
+
+def _fake_up_grads(need: Needs, x: Tensor, topk_weights: Tensor, w1: Tensor, w1_up: Optional[Tensor]) -> tuple:
+    """dx, d_topk_weights, dw1, dw1_up as the second half makes them (empty where not wanted)."""
     return (
         _maybe(need.x, x, torch.empty_like, x),
         _maybe(need.topk_weights, topk_weights, torch.empty_like, x),
@@ -395,8 +401,11 @@ def _(d_pre, d_scale_sorted, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up
     )
 
 
-def _maybe(flag: bool, t: Optional[Tensor], like, x: Tensor) -> Tensor:
-    return like(t) if (flag and t is not None) else x.new_empty(0)
+def _fake_middle_grads(need: Needs, x: Tensor, w2: Tensor, b1: Optional[Tensor], b1_up: Optional[Tensor],
+                       b2: Optional[Tensor]) -> tuple:
+    """dw2, db1, db1_up, db2 as the first half makes them (empty where not wanted)."""
+    return (_maybe(need.w2, w2, _grad_buffer, x), _maybe(need.b1, b1, torch.empty_like, x),
+            _maybe(need.b1_up, b1_up, torch.empty_like, x), _maybe(need.b2, b2, torch.empty_like, x))
 
 
 @torch.library.custom_op("moe_inductor::experts_backward", mutates_args=())
@@ -443,14 +452,4 @@ def experts_backward(
 def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets, activation,
       weight_position, alpha, limit, dropped, needs):
     need = Needs(*needs)
-    return (
-        _maybe(need.x, x, torch.empty_like, x),
-        _maybe(need.topk_weights, topk_weights, torch.empty_like, x),
-        _maybe(need.w1, w1, (_pairs_grad_buffer if need.gate_up_pairs else _combined_grad_buffer)
-               if need.combined_gate_up else _grad_buffer, x),
-        _maybe(need.w1_up and not need.combined_gate_up, w1_up, _grad_buffer, x),
-        _maybe(need.w2, w2, _grad_buffer, x),
-        _maybe(need.b1, b1, torch.empty_like, x),
-        _maybe(need.b1_up, b1_up, torch.empty_like, x),
-        _maybe(need.b2, b2, torch.empty_like, x),
-    )
+    return (*_fake_up_grads(need, x, topk_weights, w1, w1_up), *_fake_middle_grads(need, x, w2, b1, b1_up, b2))
