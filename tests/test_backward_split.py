@@ -1,18 +1,15 @@
 """The experts backward as two ops (ops/backward.py): the middle, the last reader of the forward's saved ``pre``,
-then dW1 / dx / d(routing weights) from its d_pre. The compiled backward frees ``pre`` between them."""
+then dW1 / dx / d(routing weights) from its d_pre. That the compiled backward frees ``pre`` between them is
+checked on a traced training graph in test_ops.py (test_traced_training_passes_the_gate_up_weight_whole)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-import moe_inductor
 from moe_inductor import config
 from moe_inductor.ops import expert_weight_views, experts_backward, experts_forward
 from moe_inductor.ops.backward import experts_backward_middle, experts_backward_up
-from helpers import graph_keeping_backend, make_problem
-
-MIDDLE = torch.ops.moe_inductor.experts_backward_middle.default
-UP = torch.ops.moe_inductor.experts_backward_up.default
+from helpers import make_problem
 
 
 def _args(activation: str = "silu_glu", bias: bool = True, gate_up: str = "concat", T: int = 7, E: int = 5,
@@ -80,39 +77,3 @@ def test_the_two_halves_give_the_one_ops_gradients(path, T, E, gate_up, needs_pa
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     if T > 0:
         assert whole[2].abs().sum() > 0  # a real gradient, not an empty one twice
-
-
-def test_compiled_backward_frees_pre_between_the_halves():
-    """In the traced backward, the forward's saved ``pre`` is read by the middle alone, so the compiled backward
-    can free it before dW1 and dx are computed; and the gradients match eager."""
-    graphs: dict = {}
-    p = make_problem(9, 16, 8, 5, 2, activation="silu_glu")
-    gate_up = torch.nn.Parameter(p.w1.detach().clone())
-    down = torch.nn.Parameter(p.w2.detach().clone())
-
-    def run(x, ids, tw):
-        return moe_inductor.fused_experts(x, ids, tw, gate_up, down, activation="silu_glu", layout="nk")
-
-    torch._dynamo.reset()
-    compiled = torch.compile(run, backend=graph_keeping_backend(graphs))
-    compiled(p.x, p.topk_ids, p.topk_weights).square().sum().backward()
-    got = gate_up.grad.clone(), down.grad.clone()
-    gate_up.grad = down.grad = None
-    run(p.x, p.topk_ids, p.topk_weights).square().sum().backward()
-    torch.testing.assert_close(got[0], gate_up.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got[1], down.grad, rtol=1e-5, atol=1e-6)
-
-    bw = graphs["bw"].graph
-    middles = [n for n in bw.nodes if n.target is MIDDLE]
-    ups = [n for n in bw.nodes if n.target is UP]
-    assert len(middles) == 1 and len(ups) == 1, graphs["bw"].code
-    assert torch.ops.moe_inductor.experts_backward.default not in {n.target for n in bw.nodes}
-    # from the middle's pre argument back to the saved tensor: each step (aliases AOTAutograd adds) read once
-    pre, reader = middles[0].args[10], middles[0]
-    while pre.op == "call_function" and pre.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
-        assert set(pre.users) == {reader}, [u.format_node() for u in pre.users]
-        pre, reader = pre.args[0], pre
-    assert pre.op == "placeholder" and pre.meta["val"].shape == (18, 16)  # (T*k, 2I), saved by the forward
-    assert set(pre.users) == {reader}, [u.format_node() for u in pre.users]
-    order = list(bw.nodes)
-    assert order.index(middles[0]) < order.index(ups[0])

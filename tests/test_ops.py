@@ -221,8 +221,21 @@ def test_traced_training_passes_the_gate_up_weight_whole():
     assert len(ops) == 1 and ops[0].args[4] is None and ops[0].args[3].meta["val"].shape == (5, 16, 16)
     bw_targets = {n.target for n in graphs["bw"].graph.nodes if n.op == "call_function"}
     assert torch.ops.aten.slice_backward.default not in bw_targets, graphs["bw"].code
-    assert {torch.ops.moe_inductor.experts_backward_middle.default,
-            torch.ops.moe_inductor.experts_backward_up.default} <= bw_targets
+    # the backward is two ops, and the forward's saved ``pre`` is read by the first alone, so that the compiled
+    # backward frees it before dW1 and dx are made (ops/backward.py)
+    bw = graphs["bw"].graph
+    middles = [n for n in bw.nodes if n.target is torch.ops.moe_inductor.experts_backward_middle.default]
+    ups = [n for n in bw.nodes if n.target is torch.ops.moe_inductor.experts_backward_up.default]
+    assert len(middles) == 1 and len(ups) == 1, graphs["bw"].code
+    assert torch.ops.moe_inductor.experts_backward.default not in bw_targets
+    pre, reader = middles[0].args[10], middles[0]
+    while pre.op == "call_function" and pre.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+        assert set(pre.users) == {reader}, [u.format_node() for u in pre.users]  # AOTAutograd's aliases, read once
+        pre, reader = pre.args[0], pre
+    assert pre.op == "placeholder" and pre.meta["val"].shape == (18, 16)  # (T*k, 2I), saved by the forward
+    assert set(pre.users) == {reader}, [u.format_node() for u in pre.users]
+    nodes = list(bw.nodes)
+    assert nodes.index(middles[0]) < nodes.index(ups[0])
 
 
 def _backward_args(combined_gate_up: bool):
