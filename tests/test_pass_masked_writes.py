@@ -3,6 +3,8 @@
 expert's input (``xr[flat == e] * w.reshape(-1, 1)[flat == e]``) and a plain ``.sum(1)``. Rewritten and equal to
 eager forward and backward; look-alikes (a skipped expert, ``repeat`` instead of ``repeat_interleave``, a mask of
 other ids, ids that are not from topk, the weights of other rows) left alone."""
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -70,3 +72,161 @@ def test_masked_write_look_alikes_are_left_alone(style):
     assert not counters["moe_inductor"], dict(counters["moe_inductor"])
     assert sum(counters["moe_inductor_left_alone"].values()) >= 1  # explain() says something
     assert_close(out, model(x), torch.float32, style)
+
+
+class Top1MasksMoE(nn.Module):
+    """A top-1 router's boolean-mask writes, ``out[idx == e] = expert_e(x[idx == e])`` over (T,) ids, in the spelling
+    ``style`` names (the first group is rewritten, the second left alone)."""
+
+    def __init__(self, style, E=4):
+        super().__init__()
+        self.style, self.E = style, E
+        width = E + 1 if style == "wider_router" else E
+        self.router = nn.Linear(H, width, bias=False)
+        bias = style == "biased_accumulate"
+        self.gate_proj = nn.ModuleList([nn.Linear(H, I, bias=False) for _ in range(E)])
+        self.up = nn.ModuleList([nn.Linear(H, I, bias=bias) for _ in range(E)])
+        self.down = nn.ModuleList([nn.Linear(I, H, bias=bias) for _ in range(E)])
+        self.w_up = nn.Parameter(torch.randn(E, I, H) * H ** -0.5)
+        self.w_down = nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
+
+    def expert(self, e, rows):
+        if self.style in ("stacked_inside", "weight_on_input", "skipped_expert", "mismatched_expert"):
+            return F.linear(F.gelu(F.linear(rows, self.w_up[e])), self.w_down[e])
+        if self.style == "unweighted":
+            return self.down[e](F.silu(self.gate_proj[e](rows)) * self.up[e](rows))
+        return self.down[e](F.relu(self.up[e](rows)))
+
+    def forward(self, x):
+        s, E = self.style, self.E
+        p = self.router(x).softmax(dim=-1)
+        w = p.max(dim=-1).values
+        idx = p.argmax(dim=-1)
+        if s == "stacked_inside":
+            w, idx = p.topk(1, dim=-1)  # w (T, 1), read as w[m]
+            idx = idx.squeeze(-1)
+        elif s == "unweighted":
+            idx = p.max(dim=-1).indices
+        elif s in ("hashed", "hashed_weight_after"):  # ids of no router: -1 and E come up, rows no expert writes
+            idx = (x.detach().sum(-1) * 3).floor().long() % (E + 2) - 1
+        elif s == "empty_unproven":
+            idx = idx % E  # in range(E), but not provably so
+        other = idx.flip(0)  # the same count per expert, other rows
+        if s in ("stacked_inside", "weight_on_input", "mismatched_expert", "empty_unproven"):
+            out = torch.empty_like(x)
+        elif s == "unweighted":
+            out = x.new_zeros(x.shape)
+        elif s == "clone_accumulate":
+            out = x.clone()
+        else:
+            out = torch.zeros_like(x)
+        second = torch.zeros_like(x)
+        kept = None
+        experts = reversed(range(E)) if s == "after" else range(E - 1) if s == "skipped_expert" else range(E)
+        for e in experts:
+            m = idx == e
+            if s == "after":  # the mask written out twice
+                out[idx == e] = self.expert(e, x[idx == e])
+            elif s == "stacked_inside":
+                out[m] = w[m] * self.expert(e, x[m])
+            elif s == "weight_on_input":
+                out[m] = self.expert(e, x[m] * w[m, None])
+            elif s in ("biased_accumulate", "clone_accumulate"):
+                out[m] += w[m].unsqueeze(-1) * self.expert(e, x[m])
+            elif s == "hashed" or (s == "weight_on_some" and e < E // 2):
+                out[m] = self.expert(e, x[m]) * w[m, None]
+            elif s == "two_buffers":
+                (out if e < E // 2 else second)[m] = self.expert(e, x[m])
+            elif s == "mismatched_expert":  # expert e's weights at the rows of expert e + 1
+                m = idx == (e + 1) % E
+                out[m] = self.expert(e, x[m])
+            elif s == "weight_of_other_rows":
+                out[m] = self.expert(e, x[m]) * w[other == e, None]
+            elif s == "rows_of_other_ids":
+                out[m] = self.expert(e, x[other == e])
+            elif s == "writes_of_two_id_tensors":  # rows written twice or never
+                m = m if e < E // 2 else other == e
+                out[m] = self.expert(e, x[m])
+            elif s in ("recomputed_ids", "recomputed_after_a_change"):  # the ids' argmax written out in each mask
+                out[p.argmax(-1) == e] = self.expert(e, x[p.argmax(-1) == e])
+                if s == "recomputed_after_a_change":  # the next argmax reads other scores
+                    p[:, e] -= 1.0
+            elif s == "ge_mask":
+                out[idx >= e] = self.expert(e, x[idx >= e])
+            else:
+                out[m] = self.expert(e, x[m])
+            if s == "read_between" and e == 0:
+                kept = out.sum(0, keepdim=True)
+        if s == "written_twice":
+            out[idx == 0] = 2.0 * self.expert(0, x[idx == 0])
+        if s in ("unweighted", "biased_accumulate", "hashed", "stacked_inside", "weight_on_input", "weight_on_some"):
+            return out
+        if s == "two_buffers":
+            return (out + second) * w[:, None]
+        if s == "read_between":
+            return out * w.unsqueeze(-1) + kept
+        return out * w[:, None]
+
+
+@pytest.mark.parametrize("style,E,T", [
+    ("after", 3, 7),  # per-expert nn.Linear, the weight on the combined result, experts written in reverse order
+    ("after", 3, 1),  # one token: every expert but one empty
+    ("stacked_inside", 5, 9),  # w[e] of stacked weights, topk(1) ids, the (T, 1) weight on each output; empty_like
+    ("weight_on_input", 5, 6),
+    ("unweighted", 3, 8),  # a gated MLP per expert and no routing weight: the op scales by 1
+    ("biased_accumulate", 4, 9),  # nn.Linear biases, out[m] += w[m].unsqueeze(-1) * expert(x[m]) onto zeros
+    ("hashed", 4, 12),  # ids of no router: those outside range(E) leave zero rows, as the op skips them
+    ("recomputed_ids", 4, 7),  # p.argmax(-1) == e computed afresh for each read and write: the same ids
+])
+def test_top1_masked_writes_are_rewritten_and_equal(style, E, T):
+    torch.manual_seed(0)
+    model = Top1MasksMoE(style, E)
+    x = torch.randn(T, H)
+    if style == "hashed":  # the case is only worth its name when some ids fall outside range(E)
+        ids = (x.sum(-1) * 3).floor().long() % (E + 2) - 1
+        assert ((ids < 0) | (ids >= E)).any() and ((ids >= 0) & (ids < E)).any()
+    assert_rewritten_like_eager(model, x, "unrolled_loop", f"{style} E={E} T={T}")
+    assert sum(counters["graph_break"].values()) == 0
+
+
+@pytest.mark.parametrize("style,reason", [
+    ("two_buffers", "the router chooses among 4 experts and the loop writes 2"),
+    ("skipped_expert", "not each of range(4) once"),
+    ("written_twice", "written twice"),
+    ("mismatched_expert", "expert 1's output is not a projection on its own weights"),
+    ("clone_accumulate", "does not start as zeros or empty"),
+    ("read_between", "read before the loop's last write"),
+    ("weight_of_other_rows", "expert 0's output is not a projection"),
+    ("rows_of_other_ids", "does not read the tokens at its own mask"),
+    ("writes_of_two_id_tensors", "masks of different id tensors"),
+    ("weight_on_some", "do not all apply one routing weight"),
+    ("recomputed_after_a_change", "masks of different id tensors"),
+    ("ge_mask", "moe_region"),  # overlapping masks are no mark of this form; the router's note says it
+    ("wider_router", "the router chooses among 5 experts and the loop writes 4"),
+    ("empty_unproven", "torch.empty_like and the ids are not provably in range(E)"),
+    ("hashed_weight_after", "scales the whole buffer and the ids are not provably in range(E)"),
+])
+def test_top1_masked_write_look_alikes_are_left_alone(style, reason, caplog):
+    torch.manual_seed(0)
+    model, x = Top1MasksMoE(style), torch.randn(10, H)
+    with caplog.at_level(logging.INFO, logger="moe_inductor"):
+        out = compile_moe(model, x)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    notes = [r.getMessage() for r in caplog.records if "left alone" in r.getMessage()]
+    assert any(reason in n for n in notes), notes
+    assert_close(out, model(x), torch.float32, style)
+
+
+def test_a_masked_fill_of_one_id_is_no_expert_loop(caplog):
+    """``t[ids == c] = v`` at one id is how a model masks labels or padding: nothing to say about it."""
+    def masked_fill(x):
+        ids = x.argmax(dim=-1)
+        y = torch.zeros_like(x)
+        y[ids == 0] = x[ids == 0] * 2.0
+        return y.sum(0) * 3.0
+
+    x = torch.randn(6, H)
+    with caplog.at_level(logging.INFO, logger="moe_inductor"):
+        out = compile_moe(masked_fill, x)
+    assert not counters["moe_inductor"] and not counters["moe_inductor_left_alone"]
+    assert_close(out, masked_fill(x), torch.float32)

@@ -23,7 +23,8 @@ A Switch-style top-1 loop (one choice per token, so the experts' rows are disjoi
 routing weight to the whole result (``out * p.view(-1, 1)``); its nn.Linear experts may have biases.
 
 DeepSeek-V2's training loop is the same form with boolean masks and writes (``match_masked_writes``):
-``buf[flat == e] = expert(x.repeat_interleave(k, 0)[flat == e])``, then ``(buf.view(T, k, H) * w[..., None]).sum(1)``.
+``buf[flat == e] = expert(x.repeat_interleave(k, 0)[flat == e])``, then ``(buf.view(T, k, H) * w[..., None]).sum(1)``;
+so is a top-1 router's ``out[idx == e] = expert(x[idx == e])`` (``match_top1_masks``).
 
 The E bodies must agree on everything but e (same x, ids, weights, weights tensors, activation, layout), e must run
 over all of range(E), and the accumulator must start from zeros and be changed by nothing else. Then the loop
@@ -45,7 +46,7 @@ from .driver import CHANGED_IN_PLACE, Anchor, Form, Match
 from .flat_slices import block_linear, blocks, sliced_spec, views
 from .fx_utils import GatedRead, alias_mutations, is_call, mutated_alias, read_gated, source_line, val
 from .loop_rows import routing_scaled, rows_index, selection, token_rows_of
-from .masked_writes import match_masked_writes
+from .masked_writes import match_masked_writes, match_top1_masks, top1_buffer
 
 FORM = "unrolled_loop"
 
@@ -527,5 +528,7 @@ def match_loop(acc: Node) -> Union[Match, str, None]:
 
 
 rewrite = Form(FORM, (Anchor(_zeros_like_x, match_loop),
-                     Anchor(lambda n: is_call(n, "call_method", "sum", "squeeze"), match_masked_writes)))
+                     Anchor(lambda n: is_call(n, "call_method", "sum", "squeeze"), match_masked_writes),
+                     # last: the buffers the DeepSeek proof rewrote are gone by then
+                     Anchor(top1_buffer, match_top1_masks)))
 """Replace every provable unrolled per-expert loop in a GraphModule; returns what was rewritten."""
