@@ -99,8 +99,9 @@ case "${1:-suite}" in
       --json "$OUT/bench_hf.json" --markdown "$OUT/bench_hf.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       | tee "$OUT/bench_hf.log" | grep -v "^  " ;;
   fair)  # every prefill T=4096 cell and Qwen3's training step, each cell's columns timed again in 3 interleaved
-         # rounds (order reversed every other round) with the GPU's clock sampled: the column timed second meets a
-         # slower card (RESULTS.md, twenty-first session), and bench_hf times moe_inductor after inductor (~9 min)
+         # rounds (order reversed every other round) with the GPU's clock sampled: whether a ratio depends on the
+         # columns' order (it did not, twenty-second session: the faster column draws the card to its power limit
+         # and runs at a lower clock, whichever comes first) (~8 min)
     timeout 580 python benchmarks/bench_hf.py --deadline-s 565 --interleave 3 --clocks --layers qwen3_moe=2 \
       --budget qwen3_moe=175 mixtral=80 olmoe=75 qwen2_moe=75 deepseek_v3=90 \
       --cells qwen3_moe:prefill:4096 qwen3_moe:train:4096:eager+inductor+moe_inductor mixtral:prefill:4096 \

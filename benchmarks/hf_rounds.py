@@ -1,12 +1,12 @@
 """A cell's columns timed again in interleaved rounds (``bench_hf.py --interleave R``), and the GPU's clock,
 temperature and power while each column is timed (``--clocks``).
 
-Timed one after another in one process, the columns of a cell do not meet the same GPU: the column timed later
-meets a card that has run longer, and the same library kernels (cuBLAS, cuDNN, CUTLASS) can take longer there than
-in the column before (RESULTS.md, twenty-first session). ``bench_hf`` always times moe_inductor after inductor, so
-whatever drifts counts against one side. Here every column is timed once per round, the order reversed every other
-round (A B C, C B A, ...), and a column's value is the median of its rounds: a drift then falls on every column
-alike, and the clocks say whether there was one.
+Timed one after another in one process, the columns of a cell may not meet the same GPU, and ``bench_hf`` always
+times moe_inductor after inductor, so a drift would count against one side. Here every column is timed once per
+round, the order reversed every other round (A B C, C B A, ...), and a column's value is the median of its rounds:
+a drift then falls on every column alike, and the clocks say whether there was one. On the H200 the ratios did not
+move with the order; what the clocks showed is that a faster column draws the card to its power limit and runs at
+a lower clock (RESULTS.md, twenty-second session).
 """
 from __future__ import annotations
 
