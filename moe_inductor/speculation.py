@@ -27,6 +27,10 @@ that body selects on. So, during a moe_inductor compile only:
   and ``discharge`` after them (every tagged node went with a rewrite); anything short raises
   ``SpeculationNotDischarged``, and capture's fallback compiles the frame as plain capture would, saying why.
 
+A guard ``if mask.any():`` (or ``torch.any(mask)``, or ``if not mask.any(): continue``) of a mask ``ids == e`` is the
+same skip, its value False exactly at no rows: it is answered alike, and proven by the mask's (ids, e) and the masks
+the body indexes by (``mask_guards.py``).
+
 A test that is not "no rows" (``counts[i] < 2``) is never assumed away: it is noted (``refusal``) and the frame falls
 back as before, the note in its explain() line.
 
@@ -45,6 +49,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from . import mask_guards
 from .loop_bytecode import _body_refusal, _loop_of, _next, _resolve
 
 TAG = "moe_inductor_speculation"
@@ -80,6 +85,8 @@ class Speculation:
     #: a hit loop's iteration that computes nothing (a branch on its index skipped it whole, as transformers v5
     #: skips its sentinel class): found by check_traced, and then nothing of it is to be rewritten
     vacuous: bool = False
+    #: the guard is ``mask.any()`` of one expert's mask (mask_guards.py), not a count
+    mask: bool = False
 
 
 @dataclass
@@ -184,11 +191,15 @@ def _speculate(tx, inst, jumps_when: bool) -> bool:
     if trace is None or not tx.stack:
         return False
     found = _count_symbol(tx.stack[-1])
-    if found is None:
+    guard = mask_guards.any_of_mask(tx.stack[-1]) if found is None else None
+    if found is None and guard is None:
         return False
-    expr, symbol = found
     where = _user_line(tx)
-    at_zero = _no_rows_test(expr, symbol)
+    if guard is not None:  # mask.any() is False exactly when the mask has no rows
+        expr, symbol, at_zero = f"{guard.args[0].name}.any()", None, False
+    else:
+        expr, symbol = found
+        at_zero = _no_rows_test(expr, symbol)
     if at_zero is None:
         trace.refusals.append(f"{where}: the branch on {expr} is not a test of 'this expert got no tokens': "
                               "not assumed away")
@@ -202,8 +213,8 @@ def _speculate(tx, inst, jumps_when: bool) -> bool:
     open_here = [s for s in trace.speculations if s.tx is tx and not s.closed]
     # A hit loop's iteration (hit_loops.py) takes the skip of its own expert's empty rows as part of itself: an
     # expert with no rows computes nothing either way. check_traced proves the count is that expert's.
-    hit_iteration = (open_here[0] if len(open_here) == 1 and open_here[0].counts is not None
-                     and open_here[0].symbol is None and head is not None
+    hit_iteration = (open_here[0] if guard is None and len(open_here) == 1 and open_here[0].counts is not None
+                     and not open_here[0].mask and open_here[0].symbol is None and head is not None
                      and open_here[0].loop_head == head.offset else None)
     if loop is None or _resolve(tx, zero_side) is not head or _resolve(tx, rows_side) is head:
         reason = "its no-tokens side does not go straight to the next iteration (continue)"
@@ -217,6 +228,10 @@ def _speculate(tx, inst, jumps_when: bool) -> bool:
     graph = tx.output.graph
     if hit_iteration is not None:
         hit_iteration.symbol = symbol
+    elif guard is not None:
+        trace.speculations.append(Speculation(next(_ids), None, where, graph, _last_node(graph), tx.f_code,
+                                              head.offset, tx, trace.mutations,
+                                              counts=mask_guards.counted_by(guard.name), mask=True))
     else:
         trace.speculations.append(Speculation(next(_ids), symbol, where, graph, _last_node(graph), tx.f_code,
                                               head.offset, tx, trace.mutations))
@@ -471,7 +486,7 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
             if skipped is None or skipped[0] is not ids or skipped[1] != e:
                 raise _fail(s, f"its no-tokens skip does not count the rows of its own expert {e} (of {ids.name})")
         body = [n for n in graph.nodes if n.meta.get(TAG) == s.id]
-        if s.counts is not None and _computes_nothing(body):
+        if s.counts is not None and not s.mask and _computes_nothing(body):
             s.vacuous = True
             continue
         read = {own} if own is not None else set()
@@ -481,10 +496,11 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
             for arg in node.all_input_nodes:
                 if is_call(arg, "call_function", operator.getitem) and _selection_of(arg.args[0]) is not None:
                     read.add(arg.args[0])
+            read.update(mask_guards.masks_read(node))
         if not read:
             raise _fail(s, "the body it guards selects no expert's rows")
         for selection in read:
-            sel_ids, sel_e = _selection_of(selection)
+            sel_ids, sel_e = _selection_of(selection) or mask_guards.selected_by(selection)
             if sel_ids is not ids or sel_e != e:
                 raise _fail(s, f"the body reads the rows of expert {sel_e} (of {sel_ids.name}), and the count is of "
                                f"expert {e} (of {ids.name})")

@@ -8,10 +8,14 @@ iteration), skipped unless ``expert_mask.any()``, then ``final_hidden[expert_mas
 ``nn.Linear`` without biases, SiLU on the gate). The guide hands the experts the router's logits; here the block's
 own ``nn.Linear`` router makes them, as Qwen2-MoE's does.
 
-Outcome: the ``if expert_mask.any():`` guard is a branch on a tensor's value, which Dynamo cannot trace under
-moe_inductor's capture settings, so the frame falls back to plain capture (no rewrite, eager-equal). Without the
-guard the loop is the top-1 masked-writes spelling of form "unrolled_loop" (``passes/masked_writes.py``), which
-tests/test_pass_masked_writes.py rewrites, recomputed argmax included.
+Outcome: the ``if expert_mask.any():`` guard is a branch on a tensor's value, which Dynamo cannot trace; it is the
+"this expert got no tokens" skip, answered "has rows" while tracing and proven afterwards
+(``moe_inductor/mask_guards.py``), and the loop is the top-1 masked-writes spelling of form "unrolled_loop"
+(``passes/masked_writes.py``). Without gradients it is rewritten (tests/test_mask_guards.py). The harness runs it
+with gradients, and there the frame falls back to plain capture: an expert skipped in eager leaves its weights
+without a gradient, which the compiled step copies by testing the guard's ids for each expert after the rewrite
+(``grad_gate.py``), and the argmax this loop recomputes in every iteration is gone from the rewritten graph (the op
+reads the first). With the argmax taken once before the loop, training is rewritten too (tests/test_mask_guards.py).
 """
 import torch
 import torch.nn as nn

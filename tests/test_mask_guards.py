@@ -1,0 +1,137 @@
+"""Top-1 expert loops guarded by ``if mask.any():`` (moe_inductor/mask_guards.py): the guard is answered "has rows"
+while tracing and kept only where the rewrite takes the body it guards; anything else falls back to plain capture,
+equal to eager."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from tests.corpus import hf_docs_sequential_experts as docs
+from tests.helpers import assert_close, assert_rewritten_like_eager, compile_moe
+
+H, I, E = 16, 8, 5
+
+
+class GuardedTop1(nn.Module):
+    """A softmax top-1 router and nn.Sequential experts; each expert's masked write behind ``if mask.any():``.
+    Each spelling is its own class: the trace-time check reads the bytecode after the branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(H, I), nn.SiLU(), nn.Linear(I, H)) for _ in range(E))
+
+    def forward(self, x):
+        w, idx = F.softmax(self.router(x), dim=-1).max(dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = idx == e
+            if mask.any():
+                out[mask] = expert(x[mask])
+        return out * w[:, None]
+
+
+class TorchAny(GuardedTop1):
+    def forward(self, x):
+        w, idx = F.softmax(self.router(x), dim=-1).max(dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = idx == e
+            if torch.any(mask):
+                out[mask, :] = expert(x[mask, :])
+        return out * w[:, None]
+
+
+class Continue(GuardedTop1):
+    def forward(self, x):
+        w, idx = F.softmax(self.router(x), dim=-1).max(dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = idx == e
+            if not mask.any():
+                continue
+            out[mask] = expert(x[mask])
+        return out * w[:, None]
+
+
+class OtherExpert(GuardedTop1):
+    """The guard tests the next expert's rows."""
+
+    def forward(self, x):
+        w, idx = F.softmax(self.router(x), dim=-1).max(dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = idx == e
+            if (idx == (e + 1) % E).any():
+                out[mask] = expert(x[mask])
+        return out * w[:, None]
+
+
+class MoreThanOne(GuardedTop1):
+    """Not "no rows": an expert with one row is skipped."""
+
+    def forward(self, x):
+        w, idx = F.softmax(self.router(x), dim=-1).max(dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = idx == e
+            if mask.sum() > 1:
+                out[mask] = expert(x[mask])
+        return out * w[:, None]
+
+
+class AndMore(GuardedTop1):
+    """The guard also skips a write that the op would not make (a count of the experts that ran)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ran", torch.zeros(E))
+
+    def forward(self, x):
+        w, idx = F.softmax(self.router(x), dim=-1).max(dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = idx == e
+            if mask.any():
+                out[mask] = expert(x[mask])
+                self.ran[e] += 1
+        return out * w[:, None]
+
+
+@pytest.mark.parametrize("cls", [GuardedTop1, TorchAny, Continue], ids=["mask.any", "torch.any", "continue"])
+@pytest.mark.parametrize("T", [1, 9], ids=["T1-most-experts-empty", "T9"])
+def test_guarded_loop_is_rewritten_like_eager(cls, T):
+    """Forward and every gradient as eager's: at T = 1 four of the five experts get no token, and their weights
+    get no gradient in either run."""
+    torch.manual_seed(0)
+    assert_rewritten_like_eager(cls(), torch.randn(T, H), "unrolled_loop", cls.__name__)
+
+
+@pytest.mark.parametrize("cls", [OtherExpert, MoreThanOne, AndMore], ids=["other-expert", "more-than-one", "and-more"])
+def test_guards_that_are_not_the_no_rows_skip_fall_back(cls):
+    torch.manual_seed(0)
+    model = cls()
+    ref = copy.deepcopy(model)
+    x = torch.randn(9, H)
+    with torch.no_grad():
+        got = compile_moe(model, x)
+        assert_close(got, ref(x), torch.float32, cls.__name__)
+    for a, b in zip(model.buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    assert counters["moe_inductor_fallback"]["compile"] >= 1, dict(counters["moe_inductor_fallback"])
+
+
+def test_transformers_docs_sequential_experts_is_rewritten_without_gradients():
+    """The corpus's mirror of transformers' model-patching guide (argmax recomputed in every iteration): rewritten
+    for inference. In training it falls back (the corpus module says why)."""
+    torch.manual_seed(0)
+    model = docs.Block()
+    x = torch.randn(7, docs.H)
+    with torch.no_grad():
+        got = compile_moe(model, x)
+        assert_close(got, model(x), torch.float32, "forward")
+    assert counters["moe_inductor"]["unrolled_loop"] == 1, dict(counters["moe_inductor"])
