@@ -57,6 +57,22 @@ class Continue(GuardedTop1):
         return out * w[:, None]
 
 
+class KeptList(GuardedTop1):
+    """The body appends to a list made before the loop: Python state the skip changes (len(ran) counts the experts
+    that got tokens), which no graph node shows."""
+
+    def forward(self, x):
+        w, idx = F.softmax(self.router(x), dim=-1).max(dim=-1)
+        out = torch.zeros_like(x)
+        ran = []
+        for e, expert in enumerate(self.experts):
+            mask = idx == e
+            if mask.any():
+                out[mask] = expert(x[mask])
+                ran.append(e)
+        return out * w[:, None] * len(ran)
+
+
 class OtherExpert(GuardedTop1):
     """The guard tests the next expert's rows."""
 
@@ -110,7 +126,8 @@ def test_guarded_loop_is_rewritten_like_eager(cls, T):
     assert_rewritten_like_eager(cls(), torch.randn(T, H), "unrolled_loop", cls.__name__)
 
 
-@pytest.mark.parametrize("cls", [OtherExpert, MoreThanOne, AndMore], ids=["other-expert", "more-than-one", "and-more"])
+@pytest.mark.parametrize("cls", [OtherExpert, MoreThanOne, AndMore, KeptList],
+                         ids=["other-expert", "more-than-one", "and-more", "kept-list"])
 def test_guards_that_are_not_the_no_rows_skip_fall_back(cls):
     torch.manual_seed(0)
     model = cls()
