@@ -42,6 +42,7 @@ from .grouped import (
 )
 from .grouped_mm_engine import gate_up_columns
 
+
 class Needs(NamedTuple):
     """Which gradients ``experts_backward`` makes (its ``needs`` list, by name); ``combined_gate_up`` asks for the
     gate and up gradients as one (E, H, 2I) tensor in the w1 slot (gate and up being the halves of one tensor,
