@@ -73,6 +73,27 @@ class KeptList(GuardedTop1):
         return out * w[:, None] * len(ran)
 
 
+class GuardedTop2(nn.Module):
+    """A top-2 loop in transformers v4's manner (``torch.where`` of the (T, k) mask, ``index_add_``), each expert
+    behind ``if mask.any():``."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.up = nn.ModuleList(nn.Linear(H, I, bias=False) for _ in range(E))
+        self.down = nn.ModuleList(nn.Linear(I, H, bias=False) for _ in range(E))
+
+    def forward(self, x):
+        w, ids = torch.topk(F.softmax(self.router(x), dim=-1), 2, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            mask = ids == e
+            if mask.any():
+                tok, pos = torch.where(mask)
+                out.index_add_(0, tok, self.down[e](F.silu(self.up[e](x[tok]))) * w[tok, pos, None])
+        return out
+
+
 class OtherExpert(GuardedTop1):
     """The guard tests the next expert's rows."""
 
@@ -117,7 +138,8 @@ class AndMore(GuardedTop1):
         return out * w[:, None]
 
 
-@pytest.mark.parametrize("cls", [GuardedTop1, TorchAny, Continue], ids=["mask.any", "torch.any", "continue"])
+@pytest.mark.parametrize("cls", [GuardedTop1, TorchAny, Continue, GuardedTop2],
+                         ids=["mask.any", "torch.any", "continue", "top2-where"])
 @pytest.mark.parametrize("T", [1, 9], ids=["T1-most-experts-empty", "T9"])
 def test_guarded_loop_is_rewritten_like_eager(cls, T):
     """Forward and every gradient as eager's: at T = 1 four of the five experts get no token, and their weights
