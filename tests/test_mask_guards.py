@@ -24,9 +24,13 @@ class GuardedTop1(nn.Module):
         self.router = nn.Linear(H, E, bias=False)
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(H, I), nn.SiLU(), nn.Linear(I, H)) for _ in range(E))
 
-    def forward(self, x):
+    def start(self, x):
+        """The routing weight and id of each token (softmax top-1) and the zeroed output."""
         w, idx = F.softmax(self.router(x), dim=-1).max(dim=-1)
-        out = torch.zeros_like(x)
+        return w, idx, torch.zeros_like(x)
+
+    def forward(self, x):
+        w, idx, out = self.start(x)
         for e, expert in enumerate(self.experts):
             mask = idx == e
             if mask.any():
@@ -36,8 +40,7 @@ class GuardedTop1(nn.Module):
 
 class TorchAny(GuardedTop1):
     def forward(self, x):
-        w, idx = F.softmax(self.router(x), dim=-1).max(dim=-1)
-        out = torch.zeros_like(x)
+        w, idx, out = self.start(x)
         for e, expert in enumerate(self.experts):
             mask = idx == e
             if torch.any(mask):
@@ -47,8 +50,7 @@ class TorchAny(GuardedTop1):
 
 class Continue(GuardedTop1):
     def forward(self, x):
-        w, idx = F.softmax(self.router(x), dim=-1).max(dim=-1)
-        out = torch.zeros_like(x)
+        w, idx, out = self.start(x)
         for e, expert in enumerate(self.experts):
             mask = idx == e
             if not mask.any():
@@ -62,8 +64,7 @@ class KeptList(GuardedTop1):
     that got tokens), which no graph node shows."""
 
     def forward(self, x):
-        w, idx = F.softmax(self.router(x), dim=-1).max(dim=-1)
-        out = torch.zeros_like(x)
+        w, idx, out = self.start(x)
         ran = []
         for e, expert in enumerate(self.experts):
             mask = idx == e
@@ -98,8 +99,7 @@ class OtherExpert(GuardedTop1):
     """The guard tests the next expert's rows."""
 
     def forward(self, x):
-        w, idx = F.softmax(self.router(x), dim=-1).max(dim=-1)
-        out = torch.zeros_like(x)
+        w, idx, out = self.start(x)
         for e, expert in enumerate(self.experts):
             mask = idx == e
             if (idx == (e + 1) % E).any():
@@ -111,8 +111,7 @@ class MoreThanOne(GuardedTop1):
     """Not "no rows": an expert with one row is skipped."""
 
     def forward(self, x):
-        w, idx = F.softmax(self.router(x), dim=-1).max(dim=-1)
-        out = torch.zeros_like(x)
+        w, idx, out = self.start(x)
         for e, expert in enumerate(self.experts):
             mask = idx == e
             if mask.sum() > 1:
@@ -128,8 +127,7 @@ class AndMore(GuardedTop1):
         self.register_buffer("ran", torch.zeros(E))
 
     def forward(self, x):
-        w, idx = F.softmax(self.router(x), dim=-1).max(dim=-1)
-        out = torch.zeros_like(x)
+        w, idx, out = self.start(x)
         for e, expert in enumerate(self.experts):
             mask = idx == e
             if mask.any():
