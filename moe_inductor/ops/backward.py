@@ -444,7 +444,6 @@ def experts_backward(
                                      alpha, limit, weight_position, order, sorted_expert, offsets, dropped)
     need = Needs(*needs)
     d_pre, d_scale, dw2, db2, db1, db1_up = middle_grads(dy, call, routed, pre, need)
-    del pre
     dx, d_weights, dw1, dw1_up = up_grads(call, routed, d_pre, d_scale if need.topk_weights else None, need)
     return tuple(_empty_or(t, x) for t in (dx, d_weights, dw1, dw1_up, dw2, db1, db1_up, db2))
 

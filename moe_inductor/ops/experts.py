@@ -166,7 +166,6 @@ def _autograd_backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
     shared = (x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2)
     options = (order, sorted_expert, offsets, activation, weight_position, alpha, limit, dropped, list(needs))
     d_pre, d_scale, dw2, db1, db1_up, db2 = experts_backward_middle(dy.contiguous(), *shared, pre, *options)
-    del pre
     dx, dtw, dw1, dw1_up = experts_backward_up(d_pre, d_scale, *shared, *options)
     grads = (dx, dtw, dw1, dw1_up, dw2, db1, db1_up, db2)
     dx, dtw, dw1, dw1_up, dw2, db1, db1_up, db2 = (g if need else None for g, need in zip(grads, needs))

@@ -186,9 +186,10 @@ def _weight_grad(a: Tensor, g: Tensor, group_ends: Tensor, like: Tensor) -> Tens
 
 
 def middle_grads(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: Tensor, needs) -> tuple:
-    """The first half of ``backward``, the last that reads ``pre``: (d_pre, d_scale_sorted, dw2, db2, db1, db1_up).
+    """The first half of the engine's backward (``ops/backward.py`` runs the two as ops of their own), the last that
+    reads ``pre``: (d_pre, d_scale_sorted, dw2, db2, db1, db1_up).
     d_pre (M, n_pre) holds the gradients of the raw up projection, as its (gate, up) column pairs where
-    ``needs.gate_up_pairs`` and the weight is interleaved, else as [gate | up] halves (see ``experts.Needs``)."""
+    ``needs.gate_up_pairs`` and the weight is interleaved, else as [gate | up] halves (see ``backward.Needs``)."""
     x, w, act = call.x, call.weights, call.activation
     order, offsets, topk = routed.rows
     sorted_expert = routed.sorted_expert
@@ -228,8 +229,9 @@ def middle_grads(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pr
 
 def up_grads(call: ExpertsCall, routed: Routed, w_up: Tensor, d_pre: Tensor, d_scale_sorted: Optional[Tensor],
              needs) -> tuple:
-    """The second half of ``backward``, from ``middle_grads``' d_pre and d_scale_sorted: (dx, d_weights, dw1,
-    dw1_up), None where not wanted."""
+    """The second half of the engine's backward, from ``middle_grads``' d_pre and d_scale_sorted: (dx, d_weights,
+    dw1, dw1_up), None where not wanted. x is gathered in expert order (M x H) only here, for dW1, after the first
+    half's sorted dy (also M x H) is gone: one such tensor at a time."""
     x, w1, w1_up = call.x, call.weights.w1, call.weights.w1_up
     topk_weights = call.routing.topk_weights
     order, offsets, topk = routed.rows
@@ -278,15 +280,3 @@ def gate_up_columns(d_pre: Tensor, gated: bool, paired: bool) -> tuple[Tensor, O
         return d_pre[:, 0::2], d_pre[:, 1::2]
     half = d_pre.shape[1] // 2
     return d_pre[:, :half], d_pre[:, half:]
-
-
-def backward(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: Tensor, needs) -> tuple:
-    """The gradients of ``forward`` (see ``experts_backward`` for ``needs``, an ``experts.Needs``, and the returned
-    tuple): ``middle_grads`` then ``up_grads``. Workspace is freed as soon as it is dead, and x sorted (M x H) is
-    gathered only for dW1, after dy sorted (also M x H) is gone: one fewer such tensor at the backward's peak than
-    gathering both up front."""
-    d_pre, d_scale_sorted, dw2, db2, db1, db1_up = middle_grads(dy, call, routed, w_up, pre, needs)
-    del pre
-    dx, d_weights, dw1, dw1_up = up_grads(call, routed, w_up, d_pre, d_scale_sorted, needs)
-    grads = (dx, d_weights, dw1, dw1_up, dw2, db1, db1_up, db2)
-    return tuple(t if t is not None else call.x.new_empty(0) for t in grads)  # distinct empties: outputs may not alias
