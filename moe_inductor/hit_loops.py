@@ -258,7 +258,7 @@ def _iteration(tx, inst, handler: Callable) -> None:
         return
     graph = tx.output.graph
     s = speculation.Speculation(next(speculation._ids), None, loop.where, graph, speculation._last_node(graph),
-                                tx.f_code, inst.offset, tx, trace.mutations)
+                                tx.f_code, inst.offset, tx, trace.mark())
     s.counts = _counts_of(loop, before)
     loop.iterations.append(s)
     trace.speculations.append(s)

@@ -20,7 +20,8 @@ that body selects on. So, during a moe_inductor compile only:
   ``count >= 1``, truthiness), whose zero side jumps straight to the loop's next iteration (``continue``), with a
   rest of iteration that neither leaves the loop nor writes a local that outlives it nor stores attributes or
   globals, is answered "has rows"; the answer is a recorded ``Speculation``, and its body's graph nodes are tagged
-  with it when the iteration ends (``_for_iter``), provided no Python object was mutated in between;
+  with it when the iteration ends (``_for_iter``), provided no Python object was mutated in between and no
+  iterator made before the branch was stepped (``_hook_iterators``: Dynamo logs no side effect for most steps);
 - ``.tolist()`` of ``bincount(topk_ids.flatten(), minlength=E)`` gets its length E (``_tolist``): a fact, since
   top-k indices over a dim of E are below E;
 - the backend calls ``check_traced`` before the passes (the count is of the ids and expert the body selects on)
@@ -73,7 +74,7 @@ class Speculation:
     code: Any
     loop_head: int  # offset of the FOR_ITER whose iteration the body is
     tx: Any
-    mutations: int  # the side-effect count when the branch was answered
+    mutations: tuple  # ``Trace.mark()`` when the branch was answered
     closed: bool = False
     failed: Optional[str] = None  # why the body is not a clean one, found when the iteration ended
     #: (ids, expert) the count counts, filled by check_traced
@@ -96,10 +97,27 @@ class Trace:
     speculations: list = field(default_factory=list)
     refusals: list = field(default_factory=list)
     mutations: int = 0
+    #: the iterators Dynamo made in this compile, by id: (the variable, its birth number). An iterator born inside a
+    #: skipped body and stepped there is that body's own state: nn.Sequential's ``for module in self``, which
+    #: torch 2.11 records as a mutation, is one
+    born: dict = field(default_factory=dict)
+    births: int = 0
+    #: the birth number of each stepped iterator, in order
+    steps: list = field(default_factory=list)
     #: hit_loops.py's loops over the experts that got tokens, by the id of the iterator Dynamo holds
     loops: dict = field(default_factory=dict)
     #: whether moe_inductor's backend was handed a graph of this compile (``of_graph``)
     checked: bool = False
+
+    def mark(self) -> tuple:
+        """Where the side-effect record stands, for ``changed_since``."""
+        return self.mutations, self.births, len(self.steps)
+
+    def changed_since(self, mark: tuple) -> bool:
+        """Whether Python state made before ``mark`` changed since: any mutation but the steps of an iterator
+        born after it."""
+        mutations, births, steps = mark
+        return self.mutations != mutations or any(born <= births for born in self.steps[steps:])
 
     def require_checked(self) -> None:
         """A speculation holds only through the backend's proof, which a look-alike wrapper (capture.py) that hands
@@ -230,11 +248,11 @@ def _speculate(tx, inst, jumps_when: bool) -> bool:
         hit_iteration.symbol = symbol
     elif guard is not None:
         trace.speculations.append(Speculation(next(_ids), None, where, graph, _last_node(graph), tx.f_code,
-                                              head.offset, tx, trace.mutations,
+                                              head.offset, tx, trace.mark(),
                                               counts=mask_guards.counted_by(guard.name), mask=True))
     else:
         trace.speculations.append(Speculation(next(_ids), symbol, where, graph, _last_node(graph), tx.f_code,
-                                              head.offset, tx, trace.mutations))
+                                              head.offset, tx, trace.mark()))
     tx.pop()
     if not zero_jumps:  # the rows side is the jump target
         tx.jump(inst)
@@ -249,7 +267,7 @@ def _close(tx, inst) -> None:
     for s in trace.speculations:
         if s.tx is tx and not s.closed and s.loop_head == inst.offset:
             s.closed = True
-            if trace.mutations != s.mutations:
+            if trace.changed_since(s.mutations):
                 s.failed = "the skipped body changes Python state (a list, a dict, an attribute)"
             node = s.start.next if s.start is not None else next(iter(s.graph.nodes), None)
             while node is not None and node is not s.graph._root:
@@ -311,6 +329,7 @@ def install() -> None:
     _installed = True
     try:
         from torch._dynamo import side_effects, symbolic_convert
+        from torch._dynamo.variables.base import VariableTracker
         from torch._dynamo.variables.tensor import TensorVariable
     except ImportError:
         return
@@ -323,10 +342,15 @@ def install() -> None:
     def counted(self, *args, **kwargs):
         trace = _trace()
         if trace is not None:
-            trace.mutations += 1
+            var = args[0] if args else kwargs.get("var")
+            if id(var) in trace.born:  # an iterator's step (torch 2.11 logs list iterators' steps here)
+                trace.steps.append(_birth(trace, var))
+            else:
+                trace.mutations += 1
         return mutation(self, *args, **kwargs)
 
     side_effects.SideEffects.mutation = counted
+    _hook_iterators(VariableTracker)
     for name in ("store_attr", "store_global", "store_cell"):
         method = getattr(side_effects.SideEffects, name, None)
         if method is not None:
@@ -371,6 +395,61 @@ def hook_table(table: list, opmap: dict) -> None:
             table[op] = _jump_hook(handler, opname.endswith("_IF_TRUE"))
         elif opname == "FOR_ITER":
             table[op] = _for_iter_hook(handler)
+
+
+#: the methods by which Dynamo steps an iterator it traces (one or both, by torch version)
+_STEPS = ("next_variable", "tp_iternext_impl")
+
+
+def _hook_iterators(base: type) -> None:
+    """Number every iterator Dynamo makes during a moe_inductor compile, and log each step of one, so that a skipped
+    body that steps an iterator it did not make is seen: ranges, dict views and generators step without any entry
+    in Dynamo's side-effect log. An iterator class is one that defines a step method (its subclasses inherit the
+    hooked ``__init__``)."""
+    seen, todo = set(), [base]
+    while todo:
+        cls = todo.pop()
+        todo.extend(c for c in cls.__subclasses__() if c not in seen)
+        seen.add(cls)
+        if cls is base or cls.__name__ == "LazyVariableTracker":  # the lazy one realises, then steps the real one
+            continue
+        steps = [name for name in _STEPS if name in cls.__dict__]
+        if not steps:
+            continue
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _recording_birth(cls.__init__)
+        for name in steps:
+            setattr(cls, name, _recording_step(getattr(cls, name)))
+
+
+def _recording_birth(init: Callable) -> Callable:
+    def born(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        trace = _trace()
+        if trace is not None:
+            trace.births += 1
+            trace.born[id(self)] = (self, trace.births)
+
+    return born
+
+
+def _recording_step(step: Callable) -> Callable:
+    def stepped(self, *args, **kwargs):
+        trace = _trace()
+        if trace is not None:
+            trace.steps.append(_birth(trace, self))
+        return step(self, *args, **kwargs)
+
+    return stepped
+
+
+def _birth(trace: Trace, var) -> int:
+    """The birth number of an iterator Dynamo made during this compile; 0 (born before anything) for one it did
+    not number, or one that stands for a user's object (it has a source: the user's iterator existed before)."""
+    born = trace.born.get(id(var))
+    if born is None or born[0] is not var or getattr(var, "source", None) is not None:
+        return 0
+    return born[1]
 
 
 def _counting(method: Callable) -> Callable:

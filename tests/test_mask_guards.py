@@ -74,6 +74,38 @@ class KeptList(GuardedTop1):
         return out * w[:, None] * len(ran)
 
 
+class LayersLoop(GuardedTop1):
+    """The body runs its expert's layers in a loop of its own: an iterator made and stepped inside the skipped
+    body is the body's own state (as nn.Sequential's ``for module in self``, which torch 2.11 records as a
+    mutation)."""
+
+    def forward(self, x):
+        w, idx, out = self.start(x)
+        for e, expert in enumerate(self.experts):
+            mask = idx == e
+            if mask.any():
+                h = x[mask]
+                for layer in iter([expert[0], expert[1], expert[2]]):
+                    h = layer(h)
+                out[mask] = h
+        return out * w[:, None]
+
+
+class SteppedBefore(GuardedTop1):
+    """The body steps an iterator made before the loop: what it yields after the loop counts the experts that got
+    tokens, which no graph node shows."""
+
+    def forward(self, x):
+        w, idx, out = self.start(x)
+        ticks = iter(range(1, 2 * E))
+        for e, expert in enumerate(self.experts):
+            mask = idx == e
+            if mask.any():
+                out[mask] = expert(x[mask])
+                next(ticks)
+        return out * w[:, None] * next(ticks)
+
+
 class GuardedTop2(nn.Module):
     """A top-2 loop in transformers v4's manner (``torch.where`` of the (T, k) mask, ``index_add_``), each expert
     behind ``if mask.any():``."""
@@ -136,8 +168,8 @@ class AndMore(GuardedTop1):
         return out * w[:, None]
 
 
-@pytest.mark.parametrize("cls", [GuardedTop1, TorchAny, Continue, GuardedTop2],
-                         ids=["mask.any", "torch.any", "continue", "top2-where"])
+@pytest.mark.parametrize("cls", [GuardedTop1, TorchAny, Continue, GuardedTop2, LayersLoop],
+                         ids=["mask.any", "torch.any", "continue", "top2-where", "layers-loop"])
 @pytest.mark.parametrize("T", [1, 9], ids=["T1-most-experts-empty", "T9"])
 def test_guarded_loop_is_rewritten_like_eager(cls, T):
     """Forward and every gradient as eager's: at T = 1 four of the five experts get no token, and their weights
@@ -146,8 +178,8 @@ def test_guarded_loop_is_rewritten_like_eager(cls, T):
     assert_rewritten_like_eager(cls(), torch.randn(T, H), "unrolled_loop", cls.__name__)
 
 
-@pytest.mark.parametrize("cls", [OtherExpert, MoreThanOne, AndMore, KeptList],
-                         ids=["other-expert", "more-than-one", "and-more", "kept-list"])
+@pytest.mark.parametrize("cls", [OtherExpert, MoreThanOne, AndMore, KeptList, SteppedBefore],
+                         ids=["other-expert", "more-than-one", "and-more", "kept-list", "stepped-before"])
 def test_guards_that_are_not_the_no_rows_skip_fall_back(cls):
     torch.manual_seed(0)
     model = cls()
