@@ -12,7 +12,8 @@ def test_bench_hf_runs_on_a_tiny_model(capsys, tmp_path):
 
     out = tmp_path / "hf.json"
     bench_hf.main(["--tiny", "--device", "cpu", "--cells", "qwen3_moe:prefill:8:eager+moe_inductor", "--json", str(out),
-                   "--profile", "--host-profile", "--interleave", "2", "--clocks"])
+                   "--profile", "--host-profile", "--interleave", "2", "--clocks",
+                   "--budget-s", "3600"])  # the rounds start only within the budget: a loaded machine must not skip them
     printed = capsys.readouterr().out
     assert "| Qwen3-30B-A3B (4) | prefill T=8 | ms |" in printed and "== prefill T=8 moe_inductor" in printed
     assert "median of 2 interleaved rounds" in printed
@@ -162,9 +163,13 @@ def test_bench_experts_liger_column_agrees_with_the_op(monkeypatch):
     x = torch.randn(T, H, generator=gen)
     gate_up, down = torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5, torch.randn(E, H, I, generator=gen) * I ** -0.5
     ids, weights = bench_experts.make_routing(T, E, k, False, gen, "cpu")
+    # Liger's kernels run where Triton does: the interpreter on a CPU machine, the GPU where there is one (whose
+    # fp32 dots may round through tf32)
+    dev, tol = ("cuda", 5e-3) if torch.cuda.is_available() else ("cpu", 1e-5)
+    x, gate_up, down, ids, weights = (t.to(dev) for t in (x, gate_up, down, ids, weights))
     y_liger = liger(x, ids.to(torch.int32), weights, gate_up, down)
     y_ours = moe_inductor.fused_experts(x, ids, weights, gate_up, down)
-    assert ((y_liger - y_ours).norm() / y_ours.norm()).item() < 1e-5
+    assert ((y_liger - y_ours).norm() / y_ours.norm()).item() < tol
 
 
 def test_bench_experts_table_has_the_liger_column():
