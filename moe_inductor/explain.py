@@ -121,11 +121,21 @@ def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, *
     options.setdefault("inner", "eager")
     fn = _unwrap_compiled(model_or_fn)
     before = Report()
-    _compile_and_run(fn, args, kwargs, dict(options, forms=()), before)
+    try:
+        _compile_and_run(fn, args, kwargs, dict(options, forms=()), before)
+        failed = None
+    except Exception as error:  # noqa: BLE001  (said in the report; the configured pass below is what counts)
+        # The graphs before are an aid, from a compile the user never runs: where it fails (torch 2.11's Dynamo
+        # can build a broken graph under the capture settings with every rewrite off) the report says so, and
+        # the configured pass, the user's own compile, still decides whether explain raises.
+        failed = f"the graphs before (rewrites off) could not be shown: that compile failed ({type(error).__name__}: " \
+                 f"{str(error)[:200]})"
     report = Report(device=_device_of(fn, args, kwargs))
     with speed_rule.judging_as(judged):
         _compile_and_run(fn, args, kwargs, options, report)
     report.before = before.graphs
+    if failed is not None:
+        report.notes.append(failed)
     return report
 
 

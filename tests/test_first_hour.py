@@ -413,3 +413,36 @@ def test_autotune_saves_to_the_user_cache_reads_it_back_and_reports_progress(tmp
     fresh = configs.ConfigTable()  # the next run
     with pytest.warns(UserWarning, match="Fake GPU 9000"):
         assert fresh.lookup("gemm-key") == fast
+
+
+def test_explain_reports_a_rewrites_off_pass_that_fails_and_still_explains(monkeypatch):
+    """The graphs before come from a compile the user never runs (every rewrite off). Where it fails (torch 2.11's
+    Dynamo built a broken graph there for ArcticTraining's MoE) explain still reports the configured compile, and
+    says why the graphs before are missing; where the configured compile fails too, explain raises its error."""
+    import torch
+
+    import moe_inductor
+
+    explain_module = sys.modules["moe_inductor.explain"]  # the package's ``explain`` is the function
+    namespace = {}
+    exec(textwrap.dedent(_LOOP_MOE), namespace)
+    model, x = namespace["LoopMoE"](), torch.randn(6, 16)
+    plain = explain_module._compile_and_run
+
+    def rewrites_off_fails(fn, args, kwargs, options, report):
+        if options.get("forms") == ():
+            raise RuntimeError("a broken graph")
+        return plain(fn, args, kwargs, options, report)
+
+    monkeypatch.setattr(explain_module, "_compile_and_run", rewrites_off_fails)
+    report = moe_inductor.explain(model, x)
+    assert len(report.rewrites) == 1 and not report.before, str(report)
+    assert any("could not be shown" in n and "RuntimeError: a broken graph" in n for n in report.notes), report.notes
+    assert "could not be shown" in str(report)
+
+    def both_fail(fn, args, kwargs, options, report):
+        raise ValueError("the user's own error")
+
+    monkeypatch.setattr(explain_module, "_compile_and_run", both_fail)
+    with pytest.raises(ValueError, match="the user's own error"):
+        moe_inductor.explain(model, x)
