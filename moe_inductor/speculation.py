@@ -423,9 +423,12 @@ def _hook_iterators(base: type) -> None:
 
 
 def _recording_birth(init: Callable) -> Callable:
+    # every compile (backend="inductor"'s too) makes iterators: the cheap test of "a compile of ours is on" first
+    from .capture import _local
+
     def born(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        trace = _trace()
+        trace = _trace() if getattr(_local, "stack", None) else None
         if trace is not None:
             trace.births += 1
             trace.born[id(self)] = (self, trace.births)
@@ -434,8 +437,10 @@ def _recording_birth(init: Callable) -> Callable:
 
 
 def _recording_step(step: Callable) -> Callable:
+    from .capture import _local
+
     def stepped(self, *args, **kwargs):
-        trace = _trace()
+        trace = _trace() if getattr(_local, "stack", None) else None
         if trace is not None:
             trace.steps.append(_birth(trace, self))
         return step(self, *args, **kwargs)
