@@ -73,8 +73,9 @@ def add_hit_flags(gm: GraphModule, speculations: list) -> list[Gated]:
     with graph.inserting_before(output):
         flags = []
         for slot, s in enumerate(owning):
-            ids_name, e = s.counted
-            ids = nodes.get(ids_name)
+            ids_name, e, same = s.counted
+            # a rewrite may keep another node that computes the same ids (the loop recomputed them in every body)
+            ids = next((nodes[name] for name in (ids_name, *same) if name in nodes), None)
             if ids is None:
                 raise LookupError(f"the ids {ids_name} the count counts are gone from the rewritten graph")
             flags.append(graph.call_function(torch.any, (graph.call_function(operator.eq, (ids, e)),)))

@@ -77,7 +77,7 @@ class Speculation:
     mutations: tuple  # ``Trace.mark()`` when the branch was answered
     closed: bool = False
     failed: Optional[str] = None  # why the body is not a clean one, found when the iteration ended
-    #: (ids, expert) the count counts, filled by check_traced
+    #: (ids, expert, names of nodes computing the same ids) the count counts, by node names; filled by check_traced
     counted: Optional[tuple] = None
     #: the graph inputs needing gradients that only the body reads (an expert's own weights), filled by check_traced
     own: list = field(default_factory=list)
@@ -548,7 +548,7 @@ def _counted(graph, symbol) -> Optional[tuple[Node, int, Optional[Node]]]:
 def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
     """Before the passes: each speculated body is clean, counted by its own expert's rows, and reads rows of that
     expert only. Raises SpeculationNotDischarged."""
-    from .passes.fx_utils import canonicalize_operators, is_call
+    from .passes.fx_utils import canonicalize_operators, is_call, same_value_key
 
     if not speculations:
         return
@@ -594,7 +594,11 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
                                                                        False)]
             # eager leaves these without a gradient where it skips the expert: the gate (grad_gate.py) does too
             s.own = [n.name for n in own]
-        s.counted = (ids.name, e)
+        # the ids recomputed elsewhere (each iteration's own ``logits.argmax(-1)``): a rewrite keeps one of them
+        key = same_value_key(ids)
+        same = [n.name for n in graph.nodes if n is not ids and n.op == ids.op and n.target == ids.target
+                and same_value_key(n) == key]
+        s.counted = (ids.name, e, tuple(same))
 
 
 def _computes_nothing(body: list[Node]) -> bool:

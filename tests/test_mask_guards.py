@@ -194,13 +194,10 @@ def test_guards_that_are_not_the_no_rows_skip_fall_back(cls):
     assert counters["moe_inductor_fallback"]["compile"] >= 1, dict(counters["moe_inductor_fallback"])
 
 
-def test_transformers_docs_sequential_experts_is_rewritten_without_gradients():
-    """The corpus's mirror of transformers' model-patching guide (argmax recomputed in every iteration): rewritten
-    for inference. In training it falls back (the corpus module says why)."""
+@pytest.mark.parametrize("T", [1, 7], ids=["T1-most-experts-empty", "T7"])
+def test_transformers_docs_sequential_experts_is_rewritten_in_training(T):
+    """The corpus's mirror of transformers' model-patching guide (the argmax recomputed in every iteration):
+    rewritten, with eager's gradients; at T = 1 the experts eager skips keep no gradient (the gate tests the one
+    argmax the rewrite keeps, which computes the same ids as the others)."""
     torch.manual_seed(0)
-    model = docs.Block()
-    x = torch.randn(7, docs.H)
-    with torch.no_grad():
-        got = compile_moe(model, x)
-        assert_close(got, model(x), torch.float32, "forward")
-    assert counters["moe_inductor"]["unrolled_loop"] == 1, dict(counters["moe_inductor"])
+    assert_rewritten_like_eager(docs.Block(), torch.randn(T, docs.H), "unrolled_loop", "SequentialExperts")

@@ -241,6 +241,27 @@ def mutated_alias(node: Node) -> bool:
     return bool(alias_mutations(node))
 
 
+#: ops that give the same values from the same inputs, as routers' ids are recomputed in loop bodies
+#: (``logits.argmax(-1) == e`` in every iteration, or ``x[idx == e]`` and ``out[idx == e]`` as two masks)
+_SAME_VALUE_METHODS = {"argmax", "max", "topk", "squeeze", "view", "reshape", "flatten"}
+_SAME_VALUE_FUNCTIONS = {torch.argmax, torch.max, torch.topk, torch.squeeze, torch.flatten, operator.getitem}
+
+
+def same_value_key(node: Node, top: Optional[Node] = None) -> Any:
+    """A key that two nodes share when they compute the same values: the same ops of ``_SAME_VALUE_*`` on the same
+    inputs, none of which is changed in place anywhere in the graph (a changed input may give another value at each
+    read, so a node reading one is keyed by itself alone). ``top``: the node the key is for, when recursing."""
+    top = node if top is None else top
+    known = (node.op == "call_method" and node.target in _SAME_VALUE_METHODS) or (
+        node.op == "call_function" and node.target in _SAME_VALUE_FUNCTIONS)
+    if not known:
+        return top if alias_mutations(node) else node
+
+    def arg(a: Any) -> Any:
+        return same_value_key(a, top) if isinstance(a, Node) else repr(a)  # slices are unhashable
+    return node.target, tuple(map(arg, node.args)), tuple(sorted((k, arg(v)) for k, v in node.kwargs.items()))
+
+
 def val(node) -> Optional[torch.Tensor]:
     """The fake tensor Dynamo traced for ``node`` (``example_value`` in Dynamo graphs, ``val`` after aot)."""
     if not isinstance(node, Node):
