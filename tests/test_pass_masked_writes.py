@@ -2,7 +2,9 @@
 == e])`` into ``torch.empty_like``, then ``(buf.view(T, k, H) * w.unsqueeze(-1)).sum(1)``, or the weight on each
 expert's input (``xr[flat == e] * w.reshape(-1, 1)[flat == e]``) and a plain ``.sum(1)``. Rewritten and equal to
 eager forward and backward; look-alikes (a skipped expert, ``repeat`` instead of ``repeat_interleave``, a mask of
-other ids, ids that are not from topk, the weights of other rows) left alone."""
+other ids, ids that are not from topk, the weights of other rows) left alone. Then a top-1 router's
+``out[idx == e] = expert_e(x[idx == e])``, over (T,) ids and, with the batch dimension kept, over (B, T) ids of
+(B, T, H) tokens: rewritten where exact, look-alikes left alone with their reason."""
 import logging
 
 import pytest
@@ -230,3 +232,153 @@ def test_a_masked_fill_of_one_id_is_no_expert_loop(caplog):
         out = compile_moe(masked_fill, x)
     assert not counters["moe_inductor"] and not counters["moe_inductor_left_alone"]
     assert_close(out, masked_fill(x), torch.float32)
+
+
+class BatchedTop1MoE(nn.Module):
+    """The top-1 masked writes with the batch dimension kept: x (B, T, H), (B, T) ids, each write
+    ``out[mask] = expert(x[mask])`` through a (B, T) mask, in the spelling ``style`` names (the first group is
+    rewritten, the second left alone)."""
+
+    def __init__(self, style):
+        super().__init__()
+        self.style = style
+        bias = style == "biased_accumulate"
+        self.router = nn.Linear(H, E + 1 if style == "wider_router" else E, bias=False)
+        width = H + 2 if style == "wider_out" else H  # experts that map H to another width
+        drop = [nn.Dropout(0.5)] if style in ("dropout_eval", "dropout_train") else []
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(H, I, bias=bias), nn.ReLU(), *drop,
+                                                   nn.Linear(I, width, bias=bias)) for _ in range(E))
+        self.w_up = nn.Parameter(torch.randn(E, I, H) * H ** -0.5)
+        self.w_down = nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
+        self.train(style != "dropout_eval")  # in eval mode the experts' dropout is the identity
+
+    def expert(self, e, rows):
+        if self.style in ("stacked_inside", "mismatched_expert"):
+            return F.linear(F.gelu(F.linear(rows, self.w_up[e])), self.w_down[e])
+        return self.experts[e](rows)
+
+    def forward(self, x):
+        s = self.style
+        if s == "seq_first":  # the tokens a transposed (T, B, H) view: the masks index its leading dims as they are
+            x = x.transpose(0, 1)
+        p = self.router(x).softmax(dim=-1)
+        w, idx = p.max(dim=-1)  # (B, T) weights and ids
+        if s == "stacked_inside":
+            w, idx = p.topk(1, dim=-1)  # w (B, T, 1), read as w[m]
+            idx = idx.squeeze(-1)
+        elif s == "hashed":  # ids of no router: -1 and E come up, rows no expert writes
+            idx = (x.detach().sum(-1) * 3).floor().long() % (E + 2) - 1
+        elif s == "empty_unproven":
+            idx = idx % E  # in range(E), but not provably so
+        elif s == "batch_mask":  # one expert per sequence: (B,) ids, each mask selects whole sequences
+            w, idx = p.mean(dim=1).max(dim=-1)
+        other = idx.flip(-1)  # the same count per expert, other rows
+        if s in ("stacked_inside", "empty_unproven", "mismatched_expert"):
+            out = torch.empty_like(x)
+        elif s == "wider_out":
+            out = x.new_zeros(*x.shape[:2], H + 2)
+        elif s == "weight_on_input":
+            out = x.new_zeros(x.shape)
+        elif s == "clone":
+            out = x.clone()
+        elif s == "slice_write":  # a buffer one position longer, the experts writing its last T positions
+            whole = torch.zeros(x.shape[0], x.shape[1] + 1, x.shape[2])
+            out = whole[:, 1:]
+        elif s == "flat_buffer":  # (B*T, H) written at the flat ids: the same rows, through two id tensors
+            out = x.new_zeros(x.shape[0] * x.shape[1], x.shape[2])
+        else:
+            out = torch.zeros_like(x)
+        for e in range(E):
+            m = idx == e
+            if s == "stacked_inside":
+                out[m] = w[m] * self.expert(e, x[m])
+            elif s == "weight_on_input":
+                out[m] = self.expert(e, x[m] * w[m, None])
+            elif s == "column_weight":
+                out[m] = self.expert(e, x[m]) * w[..., None][m]
+            elif s == "biased_accumulate":
+                out[m] += w[m].unsqueeze(-1) * self.expert(e, x[m])
+            elif s == "mismatched_expert":  # expert e's weights at the rows of expert e + 1
+                m = idx == (e + 1) % E
+                out[m] = self.expert(e, x[m])
+            elif s == "rows_of_other_ids":
+                out[m] = self.expert(e, x[other == e])
+            elif s == "flat_buffer":
+                out[idx.reshape(-1) == e] = self.expert(e, x[m])
+            else:
+                out[m] = self.expert(e, x[m])
+        if s == "slice_write":
+            return whole * 2.0
+        if s == "flat_buffer":
+            return out.view_as(x)
+        if s in ("hashed", "stacked_inside", "weight_on_input", "biased_accumulate", "column_weight"):
+            return out
+        if s == "broadcast_weight":  # one weight per position, shared by the batch: no routing weight of a row
+            return out * w.mean(dim=0, keepdim=True).unsqueeze(-1)
+        if s == "batch_mask":
+            return out * w[:, None, None]
+        return out * w.unsqueeze(-1)
+
+
+@pytest.mark.parametrize("style,B,T", [
+    ("after", 2, 5),  # argmax ids of (B, T, E) scores, zeros_like, the weight w.unsqueeze(-1) on the result
+    ("after", 3, 1),  # one token per sequence
+    ("stacked_inside", 2, 6),  # topk(1) ids squeezed, w (B, T, 1) on each output, stacked weights, empty_like
+    ("weight_on_input", 1, 7),
+    ("biased_accumulate", 2, 4),  # nn.Linear biases, out[m] += w[m].unsqueeze(-1) * expert(x[m]) onto zeros
+    ("hashed", 2, 6),  # ids of no router: those outside range(E) leave zero rows, as the op skips them
+    ("seq_first", 3, 4),  # the (T, B, H) transposed view of x indexed by its own (T, B) masks: read by reshape
+    ("column_weight", 2, 5),  # w[..., None][m]: a (B, T) weight made a column, then masked
+    ("broadcast_weight", 2, 5),  # a (1, T, 1) weight after the loop is the user's own product on the op's result
+    ("dropout_eval", 2, 5),  # nn.Dropout(0.5) between the experts' layers, in eval mode: read as the identity
+])
+def test_batched_top1_masked_writes_are_rewritten_and_equal(style, B, T):
+    torch.manual_seed(0)
+    model = BatchedTop1MoE(style)
+    x = torch.randn(B, T, H)
+    if style == "hashed":  # the case is only worth its name when some ids fall outside range(E)
+        ids = (x.sum(-1) * 3).floor().long() % (E + 2) - 1
+        assert ((ids < 0) | (ids >= E)).any() and ((ids >= 0) & (ids < E)).any()
+    assert_rewritten_like_eager(model, x, "unrolled_loop", f"{style} B={B} T={T}")
+    assert sum(counters["graph_break"].values()) == 0
+    assert not counters["moe_inductor_fallback"], dict(counters["moe_inductor_fallback"])  # the rewrite ran as is
+
+
+def test_batched_top1_masked_writes_follow_new_shapes():
+    """One compiled model over other batch sizes and sequence lengths (Dynamo's dynamic graph after the first): every
+    graph rewritten, each output equal to eager's."""
+    torch.manual_seed(0)
+    model = BatchedTop1MoE("after")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})
+    for B, T in ((2, 5), (3, 7), (4, 3)):
+        x = torch.randn(B, T, H)
+        assert_close(compiled(x), model(x), torch.float32, f"B={B} T={T}")
+    graphs = counters["stats"]["unique_graphs"]
+    assert counters["moe_inductor"]["unrolled_loop"] == graphs == 2, (dict(counters["moe_inductor"]), graphs)
+
+
+@pytest.mark.parametrize("style,reason", [
+    ("batch_mask", "expert 0's write is not whole rows"),  # (B,) masks select whole (T, H) sequences
+    ("slice_write", "does not start as zeros or empty"),  # the buffer is a slice of another tensor
+    ("flat_buffer", "moe_region"),  # reads at (B, T) ids, writes at their flat view: no mark of this form
+    ("mismatched_expert", "expert 1's output is not a projection on its own weights"),
+    ("rows_of_other_ids", "does not read the tokens at its own mask"),
+    ("clone", "does not start as zeros or empty"),
+    ("empty_unproven", "torch.empty_like and the ids are not provably in range(E)"),
+    ("wider_router", "the router chooses among 5 experts and the loop writes 4"),
+    ("wider_out", "the buffer and the tokens are not (B, T, H) of one dtype"),  # experts map H to H + 2
+    ("dropout_train", "expert 0's dropout may drop"),  # nn.Dropout(0.5) in training: a random mask per row
+])
+def test_batched_top1_look_alikes_are_left_alone(style, reason, caplog):
+    torch.manual_seed(0)
+    model, x = BatchedTop1MoE(style), torch.randn(2, 6, H)
+    with caplog.at_level(logging.INFO, logger="moe_inductor"):
+        torch.manual_seed(1)  # the same dropout masks in both runs
+        out = compile_moe(model, x)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    notes = [r.getMessage() for r in caplog.records if "left alone" in r.getMessage()]
+    assert any(reason in n for n in notes), notes
+    torch.manual_seed(1)
+    assert_close(out, model(x), torch.float32, style)

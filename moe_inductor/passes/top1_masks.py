@@ -1,0 +1,375 @@
+"""A top-1 router's boolean-mask writes, a spelling of form "unrolled_loop" (``match_top1_masks``). The user code this
+matches:
+
+    out = torch.zeros_like(x)                            # or torch.empty_like(x), x.new_zeros(x.shape)
+    for e in range(E):                                   # each expert once, in any order
+        out[idx == e] = expert_e(x[idx == e])            # or w[m, None] * expert_e(x[m]); or out[m] += ...
+    y = out * w[:, None]                                 # or the weight inside, or none (a weight of 1)
+
+with x (T, H) tokens and idx (T,) ids (argmax, max(dim=-1) or topk(1) of a router), or with the batch dimension kept:
+x (B, T, H), idx (B, T) ids of (B, T, E) scores, each mask (B, T) over the leading two dims of x and of out, and the
+weight after the loop ``w[..., None]`` / ``w.unsqueeze(-1)`` of a (B, T) w:
+
+    out[idx == e] = expert_e(x[idx == e])                # x[mask] is (n, H): the rows of (B, T) in row-major order
+
+A boolean mask of x's leading dims picks its rows in row-major order, so the batched loop is the flat loop on
+``x.reshape(-1, H)``, ``idx.reshape(-1)`` and ``out.view(-1, H)``: the op reads those views and its (B*T, H) result is
+viewed back as (B, T, H). The driver has no step for a result of another shape than the region's, so the match's
+derive (run by the driver as it emits the op) inserts that view after the region and points the buffer's readers at
+it (``_viewed_back``). Shape legend: T tokens (B*T when batched), H hidden, E experts, lead the ids' shape.
+
+The anchor is the buffer; the proof reads every write to it. The bodies' checks are shared with the other spellings
+(``masked_writes._masked_body``, unrolled_loop.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Optional, Union
+
+import torch
+from torch.fx import Graph, Node
+
+from ..spec import MoESpec
+from .driver import Match
+from .flat_slices import block_linear
+from .fx_utils import alias_mutations, is_call, val
+
+_ZEROS = ((torch.zeros_like, torch.zeros), ("new_zeros",))
+_EMPTY = ((torch.empty_like, torch.empty), ("new_empty",))
+#: ops that give the same values from the same inputs: ids recomputed in each body (``x[idx == e]`` and
+#: ``out[idx == e]`` as two masks, or ``logits.argmax(-1) == e`` written in the loop) are the same ids
+_PURE_METHODS = {"argmax", "max", "topk", "squeeze", "view", "reshape", "flatten"}
+_PURE_FUNCTIONS = {torch.argmax, torch.max, torch.topk, torch.squeeze, torch.flatten, operator.getitem}
+#: the dims of ids a mask may have: (T,) tokens, or (B, T) with the batch dimension kept
+_ID_DIMS = (1, 2)
+_ALL = slice(None, None, None)
+
+
+def _ids_key(node: Node, top: Optional[Node] = None):
+    """A key equal for two nodes that compute the same ids: the same pure ops on the same inputs, none of which is
+    changed in place (a changed input may give another value at each read: the node is then only itself)."""
+    top = node if top is None else top
+    pure = (node.op == "call_method" and node.target in _PURE_METHODS) or (
+        node.op == "call_function" and node.target in _PURE_FUNCTIONS)
+    if not pure:
+        return top if alias_mutations(node) else node
+
+    def arg(a):
+        return _ids_key(a, top) if isinstance(a, Node) else repr(a)  # slices are unhashable here
+    return node.target, tuple(map(arg, node.args)), tuple(sorted((k, arg(v)) for k, v in node.kwargs.items()))
+
+
+def _mask_of(index) -> Optional[tuple[Node, object, int]]:
+    """(ids, the ids' key, e) for the index ``ids == e`` (either order; or ``(ids == e, :)``) of (T,) or (B, T)
+    integer ids."""
+    if isinstance(index, tuple) and len(index) == 2 and index[1] == _ALL:
+        index = index[0]
+    if not (is_call(index, "call_function", operator.eq, torch.eq) and len(index.args) == 2 and not index.kwargs):
+        return None
+    a, b = index.args
+    ids, e = (a, b) if type(b) is int else (b, a) if type(a) is int else (None, None)
+    iv = val(ids)
+    if iv is None or iv.dim() not in _ID_DIMS or iv.dtype.is_floating_point or iv.dtype.is_complex or (
+            iv.dtype == torch.bool):
+        return None
+    return ids, _ids_key(ids), e
+
+
+def _router_width(ids: Node) -> Optional[int]:
+    """N when every id is provably in range(N): ``argmax(dim=-1)`` or ``max(dim=-1)`` indices of (*lead, N) scores,
+    or the one column of ``topk(1)`` (or ``max(keepdim=True)``) indices, squeezed (``squeeze(-1)``, ``[..., 0]``;
+    flat ids also ``view(-1)``, ``flatten()``, ``[:, 0]``). lead is the ids' (T,) or (B, T)."""
+    iv = val(ids)
+    if iv is None or iv.dim() not in _ID_DIMS:
+        return None
+    d, column = iv.dim(), False
+    index = ids.args[1] if is_call(ids, "call_function", operator.getitem) and len(ids.args) == 2 else None
+    if (is_call(ids, "call_method", "squeeze") and tuple(ids.args[1:]) in ((-1,), (d,))) or index in (
+            (Ellipsis, 0), (_ALL,) * d + (0,)) or (d == 1 and (
+            (is_call(ids, "call_method", "view", "reshape") and tuple(ids.args[1:]) in ((-1,), ((-1,),))) or (
+            is_call(ids, "call_method", "flatten") and len(ids.args) == 1))):
+        ids, column = ids.args[0], True
+        cv = val(ids)
+        if ids.kwargs or cv is None or tuple(cv.shape) != (*iv.shape, 1):
+            return None
+    if is_call(ids, "call_function", torch.argmax) or is_call(ids, "call_method", "argmax"):
+        top, keep, k = ids, ids.kwargs.get("keepdim", ids.args[2] if len(ids.args) > 2 else False), 1
+    elif is_call(ids, "call_function", operator.getitem) and ids.args[1] == 1 and (
+            is_call(ids.args[0], "call_function", torch.max, torch.topk) or
+            is_call(ids.args[0], "call_method", "max", "topk")):
+        top = ids.args[0]
+        is_topk = top.target in (torch.topk, "topk")
+        k = top.kwargs.get("k", top.args[1] if len(top.args) > 1 else None) if is_topk else 1
+        keep = True if is_topk else top.kwargs.get("keepdim", top.args[2] if len(top.args) > 2 else False)
+    else:
+        return None
+    default_dim = -1 if top.target in (torch.topk, "topk") else None
+    dim = top.kwargs.get("dim", top.args[2 if top.target in (torch.topk, "topk") else 1] if len(top.args) > (
+        2 if top.target in (torch.topk, "topk") else 1) else default_dim)
+    scores = val(top.args[0]) if top.args else None
+    if k != 1 or keep is not column or dim not in (-1, d) or scores is None or scores.dim() != d + 1:
+        return None
+    width = scores.shape[-1]
+    return width if isinstance(width, int) else None
+
+
+def _top1_rows(node, key, e: int) -> Optional[Node]:
+    """``x`` for ``x[mask]`` or ``x[mask, :]``, mask this body's own ``ids == e``."""
+    if not is_call(node, "call_function", operator.getitem):
+        return None
+    got = _mask_of(node.args[1])
+    return node.args[0] if got is not None and got[1:] == (key, e) else None
+
+
+def _top1_scale(node, key, e: int, lead: tuple) -> Optional[tuple[Node, Node, Node]]:
+    """(value, w, the masked read of w) for ``value * s`` (either order), s this body's rows of one float w as a
+    column: ``w[mask, None]``, ``w[mask].unsqueeze(-1)`` (``[:, None]``, ``.view(-1, 1)``) or ``w.unsqueeze(-1)[mask]``
+    (``w[..., None]``) of a w shaped like the ids, or ``w[mask]`` of a w shaped like the ids plus a 1."""
+    if not (is_call(node, "call_function", operator.mul) and len(node.args) == 2 and not node.kwargs):
+        return None
+    for value, s in (node.args, node.args[::-1]):
+        got = _column_weight(s, key, e, len(lead)) if isinstance(value, Node) else None
+        if got is None:
+            continue
+        w, read, column = got
+        wv = val(w)
+        if wv is not None and wv.is_floating_point() and tuple(wv.shape) == (lead + (1,) if column else lead):
+            return value, w, read
+    return None
+
+
+def _column_weight(s, key, e: int, dims: int) -> Optional[tuple[Node, Node, bool]]:
+    """(w, the masked read of w, whether w has a trailing 1 beyond the ids' ``dims``) for the column ``s`` of
+    ``_top1_scale``."""
+    if is_call(s, "call_function", operator.getitem) and isinstance(s.args[1], tuple) and len(s.args[1]) == 2 and (
+            s.args[1][1] is None):  # w[mask, None]
+        got = _mask_of(s.args[1][0])
+        return (s.args[0], s, False) if got is not None and got[1:] == (key, e) else None
+    inner = _as_column(s, 1)  # w[mask].unsqueeze(-1): the masked rows are 1-D whatever the ids' dims
+    if inner is not None and (w := _top1_rows(inner, key, e)) is not None:
+        return w, inner, False
+    w = _top1_rows(s, key, e)
+    if w is None:
+        return None
+    base = _as_column(w, dims)  # w.unsqueeze(-1)[mask], or w[mask] of a w with a trailing 1
+    return (base, s, False) if base is not None else (w, s, True)
+
+
+def _as_column(node, dims: int) -> Optional[Node]:
+    """``w`` for a w of ``dims`` dims given a trailing 1: ``w.unsqueeze(-1)``, ``w[..., None]`` or ``w[:, None]``
+    (``[:, :, None]`` at two dims); at one dim also ``w.view(-1, 1)`` (``reshape``)."""
+    if not isinstance(node, Node) or not node.args or not isinstance(node.args[0], Node) or node.kwargs:
+        return None
+    w = node.args[0]
+    if (is_call(node, "call_method", "unsqueeze") and tuple(node.args[1:]) in ((-1,), (dims,))) or (
+            is_call(node, "call_function", operator.getitem) and node.args[1] in (
+            (_ALL,) * dims + (None,), (Ellipsis, None))) or (dims == 1 and (
+            is_call(node, "call_method", "view", "reshape") and tuple(node.args[1:]) in ((-1, 1), ((-1, 1),)))):
+        return w if val(w) is not None and val(w).dim() == dims else None
+    return None
+
+
+def _scale_of_rows(buf: Node, readers: set, lead: tuple) -> Optional[tuple[Node, Node]]:
+    """(the product, s) when the loop's result is read once, as ``buf * s`` (either order) with s a float tensor of
+    the ids' shape plus a trailing 1 ((T, 1), or (B, T, 1)): each row's one expert output scaled by its own s (Switch
+    scales the combined result by the chosen probability); a broadcast s of any other shape is no routing weight.
+    ``readers`` are buf's readers other than the loop's own writes and reads."""
+    if len(readers) != 1:
+        return None
+    (mul,) = readers
+    if not (is_call(mul, "call_function", operator.mul) and len(mul.args) == 2 and not mul.kwargs):
+        return None
+    s = mul.args[1] if mul.args[0] is buf else mul.args[0] if mul.args[1] is buf else None
+    sv = val(s) if isinstance(s, Node) else None
+    if sv is None or not sv.is_floating_point() or tuple(sv.shape) != lead + (1,):
+        return None
+    return mul, s
+
+
+def top1_buffer(node: Node) -> bool:
+    """The mark of a top-1 masked-writes loop: ``node`` is written at the rows of ``ids == e`` of (T,) or (B, T)
+    integer ids."""
+    return any(is_call(u, "call_function", operator.setitem) and u.args[0] is node and _mask_of(u.args[1])
+               for u in node.users)
+
+
+def _accumulated(value: Node, buf: Node, key, e: int) -> Optional[tuple[Node, Node]]:
+    """(the read of buf, v) for ``buf[mask] += v`` (Dynamo: ``buf[mask] = buf[mask].__iadd__(v)``) at this mask."""
+    if not (is_call(value, "call_function", operator.iadd, operator.add) and len(value.args) == 2 and len(
+            value.users) == 1):
+        return None
+    read, v = value.args
+    if not (is_call(read, "call_function", operator.getitem) and read.args[0] is buf and isinstance(v, Node)):
+        return None
+    got = _mask_of(read.args[1])
+    # read only by the add (and by the size checks of its data-dependent row count)
+    if got is not None and got[1:] == (key, e) and all(
+            u is value or is_call(u, "call_function", torch.ops.aten.sym_size.int) for u in read.users):
+        return read, v
+    return None
+
+
+def _viewed_back(graph: Graph, result: Node, after: Node, like: Node) -> None:
+    """Point the readers of ``result`` that come after ``after`` at ``result.view_as(like)``, inserted right after
+    ``after``. The driver then reads the op's flat (B*T, H) output in ``result``'s place: what the readers get is it
+    viewed as the user's (B, T, H) buffer."""
+    later, cur = set(), after.next
+    while cur.op != "root":
+        later.add(cur)
+        cur = cur.next
+    with graph.inserting_after(after):
+        back = graph.call_method("view_as", (result, like))
+    for reader in [u for u in result.users if u in later and u is not back]:
+        reader.replace_input_with(result, back)
+
+
+def match_top1_masks(buf: Node) -> Union[Match, str, None]:
+    """A top-1 router's loop of boolean-mask writes (``idx`` (T,) or (B, T) integer ids, one expert per token)::
+
+        out = torch.zeros_like(x)                        # or empty_like(x), x.new_zeros(x.shape)
+        for e in range(E):                               # each of range(E) once, in any order
+            out[idx == e] = expert_e(x[idx == e])        # or out[m] = w[m, None] * expert_e(x[m]); or out[m] += ...
+        y = out * w[:, None]                             # or w[..., None] of (B, T) w; or none: the op scales by 1
+
+    Exact because the masks ``idx == e`` of distinct e never share a row, so each row is written by its one expert
+    (or by none), as the op computes it. A row whose id is outside range(E) keeps the buffer's first value: zeros,
+    which is what the op gives for an out-of-range id, but garbage with ``empty_like``; so an empty buffer, and a
+    weight applied to the whole buffer (eager's ``0 * w`` is NaN at a non-finite w), need ids provably in range(E):
+    argmax, max or topk(1) indices over E scores. Ids of a router over another number of experts than the loop
+    writes are left alone. The experts are the unrolled loop's (``_masked_body``), biases included.
+
+    With (B, T) ids, x and the buffer must be (B, T, H), the masks then selecting rows of their leading two dims in
+    one row-major order: the op runs on the flat views and its result is viewed back (``_viewed_back``)."""
+    from .driver import CHANGED_IN_PLACE
+    from .masked_writes import _flat_ids, _masked_body, _one_spec  # the checks shared with DeepSeek's spelling
+    from .unrolled_loop import _Body, _stacked, biased_linear
+
+    writes = alias_mutations(buf)
+    marked = [(w, _mask_of(w.args[1])) for w in writes if is_call(w, "call_function", operator.setitem)
+              and w.args[0] is buf]
+    marked = [(w, m) for w, m in marked if m is not None]
+    # the mark: tensors written at the rows of two ids or more (``t[labels == -100] = 0.0`` is no expert loop)
+    if len({m[2] for _, m in marked}) < 2 or not all(isinstance(w.args[2], Node) for w, _ in marked):
+        return None
+    ids = marked[0][1][0]
+    flat = _flat_ids(ids)
+    if flat is not None and val(flat).shape[-1] != 1:  # DeepSeek's (T*k,) flat ids: match_masked_writes speaks
+        return None
+    zeros = is_call(buf, "call_function", *_ZEROS[0]) or is_call(buf, "call_method", *_ZEROS[1])
+    empty = is_call(buf, "call_function", *_EMPTY[0]) or is_call(buf, "call_method", *_EMPTY[1])
+    if not (zeros or empty) or set(buf.kwargs) - {"dtype", "device", "layout", "memory_format"}:
+        return ("the buffer does not start as zeros or empty (zeros_like, new_zeros, empty_like): the rows no expert "
+                "writes would keep values the op does not give")
+    if len(marked) != len(writes):
+        return "the buffer is also changed by something other than its masked writes"
+    if len({m[1] for _, m in marked}) != 1:
+        return "the writes select rows by masks of different id tensors"
+    experts = [m[2] for _, m in marked]
+    if len(set(experts)) != len(experts):
+        twice = next(e for e in experts if experts.count(e) > 1)
+        return f"expert {twice}'s rows are written twice: the second write replaces the first"
+    position = {n: i for i, n in enumerate(buf.graph.nodes)}
+    marked.sort(key=lambda wm: position[wm[0]])
+    lead = tuple(val(ids).shape)
+    bodies, reads, own = [], [], set()
+    for w, (_, key, e) in marked:
+        value, vv, bv = w.args[2], val(w.args[2]), val(buf)
+        # whole rows: a narrower value would be broadcast across each row, and a cast is the buffer's, not the op's
+        if vv is None or bv is None or vv.dim() != 2 or vv.shape[-1] != bv.shape[-1] or vv.dtype != bv.dtype:
+            return f"expert {e}'s write is not whole rows of the buffer's dtype"
+        if (added := _accumulated(value, buf, key, e)) is not None:
+            if not zeros:
+                return "out[mask] += ... onto a buffer that does not start as zeros"
+            own.add(added[0])
+            reads.append(added[0])
+            value = added[1]
+
+        def projection(n, e=e):  # e's own weights (an nn.Linear's bias, row e of a stacked one), or a row block
+            got = biased_linear(n, e)
+            block = block_linear(n) if got is None else None
+            return got if block is None else (*block, None)
+
+        body = _masked_body(value, e, rows=lambda n, key=key, e=e: _top1_rows(n, key, e),
+                            scaled=lambda n, key=key, e=e: _top1_scale(n, key, e, lead), projection=projection,
+                            look=True, required=False)
+        if isinstance(body, str):
+            return body
+        xe, gated, down, layout, stacked, sliced, scale, where, scale_read = body
+        gate, up = gated.gate, gated.up
+        x = _top1_rows(xe, key, e)
+        if x is None:
+            return f"expert {e} does not read the tokens at its own mask"
+        if up is not None and (gate[4] is None) != (up[4] is None):
+            return f"expert {e}'s gate projection has a bias and its up projection none, or the other way round"
+        reads += [n for n in (xe, gate[0], up[0] if up else None, scale_read) if n is not None]
+        spec = MoESpec(x, ids, scale, gate[1], up[1] if up else None, down[1], layout, gated.activation,
+                       weight_position=where, b1=gate[4], b1_up=up[4] if up else None, b2=down[4],
+                       **gated.spec_fields())
+        mask = w.args[1][0] if isinstance(w.args[1], tuple) else w.args[1]
+        bodies.append(_Body(e, spec, mask, w, stacked, blocks=sliced))
+    if len({(b.spec.weights, b.spec.weight_position) for b in bodies}) != 1:
+        return "the experts do not all apply one routing weight at one place"
+    one = _one_spec(bodies)
+    if isinstance(one, str):
+        return one
+    spec, num_experts, sliced = one
+    biases = [b for t in (spec.b1, spec.b1_up, spec.b2) if isinstance(t, tuple) for b in t]
+    if biases and spec.gate_up is not None:
+        return "the experts' fused gate/up projections have biases: the op splits a fused weight only when stacked"
+    if any(alias_mutations(b) for b in biases):  # the op reads the biases later than the user's code did
+        return CHANGED_IN_PLACE
+    readers = {u for u in buf.users if u not in writes and u not in own}
+    if any(position[u] < position[marked[-1][0]] for u in readers):
+        return "the buffer is read before the loop's last write"
+    product = None
+    if spec.weights is None and (scaled := _scale_of_rows(buf, readers, lead)) is not None:
+        product, weights = scaled
+        spec = dataclasses.replace(spec, weights=weights)
+    width = _router_width(ids)
+    if width is not None and width != num_experts:
+        return f"the router chooses among {width} experts and the loop writes {num_experts}"
+    if empty and width is None:
+        return ("the buffer is torch.empty_like and the ids are not provably in range(E) (argmax, max or topk(1) "
+                "over E scores): a row no expert writes would hold garbage")
+    if product is not None and width is None:
+        return ("the routing weight scales the whole buffer and the ids are not provably in range(E): a row no "
+                "expert writes is 0 * w in eager, NaN at a non-finite w, where the op gives 0")
+    xv, bv = val(spec.x), val(buf)
+    if xv is None or bv is None or xv.dim() != len(lead) + 1 or tuple(xv.shape[:-1]) != lead or tuple(
+            bv.shape) != tuple(xv.shape) or bv.dtype != xv.dtype:
+        return ("the buffer and the tokens are not (T, H) of one dtype, with (T,) ids" if len(lead) == 1 else
+                "the buffer and the tokens are not (B, T, H) of one dtype, their leading dims the (B, T) ids'")
+    biased = isinstance(spec.gate, tuple) and any(b is not None for b in (spec.b1, spec.b1_up, spec.b2))
+    unweighted, batched, hidden = spec.weights is None, len(lead) > 1, xv.shape[-1]
+    last = marked[-1][0]
+    end = product if product is not None else last
+
+    def derive(graph, spec: MoESpec) -> MoESpec:
+        spec = _stacked(graph, spec) if biased else sliced(graph, spec) if sliced is not None else spec
+        if batched:  # the flat loop on row-major views; the readers get the op's result viewed back as (B, T, H)
+            _viewed_back(graph, product if product is not None else buf, end, spec.x)
+            tokens = graph.call_method("reshape", (spec.x, -1, hidden))
+            # the emitter reads the tokens' dtype and grad from their traced value, the user's x flattened
+            tokens.meta["example_value"] = xv.reshape(-1, hidden)
+            column = graph.call_method("reshape", (spec.ids, -1, 1))
+            spec = dataclasses.replace(spec, x=tokens)
+        else:  # a top-1 router's (T,) ids as the op's (T, 1)
+            column = graph.call_method("view", (spec.ids, -1, 1))
+        if unweighted:  # a weight of exactly 1: the op's product leaves each expert output as it is
+            weights = graph.call_function(torch.ones_like, (column,), {"dtype": xv.dtype})
+        elif batched:
+            weights = graph.call_method("reshape", (spec.weights, -1, 1))
+        else:
+            weights = graph.call_method("view", (spec.weights, -1, 1)) if val(spec.weights).dim() == 1 else spec.weights
+        return dataclasses.replace(spec, ids=column, weights=weights)
+
+    note = (f"{len(bodies)} boolean-mask selections (host syncs) removed"
+            + ("; the (B, T) tokens read as one (B*T, H) view" if batched else "")
+            + ("; the flat weights read as (E, n, m) views" if sliced is not None else
+               "; per-expert weights stacked at each call" if isinstance(spec.gate, tuple) else "")
+            + (f"; routing weight on the {spec.weight_position}" if spec.weight_position != "output" else "")
+            + ("; the routing weight scaled the combined result" if product is not None else "")
+            + ("; no routing weight (the op scales by 1)" if unweighted else ""))
+    return Match(spec, end, note, where=marked[0][0], acc=None if product is not None else buf,
+                 writes=tuple(w for w, _ in marked), transient=tuple(reads), derive=derive, top_k=1)
