@@ -11,7 +11,7 @@ own ``nn.Linear`` router makes them, as Qwen2-MoE's does.
 Outcome: the ``if expert_mask.any():`` guard is a branch on a tensor's value, which Dynamo cannot trace; it is the
 "this expert got no tokens" skip, answered "has rows" while tracing and proven afterwards
 (``moe_inductor/mask_guards.py``), and the loop is the top-1 masked-writes spelling of form "unrolled_loop"
-(``passes/masked_writes.py``). It is rewritten with gradients too: an expert skipped in eager leaves its
+(``passes/top1_masks.py``). It is rewritten with gradients too: an expert skipped in eager leaves its
 weights without a gradient, which the compiled step copies by testing the guard's ids for each expert after the
 rewrite (``grad_gate.py``); the argmax this loop recomputes in every iteration is gone from the rewritten graph but
 for the one the op reads, and the gate tests that one, which computes the same ids (``fx_utils.same_value_key``).
