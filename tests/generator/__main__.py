@@ -1,4 +1,4 @@
-"""Measure the generator: ``python -m tests.generator [--examples N] [--seed S] [--lookalikes]``.
+"""Measure the generator: ``python -m tests.generator [--examples N] [--seed S] [--lookalikes] [--guards-masks-slots]``.
 
 Runs N recipes from a seeded generator, prints every miss, wrong rewrite and crash as it happens, then the rewrite
 rate per form, per idiom and per router, and the look-alikes kept per flaw."""
@@ -15,19 +15,23 @@ os.environ.setdefault("MOE_INDUCTOR_STRICT_PASSES", "1")
 
 def main() -> None:
     from tests.generator.check import run
-    from tests.generator.recipe import draw_recipe, random_draw
+    from tests.generator.recipe import GUARDS_MASKS_SLOTS, draw_recipe, narrowed, random_draw
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--examples", type=int, default=int(os.environ.get("MOE_GENERATOR_EXAMPLES", 200)))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--form", default=None, help="only this form (repeat draws until it comes)")
     ap.add_argument("--lookalikes", action="store_true", help="draw look-alikes only (each must be kept)")
+    ap.add_argument("--guards-masks-slots", action="store_true",
+                    help="draw only the guarded loops, top-1 mask writes and capacity biases/dropouts/stacked choices")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     tally: dict[str, Counter] = defaultdict(Counter)
     done = 0
     while done < args.examples:
-        r = draw_recipe(random_draw(rng), lookalike=True if args.lookalikes else None)
+        draw = random_draw(rng)
+        r = draw_recipe(narrowed(draw, GUARDS_MASKS_SLOTS) if args.guards_masks_slots else draw,
+                        lookalike=True if args.lookalikes else None)
         if args.form and r.form != args.form:
             continue
         done += 1

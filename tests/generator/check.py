@@ -74,6 +74,7 @@ class Outcome:
 def _step(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
     for p in module.parameters():
         p.grad = None
+    torch.manual_seed(0)  # a dropout in training draws the same masks in each run
     x = x.detach().clone().requires_grad_(True)
     out = module(x)
     probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))

@@ -14,13 +14,17 @@ from tests.generator.recipe import Recipe
 
 
 class LoopMoE(nn.Module):
-    """``for e in range(E)``: select expert e's (token, slot) pairs, run the expert, add back at the tokens."""
+    """``for e in range(E)``: select expert e's (token, slot) pairs, run the expert, add back at the tokens; or,
+    under a top-1 router, write its rows by a boolean mask (``out[idx == e] = expert_e(x[idx == e])``). Either body
+    may stand behind a guard that skips an expert with no rows (``if mask.any():`` and its spellings)."""
 
     def __init__(self, r: Recipe):
         super().__init__()
         self.r = r
         self.router = Router(r.router, r.E, r.k, r.renorm)
         self.bank = ExpertBank(r.idioms["experts"], r.E, r.act, r.idioms["matmul"])
+        if r.flaw == "guard_more":
+            self.register_buffer("ran", torch.zeros(r.E))
 
     def _expert(self, e: int, xe: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Expert e on xe, the (rows, 1) routing weight w applied where the recipe puts it."""
@@ -35,17 +39,26 @@ class LoopMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r = self.r
         probs, weights, ids = self.router(x)
-        if r.idioms["selection"] == "boolmask":
+        selection = r.idioms["selection"]
+        if selection == "boolmask":
             return self._masked(x, weights, ids)
-        out = torch.zeros_like(x)
-        v5 = r.idioms["selection"] == "hit_v5"
-        experts = range(r.E)
-        if r.idioms["selection"] == "onehot":
+        v5 = selection == "hit_v5"
+        experts, hits = range(r.E), None
+        if selection == "onehot":
             hits = F.one_hot(ids, num_classes=r.E).permute(2, 1, 0)  # (E, k, T), transformers v4's expert_mask
         elif v5:  # transformers v5's eager loop: a spare class, the loop over the experts that got tokens
             with torch.no_grad():
                 hits = F.one_hot(ids, num_classes=r.E + 1).permute(2, 1, 0)
                 experts = torch.greater(hits.sum(dim=(-1, -2)), 0).nonzero()
+        if selection == "top1_mask":  # (T,) ids and weight, each computed once before the loop
+            idx, out, body = self._top1_ids(ids), self._top1_buffer(x), self._write
+            routing = (idx, weights.squeeze(-1), weights)
+        else:
+            idx, out, body = ids, torch.zeros_like(x), self._accumulate
+            routing = (ids, probs, weights, hits)
+        ran = []
+        # The guard stands in this loop and the whole rest of the iteration is one call: the skip's proof reads the
+        # bytecode from the branch to the iteration's end, which must be the body and nothing after it.
         for e in experts:
             if v5:
                 e = e[0]
@@ -53,35 +66,113 @@ class LoopMoE(nn.Module):
                     continue
             if r.flaw == "skipped" and e == 1:
                 continue
-            if r.flaw == "soft":  # every token through every expert, weighted by its full probability
-                tok = torch.arange(x.shape[0], device=x.device)
-                w = probs[:, e, None].to(x.dtype)
-            elif r.idioms["selection"] == "any":
-                hit = ids == e
-                tok = hit.any(dim=-1).nonzero().squeeze(-1)
-                w = (weights * hit).sum(dim=-1)[tok, None]
+            hit = idx == e
+            guard = r.idioms["guard"]
+            if guard == "none":
+                body(e, x, hit, routing, out, ran)
+            elif guard == "mask_any":
+                if hit.any():
+                    body(e, x, hit, routing, out, ran)
+            elif guard == "torch_any":
+                if torch.any(hit):
+                    body(e, x, hit, routing, out, ran)
+            elif guard == "continue":
+                if not hit.any():
+                    continue
+                body(e, x, hit, routing, out, ran)
+            elif guard == "guard_other":  # the next expert's rows decide whether this one runs
+                if (idx == (e + 1) % r.E).any():
+                    body(e, x, hit, routing, out, ran)
+            elif hit.sum() > 1:  # "guard_count": an expert with one row is skipped too
+                body(e, x, hit, routing, out, ran)
+        if selection == "top1_mask" and r.idioms["position"] == "after":
+            out = out * self._column(weights, routing[1])
+        return out * len(ran) if r.flaw == "guard_list" else out
+
+    def _did_run(self, e: int, ran: list) -> None:
+        """What a guard_more or guard_list body does besides the expert: a count in a buffer, or a list entry."""
+        if self.r.flaw == "guard_more":
+            self.ran[e] += 1
+        elif self.r.flaw == "guard_list":
+            ran.append(e)
+
+    def _accumulate(self, e, x, hit, routing, out, ran) -> None:
+        """Expert e's (token, slot) rows, selected from ``hit = ids == e``, run and added back at the tokens."""
+        r = self.r
+        ids, probs, weights, hits = routing
+        if r.flaw == "soft":  # every token through every expert, weighted by its full probability
+            tok = torch.arange(x.shape[0], device=x.device)
+            w = probs[:, e, None].to(x.dtype)
+        elif r.idioms["selection"] == "any":
+            tok = hit.any(dim=-1).nonzero().squeeze(-1)
+            w = (weights * hit).sum(dim=-1)[tok, None]
+        else:
+            if r.idioms["selection"] == "where":
+                tok, pos = torch.where(hit)
+            elif r.idioms["selection"] == "nonzero":
+                tok, pos = hit.nonzero(as_tuple=True)
             else:
-                if r.idioms["selection"] == "where":
-                    tok, pos = torch.where(ids == e)
-                elif r.idioms["selection"] == "nonzero":
-                    tok, pos = (ids == e).nonzero(as_tuple=True)
-                else:
-                    pos, tok = torch.where(hits[e])
-                if r.flaw == "other_slot":
-                    pos = (pos + 1) % r.k
-                w = weights[tok, pos, None]
-            y = self._expert(e, x[tok], w)
-            rows = (tok + 1) % x.shape[0] if r.flaw == "other_rows" else tok
-            combine = r.idioms["combine"]
-            if combine == "index_add":
-                out.index_add_(0, rows, y)
-            elif combine == "index_put":
-                out.index_put_((rows,), y, accumulate=True)
-            elif combine == "setitem":
-                out[rows] += y
-            else:
-                out.scatter_add_(0, rows[:, None].expand(-1, x.shape[1]), y)
-        return out
+                pos, tok = torch.where(hits[e])
+            if r.flaw == "other_slot":
+                pos = (pos + 1) % r.k
+            w = weights[tok, pos, None]
+        y = self._expert(e, x[tok], w)
+        rows = (tok + 1) % x.shape[0] if r.flaw == "other_rows" else tok
+        combine = r.idioms["combine"]
+        if combine == "index_add":
+            out.index_add_(0, rows, y)
+        elif combine == "index_put":
+            out.index_put_((rows,), y, accumulate=True)
+        elif combine == "setitem":
+            out[rows] += y
+        else:
+            out.scatter_add_(0, rows[:, None].expand(-1, x.shape[1]), y)
+        self._did_run(e, ran)
+
+    def _top1_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """The (T,) ids of a top-1 router's (T, 1) ones, in the recipe's spelling."""
+        spelling = self.r.idioms["ids"]
+        if spelling == "squeeze":
+            return ids.squeeze(-1)
+        if spelling == "column0":
+            return ids[:, 0]
+        if spelling == "view":
+            return ids.view(-1)
+        if spelling == "flatten":
+            return ids.flatten()
+        return ids.view(-1) % self.r.E  # the same ids, no longer provably below E
+
+    def _top1_buffer(self, x: torch.Tensor) -> torch.Tensor:
+        buffer = self.r.idioms["buffer"]
+        if buffer == "zeros_like":
+            return torch.zeros_like(x)
+        return x.new_zeros(x.shape) if buffer == "new_zeros" else torch.empty_like(x)
+
+    def _column(self, weights: torch.Tensor, w: torch.Tensor, rows=None) -> torch.Tensor:
+        """The routing weight of the masked ``rows`` (None: of every row) as a column: ``w[rows, None]``,
+        ``w[rows].unsqueeze(-1)`` of the (T,) weight, or ``weights[rows]`` of the router's (T, 1) one."""
+        column = self.r.idioms["column"]
+        if rows is None:
+            return w[:, None] if column == "index_none" else w.unsqueeze(-1) if column == "unsqueeze" else weights
+        if column == "index_none":
+            return w[rows, None]
+        return w[rows].unsqueeze(-1) if column == "unsqueeze" else weights[rows]
+
+    def _write(self, e, x, hit, routing, out, ran) -> None:
+        """A top-1 router's boolean-mask write, ``out[idx == e] = expert_e(x[idx == e])``, the weight inside it where
+        the recipe puts it there; ``routing`` holds the (T,) ids and weight and the router's (T, 1) weight."""
+        r = self.r
+        idx, w, weights = routing
+        rows = idx.flip(0) == e if r.flaw == "other_rows" else hit  # the same count per expert, other tokens
+        if r.idioms["position"] in ("after", "none"):
+            y = self._expert_unscaled(e, x[rows])
+        else:
+            y = self._expert(e, x[rows], self._column(weights, w, hit))
+        if r.idioms["combine"] == "accumulate":
+            out[hit] += y
+        else:
+            out[hit] = y
+        self._did_run(e, ran)
 
     def _masked(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """DeepSeek-V2's training loop: every token repeated k times, rows written per expert by a boolean mask."""

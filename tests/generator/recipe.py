@@ -22,15 +22,33 @@ FORM_COUNTER = {
 ACTIVATIONS = ("silu_glu", "gelu_glu", "relu", "gelu")
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_bias", "group_limited", "argmax")
 FUSED = ("fused_chunk", "fused_split", "fused_slice", "fused_interleaved")
+#: how a loop's expert body is skipped when its mask is empty (``if mask.any():``, ``if torch.any(mask):``,
+#: ``if not mask.any(): continue``), or not skipped at all
+GUARDS = ("none", "mask_any", "torch_any", "continue")
+#: the loop selections a guard's mask ``ids == e`` can stand before (v5's hit loop and DeepSeek's flat masks have
+#: their own skip or none)
+GUARDED = ("where", "nonzero", "onehot", "any", "top1_mask")
+#: top-1 boolean-mask writes ``out[idx == e] = expert_e(x[idx == e])``: how the (T, 1) ids become (T,) ones
+#: ("modulo": ``% E``, the same values but not provably in range(E)), what the buffer starts as, and where the
+#: routing weight goes ("after" the loop on the whole buffer, "none", or inside each write at the loop's
+#: positions), spelt as a column of the (T,) weight by ``w[m, None]``, ``.unsqueeze(-1)`` or the (T, 1) tensor
+TOP1 = {
+    "ids": ("squeeze", "column0", "view", "flatten", "modulo"),
+    "buffer": ("zeros_like", "new_zeros", "empty_like"),
+    "position": ("after", "none", "output", "input", "between"),
+    "column": ("index_none", "unsqueeze", "t1"),
+    "combine": ("assign", "accumulate"),
+}
 
 #: idiom axes of each form (an axis whose options depend on earlier draws is narrowed in ``draw_recipe``)
 AXES: dict[str, dict[str, tuple]] = {
     "loop": {
-        "selection": ("where", "nonzero", "onehot", "boolmask", "any", "hit_v5"),
+        "selection": ("where", "nonzero", "onehot", "boolmask", "any", "hit_v5", "top1_mask"),
         "experts": ("modulelist", "moduledict", "stacked_nk", "stacked_kn", "slices") + FUSED,
         "position": ("output", "input", "between"),
         "combine": ("index_add", "index_put", "setitem", "scatter_add"),
         "matmul": ("linear", "matmul"),
+        "guard": GUARDS,
     },
     "sorted": {
         "sort": ("argsort", "sort"),
@@ -50,10 +68,13 @@ AXES: dict[str, dict[str, tuple]] = {
         "combine": ("einsum", "mul_sum", "bmm"),
     },
     "capacity": {
-        "style": ("gshard", "switch", "fairseq", "deepspeed"),
+        "style": ("gshard", "switch", "fairseq", "deepspeed", "nanomoe"),
         "capacity": ("constant", "from_tokens"),
         "experts": ("einsum", "bmm"),
-        "dispatch": ("ne_zero", "bool"),
+        "dispatch": ("ne_zero", "bool", "permute_matmul"),
+        "combine": ("einsum", "mm"),
+        "bias": ("none", "e_n", "e1n_inplace"),
+        "dropout": ("none", "module_p0", "functional_p0", "eval"),
     },
     "split": {
         "dispatch": ("megatron", "jetmoe"),
@@ -66,12 +87,17 @@ AXES: dict[str, dict[str, tuple]] = {
 #: "other_slot" is a look-alike only where the slot of the weight and the slot of the selection disagree in one
 #: index (the loop's ``weights[tok, pos + 1]``, the split loop's weights out of the sorted order): a (T, k) weight
 #: tensor permuted before a combine that reads it whole is still a top-k MoE (with those weights), and is rewritten
+#: the loop's guard flaws: a guard of the next expert's mask, a test of more than one row (``mask.sum() > 1``), and a
+#: ``mask.any()`` guard over a body that also counts into a buffer or appends to a list made before the loop;
+#: "empty_unproven" writes top-1 masks into ``torch.empty_like`` with ids not provably in range(E); the capacity
+#: flaws: (E, C, N) biases (one per slot), a dropout of p > 0 in training, nanoMoE's queues numbered token-major
+GUARD_FLAWS = ("guard_other", "guard_count", "guard_more", "guard_list")
 FLAWS: dict[str, tuple] = {
-    "loop": ("soft", "other_slot", "twice", "differs", "skipped", "other_rows"),
+    "loop": ("soft", "other_slot", "twice", "differs", "skipped", "other_rows", "empty_unproven") + GUARD_FLAWS,
     "sorted": ("twice", "other_rows"),
     "gathered": ("twice", "differs"),
     "dense": ("soft", "twice", "differs", "skipped"),
-    "capacity": ("capacity_mismatch", "differs"),
+    "capacity": ("capacity_mismatch", "differs", "slot_bias", "dropout_train", "token_major"),
     "split": ("other_slot", "differs", "other_rows"),
     "expert_choice": ("expert_choice",),
     "memory_slots": ("memory_slots",),
@@ -132,21 +158,108 @@ def draw_recipe(draw: Draw, lookalike: Optional[bool] = None) -> Recipe:
         E += 1
     k = 1 if router == "argmax" else draw("k", tuple(range(1, min(E, 3) + 1)))
     if form == "capacity":
-        k = 1 if idioms["style"] in ("switch", "deepspeed") else min(2, E)
+        _capacity_idioms(draw, idioms, flaw)
         router = "softmax"
+        if idioms["style"] in ("switch", "deepspeed"):
+            k = 1
+        elif idioms["style"] in ("gshard", "fairseq"):
+            k = min(2, E)
+        elif flaw == "token_major" and k == 1:  # one choice per token has one queue order
+            k = 2
     if flaw == "other_slot" and k == 1:  # another slot needs two
         k, router = 2, "softmax_topk" if router == "argmax" else router
-    if form == "loop" and idioms["selection"] in ("boolmask", "any") and flaw in ("soft", "skipped", "other_rows", "other_slot"):
-        idioms["selection"] = "where"  # these flaws are written in the zeros-accumulator loop
-    if form == "loop" and idioms["selection"] == "hit_v5" and idioms["experts"] in ("moduledict", "slices"):
-        idioms["experts"] = "stacked_nk"  # v5's 0-d index keys no dict and slices no flat weight, in eager either
-    if form == "loop" and idioms["selection"] == "boolmask":
-        idioms["combine"] = draw("masked_combine", ("view_sum", "bmm"))
+    if form == "loop":
+        k = _loop_idioms(draw, idioms, flaw, k)
     T = draw("T", (1, 2, 3, 5, 8, 11, 16))
     if flaw == "other_rows" and T == 1:
         T = 3
+    if flaw == "guard_count" and T * k <= E:  # some expert gets two rows, or no body runs and nothing has a gradient
+        T = E + 1
     return Recipe(form=form, flaw=flaw, E=E, k=k, T=T, act=act, router=router, renorm=draw("renorm", (False, True)),
                   seed=draw("seed", tuple(range(64))), idioms=idioms)
+
+
+def _loop_idioms(draw: Draw, idioms: dict, flaw: Optional[str], k: int) -> int:
+    """Narrow the loop's idioms to those its selection and flaw can be written with, and draw the top-1 mask
+    writes' own; the k the selection needs."""
+    selection = idioms["selection"]
+    if selection in ("boolmask", "any", "top1_mask") and flaw in ("soft", "other_slot"):
+        selection = "where"  # these flaws are written in the zeros-accumulator loop
+    if selection in ("boolmask", "any") and flaw in ("skipped", "other_rows"):
+        selection = "where"
+    if flaw == "empty_unproven":
+        selection = "top1_mask"
+    if flaw in GUARD_FLAWS and selection not in ("where", "top1_mask"):  # the guards' top-k and top-1 spellings
+        selection = "where"
+    idioms["selection"] = selection
+    if selection == "hit_v5" and idioms["experts"] in ("moduledict", "slices"):
+        idioms["experts"] = "stacked_nk"  # v5's 0-d index keys no dict and slices no flat weight, in eager either
+    if selection == "boolmask":
+        idioms["combine"] = draw("masked_combine", ("view_sum", "bmm"))
+    if selection not in GUARDED:
+        idioms["guard"] = "none"
+    if flaw in ("guard_more", "guard_list") and idioms["guard"] == "none":
+        idioms["guard"] = "mask_any"  # what these flaws add is the guard's body doing more
+    elif flaw in ("guard_other", "guard_count"):
+        idioms["guard"] = flaw  # the flaw is the guard's test
+    if selection != "top1_mask":
+        return k
+    for axis, options in TOP1.items():
+        idioms[axis] = draw(f"top1_{axis}", options)
+    if flaw == "empty_unproven":
+        idioms["ids"], idioms["buffer"] = "modulo", "empty_like"
+    elif flaw is not None and idioms["buffer"] == "empty_like":
+        idioms["buffer"] = "zeros_like"  # a skipped or unwritten row of an empty buffer is garbage in eager too
+    if flaw == "twice" and idioms["position"] in ("after", "none"):
+        idioms["position"] = "output"  # twice means on the input and on the output, inside the write
+    if idioms["ids"] == "modulo" and flaw is None:
+        # ids not provably in range(E): a row no expert writes is the buffer's, so it starts as zeros, and no weight
+        # scales the whole buffer (eager's 0 * w there is NaN at a non-finite w, where the op gives 0)
+        idioms["buffer"] = "zeros_like" if idioms["buffer"] == "empty_like" else idioms["buffer"]
+        idioms["position"] = "output" if idioms["position"] == "after" else idioms["position"]
+    if idioms["combine"] == "accumulate" and idioms["buffer"] == "empty_like":
+        idioms["combine"] = "assign"  # out[m] += ... needs zeros to add onto
+    if idioms["position"] == "none":
+        del idioms["column"]
+    return 1
+
+
+def _capacity_idioms(draw: Draw, idioms: dict, flaw: Optional[str]) -> None:
+    """Narrow the padded-capacity idioms to the recipe's flaw, and draw nanoMoE's and the dropout's own."""
+    if flaw == "token_major":
+        idioms["style"] = "nanomoe"
+    if idioms["style"] == "nanomoe":  # the (k, T, E) stack summed over k by a product's sum or an einsum
+        idioms["stack"] = draw("stack", ("sum", "einsum"))
+    if flaw == "slot_bias":
+        idioms["bias"] = "slot"
+    if flaw == "dropout_train":
+        idioms["dropout"] = "train_p"
+    if idioms["dropout"] != "none":  # between the projections, or on the experts' output
+        idioms["dropout_at"] = draw("dropout_at", ("between", "after"))
+
+
+#: the choices that narrow a draw to the spellings of the guarded loops, the top-1 mask writes and the padded
+#: capacity's biases, dropouts and stacked choices, with their look-alikes (``narrowed``)
+GUARDS_MASKS_SLOTS = {
+    "lookalike": (False, True),
+    "form": ("loop", "capacity"),
+    "flaw": GUARD_FLAWS + ("empty_unproven", "slot_bias", "dropout_train", "token_major"),
+    "selection": ("top1_mask", "where"),
+    "guard": GUARDS[1:],
+    "style": ("nanomoe", "switch", "fairseq"),
+    "bias": ("e_n", "e1n_inplace"),
+    "dropout": ("module_p0", "functional_p0", "eval"),
+}
+
+
+def narrowed(draw: Draw, only: dict[str, tuple]) -> Draw:
+    """``draw`` with the options of each name in ``only`` cut down to those it lists, in its order (hypothesis
+    shrinks towards the first), where any of them is offered: the same recipes, fewer of them."""
+    def pick(name: str, options: Sequence[Any]) -> Any:
+        kept = tuple(o for o in only.get(name, ()) if o in options)
+        return draw(name, kept or options)
+
+    return pick
 
 
 def random_draw(rng: random.Random) -> Draw:

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.generator.parts import ACT, H, ExpertBank, Router
+from tests.generator.parts import ACT, H, I, ExpertBank, Router
 from tests.generator.recipe import Recipe
 
 
@@ -158,8 +158,9 @@ class DenseMoE(nn.Module):
 
 
 class CapacityMoE(nn.Module):
-    """Padded capacity: (T, E, C) combine and dispatch tensors in GShard, Switch, fairseq or DeepSpeed style,
-    the experts on the (E, C, H) buffer by einsum or bmm."""
+    """Padded capacity: (T, E, C) combine and dispatch tensors in GShard, Switch, fairseq, DeepSpeed or nanoMoE style
+    (nanoMoE: the k choices one-hot in one (k, T, E) stack), the experts on the (E, C, H) buffer by einsum or bmm,
+    with per-expert biases and dropouts where the recipe has them."""
 
     def __init__(self, r: Recipe):
         super().__init__()
@@ -167,22 +168,36 @@ class CapacityMoE(nn.Module):
         self.gate = nn.Linear(H, r.E, bias=False)
         self.bank = ExpertBank("stacked_nk", r.E, r.act)
         self.C = 1 + r.seed % 4
+        bias = r.idioms["bias"]
+        self.b1 = self.b3 = self.b2 = None
+        if bias != "none":  # a bias on each projection: gate (and up, in a gated expert) and down
+            shape = {"e_n": (r.E,), "e1n_inplace": (r.E, 1), "slot": (r.E, self.capacity(r.T))}[bias]
+            self.b1 = nn.Parameter(torch.randn(*shape, I) * 0.5)
+            self.b3 = nn.Parameter(torch.randn(*shape, I) * 0.5) if r.gated else None
+            self.b2 = nn.Parameter(torch.randn(*shape, H) * 0.5)
+        dropout = r.idioms["dropout"]
+        self.drop = nn.Dropout(0.0 if dropout == "module_p0" else 0.1)
+        if dropout == "eval":  # a dropout of p > 0 is the identity in eval mode (and the backward still runs)
+            self.eval()
 
     def capacity(self, T: int) -> int:
-        if self.r.idioms["capacity"] == "constant":  # two slots at least where the flaw moves the slot
-            return max(self.C, 2) if self.r.flaw == "capacity_mismatch" else self.C
+        if self.r.idioms["capacity"] == "constant":  # two slots at least where the flaw moves the slot, or where
+            # biases differ per slot (at one slot, an (E, C, N) bias is a per-expert one)
+            return max(self.C, 2) if self.r.flaw in ("capacity_mismatch", "slot_bias") else self.C
         factor = 2 if self.r.k == 2 else 1
         return max(2, factor * math.ceil(T / self.r.E))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         r, style = self.r, self.r.idioms["style"]
-        E, C = r.E, self.capacity(x.shape[0])
+        T, E, C = x.shape[0], r.E, self.capacity(x.shape[0])
         logits = self.gate(x)
         gates = F.softmax(logits, dim=-1)
         if style == "gshard":
             combine = self._gshard(gates, E, C)
         elif style == "fairseq":
             combine = self._fairseq(logits, gates, E, C)
+        elif style == "nanomoe":
+            combine = self._nanomoe(logits, E, C)
         else:  # Switch and DeepSpeed: top-1
             idx = torch.argmax(gates, dim=-1)
             mask = F.one_hot(idx, num_classes=E)
@@ -198,20 +213,82 @@ class CapacityMoE(nn.Module):
         dispatch = dispatch.to(x.dtype)
         if r.flaw == "capacity_mismatch":  # dispatch into the next slot from the one the combine reads
             dispatch = dispatch.roll(1, dims=2)
-        xin = torch.einsum("tec,th->ech", dispatch, x)
+        if r.idioms["dispatch"] == "permute_matmul":  # nanoMoE: (E, C, T) @ (T, H)
+            xin = dispatch.permute(1, 2, 0) @ x
+        else:
+            xin = torch.einsum("tec,th->ech", dispatch, x)
+        out = self._experts(xin)
+        if r.flaw == "differs":
+            out = torch.cat([2.0 * out[:1], out[1:]], dim=0)
+        if r.idioms["combine"] == "mm":  # fairseq's and nanoMoE's (T, E*C) @ (E*C, H)
+            return combine.to(x.dtype).view(T, -1) @ out.view(-1, H)
+        return torch.einsum("tec,ech->th", combine.to(x.dtype), out)
+
+    def _experts(self, xin: torch.Tensor) -> torch.Tensor:
+        """The experts on their (E, C, H) slots: each projection by einsum or bmm, its bias added, and the dropout
+        between the projections or after them."""
+        r = self.r
         w_up, w_gate, w_down, _ = self.bank.stacked()
         act = ACT[r.act]
         if r.idioms["experts"] == "einsum":
-            h = act(torch.einsum("ech,eih->eci", xin, w_up))
-            h = h * torch.einsum("ech,eih->eci", xin, w_gate) if r.gated else h
-            out = torch.einsum("eci,ehi->ech", h, w_down)
+            def up(t, w):
+                return torch.einsum("ech,eih->eci", t, w)
+
+            def down(t, w):
+                return torch.einsum("eci,ehi->ech", t, w)
         else:
-            h = act(torch.bmm(xin, w_up.transpose(1, 2)))
-            h = h * torch.bmm(xin, w_gate.transpose(1, 2)) if r.gated else h
-            out = torch.bmm(h, w_down.transpose(1, 2))
-        if r.flaw == "differs":
-            out = torch.cat([2.0 * out[:1], out[1:]], dim=0)
-        return torch.einsum("tec,ech->th", combine.to(x.dtype), out)
+            def up(t, w):
+                return torch.bmm(t, w.transpose(1, 2))
+            down = up
+        h = act(self._biased(up(xin, w_up), self.b1, "b[:, None, :]"))
+        if r.gated:
+            h = h * self._biased(up(xin, w_gate), self.b3, "b[:, None, :]")
+        h = self._dropout(h, "between")
+        out = self._biased(down(h, w_down), self.b2, "b.unsqueeze(1)")
+        return self._dropout(out, "after")
+
+    def _biased(self, h: torch.Tensor, b, spelling: str) -> torch.Tensor:
+        """h plus a per-expert bias, broadcast over the slots in the recipe's spelling (an (E, 1, N) parameter by
+        ``+=``, an (E, N) one by ``spelling``), or the per-slot (E, C, N) one of the slot_bias look-alike."""
+        if b is None:
+            return h
+        if self.r.idioms["bias"] == "e1n_inplace":
+            h += b
+            return h
+        if self.r.idioms["bias"] == "slot":
+            return h + b
+        return h + (b[:, None, :] if spelling == "b[:, None, :]" else b.unsqueeze(1))
+
+    def _dropout(self, h: torch.Tensor, where: str) -> torch.Tensor:
+        dropout = self.r.idioms["dropout"]
+        if dropout == "none" or self.r.idioms["dropout_at"] != where:
+            return h
+        if dropout == "functional_p0":
+            return F.dropout(h, p=0.0, training=self.training)
+        return self.drop(h)  # p = 0; or p = 0.1 in eval mode; or p = 0.1 in training (the look-alike)
+
+    def _nanomoe(self, logits, E, C):
+        """nanoMoE's Router: the top-k logits softmaxed over a -inf row, the (T, k, E) one-hot permuted to (k, T, E)
+        and numbered by one cumsum over its (k*T, E) rows (choice-major); the look-alike numbers the (T*k, E) rows
+        (token-major)."""
+        T, k = logits.shape[0], self.r.k
+        top, ids = logits.topk(k, dim=-1)
+        probs = torch.full_like(logits, float("-inf"))
+        probs.scatter_(-1, ids, top)
+        probs = F.softmax(probs, dim=-1)
+        mask = F.one_hot(ids, num_classes=E)
+        if self.r.flaw == "token_major":
+            rank = (torch.cumsum(mask.reshape(T * k, E), dim=0) - 1).reshape(T, k, E).permute(1, 0, 2)
+            mask = mask.permute(1, 0, 2)
+        else:
+            mask = mask.permute(1, 0, 2)
+            rank = (torch.cumsum(mask.reshape(k * T, E), dim=0) - 1).reshape(k, T, E)
+        mask *= torch.lt(rank, C)
+        slots = F.one_hot(torch.sum(mask * rank, dim=-1), num_classes=C)  # (k, T, C)
+        weights = mask * probs[None, :]
+        if self.r.idioms["stack"] == "einsum":
+            return torch.einsum("kte,ktc->tec", weights, slots.to(weights.dtype))
+        return torch.sum(weights.unsqueeze(3) * slots.unsqueeze(2), dim=0)
 
     def _gshard(self, gates, E, C):
         remaining, masks, combine = gates, [], 0
