@@ -153,6 +153,10 @@ class Top1MasksMoE(nn.Module):
                 out[p.argmax(-1) == e] = self.expert(e, x[p.argmax(-1) == e])
                 if s == "recomputed_after_a_change":  # the next argmax reads other scores
                     p[:, e] -= 1.0
+            elif s in ("recomputed_weight", "recomputed_weight_after_a_change"):  # the weight written out in each write
+                out[m] = self.expert(e, x[m]) * p.max(dim=-1).values[m, None]
+                if s == "recomputed_weight_after_a_change":  # the next write's weight reads other scores
+                    p[:, (e + 1) % E] += 1.0
             elif s == "ge_mask":
                 out[idx >= e] = self.expert(e, x[idx >= e])
             else:
@@ -161,7 +165,8 @@ class Top1MasksMoE(nn.Module):
                 kept = out.sum(0, keepdim=True)
         if s == "written_twice":
             out[idx == 0] = 2.0 * self.expert(0, x[idx == 0])
-        if s in ("unweighted", "biased_accumulate", "hashed", "stacked_inside", "weight_on_input", "weight_on_some"):
+        if s in ("unweighted", "biased_accumulate", "hashed", "stacked_inside", "weight_on_input", "weight_on_some",
+                 "recomputed_weight", "recomputed_weight_after_a_change"):
             return out
         if s == "two_buffers":
             return (out + second) * w[:, None]
@@ -179,6 +184,7 @@ class Top1MasksMoE(nn.Module):
     ("biased_accumulate", 4, 9),  # nn.Linear biases, out[m] += w[m].unsqueeze(-1) * expert(x[m]) onto zeros
     ("hashed", 4, 12),  # ids of no router: those outside range(E) leave zero rows, as the op skips them
     ("recomputed_ids", 4, 7),  # p.argmax(-1) == e computed afresh for each read and write: the same ids
+    ("recomputed_weight", 4, 7),  # p.max(-1).values computed afresh in each write: the same weight
 ])
 def test_top1_masked_writes_are_rewritten_and_equal(style, E, T):
     torch.manual_seed(0)
@@ -203,6 +209,7 @@ def test_top1_masked_writes_are_rewritten_and_equal(style, E, T):
     ("writes_of_two_id_tensors", "masks of different id tensors"),
     ("weight_on_some", "do not all apply one routing weight"),
     ("recomputed_after_a_change", "masks of different id tensors"),
+    ("recomputed_weight_after_a_change", "do not all apply one routing weight"),
     ("ge_mask", "moe_region"),  # overlapping masks are no mark of this form; the router's note says it
     ("wider_router", "the router chooses among 5 experts and the loop writes 4"),
     ("empty_unproven", "torch.empty_like and the ids are not provably in range(E)"),

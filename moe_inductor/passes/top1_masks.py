@@ -33,31 +33,13 @@ from torch.fx import Graph, Node
 from ..spec import MoESpec
 from .driver import Match
 from .flat_slices import block_linear
-from .fx_utils import alias_mutations, is_call, val
+from .fx_utils import alias_mutations, is_call, same_value_key, val
 
 _ZEROS = ((torch.zeros_like, torch.zeros), ("new_zeros",))
 _EMPTY = ((torch.empty_like, torch.empty), ("new_empty",))
-#: ops that give the same values from the same inputs: ids recomputed in each body (``x[idx == e]`` and
-#: ``out[idx == e]`` as two masks, or ``logits.argmax(-1) == e`` written in the loop) are the same ids
-_PURE_METHODS = {"argmax", "max", "topk", "squeeze", "view", "reshape", "flatten"}
-_PURE_FUNCTIONS = {torch.argmax, torch.max, torch.topk, torch.squeeze, torch.flatten, operator.getitem}
 #: the dims of ids a mask may have: (T,) tokens, or (B, T) with the batch dimension kept
 _ID_DIMS = (1, 2)
 _ALL = slice(None, None, None)
-
-
-def _ids_key(node: Node, top: Optional[Node] = None):
-    """A key equal for two nodes that compute the same ids: the same pure ops on the same inputs, none of which is
-    changed in place (a changed input may give another value at each read: the node is then only itself)."""
-    top = node if top is None else top
-    pure = (node.op == "call_method" and node.target in _PURE_METHODS) or (
-        node.op == "call_function" and node.target in _PURE_FUNCTIONS)
-    if not pure:
-        return top if alias_mutations(node) else node
-
-    def arg(a):
-        return _ids_key(a, top) if isinstance(a, Node) else repr(a)  # slices are unhashable here
-    return node.target, tuple(map(arg, node.args)), tuple(sorted((k, arg(v)) for k, v in node.kwargs.items()))
 
 
 def _mask_of(index) -> Optional[tuple[Node, object, int]]:
@@ -73,7 +55,7 @@ def _mask_of(index) -> Optional[tuple[Node, object, int]]:
     if iv is None or iv.dim() not in _ID_DIMS or iv.dtype.is_floating_point or iv.dtype.is_complex or (
             iv.dtype == torch.bool):
         return None
-    return ids, _ids_key(ids), e
+    return ids, same_value_key(ids), e
 
 
 def _router_width(ids: Node) -> Optional[int]:
@@ -308,8 +290,12 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
                        **gated.spec_fields())
         mask = w.args[1][0] if isinstance(w.args[1], tuple) else w.args[1]
         bodies.append(_Body(e, spec, mask, w, stacked, blocks=sliced))
-    if len({(b.spec.weights, b.spec.weight_position) for b in bodies}) != 1:
+    # a weight recomputed in each write (``w.squeeze(-1)[m, None]``) is one weight: the same ops on the same inputs
+    keys = {(None if b.spec.weights is None else same_value_key(b.spec.weights), b.spec.weight_position)
+            for b in bodies}
+    if len(keys) != 1:
         return "the experts do not all apply one routing weight at one place"
+    bodies = [dataclasses.replace(b, spec=dataclasses.replace(b.spec, weights=bodies[0].spec.weights)) for b in bodies]
     one = _one_spec(bodies)
     if isinstance(one, str):
         return one
