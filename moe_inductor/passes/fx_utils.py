@@ -262,6 +262,23 @@ def same_value_key(node: Node, top: Optional[Node] = None) -> Any:
     return node.target, tuple(map(arg, node.args)), tuple(sorted((k, arg(v)) for k, v in node.kwargs.items()))
 
 
+def scale_of_rows(buf: Node, readers: set, lead: tuple) -> Optional[tuple[Node, Node]]:
+    """(the product, s) when the loop's result is read once, as ``buf * s`` (either order) with s a float tensor of
+    the ids' shape plus a trailing 1 ((T, 1), or (B, T, 1)): each row's one expert output scaled by its own s (Switch
+    scales the combined result by the chosen probability); a broadcast s of any other shape is no routing weight.
+    ``readers`` are buf's readers other than the loop's own writes and reads."""
+    if len(readers) != 1:
+        return None
+    (mul,) = readers
+    if not (is_call(mul, "call_function", operator.mul) and len(mul.args) == 2 and not mul.kwargs):
+        return None
+    s = mul.args[1] if mul.args[0] is buf else mul.args[0] if mul.args[1] is buf else None
+    sv = val(s) if isinstance(s, Node) else None
+    if sv is None or not sv.is_floating_point() or tuple(sv.shape) != lead + (1,):
+        return None
+    return mul, s
+
+
 def val(node) -> Optional[torch.Tensor]:
     """The fake tensor Dynamo traced for ``node`` (``example_value`` in Dynamo graphs, ``val`` after aot)."""
     if not isinstance(node, Node):

@@ -33,7 +33,7 @@ from torch.fx import Graph, Node
 from ..spec import MoESpec
 from .driver import Match
 from .flat_slices import block_linear
-from .fx_utils import alias_mutations, is_call, same_value_key, val
+from .fx_utils import alias_mutations, is_call, same_value_key, scale_of_rows, val
 
 _ZEROS = ((torch.zeros_like, torch.zeros), ("new_zeros",))
 _EMPTY = ((torch.empty_like, torch.empty), ("new_empty",))
@@ -150,23 +150,6 @@ def _as_column(node, dims: int) -> Optional[Node]:
             is_call(node, "call_method", "view", "reshape") and tuple(node.args[1:]) in ((-1, 1), ((-1, 1),)))):
         return w if val(w) is not None and val(w).dim() == dims else None
     return None
-
-
-def _scale_of_rows(buf: Node, readers: set, lead: tuple) -> Optional[tuple[Node, Node]]:
-    """(the product, s) when the loop's result is read once, as ``buf * s`` (either order) with s a float tensor of
-    the ids' shape plus a trailing 1 ((T, 1), or (B, T, 1)): each row's one expert output scaled by its own s (Switch
-    scales the combined result by the chosen probability); a broadcast s of any other shape is no routing weight.
-    ``readers`` are buf's readers other than the loop's own writes and reads."""
-    if len(readers) != 1:
-        return None
-    (mul,) = readers
-    if not (is_call(mul, "call_function", operator.mul) and len(mul.args) == 2 and not mul.kwargs):
-        return None
-    s = mul.args[1] if mul.args[0] is buf else mul.args[0] if mul.args[1] is buf else None
-    sv = val(s) if isinstance(s, Node) else None
-    if sv is None or not sv.is_floating_point() or tuple(sv.shape) != lead + (1,):
-        return None
-    return mul, s
 
 
 def top1_buffer(node: Node) -> bool:
@@ -309,7 +292,7 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
     if any(position[u] < position[marked[-1][0]] for u in readers):
         return "the buffer is read before the loop's last write"
     product = None
-    if spec.weights is None and (scaled := _scale_of_rows(buf, readers, lead)) is not None:
+    if spec.weights is None and (scaled := scale_of_rows(buf, readers, lead)) is not None:
         product, weights = scaled
         spec = dataclasses.replace(spec, weights=weights)
     width = _router_width(ids)

@@ -44,7 +44,8 @@ from torch.fx import Graph, Node
 from ..spec import MoESpec
 from .driver import CHANGED_IN_PLACE, Anchor, Form, Match
 from .flat_slices import block_linear, blocks, sliced_spec, views
-from .fx_utils import GatedRead, alias_mutations, is_call, mutated_alias, read_gated, source_line, val
+from .fx_utils import (GatedRead, alias_mutations, is_call, mutated_alias, read_gated, scale_of_rows, source_line,
+                       val)
 from .loop_rows import routing_scaled, rows_index, selection, token_rows_of
 from .masked_writes import match_masked_writes, match_top1_masks, top1_buffer
 
@@ -392,20 +393,11 @@ def _column_ids(graph: Graph, spec: MoESpec) -> MoESpec:
 
 
 def _scale_of_result(acc: Node, users: set) -> Optional[tuple[Node, Node]]:
-    """(the product, s) when the loop's result is read once, as ``acc * s`` (either order) with s a (T, 1) float
-    tensor: each token's one expert output scaled by its own s (Switch scales the combined result by the chosen
-    probability). ``users`` are acc's readers other than the loop's own writes and reads; s cannot depend on acc,
-    since nothing else reads it."""
-    if len(users) != 1:
-        return None
-    (mul,) = users
-    if not (is_call(mul, "call_function", operator.mul) and len(mul.args) == 2 and not mul.kwargs):
-        return None
-    s = mul.args[1] if mul.args[0] is acc else mul.args[0] if mul.args[1] is acc else None
-    sv, av = (val(s), val(acc)) if isinstance(s, Node) else (None, None)
-    if sv is None or av is None or not sv.is_floating_point() or tuple(sv.shape) != (av.shape[0], 1):
-        return None
-    return mul, s
+    """``fx_utils.scale_of_rows`` of a (T, H) result: ``acc * s`` with s a (T, 1) float tensor (Switch scales the
+    combined result by the chosen probability). ``users`` are acc's readers other than the loop's own writes and
+    reads; s cannot depend on acc, since nothing else reads it."""
+    av = val(acc)
+    return None if av is None else scale_of_rows(acc, users, (av.shape[0],))
 
 
 def _zeros_like_x(acc: Node) -> bool:
