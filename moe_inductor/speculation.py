@@ -74,7 +74,7 @@ class Speculation:
     code: Any
     loop_head: int  # offset of the FOR_ITER whose iteration the body is
     tx: Any
-    mutations: tuple  # ``Trace.mark()`` when the branch was answered
+    mark: tuple  # ``Trace.mark()`` when the branch was answered
     closed: bool = False
     failed: Optional[str] = None  # why the body is not a clean one, found when the iteration ended
     #: (ids, expert, names of nodes computing the same ids) the count counts, by node names; filled by check_traced
@@ -130,8 +130,14 @@ class Trace:
 _ids = itertools.count(1)
 
 
+#: capture.py's thread-local compile stack, bound by ``install`` (capture imports this module)
+_local = None
+
+
 def _trace() -> Optional[Trace]:
     """The speculation record of the compile being traced, when it is a moe_inductor compile that may speculate."""
+    if _local is not None and not _local.__dict__.get("stack"):
+        return None  # no compile of ours is on: the hooks run in every compile's tracing, so this test comes first
     from . import capture
 
     state = capture.current()
@@ -267,8 +273,8 @@ def _close(tx, inst) -> None:
     for s in trace.speculations:
         if s.tx is tx and not s.closed and s.loop_head == inst.offset:
             s.closed = True
-            if trace.changed_since(s.mutations):
-                s.failed = "the skipped body changes Python state (a list, a dict, an attribute)"
+            if trace.changed_since(s.mark):
+                s.failed = "the skipped body changes Python state (a list, a dict, an attribute, an iterator)"
             node = s.start.next if s.start is not None else next(iter(s.graph.nodes), None)
             while node is not None and node is not s.graph._root:
                 node.meta[TAG] = s.id
@@ -323,10 +329,11 @@ _installed = False
 def install() -> None:
     """Hook Dynamo's branch, FOR_ITER and tolist handling and its side-effect log (idempotent); each hook does
     nothing outside a moe_inductor compile."""
-    global _installed
+    global _installed, _local
     if _installed:
         return
     _installed = True
+    from .capture import _local
     try:
         from torch._dynamo import side_effects, symbolic_convert
         from torch._dynamo.variables.base import VariableTracker
@@ -423,12 +430,9 @@ def _hook_iterators(base: type) -> None:
 
 
 def _recording_birth(init: Callable) -> Callable:
-    # every compile (backend="inductor"'s too) makes iterators: the cheap test of "a compile of ours is on" first
-    from .capture import _local
-
     def born(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        trace = _trace() if getattr(_local, "stack", None) else None
+        trace = _trace()
         if trace is not None:
             trace.births += 1
             trace.born[id(self)] = (self, trace.births)
@@ -437,10 +441,8 @@ def _recording_birth(init: Callable) -> Callable:
 
 
 def _recording_step(step: Callable) -> Callable:
-    from .capture import _local
-
     def stepped(self, *args, **kwargs):
-        trace = _trace() if getattr(_local, "stack", None) else None
+        trace = _trace()
         if trace is not None:
             trace.steps.append(_birth(trace, self))
         return step(self, *args, **kwargs)
