@@ -49,7 +49,7 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, str(Path(__file__).parent))
 import hf_rounds  # noqa: E402
 from hf_families import (COLUMNS, DEFAULT_COLUMNS, EXPERTS_KEPT, FAMILIES, MODES, MOE_COLUMNS,  # noqa: E402
-                         RULE_OFF)
+                         RULE_OFF, TAIL_OFF)
 from hf_processes import cpu_list, lanes_of, merge_repeats, process_groups  # noqa: E402
 from hf_profile import GcClock, Profiler, sync  # noqa: E402
 from hf_tables import markdown, rule_markdown  # noqa: E402
@@ -367,7 +367,7 @@ def run_family(cells, args) -> list:
                 try:
                     counters["stats"].clear()
                     extra = {"graph_time": True} if mode == "prefill" and args.graph_time else {}
-                    with speed_rule_off(column == RULE_OFF):
+                    with column_options(column):
                         row |= RUNNERS[mode](model, cfg, size, column, args.device, reference,
                                              profile if column != "eager" else None, **extra)
                     row["graphs"] = counters["stats"]["unique_graphs"]  # > 1 per compile: breaks or recompiles
@@ -409,13 +409,13 @@ def interleave_cell(model, cfg, cell_rows: list, args) -> None:
         with torch.set_grad_enabled(mode == "train"):
             steps, ids = {}, tokens(cfg, (1, size), args.device)
             for r in rows:
-                with speed_rule_off(r["column"] == RULE_OFF):
+                with column_options(r["column"]):
                     steps[r["column"]] = make_step(model, ids, mode, r["column"], reset=False)
                     for _ in range(2):  # its compile, then one call: the first forwards after a compile run slower
                         steps[r["column"]]()
             graphs = counters["stats"]["unique_graphs"]
             got = hf_rounds.interleaved(steps, args.interleave, lambda step: timed_ms(step, args.device),
-                                        lambda column: speed_rule_off(column == RULE_OFF), args.device,
+                                        column_options, args.device,
                                         clocks=args.clocks)
             recompiled = counters["stats"]["unique_graphs"] - graphs  # a guard that failed between columns: say so
     except Exception as e:  # the cell keeps its one-after-another values, and says why it has no rounds
@@ -437,12 +437,17 @@ def interleave_cell(model, cfg, cell_rows: list, args) -> None:
 
 
 def moe_backend(column: str):
-    """The backend a moe_inductor column compiles with: by name, or with no MoE form rewritten (``EXPERTS_KEPT``)."""
-    if column != EXPERTS_KEPT:
-        return "moe_inductor"
+    """The backend a moe_inductor column compiles with: by name, with no MoE form rewritten (``EXPERTS_KEPT``), or,
+    for the columns that differ only in a setting read while tracing (``RULE_OFF``, ``TAIL_OFF``), a backend object
+    of their own: Dynamo keeps one compiled entry per backend, so in the interleaved rounds a column sharing
+    "moe_inductor" would run the other column's compile."""
     import moe_inductor
 
-    return moe_inductor.with_options(forms=())
+    if column == EXPERTS_KEPT:
+        return moe_inductor.with_options(forms=())
+    if column in (RULE_OFF, TAIL_OFF):
+        return moe_inductor.with_options()
+    return "moe_inductor"
 
 
 @contextlib.contextmanager
@@ -459,6 +464,34 @@ def speed_rule_off(off: bool):
         yield
     finally:
         config.speed_rule = before
+
+
+@contextlib.contextmanager
+def column_options(column: str):
+    """The settings a column compiles and runs under: the speed rule off for ``RULE_OFF``; for ``TAIL_OFF`` the tail
+    split off, and the compile caches too, since the split is decided inside our op while Inductor traces it: the
+    graph handed to the caches is the same one, so a cache filled by the "moe_inductor" column would answer."""
+    if column == RULE_OFF:
+        with speed_rule_off(True):
+            yield
+        return
+    if column != TAIL_OFF:
+        yield
+        return
+    from moe_inductor import config
+
+    saved = (config.gemm_tail_split, torch._inductor.config.fx_graph_cache,
+             getattr(torch._functorch.config, "enable_autograd_cache", None))
+    config.gemm_tail_split = False
+    torch._inductor.config.fx_graph_cache = False
+    if saved[2] is not None:
+        torch._functorch.config.enable_autograd_cache = False
+    try:
+        yield
+    finally:
+        config.gemm_tail_split, torch._inductor.config.fx_graph_cache = saved[:2]
+        if saved[2] is not None:
+            torch._functorch.config.enable_autograd_cache = saved[2]
 
 
 def write(path, data) -> None:

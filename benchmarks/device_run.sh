@@ -41,6 +41,9 @@
 #                                            # then the engine's GPU tests                                (~5 min)
 #   bash benchmarks/device_run.sh tune       # tune the weight-gradient kernel (tune_weight_grad.py), merge into
 #                                            # the shipped table, rerun the backward GPU tests with it    (~8 min)
+#   bash benchmarks/device_run.sh tails      # tune the forward GEMM's tail split at T=4096 (qwen2moe, deepseekv3,
+#                                            # qwen3, olmoe), merge, its GPU tests, Qwen1.5-MoE prefill A/B  (~9 min)
+#   bash benchmarks/device_run.sh tailshf    # the split's A/B in the whole models (prefill 4096, Qwen3 train) (~9 min)
 #   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys, GPT-OSS's
 #                                            # own layout first (tune_gemm.py, 14 compiling processes), merge (~7 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -192,6 +195,26 @@ PY
     timeout -s INT 120 python -m pytest tests/test_kernels.py tests/test_ops.py -o addopts="--strict-markers" -q \
       -p no:warnings --tb=short -k "backward or weight_grad or wgrad or fp64" 2>&1 | grep -v "torch.__trace" \
       | tee "$OUT/tune_wgrad_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" ;;
+  tails)  # tune the forward GEMM's tail split (each expert's partial last tile in smaller tiles, a second launch) at
+          # T=4096 for the families whose experts run our kernels there, merge; the split's GPU tests; then Qwen1.5-MoE
+          # prefill with the split against without it, 3 interleaved rounds                               (~9 min)
+    timeout 260 python benchmarks/tune_gemm.py --shapes qwen2moe deepseekv3 qwen3 olmoe --tokens 4096 \
+      --workers 14 --json "$OUT/tuned_tails.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_tails.log"
+    grep -v "autotuning gemm" "$OUT/tune_tails.log" | cut -c1-220 | tail -24
+    cp moe_inductor/kernels/tuned/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+    timeout 120 python -m pytest tests/test_tail_split.py tests/test_kernels.py $WORKERS -q -p no:warnings -rfE 2>&1 \
+      | grep -v torch.__trace > "$OUT/tail_tests.log"; grep -E "FAILED|ERROR" "$OUT/tail_tests.log"; tail -2 "$OUT/tail_tests.log"
+    timeout 190 python benchmarks/bench_hf.py --deadline-s 180 --interleave 3 --clocks --budget qwen2_moe=170 \
+      --cells qwen2_moe:prefill:4096:inductor+moe_inductor+moe_inductor_tail_off \
+      --json "$OUT/bench_hf_tails.json" 2>&1 | grep -v "torch.__trace\|^DEBUG" | tail -12 ;;
+  tailshf)  # the tail split in the whole models: every prefill T=4096 cell whose experts run our kernels, and Qwen3's
+            # training step, with the split against without it, 3 interleaved rounds, GPU clocks       (~9 min)
+    C=inductor+moe_inductor+moe_inductor_tail_off
+    timeout 580 python benchmarks/bench_hf.py --deadline-s 565 --interleave 3 --clocks --layers qwen3_moe=2 \
+      --budget qwen3_moe=200 olmoe=110 qwen2_moe=110 deepseek_v3=130 \
+      --cells qwen3_moe:prefill:4096:$C qwen3_moe:train:4096:$C qwen2_moe:prefill:4096:$C olmoe:prefill:4096:$C \
+      deepseek_v3:prefill:4096:$C --json "$OUT/bench_hf_tails.json" --markdown "$OUT/bench_hf_tails.md" 2>&1 \
+      | grep -v "torch.__trace\|^DEBUG" | tail -30 ;;
   tunegemm)
     timeout 420 python benchmarks/tune_gemm.py --shapes gptoss olmoe qwen2moe deepseekv3 qwen3 --tokens 16 512 4096 16384 \
       --workers 14 --json "$OUT/tuned_gemm.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_gemm.log"

@@ -5,7 +5,10 @@ MODES = ("prefill", "decode", "train")
 #: experts left to Inductor; attention and masks still moe_inductor's). Their ratio is what rewriting the experts
 #: buys with everything else in the model compiled alike: the speed rule's value (``rule_values``)
 RULE_OFF, EXPERTS_KEPT = "moe_inductor_rule_off", "moe_inductor_experts_kept"
-MOE_COLUMNS = ("moe_inductor", RULE_OFF, EXPERTS_KEPT)
+#: backend="moe_inductor" with ``config.gemm_tail_split`` off: every forward grouped GEMM in one launch of one tile
+#: size. Against "moe_inductor" it measures what running each expert's partial last tile apart buys in the model
+TAIL_OFF = "moe_inductor_tail_off"
+MOE_COLUMNS = ("moe_inductor", RULE_OFF, EXPERTS_KEPT, TAIL_OFF)
 COLUMNS = ("eager", "inductor", "max-autotune-no-cudagraphs", *MOE_COLUMNS)
 DEFAULT_COLUMNS = ("eager", "inductor", "moe_inductor")
 

@@ -6,7 +6,9 @@
 For each shape and token count, in one process: the experts forward (no gradients, HF's weight layout, our fused
 kernels: gemm_engine="triton") with the configs the table has now ("before"); then every forward-GEMM key that
 call meets and the table lacks is tuned (each of ``configs.gemm_candidates`` timed by do_bench medians); then the
-forward again ("after") and sort + torch._grouped_mm. Keys the table has already are left as they are.
+forward again ("after") and sort + torch._grouped_mm. Keys the table has already are left as they are. Each GEMM's
+tail key (``...|tail``, the smaller tiles for the rows past each expert's whole tiles) is tuned after its GEMM's
+key, over ``configs.tail_candidates``, whose first is the GEMM's own config: no split; its "default" column is that.
 
 Compiling the candidates is most of a tune (about a hundred Triton compiles per kernel variant), and it is CPU
 work, so it is done first, in ``--workers`` processes at once: each compiles its share through
@@ -116,7 +118,10 @@ def save(entries: dict[str, dict], json_path: str | None, merge: bool) -> None:
 
 def default_of(key: str) -> configs.LaunchConfig:
     """The config a forward-GEMM key gets without a table entry (``launch.launch_grouped_gemm``'s key layout:
-    ``gemm|E..|N..|K..|dtype|g..|a..|c..|m..[|il]``)."""
+    ``gemm|E..|N..|K..|dtype|g..|a..|c..|m..[|il]``). A tail key's (``...|tail``) is its GEMM's own config: no split."""
+    if key.endswith("|tail"):
+        base = key[: -len("|tail")]
+        return configs.TABLE.lookup(base) or default_of(base)
     parts = key.split("|")
     n, k, dtype, gated = int(parts[2][1:]), int(parts[3][1:]), getattr(torch, parts[4].split(".")[-1]), parts[5] == "g1"
     return configs.default_gemm_config(int(parts[8][1:]), n, k, dtype, gated)

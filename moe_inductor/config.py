@@ -26,6 +26,11 @@ visible_kernels: bool = os.environ.get("MOE_INDUCTOR_VISIBLE_KERNELS", "1") == "
 #: layout allows).
 gemm_engine: str = os.environ.get("MOE_INDUCTOR_GEMM_ENGINE", "auto")
 
+#: Let the forward grouped GEMM run each expert's last, partial tile apart, in smaller tiles (a second launch), where
+#: the tuned table holds a "tail" config for the shape: that is where the pair was measured faster than one launch
+#: (kernels/grouped_gemm.py, SPLIT). Off: one launch, one tile size, always (env MOE_INDUCTOR_TAIL_SPLIT=0).
+gemm_tail_split: bool = os.environ.get("MOE_INDUCTOR_TAIL_SPLIT", "1") == "1"
+
 #: Who runs the backward's GEMMs: None follows ``gemm_engine``; "auto", "triton" or "grouped_mm" choose for the
 #: backward alone. The forward keeps the raw up projection in one sorted layout whoever ran it, so any pairing is
 #: valid. With "auto" (either way) the backward has its own rule: ``grouped_mm_backward_min_rows_per_expert`` rows

@@ -90,6 +90,24 @@ def gemm_candidates(dtype: torch.dtype) -> list[LaunchConfig]:
     return out
 
 
+def tail_candidates(full: LaunchConfig, dtype: torch.dtype, gated: bool) -> list[LaunchConfig]:
+    """The tail tuner's search space (``launch_grouped_gemm``): ``full`` itself first, which stands for no split,
+    then tiles of fewer rows than ``full``'s for the rows past each expert's whole tiles."""
+    out = [full]
+    for bm in (16, 32, 64):
+        if bm >= full.BLOCK_M:
+            continue
+        for bn in (64, 128) if gated else (64, 128, 256):
+            for bk in (64, 128):
+                if dtype == torch.float32 and bk * max(bm, bn) > 128 * 64:
+                    continue
+                for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                    if warps == 8 and bm * bn < 64 * 128:
+                        continue
+                    out.append(LaunchConfig(bm, bn, bk, warps, stages))
+    return out
+
+
 def weight_grad_candidates(dtype: torch.dtype) -> list[LaunchConfig]:
     """The weight-gradient tuner's search space. Two pipeline stages are in it because a few hundred rows per expert
     make the reduction loop only a few steps long: less shared memory per program then buys more programs per SM."""

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from .. import config as user_config
 from . import configs
 from .modes import SCALE_NONE
 
@@ -206,9 +207,10 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
     bucket = configs.rows_bucket(size_hint(num_rows) / max(num_experts, 1))
     # Every launch decision below depends only on this tuple, so it is made once per tuple: the per-call host work
     # is then one dict lookup, the argument list and the Triton launch (small T is host-bound).
+    tail_split = user_config.gemm_tail_split
     decision_key = (num_experts, n_dim, k_dim, a.dtype, gated, a_rows, c_rows, bucket, scale_mode, act_id, has_bias,
                     pre is not None, accumulate, a.device, autotune,
-                    configs.interpreting(), pairs is not None)
+                    configs.interpreting(), pairs is not None, tail_split)
     decided = _GEMM_DECISIONS.get(decision_key)
 
     def run(cfg: configs.LaunchConfig, meta: dict) -> None:
@@ -216,7 +218,17 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
         # min(E, M) experts have rows: at decode (M = T*k small, E large) most of the E extra tiles never exist
         # (a symbolic row count keeps the grid a plain expression: no min() over a symbol in Inductor's wrapper)
         busy = min(num_experts, num_rows) if isinstance(num_rows, int) else num_experts
-        grid = ((cdiv(num_rows, cfg.BLOCK_M) + busy) * cdiv(n_dim, cfg.BLOCK_N),)
+        split = meta.get("SPLIT", 0)
+        if split == 1:  # whole tiles only: at most M // BLOCK_M of them
+            m_tiles = cdiv(num_rows, cfg.BLOCK_M)
+        elif split == 2:  # each busy expert's tail, fewer than FULL_M rows, in at most this many tiles
+            per_expert = cdiv(meta["FULL_M"] - 1, cfg.BLOCK_M)
+            m_tiles = busy * per_expert
+            if isinstance(num_rows, int):
+                m_tiles = min(m_tiles, cdiv(num_rows, cfg.BLOCK_M) + busy)
+        else:
+            m_tiles = cdiv(num_rows, cfg.BLOCK_M) + busy
+        grid = (m_tiles * cdiv(n_dim, cfg.BLOCK_N),)
         b_ = pairs if pairs is not None else b
         b2_ = b2 if gated else b
         bias_ = bias if has_bias else dummy
@@ -236,7 +248,7 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
         launch_kernel(grouped_gemm_kernel, grid, args, meta)
 
     if decided is None:
-        def meta_for(cfg: configs.LaunchConfig) -> dict:
+        def meta_for(cfg: configs.LaunchConfig, split: int = 0, full_m: int = 1) -> dict:
             return dict(
                 NUM_EXPERTS=num_experts, E_POW2=next_pow2(num_experts),
                 A_ROWS=a_rows, C_ROWS=c_rows, SCALE_MODE=scale_mode,
@@ -244,8 +256,15 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
                 ACCUMULATE=accumulate, UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 EVEN_K=k_dim % cfg.BLOCK_K == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                INTERLEAVED=pairs is not None,
+                INTERLEAVED=pairs is not None, SPLIT=split, FULL_M=full_m,
             )
+
+        def launches(cfg: configs.LaunchConfig, tail: configs.LaunchConfig | None) -> tuple:
+            """(config, constexprs) of each launch: one over every row, or, with a ``tail`` config of smaller tiles,
+            ``cfg``'s whole tiles and then every expert's remaining rows in ``tail``'s."""
+            if tail is None or tail.BLOCK_M >= cfg.BLOCK_M:
+                return ((cfg, meta_for(cfg)),)
+            return ((cfg, meta_for(cfg, 1)), (tail, meta_for(tail, 2, cfg.BLOCK_M)))
 
         key = f"gemm|E{num_experts}|N{n_dim}|K{k_dim}|{a.dtype}|g{int(gated)}|a{a_rows}|c{c_rows}|m{bucket}"
         if pairs is not None:
@@ -256,15 +275,25 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
             default if accumulate else _pick(key, default, lambda: configs.gemm_candidates(a.dtype),
                                              lambda c: run(c, meta_for(c)), autotune=autotune)
         )
-        decided = (cfg, meta_for(cfg))
+        tail = None
+        if tail_split and cfg.BLOCK_M > 16:
+            # no tail entry means no split: the tuner stores one only where the pair beat the one launch (it is
+            # among the candidates, as a "tail" of the same BLOCK_M)
+            tail_key = key + "|tail"
+            tail = configs.TABLE.lookup(tail_key) or (
+                None if accumulate else _pick(tail_key, cfg, lambda: configs.tail_candidates(cfg, a.dtype, gated),
+                                              lambda c: [run(*x) for x in launches(cfg, c)], autotune=autotune))
+        decided = launches(cfg, tail)
         if not autotune or accumulate or configs.TABLE.lookup(key) is not None:
             _GEMM_DECISIONS[decision_key] = decided  # not a default that a later tuning run (after capture) replaces
     with device_guard(a):
-        run(*decided)
+        for part in decided:
+            run(*part)
 
 
-# (shape, dtype, flags, bucket, device) -> (config, the kernel's constexpr arguments); see launch_grouped_gemm.
-_GEMM_DECISIONS: dict[tuple, tuple[configs.LaunchConfig, dict]] = {}
+# (shape, dtype, flags, bucket, device) -> (config, the kernel's constexpr arguments) of each of its launches (one,
+# or two with a tail split); see launch_grouped_gemm.
+_GEMM_DECISIONS: dict[tuple, tuple[tuple[configs.LaunchConfig, dict], ...]] = {}
 
 
 def launch_kernel(kernel, grid: tuple, args: tuple, meta: dict) -> None:
