@@ -44,6 +44,8 @@
 #   bash benchmarks/device_run.sh tails      # tune the forward GEMM's tail split at T=4096 (qwen2moe, deepseekv3,
 #                                            # qwen3, olmoe), merge, its GPU tests, Qwen1.5-MoE prefill A/B  (~9 min)
 #   bash benchmarks/device_run.sh tailshf    # the split's A/B in the whole models (prefill 4096, Qwen3 train) (~9 min)
+#   bash benchmarks/device_run.sh tma        # TMA weight loads: GPU tests, op A/B per family (bench_tma.py),
+#                                            # Qwen1.5-MoE prefill A/B                                     (~8 min)
 #   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys, GPT-OSS's
 #                                            # own layout first (tune_gemm.py, 14 compiling processes), merge (~7 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -207,6 +209,14 @@ PY
     timeout 190 python benchmarks/bench_hf.py --deadline-s 180 --interleave 3 --clocks --budget qwen2_moe=170 \
       --cells qwen2_moe:prefill:4096:inductor+moe_inductor+moe_inductor_tail_off \
       --json "$OUT/bench_hf_tails.json" 2>&1 | grep -v "torch.__trace\|^DEBUG" | tail -12 ;;
+  tma)  # the forward GEMM with TMA weight loads: its GPU tests, the op alone against pointer loads per family and
+        # T (bench_tma.py), then Qwen1.5-MoE prefill with and without it, 3 interleaved rounds            (~8 min)
+    timeout 150 python -m pytest tests/test_tma_weights.py tests/test_tail_split.py $WORKERS -q -p no:warnings -rfE \
+      2>&1 | grep -v torch.__trace > "$OUT/tma_tests.log"; grep -E "FAILED|ERROR" "$OUT/tma_tests.log" | head; tail -2 "$OUT/tma_tests.log"
+    timeout 200 python benchmarks/bench_tma.py --json "$OUT/bench_tma.json" 2>&1 | grep -v "torch.__trace"
+    timeout 210 python benchmarks/bench_hf.py --deadline-s 200 --interleave 3 --clocks --budget qwen2_moe=190 \
+      --cells qwen2_moe:prefill:4096:inductor+moe_inductor+moe_inductor_tma \
+      --json "$OUT/bench_hf_tma.json" 2>&1 | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror" | cut -c1-400 ;;
   tailshf)  # the tail split in the whole models: every prefill T=4096 cell whose experts run our kernels, and Qwen3's
             # training step, with the split against without it, 3 interleaved rounds, GPU clocks       (~9 min)
     C=inductor+moe_inductor+moe_inductor_tail_off

@@ -31,6 +31,10 @@ gemm_engine: str = os.environ.get("MOE_INDUCTOR_GEMM_ENGINE", "auto")
 #: (kernels/grouped_gemm.py, SPLIT). Off: one launch, one tile size, always (env MOE_INDUCTOR_TAIL_SPLIT=0).
 gemm_tail_split: bool = os.environ.get("MOE_INDUCTOR_TAIL_SPLIT", "1") == "1"
 
+#: Let the forward grouped GEMM read its weights through TMA descriptors on Hopper and later GPUs (kernels/
+#: grouped_gemm.py, ``B_DESC``). Off until measured faster (env MOE_INDUCTOR_TMA_WEIGHTS=1 turns it on).
+gemm_tma_weights: bool = os.environ.get("MOE_INDUCTOR_TMA_WEIGHTS", "0") == "1"
+
 #: Who runs the backward's GEMMs: None follows ``gemm_engine``; "auto", "triton" or "grouped_mm" choose for the
 #: backward alone. The forward keeps the raw up projection in one sorted layout whoever ran it, so any pairing is
 #: valid. With "auto" (either way) the backward has its own rule: ``grouped_mm_backward_min_rows_per_expert`` rows

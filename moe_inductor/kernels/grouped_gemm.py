@@ -100,6 +100,17 @@ def _expert_of_tile(p_offsets, i_m, NUM_EXPERTS: tl.constexpr, E_POW2: tl.conste
 
 
 @triton.jit
+def _weight_tile_tma(desc, expert, k0, n0, B_NK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The (BLOCK_K, BLOCK_N) weight tile at (k0, n0) of ``expert`` through a 3D TMA descriptor: over (E, N, K) when
+    B_NK (HF's nn.Linear layout, read transposed), else (E, K, N). Past N or K it reads zeros (TMA's bounds)."""
+    if B_NK:
+        tile = desc.load([expert, n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+    else:
+        tile = desc.load([expert, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+    return tile
+
+
+@triton.jit
 def _weight_tile(p_w_blk, m_k, m_n, EVEN_K: tl.constexpr):
     """The (BLOCK_K, BLOCK_N) weight tile at ``p_w_blk``, masked past N (and past K unless EVEN_K)."""
     if EVEN_K:
@@ -129,6 +140,7 @@ def grouped_gemm_kernel(
     ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INTERLEAVED: tl.constexpr = False, SPLIT: tl.constexpr = 0, FULL_M: tl.constexpr = 1,
+    B_DESC: tl.constexpr = False, B_NK: tl.constexpr = False,
 ):
     """c[rows_c(i)] (+)= epilogue(a[rows_a(i)] @ b[e(i)] [, a[rows_a(i)] @ b2[e(i)]]) for every kept row i.
 
@@ -141,6 +153,10 @@ def grouped_gemm_kernel(
     BLOCK_M tiles, 2 the rest of its rows (fewer than FULL_M, the first launch's BLOCK_M) in tiles of its own,
     smaller BLOCK_M. One tile size for all rows pads each expert's last tile to BLOCK_M rows: at 273 rows per
     expert (Qwen1.5-MoE at T = 4096) 128-row tiles compute 384 rows, 41% more than the work.
+
+    B_DESC (not with INTERLEAVED): ``p_b`` and ``p_b2`` are TMA descriptors of the weights (``_weight_tile_tma``),
+    so the weight tiles are copied by the TMA unit instead of address arithmetic and loads in every thread; the
+    gathered token rows stay pointer loads (Hopper's TMA cannot gather rows).
     """
     # Grouped ordering: GROUP_M consecutive m-tiles share each weight n-block while it is hot in L2. Without it an
     # expert's whole weight matrix is streamed from HBM once per m-tile.
@@ -166,7 +182,8 @@ def grouped_gemm_kernel(
     m_n = o_n < N
     o_k = tl.arange(0, BLOCK_K)
     p_a_blk = p_a + a_rows[:, None] * stride_am + o_k[None, :] * stride_ak
-    p_b_blk = p_b + e64 * stride_be + o_k[:, None] * stride_bk + o_n[None, :] * stride_bn
+    if not B_DESC:
+        p_b_blk = p_b + e64 * stride_be + o_k[:, None] * stride_bk + o_n[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if INTERLEAVED:
         o_n2 = i_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
@@ -174,7 +191,8 @@ def grouped_gemm_kernel(
         p_b_blk = p_b + e64 * stride_be + o_k[:, None] * stride_bk + o_n2[None, :] * stride_bn
         acc_pairs = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     elif GATED:
-        p_b2_blk = p_b2 + e64 * stride_b2e + o_k[:, None] * stride_b2k + o_n[None, :] * stride_b2n
+        if not B_DESC:
+            p_b2_blk = p_b2 + e64 * stride_b2e + o_k[:, None] * stride_b2k + o_n[None, :] * stride_b2n
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BLOCK_K)):
         m_k = o_k < K - i_k * BLOCK_K  # unused (and dropped by the compiler) when EVEN_K
@@ -182,7 +200,9 @@ def grouped_gemm_kernel(
             b_a = tl.load(p_a_blk, mask=m_m[:, None], other=0.0)
         else:
             b_a = tl.load(p_a_blk, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        if INTERLEAVED:
+        if B_DESC:
+            b_b = _weight_tile_tma(p_b, expert, i_k * BLOCK_K, i_n * BLOCK_N, B_NK, BLOCK_K, BLOCK_N)
+        elif INTERLEAVED:
             b_b = _weight_tile(p_b_blk, m_k, m_n2, EVEN_K)
         else:
             b_b = _weight_tile(p_b_blk, m_k, m_n, EVEN_K)
@@ -194,13 +214,17 @@ def grouped_gemm_kernel(
         else:
             acc = tl.dot(b_a, b_b, acc, input_precision=DOT_PRECISION)
         if GATED and not INTERLEAVED:
-            b_b2 = _weight_tile(p_b2_blk, m_k, m_n, EVEN_K)
+            if B_DESC:
+                b_b2 = _weight_tile_tma(p_b2, expert, i_k * BLOCK_K, i_n * BLOCK_N, B_NK, BLOCK_K, BLOCK_N)
+            else:
+                b_b2 = _weight_tile(p_b2_blk, m_k, m_n, EVEN_K)
+                p_b2_blk += BLOCK_K * stride_b2k
             if UPCAST:
                 b_b2 = b_b2.to(tl.float32)
             acc2 = tl.dot(b_a, b_b2, acc2, input_precision=DOT_PRECISION)
-            p_b2_blk += BLOCK_K * stride_b2k
         p_a_blk += BLOCK_K * stride_ak
-        p_b_blk += BLOCK_K * stride_bk
+        if not B_DESC:
+            p_b_blk += BLOCK_K * stride_bk
     if INTERLEAVED:  # column 2j is gate j, column 2j + 1 is up j
         acc, acc2 = tl.split(tl.reshape(acc_pairs, (BLOCK_M, BLOCK_N, 2)))
 

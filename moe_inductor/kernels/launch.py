@@ -208,9 +208,11 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
     # Every launch decision below depends only on this tuple, so it is made once per tuple: the per-call host work
     # is then one dict lookup, the argument list and the Triton launch (small T is host-bound).
     tail_split = user_config.gemm_tail_split
+    tma = pairs is None and _tma_weights_ok(a, b, b2)
+    b_nk = b.stride(1) == 1  # an (E, K, N) view of HF's (E, N, K) weight: the layout the TMA descriptor reads
     decision_key = (num_experts, n_dim, k_dim, a.dtype, gated, a_rows, c_rows, bucket, scale_mode, act_id, has_bias,
                     pre is not None, accumulate, a.device, autotune,
-                    configs.interpreting(), pairs is not None, tail_split)
+                    configs.interpreting(), pairs is not None, tail_split, tma, tma and b_nk)
     decided = _GEMM_DECISIONS.get(decision_key)
 
     def run(cfg: configs.LaunchConfig, meta: dict) -> None:
@@ -231,6 +233,9 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
         grid = (m_tiles * cdiv(n_dim, cfg.BLOCK_N),)
         b_ = pairs if pairs is not None else b
         b2_ = b2 if gated else b
+        b_strides, b2_strides = b_.stride(), b2_.stride()
+        if meta["B_DESC"]:  # (the strides above are then unused by the kernel)
+            b_, b2_ = _weight_descriptor(b_, cfg), _weight_descriptor(b2_, cfg)
         bias_ = bias if has_bias else dummy
         bias2_ = bias2 if (has_bias and gated) else bias_
         pre_ = pre if pre is not None else out
@@ -238,8 +243,8 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
             a, b_, b2_, bias_, bias2_, out, pre_, order, scale if scale is not None else dummy, offsets,
             n_dim, k_dim, topk,
             a.stride(0), a.stride(1),
-            b_.stride(0), b_.stride(1), b_.stride(2),
-            b2_.stride(0), b2_.stride(1), b2_.stride(2),
+            b_strides[0], b_strides[1], b_strides[2],
+            b2_strides[0], b2_strides[1], b2_strides[2],
             bias_.stride(0) if has_bias else 0, bias_.stride(-1) if has_bias else 0,
             bias2_.stride(0) if has_bias else 0, bias2_.stride(-1) if has_bias else 0,
             out.stride(0), out.stride(1), pre_.stride(0), pre_.stride(1),
@@ -256,7 +261,7 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
                 ACCUMULATE=accumulate, UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 EVEN_K=k_dim % cfg.BLOCK_K == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                INTERLEAVED=pairs is not None, SPLIT=split, FULL_M=full_m,
+                INTERLEAVED=pairs is not None, SPLIT=split, FULL_M=full_m, B_DESC=tma, B_NK=tma and b_nk,
             )
 
         def launches(cfg: configs.LaunchConfig, tail: configs.LaunchConfig | None) -> tuple:
@@ -289,6 +294,35 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
     with device_guard(a):
         for part in decided:
             run(*part)
+
+
+def _tma_weights_ok(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor | None) -> bool:
+    """Whether the forward GEMM may read its weights through TMA descriptors (``B_DESC``): asked for
+    (``config.gemm_tma_weights``), a Hopper-or-later GPU, 16-bit weights, and each weight view one a descriptor can
+    take (one dimension of stride 1 among K and N, 16-byte aligned start and strides; ``TensorDescriptor``)."""
+    if not user_config.gemm_tma_weights or not a.is_cuda or configs.interpreting() or b.dtype.itemsize != 2:
+        return False
+    if torch.cuda.get_device_capability(a.device)[0] < 9:
+        return False
+    for w in (b, b2) if b2 is not None else (b,):
+        strides = [static_dim(x) for x in w.stride()]
+        if w.dtype != b.dtype or strides[0] == 0 or sorted(strides[1:])[0] != 1 or strides[1:] != [
+                static_dim(x) for x in b.stride()[1:]]:
+            return False
+        if any(x * 2 % 16 for x in strides if x != 1) or static_dim(w.storage_offset()) * 2 % 16:
+            return False
+    return True
+
+
+def _weight_descriptor(w: torch.Tensor, cfg: configs.LaunchConfig):
+    """A 3D TMA descriptor of the (E, K, N) weight view ``w`` with a (1, BLOCK_K, BLOCK_N) box, over the (E, N, K)
+    tensor it transposes when K is its contiguous dimension (the kernel's ``B_NK``)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if w.stride(1) == 1:
+        w = w.transpose(1, 2)
+        return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, cfg.BLOCK_N, cfg.BLOCK_K])
+    return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, cfg.BLOCK_K, cfg.BLOCK_N])
 
 
 # (shape, dtype, flags, bucket, device) -> (config, the kernel's constexpr arguments) of each of its launches (one,

@@ -1,0 +1,94 @@
+"""The forward grouped GEMM reading its weights through TMA descriptors (``config.gemm_tma_weights``, ``B_DESC`` in
+kernels/grouped_gemm.py). Hopper and later only: on the CPU these only check that the path stays off."""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import moe_inductor
+from moe_inductor import config
+from moe_inductor.kernels import launch
+from moe_inductor.ops import expert_weight_views, moe_reference
+from tests.helpers import assert_close, make_problem
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+
+
+@pytest.fixture
+def tma_on(monkeypatch):
+    """The TMA path asked for, our kernels for every GEMM; returns the B_DESC constexpr of every forward GEMM."""
+    monkeypatch.setattr(config, "gemm_tma_weights", True)
+    monkeypatch.setattr(config, "gemm_engine", "triton")
+    monkeypatch.setattr(launch, "_GEMM_DECISIONS", {})
+    seen = []
+    real = launch.launch_kernel
+
+    def spy(kernel, grid, args, meta):
+        if "B_DESC" in meta:
+            seen.append(meta["B_DESC"])
+        return real(kernel, grid, args, meta)
+
+    monkeypatch.setattr(launch, "launch_kernel", spy)
+    return seen
+
+
+def test_tma_stays_off_without_a_hopper_gpu(tma_on, triton_kernels):
+    """On the CPU (the interpreter) and fp32 the descriptors are never made."""
+    if HOPPER:
+        p = make_problem(9, 32, 16, 3, 2, dtype=torch.float32, device="cuda", requires_grad=False)
+    else:
+        p = make_problem(9, 32, 16, 3, 2, dtype=torch.bfloat16, requires_grad=False)
+    moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2)
+    assert tma_on and not any(tma_on)
+
+
+CASES = [
+    # T, H, I, E, k, dtype, layout, routing, capacity
+    (37, 64, 32, 5, 2, torch.bfloat16, "nk", "random", None),      # gate/up views of one (E, 2I, H) weight
+    (29, 64, 48, 3, 2, torch.float16, "kn", "random", None),       # (E, H, 2I): N contiguous; I not a tile multiple
+    (40, 72, 32, 6, 2, torch.bfloat16, "nk", "skip_odd", 9),       # K = 72: a partial K step; empty experts; drops
+    (1, 64, 32, 5, 2, torch.bfloat16, "nk", "random", None),
+    (300, 128, 64, 3, 1, torch.bfloat16, "nk", "one_expert", None),  # every row on one expert: many whole tiles
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="TMA descriptors need an sm_90+ GPU")
+@pytest.mark.parametrize("T,H,I,E,k,dtype,layout,routing,capacity", CASES,
+                         ids=["bf16-nk", "fp16-kn", "partial-K-empty-experts", "T1", "one-hot-expert"])
+def test_gpu_tma_weights_equal_the_reference(T, H, I, E, k, dtype, layout, routing, capacity, tma_on):
+    p = make_problem(T, H, I, E, k, dtype=dtype, device="cuda", layout=layout, routing=routing)
+    y = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2, layout=layout, capacity=capacity)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y)
+    grads = torch.autograd.grad(y, p.leaves(), dy)
+    assert any(tma_on), "the forward GEMMs read their weights through descriptors"
+    names = ["x", "topk_weights", "w1", "w2"]
+    leaves64 = {n: t.detach().double().requires_grad_() for n, t in zip(names, p.leaves())}
+    views = expert_weight_views(leaves64["w1"], leaves64["w2"], None, activation="silu_glu", layout=layout,
+                                gate_up="concat")
+    ref = moe_reference(leaves64["x"], p.topk_ids, leaves64["topk_weights"], *views, None, "silu_glu", "output",
+                        1.702, 7.0, capacity)
+    assert_close(y, ref, dtype, "y")
+    for name, got, want in zip(names, grads, torch.autograd.grad(ref, list(leaves64.values()), dy.double())):
+        assert_close(got, want.to(got.dtype), dtype, f"d{name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="TMA descriptors need an sm_90+ GPU")
+def test_gpu_tma_weights_from_inductors_wrapper(tma_on, monkeypatch):
+    """The visible op traced into Inductor's wrapper with descriptors (a bf16 model): equal to eager, gradients too."""
+    from tests.test_pass_gathered_weights import GatheredMoE
+
+    monkeypatch.setattr(config, "visible_kernels", True)
+    torch.manual_seed(0)
+    model = GatheredMoE("gptfast").cuda().to(torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor")
+    for T in (5, 40, 97):
+        x = torch.randn(T, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out, ref = compiled(x), model(x)
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(torch.autograd.grad(out.float().sum(), x)[0],
+                                   torch.autograd.grad(ref.float().sum(), x)[0], rtol=2e-2, atol=2e-2)
+    assert counters["moe_inductor"], "the layer was rewritten"
+    assert any(tma_on)
