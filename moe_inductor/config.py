@@ -31,9 +31,16 @@ gemm_engine: str = os.environ.get("MOE_INDUCTOR_GEMM_ENGINE", "auto")
 #: (kernels/grouped_gemm.py, SPLIT). Off: one launch, one tile size, always (env MOE_INDUCTOR_TAIL_SPLIT=0).
 gemm_tail_split: bool = os.environ.get("MOE_INDUCTOR_TAIL_SPLIT", "1") == "1"
 
-#: Let the forward grouped GEMM read its weights through TMA descriptors on Hopper and later GPUs (kernels/
-#: grouped_gemm.py, ``B_DESC``). Off until measured faster (env MOE_INDUCTOR_TMA_WEIGHTS=1 turns it on).
-gemm_tma_weights: bool = os.environ.get("MOE_INDUCTOR_TMA_WEIGHTS", "0") == "1"
+#: Whether the forward grouped GEMM reads its weights through TMA descriptors (kernels/grouped_gemm.py, ``B_DESC``):
+#: "auto" on Hopper and later GPUs, 16-bit weights, at least ``tma_min_rows_per_expert`` rows per expert on average,
+#: in launches our op makes itself (the opaque op: training, CUDA-graph modes, eager calls); "on" at any row count;
+#: "off". Inductor's trace of the visible op (lowerings/visible.py) takes no descriptors: torch 2.11 fails to trace
+#: them, so calls that would read through TMA stay opaque (env MOE_INDUCTOR_TMA_WEIGHTS).
+gemm_tma_weights: str = os.environ.get("MOE_INDUCTOR_TMA_WEIGHTS", "auto")
+
+#: "auto"'s row rule for TMA weight loads. Measured on the H200, the op alone (bench_tma.py, RESULTS.md): 1.02x to
+#: 1.08x at 128 to 512 rows per expert (four families, T = 4096), 0.68x to 0.99x at 16 to 34 (T = 512).
+tma_min_rows_per_expert: int = 128
 
 #: Who runs the backward's GEMMs: None follows ``gemm_engine``; "auto", "triton" or "grouped_mm" choose for the
 #: backward alone. The forward keeps the raw up projection in one sorted layout whoever ran it, so any pairing is

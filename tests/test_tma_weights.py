@@ -16,7 +16,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 
 @pytest.fixture
 def tma_on(monkeypatch):
     """The TMA path asked for, our kernels for every GEMM; returns the B_DESC constexpr of every forward GEMM."""
-    monkeypatch.setattr(config, "gemm_tma_weights", True)
+    monkeypatch.setattr(config, "gemm_tma_weights", "on")
     monkeypatch.setattr(config, "gemm_engine", "triton")
     monkeypatch.setattr(launch, "_GEMM_DECISIONS", {})
     seen = []
@@ -74,11 +74,23 @@ def test_gpu_tma_weights_equal_the_reference(T, H, I, E, k, dtype, layout, routi
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="TMA descriptors need an sm_90+ GPU")
-def test_gpu_tma_weights_from_inductors_wrapper(tma_on, monkeypatch):
-    """The visible op traced into Inductor's wrapper with descriptors (a bf16 model): equal to eager, gradients too."""
+def test_gpu_tma_weights_under_torch_compile(tma_on, monkeypatch):
+    """A compiled bf16 model: its static first graph keeps the op opaque (so that the op reads its weights through
+    TMA at run time: Inductor cannot trace the descriptors), the dynamic recompile swaps in the visible op, whose
+    traced launches take none; every output and gradient equals eager."""
+    from moe_inductor.kernels import launch as launch_module
     from tests.test_pass_gathered_weights import GatheredMoE
 
     monkeypatch.setattr(config, "visible_kernels", True)
+    traced = []
+    spy = launch_module.launch_kernel
+
+    def traced_spy(kernel, grid, args, meta):
+        if "B_DESC" in meta and launch_module.tracing_launches():
+            traced.append(meta["B_DESC"])
+        return spy(kernel, grid, args, meta)
+
+    monkeypatch.setattr(launch_module, "launch_kernel", traced_spy)
     torch.manual_seed(0)
     model = GatheredMoE("gptfast").cuda().to(torch.bfloat16)
     torch._dynamo.reset()
@@ -91,4 +103,26 @@ def test_gpu_tma_weights_from_inductors_wrapper(tma_on, monkeypatch):
         torch.testing.assert_close(torch.autograd.grad(out.float().sum(), x)[0],
                                    torch.autograd.grad(ref.float().sum(), x)[0], rtol=2e-2, atol=2e-2)
     assert counters["moe_inductor"], "the layer was rewritten"
-    assert any(tma_on)
+    assert counters["moe_inductor_visible"]["swapped"] >= 1, "the dynamic graph's op is the visible one"
+    assert any(tma_on), "the opaque op read its weights through TMA"
+    assert traced and not any(traced), "no traced launch takes descriptors"
+
+
+def test_tma_rule_reads_the_rows_per_expert(monkeypatch):
+    """"auto" asks for config.tma_min_rows_per_expert rows per expert on average; "off" never; a bad value raises."""
+    from moe_inductor.kernels.launch import tma_weights_apply
+
+    a = torch.empty(4, 8, dtype=torch.bfloat16)
+    b = torch.empty(3, 8, 16, dtype=torch.bfloat16)
+    for mode in ("auto", "on", "off"):  # on the CPU every mode says no: a CPU tensor never reads through TMA
+        monkeypatch.setattr(config, "gemm_tma_weights", mode)
+        assert not tma_weights_apply(a, b, None, 10_000, 3)
+    monkeypatch.setattr(config, "gemm_tma_weights", "yes")
+    with pytest.raises(ValueError, match="gemm_tma_weights"):
+        tma_weights_apply(a, b, None, 10_000, 3)
+    if HOPPER:
+        a, b = a.cuda(), b.cuda()
+        monkeypatch.setattr(config, "gemm_tma_weights", "auto")
+        assert tma_weights_apply(a, b, None, 128 * 3, 3)
+        assert not tma_weights_apply(a, b, None, 128 * 3 - 1, 3)
+        assert not tma_weights_apply(a, b[:, :, 1:9], None, 128 * 3, 3), "a start 2 bytes past alignment"

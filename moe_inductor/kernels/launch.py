@@ -208,7 +208,7 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
     # Every launch decision below depends only on this tuple, so it is made once per tuple: the per-call host work
     # is then one dict lookup, the argument list and the Triton launch (small T is host-bound).
     tail_split = user_config.gemm_tail_split
-    tma = pairs is None and _tma_weights_ok(a, b, b2)
+    tma = pairs is None and tma_weights_apply(a, b, b2, size_hint(num_rows), num_experts)
     b_nk = b.stride(1) == 1  # an (E, K, N) view of HF's (E, N, K) weight: the layout the TMA descriptor reads
     decision_key = (num_experts, n_dim, k_dim, a.dtype, gated, a_rows, c_rows, bucket, scale_mode, act_id, has_bias,
                     pre is not None, accumulate, a.device, autotune,
@@ -296,20 +296,26 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
             run(*part)
 
 
-def _tma_weights_ok(a: torch.Tensor, b: torch.Tensor, b2: torch.Tensor | None) -> bool:
-    """Whether the forward GEMM may read its weights through TMA descriptors (``B_DESC``): asked for
-    (``config.gemm_tma_weights``), a Hopper-or-later GPU, 16-bit weights, and each weight view one a descriptor can
-    take (one dimension of stride 1 among K and N, 16-byte aligned start and strides; ``TensorDescriptor``)."""
-    if not user_config.gemm_tma_weights or not a.is_cuda or configs.interpreting() or b.dtype.itemsize != 2:
+def tma_weights_apply(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tensor], num_rows: int,
+                      num_experts: int) -> bool:
+    """Whether the forward GEMM reads its weights through TMA descriptors (``B_DESC``; ``config.gemm_tma_weights``):
+    a launch of our own (not traced), a Hopper-or-later GPU, 16-bit weights, each weight view one a descriptor can
+    take (stride 1 in K or N, 16-byte aligned start and strides; ``TensorDescriptor``), and under "auto" at least
+    ``config.tma_min_rows_per_expert`` rows per expert on average."""
+    mode = user_config.gemm_tma_weights
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"moe_inductor: gemm_tma_weights must be 'auto', 'on' or 'off', got {mode!r}")
+    if mode == "off" or _traceable or not a.is_cuda or configs.interpreting() or b.dtype.itemsize != 2:
+        return False
+    if mode == "auto" and num_rows < user_config.tma_min_rows_per_expert * num_experts:
         return False
     if torch.cuda.get_device_capability(a.device)[0] < 9:
         return False
     for w in (b, b2) if b2 is not None else (b,):
-        strides = [static_dim(x) for x in w.stride()]
-        if w.dtype != b.dtype or strides[0] == 0 or sorted(strides[1:])[0] != 1 or strides[1:] != [
-                static_dim(x) for x in b.stride()[1:]]:
+        strides = list(w.stride())
+        if w.dtype != b.dtype or strides[0] == 0 or min(strides[1:]) != 1 or strides[1:] != list(b.stride()[1:]):
             return False
-        if any(x * 2 % 16 for x in strides if x != 1) or static_dim(w.storage_offset()) * 2 % 16:
+        if any(x * 2 % 16 for x in strides if x != 1) or w.storage_offset() * 2 % 16:
             return False
     return True
 

@@ -11,7 +11,9 @@ RESULTS.md).
 Experts large enough for the ``torch._grouped_mm`` engine (ops/grouped_mm_engine.py) stay opaque: the engine decides
 per call from the token count, which a traced graph cannot, and at their size the host time is small against the GPU
 time. Layers with biases stay opaque only where their row count is unknown or reaches the engine's rule for them, so
-their decode keeps the visible launches. The backward stays the opaque ``experts_backward``.
+their decode keeps the visible launches. Calls whose static row count takes the TMA weight loads
+(``config.gemm_tma_weights``) stay opaque as well: descriptors cannot be traced on torch 2.11, and at those row
+counts the host time is small against the GEMMs'. The backward stays the opaque ``experts_backward``.
 
 What changes under tracing (``kernels.launch.traceable_launches``): launches go through ``wrap_triton``; with a
 symbolic token count (a dynamic graph), routing takes its two-launch path (right for every token count, no guard on
@@ -26,7 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.launch import traceable_launches
+from ..kernels.launch import tma_weights_apply, traceable_launches
 from ..ops import grouped_mm_engine
 from ..ops.call import from_op_args
 from ..ops.experts import EXPERTS_AUTOGRAD, experts_forward_call
@@ -84,7 +86,10 @@ def swap_in_visible_ops(gm: torch.fx.GraphModule) -> int:
             # both ops compute the same)
             engine_may_run = w2 is not None and grouped_mm_engine.may_take_experts_of(
                 w2, biased, rows if isinstance(rows, int) else None)
-            if x is not None and use_triton(x) and not engine_may_run:
+            # calls that would read their weights through TMA stay opaque too: a trace cannot take the descriptors
+            tma_may_run = (x is not None and w2 is not None and x.is_cuda and isinstance(rows, int)
+                           and tma_weights_apply(x, w2, None, rows, w2.shape[0]))
+            if x is not None and use_triton(x) and not engine_may_run and not tma_may_run:
                 node.target = torch.ops.moe_inductor.experts_forward_visible.default
                 swapped += 1
     if swapped:
