@@ -46,7 +46,7 @@
 #   bash benchmarks/device_run.sh tailshf    # the split's A/B in the whole models (prefill 4096, Qwen3 train) (~9 min)
 #   bash benchmarks/device_run.sh tma        # TMA weight loads: GPU tests, op A/B per family (bench_tma.py),
 #                                            # Qwen1.5-MoE prefill A/B                                     (~8 min)
-#   bash benchmarks/device_run.sh tmahf      # TMA weight loads in the whole models against "off" (~9 min)
+#   bash benchmarks/device_run.sh tmahf      # TMA weight loads ("auto") in the whole models against "off" (~9 min)
 #   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys, GPT-OSS's
 #                                            # own layout first (tune_gemm.py, 14 compiling processes), merge (~7 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -216,14 +216,15 @@ PY
       2>&1 | grep -v torch.__trace > "$OUT/tma_tests.log"; grep -E "FAILED|ERROR" "$OUT/tma_tests.log" | head; tail -2 "$OUT/tma_tests.log"
     timeout 200 python benchmarks/bench_tma.py --json "$OUT/bench_tma.json" 2>&1 | grep -v "torch.__trace"
     timeout 210 python benchmarks/bench_hf.py --deadline-s 200 --interleave 3 --clocks --budget qwen2_moe=190 \
-      --cells qwen2_moe:prefill:4096:inductor+moe_inductor+moe_inductor_tma_off \
+      --cells qwen2_moe:prefill:4096:inductor+moe_inductor+moe_inductor_tma_auto \
       --json "$OUT/bench_hf_tma.json" 2>&1 | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror" | cut -c1-400 ;;
   tmahf)  # TMA weight loads in the whole models ("auto": opaque op, >= 128 rows per expert): their GPU tests, then
-          # prefill T=4096 of Qwen1.5-MoE, OLMoE and Qwen3 and Qwen3's training step, against "off", 3 rounds (~9 min)
+          # prefill T=4096 of Qwen1.5-MoE, OLMoE and Qwen3 and Qwen3's training step, "off" (the default) against
+          # "auto", 3 rounds                                                                            (~9 min)
     timeout 80 python -m pytest tests/test_tma_weights.py tests/test_visible_kernels.py -m gpu $WORKERS -q \
       -p no:warnings -rfE 2>&1 | grep -v torch.__trace > "$OUT/tma_tests.log"; grep -E "FAILED|ERROR" "$OUT/tma_tests.log" | head -5
     tail -1 "$OUT/tma_tests.log"
-    C=inductor+moe_inductor+moe_inductor_tma_off
+    C=inductor+moe_inductor+moe_inductor_tma_auto
     timeout 470 python benchmarks/bench_hf.py --deadline-s 460 --interleave 3 --clocks --layers qwen3_moe=2 \
       --budget qwen2_moe=105 olmoe=105 qwen3_moe=200 --cells qwen2_moe:prefill:4096:$C olmoe:prefill:4096:$C \
       qwen3_moe:prefill:4096:$C qwen3_moe:train:4096:$C --json "$OUT/bench_hf_tmahf.json" 2>&1 \

@@ -32,14 +32,16 @@ gemm_engine: str = os.environ.get("MOE_INDUCTOR_GEMM_ENGINE", "auto")
 gemm_tail_split: bool = os.environ.get("MOE_INDUCTOR_TAIL_SPLIT", "1") == "1"
 
 #: Whether the forward grouped GEMM reads its weights through TMA descriptors (kernels/grouped_gemm.py, ``B_DESC``):
-#: "auto" on Hopper and later GPUs, 16-bit weights, at least ``tma_min_rows_per_expert`` rows per expert on average,
-#: in launches our op makes itself (the opaque op: training, CUDA-graph modes, eager calls); "on" at any row count;
-#: "off". Inductor's trace of the visible op (lowerings/visible.py) takes no descriptors: torch 2.11 fails to trace
-#: them, so calls that would read through TMA stay opaque (env MOE_INDUCTOR_TMA_WEIGHTS).
-gemm_tma_weights: str = os.environ.get("MOE_INDUCTOR_TMA_WEIGHTS", "auto")
+#: "off" (the default), "auto" (Hopper and later GPUs, 16-bit weights, at least ``tma_min_rows_per_expert`` rows per
+#: expert on average, in launches our op makes itself: the opaque op), or "on" (any row count). Inductor's trace of
+#: the visible op (lowerings/visible.py) takes no descriptors, since torch 2.11 fails to trace them, so under "auto"
+#: or "on" the calls that would read through TMA stay opaque. Off by default because, measured in the whole models
+#: (H200, RESULTS.md, twenty-fourth session), that trade loses: "auto" made Qwen1.5-MoE's prefill at T = 4096 1.03x
+#: faster, OLMoE's 0.98x and Qwen3's 0.88x, and left Qwen3's training step as it was; the op alone gains 1.02x to
+#: 1.08x at 128 to 512 rows per expert (env MOE_INDUCTOR_TMA_WEIGHTS).
+gemm_tma_weights: str = os.environ.get("MOE_INDUCTOR_TMA_WEIGHTS", "off")
 
-#: "auto"'s row rule for TMA weight loads. Measured on the H200, the op alone (bench_tma.py, RESULTS.md): 1.02x to
-#: 1.08x at 128 to 512 rows per expert (four families, T = 4096), 0.68x to 0.99x at 16 to 34 (T = 512).
+#: "auto"'s row rule for TMA weight loads: the op alone lost at 16 to 34 rows per expert (0.68x to 0.99x, T = 512).
 tma_min_rows_per_expert: int = 128
 
 #: Who runs the backward's GEMMs: None follows ``gemm_engine``; "auto", "triton" or "grouped_mm" choose for the

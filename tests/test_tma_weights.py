@@ -75,37 +75,44 @@ def test_gpu_tma_weights_equal_the_reference(T, H, I, E, k, dtype, layout, routi
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="TMA descriptors need an sm_90+ GPU")
 def test_gpu_tma_weights_under_torch_compile(tma_on, monkeypatch):
-    """A compiled bf16 model: its static first graph keeps the op opaque (so that the op reads its weights through
-    TMA at run time: Inductor cannot trace the descriptors), the dynamic recompile swaps in the visible op, whose
-    traced launches take none; every output and gradient equals eager."""
+    """A compiled bf16 model with the TMA loads "on" computes what it computes with them "off" (the same products in
+    the same order), outputs and gradients, at three token counts; no launch Inductor traces takes descriptors, and
+    every launch the opaque op makes at run time does."""
     from moe_inductor.kernels import launch as launch_module
     from tests.test_pass_gathered_weights import GatheredMoE
 
     monkeypatch.setattr(config, "visible_kernels", True)
-    traced = []
+    traced, untraced = [], []
     spy = launch_module.launch_kernel
 
-    def traced_spy(kernel, grid, args, meta):
-        if "B_DESC" in meta and launch_module.tracing_launches():
-            traced.append(meta["B_DESC"])
+    def split_spy(kernel, grid, args, meta):
+        if "B_DESC" in meta:
+            (traced if launch_module.tracing_launches() else untraced).append(meta["B_DESC"])
         return spy(kernel, grid, args, meta)
 
-    monkeypatch.setattr(launch_module, "launch_kernel", traced_spy)
+    monkeypatch.setattr(launch_module, "launch_kernel", split_spy)
     torch.manual_seed(0)
     model = GatheredMoE("gptfast").cuda().to(torch.bfloat16)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(model, backend="moe_inductor")
-    for T in (5, 40, 97):
-        x = torch.randn(T, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        out, ref = compiled(x), model(x)
-        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(torch.autograd.grad(out.float().sum(), x)[0],
-                                   torch.autograd.grad(ref.float().sum(), x)[0], rtol=2e-2, atol=2e-2)
-    assert counters["moe_inductor"], "the layer was rewritten"
-    assert counters["moe_inductor_visible"]["swapped"] >= 1, "the dynamic graph's op is the visible one"
-    assert any(tma_on), "the opaque op read its weights through TMA"
-    assert traced and not any(traced), "no traced launch takes descriptors"
+    inputs = [torch.randn(T, 16, device="cuda", dtype=torch.bfloat16) for T in (5, 40, 97)]
+    results = {}
+    for mode in ("off", "on"):
+        monkeypatch.setattr(config, "gemm_tma_weights", mode)
+        monkeypatch.setattr(launch_module, "_GEMM_DECISIONS", {})
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend="moe_inductor")
+        traced.clear(), untraced.clear()
+        results[mode] = []
+        for x in inputs:
+            x = x.clone().requires_grad_()
+            out = compiled(x)
+            results[mode].append((out, torch.autograd.grad(out.float().sum(), x)[0]))
+        assert counters["moe_inductor"], "the layer was rewritten"
+        assert not any(traced), "no traced launch takes descriptors"
+        assert all(untraced) if mode == "on" else not any(untraced)
+    for (out_on, dx_on), (out_off, dx_off) in zip(results["on"], results["off"]):
+        torch.testing.assert_close(out_on, out_off, rtol=0, atol=0)
+        torch.testing.assert_close(dx_on, dx_off, rtol=0, atol=0)
 
 
 def test_tma_rule_reads_the_rows_per_expert(monkeypatch):
