@@ -7,6 +7,7 @@ prepares the routing once and calls them, and nothing here calls back into ops/.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from typing import Any, NamedTuple, Optional
 
@@ -309,7 +310,7 @@ def tma_weights_apply(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tenso
         return False
     if mode == "auto" and num_rows < user_config.tma_min_rows_per_expert * num_experts:
         return False
-    if torch.cuda.get_device_capability(a.device)[0] < 9:
+    if _major_capability(a.device.index) < 9:
         return False
     for w in (b, b2) if b2 is not None else (b,):
         strides = list(w.stride())
@@ -318,6 +319,12 @@ def tma_weights_apply(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tenso
         if any(x * 2 % 16 for x in strides if x != 1) or w.storage_offset() * 2 % 16:
             return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def _major_capability(index: Optional[int]) -> int:
+    """The compute capability's major number of CUDA device ``index`` (the current one for None); asked per launch."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _weight_descriptor(w: torch.Tensor, cfg: configs.LaunchConfig):
