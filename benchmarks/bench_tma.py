@@ -50,7 +50,7 @@ def main() -> None:
             weights = weights.to(dt)
 
             def run(tma: bool):
-                config.gemm_tma_weights = tma
+                config.gemm_tma_weights = "on" if tma else "off"
                 with torch.no_grad():
                     return moe_inductor.fused_experts(x, ids, weights, w1, w2)
 
@@ -68,7 +68,7 @@ def main() -> None:
                   f"{diff:.1e} |", flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(dict(torch=torch.__version__, rows=rows), indent=1))
-    config.gemm_tma_weights = False
+    config.gemm_tma_weights = "off"
 
 
 if __name__ == "__main__":

@@ -580,11 +580,15 @@ def test_corpus_layers_see_a_weight_written_through_data(case):
 
 def _router_of(model: nn.Module):
     """(name, nn.Linear) of the router: a Linear with as many outputs as the layer has experts (a ModuleList's length
-    or a 3-D weight's first dimension), or None."""
+    or a 3-D weight's first dimension), outside the experts' own container, or None. (By place, not by name: a
+    router may be called ``expert_selector``, and an expert's Linear may have E outputs.)"""
     counts = {len(m) for m in model.modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) > 1}
     counts |= {p.shape[0] for p in model.parameters() if p.dim() == 3}
+    experts = [name for name, m in model.named_modules()
+               if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) in counts]
     for name, m in model.named_modules():
-        if isinstance(m, nn.Linear) and m.out_features in counts and "expert" not in name:
+        if (isinstance(m, nn.Linear) and m.out_features in counts
+                and not any(name.startswith(f"{container}.") for container in experts)):
             return name, m
     return None
 

@@ -115,21 +115,20 @@ def test_gpu_tma_weights_under_torch_compile(tma_on, monkeypatch):
         torch.testing.assert_close(dx_on, dx_off, rtol=0, atol=0)
 
 
-def test_tma_rule_reads_the_rows_per_expert(monkeypatch):
-    """"auto" asks for config.tma_min_rows_per_expert rows per expert on average; "off" never; a bad value raises."""
+def test_tma_rule_reads_the_rows_per_expert():
+    """"auto" asks for min_rows_per_expert rows per expert on average; "off" never; a bad value raises."""
     from moe_inductor.kernels.launch import tma_weights_apply
 
     a = torch.empty(4, 8, dtype=torch.bfloat16)
     b = torch.empty(3, 8, 16, dtype=torch.bfloat16)
     for mode in ("auto", "on", "off"):  # on the CPU every mode says no: a CPU tensor never reads through TMA
-        monkeypatch.setattr(config, "gemm_tma_weights", mode)
-        assert not tma_weights_apply(a, b, None, 10_000, 3)
-    monkeypatch.setattr(config, "gemm_tma_weights", "yes")
+        assert not tma_weights_apply(a, b, None, 10_000, 3, mode)
     with pytest.raises(ValueError, match="gemm_tma_weights"):
-        tma_weights_apply(a, b, None, 10_000, 3)
+        tma_weights_apply(a, b, None, 10_000, 3, "yes")
     if HOPPER:
         a, b = a.cuda(), b.cuda()
-        monkeypatch.setattr(config, "gemm_tma_weights", "auto")
-        assert tma_weights_apply(a, b, None, 128 * 3, 3)
-        assert not tma_weights_apply(a, b, None, 128 * 3 - 1, 3)
-        assert not tma_weights_apply(a, b[:, :, 1:9], None, 128 * 3, 3), "a start 2 bytes past alignment"
+        assert tma_weights_apply(a, b, None, 128 * 3, 3, "auto", 128)
+        assert not tma_weights_apply(a, b, None, 128 * 3 - 1, 3, "auto", 128)
+        assert tma_weights_apply(a, b, None, 1, 3, "on")
+        assert not tma_weights_apply(a, b, None, 10_000, 3, "off")
+        assert not tma_weights_apply(a, b[:, :, 1:9], None, 128 * 3, 3, "auto"), "a start 2 bytes past alignment"

@@ -13,7 +13,6 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from .. import config as user_config
 from . import configs
 from .modes import SCALE_NONE
 
@@ -190,10 +189,13 @@ def interleaved_pairs(b: torch.Tensor, b2: torch.Tensor | None) -> torch.Tensor 
 
 
 def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch.Tensor, *, a_rows: int, c_rows: int,
-                        epilogue: Epilogue, autotune: bool = False) -> None:
+                        epilogue: Epilogue, autotune: bool = False, tail_split: bool = True, tma_weights: str = "off",
+                        tma_min_rows_per_expert: int = 128) -> None:
     """See ``grouped_gemm_kernel``: ``out[rows_c] (+)= epilogue(a[rows_a] @ b[e])``. The row count M (the length of
     ``rows.order``) only sizes the grid. ``autotune``: tune the config on first use of its key (else the shipped
-    table's, or the default)."""
+    table's, or the default). ``tail_split``: run each expert's partial last tile apart where the
+    table holds a tail config (``config.gemm_tail_split``); ``tma_weights``, ``tma_min_rows_per_expert``: see
+    ``tma_weights_apply``."""
     order, offsets, topk = rows
     b2, bias, bias2, scale, scale_mode, act_id, alpha, limit, pre, accumulate = epilogue
     num_rows = order.shape[0]
@@ -208,8 +210,8 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
     bucket = configs.rows_bucket(size_hint(num_rows) / max(num_experts, 1))
     # Every launch decision below depends only on this tuple, so it is made once per tuple: the per-call host work
     # is then one dict lookup, the argument list and the Triton launch (small T is host-bound).
-    tail_split = user_config.gemm_tail_split
-    tma = pairs is None and tma_weights_apply(a, b, b2, size_hint(num_rows), num_experts)
+    tma = pairs is None and tma_weights_apply(a, b, b2, size_hint(num_rows), num_experts, tma_weights,
+                                              tma_min_rows_per_expert)
     b_nk = b.stride(1) == 1  # an (E, K, N) view of HF's (E, N, K) weight: the layout the TMA descriptor reads
     decision_key = (num_experts, n_dim, k_dim, a.dtype, gated, a_rows, c_rows, bucket, scale_mode, act_id, has_bias,
                     pre is not None, accumulate, a.device, autotune,
@@ -298,17 +300,16 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
 
 
 def tma_weights_apply(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tensor], num_rows: int,
-                      num_experts: int) -> bool:
-    """Whether the forward GEMM reads its weights through TMA descriptors (``B_DESC``; ``config.gemm_tma_weights``):
-    a launch of our own (not traced), a Hopper-or-later GPU, 16-bit weights, each weight view one a descriptor can
-    take (stride 1 in K or N, 16-byte aligned start and strides; ``TensorDescriptor``), and under "auto" at least
-    ``config.tma_min_rows_per_expert`` rows per expert on average."""
-    mode = user_config.gemm_tma_weights
+                      num_experts: int, mode: str = "off", min_rows_per_expert: int = 128) -> bool:
+    """Whether the forward GEMM reads its weights through TMA descriptors (``B_DESC``) under ``mode``
+    (``config.gemm_tma_weights``): not "off", a launch of our own (not traced), a Hopper-or-later GPU, 16-bit weights,
+    each weight view one a descriptor can take (stride 1 in K or N, 16-byte aligned start and strides;
+    ``TensorDescriptor``), and under "auto" at least ``min_rows_per_expert`` rows per expert on average."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"moe_inductor: gemm_tma_weights must be 'auto', 'on' or 'off', got {mode!r}")
     if mode == "off" or _traceable or not a.is_cuda or configs.interpreting() or b.dtype.itemsize != 2:
         return False
-    if mode == "auto" and num_rows < user_config.tma_min_rows_per_expert * num_experts:
+    if mode == "auto" and num_rows < min_rows_per_expert * num_experts:
         return False
     if _major_capability(a.device.index) < 9:
         return False

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import config
 from ..kernels.launch import tma_weights_apply, traceable_launches
 from ..ops import grouped_mm_engine
 from ..ops.call import from_op_args
@@ -88,7 +89,8 @@ def swap_in_visible_ops(gm: torch.fx.GraphModule) -> int:
                 w2, biased, rows if isinstance(rows, int) else None)
             # calls that would read their weights through TMA stay opaque too: a trace cannot take the descriptors
             tma_may_run = (x is not None and w2 is not None and x.is_cuda and isinstance(rows, int)
-                           and tma_weights_apply(x, w2, None, rows, w2.shape[0]))
+                           and tma_weights_apply(x, w2, None, rows, w2.shape[0], config.gemm_tma_weights,
+                                                 config.tma_min_rows_per_expert))
             if x is not None and use_triton(x) and not engine_may_run and not tma_may_run:
                 node.target = torch.ops.moe_inductor.experts_forward_visible.default
                 swapped += 1
