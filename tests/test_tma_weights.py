@@ -132,3 +132,34 @@ def test_tma_rule_reads_the_rows_per_expert():
         assert tma_weights_apply(a, b, None, 1, 3, "on")
         assert not tma_weights_apply(a, b, None, 10_000, 3, "off")
         assert not tma_weights_apply(a, b[:, :, 1:9], None, 128 * 3, 3, "auto"), "a start 2 bytes past alignment"
+
+
+@pytest.mark.parametrize("T,H,I,E,layout,routing", [
+    (9, 32, 16, 3, "nk", "random"), (7, 32, 24, 5, "kn", "random"), (8, 40, 16, 4, "nk", "skip_odd"),
+], ids=["nk", "kn-partial-n-tile", "partial-K-empty-experts"])
+def test_descriptor_loads_equal_pointer_loads(T, H, I, E, layout, routing, triton_kernels, monkeypatch):
+    """The kernel's descriptor path (``B_DESC``) against its pointer path, on the same launches: equal outputs. On
+    the CPU the interpreter runs both (the rule is forced, since it turns TMA on for Hopper GPUs only), so the
+    descriptor code is checked without a GPU: both weight layouts, K and N past a tile's edge, empty experts."""
+    from moe_inductor.kernels import launch as launch_module
+
+    if not HOPPER and torch.cuda.is_available():
+        pytest.skip("a GPU without TMA")
+    device = "cuda" if HOPPER else "cpu"
+    p = make_problem(T, H, I, E, 2, dtype=torch.bfloat16, device=device, layout=layout, routing=routing,
+                     requires_grad=False)
+    outs, seen = {}, []
+    real = launch_module.launch_kernel
+
+    def spy(kernel, grid, args, meta):
+        if "B_DESC" in meta:
+            seen.append(meta["B_DESC"])
+        return real(kernel, grid, args, meta)
+
+    monkeypatch.setattr(launch_module, "launch_kernel", spy)
+    for tma in (False, True):
+        monkeypatch.setattr(launch_module, "tma_weights_apply", lambda *args, on=tma: on)
+        monkeypatch.setattr(launch_module, "_GEMM_DECISIONS", {})
+        outs[tma] = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2, layout=layout)
+    assert seen == [False, False, True, True], "two forward GEMMs each way"
+    torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
