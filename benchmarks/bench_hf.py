@@ -52,7 +52,7 @@ from hf_families import (COLUMNS, DEFAULT_COLUMNS, EXPERTS_KEPT, FAMILIES, MODES
                          RULE_OFF, TAIL_OFF, TMA_AUTO)
 from hf_processes import cpu_list, lanes_of, merge_repeats, process_groups  # noqa: E402
 from hf_profile import GcClock, Profiler, sync  # noqa: E402
-from hf_tables import markdown, rule_markdown  # noqa: E402
+from hf_tables import markdown, rule_markdown, variants_markdown  # noqa: E402
 
 
 def build(family: str, layers: int, tiny: bool, device: str, dtype: torch.dtype):
@@ -438,9 +438,9 @@ def interleave_cell(model, cfg, cell_rows: list, args) -> None:
 
 def moe_backend(column: str):
     """The backend a moe_inductor column compiles with: by name, with no MoE form rewritten (``EXPERTS_KEPT``), or,
-    for the columns that differ only in a setting read while tracing (``RULE_OFF``, ``TAIL_OFF``, ``TMA_AUTO``), a backend object
-    of their own: Dynamo keeps one compiled entry per backend, so in the interleaved rounds a column sharing
-    "moe_inductor" would run the other column's compile."""
+    for the columns that differ only in a setting read while tracing (``RULE_OFF``, ``TAIL_OFF``, ``TMA_AUTO``), a
+    backend object of their own: Dynamo keeps one compiled entry per backend, so in the interleaved rounds a column
+    sharing "moe_inductor" would run the other column's compile."""
     import moe_inductor
 
     if column == EXPERTS_KEPT:
@@ -469,9 +469,9 @@ def speed_rule_off(off: bool):
 @contextlib.contextmanager
 def column_options(column: str):
     """The settings a column compiles and runs under: the speed rule off for ``RULE_OFF``; for ``TAIL_OFF`` the tail
-    split off, for ``TMA_AUTO`` the TMA weight loads under "auto", each with the compile caches off too: these settings are read
-    inside our op while Inductor traces it, so the graph handed to the caches is the same as the "moe_inductor"
-    column's, whose cache entries would answer."""
+    split off, for ``TMA_AUTO`` the TMA weight loads under "auto", each with the compile caches off too: these
+    settings are read inside our op while Inductor traces it, so the graph handed to the caches is the same as the
+    "moe_inductor" column's, whose cache entries would answer."""
     if column == RULE_OFF:
         with speed_rule_off(True):
             yield
@@ -652,6 +652,9 @@ def main(argv=None) -> None:
     table = markdown(rows)
     if rule_markdown(rows):
         table += "\n\nThe speed rule's values (kernels/tuned/whole_model/):\n\n" + rule_markdown(rows)
+    if variants_markdown(rows):
+        table += ("\n\nThe moe_inductor columns with a setting changed, against the default one:\n\n"
+                  + variants_markdown(rows))
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
     print(table, flush=True)

@@ -1,11 +1,12 @@
 """The tables ``bench_hf.py`` prints and writes: one line per (family, mode, size) with every column, and the
-speed rule's values where a cell ran with the experts kept and with every layer rewritten."""
+speed rule's values where a cell ran with the experts kept and with every layer rewritten, and the other
+moe_inductor columns (a setting changed) against the default one."""
 from __future__ import annotations
 
 try:  # as benchmarks.hf_tables, or beside bench_hf.py run as a script
-    from .hf_families import EXPERTS_KEPT, FAMILIES, RULE_OFF
+    from .hf_families import EXPERTS_KEPT, FAMILIES, MOE_COLUMNS, RULE_OFF
 except ImportError:
-    from hf_families import EXPERTS_KEPT, FAMILIES, RULE_OFF
+    from hf_families import EXPERTS_KEPT, FAMILIES, MOE_COLUMNS, RULE_OFF
 
 
 def rule_values(rows) -> list[dict]:
@@ -90,3 +91,29 @@ def markdown(rows) -> str:
         lines.append(f"\nTimes with a range are the median of {'/'.join(map(str, sorted(rounds)))} interleaved rounds "
                      "(the columns' order reversed every other round) and their range.")
     return "\n".join(lines)
+
+
+def variants_markdown(rows) -> str:
+    """Each cell's moe_inductor columns other than the default one (``MOE_COLUMNS``: a setting changed) against the
+    default, with the peak memory of both; empty where no cell ran one. > 1: the variant is faster."""
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r["family"], r["layers"], r["mode"], r["size"]), {})[r["column"]] = r
+    lines = ["| family (layers) | mode | column | unit | moe_inductor | column's | column vs moe_inductor | "
+             "peak MiB (moe / column) |", "|---|---|---|---|---|---|---|---|"]
+    for (family, layers, mode, size), c in cells.items():
+        base = c.get("moe_inductor")
+        for name in MOE_COLUMNS[1:]:
+            r = c.get(name)
+            if r is None:
+                continue
+            if base is None or "value" not in base or "value" not in r:
+                lines.append(f"| {FAMILIES[family][1]} ({layers}) | {mode} {size} | {name} | | | "
+                             f"{r.get('error', r.get('skipped', '–'))[:60]} | | |")
+                continue
+            fmt = "{:.0f}" if r["unit"] != "ms" else "{:.2f}"
+            speed = base["value"] / r["value"] if r["unit"] == "ms" else r["value"] / base["value"]
+            peaks = " / ".join(f"{x['peak_mib']:.0f}" if x.get("peak_mib") is not None else "–" for x in (base, r))
+            lines.append(f"| {FAMILIES[family][1]} ({layers}) | {mode} {size} | {name} | {r['unit']} | "
+                         f"{fmt.format(base['value'])} | {fmt.format(r['value'])} | {speed:.2f} | {peaks} |")
+    return "\n".join(lines) if len(lines) > 2 else ""

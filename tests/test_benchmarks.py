@@ -242,6 +242,25 @@ def test_bench_hf_rule_values_divide_the_two_moe_inductor_columns():
     assert hf_tables.rule_markdown(rows[4:]) == ""
 
 
+def test_bench_hf_variant_columns_against_the_default_one():
+    """A column with a setting changed (tail split off, TMA "auto") beside the default moe_inductor column: the
+    variants table gives the default's time over the column's (ms) or the column's over the default's (tok/s)."""
+    from benchmarks import bench_hf, hf_tables
+
+    def row(mode, column, value, unit, **kw):
+        return dict(family="qwen3_moe", layers=2, mode=mode, size=1 if mode == "decode" else 4096, column=column,
+                    value=value, unit=unit, **kw)
+
+    rows = [row("prefill", "moe_inductor", 3.22, "ms", peak_mib=3130.0),
+            row("prefill", bench_hf.TMA_AUTO, 3.67, "ms", peak_mib=3223.0),
+            row("decode", "moe_inductor", 500.0, "new tok/s"), row("decode", bench_hf.TAIL_OFF, 550.0, "new tok/s")]
+    table = hf_tables.variants_markdown(rows)
+    assert ("| Qwen3-30B-A3B (2) | prefill 4096 | moe_inductor_tma_auto | ms | 3.22 | 3.67 | 0.88 | 3130 / 3223 |"
+            in table)
+    assert "| decode 1 | moe_inductor_tail_off | new tok/s | 500 | 550 | 1.10 | – / – |" in table
+    assert hf_tables.variants_markdown(rows[:1]) == ""
+
+
 @pytest.mark.slow
 def test_bench_hf_rule_columns_compile_with_the_rule_off_and_with_no_form(capsys, monkeypatch):
     """moe_inductor_rule_off traces with moe_inductor.config.speed_rule = False (the moe_inductor column with it
