@@ -66,6 +66,23 @@ class Problem:
         return [t for t in (self.x, self.topk_weights, self.w1, self.w2, self.b1, self.b2) if t is not None]
 
 
+def record_launch_meta(monkeypatch, name: str) -> tuple[list, list]:
+    """Record the constexpr ``name`` of every kernel launch of ours that passes one (``launch.launch_kernel``), for
+    the duration of the test: returns (values of the launches made at run time, values of those Inductor traced)."""
+    from moe_inductor.kernels import launch
+
+    run, traced = [], []
+    real = launch.launch_kernel
+
+    def spy(kernel, grid, args, meta):
+        if name in meta:
+            (traced if launch.tracing_launches() else run).append(meta[name])
+        return real(kernel, grid, args, meta)
+
+    monkeypatch.setattr(launch, "launch_kernel", spy)
+    return run, traced
+
+
 def make_problem(
     T: int, H: int, I: int, E: int, k: int, *, dtype=torch.float32, device="cpu", activation="silu_glu",
     layout="nk", gate_up="concat", bias=False, routing="random", seed=0, requires_grad=True,

@@ -8,7 +8,7 @@ import moe_inductor
 from moe_inductor import config
 from moe_inductor.kernels import launch
 from moe_inductor.ops import expert_weight_views, moe_reference
-from tests.helpers import assert_close, make_problem
+from tests.helpers import assert_close, make_problem, record_launch_meta
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
@@ -19,16 +19,7 @@ def tma_on(monkeypatch):
     monkeypatch.setattr(config, "gemm_tma_weights", "on")
     monkeypatch.setattr(config, "gemm_engine", "triton")
     monkeypatch.setattr(launch, "_GEMM_DECISIONS", {})
-    seen = []
-    real = launch.launch_kernel
-
-    def spy(kernel, grid, args, meta):
-        if "B_DESC" in meta:
-            seen.append(meta["B_DESC"])
-        return real(kernel, grid, args, meta)
-
-    monkeypatch.setattr(launch, "launch_kernel", spy)
-    return seen
+    return record_launch_meta(monkeypatch, "B_DESC")[0]
 
 
 def test_tma_stays_off_without_a_hopper_gpu(tma_on, triton_kernels):
@@ -82,15 +73,7 @@ def test_gpu_tma_weights_under_torch_compile(tma_on, monkeypatch):
     from tests.test_pass_gathered_weights import GatheredMoE
 
     monkeypatch.setattr(config, "visible_kernels", True)
-    traced, untraced = [], []
-    spy = launch_module.launch_kernel
-
-    def split_spy(kernel, grid, args, meta):
-        if "B_DESC" in meta:
-            (traced if launch_module.tracing_launches() else untraced).append(meta["B_DESC"])
-        return spy(kernel, grid, args, meta)
-
-    monkeypatch.setattr(launch_module, "launch_kernel", split_spy)
+    untraced, traced = record_launch_meta(monkeypatch, "B_DESC")
     torch.manual_seed(0)
     model = GatheredMoE("gptfast").cuda().to(torch.bfloat16)
     inputs = [torch.randn(T, 16, device="cuda", dtype=torch.bfloat16) for T in (5, 40, 97)]
@@ -148,15 +131,8 @@ def test_descriptor_loads_equal_pointer_loads(T, H, I, E, layout, routing, trito
     device = "cuda" if HOPPER else "cpu"
     p = make_problem(T, H, I, E, 2, dtype=torch.bfloat16, device=device, layout=layout, routing=routing,
                      requires_grad=False)
-    outs, seen = {}, []
-    real = launch_module.launch_kernel
-
-    def spy(kernel, grid, args, meta):
-        if "B_DESC" in meta:
-            seen.append(meta["B_DESC"])
-        return real(kernel, grid, args, meta)
-
-    monkeypatch.setattr(launch_module, "launch_kernel", spy)
+    outs = {}
+    seen = record_launch_meta(monkeypatch, "B_DESC")[0]
     for tma in (False, True):
         monkeypatch.setattr(launch_module, "tma_weights_apply", lambda *args, on=tma: on)
         monkeypatch.setattr(launch_module, "_GEMM_DECISIONS", {})
