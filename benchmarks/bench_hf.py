@@ -650,11 +650,11 @@ def main(argv=None) -> None:
     if args.json:
         write(args.json, dict(meta=meta, rows=rows))
     table = markdown(rows)
-    if rule_markdown(rows):
-        table += "\n\nThe speed rule's values (kernels/tuned/whole_model/):\n\n" + rule_markdown(rows)
-    if variants_markdown(rows):
-        table += ("\n\nThe moe_inductor columns with a setting changed, against the default one:\n\n"
-                  + variants_markdown(rows))
+    rules, variants = rule_markdown(rows), variants_markdown(rows)
+    if rules:
+        table += "\n\nThe speed rule's values (kernels/tuned/whole_model/):\n\n" + rules
+    if variants:
+        table += "\n\nThe moe_inductor columns with a setting changed, against the default one:\n\n" + variants
     if args.markdown:
         Path(args.markdown).write_text(table + "\n")
     print(table, flush=True)

@@ -9,14 +9,19 @@ except ImportError:
     from hf_families import EXPERTS_KEPT, FAMILIES, MOE_COLUMNS, RULE_OFF
 
 
+def _cells(rows) -> dict:
+    """The rows by cell, (family, layers, mode, size), then by column."""
+    cells: dict = {}
+    for r in rows:
+        cells.setdefault((r["family"], r["layers"], r["mode"], r["size"]), {})[r["column"]] = r
+    return cells
+
+
 def rule_values(rows) -> list[dict]:
     """Per (family, mode, size) with both ``EXPERTS_KEPT`` and ``RULE_OFF``: the speed rule's value, the model's time
     with the experts left to Inductor over its time with every proven layer rewritten (> 1: rewriting is faster),
     everything else compiled alike."""
-    cells: dict = {}
-    for r in rows:
-        if "value" in r:
-            cells.setdefault((r["family"], r["layers"], r["mode"], r["size"]), {})[r["column"]] = r
+    cells = _cells([r for r in rows if "value" in r])
     out = []
     for (family, layers, mode, size), c in cells.items():
         kept, rewritten = c.get(EXPERTS_KEPT), c.get(RULE_OFF)
@@ -46,9 +51,7 @@ def rule_markdown(rows) -> str:
 def markdown(rows) -> str:
     """One line per (family, mode, size): each column's value, then moe_inductor against inductor and against eager
     (> 1 is faster), the first call's seconds, the error against eager and the peak memory."""
-    cells: dict = {}
-    for r in rows:
-        cells.setdefault((r["family"], r["layers"], r["mode"], r["size"]), {})[r["column"]] = r
+    cells = _cells(rows)
     head = ("| family (layers) | mode | unit | eager | inductor | max-autotune-no-cg | moe_inductor | vs inductor | "
             "vs eager | first call s (ind / moe) | err vs eager (ind / moe) | peak MiB (ind / moe) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -96,9 +99,7 @@ def markdown(rows) -> str:
 def variants_markdown(rows) -> str:
     """Each cell's moe_inductor columns other than the default one (``MOE_COLUMNS``: a setting changed) against the
     default, with the peak memory of both; empty where no cell ran one. > 1: the variant is faster."""
-    cells: dict = {}
-    for r in rows:
-        cells.setdefault((r["family"], r["layers"], r["mode"], r["size"]), {})[r["column"]] = r
+    cells = _cells(rows)
     lines = ["| family (layers) | mode | column | unit | moe_inductor | column's | column vs moe_inductor | "
              "peak MiB (moe / column) |", "|---|---|---|---|---|---|---|---|"]
     for (family, layers, mode, size), c in cells.items():

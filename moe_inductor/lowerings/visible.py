@@ -88,7 +88,7 @@ def swap_in_visible_ops(gm: torch.fx.GraphModule) -> int:
             engine_may_run = w2 is not None and grouped_mm_engine.may_take_experts_of(
                 w2, biased, rows if isinstance(rows, int) else None)
             # calls that would read their weights through TMA stay opaque too: a trace cannot take the descriptors
-            tma_may_run = (x is not None and w2 is not None and x.is_cuda and isinstance(rows, int)
+            tma_may_run = (x is not None and w2 is not None and isinstance(rows, int)
                            and tma_weights_apply(x, w2, None, rows, w2.shape[0], config.gemm_tma_weights,
                                                  config.tma_min_rows_per_expert))
             if x is not None and use_triton(x) and not engine_may_run and not tma_may_run:
