@@ -1,11 +1,14 @@
-"""The experts forward with the weights read through TMA descriptors against pointer loads (our fused kernels only,
-config.gemm_tma_weights), per family shape and token count, in interleaved rounds.
+"""The experts forward with TMA loads against pointer loads (our fused kernels only, config.gemm_tma_weights "on"
+against "off"), per family shape and token count, in interleaved rounds. Two TMA variants: descriptors made on the
+host (the weights only) and made in the kernel (the weights, and the down projection's sorted token rows);
+config.gemm_tma_descriptors.
 
     python benchmarks/bench_tma.py --shapes qwen2moe qwen3 olmoe deepseekv3 --tokens 512 4096 16384 --rounds 3
 
-Each round times both settings (do_bench medians, the order reversed every other round); the table gives the
-rounds' medians, their ratio, and the largest difference between the two outputs (the same products, so it should
-be 0). HF's weight layout ((E, 2I, H) and (E, H, I)), bf16, random routing as bench_experts.py's.
+Each round times every variant (do_bench medians, the order reversed every other round); the table gives the
+rounds' medians, each TMA variant's speed against pointers, and the largest difference between a variant's output
+and the pointers' (the same products, so it should be 0). HF's weight layout ((E, 2I, H) and (E, H, I)), bf16,
+random routing as bench_experts.py's.
 """
 from __future__ import annotations
 
@@ -37,8 +40,10 @@ def main() -> None:
     config.gemm_engine = "triton"
     dev, dt = "cuda", torch.bfloat16
     print(f"torch {torch.__version__}, GPU {torch.cuda.get_device_name()}", flush=True)
-    print("| shape | T | pointers ms | TMA ms | pointers / TMA | rounds (ptr; tma) | max diff |")
-    print("|---|---|---|---|---|---|---|")
+    variants = {"pointers": ("off", "device"), "host": ("on", "host"), "device": ("on", "device")}
+    print("| shape | T | pointers ms | host descriptors ms | device descriptors ms | pointers / host | "
+          "pointers / device | max diff (host, device) |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = []
     for name in args.shapes:
         H, I, E, k = {**SHAPES, **EXTRA_SHAPES}[name]
@@ -49,26 +54,27 @@ def main() -> None:
             ids, weights = make_routing(T, E, k, False, gen, dev)
             weights = weights.to(dt)
 
-            def run(tma: bool):
-                config.gemm_tma_weights = "on" if tma else "off"
+            def run(variant: str):
+                config.gemm_tma_weights, config.gemm_tma_descriptors = variants[variant]
                 with torch.no_grad():
                     return moe_inductor.fused_experts(x, ids, weights, w1, w2)
 
-            outs = {tma: run(tma) for tma in (False, True)}
-            diff = (outs[False].float() - outs[True].float()).abs().max().item()
-            times = {False: [], True: []}
+            outs = {v: run(v) for v in variants}
+            diffs = {v: (outs["pointers"].float() - outs[v].float()).abs().max().item() for v in variants}
+            times = {v: [] for v in variants}
             for r in range(args.rounds):
-                for tma in ((False, True) if r % 2 == 0 else (True, False)):
-                    times[tma].append(bench(lambda: run(tma), 10, 50))
-            ptr, tma = statistics.median(times[False]), statistics.median(times[True])
-            rows.append(dict(shape=name, T=T, pointers_ms=ptr, tma_ms=tma, rounds_pointers=times[False],
-                             rounds_tma=times[True], max_diff=diff))
-            print(f"| {name} | {T} | {ptr:.3f} | {tma:.3f} | {ptr / tma:.2f}x | "
-                  f"{', '.join(f'{t:.3f}' for t in times[False])}; {', '.join(f'{t:.3f}' for t in times[True])} | "
-                  f"{diff:.1e} |", flush=True)
+                for v in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+                    times[v].append(bench(lambda: run(v), 10, 50))
+            med = {v: statistics.median(t) for v, t in times.items()}
+            rows.append(dict(shape=name, T=T, **{f"{v}_ms": med[v] for v in variants},
+                             **{f"rounds_{v}": times[v] for v in variants},
+                             max_diff_host=diffs["host"], max_diff_device=diffs["device"]))
+            print(f"| {name} | {T} | {med['pointers']:.3f} | {med['host']:.3f} | {med['device']:.3f} | "
+                  f"{med['pointers'] / med['host']:.2f}x | {med['pointers'] / med['device']:.2f}x | "
+                  f"{diffs['host']:.1e}, {diffs['device']:.1e} |", flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(dict(torch=torch.__version__, rows=rows), indent=1))
-    config.gemm_tma_weights = "off"
+    config.gemm_tma_weights, config.gemm_tma_descriptors = "off", "device"
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@
 #   bash benchmarks/device_run.sh tma        # TMA weight loads: GPU tests, op A/B per family (bench_tma.py),
 #                                            # Qwen1.5-MoE prefill A/B                                     (~8 min)
 #   bash benchmarks/device_run.sh tmahf      # TMA weight loads ("auto") in the whole models against "off" (~9 min)
+#   bash benchmarks/device_run.sh devtma     # TMA descriptors made in the kernel: the TMA, tail-split and visible-op GPU
+#                                            # tests, the op alone (pointers, host-made, kernel-made), then
+#                                            # prefill T=4096 of Qwen1.5-MoE, OLMoE, Qwen3 "auto" against "off" (~9 min)
 #   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys, GPT-OSS's
 #                                            # own layout first (tune_gemm.py, 14 compiling processes), merge (~7 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -228,6 +231,18 @@ PY
     timeout 470 python benchmarks/bench_hf.py --deadline-s 460 --interleave 3 --clocks --layers qwen3_moe=2 \
       --budget qwen2_moe=105 olmoe=105 qwen3_moe=200 --cells qwen2_moe:prefill:4096:$C olmoe:prefill:4096:$C \
       qwen3_moe:prefill:4096:$C qwen3_moe:train:4096:$C --json "$OUT/bench_hf_tmahf.json" 2>&1 \
+      | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror\|^|" | cut -c1-300 ;;
+  devtma)  # TMA descriptors made in the kernel (visible to Inductor): GPU tests, the op alone per variant, then
+           # the whole models' prefill T=4096 with "auto" against "off", 3 interleaved rounds           (~9 min)
+    timeout 130 python -m pytest tests/test_tma_weights.py tests/test_tail_split.py tests/test_visible_kernels.py \
+      $WORKERS -q -p no:warnings -rfE 2>&1 | grep -v torch.__trace > "$OUT/tma_tests.log"
+    grep -E "FAILED|ERROR|Error" "$OUT/tma_tests.log" | head -8; tail -1 "$OUT/tma_tests.log"
+    timeout 150 python benchmarks/bench_tma.py --shapes qwen2moe qwen3 olmoe deepseekv3 --tokens 4096 16384 \
+      --json "$OUT/bench_tma.json" 2>&1 | grep -v "torch.__trace"
+    C=inductor+moe_inductor+moe_inductor_tma_auto
+    timeout 290 python benchmarks/bench_hf.py --deadline-s 280 --interleave 3 --clocks --layers qwen3_moe=2 \
+      --budget qwen2_moe=90 olmoe=90 qwen3_moe=90 --cells qwen2_moe:prefill:4096:$C olmoe:prefill:4096:$C \
+      qwen3_moe:prefill:4096:$C --json "$OUT/bench_hf_devtma.json" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror\|^|" | cut -c1-300 ;;
   tailshf)  # the tail split in the whole models: every prefill T=4096 cell whose experts run our kernels, and Qwen3's
             # training step, with the split against without it, 3 interleaved rounds, GPU clocks       (~9 min)

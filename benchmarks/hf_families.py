@@ -8,8 +8,9 @@ RULE_OFF, EXPERTS_KEPT = "moe_inductor_rule_off", "moe_inductor_experts_kept"
 #: backend="moe_inductor" with ``config.gemm_tail_split`` off: every forward grouped GEMM in one launch of one tile
 #: size. Against "moe_inductor" it measures what running each expert's partial last tile apart buys in the model
 TAIL_OFF = "moe_inductor_tail_off"
-#: backend="moe_inductor" with ``config.gemm_tma_weights = "auto"``: the forward grouped GEMM reads its weights
-#: through TMA descriptors at >= 128 rows per expert, and those calls stay opaque to Inductor
+#: backend="moe_inductor" with ``config.gemm_tma_weights = "auto"``: the forward grouped GEMM reads its weights (and
+#: the down projection its sorted token rows) through TMA descriptors at >= 128 rows per expert, made as
+#: ``config.gemm_tma_descriptors`` says (in the kernel by default: the calls stay visible to Inductor)
 TMA_AUTO = "moe_inductor_tma_auto"
 MOE_COLUMNS = ("moe_inductor", RULE_OFF, EXPERTS_KEPT, TAIL_OFF, TMA_AUTO)
 COLUMNS = ("eager", "inductor", "max-autotune-no-cudagraphs", *MOE_COLUMNS)

@@ -41,6 +41,12 @@ gemm_tail_split: bool = os.environ.get("MOE_INDUCTOR_TAIL_SPLIT", "1") == "1"
 #: 1.08x at 128 to 512 rows per expert (env MOE_INDUCTOR_TMA_WEIGHTS).
 gemm_tma_weights: str = os.environ.get("MOE_INDUCTOR_TMA_WEIGHTS", "off")
 
+#: How the TMA weight loads get their descriptors: "device" (the default) makes them in the kernel
+#: (``tl.make_tensor_descriptor``), so Inductor can trace the launches and the visible op keeps them, and the sorted
+#: token rows of the down projection are read through a descriptor too; "host" passes ``TensorDescriptor`` objects
+#: made per launch, which only the opaque op can (env MOE_INDUCTOR_TMA_DESCRIPTORS).
+gemm_tma_descriptors: str = os.environ.get("MOE_INDUCTOR_TMA_DESCRIPTORS", "device")
+
 #: "auto"'s row rule for TMA weight loads: the op alone lost at 16 to 34 rows per expert (0.68x to 0.99x, T = 512).
 tma_min_rows_per_expert: int = 128
 

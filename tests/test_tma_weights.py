@@ -1,5 +1,6 @@
-"""The forward grouped GEMM reading its weights through TMA descriptors (``config.gemm_tma_weights``, ``B_DESC`` in
-kernels/grouped_gemm.py). Hopper and later only: on the CPU these only check that the path stays off."""
+"""The forward grouped GEMM reading its weights (and the down projection's sorted token rows) through TMA descriptors
+(``config.gemm_tma_weights``, ``config.gemm_tma_descriptors``; ``B_DESC`` and ``A_DESC`` in kernels/grouped_gemm.py).
+The GPU path is Hopper and later only; on the CPU the interpreter runs the descriptor code against the pointer code."""
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -13,10 +14,12 @@ from tests.helpers import assert_close, make_problem, record_launch_meta
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
 
-@pytest.fixture
-def tma_on(monkeypatch):
-    """The TMA path asked for, our kernels for every GEMM; returns the B_DESC constexpr of every forward GEMM."""
+@pytest.fixture(params=["device", "host"])
+def tma_on(request, monkeypatch):
+    """The TMA path asked for, with descriptors made in the kernel or on the host, our kernels for every GEMM;
+    returns the B_DESC constexpr of every forward GEMM."""
     monkeypatch.setattr(config, "gemm_tma_weights", "on")
+    monkeypatch.setattr(config, "gemm_tma_descriptors", request.param)
     monkeypatch.setattr(config, "gemm_engine", "triton")
     monkeypatch.setattr(launch, "_GEMM_DECISIONS", {})
     return record_launch_meta(monkeypatch, "B_DESC")[0]
@@ -67,8 +70,8 @@ def test_gpu_tma_weights_equal_the_reference(T, H, I, E, k, dtype, layout, routi
 @pytest.mark.skipif(not HOPPER, reason="TMA descriptors need an sm_90+ GPU")
 def test_gpu_tma_weights_under_torch_compile(tma_on, monkeypatch):
     """A compiled bf16 model with the TMA loads "on" computes what it computes with them "off" (the same products in
-    the same order), outputs and gradients, at three token counts; no launch Inductor traces takes descriptors, and
-    every launch the opaque op makes at run time does."""
+    the same order), outputs and gradients, at three token counts. Descriptors made in the kernel go into the launches
+    Inductor traces (the op stays visible); host-made ones only into the launches the opaque op makes at run time."""
     from moe_inductor.kernels import launch as launch_module
     from tests.test_pass_gathered_weights import GatheredMoE
 
@@ -91,8 +94,13 @@ def test_gpu_tma_weights_under_torch_compile(tma_on, monkeypatch):
             out = compiled(x)
             results[mode].append((out, torch.autograd.grad(out.float().sum(), x)[0]))
         assert counters["moe_inductor"], "the layer was rewritten"
-        assert not any(traced), "no traced launch takes descriptors"
-        assert all(untraced) if mode == "on" else not any(untraced)
+        if mode == "off":
+            assert not any(traced) and not any(untraced)
+        elif config.gemm_tma_descriptors == "device":
+            assert traced and all(traced), "the visible op's launches make their descriptors"
+        else:
+            assert not any(traced), "no traced launch takes host-made descriptors"
+            assert untraced and all(untraced)
     for (out_on, dx_on), (out_off, dx_off) in zip(results["on"], results["off"]):
         torch.testing.assert_close(out_on, out_off, rtol=0, atol=0)
         torch.testing.assert_close(dx_on, dx_off, rtol=0, atol=0)
@@ -117,13 +125,16 @@ def test_tma_rule_reads_the_rows_per_expert():
         assert not tma_weights_apply(a, b[:, :, 1:9], None, 128 * 3, 3, "auto"), "a start 2 bytes past alignment"
 
 
+@pytest.mark.parametrize("descriptors", ["device", "host"])
 @pytest.mark.parametrize("T,H,I,E,layout,routing", [
     (9, 32, 16, 3, "nk", "random"), (7, 32, 24, 5, "kn", "random"), (8, 40, 16, 4, "nk", "skip_odd"),
 ], ids=["nk", "kn-partial-n-tile", "partial-K-empty-experts"])
-def test_descriptor_loads_equal_pointer_loads(T, H, I, E, layout, routing, triton_kernels, monkeypatch):
-    """The kernel's descriptor path (``B_DESC``) against its pointer path, on the same launches: equal outputs. On
-    the CPU the interpreter runs both (the rule is forced, since it turns TMA on for Hopper GPUs only), so the
-    descriptor code is checked without a GPU: both weight layouts, K and N past a tile's edge, empty experts."""
+def test_descriptor_loads_equal_pointer_loads(T, H, I, E, layout, routing, descriptors, triton_kernels, monkeypatch):
+    """The kernel's descriptor paths (``B_DESC`` 1 and 2, and ``A_DESC`` for the down projection's sorted rows)
+    against its pointer path, on the same launches: equal outputs. On the CPU the interpreter runs both (the rule is
+    forced, since it turns TMA on for Hopper GPUs only), so the descriptor code is checked without a GPU: both
+    weight layouts, K and N past a tile's edge, empty experts, and token-row tiles that run past their expert's
+    rows into the next expert's (computed, never stored)."""
     from moe_inductor.kernels import launch as launch_module
 
     if not HOPPER and torch.cuda.is_available():
@@ -131,11 +142,37 @@ def test_descriptor_loads_equal_pointer_loads(T, H, I, E, layout, routing, trito
     device = "cuda" if HOPPER else "cpu"
     p = make_problem(T, H, I, E, 2, dtype=torch.bfloat16, device=device, layout=layout, routing=routing,
                      requires_grad=False)
+    monkeypatch.setattr(config, "gemm_tma_descriptors", descriptors)
     outs = {}
-    seen = record_launch_meta(monkeypatch, "B_DESC")[0]
+    b_desc, _ = record_launch_meta(monkeypatch, "B_DESC")
+    a_desc, _ = record_launch_meta(monkeypatch, "A_DESC")
     for tma in (False, True):
         monkeypatch.setattr(launch_module, "tma_weights_apply", lambda *args, on=tma: on)
         monkeypatch.setattr(launch_module, "_GEMM_DECISIONS", {})
         outs[tma] = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2, layout=layout)
-    assert seen == [False, False, True, True], "two forward GEMMs each way"
+    kind = 2 if descriptors == "device" else 1
+    assert b_desc == [0, 0, kind, kind], "two forward GEMMs each way"
+    # the down projection reads the sorted rows; only a descriptor made in the kernel can (it knows their count)
+    assert a_desc == [False, False, False, descriptors == "device"]
     torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
+
+
+def test_the_scratch_allocator_leaves_a_users_allocator(monkeypatch):
+    """Descriptors made in a kernel need Triton's scratch allocator: ours is set only where none is."""
+    pytest.importorskip("triton")
+    from triton.runtime import _allocation
+
+    from moe_inductor.kernels import launch as launch_module
+
+    def users(size, alignment, stream):
+        raise AssertionError("not called here")
+
+    token = _allocation._allocator.set(_allocation._NULL_ALLOCATOR)
+    try:
+        launch_module._ensure_scratch_allocator()
+        assert _allocation._allocator.get() is launch_module._scratch
+        _allocation._allocator.set(users)
+        launch_module._ensure_scratch_allocator()
+        assert _allocation._allocator.get() is users
+    finally:
+        _allocation._allocator.reset(token)

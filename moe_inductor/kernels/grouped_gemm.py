@@ -111,6 +111,18 @@ def _weight_tile_tma(desc, expert, k0, n0, B_NK: tl.constexpr, BLOCK_K: tl.const
 
 
 @triton.jit
+def _weight_descriptor(p_w, N, K, stride_e, stride_k, stride_n, NUM_EXPERTS: tl.constexpr, B_NK: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A 3D TMA descriptor of the weights at ``p_w``, made in the kernel, as ``_weight_tile_tma`` reads it: over
+    (E, N, K) when B_NK (``stride_k`` is then 1), else over (E, K, N) (``stride_n`` is 1)."""
+    if B_NK:
+        desc = tl.make_tensor_descriptor(p_w, [NUM_EXPERTS, N, K], [stride_e, stride_n, 1], [1, BLOCK_N, BLOCK_K])
+    else:
+        desc = tl.make_tensor_descriptor(p_w, [NUM_EXPERTS, K, N], [stride_e, stride_k, 1], [1, BLOCK_K, BLOCK_N])
+    return desc
+
+
+@triton.jit
 def _weight_tile(p_w_blk, m_k, m_n, EVEN_K: tl.constexpr):
     """The (BLOCK_K, BLOCK_N) weight tile at ``p_w_blk``, masked past N (and past K unless EVEN_K)."""
     if EVEN_K:
@@ -125,7 +137,7 @@ def grouped_gemm_kernel(
     # pointers
     p_a, p_b, p_b2, p_bias, p_bias2, p_c, p_pre, p_order, p_scale, p_offsets,
     # sizes
-    N, K, topk,
+    N, K, topk, num_a_rows,
     # strides
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
@@ -140,7 +152,7 @@ def grouped_gemm_kernel(
     ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INTERLEAVED: tl.constexpr = False, SPLIT: tl.constexpr = 0, FULL_M: tl.constexpr = 1,
-    B_DESC: tl.constexpr = False, B_NK: tl.constexpr = False,
+    B_DESC: tl.constexpr = 0, B_NK: tl.constexpr = False, A_DESC: tl.constexpr = False,
 ):
     """c[rows_c(i)] (+)= epilogue(a[rows_a(i)] @ b[e(i)] [, a[rows_a(i)] @ b2[e(i)]]) for every kept row i.
 
@@ -154,9 +166,13 @@ def grouped_gemm_kernel(
     smaller BLOCK_M. One tile size for all rows pads each expert's last tile to BLOCK_M rows: at 273 rows per
     expert (Qwen1.5-MoE at T = 4096) 128-row tiles compute 384 rows, 41% more than the work.
 
-    B_DESC (not with INTERLEAVED): ``p_b`` and ``p_b2`` are TMA descriptors of the weights (``_weight_tile_tma``),
-    so the weight tiles are copied by the TMA unit instead of address arithmetic and loads in every thread; the
-    gathered token rows stay pointer loads (Hopper's TMA cannot gather rows).
+    B_DESC (not with INTERLEAVED) reads the weight tiles through TMA descriptors (``_weight_tile_tma``): the TMA
+    unit copies them instead of address arithmetic and loads in every thread. 1: ``p_b`` and ``p_b2`` are host-made
+    descriptors (a traced launch cannot take them on torch 2.11); 2: they are pointers and the kernel makes the
+    descriptors itself (``tl.make_tensor_descriptor``, which needs Triton's scratch allocator at launch).
+    A_DESC (with A_ROWS == ROWS_SORTED and B_DESC == 2) reads the token rows through a descriptor too: a tile's rows
+    are then contiguous, and those past the expert's end (the next expert's rows, or zeros past ``num_a_rows``) are
+    computed and never stored. Gathered token rows stay pointer loads (Hopper's TMA cannot gather rows).
     """
     # Grouped ordering: GROUP_M consecutive m-tiles share each weight n-block while it is hot in L2. Without it an
     # expert's whole weight matrix is streamed from HBM once per m-tile.
@@ -181,8 +197,18 @@ def grouped_gemm_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_k = tl.arange(0, BLOCK_K)
-    p_a_blk = p_a + a_rows[:, None] * stride_am + o_k[None, :] * stride_ak
-    if not B_DESC:
+    if A_DESC:
+        d_a = tl.make_tensor_descriptor(p_a, [num_a_rows, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
+    else:
+        p_a_blk = p_a + a_rows[:, None] * stride_am + o_k[None, :] * stride_ak
+    if B_DESC == 2:
+        d_b = _weight_descriptor(p_b, N, K, stride_be, stride_bk, stride_bn, NUM_EXPERTS, B_NK, BLOCK_K, BLOCK_N)
+        if GATED:
+            d_b2 = _weight_descriptor(p_b2, N, K, stride_b2e, stride_b2k, stride_b2n, NUM_EXPERTS, B_NK, BLOCK_K,
+                                      BLOCK_N)
+    elif B_DESC == 1:
+        d_b, d_b2 = p_b, p_b2
+    else:
         p_b_blk = p_b + e64 * stride_be + o_k[:, None] * stride_bk + o_n[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if INTERLEAVED:
@@ -196,12 +222,14 @@ def grouped_gemm_kernel(
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i_k in range(0, tl.cdiv(K, BLOCK_K)):
         m_k = o_k < K - i_k * BLOCK_K  # unused (and dropped by the compiler) when EVEN_K
-        if EVEN_K:
+        if A_DESC:
+            b_a = d_a.load([row_start, i_k * BLOCK_K])
+        elif EVEN_K:
             b_a = tl.load(p_a_blk, mask=m_m[:, None], other=0.0)
         else:
             b_a = tl.load(p_a_blk, mask=m_m[:, None] & m_k[None, :], other=0.0)
         if B_DESC:
-            b_b = _weight_tile_tma(p_b, expert, i_k * BLOCK_K, i_n * BLOCK_N, B_NK, BLOCK_K, BLOCK_N)
+            b_b = _weight_tile_tma(d_b, expert, i_k * BLOCK_K, i_n * BLOCK_N, B_NK, BLOCK_K, BLOCK_N)
         elif INTERLEAVED:
             b_b = _weight_tile(p_b_blk, m_k, m_n2, EVEN_K)
         else:
@@ -215,14 +243,15 @@ def grouped_gemm_kernel(
             acc = tl.dot(b_a, b_b, acc, input_precision=DOT_PRECISION)
         if GATED and not INTERLEAVED:
             if B_DESC:
-                b_b2 = _weight_tile_tma(p_b2, expert, i_k * BLOCK_K, i_n * BLOCK_N, B_NK, BLOCK_K, BLOCK_N)
+                b_b2 = _weight_tile_tma(d_b2, expert, i_k * BLOCK_K, i_n * BLOCK_N, B_NK, BLOCK_K, BLOCK_N)
             else:
                 b_b2 = _weight_tile(p_b2_blk, m_k, m_n, EVEN_K)
                 p_b2_blk += BLOCK_K * stride_b2k
             if UPCAST:
                 b_b2 = b_b2.to(tl.float32)
             acc2 = tl.dot(b_a, b_b2, acc2, input_precision=DOT_PRECISION)
-        p_a_blk += BLOCK_K * stride_ak
+        if not A_DESC:
+            p_a_blk += BLOCK_K * stride_ak
         if not B_DESC:
             p_b_blk += BLOCK_K * stride_bk
     if INTERLEAVED:  # column 2j is gate j, column 2j + 1 is up j

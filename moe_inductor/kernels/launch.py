@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from . import configs
-from .modes import SCALE_NONE
+from .modes import ROWS_SORTED, SCALE_NONE
 
 
 class LazyKernel:
@@ -190,12 +190,12 @@ def interleaved_pairs(b: torch.Tensor, b2: torch.Tensor | None) -> torch.Tensor 
 
 def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch.Tensor, *, a_rows: int, c_rows: int,
                         epilogue: Epilogue, autotune: bool = False, tail_split: bool = True, tma_weights: str = "off",
-                        tma_min_rows_per_expert: int = 128) -> None:
+                        tma_min_rows_per_expert: int = 128, tma_descriptors: str = "device") -> None:
     """See ``grouped_gemm_kernel``: ``out[rows_c] (+)= epilogue(a[rows_a] @ b[e])``. The row count M (the length of
     ``rows.order``) only sizes the grid. ``autotune``: tune the config on first use of its key (else the shipped
     table's, or the default). ``tail_split``: run each expert's partial last tile apart where the
-    table holds a tail config (``config.gemm_tail_split``); ``tma_weights``, ``tma_min_rows_per_expert``: see
-    ``tma_weights_apply``."""
+    table holds a tail config (``config.gemm_tail_split``); ``tma_weights``, ``tma_min_rows_per_expert``,
+    ``tma_descriptors``: see ``tma_weights_apply``."""
     order, offsets, topk = rows
     b2, bias, bias2, scale, scale_mode, act_id, alpha, limit, pre, accumulate = epilogue
     num_rows = order.shape[0]
@@ -210,12 +210,17 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
     bucket = configs.rows_bucket(size_hint(num_rows) / max(num_experts, 1))
     # Every launch decision below depends only on this tuple, so it is made once per tuple: the per-call host work
     # is then one dict lookup, the argument list and the Triton launch (small T is host-bound).
-    tma = pairs is None and tma_weights_apply(a, b, b2, size_hint(num_rows), num_experts, tma_weights,
-                                              tma_min_rows_per_expert)
+    # (a symbolic row count never takes TMA: a dynamic graph serves small counts too, where it loses)
+    tma = pairs is None and isinstance(num_rows, int) and tma_weights_apply(
+        a, b, b2, num_rows, num_experts, tma_weights, tma_min_rows_per_expert, tma_descriptors)
+    b_desc = (2 if tma_descriptors == "device" else 1) if tma else 0
     b_nk = b.stride(1) == 1  # an (E, K, N) view of HF's (E, N, K) weight: the layout the TMA descriptor reads
+    a_desc = b_desc == 2 and a_rows == ROWS_SORTED and _descriptor_ok(a, b.dtype)
     decision_key = (num_experts, n_dim, k_dim, a.dtype, gated, a_rows, c_rows, bucket, scale_mode, act_id, has_bias,
                     pre is not None, accumulate, a.device, autotune,
-                    configs.interpreting(), pairs is not None, tail_split, tma, tma and b_nk)
+                    configs.interpreting(), pairs is not None, tail_split, b_desc, tma and b_nk, a_desc)
+    if b_desc == 2:
+        _ensure_scratch_allocator()
     decided = _GEMM_DECISIONS.get(decision_key)
 
     def run(cfg: configs.LaunchConfig, meta: dict) -> None:
@@ -237,14 +242,14 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
         b_ = pairs if pairs is not None else b
         b2_ = b2 if gated else b
         b_strides, b2_strides = b_.stride(), b2_.stride()
-        if meta["B_DESC"]:  # (the strides above are then unused by the kernel)
+        if meta["B_DESC"] == 1:  # (the strides above are then unused by the kernel)
             b_, b2_ = _weight_descriptor(b_, cfg), _weight_descriptor(b2_, cfg)
         bias_ = bias if has_bias else dummy
         bias2_ = bias2 if (has_bias and gated) else bias_
         pre_ = pre if pre is not None else out
         args = (
             a, b_, b2_, bias_, bias2_, out, pre_, order, scale if scale is not None else dummy, offsets,
-            n_dim, k_dim, topk,
+            n_dim, k_dim, topk, a.shape[0],
             a.stride(0), a.stride(1),
             b_strides[0], b_strides[1], b_strides[2],
             b2_strides[0], b2_strides[1], b2_strides[2],
@@ -264,7 +269,8 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
                 ACCUMULATE=accumulate, UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 EVEN_K=k_dim % cfg.BLOCK_K == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                INTERLEAVED=pairs is not None, SPLIT=split, FULL_M=full_m, B_DESC=tma, B_NK=tma and b_nk,
+                INTERLEAVED=pairs is not None, SPLIT=split, FULL_M=full_m, B_DESC=b_desc, B_NK=tma and b_nk,
+                A_DESC=a_desc,
             )
 
         def launches(cfg: configs.LaunchConfig, tail: configs.LaunchConfig | None) -> tuple:
@@ -300,14 +306,21 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
 
 
 def tma_weights_apply(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tensor], num_rows: int,
-                      num_experts: int, mode: str = "off", min_rows_per_expert: int = 128) -> bool:
+                      num_experts: int, mode: str = "off", min_rows_per_expert: int = 128,
+                      descriptors: str = "device") -> bool:
     """Whether the forward GEMM reads its weights through TMA descriptors (``B_DESC``) under ``mode``
-    (``config.gemm_tma_weights``): not "off", a launch of our own (not traced), a Hopper-or-later GPU, 16-bit weights,
-    each weight view one a descriptor can take (stride 1 in K or N, 16-byte aligned start and strides;
-    ``TensorDescriptor``), and under "auto" at least ``min_rows_per_expert`` rows per expert on average."""
+    (``config.gemm_tma_weights``): not "off", a Hopper-or-later GPU, 16-bit weights, each weight view one a
+    descriptor can take (stride 1 in K or N, 16-byte aligned start and strides), and under "auto" at least
+    ``min_rows_per_expert`` rows per expert on average. ``descriptors`` (``config.gemm_tma_descriptors``): "device"
+    makes them in the kernel, which a traced launch can take; "host" passes ``TensorDescriptor`` objects, which
+    torch 2.11's trace cannot, so a traced launch never takes them."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"moe_inductor: gemm_tma_weights must be 'auto', 'on' or 'off', got {mode!r}")
-    if mode == "off" or _traceable or not a.is_cuda or configs.interpreting() or b.dtype.itemsize != 2:
+    if descriptors not in ("device", "host"):
+        raise ValueError(f"moe_inductor: gemm_tma_descriptors must be 'device' or 'host', got {descriptors!r}")
+    if mode == "off" or (_traceable and descriptors == "host") or not a.is_cuda or configs.interpreting():
+        return False
+    if b.dtype.itemsize != 2:
         return False
     if mode == "auto" and num_rows < min_rows_per_expert * num_experts:
         return False
@@ -320,6 +333,31 @@ def tma_weights_apply(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tenso
         if any(x * 2 % 16 for x in strides if x != 1) or w.storage_offset() * 2 % 16:
             return False
     return True
+
+
+def _descriptor_ok(a: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the (M, K) token rows ``a`` can be read through a 2D TMA descriptor made in the kernel: ``dtype``,
+    K contiguous, 16-byte aligned row stride and start."""
+    if a.dtype != dtype or a.dim() != 2 or a.stride(1) != 1:
+        return False
+    size = a.dtype.itemsize
+    return a.stride(0) * size % 16 == 0 and a.storage_offset() * size % 16 == 0
+
+
+def _scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+    """Triton's scratch allocator for descriptors made in a kernel: device memory from torch's caching allocator,
+    which a CUDA graph capture then records like any other allocation."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """Give Triton a scratch allocator where none is set (``tl.make_tensor_descriptor`` needs one at launch; Inductor
+    sets the same kind for its own launches). One the user set is left as it is."""
+    import triton
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,8 +12,8 @@ Experts large enough for the ``torch._grouped_mm`` engine (ops/grouped_mm_engine
 per call from the token count, which a traced graph cannot, and at their size the host time is small against the GPU
 time. Layers with biases stay opaque only where their row count is unknown or reaches the engine's rule for them, so
 their decode keeps the visible launches. Calls whose static row count takes the TMA weight loads
-(``config.gemm_tma_weights``) stay opaque as well: descriptors cannot be traced on torch 2.11, and at those row
-counts the host time is small against the GEMMs'. The backward stays the opaque ``experts_backward``.
+(``config.gemm_tma_weights``) through host-made descriptors (``config.gemm_tma_descriptors = "host"``) stay opaque as
+well: those cannot be traced on torch 2.11. Descriptors the kernel makes itself can. The backward stays the opaque ``experts_backward``.
 
 What changes under tracing (``kernels.launch.traceable_launches``): launches go through ``wrap_triton``; with a
 symbolic token count (a dynamic graph), routing takes its two-launch path (right for every token count, no guard on
@@ -87,10 +87,12 @@ def swap_in_visible_ops(gm: torch.fx.GraphModule) -> int:
             # both ops compute the same)
             engine_may_run = w2 is not None and grouped_mm_engine.may_take_experts_of(
                 w2, biased, rows if isinstance(rows, int) else None)
-            # calls that would read their weights through TMA stay opaque too: a trace cannot take the descriptors
-            tma_may_run = (x is not None and w2 is not None and isinstance(rows, int)
+            # calls that would read their weights through host-made TMA descriptors stay opaque too: a trace cannot
+            # take those (descriptors the kernel makes itself it can)
+            tma_may_run = (config.gemm_tma_descriptors == "host" and x is not None and w2 is not None
+                           and isinstance(rows, int)
                            and tma_weights_apply(x, w2, None, rows, w2.shape[0], config.gemm_tma_weights,
-                                                 config.tma_min_rows_per_expert))
+                                                 config.tma_min_rows_per_expert, "host"))
             if x is not None and use_triton(x) and not engine_may_run and not tma_may_run:
                 node.target = torch.ops.moe_inductor.experts_forward_visible.default
                 swapped += 1

@@ -172,7 +172,8 @@ def grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch.Tensor
     if use_triton(a):
         launch_grouped_gemm(a, b, rows, out, a_rows=a_rows, c_rows=c_rows, epilogue=epi, autotune=config.autotune,
                             tail_split=config.gemm_tail_split, tma_weights=config.gemm_tma_weights,
-                            tma_min_rows_per_expert=config.tma_min_rows_per_expert)
+                            tma_min_rows_per_expert=config.tma_min_rows_per_expert,
+                            tma_descriptors=config.gemm_tma_descriptors)
         return out
     # a token's rows of different experts land on one output row: only an add is order-free there
     if _plain(epi) and (c_rows != ROWS_TOKEN or epi.accumulate):
