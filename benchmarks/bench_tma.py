@@ -22,6 +22,7 @@ import torch
 
 import moe_inductor
 from moe_inductor import config
+from moe_inductor.kernels import launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from benchmarks.bench_backward_engine import EXTRA_SHAPES, _weights  # noqa: E402
@@ -40,10 +41,12 @@ def main() -> None:
     config.gemm_engine = "triton"
     dev, dt = "cuda", torch.bfloat16
     print(f"torch {torch.__version__}, GPU {torch.cuda.get_device_name()}", flush=True)
-    variants = {"pointers": ("off", "device"), "host": ("on", "host"), "device": ("on", "device")}
-    print("| shape | T | pointers ms | host descriptors ms | device descriptors ms | pointers / host | "
-          "pointers / device | max diff (host, device) |")
-    print("|---|---|---|---|---|---|---|---|")
+    # (TMA mode, descriptor kind, persistent programs per SM)
+    variants = {"pointers": ("off", "device", 1), "host": ("on", "host", 1), "device": ("on", "device", 1),
+                "device2": ("on", "device", 2)}
+    print("| shape | T | pointers ms | host descriptors ms | in-kernel, 1 program/SM ms | 2 programs/SM ms | "
+          "pointers / host | pointers / in-kernel (1; 2) | max diff (host, in-kernel) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for name in args.shapes:
         H, I, E, k = {**SHAPES, **EXTRA_SHAPES}[name]
@@ -55,7 +58,8 @@ def main() -> None:
             weights = weights.to(dt)
 
             def run(variant: str):
-                config.gemm_tma_weights, config.gemm_tma_descriptors = variants[variant]
+                config.gemm_tma_weights, config.gemm_tma_descriptors, launch._PERSISTENT_PROGRAMS_PER_SM = \
+                    variants[variant]
                 with torch.no_grad():
                     return moe_inductor.fused_experts(x, ids, weights, w1, w2)
 
@@ -70,11 +74,12 @@ def main() -> None:
                              **{f"rounds_{v}": times[v] for v in variants},
                              max_diff_host=diffs["host"], max_diff_device=diffs["device"]))
             print(f"| {name} | {T} | {med['pointers']:.3f} | {med['host']:.3f} | {med['device']:.3f} | "
-                  f"{med['pointers'] / med['host']:.2f}x | {med['pointers'] / med['device']:.2f}x | "
+                  f"{med['device2']:.3f} | {med['pointers'] / med['host']:.2f}x | "
+                  f"{med['pointers'] / med['device']:.2f}x; {med['pointers'] / med['device2']:.2f}x | "
                   f"{diffs['host']:.1e}, {diffs['device']:.1e} |", flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(dict(torch=torch.__version__, rows=rows), indent=1))
-    config.gemm_tma_weights, config.gemm_tma_descriptors = "off", "device"
+    config.gemm_tma_weights, config.gemm_tma_descriptors, launch._PERSISTENT_PROGRAMS_PER_SM = "off", "device", 1
 
 
 if __name__ == "__main__":

@@ -133,6 +133,131 @@ def _weight_tile(p_w_blk, m_k, m_n, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _gemm_tile(
+    i_tile, num_tiles,
+    p_a, p_b, p_b2, p_bias, p_bias2, p_c, p_pre, p_order, p_scale, p_offsets, d_a, d_b, d_b2,
+    N, K, topk,
+    stride_am, stride_ak,
+    stride_be, stride_bk, stride_bn,
+    stride_b2e, stride_b2k, stride_b2n,
+    stride_bias_e, stride_bias_n, stride_bias2_e, stride_bias2_n,
+    stride_cm, stride_cn, stride_pre_m, stride_pre_n,
+    alpha, limit,
+    NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
+    A_ROWS: tl.constexpr, C_ROWS: tl.constexpr, SCALE_MODE: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE_PRE: tl.constexpr,
+    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, INTERLEAVED: tl.constexpr, SPLIT: tl.constexpr, FULL_M: tl.constexpr,
+    B_DESC: tl.constexpr, B_NK: tl.constexpr, A_DESC: tl.constexpr,
+):
+    """Tile ``i_tile`` of ``num_tiles`` (see ``grouped_gemm_kernel``; ``d_a``, ``d_b``, ``d_b2`` are the descriptors
+    the launch reads through, where it does). A tile past the work does nothing."""
+    # Grouped ordering: GROUP_M consecutive m-tiles share each weight n-block while it is hot in L2. Without it an
+    # expert's whole weight matrix is streamed from HBM once per m-tile.
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_m = num_tiles // num_n
+    per_group = GROUP_M * num_n
+    first_m = (i_tile // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m - first_m, GROUP_M)
+    i_m = first_m + (i_tile % per_group) % group_rows
+    i_n = (i_tile % per_group) // group_rows
+    expert, row_start, row_end = _expert_of_tile(p_offsets, i_m, NUM_EXPERTS, E_POW2, BLOCK_M, SPLIT, FULL_M)
+    if expert < NUM_EXPERTS:
+        e64 = expert.to(tl.int64)
+
+        o_m = row_start + tl.arange(0, BLOCK_M)
+        m_m = o_m < row_end
+        assignment = tl.load(p_order + o_m, mask=m_m, other=0)
+        a_rows = _rows(A_ROWS, o_m, assignment, topk)
+
+        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = o_n < N
+        o_k = tl.arange(0, BLOCK_K)
+        if not A_DESC:
+            p_a_blk = p_a + a_rows[:, None] * stride_am + o_k[None, :] * stride_ak
+        if not B_DESC:
+            p_b_blk = p_b + e64 * stride_be + o_k[:, None] * stride_bk + o_n[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if INTERLEAVED:
+            o_n2 = i_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+            m_n2 = o_n2 < 2 * N
+            p_b_blk = p_b + e64 * stride_be + o_k[:, None] * stride_bk + o_n2[None, :] * stride_bn
+            acc_pairs = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        elif GATED:
+            if not B_DESC:
+                p_b2_blk = p_b2 + e64 * stride_b2e + o_k[:, None] * stride_b2k + o_n[None, :] * stride_b2n
+            acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for i_k in range(0, tl.cdiv(K, BLOCK_K)):
+            m_k = o_k < K - i_k * BLOCK_K  # unused (and dropped by the compiler) when EVEN_K
+            if A_DESC:
+                b_a = d_a.load([row_start, i_k * BLOCK_K])
+            elif EVEN_K:
+                b_a = tl.load(p_a_blk, mask=m_m[:, None], other=0.0)
+            else:
+                b_a = tl.load(p_a_blk, mask=m_m[:, None] & m_k[None, :], other=0.0)
+            if B_DESC:
+                b_b = _weight_tile_tma(d_b, expert, i_k * BLOCK_K, i_n * BLOCK_N, B_NK, BLOCK_K, BLOCK_N)
+            elif INTERLEAVED:
+                b_b = _weight_tile(p_b_blk, m_k, m_n2, EVEN_K)
+            else:
+                b_b = _weight_tile(p_b_blk, m_k, m_n, EVEN_K)
+            if UPCAST:  # the interpreter's bf16 dot is wrong
+                b_a = b_a.to(tl.float32)
+                b_b = b_b.to(tl.float32)
+            if INTERLEAVED:
+                acc_pairs = tl.dot(b_a, b_b, acc_pairs, input_precision=DOT_PRECISION)
+            else:
+                acc = tl.dot(b_a, b_b, acc, input_precision=DOT_PRECISION)
+            if GATED and not INTERLEAVED:
+                if B_DESC:
+                    b_b2 = _weight_tile_tma(d_b2, expert, i_k * BLOCK_K, i_n * BLOCK_N, B_NK, BLOCK_K, BLOCK_N)
+                else:
+                    b_b2 = _weight_tile(p_b2_blk, m_k, m_n, EVEN_K)
+                    p_b2_blk += BLOCK_K * stride_b2k
+                if UPCAST:
+                    b_b2 = b_b2.to(tl.float32)
+                acc2 = tl.dot(b_a, b_b2, acc2, input_precision=DOT_PRECISION)
+            if not A_DESC:
+                p_a_blk += BLOCK_K * stride_ak
+            if not B_DESC:
+                p_b_blk += BLOCK_K * stride_bk
+        if INTERLEAVED:  # column 2j is gate j, column 2j + 1 is up j
+            acc, acc2 = tl.split(tl.reshape(acc_pairs, (BLOCK_M, BLOCK_N, 2)))
+
+        m_out = m_m[:, None] & m_n[None, :]
+        if SAVE_PRE:  # raw GEMM results, kept for the backward ([gate | up] side by side)
+            p_pre_blk = p_pre + o_m.to(tl.int64)[:, None] * stride_pre_m + o_n[None, :] * stride_pre_n
+            tl.store(p_pre_blk, acc.to(p_pre.dtype.element_ty), mask=m_out)
+            if GATED:
+                tl.store(p_pre_blk + N * stride_pre_n, acc2.to(p_pre.dtype.element_ty), mask=m_out)
+        if SCALE_MODE != 0:
+            b_s = tl.load(p_scale + assignment, mask=m_m, other=0.0).to(tl.float32)
+        if SCALE_MODE == 1:
+            acc = acc * b_s[:, None]
+            if GATED:
+                acc2 = acc2 * b_s[:, None]
+        if HAS_BIAS:
+            b_bias = tl.load(p_bias + e64 * stride_bias_e + o_n * stride_bias_n, mask=m_n, other=0.0)
+            acc += b_bias.to(tl.float32)[None, :]
+            if GATED:
+                b_bias2 = tl.load(p_bias2 + e64 * stride_bias2_e + o_n * stride_bias2_n, mask=m_n, other=0.0)
+                acc2 += b_bias2.to(tl.float32)[None, :]
+        if GATED:
+            acc = _activation(acc, acc2, True, ACT, alpha, limit)
+        else:
+            acc = _activation(acc, acc, False, ACT, alpha, limit)
+        if SCALE_MODE == 2:
+            acc = acc * b_s[:, None]
+
+        c_rows = _rows(C_ROWS, o_m, assignment, topk)
+        p_c_blk = p_c + c_rows[:, None] * stride_cm + o_n[None, :] * stride_cn
+        if ACCUMULATE:
+            acc += tl.load(p_c_blk, mask=m_out, other=0.0).to(tl.float32)
+        tl.store(p_c_blk, acc.to(p_c.dtype.element_ty), mask=m_out)
+
+
+@triton.jit
 def grouped_gemm_kernel(
     # pointers
     p_a, p_b, p_b2, p_bias, p_bias2, p_c, p_pre, p_order, p_scale, p_offsets,
@@ -153,6 +278,7 @@ def grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INTERLEAVED: tl.constexpr = False, SPLIT: tl.constexpr = 0, FULL_M: tl.constexpr = 1,
     B_DESC: tl.constexpr = 0, B_NK: tl.constexpr = False, A_DESC: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False, num_tiles=0,
 ):
     """c[rows_c(i)] (+)= epilogue(a[rows_a(i)] @ b[e(i)] [, a[rows_a(i)] @ b2[e(i)]]) for every kept row i.
 
@@ -173,118 +299,61 @@ def grouped_gemm_kernel(
     A_DESC (with A_ROWS == ROWS_SORTED and B_DESC == 2) reads the token rows through a descriptor too: a tile's rows
     are then contiguous, and those past the expert's end (the next expert's rows, or zeros past ``num_a_rows``) are
     computed and never stored. Gathered token rows stay pointer loads (Hopper's TMA cannot gather rows).
+
+    PERSISTENT: each program walks tiles ``program_id, program_id + num_programs, ...`` of ``num_tiles`` (the grid
+    of a launch without it), so the descriptors it makes are made once per program rather than once per tile.
     """
-    # Grouped ordering: GROUP_M consecutive m-tiles share each weight n-block while it is hot in L2. Without it an
-    # expert's whole weight matrix is streamed from HBM once per m-tile.
-    i_pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    num_m = tl.num_programs(0) // num_n
-    per_group = GROUP_M * num_n
-    first_m = (i_pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    i_m = first_m + (i_pid % per_group) % group_rows
-    i_n = (i_pid % per_group) // group_rows
-    expert, row_start, row_end = _expert_of_tile(p_offsets, i_m, NUM_EXPERTS, E_POW2, BLOCK_M, SPLIT, FULL_M)
-    if expert >= NUM_EXPERTS:
-        return
-    e64 = expert.to(tl.int64)
-
-    o_m = row_start + tl.arange(0, BLOCK_M)
-    m_m = o_m < row_end
-    assignment = tl.load(p_order + o_m, mask=m_m, other=0)
-    a_rows = _rows(A_ROWS, o_m, assignment, topk)
-
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    o_k = tl.arange(0, BLOCK_K)
-    if A_DESC:
-        d_a = tl.make_tensor_descriptor(p_a, [num_a_rows, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
-    else:
-        p_a_blk = p_a + a_rows[:, None] * stride_am + o_k[None, :] * stride_ak
     if B_DESC == 2:
         d_b = _weight_descriptor(p_b, N, K, stride_be, stride_bk, stride_bn, NUM_EXPERTS, B_NK, BLOCK_K, BLOCK_N)
+        d_b2 = d_b
         if GATED:
             d_b2 = _weight_descriptor(p_b2, N, K, stride_b2e, stride_b2k, stride_b2n, NUM_EXPERTS, B_NK, BLOCK_K,
                                       BLOCK_N)
-    elif B_DESC == 1:
+    else:  # host-made descriptors (B_DESC == 1), or pointers the tile never reads as descriptors
         d_b, d_b2 = p_b, p_b2
+    if A_DESC:
+        d_a = tl.make_tensor_descriptor(p_a, [num_a_rows, K], [stride_am, 1], [BLOCK_M, BLOCK_K])
     else:
-        p_b_blk = p_b + e64 * stride_be + o_k[:, None] * stride_bk + o_n[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if INTERLEAVED:
-        o_n2 = i_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-        m_n2 = o_n2 < 2 * N
-        p_b_blk = p_b + e64 * stride_be + o_k[:, None] * stride_bk + o_n2[None, :] * stride_bn
-        acc_pairs = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-    elif GATED:
-        if not B_DESC:
-            p_b2_blk = p_b2 + e64 * stride_b2e + o_k[:, None] * stride_b2k + o_n[None, :] * stride_b2n
-        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i_k in range(0, tl.cdiv(K, BLOCK_K)):
-        m_k = o_k < K - i_k * BLOCK_K  # unused (and dropped by the compiler) when EVEN_K
-        if A_DESC:
-            b_a = d_a.load([row_start, i_k * BLOCK_K])
-        elif EVEN_K:
-            b_a = tl.load(p_a_blk, mask=m_m[:, None], other=0.0)
-        else:
-            b_a = tl.load(p_a_blk, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        if B_DESC:
-            b_b = _weight_tile_tma(d_b, expert, i_k * BLOCK_K, i_n * BLOCK_N, B_NK, BLOCK_K, BLOCK_N)
-        elif INTERLEAVED:
-            b_b = _weight_tile(p_b_blk, m_k, m_n2, EVEN_K)
-        else:
-            b_b = _weight_tile(p_b_blk, m_k, m_n, EVEN_K)
-        if UPCAST:  # the interpreter's bf16 dot is wrong
-            b_a = b_a.to(tl.float32)
-            b_b = b_b.to(tl.float32)
-        if INTERLEAVED:
-            acc_pairs = tl.dot(b_a, b_b, acc_pairs, input_precision=DOT_PRECISION)
-        else:
-            acc = tl.dot(b_a, b_b, acc, input_precision=DOT_PRECISION)
-        if GATED and not INTERLEAVED:
-            if B_DESC:
-                b_b2 = _weight_tile_tma(d_b2, expert, i_k * BLOCK_K, i_n * BLOCK_N, B_NK, BLOCK_K, BLOCK_N)
-            else:
-                b_b2 = _weight_tile(p_b2_blk, m_k, m_n, EVEN_K)
-                p_b2_blk += BLOCK_K * stride_b2k
-            if UPCAST:
-                b_b2 = b_b2.to(tl.float32)
-            acc2 = tl.dot(b_a, b_b2, acc2, input_precision=DOT_PRECISION)
-        if not A_DESC:
-            p_a_blk += BLOCK_K * stride_ak
-        if not B_DESC:
-            p_b_blk += BLOCK_K * stride_bk
-    if INTERLEAVED:  # column 2j is gate j, column 2j + 1 is up j
-        acc, acc2 = tl.split(tl.reshape(acc_pairs, (BLOCK_M, BLOCK_N, 2)))
-
-    m_out = m_m[:, None] & m_n[None, :]
-    if SAVE_PRE:  # raw GEMM results, kept for the backward ([gate | up] side by side)
-        p_pre_blk = p_pre + o_m.to(tl.int64)[:, None] * stride_pre_m + o_n[None, :] * stride_pre_n
-        tl.store(p_pre_blk, acc.to(p_pre.dtype.element_ty), mask=m_out)
-        if GATED:
-            tl.store(p_pre_blk + N * stride_pre_n, acc2.to(p_pre.dtype.element_ty), mask=m_out)
-    if SCALE_MODE != 0:
-        b_s = tl.load(p_scale + assignment, mask=m_m, other=0.0).to(tl.float32)
-    if SCALE_MODE == 1:
-        acc = acc * b_s[:, None]
-        if GATED:
-            acc2 = acc2 * b_s[:, None]
-    if HAS_BIAS:
-        acc += tl.load(p_bias + e64 * stride_bias_e + o_n * stride_bias_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc2 += tl.load(p_bias2 + e64 * stride_bias2_e + o_n * stride_bias2_n, mask=m_n, other=0.0).to(tl.float32)[None, :]
-    if GATED:
-        acc = _activation(acc, acc2, True, ACT, alpha, limit)
+        d_a = p_a
+    if PERSISTENT:
+        for i_tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            _gemm_tile(
+                i_tile, num_tiles,
+                p_a, p_b, p_b2, p_bias, p_bias2, p_c, p_pre, p_order, p_scale, p_offsets, d_a, d_b, d_b2,
+                N, K, topk,
+                stride_am, stride_ak,
+                stride_be, stride_bk, stride_bn,
+                stride_b2e, stride_b2k, stride_b2n,
+                stride_bias_e, stride_bias_n, stride_bias2_e, stride_bias2_n,
+                stride_cm, stride_cn, stride_pre_m, stride_pre_n,
+                alpha, limit,
+                NUM_EXPERTS, E_POW2,
+                A_ROWS, C_ROWS, SCALE_MODE,
+                GATED, ACT, HAS_BIAS, SAVE_PRE,
+                ACCUMULATE, UPCAST, DOT_PRECISION,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                EVEN_K, INTERLEAVED, SPLIT, FULL_M,
+                B_DESC, B_NK, A_DESC,
+            )
     else:
-        acc = _activation(acc, acc, False, ACT, alpha, limit)
-    if SCALE_MODE == 2:
-        acc = acc * b_s[:, None]
-
-    c_rows = _rows(C_ROWS, o_m, assignment, topk)
-    p_c_blk = p_c + c_rows[:, None] * stride_cm + o_n[None, :] * stride_cn
-    if ACCUMULATE:
-        acc += tl.load(p_c_blk, mask=m_out, other=0.0).to(tl.float32)
-    tl.store(p_c_blk, acc.to(p_c.dtype.element_ty), mask=m_out)
+        _gemm_tile(
+            tl.program_id(0), tl.num_programs(0),
+            p_a, p_b, p_b2, p_bias, p_bias2, p_c, p_pre, p_order, p_scale, p_offsets, d_a, d_b, d_b2,
+            N, K, topk,
+            stride_am, stride_ak,
+            stride_be, stride_bk, stride_bn,
+            stride_b2e, stride_b2k, stride_b2n,
+            stride_bias_e, stride_bias_n, stride_bias2_e, stride_bias2_n,
+            stride_cm, stride_cn, stride_pre_m, stride_pre_n,
+            alpha, limit,
+            NUM_EXPERTS, E_POW2,
+            A_ROWS, C_ROWS, SCALE_MODE,
+            GATED, ACT, HAS_BIAS, SAVE_PRE,
+            ACCUMULATE, UPCAST, DOT_PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            EVEN_K, INTERLEAVED, SPLIT, FULL_M,
+            B_DESC, B_NK, A_DESC,
+        )
 
 
 @triton.jit

@@ -238,7 +238,13 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
                 m_tiles = min(m_tiles, cdiv(num_rows, cfg.BLOCK_M) + busy)
         else:
             m_tiles = cdiv(num_rows, cfg.BLOCK_M) + busy
-        grid = (m_tiles * cdiv(n_dim, cfg.BLOCK_N),)
+        tiles = m_tiles * cdiv(n_dim, cfg.BLOCK_N)
+        grid = (tiles,)
+        if meta["PERSISTENT"]:  # (a static row count: only those take descriptors made in the kernel)
+            # (the interpreter: a few programs, so that each walks several tiles as on a GPU)
+            sms = _sm_count(a.device.index) if a.is_cuda else 2
+            grid = (min(tiles, _PERSISTENT_PROGRAMS_PER_SM * sms),)
+            meta = {**meta, "num_tiles": tiles}
         b_ = pairs if pairs is not None else b
         b2_ = b2 if gated else b
         b_strides, b2_strides = b_.stride(), b2_.stride()
@@ -270,7 +276,7 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 EVEN_K=k_dim % cfg.BLOCK_K == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 INTERLEAVED=pairs is not None, SPLIT=split, FULL_M=full_m, B_DESC=b_desc, B_NK=tma and b_nk,
-                A_DESC=a_desc,
+                A_DESC=a_desc, PERSISTENT=b_desc == 2,
             )
 
         def launches(cfg: configs.LaunchConfig, tail: configs.LaunchConfig | None) -> tuple:
@@ -358,6 +364,18 @@ def _ensure_scratch_allocator() -> None:
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_scratch)
+
+
+# Programs per SM of a persistent launch. One: at the tuned 8-warp configs a persistent program needs over half an
+# SM's registers, so a second one per SM would only start once the first has walked all its tiles.
+_PERSISTENT_PROGRAMS_PER_SM = 1
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: Optional[int]) -> int:
+    """Streaming multiprocessors of CUDA device ``index``; asked per persistent launch."""
+    index = index if index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
