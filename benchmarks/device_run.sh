@@ -50,6 +50,9 @@
 #   bash benchmarks/device_run.sh devtma     # TMA descriptors made in the kernel: the TMA, tail-split and visible-op GPU
 #                                            # tests, the op alone (pointers, host-made, kernel-made), then
 #                                            # prefill T=4096 of Qwen1.5-MoE, OLMoE, Qwen3 "auto" against "off" (~9 min)
+#   bash benchmarks/device_run.sh suitetma   # the GPU suite cut to fit beside a whole-model A/B: the kernel-layer files,
+#                                            # every `gpu` test, then prefill T=4096 of OLMoE and Qwen1.5-MoE
+#                                            # with TMA "auto" against "off", 3 interleaved rounds          (~10 min)
 #   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys, GPT-OSS's
 #                                            # own layout first (tune_gemm.py, 14 compiling processes), merge (~7 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -232,6 +235,17 @@ PY
       --budget qwen2_moe=105 olmoe=105 qwen3_moe=200 --cells qwen2_moe:prefill:4096:$C olmoe:prefill:4096:$C \
       qwen3_moe:prefill:4096:$C qwen3_moe:train:4096:$C --json "$OUT/bench_hf_tmahf.json" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror\|^|" | cut -c1-300 ;;
+  suitetma)  # the suite and a short TMA A/B in one call, each part with its own timeout (590 s at most)
+    timeout -s INT 200 python -m pytest $KERNEL_FILES $WORKERS -v -p no:warnings -rfE 2>&1 \
+      | grep -v torch.__trace > "$OUT/gpu_kernel_tests.log"; grep -E "FAILED|ERROR" "$OUT/gpu_kernel_tests.log"
+    tail -2 "$OUT/gpu_kernel_tests.log"
+    timeout -s INT 240 python -m pytest tests -m gpu $(for f in $KERNEL_FILES; do echo "--ignore=$f"; done) $WORKERS \
+      -v -p no:warnings -rfE 2>&1 | grep -v torch.__trace > "$OUT/gpu_tests.log"
+    grep -E "FAILED|ERROR" "$OUT/gpu_tests.log"; tail -2 "$OUT/gpu_tests.log"
+    C=inductor+moe_inductor+moe_inductor_tma_auto
+    timeout 145 python benchmarks/bench_hf.py --deadline-s 140 --interleave 3 --clocks --budget olmoe=68 \
+      qwen2_moe=68 --cells olmoe:prefill:4096:$C qwen2_moe:prefill:4096:$C --json "$OUT/bench_hf_suitetma.json" \
+      2>&1 | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror\|^|" | cut -c1-300 ;;
   devtma)  # TMA descriptors made in the kernel (visible to Inductor): GPU tests, the op alone per variant, then
            # the whole models' prefill T=4096 with "auto" against "off", 3 interleaved rounds           (~9 min)
     timeout 130 python -m pytest tests/test_tma_weights.py tests/test_tail_split.py tests/test_visible_kernels.py \

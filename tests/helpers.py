@@ -205,7 +205,7 @@ def run_without_interpreter(call: str, timeout: int) -> str:
 
 
 # ints Triton sees unaligned at a real launch, so the sm_90 compile does not assume 16-byte divisibility for them
-_NOT_SPECIALISED = {"topk", "num_a_rows", "M", "T", "num_experts", "capacity", "num_chunks"}
+_NOT_SPECIALISED = {"topk", "num_a_rows", "num_tiles", "M", "T", "num_experts", "capacity", "num_chunks"}
 
 
 def _compile_for_sm90(name, fn, pointer_types, constexprs, *, floats=(), num_warps=4, num_stages=3) -> None:

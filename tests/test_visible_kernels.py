@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import moe_inductor
 from moe_inductor import config
 from moe_inductor.ops import expert_weight_views
 from tests.helpers import make_problem, run_without_interpreter
@@ -263,3 +264,32 @@ def test_gpu_a_compiled_training_step_reads_the_interleaved_weight_whole(monkeyp
     torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_every_launch_passes_every_kernel_parameter(tma, triton_kernels, monkeypatch):
+    """torch 2.11's ``wrap_triton`` rejects a launch that leaves any kernel parameter to its default ("Incorrect
+    number of arguments passed to kernel"; torch 2.13 accepts it), and the visible op's trace then fails. So every
+    launch of ours names every parameter of its kernel: forward and backward, and the TMA paths (descriptors made in
+    the kernel, persistent)."""
+    from moe_inductor.kernels import launch
+
+    launches = []
+    real = launch.launch_kernel
+
+    def spy(kernel, grid, args, meta):
+        launches.append((kernel, len(args), set(meta)))
+        return real(kernel, grid, args, meta)
+
+    monkeypatch.setattr(launch, "launch_kernel", spy)
+    monkeypatch.setattr(launch, "_GEMM_DECISIONS", {})
+    if tma:
+        monkeypatch.setattr(launch, "tma_weights_apply", lambda *args: True)
+    p = make_problem(9, 32, 16, 3, 2, dtype=torch.bfloat16)
+    y = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2)
+    torch.autograd.grad(y.float().sum(), p.leaves())
+    assert len({kernel.name for kernel, _, _ in launches}) >= 4, "routing, GEMMs, combine and backward launches seen"
+    for kernel, num_args, meta in launches:
+        names = kernel.resolve().arg_names
+        passed = set(names[:num_args]) | (meta - {"num_warps", "num_stages"})
+        assert passed == set(names), (kernel.name, set(names) - passed)

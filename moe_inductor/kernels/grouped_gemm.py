@@ -257,12 +257,14 @@ def _gemm_tile(
         tl.store(p_c_blk, acc.to(p_c.dtype.element_ty), mask=m_out)
 
 
-@triton.jit
+# (the row and tile counts change with every token count: specialising on them would compile a kernel per
+# divisibility class and per count of 1)
+@triton.jit(do_not_specialize=["num_a_rows", "num_tiles"])
 def grouped_gemm_kernel(
     # pointers
     p_a, p_b, p_b2, p_bias, p_bias2, p_c, p_pre, p_order, p_scale, p_offsets,
     # sizes
-    N, K, topk, num_a_rows,
+    N, K, topk, num_a_rows, num_tiles,
     # strides
     stride_am, stride_ak,
     stride_be, stride_bk, stride_bn,
@@ -278,7 +280,7 @@ def grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INTERLEAVED: tl.constexpr = False, SPLIT: tl.constexpr = 0, FULL_M: tl.constexpr = 1,
     B_DESC: tl.constexpr = 0, B_NK: tl.constexpr = False, A_DESC: tl.constexpr = False,
-    PERSISTENT: tl.constexpr = False, num_tiles=0,
+    PERSISTENT: tl.constexpr = False,
 ):
     """c[rows_c(i)] (+)= epilogue(a[rows_a(i)] @ b[e(i)] [, a[rows_a(i)] @ b2[e(i)]]) for every kept row i.
 
@@ -301,7 +303,8 @@ def grouped_gemm_kernel(
     computed and never stored. Gathered token rows stay pointer loads (Hopper's TMA cannot gather rows).
 
     PERSISTENT: each program walks tiles ``program_id, program_id + num_programs, ...`` of ``num_tiles`` (the grid
-    of a launch without it), so the descriptors it makes are made once per program rather than once per tile.
+    of a launch without it, which ignores ``num_tiles``), so the descriptors it makes are made once per program
+    rather than once per tile.
     """
     if B_DESC == 2:
         d_b = _weight_descriptor(p_b, N, K, stride_be, stride_bk, stride_bn, NUM_EXPERTS, B_NK, BLOCK_K, BLOCK_N)

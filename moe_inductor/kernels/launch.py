@@ -244,7 +244,6 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
             # (the interpreter: a few programs, so that each walks several tiles as on a GPU)
             sms = _sm_count(a.device.index) if a.is_cuda else 2
             grid = (min(tiles, _PERSISTENT_PROGRAMS_PER_SM * sms),)
-            meta = {**meta, "num_tiles": tiles}
         b_ = pairs if pairs is not None else b
         b2_ = b2 if gated else b
         b_strides, b2_strides = b_.stride(), b2_.stride()
@@ -255,7 +254,7 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
         pre_ = pre if pre is not None else out
         args = (
             a, b_, b2_, bias_, bias2_, out, pre_, order, scale if scale is not None else dummy, offsets,
-            n_dim, k_dim, topk, a.shape[0],
+            n_dim, k_dim, topk, a.shape[0], tiles,
             a.stride(0), a.stride(1),
             b_strides[0], b_strides[1], b_strides[2],
             b2_strides[0], b2_strides[1], b2_strides[2],
