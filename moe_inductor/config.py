@@ -31,14 +31,13 @@ gemm_engine: str = os.environ.get("MOE_INDUCTOR_GEMM_ENGINE", "auto")
 #: (kernels/grouped_gemm.py, SPLIT). Off: one launch, one tile size, always (env MOE_INDUCTOR_TAIL_SPLIT=0).
 gemm_tail_split: bool = os.environ.get("MOE_INDUCTOR_TAIL_SPLIT", "1") == "1"
 
-#: Whether the forward grouped GEMM reads its weights through TMA descriptors (kernels/grouped_gemm.py, ``B_DESC``):
-#: "off" (the default), "auto" (Hopper and later GPUs, 16-bit weights, at least ``tma_min_rows_per_expert`` rows per
-#: expert on average, in launches our op makes itself: the opaque op), or "on" (any row count). Inductor's trace of
-#: the visible op (lowerings/visible.py) takes no descriptors, since torch 2.11 fails to trace them, so under "auto"
-#: or "on" the calls that would read through TMA stay opaque. Off by default because, measured in the whole models
-#: (H200, RESULTS.md, twenty-fourth session), that trade loses: "auto" made Qwen1.5-MoE's prefill at T = 4096 1.03x
-#: faster, OLMoE's 0.98x and Qwen3's 0.88x, and left Qwen3's training step as it was; the op alone gains 1.02x to
-#: 1.08x at 128 to 512 rows per expert (env MOE_INDUCTOR_TMA_WEIGHTS).
+#: Whether the forward grouped GEMM reads its weights (and the down projection its sorted token rows) through TMA
+#: descriptors (kernels/grouped_gemm.py, ``B_DESC``, ``A_DESC``): "off" (the default), "auto" (Hopper and later GPUs,
+#: 16-bit weights, a static token count of at least ``tma_min_rows_per_expert`` rows per expert on average), or "on"
+#: (any static count). How the descriptors are made: ``gemm_tma_descriptors``. Off by default because no variant won
+#: in every whole model on the H200 (RESULTS.md, twenty-fourth and twenty-fifth sessions): host-made descriptors
+#: force the opaque op (Qwen3's prefill 0.88x); made in the kernel, persistently, they gained OLMoE's prefill 1.04x
+#: but the op alone lost 0.80x on Qwen1.5-MoE's shapes at T = 4096 (env MOE_INDUCTOR_TMA_WEIGHTS).
 gemm_tma_weights: str = os.environ.get("MOE_INDUCTOR_TMA_WEIGHTS", "off")
 
 #: How the TMA weight loads get their descriptors: "device" (the default) makes them in the kernel
