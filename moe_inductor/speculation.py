@@ -511,11 +511,22 @@ def _fail(s: Speculation, why: str) -> SpeculationNotDischarged:
 
 def _selection_of(node: Node) -> Optional[tuple[Node, int]]:
     """(ids, e) when ``node`` is a row selection ``torch.where(ids == e)`` / ``nonzero(as_tuple=True)`` / HF's
-    ``torch.where(one_hot(ids, E).permute(2, 1, 0)[e])``: the rows of expert e (passes/loop_rows.py reads them)."""
-    from .passes.loop_rows import selected_ids, where_like
+    ``torch.where(one_hot(ids, E).permute(2, 1, 0)[e])`` (the rows of expert e), or a selection of the tokens that
+    chose e at all, ``(ids == e).any(-1)``, by ``nonzero()`` (with or without its ``.squeeze(-1)``),
+    ``torch.where(...)`` or ``.nonzero(as_tuple=True)`` (and their ``[0]``): a token that chose e is a row of e,
+    so either selection is empty exactly when expert e got no tokens (passes/loop_rows.py reads them)."""
+    from .passes.fx_utils import is_call
+    from .passes.loop_rows import any_hit, any_selection, selected_ids, where_like
 
-    selected = selected_ids(node.args[0]) if where_like(node) and isinstance(node.args[0], Node) else None
-    return None if selected is None or not isinstance(selected[0], Node) else selected[:2]
+    if where_like(node) and isinstance(node.args[0], Node):
+        selected = selected_ids(node.args[0]) or any_hit(node.args[0])
+        return None if selected is None or not isinstance(selected[0], Node) else selected[:2]
+    if ((is_call(node, "call_method", "nonzero") or is_call(node, "call_function", torch.nonzero))
+            and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], Node)):
+        hit = any_hit(node.args[0])
+        return None if hit is None else hit[:2]
+    picked = any_selection(node)
+    return None if picked is None else (picked.ids, picked.e)
 
 
 def _counted(graph, symbol) -> Optional[tuple[Node, int, Optional[Node]]]:
@@ -582,6 +593,8 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
             for arg in node.all_input_nodes:
                 if is_call(arg, "call_function", operator.getitem) and _selection_of(arg.args[0]) is not None:
                     read.add(arg.args[0])
+                elif _selection_of(arg) is not None:  # the tokens that chose e (any_selection), read whole
+                    read.add(arg)
             read.update(mask_guards.masks_read(node))
         if not read:
             raise _fail(s, "the body it guards selects no expert's rows")

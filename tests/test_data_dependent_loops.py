@@ -2,11 +2,12 @@
 every body, kept only where the unrolled_loop rewrite takes every body, else the frame falls back.
 
 Genuine: DeepSeek-V3's ``counts = bincount(ids.flatten(), minlength=E).tolist(); if counts[i] == 0: continue`` and
-DBRX's ``if tok.shape[0] == 0: continue`` on the body's own selection, over stacked (E, ., .) weights, rewritten and
+DBRX's ``if tok.shape[0] == 0: continue`` on the body's own selection (also the tokens that chose the expert at
+all, ``(ids == i).any(-1).nonzero()``), over stacked (E, ., .) weights, rewritten and
 equal to eager (forward and gradients) at token counts that leave experts empty; over one nn.Linear set per expert,
 rewritten with gradients too, a skipped expert's weights left without a gradient (None) as eager leaves them
 (grad_gate.py). Look-alikes, each still equal to eager and not rewritten: a skip of experts with fewer than 2 tokens,
-a skip on another router's counts, a body that also counts its expert in a buffer, and a body that counts the experts
+a skip on another router's counts, a skip on the next expert's tokens, a body that also counts its expert in a buffer, and a body that counts the experts
 it ran in a local read after the loop.
 """
 import copy
@@ -62,6 +63,14 @@ class SkippingMoE(nn.Module):
         counts = torch.bincount(counted.flatten(), minlength=E).tolist()
         y = torch.zeros_like(x)
         for i in range(E):
+            if self.skip in ("any_rows", "any_other_expert"):
+                # the tokens that chose i at all, each row's weight summed over its slots (Mixtral-style forks)
+                tok = (ids == i).any(-1).nonzero().squeeze(-1)
+                guarded = tok if self.skip == "any_rows" else (ids == (i + 1) % E).any(-1).nonzero()
+                if guarded.numel() == 0:
+                    continue
+                y[tok] += self.expert(i, x[tok]) * (weights * (ids == i)).sum(-1)[tok, None]
+                continue
             if self.skip == "own_rows":
                 tok, pos = torch.where(ids == i)
                 if tok.shape[0] == 0:
@@ -128,7 +137,7 @@ def _case(skip: str, expect: tuple) -> Case:
 
 
 @pytest.mark.slow  # each case compiles a model
-@pytest.mark.parametrize("skip", ["bincount", "own_rows", "per_expert"])
+@pytest.mark.parametrize("skip", ["bincount", "own_rows", "per_expert", "any_rows"])
 def test_skip_of_an_empty_expert_is_rewritten_and_equal_to_eager(skip):
     case = _case(skip, ("rewritten",))
     outcome = run_case(case)
@@ -145,7 +154,9 @@ def test_skip_of_an_empty_expert_is_rewritten_and_equal_to_eager(skip):
     ("buffer", "no rewrite took its body"),
     ("local", "the rest of the iteration sets ran, read after it"),
     ("ticks", "the skipped body changes Python state"),
-], ids=["counts-below-2", "another-routers-counts", "buffer-write-in-body", "local-counter", "stepped-iterator"])
+    ("any_other_expert", "the count is of expert"),
+], ids=["counts-below-2", "another-routers-counts", "buffer-write-in-body", "local-counter", "stepped-iterator",
+        "any-selection-of-the-next-expert"])
 def test_a_skip_that_is_not_no_tokens_is_kept_and_equal_to_eager(skip, said):
     case = _case(skip, ("fell_back",))
     with report.collecting(report.Report()) as seen:  # what explain() would print of the fallback

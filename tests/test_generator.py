@@ -25,11 +25,6 @@ def known_miss(r: Recipe) -> Optional[str]:
     generator's report lists each with a repro). Such a variant must still be left alone and equal to eager; once
     it is rewritten, this test fails until the entry goes (a strict expectation). The measured rate counts them as
     missed."""
-    if r.form == "loop" and r.idioms["selection"] == "any" and r.idioms["guard"] != "none":
-        # speculation.check_traced finds the rows a guarded body reads through torch.where, nonzero or a boolean
-        # mask; tok = (ids == e).any(dim=-1).nonzero() is none of them, so the skip is unproven and the frame falls
-        # back ("the body it guards selects no expert's rows")
-        return "a guard over rows selected by (ids == e).any(dim=-1).nonzero()"
     return None
 
 

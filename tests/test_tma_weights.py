@@ -109,7 +109,7 @@ def test_gpu_tma_weights_under_torch_compile(tma_on, monkeypatch):
 
 def test_tma_rule_reads_the_rows_per_expert():
     """"auto" asks for min_rows_per_expert rows per expert on average; "off" never; a bad value raises."""
-    from moe_inductor.kernels.launch import tma_weights_apply
+    from moe_inductor.kernels.tma import tma_weights_apply
 
     a = torch.empty(4, 8, dtype=torch.bfloat16)
     b = torch.empty(3, 8, 16, dtype=torch.bfloat16)
@@ -148,7 +148,7 @@ def test_descriptor_loads_equal_pointer_loads(T, H, I, E, layout, routing, descr
     b_desc, _ = record_launch_meta(monkeypatch, "B_DESC")
     a_desc, _ = record_launch_meta(monkeypatch, "A_DESC")
     for tma in (False, True):
-        monkeypatch.setattr(launch_module, "tma_weights_apply", lambda *args, on=tma: on)
+        monkeypatch.setattr(launch_module, "tma_weights_apply", lambda *args, on=tma, **kwargs: on)
         monkeypatch.setattr(launch_module, "_GEMM_DECISIONS", {})
         outs[tma] = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2, layout=layout)
     kind = 2 if descriptors == "device" else 1
@@ -163,17 +163,17 @@ def test_the_scratch_allocator_leaves_a_users_allocator(monkeypatch):
     pytest.importorskip("triton")
     from triton.runtime import _allocation
 
-    from moe_inductor.kernels import launch as launch_module
+    from moe_inductor.kernels import tma
 
     def users(size, alignment, stream):
         raise AssertionError("not called here")
 
     token = _allocation._allocator.set(_allocation._NULL_ALLOCATOR)
     try:
-        launch_module._ensure_scratch_allocator()
-        assert _allocation._allocator.get() is launch_module._scratch
+        tma.ensure_scratch_allocator()
+        assert _allocation._allocator.get() is tma._scratch
         _allocation._allocator.set(users)
-        launch_module._ensure_scratch_allocator()
+        tma.ensure_scratch_allocator()
         assert _allocation._allocator.get() is users
     finally:
         _allocation._allocator.reset(token)

@@ -15,6 +15,7 @@ import torch
 
 from . import configs
 from .modes import ROWS_SORTED, SCALE_NONE
+from .tma import ensure_scratch_allocator, rows_descriptor_ok, tma_weights_apply, weight_descriptor
 
 
 class LazyKernel:
@@ -212,15 +213,15 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
     # is then one dict lookup, the argument list and the Triton launch (small T is host-bound).
     # (a symbolic row count never takes TMA: a dynamic graph serves small counts too, where it loses)
     tma = pairs is None and isinstance(num_rows, int) and tma_weights_apply(
-        a, b, b2, num_rows, num_experts, tma_weights, tma_min_rows_per_expert, tma_descriptors)
+        a, b, b2, num_rows, num_experts, tma_weights, tma_min_rows_per_expert, tma_descriptors, traced=_traceable)
     b_desc = (2 if tma_descriptors == "device" else 1) if tma else 0
     b_nk = b.stride(1) == 1  # an (E, K, N) view of HF's (E, N, K) weight: the layout the TMA descriptor reads
-    a_desc = b_desc == 2 and a_rows == ROWS_SORTED and _descriptor_ok(a, b.dtype)
+    a_desc = b_desc == 2 and a_rows == ROWS_SORTED and rows_descriptor_ok(a, b.dtype)
     decision_key = (num_experts, n_dim, k_dim, a.dtype, gated, a_rows, c_rows, bucket, scale_mode, act_id, has_bias,
                     pre is not None, accumulate, a.device, autotune,
                     configs.interpreting(), pairs is not None, tail_split, b_desc, tma and b_nk, a_desc)
     if b_desc == 2:
-        _ensure_scratch_allocator()
+        ensure_scratch_allocator()
     decided = _GEMM_DECISIONS.get(decision_key)
 
     def run(cfg: configs.LaunchConfig, meta: dict) -> None:
@@ -248,7 +249,7 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
         b2_ = b2 if gated else b
         b_strides, b2_strides = b_.stride(), b2_.stride()
         if meta["B_DESC"] == 1:  # (the strides above are then unused by the kernel)
-            b_, b2_ = _weight_descriptor(b_, cfg), _weight_descriptor(b2_, cfg)
+            b_, b2_ = (weight_descriptor(w, cfg.BLOCK_K, cfg.BLOCK_N) for w in (b_, b2_))
         bias_ = bias if has_bias else dummy
         bias2_ = bias2 if (has_bias and gated) else bias_
         pre_ = pre if pre is not None else out
@@ -310,61 +311,6 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
             run(*part)
 
 
-def tma_weights_apply(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tensor], num_rows: int,
-                      num_experts: int, mode: str = "off", min_rows_per_expert: int = 128,
-                      descriptors: str = "device") -> bool:
-    """Whether the forward GEMM reads its weights through TMA descriptors (``B_DESC``) under ``mode``
-    (``config.gemm_tma_weights``): not "off", a Hopper-or-later GPU, 16-bit weights, each weight view one a
-    descriptor can take (stride 1 in K or N, 16-byte aligned start and strides), and under "auto" at least
-    ``min_rows_per_expert`` rows per expert on average. ``descriptors`` (``config.gemm_tma_descriptors``): "device"
-    makes them in the kernel, which a traced launch can take; "host" passes ``TensorDescriptor`` objects, which
-    torch 2.11's trace cannot, so a traced launch never takes them."""
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"moe_inductor: gemm_tma_weights must be 'auto', 'on' or 'off', got {mode!r}")
-    if descriptors not in ("device", "host"):
-        raise ValueError(f"moe_inductor: gemm_tma_descriptors must be 'device' or 'host', got {descriptors!r}")
-    if mode == "off" or (_traceable and descriptors == "host") or not a.is_cuda or configs.interpreting():
-        return False
-    if b.dtype.itemsize != 2:
-        return False
-    if mode == "auto" and num_rows < min_rows_per_expert * num_experts:
-        return False
-    if _major_capability(a.device.index) < 9:
-        return False
-    for w in (b, b2) if b2 is not None else (b,):
-        strides = list(w.stride())
-        if w.dtype != b.dtype or strides[0] == 0 or min(strides[1:]) != 1 or strides[1:] != list(b.stride()[1:]):
-            return False
-        if any(x * 2 % 16 for x in strides if x != 1) or w.storage_offset() * 2 % 16:
-            return False
-    return True
-
-
-def _descriptor_ok(a: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether the (M, K) token rows ``a`` can be read through a 2D TMA descriptor made in the kernel: ``dtype``,
-    K contiguous, 16-byte aligned row stride and start."""
-    if a.dtype != dtype or a.dim() != 2 or a.stride(1) != 1:
-        return False
-    size = a.dtype.itemsize
-    return a.stride(0) * size % 16 == 0 and a.storage_offset() * size % 16 == 0
-
-
-def _scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
-    """Triton's scratch allocator for descriptors made in a kernel: device memory from torch's caching allocator,
-    which a CUDA graph capture then records like any other allocation."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_scratch_allocator() -> None:
-    """Give Triton a scratch allocator where none is set (``tl.make_tensor_descriptor`` needs one at launch; Inductor
-    sets the same kind for its own launches). One the user set is left as it is."""
-    import triton
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_scratch)
-
-
 # Programs per SM of a persistent launch. One: at the tuned 8-warp configs a persistent program needs over half an
 # SM's registers, so a second one per SM would only start once the first has walked all its tiles.
 _PERSISTENT_PROGRAMS_PER_SM = 1
@@ -375,23 +321,6 @@ def _sm_count(index: Optional[int]) -> int:
     """Streaming multiprocessors of CUDA device ``index``; asked per persistent launch."""
     index = index if index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def _major_capability(index: Optional[int]) -> int:
-    """The compute capability's major number of CUDA device ``index`` (the current one for None); asked per launch."""
-    return torch.cuda.get_device_capability(index)[0]
-
-
-def _weight_descriptor(w: torch.Tensor, cfg: configs.LaunchConfig):
-    """A 3D TMA descriptor of the (E, K, N) weight view ``w`` with a (1, BLOCK_K, BLOCK_N) box, over the (E, N, K)
-    tensor it transposes when K is its contiguous dimension (the kernel's ``B_NK``)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    if w.stride(1) == 1:
-        w = w.transpose(1, 2)
-        return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, cfg.BLOCK_N, cfg.BLOCK_K])
-    return TensorDescriptor(w, list(w.shape), list(w.stride()), [1, cfg.BLOCK_K, cfg.BLOCK_N])
 
 
 # (shape, dtype, flags, bucket, device) -> (config, the kernel's constexpr arguments) of each of its launches (one,

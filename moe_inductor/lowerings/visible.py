@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from .. import config
-from ..kernels.launch import tma_weights_apply, traceable_launches
+from ..kernels.launch import traceable_launches
+from ..kernels.tma import tma_weights_apply
 from ..ops import grouped_mm_engine
 from ..ops.call import from_op_args
 from ..ops.experts import EXPERTS_AUTOGRAD, experts_forward_call

@@ -139,20 +139,26 @@ def any_selection(tok: Node) -> Optional[Rows]:
         where = tok.args[0]
     else:
         return None
-    chose = where.args[0]
+    hit = any_hit(where.args[0])
+    return None if hit is None else Rows(where, hit[0], hit[1], hit=hit[2])
+
+
+def any_hit(chose) -> Optional[tuple[Node, int, Node]]:
+    """(ids, e, hit) for ``chose = (ids == e).any(-1)`` (or ``torch.any(hit, dim=1)``) of (T, k) integer ids:
+    whether each token chose e at all."""
     if not (is_call(chose, "call_method", "any") or is_call(chose, "call_function", torch.any)):
         return None
     dim = chose.kwargs.get("dim", chose.args[1] if len(chose.args) > 1 else None)
     if dim not in (-1, 1) or set(chose.kwargs) - {"dim"} or len(chose.args) > 2:
         return None
     hit = chose.args[0]
-    selected = selected_ids(hit)
+    selected = selected_ids(hit) if isinstance(hit, Node) else None
     if selected is None or not selected[2]:
         return None
     iv = val(selected[0])
     if iv is None or iv.dim() != 2 or iv.dtype.is_floating_point or iv.dtype == torch.bool:
         return None
-    return Rows(where, selected[0], selected[1], hit=hit)
+    return selected[0], selected[1], hit
 
 
 def token_rows_of(xe: Node, tok: Node) -> Optional[Node]:
