@@ -56,10 +56,30 @@ class GatheredMoE(nn.Module):
             w2_other = self.w2[(ids + 1) % E]
             h = F.silu(torch.einsum("ti,taoi->tao", x, w1)) * torch.einsum("ti,taoi->tao", x, w3)
             return torch.einsum("tai,ta->ti", torch.einsum("tao,taio->tai", h, w2_other), weights)
+        if self.style.startswith("halves"):  # one stacked gate/up weight, split after the gather (SGLang)
+            kn = self.style == "halves_kn"
+            w13 = torch.cat([self.w1, self.w3], dim=1)  # (E, 2I, D)
+            w13 = (w13.transpose(1, 2) if kn else w13)[ids]  # (T, k, 2I, D), or (T, k, D, 2I) stored (E, D, 2I)
+            first, second = torch.chunk(w13, 2, dim=3 if kn else 2)
+            if self.style == "halves_kn":
+                h = F.silu(torch.einsum("td,tadi->tai", x, first)) * torch.einsum("td,tadi->tai", x, second)
+                w2 = self.w2.transpose(1, 2)[ids]
+                out = torch.einsum("tai,taid->tad", h, w2)
+            elif self.style == "halves_swapped":  # the gate is the second half: not the emitter's [gate | up] split
+                h = F.silu(torch.einsum("ti,taoi->tao", x, second)) * torch.einsum("ti,taoi->tao", x, first)
+                out = torch.einsum("tao,taio->tai", h, w2)
+            elif self.style == "halves_of_two":  # gate and up: first halves of two different gathered weights
+                other = torch.chunk(torch.cat([self.w3, self.w1], dim=1)[ids], 2, dim=2)[0]
+                h = F.silu(torch.einsum("ti,taoi->tao", x, first)) * torch.einsum("ti,taoi->tao", x, other)
+                out = torch.einsum("tao,taio->tai", h, w2)
+            else:
+                h = F.silu(torch.einsum("ti,taoi->tao", x, first)) * torch.einsum("ti,taoi->tao", x, second)
+                out = torch.einsum("tao,taio->tai", h, w2)
+            return torch.einsum("tai,ta->ti", out, weights)
         raise ValueError(self.style)
 
 
-@pytest.mark.parametrize("style", ["gptfast", "kn_swapped", "plain_act"])
+@pytest.mark.parametrize("style", ["gptfast", "kn_swapped", "plain_act", "halves", "halves_kn"])
 def test_styles_are_rewritten_and_equal(style):
     torch.manual_seed(0)
     model = GatheredMoE(style)
@@ -77,6 +97,8 @@ def test_styles_are_rewritten_and_equal(style):
     ("mixed_ids", "gather their weights with different ids"),
     ("up_other_ids", "gather their weights with different ids"),
     ("up_other_x", "read different inputs"),
+    ("halves_swapped", "the gate projection reads the second half"),
+    ("halves_of_two", "read different gathered weights"),
 ])
 def test_explain_says_why_gathered_weights_were_left_alone(style, reason):
     torch.manual_seed(0)
@@ -95,7 +117,7 @@ def test_two_look_alike_layers_are_reported_once_each():
     assert all("test_pass_gathered_weights.py" in m.where for m in report.left_alone)
 
 
-@pytest.mark.parametrize("style", ["gptfast", "kn_swapped"])
+@pytest.mark.parametrize("style", ["gptfast", "kn_swapped", "halves"])
 def test_gradients_match_eager(style):
     torch.manual_seed(0)
     model = GatheredMoE(style)
@@ -110,7 +132,7 @@ def test_gradients_match_eager(style):
 
 
 @pytest.mark.parametrize("style", ["wrong_contraction", "mixed_ids", "ids_changed_after_gather",
-                                   "up_other_ids", "up_other_x"])
+                                   "up_other_ids", "up_other_x", "halves_swapped", "halves_of_two"])
 def test_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = GatheredMoE(style)
