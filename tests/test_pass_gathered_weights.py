@@ -58,9 +58,19 @@ class GatheredMoE(nn.Module):
             return torch.einsum("tai,ta->ti", torch.einsum("tao,taio->tai", h, w2_other), weights)
         if self.style.startswith("halves"):  # one stacked gate/up weight, split after the gather (SGLang)
             kn = self.style == "halves_kn"
-            w13 = torch.cat([self.w1, self.w3], dim=1)  # (E, 2I, D)
-            w13 = (w13.transpose(1, 2) if kn else w13)[ids]  # (T, k, 2I, D), or (T, k, D, 2I) stored (E, D, 2I)
-            first, second = torch.chunk(w13, 2, dim=3 if kn else 2)
+            if self.style == "halves_interleaved":  # gate rows even, up rows odd: (E, 2I, D)
+                w13 = torch.stack([self.w1, self.w3], dim=2).flatten(1, 2)[ids]
+                first, second = w13[:, :, ::2], w13[:, :, 1::2]
+            else:
+                w13 = torch.cat([self.w1, self.w3], dim=1)  # (E, 2I, D)
+                w13 = (w13.transpose(1, 2) if kn else w13)[ids]  # (T, k, 2I, D), or (T, k, D, 2I) from (E, D, 2I)
+                first, second = torch.chunk(w13, 2, dim=3 if kn else 2)
+                if self.style == "halves_split":
+                    first, second = torch.split(w13, I, dim=2)
+                elif self.style == "halves_slice":
+                    first, second = w13[..., :I, :], w13[..., I:, :]
+                elif self.style == "halves_overlap":  # the up rows overlap the gate's: not a half
+                    second = w13[..., 2:I + 2, :]
             if self.style == "halves_kn":
                 h = F.silu(torch.einsum("td,tadi->tai", x, first)) * torch.einsum("td,tadi->tai", x, second)
                 w2 = self.w2.transpose(1, 2)[ids]
@@ -79,7 +89,8 @@ class GatheredMoE(nn.Module):
         raise ValueError(self.style)
 
 
-@pytest.mark.parametrize("style", ["gptfast", "kn_swapped", "plain_act", "halves", "halves_kn"])
+@pytest.mark.parametrize("style", ["gptfast", "kn_swapped", "plain_act", "halves", "halves_kn", "halves_split",
+                                   "halves_slice", "halves_interleaved"])
 def test_styles_are_rewritten_and_equal(style):
     torch.manual_seed(0)
     model = GatheredMoE(style)
@@ -132,7 +143,8 @@ def test_gradients_match_eager(style):
 
 
 @pytest.mark.parametrize("style", ["wrong_contraction", "mixed_ids", "ids_changed_after_gather",
-                                   "up_other_ids", "up_other_x", "halves_swapped", "halves_of_two"])
+                                   "up_other_ids", "up_other_x", "halves_swapped", "halves_of_two",
+                                   "halves_overlap"])
 def test_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = GatheredMoE(style)

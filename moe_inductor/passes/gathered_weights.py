@@ -34,34 +34,95 @@ FORM = "gathered_weights"
 @dataclass(frozen=True)
 class _Half:
     """Half ``index`` (0 or 1) of the stacked weight ``whole``, split along dimension ``dim`` of its gathered
-    (T, k, ., .) copy: ``torch.chunk(whole[ids], 2, dim=dim)[index]``."""
+    (T, k, ., .) copy: its first and second halves (``split`` "concat": ``torch.chunk(whole[ids], 2, dim=dim)``,
+    ``torch.split`` in two equal parts, ``[..., :n, :]`` / ``[..., n:, :]``), or its even and odd entries
+    ("interleaved": ``[..., ::2, :]`` / ``[..., 1::2, :]``)."""
 
     whole: Node
     index: int
     dim: int
+    split: str = "concat"
 
 
 def _half_of_gathered(node: Node) -> Optional[tuple[_Half, Node]]:
-    """(half, ids) for ``torch.chunk(w[ids], 2, dim=d)[j]`` (or ``w[ids].chunk(2, d)[j]``), d one of the gathered
-    copy's last two dimensions, which are even."""
-    if not (is_call(node, "call_function", operator.getitem) and len(node.args) == 2 and node.args[1] in (0, 1)):
+    """(half, ids) for one half of a gathered (T, k, ., .) weight copy ``w[ids]``, split along one of its last two
+    dimensions, which is even: see ``_Half`` for the spellings."""
+    if not (is_call(node, "call_function", operator.getitem) and len(node.args) == 2):
         return None
-    split = node.args[0]
-    if not (is_call(split, "call_function", torch.chunk) or is_call(split, "call_method", "chunk")):
+    base, index = node.args
+    if isinstance(index, int) and index in (0, 1):  # a piece of chunk / split
+        parts = _two_parts(base)
+        if parts is None:
+            return None
+        source, dim = parts
+        return _half(source, dim, index, "concat")
+    sliced = _one_slice(index)
+    if sliced is None or not isinstance(base, Node):
         return None
-    args = list(split.args[1:])
-    chunks = args.pop(0) if args else split.kwargs.get("chunks")
-    dim = args.pop(0) if args else split.kwargs.get("dim", 0)
-    if chunks != 2 or args or set(split.kwargs) - {"chunks", "dim"} or not isinstance(split.args[0], Node):
-        return None
-    g = _gathered(split.args[0])
-    gv = val(split.args[0])
-    if g is None or gv is None or not isinstance(dim, int):
+    dim, part = sliced
+    bv = val(base)
+    if bv is None or bv.dim() != 4:
         return None
     dim = dim % 4
-    if dim not in (2, 3) or gv.shape[dim] % 2:
+    n = bv.shape[dim]
+    if not isinstance(n, int) or n % 2:
         return None
-    return _Half(g[0], node.args[1], dim), g[1]
+    kinds = {(None, n // 2, None): (0, "concat"), (n // 2, None, None): (1, "concat"),
+             (0, n // 2, None): (0, "concat"), (n // 2, n, None): (1, "concat"),
+             (None, None, 2): (0, "interleaved"), (0, None, 2): (0, "interleaved"), (1, None, 2): (1, "interleaved")}
+    found = kinds.get((part.start, part.stop, part.step))
+    return None if found is None else _half(base, dim, *found)
+
+
+def _two_parts(split: Node) -> Optional[tuple[Node, int]]:
+    """(source, dim) for ``torch.chunk(source, 2, dim)`` or ``torch.split(source, n // 2, dim)`` (functions or
+    methods), n the size of that dimension."""
+    chunk = is_call(split, "call_function", torch.chunk) or is_call(split, "call_method", "chunk")
+    if not (chunk or is_call(split, "call_function", torch.split) or is_call(split, "call_method", "split")):
+        return None
+    if not split.args or not isinstance(split.args[0], Node):
+        return None
+    args = list(split.args[1:])
+    size_name = "chunks" if chunk else "split_size_or_sections"
+    size = args.pop(0) if args else split.kwargs.get(size_name, split.kwargs.get("split_size"))
+    dim = args.pop(0) if args else split.kwargs.get("dim", 0)
+    sv = val(split.args[0])
+    if args or set(split.kwargs) - {size_name, "split_size", "dim"} or sv is None or not isinstance(dim, int):
+        return None
+    n = sv.shape[dim % sv.dim()] if sv.dim() else None
+    if not isinstance(n, int) or n % 2:
+        return None
+    if isinstance(size, (list, tuple)) and not chunk:  # sections: two equal ones
+        size = n // 2 if list(size) == [n // 2, n // 2] else None
+    if size != (2 if chunk else n // 2):
+        return None
+    return split.args[0], dim
+
+
+def _one_slice(index) -> Optional[tuple[int, slice]]:
+    """(dim, the slice) for an index of a 4-D tensor that takes every entry but along one dimension: a tuple of
+    slices, with at most one leading ``...``."""
+    if not isinstance(index, tuple):
+        return None
+    full = slice(None, None, None)
+    if index and index[0] is Ellipsis:
+        rest = index[1:]
+        if not rest or any(x is Ellipsis or not isinstance(x, slice) for x in rest):
+            return None
+        picked = [i for i, x in enumerate(rest) if x != full]
+        # the rest index the last len(rest) dimensions: a negative dimension
+        return (picked[0] - len(rest), rest[picked[0]]) if len(picked) == 1 else None
+    if len(index) > 4 or any(not isinstance(x, slice) for x in index):
+        return None
+    picked = [i for i, x in enumerate(index) if x != full]
+    return (picked[0], index[picked[0]]) if len(picked) == 1 else None
+
+
+def _half(source: Node, dim: int, index: int, split: str) -> Optional[tuple[_Half, Node]]:
+    g = _gathered(source)
+    if g is None or dim % 4 not in (2, 3):
+        return None
+    return _Half(g[0], index, dim % 4, split), g[1]
 
 
 def _gathered(node: Node, rank: int = 3) -> Optional[tuple[Node, Node]]:
@@ -167,26 +228,28 @@ def match_or_reason(y: Node) -> Union[Match, str, None]:
         halves = _fused_halves(gate, up, down)
         if isinstance(halves, str):
             return halves
-        gate_w, up_w, fields = halves, None, {**fields, "gate_up": "concat"}
+        gate_w, up_w, fields = halves[0], None, {**fields, "gate_up": halves[1]}
     spec = MoESpec(gate.x, gate.ids, weights, gate_w, up_w, down.weight, gate.layout, gated.activation, **fields,
                    b1=gate.bias, b1_up=up.bias if up else None, b2=down.bias)
     per_choice = sum(v[0].numel() * v.element_size() for v in map(val, (spec.gate, spec.up, spec.down)) if v is not None)
     return Match(spec, y, note=f"avoids gathering T*k x {per_choice / 2**10:.1f} KiB of expert weights per call")
 
 
-def _fused_halves(gate: _Projection, up: Optional[_Projection], down: _Projection) -> Union[Node, str]:
-    """The stacked gate/up weight when the gate projection reads its first half and the up projection its second,
-    both split along the projection's output width (the emitter's "concat" split); else why not."""
+def _fused_halves(gate: _Projection, up: Optional[_Projection], down: _Projection) -> Union[tuple[Node, str], str]:
+    """(the stacked gate/up weight, how it splits) when the gate projection reads its first half (its even entries)
+    and the up projection its second (its odd ones), both split along the projection's output width, as the
+    emitter splits a fused weight ("concat", "interleaved"); else why not."""
     if isinstance(down.weight, _Half) or up is None:
         return "the projections read halves of a gathered weight other than as the gate and up projections"
     g, u = gate.weight, up.weight
-    if not (isinstance(g, _Half) and isinstance(u, _Half) and g.whole is u.whole and g.dim == u.dim):
+    if not (isinstance(g, _Half) and isinstance(u, _Half) and g.whole is u.whole and g.dim == u.dim
+            and g.split == u.split):
         return "the gate and up projections read different gathered weights, one of them split"
     if (g.index, u.index) != (0, 1):
         return "the gate projection reads the second half of the gathered gate/up weight"
     if g.dim != (2 if gate.layout == "nk" else 3):
         return "the gathered gate/up weight is split along its input width, not its output width"
-    return g.whole
+    return g.whole, g.split
 
 
 rewrite = Form(FORM, (Anchor(every_node, match_or_reason),), Unmatched(

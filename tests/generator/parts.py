@@ -117,6 +117,17 @@ class ExpertBank(nn.Module):
             return h[..., :I], h[..., I:]
         return h[..., ::2], h[..., 1::2]
 
+    def split_gathered(self, w: torch.Tensor):
+        """Gate and up halves of a gathered (T, k, 2I, H) copy of the fused weight, along its output rows, in this
+        bank's spelling."""
+        if self.storage == "fused_chunk":
+            return torch.chunk(w, 2, dim=2)
+        if self.storage == "fused_split":
+            return w.split(I, dim=2)
+        if self.storage == "fused_slice":
+            return w[:, :, :I], w[..., I:, :]
+        return w[:, :, ::2], w[:, :, 1::2]
+
     def mlp(self, e: int, xe: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.storage in ("modulelist", "loop_modulelist"):
             return self.experts[e](xe, scale)

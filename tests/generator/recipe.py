@@ -61,6 +61,8 @@ AXES: dict[str, dict[str, tuple]] = {
     "gathered": {
         "experts": ("stacked_nk", "stacked_kn", "fused_chunk", "fused_slice"),
         "combine": ("einsum", "mul_sum"),
+        # a fused gate/up weight: split the projection's output, or the gathered weight copy (SGLang's native path)
+        "split": ("product", "gathered"),
     },
     "dense": {
         "experts": ("stacked_nk", "stacked_kn", "fused_chunk", "loop_modulelist"),

@@ -90,7 +90,10 @@ class GatheredMoE(nn.Module):
         if r.flaw == "twice":  # the weight on each slot's input as well as on its output
             xk, up = x[:, None, :] * weights[..., None], up.replace("th,", "tkh,")
         act = ACT[r.act]
-        if w_gate is None and r.gated:
+        if w_gate is None and r.gated and r.idioms["split"] == "gathered":
+            g_w, u_w = self.bank.split_gathered(w_up[ids])
+            h = act(torch.einsum(up, xk, g_w)) * torch.einsum(up, xk, u_w)
+        elif w_gate is None and r.gated:
             g, u = self.bank.split_gate_up(torch.einsum(up, xk, w_up[ids]))
             h = act(g) * u
         else:
