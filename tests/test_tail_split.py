@@ -134,3 +134,25 @@ def test_gpu_split_launches_from_inductors_wrapper(forced_split, monkeypatch):
     assert counters["moe_inductor"], "the layer was rewritten"
     splits = forced_split[0] + forced_split[1]
     assert 1 in splits and 2 in splits
+
+
+@pytest.mark.parametrize("sizes", ["ragged", "one-hot"])
+def test_split_launches_read_through_descriptors_made_in_the_kernel(sizes, forced_split, triton_kernels, nan_empty,
+                                                                   monkeypatch):
+    """Both launches of the split with the TMA path forced (descriptors made in the kernel, persistent programs,
+    the sorted rows through a descriptor too): every row computed once, as with pointer loads. On the CPU the
+    interpreter runs it, a few programs each walking several tiles."""
+    if ON_GPU and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("a GPU without TMA")
+    monkeypatch.setattr(config, "gemm_tma_descriptors", "device")
+    monkeypatch.setattr(launch, "tma_weights_apply", lambda *args, **kwargs: True)
+    persistent, _ = record_launch_meta(monkeypatch, "PERSISTENT")
+    rows_desc, _ = record_launch_meta(monkeypatch, "A_DESC")
+    counts = SIZES[sizes](FULL.BLOCK_M)
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(sum(counts), 32, generator=gen).to(DEVICE, torch.bfloat16)
+    b = torch.randn(len(counts), 32, 24, generator=gen).to(DEVICE, torch.bfloat16)
+    offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+    out = grouped_mm(a, b, offs)
+    assert forced_split[0] == [1, 2] and persistent == [True, True] and rows_desc == [True, True]
+    assert_close(out, grouped_mm_reference(a.double(), b.double(), offs), torch.bfloat16, "out")
