@@ -1,5 +1,6 @@
 """The split loop: sorted rows split by ``counts.tolist()``, one expert per split, ``torch.cat`` back, scattered
-to the tokens (Megatron's SequentialMLP, JetMoE's ParallelExperts). Rewritten and equal to eager, forward and
+to the tokens (Megatron's SequentialMLP, JetMoE's ParallelExperts; torchtune's rows gathered and scaled before the
+experts). Rewritten and equal to eager, forward and
 backward; look-alikes (another split order, sizes from other counts, unsorted weights, an expert that differs,
 scattered to other rows) left alone, with a note for explain()."""
 import pytest
@@ -38,6 +39,14 @@ class SplitLoopMoE(nn.Module):
                 counts = counts.roll(1)
             ws = probs.T.contiguous().masked_select(rmap.T.contiguous())
             xs = x.index_select(0, tok)
+        elif s.startswith("gather"):  # torchtune: histc counts, a stable argsort, rows by gather scaled before
+            order = torch.argsort(ids.view(-1), stable=True)
+            tok = order // K
+            counts = torch.histc(ids.view(-1).float(), bins=E, min=0, max=E).to(ids.dtype)
+            ws = top.flatten() if s == "gather_unsorted_weights" else top.view(-1)[order]
+            index = tok.reshape(-1, 1).expand(-1, H)
+            xs = torch.gather(x, dim=0, index=index)
+            xs = xs if s == "gather_no_weights" else xs * ws.reshape(-1, 1)
         else:  # JetMoE's sort
             order = ids.flatten().sort(0)[1]
             tok = order.div(K, rounding_mode="trunc")
@@ -59,6 +68,10 @@ class SplitLoopMoE(nn.Module):
             g, u = h.chunk(2, dim=-1)
             h = F.silu(g) * u
             ys = torch.cat([F.linear(p, self.w2[e]) for e, p in enumerate(h.split(sizes, dim=0))], dim=0)
+        if s.startswith("gather"):  # the weights went in before the experts
+            out = torch.zeros(T, H)
+            out.scatter_add_(dim=0, index=index, src=ys)
+            return out
         if s.startswith("mask"):
             out = torch.zeros(T, H)
             early = out.clone() + 1.0 if s == "mask_read_before" else None  # reads the zeros before the write
@@ -68,7 +81,7 @@ class SplitLoopMoE(nn.Module):
         return torch.zeros((T, H)).index_add(0, rows, ys * ws[:, None])
 
 
-@pytest.mark.parametrize("style", ["mask", "sort"])
+@pytest.mark.parametrize("style", ["mask", "sort", "gather"])
 def test_split_loop_is_rewritten_and_equal(style):
     torch.manual_seed(0)
     model = SplitLoopMoE(style)
@@ -78,7 +91,8 @@ def test_split_loop_is_rewritten_and_equal(style):
 
 
 @pytest.mark.parametrize("style", ["mask_other_counts", "mask_reversed_pieces", "mask_one_expert_differs",
-                                   "sort_unsorted_weights", "sort_other_rows", "mask_read_before"])
+                                   "sort_unsorted_weights", "sort_other_rows", "mask_read_before",
+                                   "gather_unsorted_weights", "gather_no_weights"])
 def test_split_loop_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = SplitLoopMoE(style)

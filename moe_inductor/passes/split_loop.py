@@ -19,6 +19,9 @@ The user code this matches (two dispatch spellings, two loop shapes, two combine
     # or, per projection (JetMoE): h = cat([F.linear(p, w1[e]) ...]); g, u = h.chunk(2, -1); split again; cat
     out = zeros(T, H); out.scatter_add_(0, tok.unsqueeze(1).expand(-1, H), ys * ws.unsqueeze(-1))
     # or out = zeros(T, H).index_add(0, tok, ys * ws[:, None])
+    # torchtune: the weights on the rows before the experts, rows by gather, the combine by keyword
+    xs = torch.gather(x, 0, tok.reshape(-1, 1).expand(-1, H)) * ws.reshape(-1, 1)      # ... split loop ...
+    out.scatter_add_(dim=0, index=tok.reshape(-1, 1).expand(-1, H), src=ys)
 
 Every piece is checked: the ids come from ``topk`` (distinct per row, so the routing map holds exactly T*k
 assignments), the sort or the mask, the counts, the weights and the combine all read the same ids, the splits are
@@ -148,6 +151,9 @@ def _counts(node, d: _Dispatch, num_experts: int) -> bool:
     """``node`` (casts aside) holds each expert's number of assignments: the routing map summed over tokens, or a
     histc of the flat ids."""
     node = _strip(node, "long", "int", "float", "cpu")
+    while is_call(node, "call_method", "to") and len(node.args) == 2 and not node.kwargs and isinstance(
+            node.args[1], torch.dtype) and not node.args[1].is_floating_point:  # an integer cast of float counts
+        node = _strip(node.args[0], "long", "int", "float", "cpu")
     if is_call(node, "call_method", "sum") and (node.args[1:] == (0,) and not node.kwargs or (
             len(node.args) == 1 and node.kwargs == {"dim": 0})):
         src = node.args[0]
@@ -344,14 +350,35 @@ def _weights_of(scale: Node, d: _Dispatch) -> Optional[Node]:
 
 
 def _row_scaled(node: Node) -> Optional[tuple[Node, Node]]:
-    """(ys, s) for ``ys * s.unsqueeze(-1)`` / ``ys * s[:, None]`` / ``s.unsqueeze(1) * ys``."""
+    """(ys, s) for ``ys * s.unsqueeze(-1)`` / ``ys * s[:, None]`` / ``ys * s.reshape(-1, 1)`` / ``s.unsqueeze(1) *
+    ys``."""
     if not (is_call(node, "call_function", operator.mul) and len(node.args) == 2):
         return None
     for ys, s in (node.args, node.args[::-1]):
+        if not isinstance(ys, Node):
+            continue
         if is_call(s, "call_method", "unsqueeze") and s.args[1:] in ((-1,), (1,)):
             return ys, s.args[0]
         if is_call(s, "call_function", operator.getitem) and s.args[1] == (slice(None, None, None), None):
             return ys, s.args[0]
+        if is_call(s, "call_method", "reshape", "view") and s.args[1:] in ((-1, 1), ((-1, 1),)):
+            return ys, s.args[0]
+    return None
+
+
+def _token_rows(xs: Node, tok: Node) -> Optional[Node]:
+    """``x`` for the rows of x at ``tok``: ``x.index_select(0, tok)``, ``x[tok]``, or
+    ``torch.gather(x, 0, tok.reshape(-1, 1).expand(-1, H))`` (torchtune)."""
+    if is_call(xs, "call_method", "index_select") and xs.args[1] == 0 and xs.args[2] is tok:
+        return xs.args[0]
+    if is_call(xs, "call_function", operator.getitem) and xs.args[1] is tok:
+        return xs.args[0]
+    if is_call(xs, "call_function", torch.gather) or is_call(xs, "call_method", "gather"):
+        names = ("input", "dim", "index")
+        bound = {**dict(zip(names, xs.args)), **xs.kwargs}
+        if set(bound) == set(names) and bound["dim"] == 0 and isinstance(bound["index"], Node) and (
+                _token_index(bound["index"]) is tok):
+            return bound["input"]
     return None
 
 
@@ -396,14 +423,18 @@ def _combine(acc: Node) -> Optional[_Combine]:
         if len(users) != 1 or not is_call(users[0], "call_method", "scatter_add", "index_add"):
             return None
         node = end = users[0]
-    if node.args[0] is not acc or len(node.args) != 4 or node.args[1] != 0 or node.kwargs:
+    # (dim, index, value), positional or by name (torchtune writes scatter_add_(dim=0, index=..., src=...))
+    names = ("dim", "index", "src") if node.target.startswith("scatter") else ("dim", "index", "source")
+    bound = {**dict(zip(names, node.args[1:])), **node.kwargs}
+    if node.args[0] is not acc or len(node.args) > 4 or set(bound) != set(names) or bound["dim"] != 0:
         return None
     if mutations and any(_before(u, node) for u in acc.users if u is not node):
         return None  # a read of the zeros before the write: the op's result must not reach it
-    tok = _token_index(node.args[2]) if node.target.startswith("scatter") else node.args[2]
-    if tok is None:
+    index = bound["index"]
+    tok = _token_index(index) if node.target.startswith("scatter") else index
+    if not isinstance(tok, Node):
         return None
-    return _Combine(tok, node.args[3], end, node if mutations else None, acc)
+    return _Combine(tok, bound[names[2]], end, node if mutations else None, acc)
 
 
 def _before(node: Node, other: Node) -> bool:
@@ -427,23 +458,25 @@ def match(acc: Node) -> Union[Match, str, None]:
     if d is None:
         return None
     scaled = _row_scaled(combine.value)
-    if scaled is None:
-        return None
-    ys, scale = scaled
+    # the routing weight on the experts' outputs, or else on their input rows (torchtune: scaled before the experts)
+    position = "output" if scaled is not None else "input"
+    ys, scale = scaled if scaled is not None else (combine.value, None)
     experts = read_experts(ys)
     if experts is None:
         return None
     if isinstance(experts, str):
         return experts
+    xs = experts.xs
+    if position == "input":
+        scaled_in = _row_scaled(xs)
+        if scaled_in is None:
+            return "no routing weight scales the experts' rows or their outputs"
+        xs, scale = scaled_in
     weights = _weights_of(scale, d)
     if weights is None:
         return "the per-row routing weights are not read in the order of the sorted rows"
-    xs = experts.xs
-    if is_call(xs, "call_method", "index_select") and xs.args[1] == 0 and xs.args[2] is d.tok:
-        x = xs.args[0]
-    elif is_call(xs, "call_function", operator.getitem) and xs.args[1] is d.tok:
-        x = xs.args[0]
-    else:
+    x = _token_rows(xs, d.tok)
+    if x is None:
         return "the experts' rows are not x at the sorted tokens"
     num_experts = len(experts.down) if isinstance(experts.down, tuple) else val(experts.down).shape[0]
     if not _sizes_are_counts(_split_of(experts.splits[0])[1], d, num_experts):
@@ -454,7 +487,7 @@ def match(acc: Node) -> Union[Match, str, None]:
     if wv is None or tuple(wv.shape) != tuple(iv.shape):
         return "the routing weights are not (T, k) like the ids"
     spec = MoESpec(x, d.ids, weights, experts.gate, experts.up, experts.down, experts.layout, experts.activation,
-                   **experts.fields)
+                   weight_position=position, **experts.fields)
     roots = [d.tok, scale, *experts.splits]
     roots += [s for split in experts.splits for s in _split_of(split)[1] if isinstance(s, Node)]
     note = f"{num_experts} .item() host syncs and data-dependent splits removed"

@@ -16,7 +16,8 @@ Not rewritten today: under moe_inductor's capture the ``.tolist()`` counts trace
 output's row count is their sum, and ``if routed_output.numel() > 0`` cannot be decided while tracing (Dynamo does
 not read the split's own check that the sizes add up to T*k). The graph breaks there, the combine lands in the next
 graph, and the router's region is left alone with its reason. Under ``backend="inductor"`` the ``.tolist()`` breaks
-the graph earlier; both equal eager.
+the graph earlier; both equal eager. Without that test the split-loop form rewrites this spelling (rows gathered and
+scaled before the experts, ``scatter_add_`` by keyword: ``tests/test_pass_split_loop.py``, style "gather").
 """
 import torch
 import torch.nn as nn
