@@ -108,6 +108,8 @@ class Trace:
     loops: dict = field(default_factory=dict)
     #: whether moe_inductor's backend was handed a graph of this compile (``of_graph``)
     checked: bool = False
+    #: per-expert counts known to add up to the number of ids (``_counts_total``): (their symbols, that number)
+    totals: list = field(default_factory=list)
 
     def mark(self) -> tuple:
         """Where the side-effect record stands, for ``changed_since``."""
@@ -303,6 +305,81 @@ def _topk_ids_below(ids_flat: Node, E: int) -> bool:
     return sv.shape[-1] == E and not mutated_alias(ids) and not mutated_alias(src)
 
 
+def _histogram_total(node: Node) -> Optional[Any]:
+    """The number of ids a per-expert count vector adds up to: ``bincount(ids.flatten(), minlength=E)`` or
+    ``histc(ids.flatten()(.float()), bins=E, min=0, max=E or E - 1)`` of ``topk`` ids over E experts (integer casts
+    aside), every id landing in one of the E bins, is the flat ids' length; None for anything else."""
+    from .passes.fx_utils import is_call, val
+
+    while (is_call(node, "call_method", "long", "int", "cpu") and len(node.args) == 1 and not node.kwargs) or (
+            is_call(node, "call_method", "to") and len(node.args) == 2 and isinstance(node.args[1], torch.dtype)
+            and not node.args[1].is_floating_point and not node.kwargs):
+        node = node.args[0]
+    if is_call(node, "call_function", torch.bincount) and len(node.args) == 1 and set(node.kwargs) == {"minlength"}:
+        E, flat = node.kwargs["minlength"], node.args[0]
+    elif is_call(node, "call_function", torch.histc) and len(node.args) == 1 and set(node.kwargs) == {
+            "bins", "min", "max"}:
+        E, flat = node.kwargs["bins"], node.args[0]
+        if node.kwargs["min"] != 0 or node.kwargs["max"] not in (E, E - 1):
+            return None
+        if is_call(flat, "call_method", "float") and len(flat.args) == 1 and not flat.kwargs:
+            flat = flat.args[0]
+    else:
+        return None
+    fv = val(flat) if isinstance(flat, Node) else None
+    if not isinstance(E, int) or E <= 0 or fv is None or fv.dim() != 1 or not _topk_ids_below(flat, E):
+        return None
+    return fv.shape[0]
+
+
+def _counts_total(tensor_variable, listed) -> None:
+    """After ``.tolist()`` of per-expert counts that add up to the number of ids (``_histogram_total``): record
+    their symbols and that number, which ``_decide_by_totals`` reads."""
+    trace = _trace()
+    if trace is None:
+        return
+    total = _histogram_total(tensor_variable.as_proxy().node)
+    sizes = [getattr(item, "sym_num", None) for item in getattr(listed, "items", None) or []]
+    if total is None or not sizes or any(not isinstance(x, torch.SymInt) for x in sizes):
+        return
+    symbols = [x.node.expr for x in sizes]
+    if len(set(symbols)) == len(symbols) and all(getattr(x, "is_Symbol", False) for x in symbols):
+        trace.totals.append((symbols, total.node.expr if isinstance(total, torch.SymInt) else total))
+
+
+def _decide_by_totals(tx, inst, jumps_when: bool) -> bool:
+    """Take the branch ``inst`` (and return True) when its condition is decided once counts recorded by
+    ``_counts_total`` are known to add up to their number of ids: ``if out.numel() > 0`` on the ``cat`` of rows split
+    by those counts (torchtune) reads their sum, which Dynamo cannot decide alone. The condition is checked at run
+    time too (``torch._check``)."""
+    from torch._dynamo.variables import SymNodeVariable
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    trace = _trace()
+    if trace is None or not trace.totals or not tx.stack or not isinstance(tx.stack[-1], SymNodeVariable):
+        return False
+    sym = tx.stack[-1].sym_num
+    if isinstance(sym, torch.SymInt):
+        sym = sym != 0
+    if not isinstance(sym, torch.SymBool):
+        return False
+    expr = sym.node.expr
+    for symbols, total in trace.totals:
+        if not free_unbacked_symbols(expr) <= set(symbols):
+            continue
+        decided = tx.output.shape_env._maybe_evaluate_static(
+            expr.xreplace({symbols[-1]: total - sum(symbols[:-1])}))
+        if decided is None or not getattr(decided, "is_Boolean", False) or decided not in (True, False):
+            continue
+        value = bool(decided)
+        torch._check(sym if value else torch.sym_not(sym))
+        tx.pop()
+        if value == jumps_when:
+            tx.jump(inst)
+        return True
+    return False
+
+
 def _tolist(tensor_variable) -> None:
     """Before ``.tolist()`` of ``bincount(topk_ids.flatten(), minlength=E)``: its length is E (a fact)."""
     if _trace() is None:
@@ -365,7 +442,9 @@ def install() -> None:
 
     def method_tolist(self, *args, **kwargs):  # (self, tx) in torch 2.13; whatever the version passes, passed on
         _tolist(self)
-        return original_tolist(self, *args, **kwargs)
+        listed = original_tolist(self, *args, **kwargs)
+        _counts_total(self, listed)
+        return listed
 
     TensorVariable.method_tolist = method_tolist
     for table in dispatch_tables(base):
@@ -471,7 +550,7 @@ def _counting(method: Callable) -> Callable:
 
 def _jump_hook(handler: Callable, jumps_when: bool) -> Callable:
     def jump(tx, inst):
-        if not _speculate(tx, inst, jumps_when):
+        if not _decide_by_totals(tx, inst, jumps_when) and not _speculate(tx, inst, jumps_when):
             handler(tx, inst)
 
     return jump

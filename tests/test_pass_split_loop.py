@@ -101,3 +101,48 @@ def test_split_loop_look_alikes_are_left_alone(style):
     assert not counters["moe_inductor"], dict(counters["moe_inductor"])
     assert sum(counters["moe_inductor_left_alone"].values()) == 1, dict(counters["moe_inductor_left_alone"])
     assert_close(out, model(x), torch.float32, style)
+
+
+class NumelTestMoE(SplitLoopMoE):
+    """torchtune's spelling with its ``if routed_output.numel() > 0`` before the combine; ``shifted`` counts the
+    ids shifted by one expert, which the capture cannot prove add up to the rows (and which split them wrongly)."""
+
+    def forward(self, x):
+        T = x.shape[0]
+        top, ids = torch.topk(self.router(x), K, dim=1)
+        top = torch.softmax(top, dim=-1)
+        order = torch.argsort(ids.view(-1), stable=True)
+        tok = order // K
+        counted = (ids + 1) % E if self.style == "shifted" else ids
+        counts = torch.histc(counted.view(-1).float(), bins=E, min=0, max=E).to(ids.dtype)
+        index = tok.reshape(-1, 1).expand(-1, H)
+        xs = torch.gather(x, dim=0, index=index) * top.view(-1)[order].reshape(-1, 1)
+        sizes = counts.tolist()
+        h = torch.cat([F.linear(p, self.w1[e]) for e, p in enumerate(xs.split(sizes, dim=0))], dim=0)
+        g, u = h.chunk(2, dim=-1)
+        ys = torch.cat([F.linear(p, self.w2[e]) for e, p in enumerate((F.silu(g) * u).split(sizes, dim=0))], dim=0)
+        out = torch.zeros(T, H)
+        if ys.numel() > 0:
+            out.scatter_add_(dim=0, index=index, src=ys)
+        return out
+
+
+def test_a_test_of_the_outputs_size_is_decided_by_the_counts_total():
+    """The counts are a histogram of the top-k ids, so the split outputs' rows add up to T*k and ``numel() > 0`` is
+    decided while tracing: one graph, rewritten, equal to eager (forward and backward)."""
+    torch.manual_seed(0)
+    model = NumelTestMoE("histogram")
+    for T in (5, 11):
+        assert_rewritten_like_eager(model, torch.randn(T, H), "split_loop", f"T={T}")
+        assert sum(counters["graph_break"].values()) == 0
+
+
+def test_counts_not_proven_to_add_up_leave_the_size_test_undecided():
+    """Counts of other values than the top-k ids: nothing is assumed about their sum, the size test breaks the
+    graph as it does without moe_inductor, nothing is rewritten, and the result is eager's."""
+    torch.manual_seed(0)
+    model = NumelTestMoE("shifted")
+    x = torch.randn(9, H)
+    out = compile_moe(model, x)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    assert_close(out, model(x), torch.float32, "shifted")
