@@ -162,17 +162,25 @@ def _user_line(tx) -> str:
         return f"{getattr(getattr(tx, 'f_code', None), 'co_name', '?')}"
 
 
-def _count_symbol(value) -> Optional[tuple[Any, Any]]:
-    """(sympy expr of the branch condition, its one unbacked symbol) for a data-dependent branch on a count."""
+def _branch_condition(value) -> Optional[torch.SymBool]:
+    """The symbolic condition a branch on the stack's top ``value`` tests (an int tests ``!= 0``); None when it is
+    not symbolic."""
     from torch._dynamo.variables import SymNodeVariable
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
     if not isinstance(value, SymNodeVariable):
         return None
     sym = value.sym_num
     if isinstance(sym, torch.SymInt):
         sym = sym != 0
-    if not isinstance(sym, torch.SymBool):
+    return sym if isinstance(sym, torch.SymBool) else None
+
+
+def _count_symbol(value) -> Optional[tuple[Any, Any]]:
+    """(sympy expr of the branch condition, its one unbacked symbol) for a data-dependent branch on a count."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
+
+    sym = _branch_condition(value)
+    if sym is None:
         return None
     try:
         if statically_known_true(sym) or statically_known_true(torch.sym_not(sym)):
@@ -352,16 +360,11 @@ def _decide_by_totals(tx, inst, jumps_when: bool) -> bool:
     ``_counts_total`` are known to add up to their number of ids: ``if out.numel() > 0`` on the ``cat`` of rows split
     by those counts (torchtune) reads their sum, which Dynamo cannot decide alone. The condition is checked at run
     time too (``torch._check``)."""
-    from torch._dynamo.variables import SymNodeVariable
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     trace = _trace()
-    if trace is None or not trace.totals or not tx.stack or not isinstance(tx.stack[-1], SymNodeVariable):
-        return False
-    sym = tx.stack[-1].sym_num
-    if isinstance(sym, torch.SymInt):
-        sym = sym != 0
-    if not isinstance(sym, torch.SymBool):
+    sym = _branch_condition(tx.stack[-1]) if trace is not None and trace.totals and tx.stack else None
+    if sym is None:
         return False
     expr = sym.node.expr
     for symbols, total in trace.totals:
@@ -369,7 +372,7 @@ def _decide_by_totals(tx, inst, jumps_when: bool) -> bool:
             continue
         decided = tx.output.shape_env._maybe_evaluate_static(
             expr.xreplace({symbols[-1]: total - sum(symbols[:-1])}))
-        if decided is None or not getattr(decided, "is_Boolean", False) or decided not in (True, False):
+        if decided is None or decided not in (True, False):
             continue
         value = bool(decided)
         torch._check(sym if value else torch.sym_not(sym))
@@ -390,10 +393,8 @@ def _tolist(tensor_variable) -> None:
     value = node.meta.get("example_value")
     if not isinstance(value, torch.Tensor) or value.dim() != 1 or isinstance(value.shape[0], int):
         return
-    if not is_call(node, "call_function", torch.bincount) or len(node.args) != 1 or set(node.kwargs) != {"minlength"}:
-        return
-    E = node.kwargs["minlength"]
-    if isinstance(E, int) and E > 0 and isinstance(node.args[0], Node) and _topk_ids_below(node.args[0], E):
+    if is_call(node, "call_function", torch.bincount) and _histogram_total(node) is not None:
+        E = node.kwargs["minlength"]
         torch._check(value.shape[0] == E)
         node.meta[LENGTH] = E
 

@@ -13,7 +13,8 @@ per call from the token count, which a traced graph cannot, and at their size th
 time. Layers with biases stay opaque only where their row count is unknown or reaches the engine's rule for them, so
 their decode keeps the visible launches. Calls whose static row count takes the TMA weight loads
 (``config.gemm_tma_weights``) through host-made descriptors (``config.gemm_tma_descriptors = "host"``) stay opaque as
-well: those cannot be traced on torch 2.11. Descriptors the kernel makes itself can. The backward stays the opaque ``experts_backward``.
+well: those cannot be traced on torch 2.11. Descriptors the kernel makes itself can. The backward stays the opaque
+``experts_backward``.
 
 What changes under tracing (``kernels.launch.traceable_launches``): launches go through ``wrap_triton``; with a
 symbolic token count (a dynamic graph), routing takes its two-launch path (right for every token count, no guard on

@@ -12,8 +12,9 @@ activation) and the weights may be stored (E, out, in) or (E, in, out). The gate
 of one stacked gate/up weight, split after the gather (SGLang's torch-native path)::
 
     w1_sel, w3_sel = torch.chunk(w13[ids], 2, dim=2)                 # (T, k, 2I, H) -> two (T, k, I, H)
- Anything that does not line up exactly
-(another user of an intermediate, a different contraction, mismatched ids) is left alone.
+
+(or split in two, sliced, or taken as even and odd rows). Anything that does not line up exactly (another user of an
+intermediate, a different contraction, mismatched ids) is left alone.
 """
 from __future__ import annotations
 
