@@ -49,7 +49,7 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, str(Path(__file__).parent))
 import hf_rounds  # noqa: E402
 from hf_families import (COLUMNS, DEFAULT_COLUMNS, EXPERTS_KEPT, FAMILIES, MODES, MOE_COLUMNS,  # noqa: E402
-                         RULE_OFF, TAIL_OFF, TMA_AUTO)
+                         RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF)
 from hf_processes import cpu_list, lanes_of, merge_repeats, process_groups  # noqa: E402
 from hf_profile import GcClock, Profiler, sync  # noqa: E402
 from hf_tables import markdown, rule_markdown, variants_markdown  # noqa: E402
@@ -438,14 +438,14 @@ def interleave_cell(model, cfg, cell_rows: list, args) -> None:
 
 def moe_backend(column: str):
     """The backend a moe_inductor column compiles with: by name, with no MoE form rewritten (``EXPERTS_KEPT``), or,
-    for the columns that differ only in a setting read while tracing (``RULE_OFF``, ``TAIL_OFF``, ``TMA_AUTO``), a
-    backend object of their own: Dynamo keeps one compiled entry per backend, so in the interleaved rounds a column
-    sharing "moe_inductor" would run the other column's compile."""
+    for the columns that differ only in a setting read while tracing (``RULE_OFF``, ``TAIL_OFF``, ``TMA_AUTO``,
+    ``TMA_OFF``), a backend object of their own: Dynamo keeps one compiled entry per backend, so in the interleaved
+    rounds a column sharing "moe_inductor" would run the other column's compile."""
     import moe_inductor
 
     if column == EXPERTS_KEPT:
         return moe_inductor.with_options(forms=())
-    if column in (RULE_OFF, TAIL_OFF, TMA_AUTO):
+    if column in (RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF):
         return moe_inductor.with_options()
     return "moe_inductor"
 
@@ -469,14 +469,15 @@ def speed_rule_off(off: bool):
 @contextlib.contextmanager
 def column_options(column: str):
     """The settings a column compiles and runs under: the speed rule off for ``RULE_OFF``; for ``TAIL_OFF`` the tail
-    split off, for ``TMA_AUTO`` the TMA weight loads under "auto", each with the compile caches off too: these
-    settings are read inside our op while Inductor traces it, so the graph handed to the caches is the same as the
+    split off, for ``TMA_AUTO`` the TMA weight loads under "auto" (``TMA_OFF``: "off"), each with the compile caches
+    off too: these settings are read inside our op while Inductor traces it, so the graph handed to the caches is the same as the
     "moe_inductor" column's, whose cache entries would answer."""
     if column == RULE_OFF:
         with speed_rule_off(True):
             yield
         return
-    settings = {TAIL_OFF: ("gemm_tail_split", False), TMA_AUTO: ("gemm_tma_weights", "auto")}.get(column)
+    settings = {TAIL_OFF: ("gemm_tail_split", False), TMA_AUTO: ("gemm_tma_weights", "auto"),
+                TMA_OFF: ("gemm_tma_weights", "off")}.get(column)
     if settings is None:
         yield
         return

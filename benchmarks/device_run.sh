@@ -53,6 +53,10 @@
 #   bash benchmarks/device_run.sh suitetma   # the GPU suite cut to fit beside a whole-model A/B: the kernel-layer files,
 #                                            # every `gpu` test, then prefill T=4096 of OLMoE and Qwen1.5-MoE
 #                                            # with TMA "auto" against "off", 3 interleaved rounds          (~10 min)
+#   bash benchmarks/device_run.sh tunetma    # tune the forward GEMM's TMA entries (pointers against the persistent
+#                                            # descriptor launch, per key), merge, then the TMA GPU tests  (~7 min)
+#   bash benchmarks/device_run.sh tmatuned   # prefill T=4096 of Qwen1.5-MoE, OLMoE, Qwen3, DeepSeek-V3, the TMA
+#                                            # entries ("tuned") against "off", 3 interleaved rounds      (~9 min)
 #   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys, GPT-OSS's
 #                                            # own layout first (tune_gemm.py, 14 compiling processes), merge (~7 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -266,6 +270,24 @@ PY
       --cells qwen3_moe:prefill:4096:$C qwen3_moe:train:4096:$C qwen2_moe:prefill:4096:$C olmoe:prefill:4096:$C \
       deepseek_v3:prefill:4096:$C --json "$OUT/bench_hf_tails.json" --markdown "$OUT/bench_hf_tails.md" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" | tail -30 ;;
+  tunetma)  # the TMA entries of the tuned table ("tuned", the default): each forward-GEMM key of the families whose
+            # experts run our kernels, T=4096 and 16384, pointers against the persistent descriptor launch, merged;
+            # then the TMA, tail-split and visible-op GPU tests with the new table                          (~7 min)
+    timeout 330 python benchmarks/tune_gemm.py --shapes qwen2moe olmoe qwen3 deepseekv3 --tokens 4096 16384 \
+      --only "|tma" --workers 14 --json "$OUT/tuned_tma.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_tma.log"
+    grep -v "autotuning gemm" "$OUT/tune_tma.log" | cut -c1-220 | tail -40
+    cp moe_inductor/kernels/tuned/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+    timeout 130 python -m pytest tests/test_tma_weights.py tests/test_tail_split.py tests/test_visible_kernels.py \
+      $WORKERS -q -p no:warnings -rfE 2>&1 | grep -v torch.__trace > "$OUT/tma_tests.log"
+    grep -E "FAILED|ERROR|Error" "$OUT/tma_tests.log" | head -8; tail -1 "$OUT/tma_tests.log" ;;
+  tmatuned)  # the tuned TMA entries in the whole models: prefill T=4096 of every family whose experts run our
+             # kernels there, "tuned" (the default) against "off", 3 interleaved rounds, GPU clocks          (~9 min)
+    C=inductor+moe_inductor+moe_inductor_tma_off
+    timeout 570 python benchmarks/bench_hf.py --deadline-s 555 --interleave 3 --clocks --layers qwen3_moe=2 \
+      --budget qwen2_moe=120 olmoe=120 qwen3_moe=120 deepseek_v3=170 \
+      --cells qwen2_moe:prefill:4096:$C olmoe:prefill:4096:$C qwen3_moe:prefill:4096:$C deepseek_v3:prefill:4096:$C \
+      --json "$OUT/bench_hf_tmatuned.json" --markdown "$OUT/bench_hf_tmatuned.md" 2>&1 \
+      | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror\|^|" | cut -c1-300 ;;
   tunegemm)
     timeout 420 python benchmarks/tune_gemm.py --shapes gptoss olmoe qwen2moe deepseekv3 qwen3 --tokens 16 512 4096 16384 \
       --workers 14 --json "$OUT/tuned_gemm.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_gemm.log"

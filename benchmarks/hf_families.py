@@ -12,7 +12,10 @@ TAIL_OFF = "moe_inductor_tail_off"
 #: the down projection its sorted token rows) through TMA descriptors at >= 128 rows per expert, made as
 #: ``config.gemm_tma_descriptors`` says (in the kernel by default: the calls stay visible to Inductor)
 TMA_AUTO = "moe_inductor_tma_auto"
-MOE_COLUMNS = ("moe_inductor", RULE_OFF, EXPERTS_KEPT, TAIL_OFF, TMA_AUTO)
+#: backend="moe_inductor" with ``config.gemm_tma_weights = "off"``: pointer loads for every key, whatever the tuned
+#: table says. Against "moe_inductor" ("tuned", the default) it measures what the table's TMA entries buy in the model
+TMA_OFF = "moe_inductor_tma_off"
+MOE_COLUMNS = ("moe_inductor", RULE_OFF, EXPERTS_KEPT, TAIL_OFF, TMA_AUTO, TMA_OFF)
 COLUMNS = ("eager", "inductor", "max-autotune-no-cudagraphs", *MOE_COLUMNS)
 DEFAULT_COLUMNS = ("eager", "inductor", "moe_inductor")
 

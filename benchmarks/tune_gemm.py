@@ -9,6 +9,10 @@ call meets and the table lacks is tuned (each of ``configs.gemm_candidates`` tim
 forward again ("after") and sort + torch._grouped_mm. Keys the table has already are left as they are. Each GEMM's
 tail key (``...|tail``, the smaller tiles for the rows past each expert's whole tiles) is tuned after its GEMM's
 key, over ``configs.tail_candidates``, whose first is the GEMM's own config: no split; its "default" column is that.
+On a GPU that can read through TMA (Hopper and later), each 16-bit key without interleaved pairs also meets its TMA key
+(``...|tma``, ``config.gemm_tma_weights = "tuned"``): ``configs.tma_candidates``, whose first, POINTERS, is the key's
+pointer launches as tuned (and its "default"); the others run the persistent launch with descriptors made in the
+kernel. The entry is kept whichever wins, so the table also records where pointers did.
 
 Compiling the candidates is most of a tune (about a hundred Triton compiles per kernel variant), and it is CPU
 work, so it is done first, in ``--workers`` processes at once: each compiles its share through
@@ -35,6 +39,12 @@ from benchmarks.bench_backward_engine import EXTRA_SHAPES, _weights  # noqa: E40
 from benchmarks.bench_experts import SHAPES, bench, gptoss_weights, make_routing, sort_grouped_mm  # noqa: E402
 
 GEMM = "gemm|"
+#: tune only the keys that end so (``--only``); the others get what they get without the tuner
+ONLY = ""
+
+
+def _skipped(key: str) -> bool:
+    return not key.startswith(GEMM) or not key.endswith(ONLY)
 
 
 def _portable(arg):
@@ -61,9 +71,11 @@ class Recorder:
     def __init__(self) -> None:
         self.jobs: dict[str, list[tuple]] = {}
 
-    def __call__(self, key, candidates, run, bench=None):
+    def __call__(self, key, candidates, run, bench=None, **kwargs):
+        if _skipped(key):
+            return configs.TABLE.lookup(key) or (default_of(key) if key.startswith(GEMM) else candidates()[0])
         cands = candidates()
-        if key.startswith(GEMM) and key not in self.jobs:
+        if key not in self.jobs:
             jobs = self.jobs[key] = []
             real = launch.launch_kernel
 
@@ -89,9 +101,9 @@ class Timings:
         self.real = configs.tune
         self.times: dict[str, dict[configs.LaunchConfig, float]] = {}
 
-    def __call__(self, key, candidates, run, bench=None):
-        if not key.startswith(GEMM):
-            return configs.TABLE.lookup(key) or candidates()[0]
+    def __call__(self, key, candidates, run, bench=None, **kwargs):
+        if _skipped(key):
+            return configs.TABLE.lookup(key) or (default_of(key) if key.startswith(GEMM) else candidates()[0])
         cands = candidates()
         order = iter(cands)
         times = self.times[key] = {}
@@ -103,7 +115,7 @@ class Timings:
             times[cfg] = ms
             return ms
 
-        return self.real(key, lambda: cands, run, bench=timed)
+        return self.real(key, lambda: cands, run, bench=timed, **kwargs)
 
 
 def save(entries: dict[str, dict], json_path: str | None, merge: bool) -> None:
@@ -118,7 +130,10 @@ def save(entries: dict[str, dict], json_path: str | None, merge: bool) -> None:
 
 def default_of(key: str) -> configs.LaunchConfig:
     """The config a forward-GEMM key gets without a table entry (``launch.launch_grouped_gemm``'s key layout:
-    ``gemm|E..|N..|K..|dtype|g..|a..|c..|m..[|il]``). A tail key's (``...|tail``) is its GEMM's own config: no split."""
+    ``gemm|E..|N..|K..|dtype|g..|a..|c..|m..[|il]``). A tail key's (``...|tail``) is its GEMM's own config: no split;
+    a TMA key's (``...|tma``) is POINTERS: the pointer launches."""
+    if key.endswith("|tma"):
+        return configs.POINTERS
     if key.endswith("|tail"):
         base = key[: -len("|tail")]
         return configs.TABLE.lookup(base) or default_of(base)
@@ -173,7 +188,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=8, help="processes compiling candidates at once")
     ap.add_argument("--json", help="write the tuned entries (with default and best times) here")
     ap.add_argument("--merge", action="store_true", help="add them to the shipped table for this GPU")
+    ap.add_argument("--only", default="", help="tune only the keys ending so (e.g. '|tma'); others as they are")
     args = ap.parse_args()
+    global ONLY
+    ONLY = args.only
     moe_inductor.config.validate_routing = False
     moe_inductor.config.gemm_engine = "triton"  # the fused kernels are what is tuned
     print(f"torch {torch.__version__}, GPU {torch.cuda.get_device_name()}", flush=True)

@@ -32,13 +32,16 @@ gemm_engine: str = os.environ.get("MOE_INDUCTOR_GEMM_ENGINE", "auto")
 gemm_tail_split: bool = os.environ.get("MOE_INDUCTOR_TAIL_SPLIT", "1") == "1"
 
 #: Whether the forward grouped GEMM reads its weights (and the down projection its sorted token rows) through TMA
-#: descriptors (kernels/grouped_gemm.py, ``B_DESC``, ``A_DESC``): "off" (the default), "auto" (Hopper and later GPUs,
-#: 16-bit weights, a static token count of at least ``tma_min_rows_per_expert`` rows per expert on average), or "on"
-#: (any static count). How the descriptors are made: ``gemm_tma_descriptors``. Off by default because no variant won
-#: in every whole model on the H200 (RESULTS.md, twenty-fourth and twenty-fifth sessions): host-made descriptors
-#: force the opaque op (Qwen3's prefill 0.88x); made in the kernel, persistently, they gained OLMoE's prefill 1.04x
-#: but the op alone lost 0.80x on Qwen1.5-MoE's shapes at T = 4096 (env MOE_INDUCTOR_TMA_WEIGHTS).
-gemm_tma_weights: str = os.environ.get("MOE_INDUCTOR_TMA_WEIGHTS", "off")
+#: descriptors (kernels/grouped_gemm.py, ``B_DESC``, ``A_DESC``): "tuned" (the default) where the tuned table of this
+#: GPU holds a TMA entry for the launch's key (``...|tma``) that is not POINTERS, in the persistent variant with
+#: descriptors made in the kernel; "auto" (Hopper and later GPUs, 16-bit weights, a static token count of at least
+#: ``tma_min_rows_per_expert`` rows per expert on average); "on" (any static count); "off". How "auto" and "on" make
+#: their descriptors: ``gemm_tma_descriptors``. No one variant won for every shape on the H200 (RESULTS.md,
+#: twenty-fourth to twenty-sixth sessions): made in the kernel and walked persistently, the loads gained the op alone
+#: 1.10x on OLMoE's shapes and lost 0.80x on Qwen1.5-MoE's at T = 4096. So the choice is per key, measured by the
+#: tuner (benchmarks/tune_gemm.py), and a GPU or key without an entry keeps the pointer loads
+#: (env MOE_INDUCTOR_TMA_WEIGHTS).
+gemm_tma_weights: str = os.environ.get("MOE_INDUCTOR_TMA_WEIGHTS", "tuned")
 
 #: How the TMA weight loads get their descriptors: "device" (the default) makes them in the kernel
 #: (``tl.make_tensor_descriptor``), so Inductor can trace the launches and the visible op keeps them, and the sorted

@@ -145,6 +145,7 @@ def test_split_launches_read_through_descriptors_made_in_the_kernel(sizes, force
     if ON_GPU and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("a GPU without TMA")
     monkeypatch.setattr(config, "gemm_tma_descriptors", "device")
+    monkeypatch.setattr(config, "gemm_tma_weights", "on")  # (the rule forced below; "tuned" would ask the table)
     monkeypatch.setattr(launch, "tma_weights_apply", lambda *args, **kwargs: True)
     persistent, _ = record_launch_meta(monkeypatch, "PERSISTENT")
     rows_desc, _ = record_launch_meta(monkeypatch, "A_DESC")

@@ -144,6 +144,7 @@ def test_descriptor_loads_equal_pointer_loads(T, H, I, E, layout, routing, descr
     p = make_problem(T, H, I, E, 2, dtype=torch.bfloat16, device=device, layout=layout, routing=routing,
                      requires_grad=False)
     monkeypatch.setattr(config, "gemm_tma_descriptors", descriptors)
+    monkeypatch.setattr(config, "gemm_tma_weights", "on")  # (the rule forced below; "tuned" would ask the table)
     outs = {}
     b_desc, _ = record_launch_meta(monkeypatch, "B_DESC")
     a_desc, _ = record_launch_meta(monkeypatch, "A_DESC")
@@ -177,3 +178,107 @@ def test_the_scratch_allocator_leaves_a_users_allocator(monkeypatch):
         assert _allocation._allocator.get() is users
     finally:
         _allocation._allocator.reset(token)
+
+
+def _tma_keys_seen(monkeypatch) -> list:
+    """Record each "|tma" key the launches look up in the tuned table, once, in order."""
+    from moe_inductor.kernels import configs
+
+    seen = []
+    real = configs.TABLE.lookup
+
+    def spy(key):
+        if key.endswith("|tma") and key not in seen:
+            seen.append(key)
+        return real(key)
+
+    monkeypatch.setattr(configs.TABLE, "lookup", spy)
+    return seen
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_tuned_mode_takes_tma_where_the_table_says(layout, triton_kernels, monkeypatch):
+    """Under "tuned" the table decides per key: no entry or POINTERS keeps the pointer launch; a config entry runs the
+    persistent launch with descriptors made in the kernel, in that config, and computes what the pointers compute.
+    (On the CPU the interpreter runs both; the hardware rule is forced, as it admits Hopper GPUs only.)"""
+    from moe_inductor.kernels import configs
+    from moe_inductor.kernels import launch as launch_module
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's check; the GPU's is test_gpu_tma_weights_equal_the_reference")
+    p = make_problem(11, 32, 16, 5, 2, dtype=torch.bfloat16, layout=layout, requires_grad=False)
+    monkeypatch.setattr(config, "gemm_tma_weights", "tuned")
+    monkeypatch.setattr(config, "gemm_engine", "triton")
+    monkeypatch.setattr(launch_module, "tma_weights_apply", lambda a, b, b2, rows, e, mode, *rest, **kw: mode != "off")
+    b_desc, _ = record_launch_meta(monkeypatch, "B_DESC")
+    block_n, _ = record_launch_meta(monkeypatch, "BLOCK_N")
+    seen = _tma_keys_seen(monkeypatch)
+
+    def run():
+        launch_module._GEMM_DECISIONS.clear()
+        b_desc.clear(), block_n.clear(), seen.clear()
+        return moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2, layout=layout)
+
+    monkeypatch.setattr(launch_module, "_GEMM_DECISIONS", {})
+    pointers = run()
+    assert b_desc == [0, 0] and len(seen) == 2, "no entries: both GEMMs keep their pointer loads"
+    up_key, down_key = seen
+    configs.TABLE.lookup(up_key)  # (loads the table before entries are put in it)
+    monkeypatch.setitem(configs.TABLE._table, up_key, configs.POINTERS)
+    monkeypatch.setitem(configs.TABLE._table, down_key, configs.LaunchConfig(16, 16, 32, 1, 1))
+    y = run()
+    assert b_desc == [0, 2] and block_n[1] == 16, "the down projection in its entry's config, through descriptors"
+    torch.testing.assert_close(y, pointers, rtol=0, atol=0)
+    monkeypatch.setattr(config, "gemm_tma_weights", "off")
+    run()
+    assert b_desc == [0, 0] and seen == [], "'off' never asks the table"
+
+
+def test_tma_tuner_runs_both_kinds_and_keeps_pointers_within_the_margin(triton_kernels, monkeypatch, tmp_path):
+    """The TMA key's tuning times the pointer launches (its first candidate, POINTERS) and each persistent descriptor
+    launch; a candidate displaces POINTERS only when faster by more than the margin."""
+    from moe_inductor.kernels import configs
+    from moe_inductor.kernels import launch as launch_module
+
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's check")
+    monkeypatch.setenv("MOE_INDUCTOR_CACHE_DIR", str(tmp_path))
+    full = configs.LaunchConfig(16, 32, 32, 1, 1)
+    cands = configs.tma_candidates(full, torch.bfloat16, gated=True)
+    assert cands[0] == configs.POINTERS and cands[1] == full and len(set(cands)) == len(cands)
+    assert configs.tma_candidates(full, torch.float32, gated=True) == [configs.POINTERS], "TMA takes 16-bit only"
+
+    # the tuner's choice against the margin, with the times given
+    for times, want in (((1.0, 0.99, 2.0), configs.POINTERS), ((1.0, 0.97, 2.0), cands[1])):
+        clock = iter(times)
+        got = configs.tune(f"gemm|test{times[1]}|tma", lambda: cands[:3], lambda c: None,
+                           bench=lambda fn: (fn(), next(clock))[1], first_margin=launch_module._TMA_MARGIN)
+        assert got == want
+
+    # the launches each candidate runs: pointers (and with them the key's tail split, were there one), then one
+    # persistent descriptor launch per other candidate
+    p = make_problem(7, 32, 16, 3, 2, dtype=torch.bfloat16, requires_grad=False)
+    monkeypatch.setattr(config, "gemm_tma_weights", "tuned")
+    monkeypatch.setattr(config, "gemm_engine", "triton")
+    monkeypatch.setattr(launch_module, "tma_weights_apply", lambda *args, **kwargs: True)
+    monkeypatch.setattr(launch_module, "_GEMM_DECISIONS", {})
+    persistent, _ = record_launch_meta(monkeypatch, "PERSISTENT")
+    tried = []
+
+    def pick(key, default, candidates, run, autotune, first_margin=0.0):
+        if not key.endswith("|tma"):
+            return configs.TABLE.lookup(key) or default
+        assert first_margin == launch_module._TMA_MARGIN
+        small = [configs.POINTERS, configs.LaunchConfig(16, 16, 32, 1, 1)]
+        for c in small:
+            persistent.clear()
+            run(c)
+            tried.append(list(persistent))
+        return small[1]
+
+    monkeypatch.setattr(launch_module, "_pick", pick)
+    y = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2)
+    assert tried == [[False], [True]] * 2, "each GEMM: its pointer launch, then the persistent one"
+    monkeypatch.setattr(config, "gemm_tma_weights", "off")
+    torch.testing.assert_close(y, moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2),
+                               rtol=0, atol=0)

@@ -287,6 +287,7 @@ def test_every_launch_passes_every_kernel_parameter(tma, triton_kernels, monkeyp
     if tma:
         if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
             pytest.skip("a GPU without TMA")
+        monkeypatch.setattr(config, "gemm_tma_weights", "on")  # (the rule forced below; "tuned" asks the table)
         monkeypatch.setattr(launch, "tma_weights_apply", lambda *args, **kwargs: True)
     p = make_problem(9, 32, 16, 3, 2, dtype=torch.bfloat16, device=DEVICE)
     y = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2)

@@ -108,6 +108,28 @@ def tail_candidates(full: LaunchConfig, dtype: torch.dtype, gated: bool) -> list
     return out
 
 
+#: A "|tma" table entry that says the pointer launches of its key were measured faster than every TMA candidate
+#: (a config no launch can take: zero-sized blocks).
+POINTERS = LaunchConfig(0, 0, 0, 0, 0, 0)
+
+
+def tma_candidates(full: LaunchConfig, dtype: torch.dtype, gated: bool) -> list[LaunchConfig]:
+    """The TMA tuner's search space (``launch_grouped_gemm`` under ``config.gemm_tma_weights = "tuned"``): POINTERS
+    first, which stands for the key's pointer launches as they are (``full``, and its tail split if any), then
+    ``full`` and a few Hopper tiles for the persistent launch whose weights (and sorted rows) come through
+    descriptors made in the kernel. 16-bit only, as TMA is; a gated tile holds two weight tiles a stage, so its
+    widest tiles would overflow shared memory and are left out."""
+    tiles = [full, LaunchConfig(128, 128, 64, 8, 3), LaunchConfig(128, 128, 64, 8, 4), LaunchConfig(128, 64, 64, 8, 3),
+             LaunchConfig(64, 128, 64, 4, 3), LaunchConfig(64, 128, 128, 4, 3), LaunchConfig(128, 128, 128, 8, 3)]
+    if not gated:
+        tiles += [LaunchConfig(128, 256, 64, 8, 3), LaunchConfig(64, 256, 64, 8, 3)]
+    out = [POINTERS]
+    for cfg in tiles:
+        if cfg not in out and dtype.itemsize == 2:
+            out.append(cfg)
+    return out
+
+
 def weight_grad_candidates(dtype: torch.dtype) -> list[LaunchConfig]:
     """The weight-gradient tuner's search space. Two pipeline stages are in it because a few hundred rows per expert
     make the reduction loop only a few steps long: less shared memory per program then buys more programs per SM."""
@@ -217,10 +239,11 @@ TABLE = ConfigTable()
 
 
 def tune(key: str, candidates: Callable[[], list[LaunchConfig]], run: Callable[[LaunchConfig], None],
-         bench: Callable[[Callable[[], None]], float] | None = None) -> LaunchConfig:
+         bench: Callable[[Callable[[], None]], float] | None = None, first_margin: float = 0.0) -> LaunchConfig:
     """Time each candidate (``bench``: a function's median milliseconds; Triton's do_bench by default), keep the
-    fastest, and save it in the user's cache. Prints progress (done/total and an estimate of the time left) every
-    few seconds, and the result."""
+    fastest, and save it in the user's cache. ``first_margin``: another candidate displaces the first only when
+    faster by more than this fraction of its time (the first being what runs without the tuner's choice). Prints
+    progress (done/total and an estimate of the time left) every few seconds, and the result."""
     if bench is None:
         from triton.testing import do_bench
 
@@ -237,6 +260,8 @@ def tune(key: str, candidates: Callable[[], list[LaunchConfig]], run: Callable[[
             ms = bench(lambda: run(cfg))
         except Exception:  # a config that does not fit (shared memory, registers) is skipped
             ms = float("inf")
+        if done == 1:
+            ms *= 1.0 - first_margin
         if ms < best_ms:
             best, best_ms = cfg, ms
         now = time.perf_counter()

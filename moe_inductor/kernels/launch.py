@@ -135,14 +135,16 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _pick(key: str, default: configs.LaunchConfig, candidates, run, autotune: bool) -> configs.LaunchConfig:
-    """The tuned config for ``key``, else tune now (if ``autotune``), else ``default``. ``candidates`` is a thunk."""
+def _pick(key: str, default: configs.LaunchConfig, candidates, run, autotune: bool,
+          first_margin: float = 0.0) -> configs.LaunchConfig:
+    """The tuned config for ``key``, else tune now (if ``autotune``), else ``default``. ``candidates`` is a thunk;
+    ``first_margin``: see ``configs.tune``."""
     cfg = configs.TABLE.lookup(key)
     if cfg is not None:
         return cfg
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     if autotune and not capturing and not configs.interpreting() and not _traceable:
-        return configs.tune(key, candidates, run)
+        return configs.tune(key, candidates, run, first_margin=first_margin)
     return default
 
 
@@ -211,17 +213,18 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
     bucket = configs.rows_bucket(size_hint(num_rows) / max(num_experts, 1))
     # Every launch decision below depends only on this tuple, so it is made once per tuple: the per-call host work
     # is then one dict lookup, the argument list and the Triton launch (small T is host-bound).
-    # (a symbolic row count never takes TMA: a dynamic graph serves small counts too, where it loses)
-    tma = pairs is None and isinstance(num_rows, int) and tma_weights_apply(
-        a, b, b2, num_rows, num_experts, tma_weights, tma_min_rows_per_expert, tma_descriptors, traced=_traceable)
-    b_desc = (2 if tma_descriptors == "device" else 1) if tma else 0
+    # (a symbolic row count never takes TMA: a dynamic graph serves small counts too, where it loses). Under "tuned"
+    # the table decides per key, among launches that could; the variant it measured makes its descriptors in the
+    # kernel and walks tiles persistently, so it is the one taken whatever ``tma_descriptors`` says.
+    by_table = tma_weights == "tuned"
+    tma_ok = pairs is None and isinstance(num_rows, int) and tma_weights_apply(
+        a, b, b2, num_rows, num_experts, tma_weights, tma_min_rows_per_expert,
+        "device" if by_table else tma_descriptors, traced=_traceable)
+    fixed_desc = (2 if tma_descriptors == "device" else 1) if tma_ok and not by_table else 0
     b_nk = b.stride(1) == 1  # an (E, K, N) view of HF's (E, N, K) weight: the layout the TMA descriptor reads
-    a_desc = b_desc == 2 and a_rows == ROWS_SORTED and rows_descriptor_ok(a, b.dtype)
     decision_key = (num_experts, n_dim, k_dim, a.dtype, gated, a_rows, c_rows, bucket, scale_mode, act_id, has_bias,
                     pre is not None, accumulate, a.device, autotune,
-                    configs.interpreting(), pairs is not None, tail_split, b_desc, tma and b_nk, a_desc)
-    if b_desc == 2:
-        ensure_scratch_allocator()
+                    configs.interpreting(), pairs is not None, tail_split, tma_ok, by_table, fixed_desc, b_nk)
     decided = _GEMM_DECISIONS.get(decision_key)
 
     def run(cfg: configs.LaunchConfig, meta: dict) -> None:
@@ -241,6 +244,8 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
             m_tiles = cdiv(num_rows, cfg.BLOCK_M) + busy
         tiles = m_tiles * cdiv(n_dim, cfg.BLOCK_N)
         grid = (tiles,)
+        if meta["B_DESC"] == 2:
+            ensure_scratch_allocator()
         if meta["PERSISTENT"]:  # (a static row count: only those take descriptors made in the kernel)
             # (the interpreter: a few programs, so that each walks several tiles as on a GPU)
             sms = _sm_count(a.device.index) if a.is_cuda else 2
@@ -267,7 +272,8 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
         launch_kernel(grouped_gemm_kernel, grid, args, meta)
 
     if decided is None:
-        def meta_for(cfg: configs.LaunchConfig, split: int = 0, full_m: int = 1) -> dict:
+        def meta_for(cfg: configs.LaunchConfig, split: int = 0, full_m: int = 1, b_desc: int = fixed_desc) -> dict:
+            a_desc = b_desc == 2 and a_rows == ROWS_SORTED and rows_descriptor_ok(a, b.dtype)
             return dict(
                 NUM_EXPERTS=num_experts, E_POW2=next_pow2(num_experts),
                 A_ROWS=a_rows, C_ROWS=c_rows, SCALE_MODE=scale_mode,
@@ -275,7 +281,7 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
                 ACCUMULATE=accumulate, UPCAST=configs.interpreting(), DOT_PRECISION=_dot_precision(a.dtype),
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 EVEN_K=k_dim % cfg.BLOCK_K == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                INTERLEAVED=pairs is not None, SPLIT=split, FULL_M=full_m, B_DESC=b_desc, B_NK=tma and b_nk,
+                INTERLEAVED=pairs is not None, SPLIT=split, FULL_M=full_m, B_DESC=b_desc, B_NK=b_desc > 0 and b_nk,
                 A_DESC=a_desc, PERSISTENT=b_desc == 2,
             )
 
@@ -304,12 +310,32 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
                 None if accumulate else _pick(tail_key, cfg, lambda: configs.tail_candidates(cfg, a.dtype, gated),
                                               lambda c: [run(*x) for x in launches(cfg, c)], autotune=autotune))
         decided = launches(cfg, tail)
+        if by_table and tma_ok:
+            # the table's TMA entry for this key: a config for the persistent descriptor launch, or POINTERS where
+            # the tuner measured these launches (its first candidate) no slower by the margin. No entry: these.
+            tma_key = key + "|tma"
+            pointers = decided
+
+            def run_tma(c: configs.LaunchConfig) -> None:
+                for part in pointers if c == configs.POINTERS else ((c, meta_for(c, b_desc=2)),):
+                    run(*part)
+
+            chosen = configs.TABLE.lookup(tma_key) or (
+                configs.POINTERS if accumulate else _pick(
+                    tma_key, configs.POINTERS, lambda: configs.tma_candidates(cfg, a.dtype, gated), run_tma,
+                    autotune=autotune, first_margin=_TMA_MARGIN))
+            if chosen != configs.POINTERS:
+                decided = ((chosen, meta_for(chosen, b_desc=2)),)
         if not autotune or accumulate or configs.TABLE.lookup(key) is not None:
             _GEMM_DECISIONS[decision_key] = decided  # not a default that a later tuning run (after capture) replaces
     with device_guard(a):
         for part in decided:
             run(*part)
 
+
+# A TMA candidate displaces the pointer launches only when this fraction faster: repeated do_bench medians of one
+# launch differ by about 1% on the H200, and a win within that is not worth a second kernel variant.
+_TMA_MARGIN = 0.02
 
 # Programs per SM of a persistent launch. One: at the tuned 8-warp configs a persistent program needs over half an
 # SM's registers, so a second one per SM would only start once the first has walked all its tiles.

@@ -17,13 +17,14 @@ def tma_weights_apply(a: torch.Tensor, b: torch.Tensor, b2: Optional[torch.Tenso
                       num_experts: int, mode: str = "off", min_rows_per_expert: int = 128,
                       descriptors: str = "device", *, traced: bool = False) -> bool:
     """Whether the forward GEMM reads its weights through TMA descriptors (``B_DESC``) under ``mode``
-    (``config.gemm_tma_weights``): not "off", a Hopper-or-later GPU, 16-bit weights, each weight view one a
-    descriptor can take (stride 1 in K or N, 16-byte aligned start and strides), and under "auto" at least
-    ``min_rows_per_expert`` rows per expert on average. ``descriptors`` (``config.gemm_tma_descriptors``): "device"
-    makes them in the kernel, which a launch Inductor traces (``traced``) can take; "host" passes
-    ``TensorDescriptor`` objects, which torch 2.11's trace cannot, so a traced launch never takes them."""
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"moe_inductor: gemm_tma_weights must be 'auto', 'on' or 'off', got {mode!r}")
+    (``config.gemm_tma_weights``; under "tuned", whether it may, the tuned table then deciding per key): not "off",
+    a Hopper-or-later GPU, 16-bit weights, each weight view one a descriptor can take (stride 1 in K or N, 16-byte
+    aligned start and strides), and under "auto" at least ``min_rows_per_expert`` rows per expert on average.
+    ``descriptors`` (``config.gemm_tma_descriptors``): "device" makes them in the kernel, which a launch Inductor
+    traces (``traced``) can take; "host" passes ``TensorDescriptor`` objects, which torch 2.11's trace cannot, so a
+    traced launch never takes them."""
+    if mode not in ("tuned", "auto", "on", "off"):
+        raise ValueError(f"moe_inductor: gemm_tma_weights must be 'tuned', 'auto', 'on' or 'off', got {mode!r}")
     if descriptors not in ("device", "host"):
         raise ValueError(f"moe_inductor: gemm_tma_descriptors must be 'device' or 'host', got {descriptors!r}")
     if mode == "off" or (traced and descriptors == "host") or not a.is_cuda or configs.interpreting():

@@ -91,7 +91,8 @@ def swap_in_visible_ops(gm: torch.fx.GraphModule) -> int:
                 w2, biased, rows if isinstance(rows, int) else None)
             # calls that would read their weights through host-made TMA descriptors stay opaque too: a trace cannot
             # take those (descriptors the kernel makes itself it can)
-            tma_may_run = (config.gemm_tma_descriptors == "host" and x is not None and w2 is not None
+            tma_may_run = (config.gemm_tma_descriptors == "host" and config.gemm_tma_weights in ("auto", "on")
+                           and x is not None and w2 is not None
                            and isinstance(rows, int)
                            and tma_weights_apply(x, w2, None, rows, w2.shape[0], config.gemm_tma_weights,
                                                  config.tma_min_rows_per_expert, "host"))
