@@ -282,9 +282,11 @@ PY
     grep -E "FAILED|ERROR|Error" "$OUT/tma_tests.log" | head -8; tail -1 "$OUT/tma_tests.log" ;;
   tmatuned)  # the tuned TMA entries in the whole models: prefill T=4096 of every family whose experts run our
              # kernels there, "tuned" (the default) against "off", 3 interleaved rounds, GPU clocks          (~9 min)
+    timeout 60 python -m pytest tests/test_tail_split.py $WORKERS -q -p no:warnings -rfE 2>&1 | grep -v torch.__trace \
+      | grep -E "FAILED|ERROR|passed|failed"
     C=inductor+moe_inductor+moe_inductor_tma_off
-    timeout 570 python benchmarks/bench_hf.py --deadline-s 555 --interleave 3 --clocks --layers qwen3_moe=2 \
-      --budget qwen2_moe=120 olmoe=120 qwen3_moe=120 deepseek_v3=170 \
+    timeout 520 python benchmarks/bench_hf.py --deadline-s 505 --interleave 3 --clocks --layers qwen3_moe=2 \
+      --budget qwen2_moe=110 olmoe=110 qwen3_moe=110 deepseek_v3=165 \
       --cells qwen2_moe:prefill:4096:$C olmoe:prefill:4096:$C qwen3_moe:prefill:4096:$C deepseek_v3:prefill:4096:$C \
       --json "$OUT/bench_hf_tmatuned.json" --markdown "$OUT/bench_hf_tmatuned.md" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror\|^|" | cut -c1-300 ;;

@@ -213,9 +213,13 @@ def main() -> None:
         compiled = sum(pool.map(_warm, shares))
     print(f"compiled {compiled}/{len(unique)} in {time.perf_counter() - start:.0f} s", flush=True)
 
-    # 3. tune (every compile is now a cache load), keeping each candidate's time
+    # 3. tune (every compile is now a cache load), keeping each candidate's time, and which case met which key
     timings = Timings()
-    run_with_tuner(timings, [c for _, _, c in cases])
+    keys_of = {}
+    for name, T, c in cases:
+        known = set(timings.times)
+        run_with_tuner(timings, [c])
+        keys_of[(name, T)] = [key for key in timings.times if key not in known]
 
     print("| key | default (ms) | best (ms) | best config | default / best |")
     print("|---|---|---|---|---|")
@@ -231,6 +235,7 @@ def main() -> None:
 
     print("| shape | T | before (ms) | after (ms) | sort+_grouped_mm (ms) | before / after | sort+gmm / after |")
     print("|---|---|---|---|---|---|---|")
+    reverted = []
     for name, T, c in cases:
         after = bench(lambda: forward(*c), 25, 100)
         x, ids, weights, w1, w2, kw = c
@@ -239,6 +244,29 @@ def main() -> None:
         b = before[(name, T)]
         print(f"| {name} | {T} | {b:.3f} | {after:.3f} | {ref:.3f} | {b / after:.2f}x | {ref / after:.2f}x |",
               flush=True)
+        reverted += confirm_tma(entries, keys_of[(name, T)], b / after)
+    if reverted:
+        print(f"TMA entries set back to POINTERS (their forward was not {CONFIRM_GAIN}x faster as a whole): "
+              f"{reverted}", flush=True)
+        save(entries, args.json, args.merge)
+
+
+#: a case's TMA entries stay only where its whole forward (routing, both GEMMs, combine) got this much faster with
+#: them: each GEMM timed alone can win while the forward loses (Qwen3 at T = 4096, RESULTS.md, twenty-sixth session)
+CONFIRM_GAIN = 1.02
+
+
+def confirm_tma(entries: dict[str, dict], keys: list[str], gain: float) -> list[str]:
+    """Set the TMA entries among ``keys`` (those one case tuned) to POINTERS, in ``entries``, when the case's forward
+    gained less than ``CONFIRM_GAIN`` (``gain``: before / after); returns the keys set back."""
+    if gain >= CONFIRM_GAIN:
+        return []
+    back = [key for key in keys if key.endswith("|tma") and key in entries
+            and configs.LaunchConfig(**{f: v for f, v in entries[key].items() if f[0] != "_"}) != configs.POINTERS]
+    for key in back:
+        entries[key] = {**entries[key], **vars(configs.POINTERS), "_confirm_gain": round(gain, 3)}
+        configs.TABLE.store(key, configs.POINTERS)
+    return back
 
 
 if __name__ == "__main__":

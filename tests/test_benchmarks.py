@@ -319,6 +319,38 @@ def test_tune_gemm_reads_the_default_config_from_a_key(monkeypatch):
         configs.default_gemm_config(2, 2048, 1408, torch.float32, False)
 
 
+def test_tune_gemm_tma_keys_default_to_pointers_and_only_filters(monkeypatch):
+    """A TMA key's default is POINTERS; ``--only`` leaves the other keys to the table or their default, untuned."""
+    from benchmarks import tune_gemm
+    from moe_inductor.kernels import configs
+
+    key = "gemm|E64|N1024|K2048|torch.bfloat16|g1|a1|c0|m2048"
+    assert tune_gemm.default_of(key + "|tma") == configs.POINTERS
+    monkeypatch.setattr(tune_gemm, "ONLY", "|tma")
+    recorder = tune_gemm.Recorder()
+    monkeypatch.setattr(configs.TABLE, "lookup", lambda k: None)
+    assert recorder(key, lambda: [configs.POINTERS], lambda c: None) == tune_gemm.default_of(key)
+    assert recorder(key + "|tail", lambda: [configs.POINTERS], lambda c: None) == tune_gemm.default_of(key)
+    assert recorder(key + "|tma", lambda: [configs.POINTERS], lambda c: None) == configs.POINTERS
+    assert list(recorder.jobs) == [key + "|tma"]
+
+
+def test_tune_gemm_sets_tma_entries_back_where_the_whole_forward_did_not_gain(monkeypatch):
+    """A case's TMA entries stay only when its whole forward gained CONFIRM_GAIN; its other keys are untouched."""
+    from benchmarks import tune_gemm
+    from moe_inductor.kernels import configs
+
+    monkeypatch.setattr(configs.TABLE, "store", lambda key, cfg, persist=False: None)
+    tma = "gemm|E4|N8|K8|torch.bfloat16|g1|a1|c0|m256|tma"
+    tile = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 8}
+    entries = {tma: {**tile, "_best_ms": 1.0}, "gemm|E4|N8|K8|torch.bfloat16|g1|a1|c0|m256": dict(tile)}
+    assert tune_gemm.confirm_tma(entries, list(entries), 1.05) == [] and entries[tma]["BLOCK_M"] == 128
+    assert tune_gemm.confirm_tma(entries, list(entries), 0.96) == [tma]
+    assert configs.LaunchConfig(**{f: v for f, v in entries[tma].items() if f[0] != "_"}) == configs.POINTERS
+    assert entries["gemm|E4|N8|K8|torch.bfloat16|g1|a1|c0|m256"]["BLOCK_M"] == 128
+    assert tune_gemm.confirm_tma(entries, list(entries), 0.9) == [], "POINTERS already"
+
+
 def test_tune_gemm_gptoss_case_is_the_models_own_layout(monkeypatch):
     """tune_gemm.py's "gptoss" case is GPT-OSS's experts as the model holds them ((E, H, 2I) gate_up, interleaved
     columns, biases, clamped glu), so that its tuned keys are the ones the model meets: its forward equals that
