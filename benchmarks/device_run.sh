@@ -55,8 +55,8 @@
 #                                            # with TMA "auto" against "off", 3 interleaved rounds          (~10 min)
 #   bash benchmarks/device_run.sh tunetma    # tune the forward GEMM's TMA entries (pointers against the persistent
 #                                            # descriptor launch, per key), merge, then the TMA GPU tests  (~7 min)
-#   bash benchmarks/device_run.sh tmatuned   # prefill T=4096 of Qwen1.5-MoE, OLMoE, Qwen3, DeepSeek-V3, the TMA
-#                                            # entries ("tuned") against "off", 3 interleaved rounds      (~9 min)
+#   bash benchmarks/device_run.sh tmatuned   # prefill of OLMoE, DeepSeek-V3 (T=4096), Qwen3, Qwen1.5-MoE (16384),
+#                                            # the TMA entries ("tuned") against "off", 3 rounds          (~10 min)
 #   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys, GPT-OSS's
 #                                            # own layout first (tune_gemm.py, 14 compiling processes), merge (~7 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -280,14 +280,15 @@ PY
     timeout 130 python -m pytest tests/test_tma_weights.py tests/test_tail_split.py tests/test_visible_kernels.py \
       $WORKERS -q -p no:warnings -rfE 2>&1 | grep -v torch.__trace > "$OUT/tma_tests.log"
     grep -E "FAILED|ERROR|Error" "$OUT/tma_tests.log" | head -8; tail -1 "$OUT/tma_tests.log" ;;
-  tmatuned)  # the tuned TMA entries in the whole models: prefill T=4096 of every family whose experts run our
-             # kernels there, "tuned" (the default) against "off", 3 interleaved rounds, GPU clocks          (~9 min)
+  tmatuned)  # the tuned TMA entries in the whole models, where the table has them: prefill T=4096 of OLMoE and
+             # DeepSeek-V3, T=16384 of Qwen3 and Qwen1.5-MoE, "tuned" (the default) against "off", 3 interleaved
+             # rounds, GPU clocks; first the tail-split tests                                             (~10 min)
     timeout 60 python -m pytest tests/test_tail_split.py $WORKERS -q -p no:warnings -rfE 2>&1 | grep -v torch.__trace \
       | grep -E "FAILED|ERROR|passed|failed"
     C=inductor+moe_inductor+moe_inductor_tma_off
     timeout 520 python benchmarks/bench_hf.py --deadline-s 505 --interleave 3 --clocks --layers qwen3_moe=2 \
       --budget qwen2_moe=110 olmoe=110 qwen3_moe=110 deepseek_v3=165 \
-      --cells qwen2_moe:prefill:4096:$C olmoe:prefill:4096:$C qwen3_moe:prefill:4096:$C deepseek_v3:prefill:4096:$C \
+      --cells olmoe:prefill:4096:$C deepseek_v3:prefill:4096:$C qwen3_moe:prefill:16384:$C qwen2_moe:prefill:16384:$C \
       --json "$OUT/bench_hf_tmatuned.json" --markdown "$OUT/bench_hf_tmatuned.md" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror\|^|" | cut -c1-300 ;;
   tunegemm)
