@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import capture, grad_gate, hf, hf_attention, hf_masks, report, speculation
+from . import capture, grad_gate, hf, hf_attention, hf_masks, report, speculation, speculation_check
 from .options import BackendOptions
 from .passes import FX_PASSES
 from .passes.driver import Layer, run_passes
@@ -81,10 +81,11 @@ def moe_inductor_backend(
         _warn_unseen_wrapper()
     traced = report.take_records()  # what the substitutions recorded while Dynamo traced this graph
     original = gm
-    speculated = speculation.of_graph(gm)  # skips of empty experts assumed away while tracing: proven, or we raise
-    speculation.check_traced(gm, speculated)
+    # the skips of empty experts assumed away while tracing: proven, or we raise
+    speculated = speculation_check.of_graph(gm)
+    speculation_check.check_traced(gm, speculated)
     gm, rewrites, left_alone = run_passes(gm, FX_PASSES, opts.forms, speed=functools.partial(_speed_rule, opts.inner))
-    speculation.discharge(gm, speculated, left_alone)
+    speculation_check.discharge(gm, speculated, left_alone)
     record = report.file_graph(gm.code, _moe_ops_in(gm), traced.rewrites + rewrites, traced.left_alone + left_alone)
     from . import config
 

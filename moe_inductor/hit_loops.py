@@ -30,7 +30,7 @@ So, during a moe_inductor compile only:
   iteration's own expert;
 - a branch on ``t[0] == c`` (or another comparison with an int) takes its known value: v5's ``if expert_idx ==
   num_experts: continue``, which skips the spare class of its ``one_hot(ids, E + 1)``. An iteration left with
-  nothing but such reads of its index (``speculation.check_traced``: vacuous) computes nothing, as eager's does;
+  nothing but such reads of its index (``speculation_check.check_traced``: vacuous) computes nothing, as eager's does;
 - each iteration is an ordinary ``Speculation``: its graph nodes are tagged when it ends (speculation's FOR_ITER
   hook), ``check_traced`` asks ``counts`` what it counts (the vector proven again on the final graph, unchanged in
   place anywhere) and proves the body reads the rows of that expert of those ids only (``expert_mask[t].squeeze(0)``
@@ -356,7 +356,7 @@ def _compared_index(node: Node) -> Optional[bool]:
 
 def is_index_arithmetic(node: Node) -> bool:
     """A hit loop's index element ``t[0]`` / ``t[-1]``, or its comparison with an int: nodes that compute nothing
-    but the value the trace already knows (speculation.check_traced's vacuous iterations)."""
+    but the value the trace already knows (speculation_check.check_traced's vacuous iterations)."""
     return _held(node)[1] or _compared_index(node) is not None
 
 

@@ -25,8 +25,9 @@ that body selects on. So, during a moe_inductor compile only:
 - ``.tolist()`` of ``bincount(topk_ids.flatten(), minlength=E)`` gets its length E (``_tolist``): a fact, since
   top-k indices over a dim of E are below E;
 - the backend calls ``check_traced`` before the passes (the count is of the ids and expert the body selects on)
-  and ``discharge`` after them (every tagged node went with a rewrite); anything short raises
-  ``SpeculationNotDischarged``, and capture's fallback compiles the frame as plain capture would, saying why.
+  and ``discharge`` after them (every tagged node went with a rewrite), both in speculation_check.py; anything
+  short raises ``SpeculationNotDischarged``, and capture's fallback compiles the frame as plain capture would,
+  saying why.
 
 A guard ``if mask.any():`` (or ``torch.any(mask)``, or ``if not mask.any(): continue``) of a mask ``ids == e`` is the
 same skip, its value False exactly at no rows: it is answered alike, and proven by the mask's (ids, e) and the masks
@@ -45,10 +46,10 @@ import dis
 import itertools
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Node
 
 from . import mask_guards
 from .loop_bytecode import _body_refusal, _loop_of, _next, _resolve
@@ -565,182 +566,6 @@ def _for_iter_hook(handler: Callable) -> Callable:
     return for_iter
 
 
-# --- discharge (the backend) -------------------------------------------------------------------------------------
-
-
-def of_graph(gm: GraphModule) -> list[Speculation]:
-    """The speculations made while tracing ``gm`` (those of a restarted attempt at the frame are not)."""
-    trace = _trace()
-    if trace is None:
-        return []
-    trace.checked = True
-    tags = {n.meta.get(TAG) for n in gm.graph.nodes}
-    return [s for s in trace.speculations if s.graph is gm.graph or s.id in tags]
-
-
-def refusals() -> list[str]:
-    """What the compile being traced saw and did not assume away (for its fallback's explain() line)."""
-    trace = _trace()
-    return list(trace.refusals) if trace is not None else []
-
-
 def _fail(s: Speculation, why: str) -> SpeculationNotDischarged:
     return SpeculationNotDischarged(f"the skip of an expert with no tokens at {s.where} was assumed away while "
                                     f"tracing, and {why}; not kept")
-
-
-def _selection_of(node: Node) -> Optional[tuple[Node, int]]:
-    """(ids, e) when ``node`` is a row selection ``torch.where(ids == e)`` / ``nonzero(as_tuple=True)`` / HF's
-    ``torch.where(one_hot(ids, E).permute(2, 1, 0)[e])`` (the rows of expert e), or a selection of the tokens that
-    chose e at all, ``(ids == e).any(-1)``, by ``nonzero()`` (with or without its ``.squeeze(-1)``),
-    ``torch.where(...)`` or ``.nonzero(as_tuple=True)`` (and their ``[0]``): a token that chose e is a row of e,
-    so either selection is empty exactly when expert e got no tokens (passes/loop_rows.py reads them)."""
-    from .passes.fx_utils import is_call
-    from .passes.loop_rows import any_hit, any_selection, selected_ids, where_like
-
-    if where_like(node) and isinstance(node.args[0], Node):
-        selected = selected_ids(node.args[0]) or any_hit(node.args[0])
-        return None if selected is None or not isinstance(selected[0], Node) else selected[:2]
-    if ((is_call(node, "call_method", "nonzero") or is_call(node, "call_function", torch.nonzero))
-            and len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], Node)):
-        hit = any_hit(node.args[0])
-        return None if hit is None else hit[:2]
-    picked = any_selection(node)
-    return None if picked is None else (picked.ids, picked.e)
-
-
-def _counted(graph, symbol) -> Optional[tuple[Node, int, Optional[Node]]]:
-    """(ids, e, the selection whose size it is, if it is one) that the count ``symbol`` counts the rows of:
-    ``bincount(ids.flatten(), minlength=E).tolist()[e]`` (Dynamo: ``counts[e].item()``), or the row count of a
-    selection of expert e (``tok.shape[0]`` of ``tok, pos = torch.where(ids == e)``)."""
-    from .passes.fx_utils import is_call
-
-    for node in graph.nodes:
-        v = node.meta.get("example_value")
-        if isinstance(v, torch.SymInt) and v.node.expr == symbol and is_call(node, "call_method", "item"):
-            pick = node.args[0]
-            if not (is_call(pick, "call_function", operator.getitem) and isinstance(pick.args[1], int)):
-                return None
-            counts = pick.args[0]
-            if not (is_call(counts, "call_function", torch.bincount) and len(counts.args) == 1
-                    and set(counts.kwargs) <= {"minlength"}):
-                return None
-            flat = counts.args[0]
-            ids = flat.args[0] if is_call(flat, "call_method", "flatten", "view", "reshape") else flat
-            if flat is not ids and not (len(flat.args) == 1 or tuple(flat.args[1:]) in ((-1,), ((-1,),))):
-                return None
-            return ids, pick.args[1], None
-        rows = v[0] if isinstance(v, (tuple, list)) and v else v
-        if isinstance(rows, torch.Tensor) and rows.dim() >= 1 and not isinstance(rows.shape[0], int) and (
-                rows.shape[0].node.expr == symbol):
-            selected = _selection_of(node)
-            return None if selected is None else (*selected, node)
-    return None
-
-
-def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
-    """Before the passes: each speculated body is clean, counted by its own expert's rows, and reads rows of that
-    expert only. Raises SpeculationNotDischarged."""
-    from .passes.fx_utils import canonicalize_operators, is_call, same_value_key
-
-    if not speculations:
-        return
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    canonicalize_operators(graph)  # ids == e as operator.eq, whichever torch recorded it
-    for s in speculations:
-        if not s.closed:
-            raise _fail(s, "the iteration it skips did not end in this graph")
-        if s.failed:
-            raise _fail(s, s.failed)
-        counted = _counted(graph, s.symbol) if s.counts is None else s.counts(graph)
-        if counted is None:
-            raise _fail(s, "the count is not the number of rows one expert gets (bincount of the ids, or the size "
-                           "of torch.where(ids == e))")
-        ids, e, own = counted
-        if s.counts is not None and s.symbol is not None:  # a hit loop's iteration that skipped its empty rows
-            skipped = _counted(graph, s.symbol)
-            if skipped is None or skipped[0] is not ids or skipped[1] != e:
-                raise _fail(s, f"its no-tokens skip does not count the rows of its own expert {e} (of {ids.name})")
-        body = [n for n in graph.nodes if n.meta.get(TAG) == s.id]
-        if s.counts is not None and not s.mask and _computes_nothing(body):
-            s.vacuous = True
-            continue
-        read = {own} if own is not None else set()
-        for node in body:
-            if _selection_of(node) is not None:
-                read.add(node)
-            for arg in node.all_input_nodes:
-                if is_call(arg, "call_function", operator.getitem) and _selection_of(arg.args[0]) is not None:
-                    read.add(arg.args[0])
-                elif _selection_of(arg) is not None:  # the tokens that chose e (any_selection), read whole
-                    read.add(arg)
-            read.update(mask_guards.masks_read(node))
-        if not read:
-            raise _fail(s, "the body it guards selects no expert's rows")
-        for selection in read:
-            sel_ids, sel_e = _selection_of(selection) or mask_guards.selected_by(selection)
-            if sel_ids is not ids or sel_e != e:
-                raise _fail(s, f"the body reads the rows of expert {sel_e} (of {sel_ids.name}), and the count is of "
-                               f"expert {e} (of {ids.name})")
-        if torch.is_grad_enabled():
-            own = [n for n in graph.nodes if n.op == "placeholder" and n.users and all(
-                u.meta.get(TAG) == s.id for u in n.users) and getattr(n.meta.get("example_value"), "requires_grad",
-                                                                       False)]
-            # eager leaves these without a gradient where it skips the expert: the gate (grad_gate.py) does too
-            s.own = [n.name for n in own]
-        # the ids recomputed elsewhere (each iteration's own ``logits.argmax(-1)``): a rewrite keeps one of them
-        key = same_value_key(ids)
-        same = [n.name for n in graph.nodes if n is not ids and n.op == ids.op and n.target == ids.target
-                and same_value_key(n) == key]
-        s.counted = (ids.name, e, tuple(same))
-
-
-def _computes_nothing(body: list[Node]) -> bool:
-    """Whether an iteration's nodes are only reads of its hit-loop index (``t[0]``, ``t == c``): what is left of an
-    iteration that a branch on the index skipped whole."""
-    from .hit_loops import is_index_arithmetic
-
-    return all(is_index_arithmetic(n) for n in body)
-
-
-def discharge(gm: GraphModule, speculations: list[Speculation], left_alone: Iterable = ()) -> None:
-    """After the passes: every speculated body went with a rewrite (no node of it is left but inputs); then the
-    counts' proven size checks go. Raises SpeculationNotDischarged, saying what the passes said (``left_alone``,
-    report.LeftAlone records)."""
-    for s in speculations:
-        if s.vacuous:
-            continue
-        left = [n for n in gm.graph.nodes if n.meta.get(TAG) == s.id and n.op not in ("placeholder", "get_attr")]
-        if left:
-            said = "; ".join(f"{m.form} left {m.where} alone: {m.reason}" for m in left_alone)
-            raise _fail(s, f"no rewrite took its body ({said or left[0].name + ' is still in the graph'})")
-    if speculations and _drop_proven_lengths(gm.graph):
-        gm.recompile()
-
-
-_SIZE_CHECK_OPS = (operator.ge, operator.le, operator.eq, operator.gt, operator.lt, torch.sym_max, torch.sym_min)
-
-
-def _drop_proven_lengths(graph) -> bool:
-    """Erase a bincount of proven length E read by nothing but its own size checks (facts: its length is E), and
-    those checks: on a GPU the bincount is a host sync that nothing needs once its counts went with the loop."""
-    changed = False
-    for node in [n for n in graph.nodes if LENGTH in n.meta]:
-        region, stack = [], list(node.users)
-        while stack:
-            user = stack.pop()
-            if user in region:
-                continue
-            region.append(user)
-            stack.extend(user.users)
-        checks = all(u.target is torch.ops.aten.sym_size.int or u.target in _SIZE_CHECK_OPS
-                     or u.target is torch.ops.aten._assert_scalar.default for u in region)
-        if not checks:
-            continue
-        position = {n: i for i, n in enumerate(graph.nodes)}
-        for user in sorted(region, key=position.__getitem__, reverse=True):
-            graph.erase_node(user)
-        graph.erase_node(node)
-        changed = True
-    return changed
