@@ -282,3 +282,29 @@ def test_tma_tuner_runs_both_kinds_and_keeps_pointers_within_the_margin(triton_k
     monkeypatch.setattr(config, "gemm_tma_weights", "off")
     torch.testing.assert_close(y, moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2),
                                rtol=0, atol=0)
+
+
+def test_the_rows_descriptor_follows_each_calls_alignment(triton_kernels, monkeypatch):
+    """The launch decision is cached per shape; whether the sorted token rows can come through a descriptor depends
+    on each call's ``a`` (its start and row stride 16-byte aligned), so an aligned call must not hand its decision
+    to a misaligned one of the same shape. Both compute what the pointers compute."""
+    from moe_inductor.kernels import launch as launch_module
+    from moe_inductor.ops import grouped_mm, grouped_mm_reference
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("a GPU without TMA")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(config, "gemm_tma_weights", "on")
+    monkeypatch.setattr(config, "gemm_tma_descriptors", "device")
+    if device == "cpu":  # (the rule admits Hopper GPUs only; the interpreter runs the descriptor code)
+        monkeypatch.setattr(launch_module, "tma_weights_apply", lambda *args, **kwargs: True)
+    monkeypatch.setattr(launch_module, "_GEMM_DECISIONS", {})
+    a_desc, _ = record_launch_meta(monkeypatch, "A_DESC")
+    gen = torch.Generator().manual_seed(5)
+    storage = torch.randn(13 * 32 + 1, generator=gen).to(device, torch.bfloat16)
+    aligned, shifted = storage[:13 * 32].view(13, 32), storage[1:].view(13, 32)  # the second starts 2 bytes on
+    b = torch.randn(3, 32, 16, generator=gen).to(device, torch.bfloat16)
+    offs = torch.tensor([4, 9, 13], dtype=torch.int32, device=device)
+    for a in (aligned, shifted):
+        assert_close(grouped_mm(a, b, offs), grouped_mm_reference(a.double(), b.double(), offs), torch.bfloat16, "out")
+    assert a_desc == [True, False]

@@ -222,9 +222,11 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
         "device" if by_table else tma_descriptors, traced=_traceable)
     fixed_desc = (2 if tma_descriptors == "device" else 1) if tma_ok and not by_table else 0
     b_nk = b.stride(1) == 1  # an (E, K, N) view of HF's (E, N, K) weight: the layout the TMA descriptor reads
+    # whether the sorted token rows could come through a descriptor made in the kernel (alignment is per call)
+    rows_ok = tma_ok and a_rows == ROWS_SORTED and rows_descriptor_ok(a, b.dtype)
     decision_key = (num_experts, n_dim, k_dim, a.dtype, gated, a_rows, c_rows, bucket, scale_mode, act_id, has_bias,
                     pre is not None, accumulate, a.device, autotune,
-                    configs.interpreting(), pairs is not None, tail_split, tma_ok, by_table, fixed_desc, b_nk)
+                    configs.interpreting(), pairs is not None, tail_split, tma_ok, by_table, fixed_desc, b_nk, rows_ok)
     decided = _GEMM_DECISIONS.get(decision_key)
 
     def run(cfg: configs.LaunchConfig, meta: dict) -> None:
@@ -273,7 +275,7 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
 
     if decided is None:
         def meta_for(cfg: configs.LaunchConfig, split: int = 0, full_m: int = 1, b_desc: int = fixed_desc) -> dict:
-            a_desc = b_desc == 2 and a_rows == ROWS_SORTED and rows_descriptor_ok(a, b.dtype)
+            a_desc = b_desc == 2 and rows_ok
             return dict(
                 NUM_EXPERTS=num_experts, E_POW2=next_pow2(num_experts),
                 A_ROWS=a_rows, C_ROWS=c_rows, SCALE_MODE=scale_mode,
