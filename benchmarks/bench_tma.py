@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    saved = config.gemm_tma_weights, config.gemm_tma_descriptors, launch._PERSISTENT_PROGRAMS_PER_SM
     config.validate_routing = False
     config.gemm_engine = "triton"
     dev, dt = "cuda", torch.bfloat16
@@ -79,7 +80,7 @@ def main() -> None:
                   f"{diffs['host']:.1e}, {diffs['device']:.1e} |", flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(dict(torch=torch.__version__, rows=rows), indent=1))
-    config.gemm_tma_weights, config.gemm_tma_descriptors, launch._PERSISTENT_PROGRAMS_PER_SM = "off", "device", 1
+    config.gemm_tma_weights, config.gemm_tma_descriptors, launch._PERSISTENT_PROGRAMS_PER_SM = saved
 
 
 if __name__ == "__main__":

@@ -229,7 +229,7 @@ PY
       --cells qwen2_moe:prefill:4096:inductor+moe_inductor+moe_inductor_tma_auto \
       --json "$OUT/bench_hf_tma.json" 2>&1 | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror" | cut -c1-400 ;;
   tmahf)  # TMA weight loads in the whole models ("auto": opaque op, >= 128 rows per expert): their GPU tests, then
-          # prefill T=4096 of Qwen1.5-MoE, OLMoE and Qwen3 and Qwen3's training step, "off" (the default) against
+          # prefill T=4096 of Qwen1.5-MoE, OLMoE and Qwen3 and Qwen3's training step, "off" (then the default) against
           # "auto", 3 rounds                                                                            (~9 min)
     timeout 80 python -m pytest tests/test_tma_weights.py tests/test_visible_kernels.py -m gpu $WORKERS -q \
       -p no:warnings -rfE 2>&1 | grep -v torch.__trace > "$OUT/tma_tests.log"; grep -E "FAILED|ERROR" "$OUT/tma_tests.log" | head -5

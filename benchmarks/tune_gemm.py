@@ -265,7 +265,7 @@ def confirm_tma(entries: dict[str, dict], keys: list[str], gain: float) -> list[
             and configs.LaunchConfig(**{f: v for f, v in entries[key].items() if f[0] != "_"}) != configs.POINTERS]
     for key in back:
         entries[key] = {**entries[key], **vars(configs.POINTERS), "_confirm_gain": round(gain, 3)}
-        configs.TABLE.store(key, configs.POINTERS)
+        configs.TABLE.store(key, configs.POINTERS, persist=True)  # (the tuner saved the tile in the user's cache)
     return back
 
 

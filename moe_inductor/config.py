@@ -39,8 +39,9 @@ gemm_tail_split: bool = os.environ.get("MOE_INDUCTOR_TAIL_SPLIT", "1") == "1"
 #: their descriptors: ``gemm_tma_descriptors``. No one variant won for every shape on the H200 (RESULTS.md,
 #: twenty-fourth to twenty-sixth sessions): made in the kernel and walked persistently, the loads gained the op alone
 #: 1.10x on OLMoE's shapes and lost 0.80x on Qwen1.5-MoE's at T = 4096. So the choice is per key, measured by the
-#: tuner (benchmarks/tune_gemm.py), and a GPU or key without an entry keeps the pointer loads
-#: (env MOE_INDUCTOR_TMA_WEIGHTS).
+#: tuner (benchmarks/tune_gemm.py, or ``autotune`` on a Hopper GPU, which measures each key it meets), and a key
+#: without an entry keeps the pointer loads. Entries are per weight layout: the shipped ones are the forward's
+#: (E, N, K) views; the backward's GEMMs read other layouts and find none (env MOE_INDUCTOR_TMA_WEIGHTS).
 gemm_tma_weights: str = os.environ.get("MOE_INDUCTOR_TMA_WEIGHTS", "tuned")
 
 #: How the TMA weight loads get their descriptors: "device" (the default) makes them in the kernel

@@ -340,12 +340,14 @@ def test_tune_gemm_sets_tma_entries_back_where_the_whole_forward_did_not_gain(mo
     from benchmarks import tune_gemm
     from moe_inductor.kernels import configs
 
-    monkeypatch.setattr(configs.TABLE, "store", lambda key, cfg, persist=False: None)
+    stored = {}
+    monkeypatch.setattr(configs.TABLE, "store", lambda key, cfg, persist=False: stored.update({key: (cfg, persist)}))
     tma = "gemm|E4|N8|K8|torch.bfloat16|g1|a1|c0|m256|tma"
     tile = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 8}
     entries = {tma: {**tile, "_best_ms": 1.0}, "gemm|E4|N8|K8|torch.bfloat16|g1|a1|c0|m256": dict(tile)}
     assert tune_gemm.confirm_tma(entries, list(entries), 1.05) == [] and entries[tma]["BLOCK_M"] == 128
     assert tune_gemm.confirm_tma(entries, list(entries), 0.96) == [tma]
+    assert stored == {tma: (configs.POINTERS, True)}, "in the user's cache too, where the tuner saved the tile"
     assert configs.LaunchConfig(**{f: v for f, v in entries[tma].items() if f[0] != "_"}) == configs.POINTERS
     assert entries["gemm|E4|N8|K8|torch.bfloat16|g1|a1|c0|m256"]["BLOCK_M"] == 128
     assert tune_gemm.confirm_tma(entries, list(entries), 0.9) == [], "POINTERS already"

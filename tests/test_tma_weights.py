@@ -260,6 +260,7 @@ def test_tma_tuner_runs_both_kinds_and_keeps_pointers_within_the_margin(triton_k
     p = make_problem(7, 32, 16, 3, 2, dtype=torch.bfloat16, requires_grad=False)
     monkeypatch.setattr(config, "gemm_tma_weights", "tuned")
     monkeypatch.setattr(config, "gemm_engine", "triton")
+    monkeypatch.setattr(config, "autotune", True)  # (a key without an entry is tuned only so)
     monkeypatch.setattr(launch_module, "tma_weights_apply", lambda *args, **kwargs: True)
     monkeypatch.setattr(launch_module, "_GEMM_DECISIONS", {})
     persistent, _ = record_launch_meta(monkeypatch, "PERSISTENT")
@@ -279,6 +280,8 @@ def test_tma_tuner_runs_both_kinds_and_keeps_pointers_within_the_margin(triton_k
     monkeypatch.setattr(launch_module, "_pick", pick)
     y = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2)
     assert tried == [[False], [True]] * 2, "each GEMM: its pointer launch, then the persistent one"
+    moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2)
+    assert len(tried) == 8, "the stand-in tuner stored nothing, so the decision was not kept: tuned again"
     monkeypatch.setattr(config, "gemm_tma_weights", "off")
     torch.testing.assert_close(y, moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2),
                                rtol=0, atol=0)

@@ -250,7 +250,7 @@ def tune(key: str, candidates: Callable[[], list[LaunchConfig]], run: Callable[[
         def bench(fn: Callable[[], None]) -> float:
             return do_bench(fn, warmup=5, rep=20, return_mode="median")
 
-    best, best_ms = None, float("inf")
+    best, best_ms, best_score = None, float("inf"), float("inf")
     candidates = candidates()
     total = len(candidates)
     print(f"[moe_inductor] autotuning {key} over {total} configs ...", file=sys.stderr, flush=True)
@@ -260,10 +260,9 @@ def tune(key: str, candidates: Callable[[], list[LaunchConfig]], run: Callable[[
             ms = bench(lambda: run(cfg))
         except Exception:  # a config that does not fit (shared memory, registers) is skipped
             ms = float("inf")
-        if done == 1:
-            ms *= 1.0 - first_margin
-        if ms < best_ms:
-            best, best_ms = cfg, ms
+        score = ms * (1.0 - first_margin) if done == 1 else ms  # (the first competes with its time less the margin)
+        if score < best_score:
+            best, best_ms, best_score = cfg, ms, score
         now = time.perf_counter()
         if now - last_print >= _PROGRESS_EVERY_S and done < total:
             last_print = now

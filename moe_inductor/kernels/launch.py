@@ -214,19 +214,18 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
     # Every launch decision below depends only on this tuple, so it is made once per tuple: the per-call host work
     # is then one dict lookup, the argument list and the Triton launch (small T is host-bound).
     # (a symbolic row count never takes TMA: a dynamic graph serves small counts too, where it loses). Under "tuned"
-    # the table decides per key, among launches that could; the variant it measured makes its descriptors in the
-    # kernel and walks tiles persistently, so it is the one taken whatever ``tma_descriptors`` says.
+    # the table decides per key, and only a key with a TMA entry pays for the per-call check of whether this call
+    # can take it (below); "auto" and "on" check every call here.
     by_table = tma_weights == "tuned"
-    tma_ok = pairs is None and isinstance(num_rows, int) and tma_weights_apply(
-        a, b, b2, num_rows, num_experts, tma_weights, tma_min_rows_per_expert,
-        "device" if by_table else tma_descriptors, traced=_traceable)
-    fixed_desc = (2 if tma_descriptors == "device" else 1) if tma_ok and not by_table else 0
+    tma_ok = not by_table and pairs is None and isinstance(num_rows, int) and tma_weights_apply(
+        a, b, b2, num_rows, num_experts, tma_weights, tma_min_rows_per_expert, tma_descriptors, traced=_traceable)
+    fixed_desc = (2 if tma_descriptors == "device" else 1) if tma_ok else 0
     b_nk = b.stride(1) == 1  # an (E, K, N) view of HF's (E, N, K) weight: the layout the TMA descriptor reads
-    # whether the sorted token rows could come through a descriptor made in the kernel (alignment is per call)
+    # whether the sorted token rows can come through a descriptor made in the kernel (alignment is per call)
     rows_ok = tma_ok and a_rows == ROWS_SORTED and rows_descriptor_ok(a, b.dtype)
     decision_key = (num_experts, n_dim, k_dim, a.dtype, gated, a_rows, c_rows, bucket, scale_mode, act_id, has_bias,
                     pre is not None, accumulate, a.device, autotune,
-                    configs.interpreting(), pairs is not None, tail_split, tma_ok, by_table, fixed_desc, b_nk, rows_ok)
+                    configs.interpreting(), pairs is not None, tail_split, by_table, fixed_desc, b_nk, rows_ok)
     decided = _GEMM_DECISIONS.get(decision_key)
 
     def run(cfg: configs.LaunchConfig, meta: dict) -> None:
@@ -273,9 +272,15 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
         )
         launch_kernel(grouped_gemm_kernel, grid, args, meta)
 
+    def table_tma_ok() -> bool:
+        """Whether this call can take a "tuned" TMA entry (hardware, dtype, weight strides; a static row count)."""
+        return pairs is None and isinstance(num_rows, int) and tma_weights_apply(
+            a, b, b2, num_rows, num_experts, "tuned", tma_min_rows_per_expert, "device", traced=_traceable)
+
     if decided is None:
-        def meta_for(cfg: configs.LaunchConfig, split: int = 0, full_m: int = 1, b_desc: int = fixed_desc) -> dict:
-            a_desc = b_desc == 2 and rows_ok
+        def meta_for(cfg: configs.LaunchConfig, split: int = 0, full_m: int = 1, b_desc: int = fixed_desc,
+                     a_desc: bool = rows_ok) -> dict:
+            a_desc = b_desc == 2 and a_desc
             return dict(
                 NUM_EXPERTS=num_experts, E_POW2=next_pow2(num_experts),
                 A_ROWS=a_rows, C_ROWS=c_rows, SCALE_MODE=scale_mode,
@@ -312,26 +317,38 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
                 None if accumulate else _pick(tail_key, cfg, lambda: configs.tail_candidates(cfg, a.dtype, gated),
                                               lambda c: [run(*x) for x in launches(cfg, c)], autotune=autotune))
         decided = launches(cfg, tail)
-        if by_table and tma_ok:
-            # the table's TMA entry for this key: a config for the persistent descriptor launch, or POINTERS where
-            # the tuner measured these launches (its first candidate) no slower by the margin. No entry: these.
-            tma_key = key + "|tma"
+        cache = not autotune or accumulate or configs.TABLE.lookup(key) is not None
+        tma_parts = None
+        if by_table and pairs is None and a.dtype.itemsize == 2:
+            # the table's TMA entry for this key: a tile for the persistent descriptor launch, or POINTERS where the
+            # tuner measured these launches (its first candidate) no slower by the margin; no entry: these. The
+            # entries are measured on the forward's (E, N, K) weight views; another layout has a key of its own.
+            tma_key = key + ("|tma" if b_nk else "|kn|tma")
             pointers = decided
+            rows_now = a_rows == ROWS_SORTED and rows_descriptor_ok(a, b.dtype)
 
             def run_tma(c: configs.LaunchConfig) -> None:
-                for part in pointers if c == configs.POINTERS else ((c, meta_for(c, b_desc=2)),):
+                for part in pointers if c == configs.POINTERS else ((c, meta_for(c, b_desc=2, a_desc=rows_now)),):
                     run(*part)
 
-            chosen = configs.TABLE.lookup(tma_key) or (
-                configs.POINTERS if accumulate else _pick(
-                    tma_key, configs.POINTERS, lambda: configs.tma_candidates(cfg, a.dtype, gated), run_tma,
-                    autotune=autotune, first_margin=_TMA_MARGIN))
-            if chosen != configs.POINTERS:
-                decided = ((chosen, meta_for(chosen, b_desc=2)),)
-        if not autotune or accumulate or configs.TABLE.lookup(key) is not None:
-            _GEMM_DECISIONS[decision_key] = decided  # not a default that a later tuning run (after capture) replaces
+            chosen = configs.TABLE.lookup(tma_key)
+            if chosen is None and not accumulate and autotune:
+                cache = False  # (a default for now: a later tuning run, after a capture, may measure it)
+                if table_tma_ok():
+                    chosen = _pick(tma_key, configs.POINTERS, lambda: configs.tma_candidates(cfg, a.dtype, gated),
+                                   run_tma, autotune=True, first_margin=_TMA_MARGIN)
+                    cache = configs.TABLE.lookup(tma_key) is not None
+            if chosen is not None and chosen != configs.POINTERS:
+                # by whether the call's sorted rows can come through a descriptor too
+                tma_parts = {flag: ((chosen, meta_for(chosen, b_desc=2, a_desc=flag)),) for flag in (False, True)}
+        decided = (decided, tma_parts)
+        if cache:
+            _GEMM_DECISIONS[decision_key] = decided
+    parts, tma_parts = decided
+    if tma_parts is not None and table_tma_ok():  # (the entry's key is taken; this call's strides may not be)
+        parts = tma_parts[a_rows == ROWS_SORTED and rows_descriptor_ok(a, b.dtype)]
     with device_guard(a):
-        for part in decided:
+        for part in parts:
             run(*part)
 
 
@@ -351,9 +368,10 @@ def _sm_count(index: Optional[int]) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# (shape, dtype, flags, bucket, device) -> (config, the kernel's constexpr arguments) of each of its launches (one,
-# or two with a tail split); see launch_grouped_gemm.
-_GEMM_DECISIONS: dict[tuple, tuple[tuple[configs.LaunchConfig, dict], ...]] = {}
+# (shape, dtype, flags, bucket, device) -> ((config, the kernel's constexpr arguments) of each of its pointer launches
+# (one, or two with a tail split), and under "tuned" the TMA launch of a table entry, by whether the sorted rows come
+# through a descriptor too, or None); see launch_grouped_gemm.
+_GEMM_DECISIONS: dict[tuple, tuple[tuple[tuple[configs.LaunchConfig, dict], ...], Optional[dict]]] = {}
 
 
 def launch_kernel(kernel, grid: tuple, args: tuple, meta: dict) -> None:
