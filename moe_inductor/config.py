@@ -40,8 +40,9 @@ gemm_tail_split: bool = os.environ.get("MOE_INDUCTOR_TAIL_SPLIT", "1") == "1"
 #: twenty-fourth to twenty-sixth sessions): made in the kernel and walked persistently, the loads gained the op alone
 #: 1.10x on OLMoE's shapes and lost 0.80x on Qwen1.5-MoE's at T = 4096. So the choice is per key, measured by the
 #: tuner (benchmarks/tune_gemm.py, or ``autotune`` on a Hopper GPU, which measures each key it meets), and a key
-#: without an entry keeps the pointer loads. Entries are per weight layout: the shipped ones are the forward's
-#: (E, N, K) views; the backward's GEMMs read other layouts and find none (env MOE_INDUCTOR_TMA_WEIGHTS).
+#: without an entry keeps the pointer loads. Entries are per weight layout: the shipped ones are for K-contiguous
+#: views, the forward's on HF's weights, whose backward GEMMs read the other layout and find none
+#: (env MOE_INDUCTOR_TMA_WEIGHTS).
 gemm_tma_weights: str = os.environ.get("MOE_INDUCTOR_TMA_WEIGHTS", "tuned")
 
 #: How the TMA weight loads get their descriptors: "device" (the default) makes them in the kernel
