@@ -311,3 +311,50 @@ def test_the_rows_descriptor_follows_each_calls_alignment(triton_kernels, monkey
     for a in (aligned, shifted):
         assert_close(grouped_mm(a, b, offs), grouped_mm_reference(a.double(), b.double(), offs), torch.bfloat16, "out")
     assert a_desc == [True, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="TMA descriptors need an sm_90+ GPU")
+def test_gpu_tuned_entries_run_the_shipped_tiles(monkeypatch):
+    """Under "tuned", every forward key answered with one of the shipped H200 TMA tiles (the gated and the plain
+    one): the persistent descriptor launches run in those tiles and compute the reference, forward and backward;
+    the backward's GEMMs, which read the other weight layout, keep their pointer launches."""
+    import json
+
+    from moe_inductor.kernels import configs
+    from moe_inductor.kernels import launch as launch_module
+
+    shipped = json.loads((configs._TUNED_DIR / "NVIDIA_H200.json").read_text())
+    tiles = {configs.LaunchConfig(**v) for k, v in shipped.items() if k.endswith("|tma")} - {configs.POINTERS}
+    gated_tile = next(t for t in tiles if t.BLOCK_N == 128)
+    plain_tile = next(t for t in tiles if t.BLOCK_N == 256)
+    real = configs.TABLE.lookup
+
+    def lookup(key):
+        if key.endswith("|kn|tma"):
+            return None
+        if key.endswith("|tma"):
+            return gated_tile if "|g1|" in key else plain_tile
+        return real(key)
+
+    monkeypatch.setattr(configs.TABLE, "lookup", lookup)
+    monkeypatch.setattr(config, "gemm_tma_weights", "tuned")
+    monkeypatch.setattr(config, "gemm_engine", "triton")
+    monkeypatch.setattr(launch_module, "_GEMM_DECISIONS", {})
+    persistent, _ = record_launch_meta(monkeypatch, "PERSISTENT")
+    block_n, _ = record_launch_meta(monkeypatch, "BLOCK_N")
+    p = make_problem(300, 256, 128, 6, 2, dtype=torch.bfloat16, device="cuda", routing="skip_odd")
+    y = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2)
+    assert persistent[:2] == [True, True] and block_n[:2] == [gated_tile.BLOCK_N, plain_tile.BLOCK_N]
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y)
+    grads = torch.autograd.grad(y, p.leaves(), dy)
+    assert not any(persistent[2:]), "the backward's GEMMs read the other layout: no entry, pointers"
+    names = ["x", "topk_weights", "w1", "w2"]
+    leaves64 = {n: t.detach().double().requires_grad_() for n, t in zip(names, p.leaves())}
+    views = expert_weight_views(leaves64["w1"], leaves64["w2"], None, activation="silu_glu", layout="nk",
+                                gate_up="concat")
+    ref = moe_reference(leaves64["x"], p.topk_ids, leaves64["topk_weights"], *views, None, "silu_glu", "output",
+                        1.702, 7.0, None)
+    assert_close(y, ref, torch.bfloat16, "y")
+    for name, got, want in zip(names, grads, torch.autograd.grad(ref, list(leaves64.values()), dy.double())):
+        assert_close(got, want.to(got.dtype), torch.bfloat16, f"d{name}")
