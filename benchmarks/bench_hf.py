@@ -470,8 +470,8 @@ def speed_rule_off(off: bool):
 def column_options(column: str):
     """The settings a column compiles and runs under: the speed rule off for ``RULE_OFF``; for ``TAIL_OFF`` the tail
     split off, for ``TMA_AUTO`` the TMA weight loads under "auto" (``TMA_OFF``: "off"), each with the compile caches
-    off too: these settings are read inside our op while Inductor traces it, so the graph handed to the caches is the same as the
-    "moe_inductor" column's, whose cache entries would answer."""
+    off too: these settings are read inside our op while Inductor traces it, so the graph handed to the caches is the
+    same as the "moe_inductor" column's, whose cache entries would answer."""
     if column == RULE_OFF:
         with speed_rule_off(True):
             yield
