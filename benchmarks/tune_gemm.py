@@ -12,7 +12,9 @@ key, over ``configs.tail_candidates``, whose first is the GEMM's own config: no 
 On a GPU that can read through TMA (Hopper and later), each 16-bit key without interleaved pairs also meets its TMA key
 (``...|tma``, ``config.gemm_tma_weights = "tuned"``): ``configs.tma_candidates``, whose first, POINTERS, is the key's
 pointer launches as tuned (and its "default"); the others run the persistent launch with descriptors made in the
-kernel. The entry is kept whichever wins, so the table also records where pointers did.
+kernel. The entry is kept whichever wins, so the table also records where pointers did. Each TMA key is then settled
+in its case's whole forward (``settle_in_context``: POINTERS against its best tile, the other keys as they stand), and
+a case whose forward still gains less than ``CONFIRM_GAIN`` has its TMA entries set back (``confirm_tma``).
 
 Compiling the candidates is most of a tune (about a hundred Triton compiles per kernel variant), and it is CPU
 work, so it is done first, in ``--workers`` processes at once: each compiles its share through
@@ -233,6 +235,13 @@ def main() -> None:
 
     save(entries, args.json, args.merge)  # before the last timings: a run cut short keeps what it tuned
 
+    # 4. each TMA key once more, in its case's whole forward: POINTERS against its best tile
+    for name, T, c in cases:
+        for key, choice in settle_in_context(entries, timings.times, keys_of[(name, T)],
+                                             lambda c=c: bench(lambda: forward(*c), 25, 100)).items():
+            print(f"in the forward of {name} T={T}: {key} -> {choice}", flush=True)
+    save(entries, args.json, args.merge)
+
     print("| shape | T | before (ms) | after (ms) | sort+_grouped_mm (ms) | before / after | sort+gmm / after |")
     print("|---|---|---|---|---|---|---|")
     reverted = []
@@ -251,6 +260,44 @@ def main() -> None:
         save(entries, args.json, args.merge)
 
 
+#: in ``settle_in_context``, a TMA tile displaces POINTERS only when the whole forward is this fraction faster with it
+FORWARD_MARGIN = 0.01
+
+
+def _fields(entry: dict) -> configs.LaunchConfig:
+    return configs.LaunchConfig(**{f: v for f, v in entry.items() if f[0] != "_"})
+
+
+def settle_in_context(entries: dict[str, dict], times: dict[str, dict], keys: list[str], time_forward,
+                      rounds: int = 2) -> dict[str, configs.LaunchConfig]:
+    """For each TMA key among ``keys`` (one case's), time the case's whole forward (``time_forward()``, ms) with the
+    key's entry POINTERS and with its best tile timed alone (``times[key]``: each candidate's time), the other keys
+    as they stand, ``rounds`` times in alternating order; keep the tile only when the forward's best time with it
+    is ``FORWARD_MARGIN`` faster. A GEMM timed alone can prefer a tile that its forward does not (RESULTS.md,
+    twenty-sixth session). Updates ``entries`` and the table (the user's cache too); returns each key's choice."""
+    chosen = {}
+    for key in keys:
+        if not key.endswith("|tma") or key not in entries:
+            continue
+        tiles = {cfg: ms for cfg, ms in times.get(key, {}).items() if cfg != configs.POINTERS and ms < float("inf")}
+        if not tiles:
+            continue
+        tile = min(tiles, key=tiles.get)
+        best = {configs.POINTERS: float("inf"), tile: float("inf")}
+        for r in range(rounds):
+            for cfg in (configs.POINTERS, tile) if r % 2 == 0 else (tile, configs.POINTERS):
+                configs.TABLE.store(key, cfg)
+                launch._GEMM_DECISIONS.clear()
+                best[cfg] = min(best[cfg], time_forward())
+        pick = tile if best[tile] < best[configs.POINTERS] * (1.0 - FORWARD_MARGIN) else configs.POINTERS
+        configs.TABLE.store(key, pick, persist=True)
+        launch._GEMM_DECISIONS.clear()
+        entries[key] = {**entries[key], **vars(pick), "_forward_ms_pointers": round(best[configs.POINTERS], 4),
+                        "_forward_ms_tile": round(best[tile], 4)}
+        chosen[key] = pick
+    return chosen
+
+
 #: a case's TMA entries stay only where its whole forward (routing, both GEMMs, combine) got this much faster with
 #: them: each GEMM timed alone can win while the forward loses (Qwen3 at T = 4096, RESULTS.md, twenty-sixth session)
 CONFIRM_GAIN = 1.02
@@ -261,8 +308,8 @@ def confirm_tma(entries: dict[str, dict], keys: list[str], gain: float) -> list[
     gained less than ``CONFIRM_GAIN`` (``gain``: before / after); returns the keys set back."""
     if gain >= CONFIRM_GAIN:
         return []
-    back = [key for key in keys if key.endswith("|tma") and key in entries
-            and configs.LaunchConfig(**{f: v for f, v in entries[key].items() if f[0] != "_"}) != configs.POINTERS]
+    back = [key for key in keys
+            if key.endswith("|tma") and key in entries and _fields(entries[key]) != configs.POINTERS]
     for key in back:
         entries[key] = {**entries[key], **vars(configs.POINTERS), "_confirm_gain": round(gain, 3)}
         configs.TABLE.store(key, configs.POINTERS, persist=True)  # (the tuner saved the tile in the user's cache)

@@ -353,6 +353,29 @@ def test_tune_gemm_sets_tma_entries_back_where_the_whole_forward_did_not_gain(mo
     assert tune_gemm.confirm_tma(entries, list(entries), 0.9) == [], "POINTERS already"
 
 
+def test_tune_gemm_settles_each_tma_key_in_its_whole_forward(monkeypatch):
+    """Each TMA key of a case is timed in the case's forward with POINTERS and with its best tile alone; the tile
+    stays only when the forward gains the margin with it, whatever its time alone said."""
+    from benchmarks import tune_gemm
+    from moe_inductor.kernels import configs
+
+    table = {}
+    monkeypatch.setattr(configs.TABLE, "store", lambda key, cfg, persist=False: table.update({key: cfg}))
+    up, down = "gemm|E4|N8|K8|torch.bfloat16|g1|a1|c0|m256|tma", "gemm|E4|N8|K8|torch.bfloat16|g0|a0|c2|m256|tma"
+    fast, slow = configs.LaunchConfig(128, 128, 64, 8, 3), configs.LaunchConfig(64, 128, 64, 4, 3)
+    # alone, both keys' tiles beat POINTERS; in the forward, the up key's tile costs 5%, the down key's saves 5%
+    times = {up: {configs.POINTERS: 1.0, fast: 0.8, slow: 0.9}, down: {configs.POINTERS: 1.0, slow: 0.85}}
+    entries = {up: dict(vars(fast)), down: dict(vars(slow)), "gemm|E4|N8|K8|torch.bfloat16|g1|a1|c0|m256": {}}
+
+    def forward_ms():
+        return 1.0 + (0.05 if table.get(up) == fast else 0.0) - (0.05 if table.get(down) == slow else 0.0)
+
+    chosen = tune_gemm.settle_in_context(entries, times, list(entries), forward_ms)
+    assert chosen == {up: configs.POINTERS, down: slow}
+    assert table[up] == configs.POINTERS and table[down] == slow
+    assert tune_gemm._fields(entries[up]) == configs.POINTERS and entries[up]["_forward_ms_tile"] > 1.0
+
+
 def test_tune_gemm_gptoss_case_is_the_models_own_layout(monkeypatch):
     """tune_gemm.py's "gptoss" case is GPT-OSS's experts as the model holds them ((E, H, 2I) gate_up, interleaved
     columns, biases, clamped glu), so that its tuned keys are the ones the model meets: its forward equals that
