@@ -271,10 +271,11 @@ PY
       deepseek_v3:prefill:4096:$C --json "$OUT/bench_hf_tails.json" --markdown "$OUT/bench_hf_tails.md" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" | tail -30 ;;
   tunetma)  # the TMA entries of the tuned table ("tuned", the default): each forward-GEMM key of the families whose
-            # experts run our kernels, T=4096 and 16384, pointers against the persistent descriptor launch, merged;
+            # experts run our kernels, T=4096 and 16384, pointers against the persistent descriptor launch, each
+            # key settled in its whole forward, merged (the shipped entries are measured again: --retune);
             # then the TMA, tail-split and visible-op GPU tests with the new table                          (~7 min)
     timeout 330 python benchmarks/tune_gemm.py --shapes qwen2moe olmoe qwen3 deepseekv3 --tokens 4096 16384 \
-      --only "|tma" --workers 14 --json "$OUT/tuned_tma.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_tma.log"
+      --only "|tma" --retune --workers 14 --json "$OUT/tuned_tma.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_tma.log"
     grep -v "autotuning gemm" "$OUT/tune_tma.log" | cut -c1-220 | tail -40
     cp moe_inductor/kernels/tuned/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
     timeout 130 python -m pytest tests/test_tma_weights.py tests/test_tail_split.py tests/test_visible_kernels.py \

@@ -191,9 +191,17 @@ def main() -> None:
     ap.add_argument("--json", help="write the tuned entries (with default and best times) here")
     ap.add_argument("--merge", action="store_true", help="add them to the shipped table for this GPU")
     ap.add_argument("--only", default="", help="tune only the keys ending so (e.g. '|tma'); others as they are")
+    ap.add_argument("--retune", action="store_true",
+                    help="forget the table's entries of the keys --only names first, so that they are measured again")
     args = ap.parse_args()
     global ONLY
     ONLY = args.only
+    if args.retune:
+        if not ONLY:
+            ap.error("--retune needs --only")
+        configs.TABLE.lookup(GEMM)  # (loads the shipped table and the user's cache)
+        for key in [k for k in configs.TABLE._table if k.startswith(GEMM) and k.endswith(ONLY)]:
+            del configs.TABLE._table[key]
     moe_inductor.config.validate_routing = False
     moe_inductor.config.gemm_engine = "triton"  # the fused kernels are what is tuned
     print(f"torch {torch.__version__}, GPU {torch.cuda.get_device_name()}", flush=True)
