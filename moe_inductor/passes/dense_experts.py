@@ -39,8 +39,8 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, every_node, num_experts
-from .fx_utils import (alias_mutations, einsum_parts, is_call, read_gated, single_use, unsqueezed_last, val,
-                       weighted_sum)
+from .fx_utils import alias_mutations, einsum_parts, is_call, single_use, unsqueezed_last, val, weighted_sum
+from .gated_reads import read_gated
 
 FORM = "dense_experts"
 

@@ -27,7 +27,8 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, Unmatched, every_node
-from .fx_utils import einsum_parts, is_call, read_gated, single_use, val, weighted_sum
+from .fx_utils import einsum_parts, is_call, single_use, val, weighted_sum
+from .gated_reads import read_gated
 
 FORM = "gathered_weights"
 

@@ -48,7 +48,8 @@ from ..spec import MoESpec
 from .capacity_gating import (Choice, call, choice, order_choices, same_traced, shape, strip_casts,
                               versions_sound)
 from .driver import Anchor, Form, Match, every_node
-from .fx_utils import einsum_parts, read_gated, split_gated, val
+from .fx_utils import einsum_parts, val
+from .gated_reads import read_gated, split_gated
 from .slot_layers import Bias, biased, dropout, op_bias, per_expert_bias, through_dropouts
 from .stacked_choices import StackedChoices, stacked_routing
 from .unrolled_loop import biased_linear

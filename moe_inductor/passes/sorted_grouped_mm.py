@@ -39,7 +39,8 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, Unmatched
-from .fx_utils import alias_mutations, is_call, read_gated, val
+from .fx_utils import alias_mutations, is_call, val
+from .gated_reads import read_gated
 from .split_experts import split_loop_experts
 
 FORM = "sorted_grouped_mm"

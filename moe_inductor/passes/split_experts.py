@@ -20,7 +20,8 @@ from typing import Callable, Optional
 import torch
 from torch.fx import Node
 
-from .fx_utils import GatedRead, is_call, val
+from .fx_utils import is_call, val
+from .gated_reads import GatedRead
 
 
 def _summed(node, items: list[Node]) -> bool:

@@ -38,7 +38,8 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match
-from .fx_utils import alias_mutations, is_call, read_gated, val
+from .fx_utils import alias_mutations, is_call, val
+from .gated_reads import read_gated
 from .sorted_grouped_mm import _flat, _sort_order
 from .unrolled_loop import _linear, _topk_ids, expert_mlp
 

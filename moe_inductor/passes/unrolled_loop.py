@@ -44,8 +44,8 @@ from torch.fx import Graph, Node
 from ..spec import MoESpec
 from .driver import CHANGED_IN_PLACE, Anchor, Form, Match
 from .flat_slices import block_linear, blocks, sliced_spec, views
-from .fx_utils import (GatedRead, alias_mutations, is_call, mutated_alias, read_gated, scale_of_rows, source_line,
-                       val)
+from .fx_utils import alias_mutations, is_call, mutated_alias, scale_of_rows, source_line, val
+from .gated_reads import GatedRead, read_gated
 from .loop_rows import routing_scaled, rows_index, selection, token_rows_of
 from .masked_writes import match_masked_writes, match_top1_masks, top1_buffer
 
