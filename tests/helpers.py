@@ -66,6 +66,23 @@ class Problem:
         return [t for t in (self.x, self.topk_weights, self.w1, self.w2, self.b1, self.b2) if t is not None]
 
 
+def assert_matches_reference(p, y: torch.Tensor, grads, dy: torch.Tensor, dtype: torch.dtype, *,
+                             activation: str = "silu_glu", layout: str = "nk", capacity=None) -> None:
+    """``y`` and the gradients of ``p.leaves()`` (x, topk_weights, w1, w2) under ``dy`` match the float64 plain-torch
+    reference of the unbiased experts (HF's concatenated gate/up, routing weight on the output)."""
+    from moe_inductor.ops import expert_weight_views, moe_reference
+
+    names = ["x", "topk_weights", "w1", "w2"]
+    leaves64 = {n: t.detach().double().requires_grad_() for n, t in zip(names, p.leaves())}
+    views = expert_weight_views(leaves64["w1"], leaves64["w2"], None, activation=activation, layout=layout,
+                                gate_up="concat")
+    ref = moe_reference(leaves64["x"], p.topk_ids, leaves64["topk_weights"], *views, None, activation, "output",
+                        1.702, 7.0, capacity)
+    assert_close(y, ref, dtype, "y")
+    for name, got, want in zip(names, grads, torch.autograd.grad(ref, list(leaves64.values()), dy.double())):
+        assert_close(got, want.to(got.dtype), dtype, f"d{name}")
+
+
 def record_launch_meta(monkeypatch, name: str) -> tuple[list, list]:
     """Record the constexpr ``name`` of every kernel launch of ours that passes one (``launch.launch_kernel``), for
     the duration of the test: returns (values of the launches made at run time, values of those Inductor traced)."""

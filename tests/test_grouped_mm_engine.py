@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import moe_inductor
 from moe_inductor import config
 from moe_inductor.ops import expert_weight_views, grouped_mm_engine, moe_reference
-from tests.helpers import assert_close, make_problem
+from tests.helpers import assert_close, assert_matches_reference, make_problem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_grouped_mm = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is missing")
@@ -60,15 +60,7 @@ def test_grouped_mm_engine_matches_the_reference(T, E, k, activation, layout, ro
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y)
     grads = torch.autograd.grad(y, p.leaves(), dy)
     assert engine_calls == {"forward": 1, "backward": 1}
-    names = ["x", "topk_weights", "w1", "w2"]
-    leaves64 = {n: t.detach().double().requires_grad_() for n, t in zip(names, p.leaves())}
-    views = expert_weight_views(leaves64["w1"], leaves64["w2"], None, activation=activation, layout=layout,
-                                gate_up="concat")
-    ref = moe_reference(leaves64["x"], p.topk_ids, leaves64["topk_weights"], *views, None, activation, "output",
-                        1.702, 7.0, None)
-    assert_close(y, ref, torch.bfloat16, "y")
-    for name, got, want in zip(names, grads, torch.autograd.grad(ref, list(leaves64.values()), dy.double())):
-        assert_close(got, want.to(got.dtype), torch.bfloat16, f"d{name}")
+    assert_matches_reference(p, y, grads, dy, torch.bfloat16, activation=activation, layout=layout)
 
 
 @needs_grouped_mm
@@ -283,15 +275,7 @@ def test_backward_engine_can_differ_from_the_forwards(forward_engine, backward_e
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(y)
     grads = torch.autograd.grad(y, p.leaves(), dy)
     assert engine_calls == expected
-    names = ["x", "topk_weights", "w1", "w2"]
-    leaves64 = {n: t.detach().double().requires_grad_() for n, t in zip(names, p.leaves())}
-    views = expert_weight_views(leaves64["w1"], leaves64["w2"], None, activation="silu_glu", layout="nk",
-                                gate_up="concat")
-    ref = moe_reference(leaves64["x"], p.topk_ids, leaves64["topk_weights"], *views, None, "silu_glu", "output",
-                        1.702, 7.0, None)
-    assert_close(y, ref, torch.bfloat16, "y")
-    for name, got, want in zip(names, grads, torch.autograd.grad(ref, list(leaves64.values()), dy.double())):
-        assert_close(got, want.to(got.dtype), torch.bfloat16, f"d{name}")
+    assert_matches_reference(p, y, grads, dy, torch.bfloat16)
 
 
 def test_an_unknown_engine_name_is_an_error(monkeypatch):

@@ -8,8 +8,7 @@ from torch._dynamo.utils import counters
 import moe_inductor
 from moe_inductor import config
 from moe_inductor.kernels import launch
-from moe_inductor.ops import expert_weight_views, moe_reference
-from tests.helpers import assert_close, make_problem, record_launch_meta
+from tests.helpers import assert_close, assert_matches_reference, make_problem, record_launch_meta
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
 
@@ -55,15 +54,7 @@ def test_gpu_tma_weights_equal_the_reference(T, H, I, E, k, dtype, layout, routi
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y)
     grads = torch.autograd.grad(y, p.leaves(), dy)
     assert any(tma_on), "the forward GEMMs read their weights through descriptors"
-    names = ["x", "topk_weights", "w1", "w2"]
-    leaves64 = {n: t.detach().double().requires_grad_() for n, t in zip(names, p.leaves())}
-    views = expert_weight_views(leaves64["w1"], leaves64["w2"], None, activation="silu_glu", layout=layout,
-                                gate_up="concat")
-    ref = moe_reference(leaves64["x"], p.topk_ids, leaves64["topk_weights"], *views, None, "silu_glu", "output",
-                        1.702, 7.0, capacity)
-    assert_close(y, ref, dtype, "y")
-    for name, got, want in zip(names, grads, torch.autograd.grad(ref, list(leaves64.values()), dy.double())):
-        assert_close(got, want.to(got.dtype), dtype, f"d{name}")
+    assert_matches_reference(p, y, grads, dy, dtype, layout=layout, capacity=capacity)
 
 
 @pytest.mark.gpu
@@ -349,12 +340,4 @@ def test_gpu_tuned_entries_run_the_shipped_tiles(monkeypatch):
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y)
     grads = torch.autograd.grad(y, p.leaves(), dy)
     assert not any(persistent[2:]), "the backward's GEMMs read the other layout: no entry, pointers"
-    names = ["x", "topk_weights", "w1", "w2"]
-    leaves64 = {n: t.detach().double().requires_grad_() for n, t in zip(names, p.leaves())}
-    views = expert_weight_views(leaves64["w1"], leaves64["w2"], None, activation="silu_glu", layout="nk",
-                                gate_up="concat")
-    ref = moe_reference(leaves64["x"], p.topk_ids, leaves64["topk_weights"], *views, None, "silu_glu", "output",
-                        1.702, 7.0, None)
-    assert_close(y, ref, torch.bfloat16, "y")
-    for name, got, want in zip(names, grads, torch.autograd.grad(ref, list(leaves64.values()), dy.double())):
-        assert_close(got, want.to(got.dtype), torch.bfloat16, f"d{name}")
+    assert_matches_reference(p, y, grads, dy, torch.bfloat16)
