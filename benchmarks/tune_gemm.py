@@ -49,6 +49,12 @@ def _skipped(key: str) -> bool:
     return not key.startswith(GEMM) or not key.endswith(ONLY)
 
 
+def _untuned(key: str, candidates) -> configs.LaunchConfig:
+    """What a key the tuner stands aside from gets: its table entry, else its default (a non-GEMM key: its first
+    candidate)."""
+    return configs.TABLE.lookup(key) or (default_of(key) if key.startswith(GEMM) else candidates()[0])
+
+
 def _portable(arg):
     """A kernel argument as a worker can rebuild it: a tensor becomes its dtype (Triton's ``MockTensor``)."""
     return arg.dtype if isinstance(arg, torch.Tensor) else arg
@@ -75,7 +81,7 @@ class Recorder:
 
     def __call__(self, key, candidates, run, bench=None, **kwargs):
         if _skipped(key):
-            return configs.TABLE.lookup(key) or (default_of(key) if key.startswith(GEMM) else candidates()[0])
+            return _untuned(key, candidates)
         cands = candidates()
         if key not in self.jobs:
             jobs = self.jobs[key] = []
@@ -105,7 +111,7 @@ class Timings:
 
     def __call__(self, key, candidates, run, bench=None, **kwargs):
         if _skipped(key):
-            return configs.TABLE.lookup(key) or (default_of(key) if key.startswith(GEMM) else candidates()[0])
+            return _untuned(key, candidates)
         cands = candidates()
         order = iter(cands)
         times = self.times[key] = {}
@@ -126,8 +132,7 @@ def save(entries: dict[str, dict], json_path: str | None, merge: bool) -> None:
     if json_path:
         Path(json_path).write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
     if merge:
-        configs.TABLE.merge_into_shipped({key: configs.LaunchConfig(**{f: v for f, v in e.items() if f[0] != "_"})
-                                          for key, e in entries.items()})
+        configs.TABLE.merge_into_shipped({key: _fields(e) for key, e in entries.items()})
 
 
 def default_of(key: str) -> configs.LaunchConfig:
@@ -273,6 +278,7 @@ FORWARD_MARGIN = 0.01
 
 
 def _fields(entry: dict) -> configs.LaunchConfig:
+    """An entry's config, without the timings stored beside it (fields starting with "_")."""
     return configs.LaunchConfig(**{f: v for f, v in entry.items() if f[0] != "_"})
 
 

@@ -348,7 +348,7 @@ def test_tune_gemm_sets_tma_entries_back_where_the_whole_forward_did_not_gain(mo
     assert tune_gemm.confirm_tma(entries, list(entries), 1.05) == [] and entries[tma]["BLOCK_M"] == 128
     assert tune_gemm.confirm_tma(entries, list(entries), 0.96) == [tma]
     assert stored == {tma: (configs.POINTERS, True)}, "in the user's cache too, where the tuner saved the tile"
-    assert configs.LaunchConfig(**{f: v for f, v in entries[tma].items() if f[0] != "_"}) == configs.POINTERS
+    assert tune_gemm._fields(entries[tma]) == configs.POINTERS
     assert entries["gemm|E4|N8|K8|torch.bfloat16|g1|a1|c0|m256"]["BLOCK_M"] == 128
     assert tune_gemm.confirm_tma(entries, list(entries), 0.9) == [], "POINTERS already"
 

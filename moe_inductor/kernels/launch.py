@@ -221,8 +221,12 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
         a, b, b2, num_rows, num_experts, tma_weights, tma_min_rows_per_expert, tma_descriptors, traced=_traceable)
     fixed_desc = (2 if tma_descriptors == "device" else 1) if tma_ok else 0
     b_nk = b.stride(1) == 1  # an (E, K, N) view of HF's (E, N, K) weight: the layout the TMA descriptor reads
-    # whether the sorted token rows can come through a descriptor made in the kernel (alignment is per call)
-    rows_ok = tma_ok and a_rows == ROWS_SORTED and rows_descriptor_ok(a, b.dtype)
+    def rows_through_descriptor() -> bool:
+        """Whether this call's sorted token rows can come through a descriptor made in the kernel (alignment is per
+        call, so this is asked per call wherever a descriptor launch may run)."""
+        return a_rows == ROWS_SORTED and rows_descriptor_ok(a, b.dtype)
+
+    rows_ok = tma_ok and rows_through_descriptor()
     decision_key = (num_experts, n_dim, k_dim, a.dtype, gated, a_rows, c_rows, bucket, scale_mode, act_id, has_bias,
                     pre is not None, accumulate, a.device, autotune,
                     configs.interpreting(), pairs is not None, tail_split, by_table, fixed_desc, b_nk, rows_ok)
@@ -325,7 +329,7 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
             # entries are measured on the forward's (E, N, K) weight views; another layout has a key of its own.
             tma_key = key + ("|tma" if b_nk else "|kn|tma")
             pointers = decided
-            rows_now = a_rows == ROWS_SORTED and rows_descriptor_ok(a, b.dtype)
+            rows_now = rows_through_descriptor()
 
             def run_tma(c: configs.LaunchConfig) -> None:
                 for part in pointers if c == configs.POINTERS else ((c, meta_for(c, b_desc=2, a_desc=rows_now)),):
@@ -346,7 +350,7 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
             _GEMM_DECISIONS[decision_key] = decided
     parts, tma_parts = decided
     if tma_parts is not None and table_tma_ok():  # (the entry's key is taken; this call's strides may not be)
-        parts = tma_parts[a_rows == ROWS_SORTED and rows_descriptor_ok(a, b.dtype)]
+        parts = tma_parts[rows_through_descriptor()]
     with device_guard(a):
         for part in parts:
             run(*part)
