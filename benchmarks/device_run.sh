@@ -57,6 +57,9 @@
 #                                            # descriptor launch, per key), merge, then the TMA GPU tests  (~7 min)
 #   bash benchmarks/device_run.sh tmatuned   # prefill of OLMoE, DeepSeek-V3 (T=4096), Qwen3, Qwen1.5-MoE (16384),
 #                                            # the TMA entries ("tuned") against "off", 3 rounds          (~10 min)
+#   bash benchmarks/device_run.sh mixtraltma # Mixtral's forward-GEMM keys (T=4096, 16384) tuned for the persistent TMA
+#                                            # launch, merged; the op's forward fused, TMA and by the engine rule;
+#                                            # then Mixtral's prefill T=4096, the engine against fused, 3 rounds (~9 min)
 #   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys, GPT-OSS's
 #                                            # own layout first (tune_gemm.py, 14 compiling processes), merge (~7 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -292,6 +295,17 @@ PY
       --cells olmoe:prefill:4096:$C deepseek_v3:prefill:4096:$C qwen3_moe:prefill:16384:$C qwen2_moe:prefill:16384:$C \
       --json "$OUT/bench_hf_tmatuned.json" --markdown "$OUT/bench_hf_tmatuned.md" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror\|^|" | cut -c1-300 ;;
+  mixtraltma)  # whether Mixtral's experts, which "auto" gives to torch._grouped_mm from 1024 rows per expert, run
+               # faster on our fused kernels with the persistent TMA launch: its keys tuned, then the whole model
+    timeout 300 python benchmarks/tune_gemm.py --shapes mixtral --tokens 4096 16384 --only "|tma" --workers 14 \
+      --json "$OUT/tuned_tma_mixtral.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_tma_mixtral.log"
+    grep -v "autotuning gemm" "$OUT/tune_tma_mixtral.log" | cut -c1-220 | tail -24
+    cp moe_inductor/kernels/tuned/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+    C=inductor+moe_inductor+moe_inductor_fused
+    timeout 270 python benchmarks/bench_hf.py --deadline-s 260 --interleave 3 --clocks --budget mixtral=250 \
+      --cells mixtral:prefill:4096:$C --json "$OUT/bench_hf_mixtral_fused.json" \
+      --markdown "$OUT/bench_hf_mixtral_fused.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror\|^|" \
+      | cut -c1-300 ;;
   tunegemm)
     timeout 420 python benchmarks/tune_gemm.py --shapes gptoss olmoe qwen2moe deepseekv3 qwen3 --tokens 16 512 4096 16384 \
       --workers 14 --json "$OUT/tuned_gemm.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_gemm.log"

@@ -15,7 +15,11 @@ TMA_AUTO = "moe_inductor_tma_auto"
 #: backend="moe_inductor" with ``config.gemm_tma_weights = "off"``: pointer loads for every key, whatever the tuned
 #: table says. Against "moe_inductor" ("tuned", the default) it measures what the table's TMA entries buy in the model
 TMA_OFF = "moe_inductor_tma_off"
-MOE_COLUMNS = ("moe_inductor", RULE_OFF, EXPERTS_KEPT, TAIL_OFF, TMA_AUTO, TMA_OFF)
+#: backend="moe_inductor" with ``config.gemm_engine = "triton"``: every rewritten layer's GEMMs on our fused kernels,
+#: where "auto" would give the large ones to ``torch._grouped_mm`` (Mixtral at T >= 4096). Against "moe_inductor" it
+#: measures what the engine rule buys in the model
+FUSED = "moe_inductor_fused"
+MOE_COLUMNS = ("moe_inductor", RULE_OFF, EXPERTS_KEPT, TAIL_OFF, TMA_AUTO, TMA_OFF, FUSED)
 COLUMNS = ("eager", "inductor", "max-autotune-no-cudagraphs", *MOE_COLUMNS)
 DEFAULT_COLUMNS = ("eager", "inductor", "moe_inductor")
 

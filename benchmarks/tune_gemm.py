@@ -255,17 +255,23 @@ def main() -> None:
             print(f"in the forward of {name} T={T}: {key} -> {choice}", flush=True)
     save(entries, args.json, args.merge)
 
-    print("| shape | T | before (ms) | after (ms) | sort+_grouped_mm (ms) | before / after | sort+gmm / after |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | T | before (ms) | after (ms) | sort+_grouped_mm (ms) | engine rule (ms) | before / after "
+          "| sort+gmm / after | engine rule / after |")
+    print("|---|---|---|---|---|---|---|---|---|")
     reverted = []
     for name, T, c in cases:
         after = bench(lambda: forward(*c), 25, 100)
         x, ids, weights, w1, w2, kw = c
         ref = float("nan") if kw else bench(  # sort + _grouped_mm here takes the plain (nk, concat) layout only
             lambda: sort_grouped_mm(x, ids, weights, w1.transpose(1, 2), w2.transpose(1, 2)), 25, 100)
+        moe_inductor.config.gemm_engine = "auto"  # what the op runs by default (torch._grouped_mm where its rule says)
+        try:
+            rule = bench(lambda: forward(*c), 25, 100)
+        finally:
+            moe_inductor.config.gemm_engine = "triton"
         b = before[(name, T)]
-        print(f"| {name} | {T} | {b:.3f} | {after:.3f} | {ref:.3f} | {b / after:.2f}x | {ref / after:.2f}x |",
-              flush=True)
+        print(f"| {name} | {T} | {b:.3f} | {after:.3f} | {ref:.3f} | {rule:.3f} | {b / after:.2f}x | "
+              f"{ref / after:.2f}x | {rule / after:.2f}x |", flush=True)
         reverted += confirm_tma(entries, keys_of[(name, T)], b / after)
     if reverted:
         print(f"TMA entries set back to POINTERS (their forward was not {CONFIRM_GAIN}x faster as a whole): "
