@@ -60,6 +60,9 @@
 #   bash benchmarks/device_run.sh mixtraltma # Mixtral's forward-GEMM keys (T=4096, 16384) tuned for the persistent TMA
 #                                            # launch, merged; the op's forward fused, TMA and by the engine rule;
 #                                            # then Mixtral's prefill T=4096, the engine against fused, 3 rounds (~9 min)
+#   bash benchmarks/device_run.sh tmasmall   # Qwen1.5-MoE's and Qwen3's T=4096 TMA keys measured again, each settled in
+#                                            # its whole forward; where the table changed, their prefill T=4096,
+#                                            # "tuned" against "off", 3 rounds; then the TMA GPU tests      (~9 min)
 #   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys, GPT-OSS's
 #                                            # own layout first (tune_gemm.py, 14 compiling processes), merge (~7 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -306,6 +309,25 @@ PY
       --cells mixtral:prefill:4096:$C --json "$OUT/bench_hf_mixtral_fused.json" \
       --markdown "$OUT/bench_hf_mixtral_fused.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror\|^|" \
       | cut -c1-300 ;;
+  tmasmall)  # the two families whose T=4096 TMA keys are POINTERS: a GEMM alone preferred TMA there, their forward
+             # did not; settle_in_context now times each key in the whole forward, the other key as it stands
+    cp moe_inductor/kernels/tuned/NVIDIA_H200.json /tmp/table_before.json
+    timeout 200 python benchmarks/tune_gemm.py --shapes qwen2moe qwen3 --tokens 4096 --only "|tma" --retune \
+      --workers 14 --json "$OUT/tuned_tma_small.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_tma_small.log"
+    grep -v "autotuning gemm" "$OUT/tune_tma_small.log" | cut -c1-220 | tail -16
+    cp moe_inductor/kernels/tuned/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+    if cmp -s /tmp/table_before.json moe_inductor/kernels/tuned/NVIDIA_H200.json; then
+      echo "the table is unchanged: no A/B"
+    else
+      C=inductor+moe_inductor+moe_inductor_tma_off
+      timeout 280 python benchmarks/bench_hf.py --deadline-s 270 --interleave 3 --clocks --layers qwen3_moe=2 \
+        --budget qwen2_moe=130 qwen3_moe=130 --cells qwen2_moe:prefill:4096:$C qwen3_moe:prefill:4096:$C \
+        --json "$OUT/bench_hf_tmasmall.json" --markdown "$OUT/bench_hf_tmasmall.md" 2>&1 \
+        | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror\|^|" | cut -c1-300
+    fi
+    timeout 100 python -m pytest tests/test_tma_weights.py tests/test_tail_split.py $WORKERS -q -p no:warnings -rfE \
+      2>&1 | grep -v torch.__trace > "$OUT/tma_tests.log"
+    grep -E "FAILED|ERROR|Error" "$OUT/tma_tests.log" | head -8; tail -1 "$OUT/tma_tests.log" ;;
   tunegemm)
     timeout 420 python benchmarks/tune_gemm.py --shapes gptoss olmoe qwen2moe deepseekv3 qwen3 --tokens 16 512 4096 16384 \
       --workers 14 --json "$OUT/tuned_gemm.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_gemm.log"

@@ -307,37 +307,44 @@ def test_the_rows_descriptor_follows_each_calls_alignment(triton_kernels, monkey
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="TMA descriptors need an sm_90+ GPU")
 def test_gpu_tuned_entries_run_the_shipped_tiles(monkeypatch):
-    """Under "tuned", every forward key answered with one of the shipped H200 TMA tiles (the gated and the plain
-    one): the persistent descriptor launches run in those tiles and compute the reference, forward and backward;
-    the backward's GEMMs, which read the other weight layout, keep their pointer launches."""
+    """Under "tuned", every forward key answered with each of the shipped H200 TMA tiles in turn (a gated key's
+    tiles for the gate/up GEMM, a plain key's for the down one): the persistent descriptor launches run in those
+    tiles and compute the reference, forward and backward; the backward's GEMMs, which read the other weight layout,
+    keep their pointer launches."""
     import json
 
     from moe_inductor.kernels import configs
     from moe_inductor.kernels import launch as launch_module
 
     shipped = json.loads((configs._TUNED_DIR / "NVIDIA_H200.json").read_text())
-    tiles = {configs.LaunchConfig(**v) for k, v in shipped.items() if k.endswith("|tma")} - {configs.POINTERS}
-    gated_tile = next(t for t in tiles if t.BLOCK_N == 128)
-    plain_tile = next(t for t in tiles if t.BLOCK_N == 256)
+    tiles = {gated: sorted({configs.LaunchConfig(**{f: x for f, x in v.items() if f[0] != "_"})
+                            for k, v in shipped.items() if k.endswith("|tma") and ("|g1|" in k) == gated}
+                           - {configs.POINTERS}, key=repr) for gated in (True, False)}
+    assert tiles[True] and tiles[False]
     real = configs.TABLE.lookup
-
-    def lookup(key):
-        if key.endswith("|kn|tma"):
-            return None
-        if key.endswith("|tma"):
-            return gated_tile if "|g1|" in key else plain_tile
-        return real(key)
-
-    monkeypatch.setattr(configs.TABLE, "lookup", lookup)
     monkeypatch.setattr(config, "gemm_tma_weights", "tuned")
     monkeypatch.setattr(config, "gemm_engine", "triton")
-    monkeypatch.setattr(launch_module, "_GEMM_DECISIONS", {})
-    persistent, _ = record_launch_meta(monkeypatch, "PERSISTENT")
-    block_n, _ = record_launch_meta(monkeypatch, "BLOCK_N")
     p = make_problem(300, 256, 128, 6, 2, dtype=torch.bfloat16, device="cuda", routing="skip_odd")
-    y = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2)
-    assert persistent[:2] == [True, True] and block_n[:2] == [gated_tile.BLOCK_N, plain_tile.BLOCK_N]
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y)
-    grads = torch.autograd.grad(y, p.leaves(), dy)
-    assert not any(persistent[2:]), "the backward's GEMMs read the other layout: no entry, pointers"
-    assert_matches_reference(p, y, grads, dy, torch.bfloat16)
+    for i in range(max(len(t) for t in tiles.values())):
+        gated_tile, plain_tile = (tiles[g][i % len(tiles[g])] for g in (True, False))
+
+        def lookup(key, gated_tile=gated_tile, plain_tile=plain_tile):
+            if key.endswith("|kn|tma"):
+                return None
+            if key.endswith("|tma"):
+                return gated_tile if "|g1|" in key else plain_tile
+            return real(key)
+
+        monkeypatch.setattr(configs.TABLE, "lookup", lookup)
+        monkeypatch.setattr(launch_module, "_GEMM_DECISIONS", {})
+        persistent, _ = record_launch_meta(monkeypatch, "PERSISTENT")
+        block_n, _ = record_launch_meta(monkeypatch, "BLOCK_N")
+        stages, _ = record_launch_meta(monkeypatch, "num_stages")
+        y = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2)
+        assert persistent[:2] == [True, True], (gated_tile, plain_tile)
+        assert block_n[:2] == [gated_tile.BLOCK_N, plain_tile.BLOCK_N]
+        assert stages[:2] == [gated_tile.num_stages, plain_tile.num_stages]
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y)
+        grads = torch.autograd.grad(y, p.leaves(), dy)
+        assert not any(persistent[2:]), "the backward's GEMMs read the other layout: no entry, pointers"
+        assert_matches_reference(p, y, grads, dy, torch.bfloat16)
