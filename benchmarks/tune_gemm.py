@@ -14,7 +14,8 @@ On a GPU that can read through TMA (Hopper and later), each 16-bit key without i
 pointer launches as tuned (and its "default"); the others run the persistent launch with descriptors made in the
 kernel. The entry is kept whichever wins, so the table also records where pointers did. Each TMA key is then settled
 in its case's whole forward (``settle_in_context``: POINTERS against its best tile, the other keys as they stand), and
-a case whose forward still gains less than ``CONFIRM_GAIN`` has its TMA entries set back (``confirm_tma``).
+a case whose forward, timed with its TMA entries and without them in alternating rounds, gains less than
+``CONFIRM_GAIN`` has them set back (``confirm_tma``).
 
 Compiling the candidates is most of a tune (about a hundred Triton compiles per kernel variant), and it is CPU
 work, so it is done first, in ``--workers`` processes at once: each compiles its share through
@@ -255,10 +256,21 @@ def main() -> None:
             print(f"in the forward of {name} T={T}: {key} -> {choice}", flush=True)
     save(entries, args.json, args.merge)
 
+    # 5. each case's TMA entries together against none, in its whole forward, both sides timed now
+    reverted = []
+    for name, T, c in cases:
+        back, gain = confirm_tma(entries, keys_of[(name, T)], lambda c=c: bench(lambda: forward(*c), 25, 100))
+        print(f"{name} T={T}: its forward with its TMA entries against none: {gain:.3f}x", flush=True)
+        reverted += back
+    if reverted:
+        print(f"TMA entries set back to POINTERS (their forward was not {CONFIRM_GAIN}x faster as a whole): "
+              f"{reverted}", flush=True)
+        save(entries, args.json, args.merge)
+
+    # "before" was timed at the start, on a cooler card: its ratio to "after" is a rough one (see confirm_tma)
     print("| shape | T | before (ms) | after (ms) | sort+_grouped_mm (ms) | engine rule (ms) | before / after "
           "| sort+gmm / after | engine rule / after |")
     print("|---|---|---|---|---|---|---|---|---|")
-    reverted = []
     for name, T, c in cases:
         after = bench(lambda: forward(*c), 25, 100)
         x, ids, weights, w1, w2, kw = c
@@ -272,11 +284,6 @@ def main() -> None:
         b = before[(name, T)]
         print(f"| {name} | {T} | {b:.3f} | {after:.3f} | {ref:.3f} | {rule:.3f} | {b / after:.2f}x | "
               f"{ref / after:.2f}x | {rule / after:.2f}x |", flush=True)
-        reverted += confirm_tma(entries, keys_of[(name, T)], b / after)
-    if reverted:
-        print(f"TMA entries set back to POINTERS (their forward was not {CONFIRM_GAIN}x faster as a whole): "
-              f"{reverted}", flush=True)
-        save(entries, args.json, args.merge)
 
 
 #: in ``settle_in_context``, a TMA tile displaces POINTERS only when the whole forward is this fraction faster with it
@@ -291,9 +298,9 @@ def _fields(entry: dict) -> configs.LaunchConfig:
 def settle_in_context(entries: dict[str, dict], times: dict[str, dict], keys: list[str], time_forward,
                       rounds: int = 2) -> dict[str, configs.LaunchConfig]:
     """For each TMA key among ``keys`` (one case's), time the case's whole forward (``time_forward()``, ms) with the
-    key's entry POINTERS and with its best tile timed alone (``times[key]``: each candidate's time), the other keys
-    as they stand, ``rounds`` times in alternating order; keep the tile only when the forward's best time with it
-    is ``FORWARD_MARGIN`` faster. A GEMM timed alone can prefer a tile that its forward does not (RESULTS.md,
+    key's entry POINTERS and with its mean tile timed alone (``times[key]``: each candidate's time), the other keys
+    as they stand, ``rounds`` times in the order ABBA...; keep the tile only when the forward's mean time with it
+    is ``FORWARD_MARGIN`` faster (means over an even ``rounds`` cancel a steady drift of the card's speed). A GEMM timed alone can prefer a tile that its forward does not (RESULTS.md,
     twenty-sixth session). Updates ``entries`` and the table (the user's cache too); returns each key's choice."""
     chosen = {}
     for key in keys:
@@ -303,37 +310,58 @@ def settle_in_context(entries: dict[str, dict], times: dict[str, dict], keys: li
         if not tiles:
             continue
         tile = min(tiles, key=tiles.get)
-        best = {configs.POINTERS: float("inf"), tile: float("inf")}
+        mean = {configs.POINTERS: 0.0, tile: 0.0}
         for r in range(rounds):
             for cfg in (configs.POINTERS, tile) if r % 2 == 0 else (tile, configs.POINTERS):
                 configs.TABLE.store(key, cfg)
                 launch._GEMM_DECISIONS.clear()
-                best[cfg] = min(best[cfg], time_forward())
-        pick = tile if best[tile] < best[configs.POINTERS] * (1.0 - FORWARD_MARGIN) else configs.POINTERS
+                mean[cfg] += time_forward() / rounds
+        pick = tile if mean[tile] < mean[configs.POINTERS] * (1.0 - FORWARD_MARGIN) else configs.POINTERS
         configs.TABLE.store(key, pick, persist=True)
         launch._GEMM_DECISIONS.clear()
-        entries[key] = {**entries[key], **vars(pick), "_forward_ms_pointers": round(best[configs.POINTERS], 4),
-                        "_forward_ms_tile": round(best[tile], 4)}
+        entries[key] = {**entries[key], **vars(pick), "_forward_ms_pointers": round(mean[configs.POINTERS], 4),
+                        "_forward_ms_tile": round(mean[tile], 4)}
         chosen[key] = pick
     return chosen
 
 
-#: a case's TMA entries stay only where its whole forward (routing, both GEMMs, combine) got this much faster with
+#: a case's TMA entries stay only where its whole forward (routing, both GEMMs, combine) is this much faster with
 #: them: each GEMM timed alone can win while the forward loses (Qwen3 at T = 4096, RESULTS.md, twenty-sixth session)
 CONFIRM_GAIN = 1.02
 
 
-def confirm_tma(entries: dict[str, dict], keys: list[str], gain: float) -> list[str]:
-    """Set the TMA entries among ``keys`` (those one case tuned) to POINTERS, in ``entries``, when the case's forward
-    gained less than ``CONFIRM_GAIN`` (``gain``: before / after); returns the keys set back."""
+def confirm_tma(entries: dict[str, dict], keys: list[str], time_forward, rounds: int = 4) -> tuple[list[str], float]:
+    """Time the case's whole forward (``time_forward()``, ms) with its TMA entries among ``keys`` as chosen and with
+    all of them POINTERS, ``rounds`` times in the order ABBA..., and set them to POINTERS (in ``entries``, the table
+    and the user's cache) when their mean time is not ``CONFIRM_GAIN`` faster. The two sides are timed together
+    because a forward timed minutes apart is not comparable: a card warmed by the tuning runs its clock lower (the
+    twenty-seventh session saw one forward at 0.765 and 0.813 ms); with an even ``rounds``, the ABBA order's means
+    cancel a steady drift. Returns (the keys set back, the gain measured; 1.0 where the case has no TMA tile)."""
+    tiles = {key: _fields(entries[key]) for key in keys
+             if key.endswith("|tma") and key in entries and _fields(entries[key]) != configs.POINTERS}
+    if not tiles:
+        return [], 1.0
+
+    def use(table: dict[str, configs.LaunchConfig]) -> None:
+        for key, cfg in table.items():
+            configs.TABLE.store(key, cfg)
+        launch._GEMM_DECISIONS.clear()
+
+    sides = {"pointers": dict.fromkeys(tiles, configs.POINTERS), "tiles": tiles}
+    total = dict.fromkeys(sides, 0.0)
+    for r in range(rounds):
+        for side in sides if r % 2 == 0 else reversed(sides):
+            use(sides[side])
+            total[side] += time_forward()
+    gain = total["pointers"] / total["tiles"]
     if gain >= CONFIRM_GAIN:
-        return []
-    back = [key for key in keys
-            if key.endswith("|tma") and key in entries and _fields(entries[key]) != configs.POINTERS]
-    for key in back:
+        use(tiles)
+        return [], gain
+    for key in tiles:
         entries[key] = {**entries[key], **vars(configs.POINTERS), "_confirm_gain": round(gain, 3)}
         configs.TABLE.store(key, configs.POINTERS, persist=True)  # (the tuner saved the tile in the user's cache)
-    return back
+    launch._GEMM_DECISIONS.clear()
+    return list(tiles), gain
 
 
 if __name__ == "__main__":

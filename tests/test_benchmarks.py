@@ -336,21 +336,43 @@ def test_tune_gemm_tma_keys_default_to_pointers_and_only_filters(monkeypatch):
 
 
 def test_tune_gemm_sets_tma_entries_back_where_the_whole_forward_did_not_gain(monkeypatch):
-    """A case's TMA entries stay only when its whole forward gained CONFIRM_GAIN; its other keys are untouched."""
+    """A case's TMA entries stay only when its whole forward, timed with them and without them in alternating
+    rounds, gains CONFIRM_GAIN; its other keys are untouched."""
     from benchmarks import tune_gemm
     from moe_inductor.kernels import configs
 
-    stored = {}
-    monkeypatch.setattr(configs.TABLE, "store", lambda key, cfg, persist=False: stored.update({key: (cfg, persist)}))
+    stored, table = {}, {}
+
+    def store(key, cfg, persist=False):
+        table[key] = cfg
+        if persist:
+            stored[key] = cfg
+
+    monkeypatch.setattr(configs.TABLE, "store", store)
     tma = "gemm|E4|N8|K8|torch.bfloat16|g1|a1|c0|m256|tma"
     tile = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "GROUP_M": 8}
     entries = {tma: {**tile, "_best_ms": 1.0}, "gemm|E4|N8|K8|torch.bfloat16|g1|a1|c0|m256": dict(tile)}
-    assert tune_gemm.confirm_tma(entries, list(entries), 1.05) == [] and entries[tma]["BLOCK_M"] == 128
-    assert tune_gemm.confirm_tma(entries, list(entries), 0.96) == [tma]
-    assert stored == {tma: (configs.POINTERS, True)}, "in the user's cache too, where the tuner saved the tile"
-    assert tune_gemm._fields(entries[tma]) == configs.POINTERS
+    order = []
+
+    def forward_ms(with_tile_ms, drift=0.0):
+        def timed():  # (a card that slows down as it runs: each later timing is ``drift`` ms slower)
+            order.append(table[tma] != configs.POINTERS)
+            return (with_tile_ms if order[-1] else 1.0) + drift * len(order)
+        return timed
+
+    assert tune_gemm.confirm_tma(entries, list(entries), forward_ms(0.95)) == ([], pytest.approx(1.0 / 0.95))
+    assert table[tma] == configs.LaunchConfig(**tile) and not stored, "kept: the tile is in force again"
+    assert order == [False, True, True, False, False, True, True, False], "both sides each round, ABBA order"
+    order.clear()
+    # a drift larger than the tile's gain: timed minutes apart, the forward with the tile would read slower
+    back, gain = tune_gemm.confirm_tma(entries, list(entries), forward_ms(0.95, drift=0.03))
+    assert back == [] and gain == pytest.approx(1.0 / 0.95, rel=0.02)
+    back, gain = tune_gemm.confirm_tma(entries, list(entries), forward_ms(0.99))
+    assert back == [tma] and gain < tune_gemm.CONFIRM_GAIN
+    assert stored == {tma: configs.POINTERS}, "in the user's cache too, where the tuner saved the tile"
+    assert tune_gemm._fields(entries[tma]) == configs.POINTERS and entries[tma]["_confirm_gain"] < 1.02
     assert entries["gemm|E4|N8|K8|torch.bfloat16|g1|a1|c0|m256"]["BLOCK_M"] == 128
-    assert tune_gemm.confirm_tma(entries, list(entries), 0.9) == [], "POINTERS already"
+    assert tune_gemm.confirm_tma(entries, list(entries), forward_ms(0.5)) == ([], 1.0), "POINTERS already"
 
 
 def test_tune_gemm_settles_each_tma_key_in_its_whole_forward(monkeypatch):
