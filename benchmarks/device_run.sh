@@ -63,6 +63,8 @@
 #   bash benchmarks/device_run.sh tmasmall   # Qwen1.5-MoE's and Qwen3's T=4096 TMA keys measured again, each settled in
 #                                            # its whole forward; where the table changed, their prefill T=4096,
 #                                            # "tuned" against "off", 3 rounds; then the TMA GPU tests      (~9 min)
+#   bash benchmarks/device_run.sh tmaqwen15  # Qwen1.5-MoE's T=4096 TMA keys measured again (the forward A/B in ABBA
+#                                            # rounds), merged; its prefill T=4096, "tuned" against "off" (~7 min)
 #   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys, GPT-OSS's
 #                                            # own layout first (tune_gemm.py, 14 compiling processes), merge (~7 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -328,6 +330,16 @@ PY
     timeout 100 python -m pytest tests/test_tma_weights.py tests/test_tail_split.py $WORKERS -q -p no:warnings -rfE \
       2>&1 | grep -v torch.__trace > "$OUT/tma_tests.log"
     grep -E "FAILED|ERROR|Error" "$OUT/tma_tests.log" | head -8; tail -1 "$OUT/tma_tests.log" ;;
+  tmaqwen15)  # the gap cell of issue 14: does Qwen1.5-MoE's gate/up TMA tile (10% faster forward when settled in it,
+              # set back by the old confirm against a "before" timed on a cooler card) pay in the model?
+    timeout 150 python benchmarks/tune_gemm.py --shapes qwen2moe --tokens 4096 --only "|tma" --retune \
+      --workers 14 --json "$OUT/tuned_tma_qwen15.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_tma_qwen15.log"
+    grep -v "autotuning gemm" "$OUT/tune_tma_qwen15.log" | cut -c1-220 | tail -9
+    cp moe_inductor/kernels/tuned/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+    C=inductor+moe_inductor+moe_inductor_tma_off
+    timeout 250 python benchmarks/bench_hf.py --deadline-s 240 --interleave 3 --clocks --budget qwen2_moe=230 \
+      --cells qwen2_moe:prefill:4096:$C --json "$OUT/bench_hf_tmaqwen15.json" --markdown "$OUT/bench_hf_tmaqwen15.md" \
+      2>&1 | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror\|^|" | cut -c1-300 ;;
   tunegemm)
     timeout 420 python benchmarks/tune_gemm.py --shapes gptoss olmoe qwen2moe deepseekv3 qwen3 --tokens 16 512 4096 16384 \
       --workers 14 --json "$OUT/tuned_gemm.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_gemm.log"
