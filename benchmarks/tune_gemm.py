@@ -301,7 +301,8 @@ def settle_in_context(entries: dict[str, dict], times: dict[str, dict], keys: li
     key's entry POINTERS and with its best tile timed alone (``times[key]``: each candidate's time), the other keys
     as they stand, ``rounds`` times in the order ABBA...; keep the tile only when the forward's mean time with it
     is ``FORWARD_MARGIN`` faster (means over an even ``rounds`` cancel a steady drift of the card's speed). A GEMM
-    timed alone can prefer a tile that its forward does not (RESULTS.md, twenty-sixth session). Updates ``entries`` and the table (the user's cache too); returns each key's choice."""
+    timed alone can prefer a tile that its forward does not (RESULTS.md, twenty-sixth session). Updates ``entries``
+    and the table (the user's cache too); returns each key's choice."""
     chosen = {}
     for key in keys:
         if not key.endswith("|tma") or key not in entries:
