@@ -48,7 +48,8 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).parent))
 import hf_rounds  # noqa: E402
-from hf_families import (COLUMNS, DEFAULT_COLUMNS, EXPERTS_KEPT, FAMILIES, MODES, MOE_COLUMNS,  # noqa: E402
+from hf_columns import column_options, moe_backend, speed_rule_off  # noqa: E402,F401 (mem_peak.py etc. use them here)
+from hf_families import (COLUMNS, DEFAULT_COLUMNS, EXPERTS_KEPT, FAMILIES, MODES, MOE_COLUMNS,  # noqa: E402,F401
                          RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF, FUSED)
 from hf_processes import cpu_list, lanes_of, merge_repeats, process_groups  # noqa: E402
 from hf_profile import GcClock, Profiler, sync  # noqa: E402
@@ -434,70 +435,6 @@ def interleave_cell(model, cfg, cell_rows: list, args) -> None:
         if recompiled:
             r["interleave_recompiled"] = recompiled
         _show(r, f" ({args.interleave} interleaved rounds)")
-
-
-def moe_backend(column: str):
-    """The backend a moe_inductor column compiles with: by name, with no MoE form rewritten (``EXPERTS_KEPT``), or,
-    for the columns that differ only in a setting read while tracing (``RULE_OFF``, ``TAIL_OFF``, ``TMA_AUTO``,
-    ``TMA_OFF``, ``FUSED``), a backend object of their own: Dynamo keeps one compiled entry per backend, so in the
-    interleaved rounds a column sharing "moe_inductor" would run the other column's compile."""
-    import moe_inductor
-
-    if column == EXPERTS_KEPT:
-        return moe_inductor.with_options(forms=())
-    if column in (RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF, FUSED):
-        return moe_inductor.with_options()
-    return "moe_inductor"
-
-
-@contextlib.contextmanager
-def speed_rule_off(off: bool):
-    """``moe_inductor.config.speed_rule = False`` inside the block where ``off`` (the rule is read while tracing, so
-    the whole column runs inside it: a recompile reads it again)."""
-    if not off:
-        yield
-        return
-    from moe_inductor import config
-
-    before, config.speed_rule = config.speed_rule, False
-    try:
-        yield
-    finally:
-        config.speed_rule = before
-
-
-@contextlib.contextmanager
-def column_options(column: str):
-    """The settings a column compiles and runs under: the speed rule off for ``RULE_OFF``; for ``TAIL_OFF`` the tail
-    split off, for ``TMA_AUTO`` the TMA weight loads under "auto" (``TMA_OFF``: "off"), for ``FUSED`` the fused
-    kernels for every GEMM (``config.gemm_engine = "triton"``), each with the compile caches
-    off too: these settings are read inside our op while Inductor traces it, so the graph handed to the caches is the
-    same as the "moe_inductor" column's, whose cache entries would answer."""
-    if column == RULE_OFF:
-        with speed_rule_off(True):
-            yield
-        return
-    settings = {TAIL_OFF: ("gemm_tail_split", False), TMA_AUTO: ("gemm_tma_weights", "auto"),
-                TMA_OFF: ("gemm_tma_weights", "off"), FUSED: ("gemm_engine", "triton")}.get(column)
-    if settings is None:
-        yield
-        return
-    from moe_inductor import config
-
-    name, value = settings
-    saved = (getattr(config, name), torch._inductor.config.fx_graph_cache,
-             getattr(torch._functorch.config, "enable_autograd_cache", None))
-    setattr(config, name, value)
-    torch._inductor.config.fx_graph_cache = False
-    if saved[2] is not None:
-        torch._functorch.config.enable_autograd_cache = False
-    try:
-        yield
-    finally:
-        setattr(config, name, saved[0])
-        torch._inductor.config.fx_graph_cache = saved[1]
-        if saved[2] is not None:
-            torch._functorch.config.enable_autograd_cache = saved[2]
 
 
 def write(path, data) -> None:

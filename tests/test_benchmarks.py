@@ -261,6 +261,28 @@ def test_bench_hf_variant_columns_against_the_default_one():
     assert hf_tables.variants_markdown(rows[:1]) == ""
 
 
+def test_bench_hf_setting_columns_hold_their_setting_and_a_backend_of_their_own():
+    """Each column that differs from moe_inductor by a setting holds it while it compiles and runs (and gives it back
+    after), with the compile caches off, and compiles with a backend object of its own (Dynamo keeps one compiled
+    entry per backend)."""
+    from benchmarks import bench_hf, hf_columns
+    from moe_inductor import config
+
+    wanted = {bench_hf.TAIL_OFF: ("gemm_tail_split", False), bench_hf.TMA_AUTO: ("gemm_tma_weights", "auto"),
+              bench_hf.TMA_OFF: ("gemm_tma_weights", "off"), bench_hf.FUSED: ("gemm_engine", "triton"),
+              bench_hf.RULE_OFF: ("speed_rule", False)}
+    for column, (name, value) in wanted.items():
+        before = getattr(config, name)
+        assert before != value
+        with hf_columns.column_options(column):
+            assert getattr(config, name) == value, column
+            if column != bench_hf.RULE_OFF:
+                assert torch._inductor.config.fx_graph_cache is False
+        assert getattr(config, name) == before
+        assert hf_columns.moe_backend(column) != "moe_inductor"
+    assert hf_columns.moe_backend("moe_inductor") == "moe_inductor"
+
+
 @pytest.mark.slow
 def test_bench_hf_rule_columns_compile_with_the_rule_off_and_with_no_form(capsys, monkeypatch):
     """moe_inductor_rule_off traces with moe_inductor.config.speed_rule = False (the moe_inductor column with it
