@@ -355,11 +355,13 @@ def confirm_tma(entries: dict[str, dict], keys: list[str], time_forward, rounds:
             use(sides[side])
             total[side] += time_forward()
     gain = total["pointers"] / total["tiles"]
+    for key in tiles:  # (the gain goes into the --json record either way)
+        entries[key] = {**entries[key], "_confirm_gain": round(gain, 3)}
     if gain >= CONFIRM_GAIN:
         use(tiles)
         return [], gain
     for key in tiles:
-        entries[key] = {**entries[key], **vars(configs.POINTERS), "_confirm_gain": round(gain, 3)}
+        entries[key] = {**entries[key], **vars(configs.POINTERS)}
         configs.TABLE.store(key, configs.POINTERS, persist=True)  # (the tuner saved the tile in the user's cache)
     launch._GEMM_DECISIONS.clear()
     return list(tiles), gain
