@@ -147,10 +147,27 @@ def gemm_engine_line(device: Optional[torch.device]) -> str:
         return f"on {name}: plain torch (the Triton kernels run on CUDA GPUs)"
     hopper = torch.cuda.get_device_capability(device)[0] == 9
     forward, backward = (_engine_short(engine_mode(backward=b), b, hopper) for b in (False, True))
+    if engine_mode(backward=False) != "grouped_mm":
+        forward += _tma_short(torch.cuda.get_device_capability(device)[0] >= 9)
     where = f"on {device} ({torch.cuda.get_device_name(device)})"
     if forward == backward:
         return f"{where}: {forward}"
     return f"{where}: forward {forward}; backward {backward}"
+
+
+def _tma_short(tma_capable: bool) -> str:
+    """How our forward GEMM reads its weights, as ``config.gemm_tma_weights`` says, for the explain line."""
+    mode = config.gemm_tma_weights
+    if not tma_capable or mode == "off":
+        return ""
+    if mode == "tuned":
+        from .kernels import configs
+
+        tiles = configs.TABLE.tma_tiles()
+        if not tiles:
+            return " (pointer loads: this GPU's tuned table has no TMA tile)"
+        return f" (TMA weight loads on the {tiles} GEMM shapes this GPU's tuned table gives a tile, pointers elsewhere)"
+    return f" (TMA weight loads where the call allows: gemm_tma_weights={mode!r})"
 
 
 def _engine_short(mode: str, backward: bool, hopper: bool) -> str:

@@ -2,6 +2,7 @@
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -260,6 +261,41 @@ def test_explain_names_each_directions_gemm_engine(forward, backward, expected, 
     monkeypatch.setattr(moe_inductor.config, "gemm_engine", forward)
     monkeypatch.setattr(moe_inductor.config, "gemm_engine_backward", backward)
     assert expected in gemm_engine_summary()
+
+
+@pytest.mark.parametrize("tma,gpu,expected", [
+    ("tuned", "NVIDIA_H200", "(TMA weight loads on the {n} GEMM shapes this GPU's tuned table gives a tile, "
+                             "pointers elsewhere)"),
+    ("tuned", "NVIDIA_A_GPU_WITHOUT_A_TABLE", "(pointer loads: this GPU's tuned table has no TMA tile)"),
+    ("off", "NVIDIA_H200", "our Triton kernels; torch._grouped_mm for large bf16 experts and biased ones with many "
+                           "rows; backward"),
+    ("on", "NVIDIA_H200", "(TMA weight loads where the call allows: gemm_tma_weights='on')"),
+])
+def test_explain_says_where_the_forward_gemm_reads_through_tma(tma, gpu, expected, monkeypatch, tmp_path):
+    """On a Hopper GPU the GEMM line says how the forward GEMM reads its weights: under "tuned", on how many GEMM
+    shapes this GPU's table gives a TMA tile (the shipped H200 table's count), or that it has none."""
+    import json
+
+    from moe_inductor import report
+    from moe_inductor.kernels import configs
+
+    monkeypatch.setenv("MOE_INDUCTOR_CACHE_DIR", str(tmp_path))  # (no user cache: the shipped table alone)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu.replace("_", " "))
+    monkeypatch.setattr(configs.ConfigTable, "device_tag", staticmethod(lambda: gpu))
+    monkeypatch.setattr(configs, "TABLE", configs.ConfigTable())
+    monkeypatch.setattr(moe_inductor.config, "gemm_tma_weights", tma)
+    monkeypatch.setattr(moe_inductor.config, "gemm_engine", "auto")
+    monkeypatch.setattr(moe_inductor.config, "gemm_engine_backward", None)
+    shipped = json.loads((configs._TUNED_DIR / "NVIDIA_H200.json").read_text())
+    n = sum(1 for k, v in shipped.items() if k.endswith("|tma") and v["BLOCK_M"] > 0)
+    with warnings.catch_warnings():  # (a GPU without a shipped table is warned about, outside the interpreter)
+        warnings.simplefilter("ignore")
+        line = report.gemm_engine_line(torch.device("cuda", 0))
+    assert line.startswith(f"on cuda:0 ({gpu.replace('_', ' ')}): forward our Triton kernels")
+    assert expected.format(n=n) in line, line
+    if tma == "off":
+        assert "TMA" not in line and "pointer loads" not in line
 
 
 @pytest.mark.slow

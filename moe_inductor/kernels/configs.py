@@ -200,6 +200,12 @@ class ConfigTable:
         self._load()
         return self._table.get(key)
 
+    def tma_tiles(self) -> int:
+        """How many forward-GEMM keys this GPU's table (shipped and the user's) gives a TMA tile: the keys that take
+        the persistent descriptor launch under ``config.gemm_tma_weights = "tuned"``."""
+        self._load()
+        return sum(1 for key, cfg in self._table.items() if key.endswith("|tma") and cfg != POINTERS)
+
     def store(self, key: str, cfg: LaunchConfig, persist: bool = False) -> None:
         """Keep ``cfg`` for ``key`` in this process; with ``persist``, also in the user's cache for the next run."""
         self._table[key] = cfg
