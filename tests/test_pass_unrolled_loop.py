@@ -28,7 +28,20 @@ class LoopMoE(nn.Module):
             ids[:, -1] = ids[:, 0]
         out = torch.zeros_like(x)
         expert_mask = F.one_hot(ids, num_classes=self.E).permute(2, 1, 0)  # HF v4's (E, k, T) mask
+        arange = {"arange_from_one": lambda: torch.arange(1, self.E + 1), "arange_step": lambda: torch.arange(
+            0, 2 * self.E, 2), "arange_flipped": lambda: torch.arange(self.E).flip(0)}.get(
+            self.style, lambda: torch.arange(self.E))()
+        # litgpt's (E, T, k) mask: a broadcast compare against arange(E), permuted (the look-alikes compare
+        # against other aranges: expert e then reads the rows of another id)
+        token_masks = (ids[..., None] if self.style == "litgpt_ellipsis" else ids.unsqueeze(-1)) == arange
+        token_masks = (F.one_hot(ids, self.E) if self.style == "one_hot_token_first" else token_masks).permute(2, 0, 1)
         experts = range(self.E - 1) if self.style == "partial" else range(self.E)
+        if self.style == "litgpt_iter":  # litgpt iterates over the mask tensor's rows: for mask, expert in zip(...)
+            for e, mask in enumerate(token_masks):
+                tok, pos = torch.where(mask)
+                out[tok] += weights[tok, pos, None] * (F.silu(x[tok] @ self.w1[e].T) * (x[tok] @ self.w3[e].T)
+                                                       ) @ self.w2[e].T
+            return out
         for e in experts:
             if self.style in ("where_matmul", "partial", "extra_write"):
                 tok, pos = torch.where(ids == e)
@@ -97,6 +110,11 @@ class LoopMoE(nn.Module):
                 xe = x[tok] * weights[tok, torch.zeros_like(pos), None]
                 h = F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)
                 out.index_add_(0, tok, h @ self.w2[e].T)
+            elif self.style in ("litgpt_masks", "litgpt_ellipsis", "one_hot_token_first", "arange_from_one",
+                                "arange_step", "arange_flipped"):  # the (E, T, k) mask read at e
+                tok, pos = torch.where(token_masks[e])
+                h = F.silu(x[tok] @ self.w1[e].T) * (x[tok] @ self.w3[e].T)
+                out[tok] += weights[tok, pos, None] * (h @ self.w2[e].T)
             elif self.style == "shifted_expert":  # expert e reads the weights of expert e+1: not an MoE we know
                 tok, pos = torch.where(ids == e)
                 nxt = (e + 1) % self.E
@@ -109,7 +127,8 @@ class LoopMoE(nn.Module):
 
 @pytest.mark.parametrize(
     "style", ["where_matmul", "linear_plain", "nonzero_kn", "torch_nonzero_kn", "hf_v4_mask", "setitem_add",
-              "weight_on_input", "weight_between", "rows_gathered_twice"])
+              "weight_on_input", "weight_between", "rows_gathered_twice", "litgpt_masks", "litgpt_ellipsis",
+              "litgpt_iter", "one_hot_token_first"])
 @pytest.mark.parametrize("E,k", [(3, 2), *(pytest.param(*Ek, marks=pytest.mark.slow) for Ek in ((5, 1), (4, 4)))],
                          ids=["E3-k2", "E5-k1", "k-eq-E"])  # the quick suite keeps E3-k2 for every style
 def test_styles_are_rewritten_and_equal(style, E, k):
@@ -177,7 +196,7 @@ def test_torch_2_11_dunder_spelling_is_rewritten(style):
     torch.testing.assert_close(out, ref)
 
 
-@pytest.mark.parametrize("style", ["where_matmul", "hf_v4_mask", "weight_on_input", "weight_between"])
+@pytest.mark.parametrize("style", ["where_matmul", "hf_v4_mask", "weight_on_input", "weight_between", "litgpt_iter"])
 def test_gradients_match_eager(style):
     torch.manual_seed(0)
     model = LoopMoE(style, 4, 2)
@@ -223,6 +242,20 @@ def test_explain_says_why_a_loop_was_left_alone(style, reason):
     assert left.form == "unrolled_loop" and reason in left.reason, left
     assert "test_pass_unrolled_loop.py" in left.where  # the user's line, from Dynamo's stack trace
     assert "left alone: unrolled_loop" in report.summary() and reason in report.summary()
+
+
+@pytest.mark.parametrize("style", ["arange_from_one", "arange_step", "arange_flipped"])
+def test_masks_against_another_arange_are_left_alone(style):
+    """litgpt's mask compared against an arange that is not 0..E-1 (from 1, in steps of 2, flipped): expert e's rows
+    are another id's, so the loop is not the MoE of its weights. No body is read as an expert's, so the loop is
+    reported as a region no form proves."""
+    torch.manual_seed(0)
+    model = LoopMoE(style, 4, 2)
+    x = torch.randn(7, H)
+    assert torch.allclose(compile_moe(model, x), model(x), rtol=1e-6, atol=1e-6)
+    assert not counters["moe_inductor"]
+    report = moe_inductor.explain(model, x)
+    assert not report.rewrites and [m.form for m in report.left_alone] == ["moe_region"]
 
 
 def test_a_rewritten_loop_reports_nothing_left_alone():

@@ -4,6 +4,7 @@ The user code this reads:
 
     tok, pos = torch.where(ids == e)                     # or (ids == e).nonzero(as_tuple=True)
     pos, tok = torch.where(one_hot(ids, E).permute(2, 1, 0)[e])          # HF v4's (E, k, T) mask
+    tok, pos = torch.where((ids[..., None] == arange(E)).permute(2, 0, 1)[e])   # litgpt's (E, T, k) mask
     tok = (ids == e).nonzero(as_tuple=True)[0]           # a top-1 router's (T,) ids
     tok = (ids == e).any(-1).nonzero().squeeze(-1)       # the tokens that chose e at all
 
@@ -22,25 +23,86 @@ from .fx_utils import is_call, val
 
 
 def selected_ids(cond: Node) -> Optional[tuple[Node, int, bool]]:
-    """(ids, e, token_first) for a selection condition: ``ids == e`` (rows are (token, choice)), or HF's
-    ``one_hot(ids, E).permute(2, 1, 0)[e]`` (rows are (choice, token)). e may be held by a (1,) index tensor
-    (``held_index``): ``ids == t`` and ``mask[t].squeeze(0)`` are then the same values."""
+    """(ids, e, token_first) for a selection condition: ``ids == e`` (rows are (token, choice)), HF's
+    ``one_hot(ids, E).permute(2, 1, 0)[e]`` (rows are (choice, token)), or a (T, k, E) mask of ``ids[t, j] == e``
+    (``expert_hot``) permuted (2, 0, 1) to (E, T, k) (rows (token, choice)) or (2, 1, 0), read at e. e may be held
+    by a (1,) index tensor (``held_index``): ``ids == t`` and ``mask[t].squeeze(0)`` are then the same values."""
     if is_call(cond, "call_function", operator.eq, torch.eq) and isinstance(cond.args[0], Node):
         e = cond.args[1] if isinstance(cond.args[1], int) else held_index(cond.args[1])
         iv = val(cond.args[0])
         if e is not None and (isinstance(cond.args[1], int) or iv is not None and iv.dim() >= 1):
             return cond.args[0], e, True
     row = expert_row(cond)
-    if row is not None:
-        perm, e = row
-        if is_call(perm, "call_method", "permute") and tuple(perm.args[1:]) in ((2, 1, 0), ((2, 1, 0),)):
-            hot = perm.args[0]
-            if is_call(hot, "call_function", torch.nn.functional.one_hot) and len(hot.args) >= 1:
-                num_classes = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)
-                ids = hot.args[0]
-                if isinstance(num_classes, int) and 0 <= e < num_classes:
-                    return ids, e, False
+    if row is None:
+        return None
+    perm, e = row
+    if not is_call(perm, "call_method", "permute"):
+        return None
+    dims = tuple(perm.args[1]) if len(perm.args) == 2 and isinstance(perm.args[1], (tuple, list)) else perm.args[1:]
+    if dims not in ((2, 1, 0), (2, 0, 1)):  # (E, k, T): rows (choice, token); (E, T, k): rows (token, choice)
+        return None
+    hot = expert_hot(perm.args[0])
+    if hot is None:
+        return None
+    ids, num_experts = hot
+    if not 0 <= e < num_experts:
+        return None
+    return ids, e, dims == (2, 0, 1)
+
+
+def expert_hot(hot: Node) -> Optional[tuple[Node, int]]:
+    """(ids, E) for a (T, k, E) mask whose [t, j, e] is ``ids[t, j] == e``: ``one_hot(ids, E)`` (transformers v4),
+    or litgpt's broadcast ``ids.unsqueeze(-1) == torch.arange(E)`` (``ids[..., None]`` likewise; the arange from 0
+    in steps of 1, so that its e-th entry is e)."""
+    if is_call(hot, "call_function", torch.nn.functional.one_hot) and len(hot.args) >= 1:
+        num_classes = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)
+        return (hot.args[0], num_classes) if isinstance(num_classes, int) and isinstance(hot.args[0], Node) else None
+    if not (is_call(hot, "call_function", operator.eq, torch.eq) and len(hot.args) == 2 and not hot.kwargs):
+        return None
+    for column, row in (hot.args, hot.args[::-1]):
+        ids, num_experts = _last_dim_added(column), _arange_length(row)
+        if ids is not None and num_experts is not None:
+            iv = val(ids)
+            if iv is not None and iv.dim() == 2:
+                return ids, num_experts
     return None
+
+
+def _last_dim_added(node) -> Optional[Node]:
+    """x for ``x.unsqueeze(-1)`` (or ``unsqueeze(x.dim())``, ``x[..., None]``) of a 2-d x."""
+    if not isinstance(node, Node):
+        return None
+    if is_call(node, "call_method", "unsqueeze") or is_call(node, "call_function", torch.unsqueeze):
+        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        xv = val(node.args[0]) if isinstance(node.args[0], Node) else None
+        if xv is not None and dim in (-1, xv.dim()):
+            return node.args[0]
+        return None
+    if is_call(node, "call_function", operator.getitem) and isinstance(node.args[0], Node):
+        index = node.args[1]
+        if isinstance(index, tuple) and index in ((Ellipsis, None), (slice(None), slice(None), None)):
+            return node.args[0]
+    return None
+
+
+def _arange_length(node) -> Optional[int]:
+    """n for ``torch.arange(n)`` (or ``arange(0, n)``, ``arange(0, n, 1)``) at an int n, of an integer dtype: the
+    values 0, 1, ..., n-1."""
+    if not (is_call(node, "call_function", torch.arange) and set(node.kwargs) <= {"device", "dtype"}):
+        return None
+    args = tuple(node.args)
+    if len(args) == 1:
+        start, end, step = 0, args[0], 1
+    elif len(args) in (2, 3):
+        start, end, step = args[0], args[1], args[2] if len(args) == 3 else 1
+    else:
+        return None
+    if not (start == 0 and step == 1 and isinstance(end, int) and type(start) is int and type(step) is int):
+        return None
+    av = val(node)
+    if av is None or av.dtype.is_floating_point or av.dtype == torch.bool or av.shape != (end,):
+        return None
+    return end
 
 
 def held_index(t) -> Optional[int]:

@@ -15,10 +15,9 @@ scores of each group summed, ``topk(sorted=False)`` of the groups, a ``scatter_`
 (``topk_weights /= denominator``); the block scales the weights by ``routed_scaling_factor`` and adds a shared
 ``LLaMAMLP`` of the residual copy.
 
-Today both are left alone at the router. The loop is mistral_src.py's, which is rewritten; what differs is the mask:
-one (E, T, k) tensor from the broadcast ``==`` against ``arange(E)`` and a permute, read row by row, where the
-unrolled_loop form expects ``ids == e`` per expert (the same forward with ``torch.where(indices == e)`` is rewritten;
-with ``torch.where(masks[e])`` it is left alone too).
+Both are rewritten as the unrolled loop: the loop is mistral_src.py's but for its mask, one (E, T, k) tensor from
+the broadcast ``==`` against ``arange(E)`` and a permute, read row by row (``loop_rows.expert_hot`` reads it as
+``ids == e``).
 """
 import torch
 import torch.nn as nn
@@ -128,11 +127,10 @@ def _input(T, g):
 SOURCE = "Lightning-AI/litgpt litgpt/model.py LLaMAMoE + LLaMAMLP"
 CASES = [
     Case("litgpt_llama_moe", SOURCE + " (linear gate, E=6, top-2)",
-         lambda: LLaMAMoE(Config(n_expert=6, n_expert_per_token=2)), _input, form="unrolled_loop",
-         expect=("left_alone", "moe_region", "that no MoE form proves")),
+         lambda: LLaMAMoE(Config(n_expert=6, n_expert_per_token=2)), _input, form="unrolled_loop"),
     Case("litgpt_llama_moe_grouped", SOURCE + " + GroupedTopkRouter (E=8 in 4 groups, top-3, a shared expert, "
          "routed_scaling_factor 2.5)",
          lambda: LLaMAMoE(Config(n_expert=8, n_expert_per_token=3, n_expert_groups=4, n_topk_groups=2,
                                  n_topk_scores_per_group=2, n_shared_expert=1, routed_scaling_factor=2.5)),
-         _input, form="unrolled_loop", expect=("left_alone", "moe_region", "that no MoE form proves")),
+         _input, form="unrolled_loop"),
 ]
