@@ -561,8 +561,8 @@ def test_corpus_layers_see_a_weight_written_through_data(case):
     largest weight (an expert weight) is seen by the next compiled call."""
     from tests.corpus.harness import TOL
 
-    model = case.build()
-    x = case.make_input(7, torch.Generator().manual_seed(0))
+    model = case.build().to(case.dtype)  # (in the case's dtype, as the corpus runs it: torch._grouped_mm's fake
+    x = case.make_input(7, torch.Generator().manual_seed(0)).to(case.dtype)  # kernel takes bf16 alone, any backend)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})
     with torch.no_grad():

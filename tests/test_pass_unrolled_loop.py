@@ -572,3 +572,33 @@ def test_a_chunk_of_another_expert_is_left_alone():
     x = torch.randn(9, 16)
     assert torch.allclose(compile_moe(model, x), model(x), atol=1e-6)
     assert not counters["moe_inductor"]
+
+
+def test_a_scatter_add_of_unrelated_data_dependent_sizes_is_not_an_accumulation_and_does_not_raise():
+    """``acc.scatter_add_(0, tok[:, None].expand(-1, H), c)`` where the index's and the contribution's rows are two
+    unrelated nonzero counts (Megatron's dispatcher traces such sizes): the sizes cannot be proven equal, so this is no
+    accumulation of c's rows at tok, and reading it must not guard on the unbacked sizes (that raised before)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from moe_inductor.passes import unrolled_loop
+
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env):
+        u0, u1 = env.create_unbacked_symint(), env.create_unbacked_symint()
+        vals = {"acc": torch.empty(6, H), "tok": torch.empty(u0, dtype=torch.long), "c": torch.empty(u1, H)}
+        vals["col"] = vals["tok"][:, None]
+        vals["index"] = vals["col"].expand(-1, H)
+    g = torch.fx.Graph()
+    acc, tok, c = (g.placeholder(name) for name in ("acc", "tok", "c"))
+    col = g.call_method("unsqueeze", (tok, -1))
+    index = g.call_method("expand", (col, -1, H))
+    add = g.call_method("scatter_add_", (acc, 0, index, c))
+    for node, name in ((acc, "acc"), (tok, "tok"), (c, "c"), (col, "col"), (index, "index")):
+        node.meta["val"] = vals[name]
+    assert unrolled_loop._accumulation(add, acc) is None
+    vals_same = dict(vals)
+    with FakeTensorMode(shape_env=env):
+        vals_same["c"] = torch.empty(u0, H)  # the same count: c's rows are added at tok
+    c.meta["val"] = vals_same["c"]
+    assert unrolled_loop._accumulation(add, acc) == (tok, c, None)

@@ -378,6 +378,14 @@ def weighted_sum(y: Node) -> Optional[tuple[Node, Node]]:
     return None
 
 
+def known_equal(a, b) -> bool:
+    """``a == b`` for sizes that may be symbolic: True only where it holds for every value the sizes may take. It adds
+    no guard, and an unbacked size (a nonzero's) gives False where a plain ``==`` would raise."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(a == b)
+
+
 def unsqueezed_last(node) -> Optional[Node]:
     """``w`` for ``w[..., None]`` or ``w.unsqueeze(-1)`` (w 2D)."""
     if not isinstance(node, Node) or not node.args:

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from .fx_utils import is_call, val
+from .fx_utils import is_call, unsqueezed_last, val
 
 
 def selected_ids(cond: Node) -> Optional[tuple[Node, int, bool]]:
@@ -60,28 +60,11 @@ def expert_hot(hot: Node) -> Optional[tuple[Node, int]]:
     if not (is_call(hot, "call_function", operator.eq, torch.eq) and len(hot.args) == 2 and not hot.kwargs):
         return None
     for column, row in (hot.args, hot.args[::-1]):
-        ids, num_experts = _last_dim_added(column), _arange_length(row)
+        ids, num_experts = unsqueezed_last(column), _arange_length(row)
         if ids is not None and num_experts is not None:
             iv = val(ids)
             if iv is not None and iv.dim() == 2:
                 return ids, num_experts
-    return None
-
-
-def _last_dim_added(node) -> Optional[Node]:
-    """x for ``x.unsqueeze(-1)`` (or ``unsqueeze(x.dim())``, ``x[..., None]``) of a 2-d x."""
-    if not isinstance(node, Node):
-        return None
-    if is_call(node, "call_method", "unsqueeze") or is_call(node, "call_function", torch.unsqueeze):
-        dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
-        xv = val(node.args[0]) if isinstance(node.args[0], Node) else None
-        if xv is not None and dim in (-1, xv.dim()):
-            return node.args[0]
-        return None
-    if is_call(node, "call_function", operator.getitem) and isinstance(node.args[0], Node):
-        index = node.args[1]
-        if isinstance(index, tuple) and index in ((Ellipsis, None), (slice(None), slice(None), None)):
-            return node.args[0]
     return None
 
 

@@ -44,7 +44,7 @@ from torch.fx import Graph, Node
 from ..spec import MoESpec
 from .driver import CHANGED_IN_PLACE, Anchor, Form, Match
 from .flat_slices import block_linear, blocks, sliced_spec, views
-from .fx_utils import alias_mutations, is_call, mutated_alias, scale_of_rows, source_line, val
+from .fx_utils import alias_mutations, is_call, known_equal, mutated_alias, scale_of_rows, source_line, val
 from .gated_reads import GatedRead, read_gated
 from .loop_rows import routing_scaled, rows_index, selection, token_rows_of
 from .masked_writes import match_masked_writes, match_top1_masks, top1_buffer
@@ -200,8 +200,8 @@ def _accumulation(add: Node, acc: Node) -> Optional[tuple[Node, Node, Optional[N
             not add.kwargs):
         tok = _broadcast_rows(add.args[2])
         iv, cv, av = val(add.args[2]), val(add.args[3]), val(acc)
-        if tok is not None and None not in (iv, cv, av) and av.dim() == 2 and cv.dim() == 2 and (
-                tuple(iv.shape) == tuple(cv.shape)) and cv.shape[1] == av.shape[1]:
+        if tok is not None and None not in (iv, cv, av) and av.dim() == 2 and cv.dim() == 2 and iv.dim() == 2 and all(
+                known_equal(a, b) for a, b in zip(iv.shape, cv.shape)) and known_equal(cv.shape[1], av.shape[1]):
             return tok, add.args[3], None
     if is_call(add, "call_function", operator.setitem) and add.args[0] is acc and isinstance(add.args[1], Node):
         tok, value = add.args[1], add.args[2]
@@ -219,7 +219,7 @@ def _broadcast_rows(index: Node) -> Optional[Node]:
         return None
     column = index.args[0]
     cv = val(column)
-    if cv is None or cv.dim() != 2 or cv.shape[1] != 1:
+    if cv is None or cv.dim() != 2 or not known_equal(cv.shape[1], 1):
         return None
     if is_call(column, "call_function", operator.getitem) and column.args[1] in (
             (slice(None, None, None), None), (Ellipsis, None)):
