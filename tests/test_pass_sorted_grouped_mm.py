@@ -75,6 +75,23 @@ class SortedMoE(nn.Module):
             out = torch.zeros_like(x)
             out.index_add_(0, tok, ys)
             return out
+        if self.style.startswith("v5"):  # transformers v5's grouped_mm forward; three look-alikes of its unsort
+            flat, weights = ids.reshape(-1), top.reshape(-1)
+            ids_sorted, perm = torch.sort(flat)
+            xs = x[perm // k]
+            offs = torch.cumsum(torch.histc(ids_sorted.float(), bins=E, min=0, max=E - 1), dim=0, dtype=torch.int32)
+            h = F.silu(torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs)) * torch._grouped_mm(
+                xs, self.w3.transpose(-2, -1), offs=offs)
+            ys = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs) * weights[perm].unsqueeze(-1).to(x.dtype)
+            if self.style == "v5_permuted_again":  # perm applied a second time: not the inverse
+                back = ys[perm]
+            else:
+                inv = torch.empty_like(perm)
+                n = torch.arange(perm.size(0))
+                inv[torch.flip(perm, [0]) if self.style == "v5_other_order" else perm] = (
+                    n.flip(0) if self.style == "v5_reversed" else n)
+                back = ys[inv]
+            return back.view(x.shape[0], k, H).sum(dim=1)
         if self.style.startswith("split_loop"):  # torchtitan's for-loop experts; two look-alikes
             flat = ids.view(-1)
             order = torch.argsort(flat, stable=True)
@@ -100,8 +117,9 @@ def _hf_fallback():
 
 
 @pytest.mark.parametrize("style,k", [("titan", 1), ("titan", 2), ("hf", 1), ("hf", 2), ("hf_fallback_fp32", 2),
-                                     ("functional_fp32", 2)],
-                         ids=["titan-k1", "titan-k2", "hf-k1", "hf-k2", "hf-fallback-op-fp32", "functional-fp32"])
+                                     ("functional_fp32", 2), ("v5", 2), ("v5", 1)],
+                         ids=["titan-k1", "titan-k2", "hf-k1", "hf-k2", "hf-fallback-op-fp32", "functional-fp32",
+                              "v5-inverse-unsort-k2", "v5-inverse-unsort-k1"])
 def test_styles_are_rewritten_and_equal(style, k):
     """Every spelling of the grouped GEMM: torch._grouped_mm (bf16 only), transformers' fp32 fallback op, and
     F.grouped_mm (bf16 on CPU, like _grouped_mm)."""
@@ -161,12 +179,25 @@ def test_split_loop_look_alikes_are_left_alone(style):
     assert not counters["moe_inductor"]
 
 
-@pytest.mark.parametrize("style", ["titan", "hf"])
+@pytest.mark.parametrize("style", ["v5_permuted_again", "v5_other_order", "v5_reversed"])
+def test_unsort_look_alikes_are_left_alone(style):
+    """transformers v5's unsort by an inverse permutation, ``inv[perm] = arange(n); ys[inv]``, with perm applied
+    again instead, the inverse built from another order, or from a reversed arange: the rows go back to the wrong
+    places, so nothing is rewritten (the region is reported)."""
+    torch.manual_seed(0)
+    model = SortedMoE(style).bfloat16()
+    x = torch.randn(9, H, dtype=torch.bfloat16)
+    assert torch.equal(compile_moe(model, x), model(x))
+    assert not counters["moe_inductor"]
+    assert sum(counters["moe_inductor_left_alone"].values()) == 1
+
+
+@pytest.mark.parametrize("style", ["titan", "hf", "v5"])
 def test_gradients_match_eager(style):
     torch.manual_seed(0)
     model = SortedMoE(style, 2).bfloat16()
     x = torch.randn(13, H, dtype=torch.bfloat16, requires_grad=True)
-    params = [x, model.w1, model.w2] + ([model.w3] if style == "titan" else [])  # "hf" has no up-gate weight
+    params = [x, model.w1, model.w2] + ([model.w3] if style != "hf" else [])  # "hf" has no up-gate weight
     torch._dynamo.reset()
     counters.clear()
     out = torch.compile(model, backend="moe_inductor", options={"inner": "aot_eager"})(x)

@@ -19,6 +19,10 @@ output; the combine may be ``scatter_add_``, ``index_add_`` or torchtitan's unso
     buf = torch.zeros(T * k, H); buf[order] = ys
     out = buf.reshape(-1, k, H).sum(dim=1)          # or torch.bmm(weights.reshape(-1, 1, k), buf...).squeeze(1)
 
+    # or transformers v5's, by the inverse permutation (its counts are histc of the sorted ids):
+    inv = torch.empty_like(order); inv[order] = torch.arange(T * k)
+    out = ys[inv].view(T, k, H).sum(dim=1)
+
 The grouped GEMMs may also be a loop over per-expert chunks of the sorted rows (torchtitan's for-loop experts:
 ``torch.split(xs, counts.tolist())``, one MLP per chunk on ``w[e]``, ``torch.cat``; split_experts.py reads it).
 
@@ -39,7 +43,7 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, Unmatched
-from .fx_utils import alias_mutations, is_call, val
+from .fx_utils import alias_mutations, is_call, known_equal, val
 from .gated_reads import read_gated
 from .split_experts import split_loop_experts
 
@@ -68,6 +72,15 @@ def _sort_order(order: Node) -> Optional[Node]:
         return _flat(order.args[0])
     if is_call(order, "call_function", operator.getitem) and order.args[1] == 1:
         sort = order.args[0]
+        if is_call(sort, "call_function", torch.sort) and len(sort.args) == 1 and set(sort.kwargs) <= {"stable"}:
+            return _flat(sort.args[0])
+    return None
+
+
+def _sorted_values_of(node) -> Optional[Node]:
+    """The (T, k) ids for ``sort(ids.view(-1))[0]``: the flat ids' values in sorted order."""
+    if is_call(node, "call_function", operator.getitem) and node.args[1] == 0:
+        sort = node.args[0]
         if is_call(sort, "call_function", torch.sort) and len(sort.args) == 1 and set(sort.kwargs) <= {"stable"}:
             return _flat(sort.args[0])
     return None
@@ -121,8 +134,10 @@ def _counts_of(counts, ids: Node, num_experts: int) -> bool:
         lo = counts.kwargs.get("min", counts.args[2] if len(counts.args) > 2 else None)
         hi = counts.kwargs.get("max", counts.args[3] if len(counts.args) > 3 else None)
         # with bins = E and min 0, max E or E - 1 puts id v in bin v exactly
+        counted = _strip(counts.args[0], "float", "int", "to")
+        # the flat ids, or their sorted values (transformers v5 counts those): the same multiset, the same counts
         return (bins == num_experts and lo == 0 and hi in (num_experts, num_experts - 1)
-                and _flat(_strip(counts.args[0], "float", "int", "to")) is ids)
+                and (_flat(counted) is ids or _sorted_values_of(counted) is ids))
     # one_hot(flat, E).sum(0): the same counts (one_hot raises where histc would drop an id out of range)
     if is_call(counts, "call_method", "sum") and (counts.args[1:] or (counts.kwargs.get("dim"),))[0] == 0:
         hot = counts.args[0]
@@ -167,7 +182,8 @@ def _grouped(node: Node, offs_ids: Node, num_experts: Optional[int]) -> Optional
 
 
 def _scaled_by(node: Node, scores: Node) -> Optional[Node]:
-    """``t`` when ``node`` is ``t * scores.reshape(-1, 1)`` (or ``scores[:, None]``), possibly inside casts."""
+    """``t`` when ``node`` is ``t * scores.reshape(-1, 1)`` (or ``scores[:, None]``, ``scores.unsqueeze(-1)``),
+    possibly inside casts."""
     node = _strip(node, "to")
     if not is_call(node, "call_function", operator.mul):
         return None
@@ -175,7 +191,8 @@ def _scaled_by(node: Node, scores: Node) -> Optional[Node]:
         s = _strip(s, "to", "float")
         if (is_call(s, "call_method", "reshape", "view") and tuple(s.args[1:]) == (-1, 1) and s.args[0] is scores) or (
                 is_call(s, "call_function", operator.getitem) and s.args[0] is scores
-                and s.args[1] == (slice(None, None, None), None)):
+                and s.args[1] == (slice(None, None, None), None)) or (
+                is_call(s, "call_method", "unsqueeze") and s.args[0] is scores and s.args[1:] in ((-1,), (1,))):
             return _strip(t, "float", "to")
     return None
 
@@ -273,6 +290,72 @@ def _unsort_back(acc: Node) -> Optional[_Combine]:
     return _Combine(ys, order, end, (write,), weights=weights)
 
 
+def _inverse_unsort(inv: Node) -> Optional[_Combine]:
+    """transformers v5's unsort: ``inv = torch.empty_like(order); inv[order] = torch.arange(n); ys[inv].view(T, k,
+    H).sum(dim=1)``. ``inv`` is the inverse of the permutation ``order`` of the n = T*k rows, so ``ys[inv]`` is the
+    buffer ``buf[order] = ys`` of torchtitan's unsort, every row written once."""
+    if not is_call(inv, "call_function", torch.empty_like) or len(inv.args) != 1:
+        return None
+    order = inv.args[0]
+    mutations = alias_mutations(inv)
+    if len(mutations) != 1 or not is_call(mutations[0], "call_function", operator.setitem):
+        return None
+    write = mutations[0]
+    if write.args[0] is not inv or write.args[1] is not order or not isinstance(write.args[2], Node):
+        return None
+    ids = _sort_order(order)
+    iv, ov = val(ids) if ids is not None else None, val(order)
+    if iv is None or ov is None or iv.dim() != 2 or ov.dim() != 1:
+        return None
+    n, k = ov.shape[0], iv.shape[1]
+    length = _arange_of(write.args[2])
+    if length is None or not known_equal(length, n) or not known_equal(n, iv.shape[0] * k):
+        return None
+    reads = [u for u in inv.users if u is not write]
+    if len(reads) != 1 or not _after(reads[0], write):
+        return None
+    gathered = reads[0]
+    if not (is_call(gathered, "call_function", operator.getitem) and gathered.args[1] is inv
+            and isinstance(gathered.args[0], Node) and len(gathered.users) == 1):
+        return None
+    ys = gathered.args[0]
+    yv = val(ys)
+    if yv is None or yv.dim() != 2 or not known_equal(yv.shape[0], n):
+        return None
+    grouped = next(iter(gathered.users))
+    if not (is_call(grouped, "call_method", "reshape", "view") and len(grouped.args) == 4 and tuple(
+            grouped.args[2:]) == (k, yv.shape[1]) and _size_is(grouped.args[1], iv.shape[0])
+            and len(grouped.users) == 1):
+        return None
+    user = next(iter(grouped.users))
+    if is_call(user, "call_method", "sum") and (user.args[1:] == (1,) and not user.kwargs or (
+            len(user.args) == 1 and user.kwargs == {"dim": 1})):
+        return _Combine(ys, order, user, (write,))
+    return None
+
+
+def _size_is(arg, size) -> bool:
+    """A view's size argument that is ``size``: -1 (inferred), or an int or a traced size (``x.size(0)`` of a
+    dynamic graph) equal to it for every value."""
+    if arg == -1 and not isinstance(arg, Node):
+        return True
+    if isinstance(arg, Node):
+        traced = arg.meta.get("val", arg.meta.get("example_value"))
+        return isinstance(traced, (int, torch.SymInt)) and known_equal(traced, size)
+    return isinstance(arg, int) and known_equal(arg, size)
+
+
+def _arange_of(node) -> Optional[Union[int, torch.SymInt]]:
+    """n for ``torch.arange(n)`` of an integer dtype (the values 0..n-1; n may be a traced size), else None."""
+    if not (is_call(node, "call_function", torch.arange) and len(node.args) == 1 and set(node.kwargs) <= {
+            "device", "dtype"}):
+        return None
+    av = val(node)
+    if av is None or av.dim() != 1 or av.dtype.is_floating_point or av.dtype == torch.bool:
+        return None
+    return av.shape[0]
+
+
 def _after(node: Node, other: Node) -> bool:
     """``node`` comes after ``other`` in graph order."""
     cur = other.next
@@ -318,7 +401,7 @@ def match(acc: Node) -> Union[Match, str, None]:
     """The MoE whose sorted expert outputs ``acc`` takes back to token order (scatter_add_/index_add_ into zeros,
     or torchtitan's unsort); why not, where ``acc`` receives grouped GEMM outputs (the form's mark) and a check
     fails; None when ``acc`` is no such buffer."""
-    combine = _scatter_back(acc) or _unsort_back(acc)
+    combine = _scatter_back(acc) or _unsort_back(acc) or _inverse_unsort(acc)
     if combine is None:
         if _written_by_grouped_mm(acc):
             return ("the grouped GEMM outputs are written back at rows that are not order // k (or order, unsorted) "
@@ -404,6 +487,11 @@ def _buffer(node: Node) -> bool:
     return is_call(node, "call_function", torch.zeros_like, torch.zeros) or is_call(node, "call_method", "new_zeros")
 
 
+def _index_buffer(node: Node) -> bool:
+    """``torch.empty_like(order)``: the inverse permutation transformers v5 unsorts by (``_inverse_unsort``)."""
+    return is_call(node, "call_function", torch.empty_like)
+
+
 def _written_buffer(node: Node, depth: int = 8) -> Optional[Node]:
     """The zeros buffer that ``node``'s value reaches an in-place write of, within ``depth`` steps."""
     frontier, seen = [node], set()
@@ -433,7 +521,7 @@ def _unexplained_offsets(node: Node) -> Optional[Node]:
     return None if buffer is not None and match(buffer) is not None else offs
 
 
-rewrite = Form(FORM, (Anchor(_buffer, match),), Unmatched(
+rewrite = Form(FORM, (Anchor(_buffer, match), Anchor(_index_buffer, match)), Unmatched(
     _unexplained_offsets, "torch._grouped_mm over expert offsets, but not the sort, histc + cumsum offsets, gather and "
     "scatter-back of one set of routing ids that this form proves"))
 """Replace every provable sort + grouped_mm MoE in a GraphModule; returns what was rewritten."""

@@ -23,9 +23,8 @@ torch's grouped_mm meta kernel takes bf16 only, transformers swaps in a custom o
 that case runs in bf16; no expert-parallel sentinels.
 
 Outcome: the eager loop is rewritten (unrolled_loop, the ``@`` on (in, out) stacks read as a transposed layout);
-the grouped_mm path compiles in one graph per shape with no graph break but is left alone (eager-equal): its unsort
-by the inverse permutation (``out[inv_perm]``) behind an unstable ``torch.sort`` is not a combine sorted_grouped_mm
-proves.
+the grouped_mm path is rewritten by sorted_grouped_mm (its counts are histc of the sorted ids, its unsort a gather by
+the inverse permutation, ``out[inv_perm]``), its (in, out) stacks read as the "kn" layout.
 """
 import torch
 import torch.nn as nn
@@ -136,6 +135,5 @@ CASES = [
          lambda: AriaTextMoELayer(8, "eager"), lambda T, g: torch.randn(2, T, H, generator=g), form="unrolled_loop"),
     Case("hf_v5_aria_grouped_mm", SOURCE + " (integrations/moe.py grouped_mm_experts_forward, is_transposed), E=6",
          lambda: AriaTextMoELayer(6, "grouped_mm"), lambda T, g: torch.randn(1, T, H, generator=g),
-         form="sorted_grouped_mm", dtype=torch.bfloat16,
-         expect=("left_alone", "sorted_grouped_mm", "but not the sort, histc + cumsum offsets, gather and scatter")),
+         form="sorted_grouped_mm", dtype=torch.bfloat16),
 ]
