@@ -56,6 +56,25 @@ class GatheredMoE(nn.Module):
             w2_other = self.w2[(ids + 1) % E]
             h = F.silu(torch.einsum("ti,taoi->tao", x, w1)) * torch.einsum("ti,taoi->tao", x, w3)
             return torch.einsum("tai,ta->ti", torch.einsum("tao,taio->tai", h, w2_other), weights)
+        if self.style.startswith("rows"):  # transformers v5's batched_mm: flat rows, each by its own gathered weight
+            T = x.shape[0]
+            flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)
+            rows = x.repeat(K, 1) if self.style == "rows_tiled" else x.repeat_interleave(K, dim=0)
+            kn = self.style == "rows_kn"
+
+            def project(w, r, which):  # (S, in) rows times their own gathered weight
+                if kn:
+                    return torch.bmm(r.unsqueeze(1), w.transpose(1, 2)[which]).squeeze(1)
+                return torch.bmm(w[which], r.unsqueeze(-1)).squeeze(-1)
+
+            up_ids = (flat_ids + 1) % E if self.style == "rows_up_other_ids" else flat_ids
+            h = F.silu(project(self.w1, rows, flat_ids)) * project(self.w3, rows, up_ids)
+            ys = project(self.w2, h, flat_ids)
+            if self.style == "rows_weights_after_view":
+                return (ys.view(T, K, D) * weights[..., None]).sum(dim=1)
+            if self.style == "rows_weights_transposed":  # weights flattened choice-major: another row's weight
+                flat_w = weights.t().reshape(-1)
+            return (ys * flat_w.unsqueeze(-1)).view(T, K, D).sum(dim=1)
         if self.style.startswith("halves"):  # one stacked gate/up weight, split after the gather (SGLang)
             kn = self.style == "halves_kn"
             if self.style == "halves_interleaved":  # gate rows even, up rows odd: (E, 2I, D)
@@ -90,7 +109,7 @@ class GatheredMoE(nn.Module):
 
 
 @pytest.mark.parametrize("style", ["gptfast", "kn_swapped", "plain_act", "halves", "halves_kn", "halves_split",
-                                   "halves_slice", "halves_interleaved"])
+                                   "halves_slice", "halves_interleaved", "rows", "rows_kn", "rows_weights_after_view"])
 def test_styles_are_rewritten_and_equal(style):
     torch.manual_seed(0)
     model = GatheredMoE(style)
@@ -110,6 +129,8 @@ def test_styles_are_rewritten_and_equal(style):
     ("up_other_x", "read different inputs"),
     ("halves_swapped", "the gate projection reads the second half"),
     ("halves_of_two", "read different gathered weights"),
+    ("rows_up_other_ids", "gather their weights with different ids"),
+    ("rows_tiled", "not the tokens repeated k times"),
 ])
 def test_explain_says_why_gathered_weights_were_left_alone(style, reason):
     torch.manual_seed(0)
@@ -128,7 +149,7 @@ def test_two_look_alike_layers_are_reported_once_each():
     assert all("test_pass_gathered_weights.py" in m.where for m in report.left_alone)
 
 
-@pytest.mark.parametrize("style", ["gptfast", "kn_swapped", "halves"])
+@pytest.mark.parametrize("style", ["gptfast", "kn_swapped", "halves", "rows"])
 def test_gradients_match_eager(style):
     torch.manual_seed(0)
     model = GatheredMoE(style)
@@ -144,7 +165,7 @@ def test_gradients_match_eager(style):
 
 @pytest.mark.parametrize("style", ["wrong_contraction", "mixed_ids", "ids_changed_after_gather",
                                    "up_other_ids", "up_other_x", "halves_swapped", "halves_of_two",
-                                   "halves_overlap"])
+                                   "halves_overlap", "rows_up_other_ids", "rows_tiled", "rows_weights_transposed"])
 def test_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = GatheredMoE(style)

@@ -13,8 +13,16 @@ of one stacked gate/up weight, split after the gather (SGLang's torch-native pat
 
     w1_sel, w3_sel = torch.chunk(w13[ids], 2, dim=2)                 # (T, k, 2I, H) -> two (T, k, I, H)
 
-(or split in two, sliced, or taken as even and odd rows). Anything that does not line up exactly (another user of an
-intermediate, a different contraction, mismatched ids) is left alone.
+(or split in two, sliced, or taken as even and odd rows). transformers v5's ``batched_mm`` writes the same MoE on
+flat rows, each (token, choice) row through ``torch.bmm`` with its own gathered weight (``match_flat_rows``)::
+
+    rows = x.repeat_interleave(k, dim=0); flat = ids.reshape(-1)      # row t*k + j: token t's choice j
+    h = act(torch.bmm(w13[flat], rows.unsqueeze(-1)).squeeze(-1))     # (or gate and up apart)
+    ys = torch.bmm(w2[flat], h.unsqueeze(-1)).squeeze(-1)
+    y = (ys * weights.reshape(-1).unsqueeze(-1)).view(T, k, H).sum(dim=1)
+
+Anything that does not line up exactly (another user of an intermediate, a different contraction, mismatched ids,
+rows tiled rather than repeated) is left alone.
 """
 from __future__ import annotations
 
@@ -27,7 +35,7 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, Unmatched, every_node
-from .fx_utils import einsum_parts, is_call, single_use, val, weighted_sum
+from .fx_utils import einsum_parts, is_call, known_equal, single_use, val, weighted_sum
 from .gated_reads import read_gated
 
 FORM = "gathered_weights"
@@ -254,7 +262,141 @@ def _fused_halves(gate: _Projection, up: Optional[_Projection], down: _Projectio
     return g.whole, g.split
 
 
-rewrite = Form(FORM, (Anchor(every_node, match_or_reason),), Unmatched(
+def _flat_of(node) -> Optional[Node]:
+    """``t`` for ``t.reshape(-1)`` / ``t.view(-1)`` / ``t.flatten()``."""
+    if is_call(node, "call_method", "view", "reshape") and tuple(node.args[1:]) in ((-1,), ((-1,),)):
+        return node.args[0]
+    if is_call(node, "call_method", "flatten") and len(node.args) == 1 and not node.kwargs:
+        return node.args[0]
+    return None
+
+
+def _column(node) -> Optional[Node]:
+    """``t`` for a (S, 1) column of a 1-d t: ``t.unsqueeze(-1)`` / ``t.unsqueeze(1)``, ``t[:, None]``,
+    ``t.reshape(-1, 1)``."""
+    if is_call(node, "call_method", "unsqueeze") and node.args[1:] in ((-1,), (1,)):
+        return node.args[0]
+    if is_call(node, "call_function", operator.getitem) and node.args[1] == (slice(None, None, None), None):
+        return node.args[0]
+    if is_call(node, "call_method", "reshape", "view") and tuple(node.args[1:]) == (-1, 1):
+        return node.args[0]
+    return None
+
+
+def _row_projection(node: Node) -> Optional[_Projection]:
+    """transformers v5's batched_mm projection of flat rows, each by its own gathered expert weight:
+    ``torch.bmm(w[flat_ids], rows.unsqueeze(-1)).squeeze(-1)`` ((E, out, in) weights, "nk"), or
+    ``torch.bmm(rows.unsqueeze(1), w[flat_ids]).squeeze(1)`` ((E, in, out), "kn"). Its ids are the flat ids."""
+    if not (is_call(node, "call_method", "squeeze") and len(node.args) == 2 and not node.kwargs):
+        return None
+    bmm = node.args[0]
+    if not (is_call(bmm, "call_function", torch.bmm) and len(bmm.args) == 2 and not bmm.kwargs and single_use(bmm)):
+        return None
+    a, b = bmm.args
+    if node.args[1] in (-1, 2) and is_call(b, "call_method", "unsqueeze") and b.args[1:] in ((-1,), (2,)):
+        gathered, rows, layout = a, b.args[0], "nk"
+    elif node.args[1] == 1 and is_call(a, "call_method", "unsqueeze") and a.args[1:] == (1,):
+        gathered, rows, layout = b, a.args[0], "kn"
+    else:
+        return None
+    if not (is_call(gathered, "call_function", operator.getitem) and len(gathered.args) == 2 and single_use(gathered)):
+        return None
+    w, ids = gathered.args
+    wv, iv, rv = val(w), val(ids), val(rows)
+    if wv is None or iv is None or rv is None or wv.dim() != 3 or not wv.is_floating_point() or iv.dim() != 1:
+        return None
+    if iv.dtype.is_floating_point or iv.dtype == torch.bool or rv.dim() != 2:
+        return None
+    return _Projection(w, ids, rows, layout)
+
+
+def match_flat_rows(y: Node) -> Union[Match, str, None]:
+    """transformers v5's batched_mm experts: every (token, choice) a row of ``x.repeat_interleave(k, 0)``, projected
+    by its expert's gathered weights (``_row_projection``), the down projection's rows scaled by the flat routing
+    weights and summed over k: ``(ys * weights.reshape(-1).unsqueeze(-1)).view(T, k, H).sum(dim=1)`` (or the weights
+    applied after the view, ``weighted_sum``). Row t*k + j is token t's choice j in every flattening, as in the
+    (T, k) ids and weights."""
+    combined = weighted_sum(y)
+    if combined is not None:  # (ys.view(T, k, H) * weights[..., None]).sum(1)
+        grouped, weights = combined
+        scaled = None
+    else:
+        if not (is_call(y, "call_method", "sum") and (y.args[1:] == (1,) and not y.kwargs or (
+                len(y.args) == 1 and y.kwargs == {"dim": 1}))):
+            return None
+        grouped, weights, scaled = y.args[0], None, None
+    if not (is_call(grouped, "call_method", "view", "reshape") and len(grouped.args) == 4 and single_use(grouped)):
+        return None
+    flat_out = grouped.args[0]
+    if weights is None:  # the weights on the flat rows, before the view
+        if not (is_call(flat_out, "call_function", operator.mul) and len(flat_out.args) == 2 and single_use(flat_out)):
+            return None
+        for ys, col in (flat_out.args, flat_out.args[::-1]):
+            flat_w = _column(col) if isinstance(col, Node) else None
+            if flat_w is not None and isinstance(ys, Node) and _flat_of(flat_w) is not None:
+                weights, scaled = _flat_of(flat_w), ys
+                break
+        if scaled is None:
+            return None
+    else:
+        scaled = flat_out
+    down = _row_projection(scaled)
+    if down is None:
+        return None
+    gated = read_gated(down.x, _row_projection)
+    if gated is None:
+        return "the hidden state is not a known activation of up projection(s) on rows by their gathered weights"
+    gate, up = gated.gate, gated.up
+    projections = [p for p in (gate, up, down) if p is not None]
+    ids = _flat_of(gate.ids)
+    if ids is None or any(_flat_of(p.ids) is not ids for p in projections):
+        return "the projections gather their weights with different ids"
+    if any(p.layout != gate.layout for p in projections) or (up is not None and up.x is not gate.x):
+        return "the projections mix weight layouts or read different rows"
+    chain = [scaled, down.x, gated.act, gated.gate_in] + ([gated.up_in] if gated.up_in is not None else [])
+    if not single_use(*{id(n): n for n in chain}.values()):
+        return "an intermediate of the experts (hidden state, activation, projection) is used elsewhere too"
+    rows = gate.x
+    repeated = _repeated_rows(rows)
+    if repeated is None:
+        return "the rows are not the tokens repeated k times (x.repeat_interleave(k, dim=0))"
+    x, repeats = repeated
+    iv, wv, xv = val(ids), val(weights), val(x)
+    if iv is None or wv is None or xv is None or iv.dim() != 2 or xv.dim() != 2 or tuple(wv.shape) != tuple(iv.shape):
+        return "the tokens, ids and routing weights do not have (T, H), (T, k) and (T, k) shapes"
+    k, width = iv.shape[1], val(scaled).shape[1]
+    size = grouped.args[1]
+    if repeats != k or tuple(grouped.args[2:]) != (k, width) or not (
+            (size == -1 and not isinstance(size, Node)) or known_equal(_traced_size(size), xv.shape[0])):
+        return "the rows, their flattening and the sum over k do not group each token's k choices"
+    fields = gated.spec_fields()
+    spec = MoESpec(x, ids, weights, gate.weight, up.weight if up else None, down.weight, gate.layout,
+                   gated.activation, **fields)
+    return Match(spec, y, note="avoids gathering T*k expert weight copies per call (batched_mm)")
+
+
+def _repeated_rows(rows) -> Optional[tuple[Node, int]]:
+    """(x, k) for ``x.repeat_interleave(k, dim=0)`` (or ``torch.repeat_interleave(x, k, 0)``) at an int k: each row of
+    x k times in a row. (Without a dim it flattens x: not these rows.)"""
+    if not (is_call(rows, "call_method", "repeat_interleave") or is_call(rows, "call_function", torch.repeat_interleave)):
+        return None
+    if not isinstance(rows.args[0], Node) or set(rows.kwargs) - {"dim", "repeats"}:
+        return None
+    repeats = rows.kwargs.get("repeats", rows.args[1] if len(rows.args) > 1 else None)
+    dim = rows.kwargs.get("dim", rows.args[2] if len(rows.args) > 2 else None)
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or dim not in (0, -2):
+        return None
+    return rows.args[0], repeats
+
+
+def _traced_size(arg):
+    """An int, or the size a traced size node holds (a dynamic graph's ``x.size(0)``)."""
+    if isinstance(arg, Node):
+        return arg.meta.get("val", arg.meta.get("example_value"))
+    return arg
+
+
+rewrite = Form(FORM, (Anchor(every_node, match_or_reason), Anchor(every_node, match_flat_rows)), Unmatched(
     lambda n: (_gathered(n) or (None, None))[1],
     "expert weights gathered by routing ids (w[ids]), but the einsums around them are not the gated/plain up, down "
     "and weighted sum over k this form proves, each used once"))
