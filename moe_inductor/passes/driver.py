@@ -125,6 +125,8 @@ class Form:
                 found = anchor.match(node)
                 if found is None:
                     continue
+                if _hf_experts_code(node) or (not isinstance(found, str) and _hf_experts_code(found.end)):
+                    continue  # transformers' own experts code: the hf route decided it (hf.py) and said why
                 reason = found if isinstance(found, str) else (
                     None if inputs_unchanged(found.spec) else CHANGED_IN_PLACE)
                 if reason is None:  # and what the region derives from them is read as the proof read it
@@ -273,8 +275,14 @@ def _replace(graph: Graph, form: str, m: Match) -> Rewrite:
 
 
 #: transformers' own experts code: when it is still in the graph, the HF substitution left that module alone and
-#: said why (hf.py); the FX passes do not report it a second time
+#: said why (hf.py), its speed rule included; the FX passes neither rewrite it nor report it a second time
 _HF_EXPERTS_SOURCE = "transformers/integrations/moe.py"
+
+
+def _hf_experts_code(node: Node) -> bool:
+    """Whether ``node`` was traced inside transformers' experts forwards (the shared implementations, or a class's
+    eager loop behind their wrapper)."""
+    return _HF_EXPERTS_SOURCE in (node.meta.get("stack_trace") or "")
 
 
 def region_of(node: Node, fallback: object = None) -> object:
@@ -291,7 +299,7 @@ def note_unmatched(gm: GraphModule, form: str, unmatched: Unmatched, already: Op
     seen = set(already or ())
     for node in gm.graph.nodes:
         group = unmatched.marker(node)
-        if group is None or _HF_EXPERTS_SOURCE in (node.meta.get("stack_trace") or ""):
+        if group is None or _hf_experts_code(node):
             continue
         region = region_of(node, group)
         if region in seen:
