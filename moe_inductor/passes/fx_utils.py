@@ -386,16 +386,68 @@ def known_equal(a, b) -> bool:
     return statically_known_true(a == b)
 
 
-def unsqueezed_last(node) -> Optional[Node]:
-    """``w`` for ``w[..., None]`` or ``w.unsqueeze(-1)`` (w 2D)."""
-    if not isinstance(node, Node) or not node.args:
+_ALL = slice(None, None, None)
+
+
+def column_of(node, dims: int = 1) -> Optional[Node]:
+    """``w`` for a ``dims``-d w given a trailing 1: ``w.unsqueeze(-1)`` (or at dim ``dims``), ``w[..., None]`` or
+    ``w[:, None]`` (``[:, :, None]`` at two dims); at one dim also ``w.view(-1, 1)`` (``reshape``)."""
+    if not isinstance(node, Node) or not node.args or not isinstance(node.args[0], Node):
         return None
-    base = node.args[0]
-    if node.op == "call_function" and node.target is operator.getitem and node.args[1] == (Ellipsis, None):
-        return base
-    if node.op == "call_method" and node.target == "unsqueeze" and (node.args[1:] or (node.kwargs.get("dim"),))[0] in (-1, 2):
-        return base
+    w = node.args[0]
+    if is_call(node, "call_method", "unsqueeze"):
+        dim = node.args[1] if len(node.args) == 2 and not node.kwargs else (
+            node.kwargs.get("dim") if len(node.args) == 1 and set(node.kwargs) == {"dim"} else None)
+        hit = dim in (-1, dims)
+    elif node.kwargs:
+        return None
+    else:
+        hit = (is_call(node, "call_function", operator.getitem) and node.args[1] in (
+            (_ALL,) * dims + (None,), (Ellipsis, None))) or (dims == 1 and (
+            is_call(node, "call_method", "view", "reshape") and tuple(node.args[1:]) in ((-1, 1), ((-1, 1),))))
+    return w if hit and val(w) is not None and val(w).dim() == dims else None
+
+
+def unsqueezed_last(node) -> Optional[Node]:
+    """``w`` for ``w[..., None]`` or ``w.unsqueeze(-1)`` of a 2-d w."""
+    return column_of(node, 2)
+
+
+def flat_of(node) -> Optional[Node]:
+    """``t`` for ``t.view(-1)``, ``t.reshape(-1)`` or ``t.flatten()``."""
+    if is_call(node, "call_method", "view", "reshape") and tuple(node.args[1:]) in ((-1,), ((-1,),)) and not node.kwargs:
+        return node.args[0]
+    if is_call(node, "call_method", "flatten") and len(node.args) == 1 and not node.kwargs:
+        return node.args[0]
     return None
+
+
+def arange_length(node):
+    """n for ``torch.arange(n)`` (or ``arange(0, n)``, ``arange(0, n, 1)``) of an integer dtype: the values 0, 1, ...,
+    n-1. n is an int, or a traced size (a SymInt) in a dynamic graph; callers that need an int check for one."""
+    if not (is_call(node, "call_function", torch.arange) and set(node.kwargs) <= {"device", "dtype"}):
+        return None
+    args = tuple(node.args)
+    if not 1 <= len(args) <= 3:
+        return None
+    start, step = (0 if len(args) == 1 else args[0]), (args[2] if len(args) == 3 else 1)
+    if not (type(start) is int and start == 0 and type(step) is int and step == 1):
+        return None
+    av = val(node)
+    if av is None or av.dim() != 1 or av.dtype.is_floating_point or av.dtype == torch.bool:
+        return None
+    return av.shape[0]
+
+
+def size_is(arg, size) -> bool:
+    """A view's size argument that is ``size``: -1 (inferred), or an int or a traced size (``x.size(0)`` of a
+    dynamic graph) equal to it for every value."""
+    if isinstance(arg, Node):
+        traced = arg.meta.get("val", arg.meta.get("example_value"))
+        return isinstance(traced, (int, torch.SymInt)) and known_equal(traced, size)
+    if isinstance(arg, bool) or not isinstance(arg, int):
+        return False
+    return arg == -1 or known_equal(arg, size)
 
 
 def _user_frame(node: Node) -> Optional[tuple[str, str, str, str]]:

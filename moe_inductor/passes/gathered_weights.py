@@ -35,7 +35,7 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, Unmatched, every_node
-from .fx_utils import einsum_parts, is_call, known_equal, single_use, val, weighted_sum
+from .fx_utils import column_of, einsum_parts, flat_of, is_call, single_use, size_is, val, weighted_sum
 from .gated_reads import read_gated
 
 FORM = "gathered_weights"
@@ -262,27 +262,6 @@ def _fused_halves(gate: _Projection, up: Optional[_Projection], down: _Projectio
     return g.whole, g.split
 
 
-def _flat_of(node) -> Optional[Node]:
-    """``t`` for ``t.reshape(-1)`` / ``t.view(-1)`` / ``t.flatten()``."""
-    if is_call(node, "call_method", "view", "reshape") and tuple(node.args[1:]) in ((-1,), ((-1,),)):
-        return node.args[0]
-    if is_call(node, "call_method", "flatten") and len(node.args) == 1 and not node.kwargs:
-        return node.args[0]
-    return None
-
-
-def _column(node) -> Optional[Node]:
-    """``t`` for a (S, 1) column of a 1-d t: ``t.unsqueeze(-1)`` / ``t.unsqueeze(1)``, ``t[:, None]``,
-    ``t.reshape(-1, 1)``."""
-    if is_call(node, "call_method", "unsqueeze") and node.args[1:] in ((-1,), (1,)):
-        return node.args[0]
-    if is_call(node, "call_function", operator.getitem) and node.args[1] == (slice(None, None, None), None):
-        return node.args[0]
-    if is_call(node, "call_method", "reshape", "view") and tuple(node.args[1:]) == (-1, 1):
-        return node.args[0]
-    return None
-
-
 def _row_projection(node: Node) -> Optional[_Projection]:
     """transformers v5's batched_mm projection of flat rows, each by its own gathered expert weight:
     ``torch.bmm(w[flat_ids], rows.unsqueeze(-1)).squeeze(-1)`` ((E, out, in) weights, "nk"), or
@@ -332,9 +311,9 @@ def match_flat_rows(y: Node) -> Union[Match, str, None]:
         if not (is_call(flat_out, "call_function", operator.mul) and len(flat_out.args) == 2 and single_use(flat_out)):
             return None
         for ys, col in (flat_out.args, flat_out.args[::-1]):
-            flat_w = _column(col) if isinstance(col, Node) else None
-            if flat_w is not None and isinstance(ys, Node) and _flat_of(flat_w) is not None:
-                weights, scaled = _flat_of(flat_w), ys
+            flat_w = column_of(col, 1) if isinstance(col, Node) else None
+            if flat_w is not None and isinstance(ys, Node) and flat_of(flat_w) is not None:
+                weights, scaled = flat_of(flat_w), ys
                 break
         if scaled is None:
             return None
@@ -348,8 +327,8 @@ def match_flat_rows(y: Node) -> Union[Match, str, None]:
         return "the hidden state is not a known activation of up projection(s) on rows by their gathered weights"
     gate, up = gated.gate, gated.up
     projections = [p for p in (gate, up, down) if p is not None]
-    ids = _flat_of(gate.ids)
-    if ids is None or any(_flat_of(p.ids) is not ids for p in projections):
+    ids = flat_of(gate.ids)
+    if ids is None or any(flat_of(p.ids) is not ids for p in projections):
         return "the projections gather their weights with different ids"
     if any(p.layout != gate.layout for p in projections) or (up is not None and up.x is not gate.x):
         return "the projections mix weight layouts or read different rows"
@@ -367,7 +346,7 @@ def match_flat_rows(y: Node) -> Union[Match, str, None]:
     k, width = iv.shape[1], val(scaled).shape[1]
     size = grouped.args[1]
     if repeats != k or tuple(grouped.args[2:]) != (k, width) or not (
-            (size == -1 and not isinstance(size, Node)) or known_equal(_traced_size(size), xv.shape[0])):
+            size_is(size, xv.shape[0])):
         return "the rows, their flattening and the sum over k do not group each token's k choices"
     fields = gated.spec_fields()
     spec = MoESpec(x, ids, weights, gate.weight, up.weight if up else None, down.weight, gate.layout,
@@ -387,13 +366,6 @@ def _repeated_rows(rows) -> Optional[tuple[Node, int]]:
     if not isinstance(repeats, int) or isinstance(repeats, bool) or dim not in (0, -2):
         return None
     return rows.args[0], repeats
-
-
-def _traced_size(arg):
-    """An int, or the size a traced size node holds (a dynamic graph's ``x.size(0)``)."""
-    if isinstance(arg, Node):
-        return arg.meta.get("val", arg.meta.get("example_value"))
-    return arg
 
 
 rewrite = Form(FORM, (Anchor(every_node, match_or_reason), Anchor(every_node, match_flat_rows)), Unmatched(

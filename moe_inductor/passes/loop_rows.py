@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from .fx_utils import is_call, unsqueezed_last, val
+from .fx_utils import arange_length, is_call, unsqueezed_last, val
 
 
 def selected_ids(cond: Node) -> Optional[tuple[Node, int, bool]]:
@@ -60,32 +60,12 @@ def expert_hot(hot: Node) -> Optional[tuple[Node, int]]:
     if not (is_call(hot, "call_function", operator.eq, torch.eq) and len(hot.args) == 2 and not hot.kwargs):
         return None
     for column, row in (hot.args, hot.args[::-1]):
-        ids, num_experts = unsqueezed_last(column), _arange_length(row)
-        if ids is not None and num_experts is not None:
+        ids, num_experts = unsqueezed_last(column), arange_length(row)
+        if ids is not None and isinstance(num_experts, int):
             iv = val(ids)
             if iv is not None and iv.dim() == 2:
                 return ids, num_experts
     return None
-
-
-def _arange_length(node) -> Optional[int]:
-    """n for ``torch.arange(n)`` (or ``arange(0, n)``, ``arange(0, n, 1)``) at an int n, of an integer dtype: the
-    values 0, 1, ..., n-1."""
-    if not (is_call(node, "call_function", torch.arange) and set(node.kwargs) <= {"device", "dtype"}):
-        return None
-    args = tuple(node.args)
-    if len(args) == 1:
-        start, end, step = 0, args[0], 1
-    elif len(args) in (2, 3):
-        start, end, step = args[0], args[1], args[2] if len(args) == 3 else 1
-    else:
-        return None
-    if not (start == 0 and step == 1 and isinstance(end, int) and type(start) is int and type(step) is int):
-        return None
-    av = val(node)
-    if av is None or av.dtype.is_floating_point or av.dtype == torch.bool or av.shape != (end,):
-        return None
-    return end
 
 
 def held_index(t) -> Optional[int]:

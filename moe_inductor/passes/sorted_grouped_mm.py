@@ -43,20 +43,11 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, Unmatched
-from .fx_utils import alias_mutations, is_call, known_equal, val
+from .fx_utils import alias_mutations, arange_length, column_of, flat_of, is_call, known_equal, size_is, val
 from .gated_reads import read_gated
 from .split_experts import split_loop_experts
 
 FORM = "sorted_grouped_mm"
-
-
-def _flat(node) -> Optional[Node]:
-    """``t`` for ``t.view(-1)``, ``t.reshape(-1)`` or ``t.flatten()``."""
-    if is_call(node, "call_method", "view", "reshape") and tuple(node.args[1:]) in ((-1,), ((-1,),)):
-        return node.args[0]
-    if is_call(node, "call_method", "flatten") and len(node.args) == 1:
-        return node.args[0]
-    return None
 
 
 def _strip(node, *methods) -> Node:
@@ -69,11 +60,11 @@ def _strip(node, *methods) -> Node:
 def _sort_order(order: Node) -> Optional[Node]:
     """The (T, k) ids whose flattening ``order`` sorts: ``argsort(flat)`` or ``sort(flat)[1]``."""
     if is_call(order, "call_function", torch.argsort) and len(order.args) == 1 and set(order.kwargs) <= {"stable"}:
-        return _flat(order.args[0])
+        return flat_of(order.args[0])
     if is_call(order, "call_function", operator.getitem) and order.args[1] == 1:
         sort = order.args[0]
         if is_call(sort, "call_function", torch.sort) and len(sort.args) == 1 and set(sort.kwargs) <= {"stable"}:
-            return _flat(sort.args[0])
+            return flat_of(sort.args[0])
     return None
 
 
@@ -82,7 +73,7 @@ def _sorted_values_of(node) -> Optional[Node]:
     if is_call(node, "call_function", operator.getitem) and node.args[1] == 0:
         sort = node.args[0]
         if is_call(sort, "call_function", torch.sort) and len(sort.args) == 1 and set(sort.kwargs) <= {"stable"}:
-            return _flat(sort.args[0])
+            return flat_of(sort.args[0])
     return None
 
 
@@ -137,13 +128,13 @@ def _counts_of(counts, ids: Node, num_experts: int) -> bool:
         counted = _strip(counts.args[0], "float", "int", "to")
         # the flat ids, or their sorted values (transformers v5 counts those): the same multiset, the same counts
         return (bins == num_experts and lo == 0 and hi in (num_experts, num_experts - 1)
-                and (_flat(counted) is ids or _sorted_values_of(counted) is ids))
+                and (flat_of(counted) is ids or _sorted_values_of(counted) is ids))
     # one_hot(flat, E).sum(0): the same counts (one_hot raises where histc would drop an id out of range)
     if is_call(counts, "call_method", "sum") and (counts.args[1:] or (counts.kwargs.get("dim"),))[0] == 0:
         hot = counts.args[0]
         if is_call(hot, "call_function", torch.nn.functional.one_hot, torch._C._nn.one_hot):
             classes = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)
-            return classes == num_experts and _flat(hot.args[0]) is ids and set(counts.kwargs) <= {"dim"}
+            return classes == num_experts and flat_of(hot.args[0]) is ids and set(counts.kwargs) <= {"dim"}
     return False
 
 
@@ -189,10 +180,7 @@ def _scaled_by(node: Node, scores: Node) -> Optional[Node]:
         return None
     for t, s in (node.args, node.args[::-1]):
         s = _strip(s, "to", "float")
-        if (is_call(s, "call_method", "reshape", "view") and tuple(s.args[1:]) == (-1, 1) and s.args[0] is scores) or (
-                is_call(s, "call_function", operator.getitem) and s.args[0] is scores
-                and s.args[1] == (slice(None, None, None), None)) or (
-                is_call(s, "call_method", "unsqueeze") and s.args[0] is scores and s.args[1:] in ((-1,), (1,))):
+        if column_of(s, 1) is scores:
             return _strip(t, "float", "to")
     return None
 
@@ -200,7 +188,7 @@ def _scaled_by(node: Node, scores: Node) -> Optional[Node]:
 def _scores_of(order: Node) -> list[Node]:
     """The ``weights.view(-1)[order]`` gathers that read the routing weights in sorted order."""
     return [u for u in order.users if is_call(u, "call_function", operator.getitem) and u.args[1] is order
-            and _flat(u.args[0]) is not None]
+            and flat_of(u.args[0]) is not None]
 
 
 @dataclass
@@ -308,7 +296,7 @@ def _inverse_unsort(inv: Node) -> Optional[_Combine]:
     if iv is None or ov is None or iv.dim() != 2 or ov.dim() != 1:
         return None
     n, k = ov.shape[0], iv.shape[1]
-    length = _arange_of(write.args[2])
+    length = arange_length(write.args[2])
     if length is None or not known_equal(length, n) or not known_equal(n, iv.shape[0] * k):
         return None
     reads = [u for u in inv.users if u is not write]
@@ -324,7 +312,7 @@ def _inverse_unsort(inv: Node) -> Optional[_Combine]:
         return None
     grouped = next(iter(gathered.users))
     if not (is_call(grouped, "call_method", "reshape", "view") and len(grouped.args) == 4 and tuple(
-            grouped.args[2:]) == (k, yv.shape[1]) and _size_is(grouped.args[1], iv.shape[0])
+            grouped.args[2:]) == (k, yv.shape[1]) and size_is(grouped.args[1], iv.shape[0])
             and len(grouped.users) == 1):
         return None
     user = next(iter(grouped.users))
@@ -332,28 +320,6 @@ def _inverse_unsort(inv: Node) -> Optional[_Combine]:
             len(user.args) == 1 and user.kwargs == {"dim": 1})):
         return _Combine(ys, order, user, (write,))
     return None
-
-
-def _size_is(arg, size) -> bool:
-    """A view's size argument that is ``size``: -1 (inferred), or an int or a traced size (``x.size(0)`` of a
-    dynamic graph) equal to it for every value."""
-    if arg == -1 and not isinstance(arg, Node):
-        return True
-    if isinstance(arg, Node):
-        traced = arg.meta.get("val", arg.meta.get("example_value"))
-        return isinstance(traced, (int, torch.SymInt)) and known_equal(traced, size)
-    return isinstance(arg, int) and known_equal(arg, size)
-
-
-def _arange_of(node) -> Optional[Union[int, torch.SymInt]]:
-    """n for ``torch.arange(n)`` of an integer dtype (the values 0..n-1; n may be a traced size), else None."""
-    if not (is_call(node, "call_function", torch.arange) and len(node.args) == 1 and set(node.kwargs) <= {
-            "device", "dtype"}):
-        return None
-    av = val(node)
-    if av is None or av.dim() != 1 or av.dtype.is_floating_point or av.dtype == torch.bool:
-        return None
-    return av.shape[0]
 
 
 def _after(node: Node, other: Node) -> bool:
@@ -446,7 +412,7 @@ def match(acc: Node) -> Union[Match, str, None]:
     else:
         if position is None:  # no routing weight at all
             return "no routing weight scales the experts' input or output"
-        weights = _flat(score.args[0])
+        weights = flat_of(score.args[0])
     tok = None
     if is_call(xs, "call_function", torch.gather) and xs.args[1] == 0:
         tok = _token_rows(xs.args[2])

@@ -38,9 +38,9 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match
-from .fx_utils import alias_mutations, is_call, val
+from .fx_utils import alias_mutations, flat_of, is_call, val
 from .gated_reads import read_gated
-from .sorted_grouped_mm import _flat, _sort_order
+from .sorted_grouped_mm import _sort_order
 from .unrolled_loop import _linear, _topk_ids, expert_mlp
 
 FORM = "split_loop"
@@ -139,12 +139,12 @@ def _any_sort_order(order: Node) -> Optional[Node]:
         return got
     if is_call(order, "call_method", "argsort") and order.args[1:] in ((), (0,), (-1,)) and set(order.kwargs) <= {
             "stable"}:
-        return _flat(order.args[0])
+        return flat_of(order.args[0])
     if is_call(order, "call_function", operator.getitem) and order.args[1] == 1:
         sort = order.args[0]
         if is_call(sort, "call_method", "sort") and sort.args[1:] in ((), (0,), (-1,)) and set(sort.kwargs) <= {
                 "stable"}:
-            return _flat(sort.args[0])
+            return flat_of(sort.args[0])
     return None
 
 
@@ -165,7 +165,7 @@ def _counts(node, d: _Dispatch, num_experts: int) -> bool:
         lo = node.kwargs.get("min", node.args[2] if len(node.args) > 2 else None)
         hi = node.kwargs.get("max", node.args[3] if len(node.args) > 3 else None)
         return (bins == num_experts and lo == 0 and hi in (num_experts, num_experts - 1)
-                and _flat(_strip(node.args[0], "float", "int", "long")) is d.ids)
+                and flat_of(_strip(node.args[0], "float", "int", "long")) is d.ids)
     return False
 
 
@@ -339,7 +339,7 @@ def _weights_of(scale: Node, d: _Dispatch) -> Optional[Node]:
     """The (T, k) routing weights that ``scale`` (one per sorted row) reads in the dispatch's order."""
     if d.order is not None:
         if is_call(scale, "call_function", operator.getitem) and scale.args[1] is d.order:
-            return _flat(scale.args[0])
+            return flat_of(scale.args[0])
         return None
     if not (is_call(scale, "call_method", "masked_select") and len(scale.args) == 2):
         return None

@@ -33,7 +33,7 @@ from torch.fx import Graph, Node
 from ..spec import MoESpec
 from .driver import Match
 from .flat_slices import block_linear
-from .fx_utils import alias_mutations, is_call, same_value_key, scale_of_rows, val
+from .fx_utils import alias_mutations, column_of, is_call, same_value_key, scale_of_rows, val
 
 _ZEROS = ((torch.zeros_like, torch.zeros), ("new_zeros",))
 _EMPTY = ((torch.empty_like, torch.empty), ("new_empty",))
@@ -128,28 +128,15 @@ def _column_weight(s, key, e: int, dims: int) -> Optional[tuple[Node, Node, bool
             s.args[1][1] is None):  # w[mask, None]
         got = _mask_of(s.args[1][0])
         return (s.args[0], s, False) if got is not None and got[1:] == (key, e) else None
-    inner = _as_column(s, 1)  # w[mask].unsqueeze(-1): the masked rows are 1-D whatever the ids' dims
+    inner = column_of(s, 1)  # w[mask].unsqueeze(-1): the masked rows are 1-D whatever the ids' dims
     if inner is not None and (w := _top1_rows(inner, key, e)) is not None:
         return w, inner, False
     w = _top1_rows(s, key, e)
     if w is None:
         return None
-    base = _as_column(w, dims)  # w.unsqueeze(-1)[mask], or w[mask] of a w with a trailing 1
+    base = column_of(w, dims)  # w.unsqueeze(-1)[mask], or w[mask] of a w with a trailing 1
     return (base, s, False) if base is not None else (w, s, True)
 
-
-def _as_column(node, dims: int) -> Optional[Node]:
-    """``w`` for a w of ``dims`` dims given a trailing 1: ``w.unsqueeze(-1)``, ``w[..., None]`` or ``w[:, None]``
-    (``[:, :, None]`` at two dims); at one dim also ``w.view(-1, 1)`` (``reshape``)."""
-    if not isinstance(node, Node) or not node.args or not isinstance(node.args[0], Node) or node.kwargs:
-        return None
-    w = node.args[0]
-    if (is_call(node, "call_method", "unsqueeze") and tuple(node.args[1:]) in ((-1,), (dims,))) or (
-            is_call(node, "call_function", operator.getitem) and node.args[1] in (
-            (_ALL,) * dims + (None,), (Ellipsis, None))) or (dims == 1 and (
-            is_call(node, "call_method", "view", "reshape") and tuple(node.args[1:]) in ((-1, 1), ((-1, 1),)))):
-        return w if val(w) is not None and val(w).dim() == dims else None
-    return None
 
 
 def top1_buffer(node: Node) -> bool:
