@@ -1,8 +1,8 @@
 """The randomised generator of genuine MoE variants and look-alikes (tests/generator/): every genuine variant is
 rewritten as its form and equal to eager (forward and gradients); every look-alike is left alone and equal to eager.
 
-CI runs 30 recipes, 6 of them drawn from the guarded loops, top-1 mask writes and capacity layers alone (the
-general draws reach them seldom); ``MOE_GENERATOR_EXAMPLES=300`` runs that many in each test.
+CI runs 36 recipes, 6 of them drawn from the guarded loops, top-1 mask writes and capacity layers alone, and 6
+from the broadcast masks and transformers v5's experts code written out (the general draws reach them seldom); ``MOE_GENERATOR_EXAMPLES=300`` runs that many in each test.
 ``python -m tests.generator --examples 300`` runs recipes without stopping at the first failure and prints the
 rewrite rate per form and per idiom (``--guards-masks-slots``: of those spellings alone).
 ``--hypothesis-show-statistics`` shows the verdicts per form from this test too (``hypothesis.event``).
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from tests.generator.check import run
-from tests.generator.recipe import GUARDS_MASKS_SLOTS, Recipe, draw_recipe, hypothesis_draw, narrowed
+from tests.generator.recipe import GUARDS_MASKS_SLOTS, MASKS_AND_V5, Recipe, draw_recipe, hypothesis_draw, narrowed
 
 EXAMPLES = int(os.environ.get("MOE_GENERATOR_EXAMPLES", 0))
 
@@ -67,3 +67,14 @@ def test_guards_top1_masks_and_slot_layers(data):
     look-alikes (a guard of another expert or of more than one row, a guarded body that does more, an empty buffer
     under ids not provably in range(E), per-slot biases, a dropout in training, token-major queues)."""
     _check(draw_recipe(narrowed(hypothesis_draw(data), GUARDS_MASKS_SLOTS)))
+
+
+@settings(max_examples=EXAMPLES or 6, **_SETTINGS)
+@given(data=st.data())
+def test_broadcast_masks_and_v5_user_code(data):
+    """litgpt's ``(ids[..., None] == arange(E)).permute(2, 0, 1)`` masks and the one-hot read the same way, and
+    transformers v5's grouped_mm and batched_mm forwards written as user code; and their look-alikes (the mask
+    against ``arange(1, E + 1)``, rows tiled choice-major, the unsort by another order)."""
+    r = draw_recipe(narrowed(hypothesis_draw(data), MASKS_AND_V5))
+    assume(r.form != "sorted" or hasattr(torch, "_grouped_mm"))
+    _check(r)

@@ -77,7 +77,11 @@ class SortedMoE(nn.Module):
             return out
         if self.style.startswith("v5"):  # transformers v5's grouped_mm forward; three look-alikes of its unsort
             flat, weights = ids.reshape(-1), top.reshape(-1)
-            ids_sorted, perm = torch.sort(flat)
+            if self.style in ("v5_argsort", "v5_other_counts"):  # the sorted values read as flat[perm]
+                perm = torch.argsort(flat, stable=True)
+                ids_sorted = ((flat + 1) % E if self.style == "v5_other_counts" else flat)[perm]
+            else:
+                ids_sorted, perm = torch.sort(flat)
             xs = x[perm // k]
             offs = torch.cumsum(torch.histc(ids_sorted.float(), bins=E, min=0, max=E - 1), dim=0, dtype=torch.int32)
             h = F.silu(torch._grouped_mm(xs, self.w1.transpose(-2, -1), offs=offs)) * torch._grouped_mm(
@@ -117,9 +121,9 @@ def _hf_fallback():
 
 
 @pytest.mark.parametrize("style,k", [("titan", 1), ("titan", 2), ("hf", 1), ("hf", 2), ("hf_fallback_fp32", 2),
-                                     ("functional_fp32", 2), ("v5", 2), ("v5", 1)],
+                                     ("functional_fp32", 2), ("v5", 2), ("v5", 1), ("v5_argsort", 2)],
                          ids=["titan-k1", "titan-k2", "hf-k1", "hf-k2", "hf-fallback-op-fp32", "functional-fp32",
-                              "v5-inverse-unsort-k2", "v5-inverse-unsort-k1"])
+                              "v5-inverse-unsort-k2", "v5-inverse-unsort-k1", "v5-argsort-counts-of-flat-perm"])
 def test_styles_are_rewritten_and_equal(style, k):
     """Every spelling of the grouped GEMM: torch._grouped_mm (bf16 only), transformers' fp32 fallback op, and
     F.grouped_mm (bf16 on CPU, like _grouped_mm)."""
@@ -140,9 +144,10 @@ def test_styles_are_rewritten_and_equal(style, k):
         assert sum(counters["graph_break"].values()) == 0
 
 
-@pytest.mark.parametrize("style", ["wrong_offsets", "unsorted_scores", "scatter_other_rows"])
+@pytest.mark.parametrize("style", ["wrong_offsets", "unsorted_scores", "scatter_other_rows", "v5_other_counts"])
 def test_look_alikes_are_left_alone(style):
-    """Offsets of other ids, scores not in the sorted order, results added to other rows: none is this MoE."""
+    """Offsets of other ids (counted flat, or in sorted order as v5 counts them), scores not in the sorted order,
+    results added to other rows: none is this MoE."""
     torch.manual_seed(0)
     model = SortedMoE(style).bfloat16()
     x = torch.randn(9, H, dtype=torch.bfloat16)

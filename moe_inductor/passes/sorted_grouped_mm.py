@@ -69,12 +69,18 @@ def _sort_order(order: Node) -> Optional[Node]:
 
 
 def _sorted_values_of(node) -> Optional[Node]:
-    """The (T, k) ids for ``sort(ids.view(-1))[0]``: the flat ids' values in sorted order."""
-    if is_call(node, "call_function", operator.getitem) and node.args[1] == 0:
+    """The (T, k) ids for their flat values in sorted order: ``sort(ids.view(-1))[0]``, or ``flat[order]`` with
+    ``order`` the sort order of that same ``flat``."""
+    if not is_call(node, "call_function", operator.getitem):
+        return None
+    if node.args[1] == 0:
         sort = node.args[0]
         if is_call(sort, "call_function", torch.sort) and len(sort.args) == 1 and set(sort.kwargs) <= {"stable"}:
             return flat_of(sort.args[0])
-    return None
+        return None
+    flat, order = node.args
+    ids = flat_of(flat) if isinstance(order, Node) else None
+    return ids if ids is not None and _sort_order(order) is ids else None
 
 
 def _token_rows(index: Node) -> Optional[Node]:
@@ -186,9 +192,10 @@ def _scaled_by(node: Node, scores: Node) -> Optional[Node]:
 
 
 def _scores_of(order: Node) -> list[Node]:
-    """The ``weights.view(-1)[order]`` gathers that read the routing weights in sorted order."""
+    """The ``weights.view(-1)[order]`` gathers that read the routing weights in sorted order (floating values: the
+    ids' own ``flat[order]``, which v5 counts, is not one)."""
     return [u for u in order.users if is_call(u, "call_function", operator.getitem) and u.args[1] is order
-            and flat_of(u.args[0]) is not None]
+            and flat_of(u.args[0]) is not None and val(u) is not None and val(u).is_floating_point()]
 
 
 @dataclass

@@ -46,6 +46,11 @@ class LoopMoE(nn.Module):
         experts, hits = range(r.E), None
         if selection == "onehot":
             hits = F.one_hot(ids, num_classes=r.E).permute(2, 1, 0)  # (E, k, T), transformers v4's expert_mask
+        elif selection == "onehot_etk":
+            hits = F.one_hot(ids, num_classes=r.E).permute(2, 0, 1)  # (E, T, k)
+        elif selection == "arange_mask":  # litgpt's LLaMAMoE: (T, k, E) booleans permuted to (E, T, k)
+            first = 1 if r.flaw == "mask_shift" else 0
+            hits = (ids[..., None] == torch.arange(first, r.E + first, device=x.device)).permute(2, 0, 1)
         elif v5:  # transformers v5's eager loop: a spare class, the loop over the experts that got tokens
             with torch.no_grad():
                 hits = F.one_hot(ids, num_classes=r.E + 1).permute(2, 1, 0)
@@ -111,8 +116,10 @@ class LoopMoE(nn.Module):
                 tok, pos = torch.where(hit)
             elif r.idioms["selection"] == "nonzero":
                 tok, pos = hit.nonzero(as_tuple=True)
-            else:
+            elif r.idioms["selection"] == "onehot":
                 pos, tok = torch.where(hits[e])
+            else:
+                tok, pos = torch.where(hits[e])
             if r.flaw == "other_slot":
                 pos = (pos + 1) % r.k
             w = weights[tok, pos, None]

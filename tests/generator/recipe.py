@@ -27,7 +27,7 @@ FUSED = ("fused_chunk", "fused_split", "fused_slice", "fused_interleaved")
 GUARDS = ("none", "mask_any", "torch_any", "continue")
 #: the loop selections a guard's mask ``ids == e`` can stand before (v5's hit loop and DeepSeek's flat masks have
 #: their own skip or none)
-GUARDED = ("where", "nonzero", "onehot", "any", "top1_mask")
+GUARDED = ("where", "nonzero", "onehot", "any", "top1_mask", "arange_mask", "onehot_etk")
 #: top-1 boolean-mask writes ``out[idx == e] = expert_e(x[idx == e])``: how the (T, 1) ids become (T,) ones
 #: ("modulo": ``% E``, the same values but not provably in range(E)), what the buffer starts as, and where the
 #: routing weight goes ("after" the loop on the whole buffer, "none", or inside each write at the loop's
@@ -43,7 +43,10 @@ TOP1 = {
 #: idiom axes of each form (an axis whose options depend on earlier draws is narrowed in ``draw_recipe``)
 AXES: dict[str, dict[str, tuple]] = {
     "loop": {
-        "selection": ("where", "nonzero", "onehot", "boolmask", "any", "hit_v5", "top1_mask"),
+        # "arange_mask": litgpt's ``(ids[..., None] == arange(E)).permute(2, 0, 1)``; "onehot_etk": the one-hot
+        # permuted to (E, T, k) the same way; each read per expert by ``torch.where(hits[e])``
+        "selection": ("where", "nonzero", "onehot", "boolmask", "any", "hit_v5", "top1_mask", "arange_mask",
+                      "onehot_etk"),
         "experts": ("modulelist", "moduledict", "stacked_nk", "stacked_kn", "slices") + FUSED,
         "position": ("output", "input", "between"),
         "combine": ("index_add", "index_put", "setitem", "scatter_add"),
@@ -53,14 +56,18 @@ AXES: dict[str, dict[str, tuple]] = {
     "sorted": {
         "sort": ("argsort", "sort"),
         "gather": ("index", "gather"),
-        "counts": ("histc", "onehot_sum"),
+        # "histc_sorted": histc of the sorted ids, transformers v5's grouped_mm
+        "counts": ("histc", "onehot_sum", "histc_sorted"),
         "experts": ("stacked_nk", "stacked_kn", "fused_chunk"),
         "position": ("output", "input"),
-        "combine": ("scatter_add", "index_add", "unsort_sum", "unsort_bmm"),
+        # "unsort_inverse": v5's gather by the inverse permutation, ``inv[order] = arange(n); ys[inv]``
+        "combine": ("scatter_add", "index_add", "unsort_sum", "unsort_bmm", "unsort_inverse"),
     },
     "gathered": {
         "experts": ("stacked_nk", "stacked_kn", "fused_chunk", "fused_slice"),
-        "combine": ("einsum", "mul_sum"),
+        # "flat_bmm": transformers v5's batched_mm, flat ``repeat_interleave`` rows, each by its own gathered weight
+        # through ``torch.bmm``, the flat routing weights, ``view(T, k, H).sum(1)``
+        "combine": ("einsum", "mul_sum", "flat_bmm"),
         # a fused gate/up weight: split the projection's output, or the gathered weight copy (SGLang's native path)
         "split": ("product", "gathered"),
     },
@@ -92,12 +99,15 @@ AXES: dict[str, dict[str, tuple]] = {
 #: the loop's guard flaws: a guard of the next expert's mask, a test of more than one row (``mask.sum() > 1``), and a
 #: ``mask.any()`` guard over a body that also counts into a buffer or appends to a list made before the loop;
 #: "empty_unproven" writes top-1 masks into ``torch.empty_like`` with ids not provably in range(E); the capacity
-#: flaws: (E, C, N) biases (one per slot), a dropout of p > 0 in training, nanoMoE's queues numbered token-major
+#: flaws: (E, C, N) biases (one per slot), a dropout of p > 0 in training, nanoMoE's queues numbered token-major;
+#: "mask_shift" compares the ids with ``arange(1, E + 1)`` in litgpt's mask (expert e gets the rows of id e + 1);
+#: "tiled_rows" repeats v5's batched_mm rows ``x.repeat(k, 1)`` (choice-major) against token-major ids
 GUARD_FLAWS = ("guard_other", "guard_count", "guard_more", "guard_list")
 FLAWS: dict[str, tuple] = {
-    "loop": ("soft", "other_slot", "twice", "differs", "skipped", "other_rows", "empty_unproven") + GUARD_FLAWS,
+    "loop": ("soft", "other_slot", "twice", "differs", "skipped", "other_rows", "empty_unproven", "mask_shift")
+    + GUARD_FLAWS,
     "sorted": ("twice", "other_rows"),
-    "gathered": ("twice", "differs"),
+    "gathered": ("twice", "differs", "tiled_rows"),
     "dense": ("soft", "twice", "differs", "skipped"),
     "capacity": ("capacity_mismatch", "differs", "slot_bias", "dropout_train", "token_major"),
     "split": ("other_slot", "differs", "other_rows"),
@@ -147,6 +157,10 @@ def draw_recipe(draw: Draw, lookalike: Optional[bool] = None) -> Recipe:
     idioms = {}
     for axis, options in AXES.get(form, {}).items():
         idioms[axis] = draw(axis, options)
+    if flaw == "tiled_rows":
+        idioms["combine"] = "flat_bmm"
+    if idioms.get("combine") == "flat_bmm" and form == "gathered":
+        idioms["split"] = "product"  # v5's batched_mm splits the projection's output
     act = draw("act", ACTIVATIONS)
     if not act.endswith("_glu"):  # a fused gate/up weight exists only for gated experts
         for axis in ("experts",):
@@ -191,6 +205,8 @@ def _loop_idioms(draw: Draw, idioms: dict, flaw: Optional[str], k: int) -> int:
         selection = "where"
     if flaw == "empty_unproven":
         selection = "top1_mask"
+    if flaw == "mask_shift":
+        selection = "arange_mask"
     if flaw in GUARD_FLAWS and selection not in ("where", "top1_mask"):  # the guards' top-k and top-1 spellings
         selection = "where"
     idioms["selection"] = selection
@@ -251,6 +267,19 @@ GUARDS_MASKS_SLOTS = {
     "style": ("nanomoe", "switch", "fairseq"),
     "bias": ("e_n", "e1n_inplace"),
     "dropout": ("module_p0", "functional_p0", "eval"),
+}
+
+
+#: the choices that narrow a draw to litgpt's broadcast mask and the one-hot read the same way, and transformers v5's
+#: experts forwards written as user code (grouped_mm: histc of the sorted ids, the inverse-permutation unsort;
+#: batched_mm: flat repeated rows through bmm), with their look-alikes
+MASKS_AND_V5 = {
+    "lookalike": (False, True),
+    "form": ("loop", "sorted", "gathered"),
+    "flaw": ("mask_shift", "tiled_rows", "other_rows", "differs", "twice"),
+    "selection": ("arange_mask", "onehot_etk"),
+    "counts": ("histc_sorted",),
+    "combine": ("unsort_inverse", "flat_bmm"),
 }
 
 

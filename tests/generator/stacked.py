@@ -29,12 +29,18 @@ class SortedMoE(nn.Module):
         T, E, k = x.shape[0], r.E, r.k
         probs, weights, ids = self.router(x)
         flat = ids.view(-1)
-        order = torch.argsort(flat, stable=True) if d["sort"] == "argsort" else torch.sort(flat)[1]
+        if d["sort"] == "argsort":
+            order = torch.argsort(flat, stable=True)
+            sorted_ids = flat[order]
+        else:
+            sorted_ids, order = torch.sort(flat)
         tok = order // k
         scores = weights.reshape(-1)[order]
         xs = x[tok] if d["gather"] == "index" else torch.gather(x, 0, tok.reshape(-1, 1).expand(-1, H))
         if d["counts"] == "histc":
             counts = torch.histc(flat.float(), bins=E, min=0, max=E - 1)
+        elif d["counts"] == "histc_sorted":
+            counts = torch.histc(sorted_ids.float(), bins=E, min=0, max=E - 1)
         else:
             counts = F.one_hot(flat, num_classes=E).sum(dim=0)
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
@@ -65,6 +71,10 @@ class SortedMoE(nn.Module):
             out = torch.zeros_like(x)
             out.index_add_(0, rows, ys)
             return out
+        if d["combine"] == "unsort_inverse":  # transformers v5: the inverse permutation gathers the rows back
+            inv = torch.empty_like(order)
+            inv[order.flip(0) if r.flaw == "other_rows" else order] = torch.arange(order.size(0), device=x.device)
+            return ys[inv].view(T, k, H).sum(dim=1)
         buf = torch.zeros(T * k, H, dtype=ys.dtype, device=x.device)
         buf[order.flip(0) if r.flaw == "other_rows" else order] = ys
         if in_bmm:
@@ -85,6 +95,8 @@ class GatheredMoE(nn.Module):
         r = self.r
         probs, weights, ids = self.router(x)
         w_up, w_gate, w_down, kn = self.bank.stacked()
+        if r.idioms["combine"] == "flat_bmm":
+            return self._flat_rows(x, weights, ids, (w_up, w_gate, w_down, kn))
         up, down = ("th,tkhi->tki", "tki,tkih->tkh") if kn else ("th,tkih->tki", "tki,tkhi->tkh")
         xk = x
         if r.flaw == "twice":  # the weight on each slot's input as well as on its output
@@ -104,6 +116,34 @@ class GatheredMoE(nn.Module):
         if r.idioms["combine"] == "einsum":
             return torch.einsum("tkh,tk->th", out, weights)
         return (out * weights[..., None]).sum(dim=1)
+
+
+    def _flat_rows(self, x, weights, ids, stacked) -> torch.Tensor:
+        """transformers v5's batched_mm: every token repeated k times, each row through ``torch.bmm`` with its own
+        gathered expert weight, scaled by the flat routing weights, summed over each token's k rows."""
+        r = self.r
+        w_up, w_gate, w_down, kn = stacked
+        T, k = x.shape[0], r.k
+        rows = x.repeat(k, 1) if r.flaw == "tiled_rows" else x.repeat_interleave(k, dim=0)
+        flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)
+
+        def proj(w, t, which):
+            if kn:
+                return torch.bmm(t.unsqueeze(1), w[which]).squeeze(1)
+            return torch.bmm(w[which], t.unsqueeze(-1)).squeeze(-1)
+
+        if r.flaw == "twice":
+            rows = rows * flat_w.unsqueeze(-1)
+        act = ACT[r.act]
+        if w_gate is None and r.gated:
+            g, u = self.bank.split_gate_up(proj(w_up, rows, flat_ids))
+            h = act(g) * u
+        else:
+            h = act(proj(w_up, rows, flat_ids))
+            h = h * proj(w_gate, rows, flat_ids) if r.gated else h
+        down_ids = (flat_ids + 1) % r.E if r.flaw == "differs" else flat_ids
+        out = proj(w_down, h, down_ids) * flat_w.unsqueeze(-1)
+        return out.view(T, k, H).sum(dim=1)
 
 
 class DenseMoE(nn.Module):
