@@ -146,3 +146,59 @@ def test_counts_not_proven_to_add_up_leave_the_size_test_undecided():
     out = compile_moe(model, x)
     assert not counters["moe_inductor"], dict(counters["moe_inductor"])
     assert_close(out, model(x), torch.float32, "shifted")
+
+
+class SharedExpertMoE(SplitLoopMoE):
+    """torchtune's MoE with a shared expert: the routed outputs are added into the shared expert's output (a view of
+    it) rather than into zeros, in place or out of place. The look-alikes read memory the in-place add changed
+    through another name after it (the tensor the buffer views, or a view made before the add), which sees the
+    routed outputs too in eager."""
+
+    def __init__(self, style):
+        super().__init__(style)
+        self.shared = nn.Linear(H, H, bias=False)
+
+    def forward(self, x):
+        s, T = self.style, x.shape[0]
+        top, ids = torch.topk(self.router(x), K, dim=1)
+        order = torch.argsort(ids.view(-1), stable=True)
+        counts = torch.histc(ids.view(-1).float(), bins=E, min=0, max=E).to(ids.dtype)
+        index = (order // K).reshape(-1, 1).expand(-1, H)
+        xs = torch.gather(x, dim=0, index=index) * torch.sigmoid(top).view(-1)[order].reshape(-1, 1)
+        sizes = counts.tolist()
+        h = torch.cat([F.linear(p, self.w1[e]) for e, p in enumerate(xs.split(sizes, dim=0))], dim=0)
+        g, u = h.chunk(2, dim=-1)
+        ys = torch.cat([F.linear(p, self.w2[e]) for e, p in enumerate((F.silu(g) * u).split(sizes, dim=0))], dim=0)
+        base = self.shared(x.unsqueeze(0))  # (1, T, H)
+        if s == "shared_out_of_place":
+            return base.view(T, H).scatter_add(0, index, ys)
+        out = base.reshape(T, H)
+        early = base[0, :2] if s == "shared_view_read_after" else None
+        if ys.numel() > 0:
+            out.scatter_add_(dim=0, index=index, src=ys)
+        if s == "shared_base_read_after":
+            return out + base[0]
+        if early is not None:
+            return out[:2] + early
+        return out.reshape(1, T, H)
+
+
+@pytest.mark.parametrize("style", ["shared_in_place", "shared_out_of_place"])
+def test_outputs_added_into_a_shared_experts_output_are_rewritten(style):
+    """The op's result is added to the buffer's value: shared + routed, forward and backward (the shared expert's
+    gradients too)."""
+    torch.manual_seed(0)
+    model = SharedExpertMoE(style)
+    for T in (5, 11):
+        assert_rewritten_like_eager(model, torch.randn(T, H), "split_loop", f"{style} T={T}")
+        assert sum(counters["graph_break"].values()) == 0
+
+
+@pytest.mark.parametrize("style", ["shared_base_read_after", "shared_view_read_after"])
+def test_an_add_into_memory_read_through_another_name_is_left_alone(style):
+    torch.manual_seed(0)
+    model = SharedExpertMoE(style)
+    x = torch.randn(9, H)
+    out = compile_moe(model, x)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    assert_close(out, model(x), torch.float32, style)

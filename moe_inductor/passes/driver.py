@@ -76,6 +76,9 @@ class Match:
     derive: Optional[Callable[[Graph, MoESpec], MoESpec]] = None
     #: k, where the spec's ids are made by ``derive`` (they have no traced value to read it from)
     top_k: Optional[int] = None
+    #: without ``acc``: the region's result is ``onto + op`` (its outputs were added into this value of the user's,
+    #: out of place)
+    onto: Optional[Node] = None
     #: B, where the region is B independent MoEs (its queues and capacity per group): spec.x, ids and weights are
     #: (B, T, .), the op runs once per group and the (B, T, H) result is their stack
     groups: Optional[int] = None
@@ -252,6 +255,9 @@ def _replace(graph: Graph, form: str, m: Match) -> Rewrite:
         with graph.inserting_before(m.end):
             y = graph.call_function(torch.stack, (ys,))
     if m.acc is None:
+        if m.onto is not None:
+            with graph.inserting_before(m.end):
+                y = graph.call_function(operator.add, (m.onto, y))
         m.end.replace_all_uses_with(y)
     else:
         if m.accumulate:

@@ -38,7 +38,7 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match
-from .fx_utils import alias_mutations, flat_of, is_call, val
+from .fx_utils import alias_mutations, base_of, flat_of, is_call, val, view_family
 from .gated_reads import read_gated
 from .sorted_grouped_mm import _sort_order
 from .unrolled_loop import _linear, _topk_ids, expert_mlp
@@ -402,12 +402,14 @@ class _Combine:
     end: Node  # the node whose value is the (T, H) result
     write: Optional[Node]  # an in-place write to erase (scatter_add_/index_add_), else None
     acc: Node
+    onto: bool = False  # the buffer holds a value of the user's (a shared expert's output), not zeros
 
 
 def _combine(acc: Node) -> Optional[_Combine]:
     """``acc.scatter_add_(0, tok.unsqueeze(1).expand(-1, H), v)`` / ``acc.index_add_(0, tok, v)``, or their
-    out-of-place forms, into zeros of (T, H)."""
-    if not (is_call(acc, "call_function", torch.zeros, torch.zeros_like) or is_call(acc, "call_method", "new_zeros")):
+    out-of-place forms, into zeros of (T, H), or into a (T, H) value of the user's (torchtune adds the routed
+    outputs into its shared expert's)."""
+    if not (_zeros(acc) or _added_into(acc)):
         return None
     av = val(acc)
     if av is None or av.dim() != 2:
@@ -429,13 +431,45 @@ def _combine(acc: Node) -> Optional[_Combine]:
     bound = {**dict(zip(names, node.args[1:])), **node.kwargs}
     if node.args[0] is not acc or len(node.args) > 4 or set(bound) != set(names) or bound["dim"] != 0:
         return None
-    if mutations and any(_before(u, node) for u in acc.users if u is not node):
+    onto = not _zeros(acc)
+    if mutations and not onto and any(_before(u, node) for u in acc.users if u is not node):
         return None  # a read of the zeros before the write: the op's result must not reach it
+    if mutations and onto and not _written_alone(acc, node):
+        return None
     index = bound["index"]
     tok = _token_index(index) if node.target.startswith("scatter") else index
     if not isinstance(tok, Node):
         return None
-    return _Combine(tok, bound[names[2]], end, node if mutations else None, acc)
+    return _Combine(tok, bound[names[2]], end, node if mutations else None, acc, onto)
+
+
+def _added_into(node: Node) -> bool:
+    """``node`` is the receiver of a ``scatter_add(_)`` / ``index_add(_)``: a buffer the outputs may be added into."""
+    return any(is_call(u, "call_method", "scatter_add_", "index_add_", "scatter_add", "index_add") and u.args
+               and u.args[0] is node for u in node.users)
+
+
+def _written_alone(acc: Node, write: Node) -> bool:
+    """The in-place ``write`` into a user's value ``acc`` can become ``acc + op`` for acc's later readers: acc is no
+    input, parameter or buffer (or a view of one), whose change the caller would see, and nothing else that shares
+    its memory (the tensor it views, another view) is read after the write or written at all. (acc's own views
+    made after the write are its readers: they read ``acc + op``.)"""
+    if base_of(acc).op in ("placeholder", "get_attr"):
+        return False
+    family = view_family(acc)
+    for alias in family:
+        if alias is acc or (base_of(alias) is not alias and _views_of(alias, acc) and not _before(alias, write)):
+            continue
+        if any(not _before(u, write) for u in alias.users if u not in family):
+            return False
+    return True
+
+
+def _views_of(node: Node, acc: Node) -> bool:
+    """``node`` is a view of ``acc`` (through view ops)."""
+    while node is not acc and node.args and isinstance(node.args[0], Node) and node is not base_of(node):
+        node = node.args[0]
+    return node is acc
 
 
 def _before(node: Node, other: Node) -> bool:
@@ -492,18 +526,22 @@ def match(acc: Node) -> Union[Match, str, None]:
     roots = [d.tok, scale, *experts.splits]
     roots += [s for split in experts.splits for s in _split_of(split)[1] if isinstance(s, Node)]
     note = f"{num_experts} .item() host syncs and data-dependent splits removed"
+    onto = acc if combine.onto else None  # the result is acc + op: the outputs are added into the user's value
+    if onto is not None:
+        note += "; added into the buffer's own value (a shared expert's output)"
     if combine.write is None:
-        return Match(spec, combine.end, note, transient=tuple(roots))
+        return Match(spec, combine.end, note, transient=tuple(roots), onto=onto)
     if combine.write.users:  # ``return out.scatter_add_(...)``: the write's own value is the result
         if set(acc.users) != {combine.write}:
             return "both the combine buffer and the value of its in-place write are read"
-        return Match(spec, combine.write, note, writes=(combine.write,), transient=tuple(roots))
-    return Match(spec, combine.write, note, acc=acc, writes=(combine.write,), transient=tuple(roots))
+        return Match(spec, combine.write, note, writes=(combine.write,), transient=tuple(roots), onto=onto)
+    return Match(spec, combine.write, note, acc=acc, accumulate=combine.onto, writes=(combine.write,),
+                 transient=tuple(roots))
 
 
 def _zeros(node: Node) -> bool:
     return is_call(node, "call_function", torch.zeros, torch.zeros_like) or is_call(node, "call_method", "new_zeros")
 
 
-rewrite = Form(FORM, (Anchor(_zeros, match),))
+rewrite = Form(FORM, (Anchor(lambda n: _zeros(n) or _added_into(n), match),))
 """Replace every provable split loop in a GraphModule; returns what was rewritten."""
