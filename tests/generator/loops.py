@@ -116,9 +116,9 @@ class LoopMoE(nn.Module):
                 tok, pos = torch.where(hit)
             elif r.idioms["selection"] == "nonzero":
                 tok, pos = hit.nonzero(as_tuple=True)
-            elif r.idioms["selection"] == "onehot":
+            elif r.idioms["selection"] in ("onehot", "hit_v5"):  # (E, k, T)
                 pos, tok = torch.where(hits[e])
-            else:
+            else:  # (E, T, k)
                 tok, pos = torch.where(hits[e])
             if r.flaw == "other_slot":
                 pos = (pos + 1) % r.k
