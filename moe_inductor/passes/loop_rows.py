@@ -8,7 +8,7 @@ The user code this reads:
     tok = (ids == e).nonzero(as_tuple=True)[0]           # a top-1 router's (T,) ids
     tok = (ids == e).any(-1).nonzero().squeeze(-1)       # the tokens that chose e at all
 
-and each row's weight ``weights[tok, pos, None]``, or, for the last, ``(weights * (ids == e)).sum(-1)[tok, None]``.
+and each row's weight ``weights[tok, pos, None]`` (or ``weights[tok, pos].unsqueeze(-1)``), or, for the last, ``(weights * (ids == e)).sum(-1)[tok, None]``.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from .fx_utils import arange_length, is_call, unsqueezed_last, val
+from .fx_utils import arange_length, column_of, is_call, unsqueezed_last, val
 
 
 def selected_ids(cond: Node) -> Optional[tuple[Node, int, bool]]:
@@ -214,14 +214,37 @@ def routing_scaled(node: Node, tok: Node, sel: Rows) -> Optional[tuple[Node, Nod
     for value, scale in (node.args, node.args[::-1]):
         index = scale.args[1] if is_call(scale, "call_function", operator.getitem) else None
         if sel.pos is not None and isinstance(index, tuple) and len(index) == 3 and index[0] is tok and (
-                index[2] is None) and is_call(index[1], "call_function", operator.getitem) and (
-                index[1].args == (sel.where, sel.pos)):
+                index[2] is None) and _own_choice(index[1], sel):
             return value, scale.args[0]
+        # weights[tok, pos].unsqueeze(-1) (or [:, None], .view(-1, 1)), possibly cast to the value's dtype first
+        picked = _cast_to_dtype_of(column_of(scale, 1), value) if isinstance(value, Node) else None
+        index = picked.args[1] if is_call(picked, "call_function", operator.getitem) else None
+        if sel.pos is not None and isinstance(index, tuple) and len(index) == 2 and index[0] is tok and (
+                _own_choice(index[1], sel)):
+            return value, picked.args[0]
         if sel.hit is not None and index == (tok, None):
             weights = weights_at_hit(scale.args[0], sel)
             if weights is not None:
                 return value, weights
     return None
+
+
+def _own_choice(pos, sel: Rows) -> bool:
+    """``pos`` is this body's own choice index: the second output of its ``torch.where`` / ``nonzero``."""
+    return is_call(pos, "call_function", operator.getitem) and pos.args == (sel.where, sel.pos)
+
+
+def _cast_to_dtype_of(node, value: Node):
+    """``node`` without a ``.to(dtype)`` / ``.type_as(value)`` that casts it to ``value``'s dtype (the op applies the
+    weights in the experts' dtype), else ``node`` as it is."""
+    vv = val(value)
+    if vv is None or not isinstance(node, Node):
+        return node
+    if is_call(node, "call_method", "to") and len(node.args) == 2 and not node.kwargs and node.args[1] == vv.dtype:
+        return node.args[0]
+    if is_call(node, "call_method", "type_as") and len(node.args) == 2 and node.args[1] is value:
+        return node.args[0]
+    return node
 
 
 def weights_at_hit(summed: Node, sel: Rows) -> Optional[Node]:

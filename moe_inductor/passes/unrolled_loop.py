@@ -458,8 +458,13 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
         product, weights = scaled
         spec = dataclasses.replace(spec, weights=weights)
     xv, av, wv = val(spec.x), val(acc), val(spec.weights)
-    if xv is None or av is None or xv.dim() != 2 or tuple(av.shape) != tuple(xv.shape) or av.dtype != xv.dtype:
-        return "the accumulator does not have x's (T, H) shape and dtype"
+    # an fp32 accumulator under half-precision experts (transformers v4's DeepSeek-V3: zeros_like(x, dtype=weights'
+    # dtype)) holds their outputs widened: the op's result is cast to it
+    wider = av is not None and xv is not None and av.dtype == torch.float32 and xv.dtype in (torch.bfloat16,
+                                                                                            torch.float16)
+    if xv is None or av is None or xv.dim() != 2 or tuple(av.shape) != tuple(xv.shape) or (
+            av.dtype != xv.dtype and not wider):
+        return "the accumulator does not have x's (T, H) shape and dtype (or fp32 under half-precision experts)"
     # weights[tok, pos] must be the (T, k) routing weights; a top-1 router's (T,) ids take a (T, 1) factor
     if wv is None or tuple(wv.shape) != (tuple(iv.shape) if iv.dim() == 2 else (iv.shape[0], 1)):
         return "the routing weights are not (T, k) like the ids"
