@@ -122,7 +122,9 @@ class LoopMoE(nn.Module):
                 tok, pos = torch.where(hits[e])
             if r.flaw == "other_slot":
                 pos = (pos + 1) % r.k
-            w = weights[tok, pos, None]
+            read = r.idioms.get("weight_read", "index_none")
+            w = weights[tok, pos, None] if read == "index_none" else (
+                weights[tok, pos].unsqueeze(-1) if read == "unsqueeze" else weights[tok, pos].view(-1, 1))
         y = self._expert(e, x[tok], w)
         rows = (tok + 1) % x.shape[0] if r.flaw == "other_rows" else tok
         combine = r.idioms["combine"]

@@ -52,6 +52,8 @@ AXES: dict[str, dict[str, tuple]] = {
         "combine": ("index_add", "index_put", "setitem", "scatter_add"),
         "matmul": ("linear", "matmul"),
         "guard": GUARDS,
+        # each row's routing weight: ``weights[tok, pos, None]``, or a column of ``weights[tok, pos]``
+        "weight_read": ("index_none", "unsqueeze", "view"),
     },
     "sorted": {
         "sort": ("argsort", "sort"),
