@@ -187,9 +187,16 @@ def any_hit(chose) -> Optional[tuple[Node, int, Node]]:
 
 
 def token_rows_of(xe: Node, tok: Node) -> Optional[Node]:
-    """``x`` for ``x[tok]`` or HF's ``x[None, tok].reshape(-1, H)``."""
+    """``x`` for ``x[tok]``, ``x.index_select(0, tok)`` or HF's ``x[None, tok].reshape(-1, H)``."""
     if is_call(xe, "call_function", operator.getitem) and (xe.args[1] is tok or rows_index(xe.args[1], tok)):
         return xe.args[0]
+    if is_call(xe, "call_method", "index_select") or is_call(xe, "call_function", torch.index_select):
+        bound = dict(zip(("input", "dim", "index"), xe.args), **xe.kwargs)
+        x = bound.get("input")
+        xv = val(x) if isinstance(x, Node) else None
+        if set(bound) == {"input", "dim", "index"} and bound["index"] is tok and bound["dim"] in (0, -2) and (
+                xv is not None and xv.dim() == 2):
+            return x
     if is_call(xe, "call_method", "reshape", "view") and len(xe.args) == 3 and xe.args[1] == -1:
         inner = xe.args[0]
         if is_call(inner, "call_function", operator.getitem) and inner.args[1] == (None, tok):
@@ -218,9 +225,8 @@ def routing_scaled(node: Node, tok: Node, sel: Rows) -> Optional[tuple[Node, Nod
             return value, scale.args[0]
         # weights[tok, pos].unsqueeze(-1) (or [:, None], .view(-1, 1)), possibly cast to the value's dtype first
         picked = _cast_to_dtype_of(column_of(scale, 1), value) if isinstance(value, Node) else None
-        index = picked.args[1] if is_call(picked, "call_function", operator.getitem) else None
-        if sel.pos is not None and isinstance(index, tuple) and len(index) == 2 and index[0] is tok and (
-                _own_choice(index[1], sel)):
+        at = picked.args[1] if is_call(picked, "call_function", operator.getitem) else None
+        if sel.pos is not None and isinstance(at, tuple) and len(at) == 2 and at[0] is tok and _own_choice(at[1], sel):
             return value, picked.args[0]
         if sel.hit is not None and index == (tok, None):
             weights = weights_at_hit(scale.args[0], sel)

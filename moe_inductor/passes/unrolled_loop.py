@@ -186,9 +186,10 @@ class _Body:
 
 def _accumulation(add: Node, acc: Node) -> Optional[tuple[Node, Node, Optional[Node]]]:
     """(tok, contribution, the read of acc it adds to) for ``acc.index_add_(0, tok, c)`` or ``acc[tok] += c``
-    (Dynamo: ``acc.__setitem__(tok, acc[tok].__iadd__(c))``)."""
-    if is_call(add, "call_method", "index_add_") and len(add.args) == 4 and add.args[0] is acc and add.args[1] == 0 and (
-            not add.kwargs):
+    (Dynamo: ``acc.__setitem__(tok, acc[tok].__iadd__(c))``); ``acc.index_add(0, tok, c)`` out of place too, a
+    link of ``out = out.index_add(...)`` chain (``_chain``)."""
+    if is_call(add, "call_method", "index_add_", "index_add") and len(add.args) == 4 and add.args[0] is acc and (
+            add.args[1] == 0) and not add.kwargs:
         return add.args[2], add.args[3], None
     # acc.index_put_((tok,), c, accumulate=True): index_add_ spelled as an accumulating put
     if is_call(add, "call_method", "index_put_") and add.args[0] is acc and len(add.args) in (3, 4) and (
@@ -196,8 +197,8 @@ def _accumulation(add: Node, acc: Node) -> Optional[tuple[Node, Node, Optional[N
             "accumulate"} and isinstance(add.args[1], (tuple, list)) and len(add.args[1]) == 1:
         return add.args[1][0], add.args[2], None
     # acc.scatter_add_(0, tok[:, None].expand(-1, H), c): the index repeats each row's token across all H columns
-    if is_call(add, "call_method", "scatter_add_") and len(add.args) == 4 and add.args[0] is acc and add.args[1] == 0 and (
-            not add.kwargs):
+    if is_call(add, "call_method", "scatter_add_", "scatter_add") and len(add.args) == 4 and add.args[0] is acc and (
+            add.args[1] == 0) and not add.kwargs:
         tok = _broadcast_rows(add.args[2])
         iv, cv, av = val(add.args[2]), val(add.args[3]), val(acc)
         if tok is not None and None not in (iv, cv, av) and av.dim() == 2 and cv.dim() == 2 and iv.dim() == 2 and all(
@@ -414,11 +415,17 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
     if not _zeros_like_x(acc):
         return None
     mutations = alias_mutations(acc)  # index_add_ / out[tok] += ..., on acc or through any view of it
-    if not any(_looks_like_a_body(m, acc) for m in mutations):
+    chain = _chain(acc) if not mutations else None
+    if chain is not None:  # out = out.index_add(0, tok, c) per expert: each link adds to the one before
+        mutations, result, onto = chain, chain[-1], {add: add.args[0] for add in chain}
+    else:
+        result, onto = acc, {add: acc for add in mutations}
+    if not any(_looks_like_a_body(m, onto[m]) for m in mutations):
         return None
-    if any(u.target not in ("index_add_", "index_put_", "scatter_add_", operator.setitem) for u in mutations):
+    if chain is None and any(
+            u.target not in ("index_add_", "index_put_", "scatter_add_", operator.setitem) for u in mutations):
         return "the accumulator is also changed by something other than the loop's writes"
-    bodies = [_body(add, acc) for add in mutations]
+    bodies = [_body(add, onto[add]) for add in mutations]
     failed = [(b, add) for b, add in zip(bodies, mutations) if isinstance(b, str)]
     if failed:  # the first failing body, at its own line (the write), which is where the user will look
         reason, add = failed[0]
@@ -447,11 +454,11 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
     if any(mutated_alias(b) for b in biases):  # the op reads the biases later than the user's code did
         return CHANGED_IN_PLACE
     own_reads = {b.read for b in bodies if b.read is not None}
-    readers = {u for u in acc.users if u not in mutations and u not in own_reads}
+    readers = {u for u in result.users if u not in mutations and u not in own_reads}
     iv = val(spec.ids)
     product = None
     if spec.weights is None:  # the routing weight on the result: only where each token has one choice
-        scaled = _scale_of_result(acc, readers) if iv.dim() == 1 or iv.shape[-1] == 1 else None
+        scaled = _scale_of_result(result, readers) if iv.dim() == 1 or iv.shape[-1] == 1 else None
         if scaled is None:
             return ("no routing weight weights[tok, pos, None] scales the output, the input or the hidden state "
                     "(nor, with one choice per token, the loop's result as acc * w[:, None])")
@@ -472,7 +479,20 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
     last_add = max(position[b.add] for b in bodies)
     if any(position[u] < last_add for u in readers):
         return "the accumulator is read before the loop ends"
-    return spec, bodies, product
+    return spec, bodies, product, chain is not None
+
+
+def _chain(acc: Node) -> Optional[list[Node]]:
+    """The links of ``out = out.index_add(0, tok, c)`` (or ``scatter_add``) starting at ``acc``, each read only by
+    the next, the last read by what follows the loop; None when acc is not the start of such a chain."""
+    links, cur = [], acc
+    while len(cur.users) == 1:
+        (user,) = cur.users
+        if not (is_call(user, "call_method", "index_add", "scatter_add") and user.args and user.args[0] is cur):
+            break
+        links.append(user)
+        cur = user
+    return links or None
 
 
 def _as_nk(graph: Graph, spec: MoESpec, layouts: tuple) -> MoESpec:
@@ -497,7 +517,7 @@ def match_loop(acc: Node) -> Union[Match, str, None]:
     got = match(acc, position)
     if not isinstance(got, tuple):
         return got
-    spec, bodies, product = got
+    spec, bodies, product, chained = got
     adds = tuple(b.add for b in bodies)
     biased = isinstance(spec.gate, tuple) and any(b is not None for b in (spec.b1, spec.b1_up, spec.b2))
     one_id = val(spec.ids).dim() == 1
@@ -518,6 +538,10 @@ def match_loop(acc: Node) -> Union[Match, str, None]:
 
     # scaled after the loop, the result is the product (the accumulator goes with the region); else the accumulator
     end = product if product is not None else max(adds, key=position.__getitem__)
+    if chained:  # out of place: the last link's value is the result, and the chain goes as dead code
+        return Match(spec, end, note, where=bodies[0].add, transient=tuple(b.where for b in bodies),
+                     derive=derive if biased or one_id or sliced is not None or layouts is not None else None,
+                     top_k=1 if one_id else None)
     return Match(spec, end, note, where=bodies[0].add, acc=None if product is not None else acc, writes=adds,
                  transient=tuple(b.where for b in bodies),
                  derive=derive if biased or one_id or sliced is not None or layouts is not None else None,

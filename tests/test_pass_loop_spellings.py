@@ -1,8 +1,10 @@
-"""The per-expert loop with each row's routing weight read as a column of ``weights[tok, pos]`` (``.unsqueeze(-1)``,
-``[:, None]``, ``.view(-1, 1)``, possibly cast to the experts' dtype first: transformers v4's DeepSeek-V3 and many
-hand-written loops), and an fp32 accumulator under half-precision experts (``zeros_like(x, dtype=weights.dtype)``).
-Rewritten and equal to eager, forward and backward; look-alikes (another choice's weight, a cast that rounds the
-weight to another dtype) left alone."""
+"""Spellings of the per-expert loop from transformers v4's DeepSeek-V3 and hand-written loops: each row's routing
+weight read as a column of ``weights[tok, pos]`` (``.unsqueeze(-1)``, ``[:, None]``, ``.view(-1, 1)``, possibly
+cast to the experts' dtype first); an fp32 accumulator under half-precision experts (``zeros_like(x,
+dtype=weights.dtype)``); the rows by ``x.index_select(0, tok)``; the outputs added out of place,
+``out = out.index_add(0, tok, c)``. Rewritten and equal to eager, forward and backward; look-alikes (another
+choice's weight, a cast that rounds the weight to another dtype, a chain that branches or is read half-way, a
+link of another kind) left alone."""
 import pytest
 import torch
 import torch.nn as nn
@@ -71,6 +73,58 @@ def test_an_fp32_accumulator_under_bf16_experts_is_rewritten():
 def test_other_weights_are_left_alone(style):
     torch.manual_seed(0)
     model = ColumnLoopMoE(style)
+    x = torch.randn(9, H)
+    out = compile_moe(model, x)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    assert_close(out, model(x), torch.float32, style)
+
+
+class ChainLoopMoE(nn.Module):
+    """``out = out.index_add(0, tok, c)`` per expert, the rows by ``index_select``; the look-alikes break the chain:
+    two experts add to the same earlier value (a branch), the value after the first expert is also returned, or
+    the last link copies rows instead of adding them."""
+
+    def __init__(self, style: str):
+        super().__init__()
+        self.style = style
+        self.router = nn.Linear(H, E, bias=False)
+        self.w1 = nn.Parameter(torch.randn(E, I, H) * H ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
+
+    def forward(self, x):
+        s = self.style
+        weights, ids = torch.topk(torch.softmax(self.router(x), dim=-1), K, dim=-1)
+        out = torch.zeros_like(x)
+        start, early = out, None
+        for e in range(E):
+            tok, pos = torch.where(ids == e)
+            rows = x.index_select(0, tok) if s != "scatter" else x[tok]
+            c = F.linear(F.gelu(F.linear(rows, self.w1[e])), self.w2[e]) * weights[tok, pos].unsqueeze(-1)
+            if s == "branch" and e == E - 1:
+                out = out + start.index_add(0, tok, c)  # the last expert adds to the zeros, not the chain
+            elif s == "copy_last" and e == E - 1:
+                out = out.index_copy(0, tok, c)
+            elif s == "scatter":
+                out = out.scatter_add(0, tok[:, None].expand(-1, H), c)
+            else:
+                out = out.index_add(0, tok, c)
+            if s == "read_half_way" and e == 0:
+                early = out
+        return out if early is None else out + early
+
+
+@pytest.mark.parametrize("style", ["index_add", "scatter"])
+def test_an_out_of_place_chain_is_rewritten(style):
+    torch.manual_seed(0)
+    model = ChainLoopMoE(style)
+    for T in (5, 11):
+        assert_rewritten_like_eager(model, torch.randn(T, H), "unrolled_loop", f"{style} T={T}")
+
+
+@pytest.mark.parametrize("style", ["branch", "read_half_way", "copy_last"])
+def test_a_broken_chain_is_left_alone(style):
+    torch.manual_seed(0)
+    model = ChainLoopMoE(style)
     x = torch.randn(9, H)
     out = compile_moe(model, x)
     assert not counters["moe_inductor"], dict(counters["moe_inductor"])
