@@ -62,6 +62,12 @@ class LoopMoE(nn.Module):
             idx, out, body = ids, torch.zeros_like(x), self._accumulate
             routing = (ids, probs, weights, hits)
         ran = []
+        if r.idioms["combine"] == "index_add_oop":  # a loop of its own: the proofs of the guarded and hit loops
+            for e in experts:  # below read the rest of their iteration, where this one stores a local
+                if r.flaw == "skipped" and e == 1:
+                    continue
+                out = body(e, x, idx == e, routing, out, ran)
+            return out
         # The guard stands in this loop and the whole rest of the iteration is one call: the skip's proof reads the
         # bytecode from the branch to the iteration's end, which must be the body and nothing after it.
         for e in experts:
@@ -125,9 +131,11 @@ class LoopMoE(nn.Module):
             read = r.idioms.get("weight_read", "index_none")
             w = weights[tok, pos, None] if read == "index_none" else (
                 weights[tok, pos].unsqueeze(-1) if read == "unsqueeze" else weights[tok, pos].view(-1, 1))
-        y = self._expert(e, x[tok], w)
+        y = self._expert(e, x.index_select(0, tok) if r.idioms.get("rows") == "index_select" else x[tok], w)
         rows = (tok + 1) % x.shape[0] if r.flaw == "other_rows" else tok
         combine = r.idioms["combine"]
+        if combine == "index_add_oop":  # out of place: the caller keeps the new value
+            return out.index_add(0, rows, y)
         if combine == "index_add":
             out.index_add_(0, rows, y)
         elif combine == "index_put":

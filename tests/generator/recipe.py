@@ -49,8 +49,10 @@ AXES: dict[str, dict[str, tuple]] = {
                       "onehot_etk"),
         "experts": ("modulelist", "moduledict", "stacked_nk", "stacked_kn", "slices") + FUSED,
         "position": ("output", "input", "between"),
-        "combine": ("index_add", "index_put", "setitem", "scatter_add"),
+        # "index_add_oop": ``out = out.index_add(0, tok, y)``, each expert adding to the value before it
+        "combine": ("index_add", "index_put", "setitem", "scatter_add", "index_add_oop"),
         "matmul": ("linear", "matmul"),
+        "rows": ("index", "index_select"),
         "guard": GUARDS,
         # each row's routing weight: ``weights[tok, pos, None]``, or a column of ``weights[tok, pos]``
         "weight_read": ("index_none", "unsqueeze", "view"),
@@ -218,6 +220,9 @@ def _loop_idioms(draw: Draw, idioms: dict, flaw: Optional[str], k: int) -> int:
         idioms["combine"] = draw("masked_combine", ("view_sum", "bmm"))
     if selection not in GUARDED:
         idioms["guard"] = "none"
+    if idioms["combine"] == "index_add_oop" and (selection in ("top1_mask", "hit_v5") or flaw in GUARD_FLAWS
+                                                 or idioms["guard"] != "none"):
+        idioms["combine"] = "index_add"  # the out-of-place chain is written for unguarded (token, slot) bodies
     if flaw in ("guard_more", "guard_list") and idioms["guard"] == "none":
         idioms["guard"] = "mask_any"  # what these flaws add is the guard's body doing more
     elif flaw in ("guard_other", "guard_count"):
