@@ -145,4 +145,5 @@ def _build(normalize=True):
 
 CASES = [Case("arctic_training_moe", "snowflakedb/ArcticTraining arctic_training/model/moe/moe.py ArcticMoE "
               "(torch_group_gemm_fn)", _build, lambda T, g: torch.randn(1, T, H, generator=g), form="split_loop",
-              expect=("left_alone", "moe_region", "no MoE form proves"))]
+              expect=("left_alone", "moe_region", "no MoE form proves"),
+              before_2_13=("fell_back",))]  # 2.11's Dynamo fails inside its own tracing here (README)

@@ -14,6 +14,8 @@ once and calls it at several token counts, forward and backward, and reports wha
 - ``graph_break``: nothing was rewritten, no pass said a word, and Dynamo broke the graph (explain() shows the
   break, with its line; the MoE code was split over graphs no pass sees whole);
 - ``unexplained``: nothing was rewritten and no pass said a word;
+- ``partly_rewritten``: the form was rewritten in some of the module's compiled graphs, not all (a recompile
+  traced it differently); every step must still equal eager;
 - ``crash``: the compile or a compiled call raised (before the per-frame fallback of the do-no-harm issue lands,
   a model's own ``.tolist()`` or ``if count == 0`` turns into a hard error under moe_inductor's capture flags).
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -56,6 +58,15 @@ class Case:
     expect: tuple = ("rewritten",)
     dtype: torch.dtype = torch.float32
     token_counts: tuple = (4, 7, 10, 13)
+    #: what happens under torch < 2.13 where that differs (Dynamo 2.11 traces some modules differently; README's
+    #: known limits), else None: ``expect`` on every torch
+    before_2_13: Optional[tuple] = None
+
+    def expected(self) -> tuple:
+        """The declared outcome on the running torch."""
+        if self.before_2_13 is not None and tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13):
+            return self.before_2_13
+        return self.expect
 
     def __str__(self) -> str:
         return self.name
@@ -146,6 +157,8 @@ def run_case(case: Case, inner: str = "eager") -> Outcome:
     if outcome.kind == "crash":
         return outcome
     if outcome.rewrites.get(case.form):
+        if outcome.rewrites[case.form] < outcome.graphs:  # some compiled graph of the module kept its code
+            outcome.kind, outcome.detail = "partly_rewritten", (f"{outcome.rewrites[case.form]} of {outcome.graphs}",)
         return outcome
     if not outcome.left_alone:
         outcome.kind = ("fell_back" if outcome.fallbacks else "graph_break" if outcome.graph_breaks
@@ -206,5 +219,16 @@ def check_unchanged(case: Case, outcome: Outcome) -> None:
     for T, (got, ref) in zip(case.token_counts, outcome.steps):
         assert got.moe_ops == 0
         assert rel_err(got.out, ref.out) < tol, f"T={T}: forward differs from eager"
+
+
+def check_equal_to_eager(case: Case, outcome: Outcome) -> None:
+    """A module rewritten in some of its compiled graphs only: every step's output and gradients are still eager's."""
+    tol = TOL[case.dtype]
+    assert len(outcome.steps) == len(case.token_counts)
+    for T, (got, ref) in zip(case.token_counts, outcome.steps):
+        assert rel_err(got.out, ref.out) < tol, f"T={T}: forward differs from eager"
+        assert got.grads.keys() == ref.grads.keys(), f"T={T}: gradients of {sorted(got.grads)} vs {sorted(ref.grads)}"
+        for name in ref.grads:
+            assert rel_err(got.grads[name], ref.grads[name]) < tol, f"T={T}: gradient of {name} differs from eager"
 
 

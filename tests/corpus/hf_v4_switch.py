@@ -122,5 +122,6 @@ CASES = [
          lambda T, g: torch.randn(2, T, H, generator=g), form="unrolled_loop", expect=("fell_back",)),
     Case("hf_v4_switch_v427", f"{_SRC} (v4.27, every expert)", lambda: Wrapped(False).eval(),
          lambda T, g: torch.randn(2, T, H, generator=g), form="unrolled_loop",
-         expect=("left_alone", "moe_region", "no MoE form proves")),
+         expect=("left_alone", "moe_region", "no MoE form proves"),
+         before_2_13=("graph_break",)),  # the router's classifier.to(dtype) breaks 2.11's graph (README)
 ]
