@@ -413,6 +413,21 @@ def unsqueezed_last(node) -> Optional[Node]:
     return column_of(node, 2)
 
 
+def rounding_cast(node) -> Optional[tuple[str, str]]:
+    """(from, to) dtype names for a cast (``.to(dtype)``, ``.half()``, ``.float()``, ``.bfloat16()``, ``.type(..)``)
+    to a floating dtype narrower than its floating input's: one that rounds the values; else None."""
+    if not (is_call(node, "call_method", "to", "half", "float", "bfloat16", "type", "type_as") and node.args
+            and isinstance(node.args[0], Node)):
+        return None
+    src, dst = val(node.args[0]), val(node)
+    if src is None or dst is None or not (src.is_floating_point() and dst.is_floating_point()):
+        return None
+    if torch.finfo(dst.dtype).bits >= torch.finfo(src.dtype).bits and not (
+            {src.dtype, dst.dtype} == {torch.float16, torch.bfloat16}):
+        return None
+    return str(src.dtype).removeprefix("torch."), str(dst.dtype).removeprefix("torch.")
+
+
 def flat_of(node) -> Optional[Node]:
     """``t`` for ``t.view(-1)``, ``t.reshape(-1)`` or ``t.flatten()``."""
     if is_call(node, "call_method", "view", "reshape") and tuple(node.args[1:]) in ((-1,), ((-1,),)) and not node.kwargs:

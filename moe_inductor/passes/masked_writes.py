@@ -27,7 +27,7 @@ from torch.fx import Node
 from ..spec import MoESpec
 from .driver import Match
 from .flat_slices import block_linear, blocks, sliced_spec, views
-from .fx_utils import alias_mutations, is_call, val, weighted_sum
+from .fx_utils import alias_mutations, is_call, rounding_cast, val, weighted_sum
 from .gated_reads import read_gated
 from .slot_layers import through_dropouts
 from .top1_masks import match_top1_masks, top1_buffer  # noqa: F401  (the top-1 spelling, read by unrolled_loop.py)
@@ -128,6 +128,10 @@ def _masked_body(value: Node, e: int, rows, scaled, projection, look: bool, requ
         return why
     down = projection(value)
     if down is None:
+        cast = rounding_cast(value)
+        if cast is not None:
+            return (f"expert {e}'s output is cast from {cast[0]} to {cast[1]} before it is written: the cast rounds "
+                    "what the experts compute")
         return f"expert {e}'s output is not a projection on its own weights"
     h, w_down, layout, stacked = down[:4]
     h, why = _under_identity_dropouts(h, e)

@@ -14,7 +14,7 @@ expert(x[flat == i]).to(y.dtype)``), ``(y.view(T, k, H) * w.unsqueeze(-1)).sum(d
 ``down(silu(gate(x)) * up(x))`` with dropout (p = 0 here).
 
 Outcomes: training rounds every expert output to fp16 in the buffer, a different function from the fp32 model's
-experts, which the masked-writes proof does not take for the op (left alone: the cast is no projection, equal to
+experts, which the masked-writes proof does not take for the op (left alone, the cast named as the reason; equal to
 eager); eval walks numpy host counts, which Dynamo breaks the graph on (under every backend), equal to eager.
 """
 import torch
@@ -112,7 +112,7 @@ SOURCE = "jingyaogong/minimind model/model_minimind.py MOEFeedForward + MoEGate"
 CASES = [
     Case("minimind_moe_train", SOURCE + " (training: fp16 buffer, masked writes)", lambda: MOEFeedForward().train(),
          _input, form="unrolled_loop",
-         expect=("left_alone", "unrolled_loop", "expert 0's output is not a projection on its own weights")),
+         expect=("left_alone", "unrolled_loop", "expert 0's output is cast from float32 to float16")),
     Case("minimind_moe_eval", SOURCE + " (eval: moe_infer over numpy host counts)", lambda: MOEFeedForward().eval(),
          _input, form="unrolled_loop", expect=("graph_break",)),
 ]
