@@ -1,6 +1,7 @@
 """``moe_inductor.explain`` and the ``moe_inductor`` log."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import re
@@ -122,7 +123,10 @@ def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, *
     fn = _unwrap_compiled(model_or_fn)
     before = Report()
     try:
-        _compile_and_run(fn, args, kwargs, dict(options, forms=()), before)
+        # Its fallbacks are this pass's own (with every rewrite off, a loop that the rewrites would prove is
+        # data-dependent branching): kept in ``before``, not logged as if the user's compile had fallen back
+        with _quiet_fallbacks():
+            _compile_and_run(fn, args, kwargs, dict(options, forms=()), before)
         failed = None
     except Exception as error:  # noqa: BLE001  (said in the report; the configured pass below is what counts)
         # The graphs before are an aid, from a compile the user never runs: where it fails (torch 2.11's Dynamo
@@ -137,6 +141,17 @@ def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, *
     if failed is not None:
         report.notes.append(failed)
     return report
+
+
+@contextlib.contextmanager
+def _quiet_fallbacks():
+    """The moe_inductor logger's warnings held back for the duration (explain's rewrites-off pass)."""
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _device_of(fn: Callable, args: tuple, kwargs: dict) -> Optional[torch.device]:

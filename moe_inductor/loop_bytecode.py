@@ -46,8 +46,10 @@ def _local_names(ins) -> tuple:
     return tuple(n for n in names if isinstance(n, str))
 
 
-def _body_refusal(tx, inst, head: int, exit_: int) -> Optional[str]:
-    """Why the rest of the iteration after the branch ``inst`` is not plain graph work, or None."""
+def _body_refusal(tx, inst, head: int, exit_: int, rebinds: Optional[list] = None) -> Optional[str]:
+    """Why the rest of the iteration after the branch ``inst`` is not plain graph work, or None. Locals it sets that
+    are read after it refuse it, unless ``rebinds`` is a list: then their names go into it, for the caller to
+    check what they are set to."""
     instructions = tx.instructions
     start = instructions.index(inst) + 1
     written = set()
@@ -61,8 +63,10 @@ def _body_refusal(tx, inst, head: int, exit_: int) -> Optional[str]:
         if ins.opcode in dis.haslocal and ("STORE" in ins.opname or "DELETE" in ins.opname):
             written.update(_local_names(ins))
     outlives = sorted(v for v in written if _read_before_written(instructions, head, v))
-    if outlives:
+    if outlives and rebinds is None:
         return f"the rest of the iteration sets {', '.join(outlives)}, read after it"
+    if rebinds is not None:
+        rebinds.extend(outlives)
     return None
 
 

@@ -89,6 +89,10 @@ class Speculation:
     vacuous: bool = False
     #: the guard is ``mask.any()`` of one expert's mask (mask_guards.py), not a count
     mask: bool = False
+    #: locals the skipped body sets that are read after it, each with the graph node it held at the branch: each
+    #: must end the iteration as an out-of-place add into that value (``out = out.index_add(0, tok, c)``), which
+    #: adds nothing at no rows (``_rebinds_are_adds``)
+    rebinds: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -256,7 +260,11 @@ def _speculate(tx, inst, jumps_when: bool) -> bool:
     elif open_here and hit_iteration is None:
         reason = "it is inside another skipped body"
     else:
-        reason = _body_refusal(tx, inst, *loop)
+        names: list = []
+        reason = _body_refusal(tx, inst, *loop, rebinds=names)
+        held = {name: _tensor_node(tx.symbolic_locals.get(name)) for name in names}
+        if reason is None and names and (hit_iteration is not None or any(node is None for node in held.values())):
+            reason = f"the rest of the iteration sets {', '.join(names)}, read after it"
     if reason is not None:
         trace.refusals.append(f"{where}: the branch on {expr}: {reason}: not assumed away")
         return False
@@ -266,10 +274,10 @@ def _speculate(tx, inst, jumps_when: bool) -> bool:
     elif guard is not None:
         trace.speculations.append(Speculation(next(_ids), None, where, graph, _last_node(graph), tx.f_code,
                                               head.offset, tx, trace.mark(),
-                                              counts=mask_guards.counted_by(guard.name), mask=True))
+                                              counts=mask_guards.counted_by(guard.name), mask=True, rebinds=held))
     else:
         trace.speculations.append(Speculation(next(_ids), symbol, where, graph, _last_node(graph), tx.f_code,
-                                              head.offset, tx, trace.mark()))
+                                              head.offset, tx, trace.mark(), rebinds=held))
     tx.pop()
     if not zero_jumps:  # the rows side is the jump target
         tx.jump(inst)
@@ -286,10 +294,40 @@ def _close(tx, inst) -> None:
             s.closed = True
             if trace.changed_since(s.mark):
                 s.failed = "the skipped body changes Python state (a list, a dict, an attribute, an iterator)"
+            body = set()
             node = s.start.next if s.start is not None else next(iter(s.graph.nodes), None)
             while node is not None and node is not s.graph._root:
                 node.meta[TAG] = s.id
+                body.add(node)
                 node = node.next
+            if s.failed is None and s.rebinds:
+                s.failed = _rebinds_are_adds(tx, s.rebinds, body)
+
+
+def _tensor_node(var) -> Optional[Node]:
+    """The graph node a local's variable holds, when it is a tensor of the graph; else None."""
+    from torch._dynamo.variables import TensorVariable
+
+    if not isinstance(var, TensorVariable):
+        return None
+    try:
+        return var.as_proxy().node
+    except Exception:  # noqa: BLE001  (no proxy: not a graph tensor)
+        return None
+
+
+def _rebinds_are_adds(tx, held: dict, body: set) -> Optional[str]:
+    """Why a local the skipped body set is not ``x = x.index_add(0, rows, c)`` (or ``scatter_add``) of the value it
+    held at the branch, made in the body; None when each is. Such an add of the body's own rows (the rewrite that
+    must take the body proves they are) adds nothing when the expert has no rows, so the local ends as it began."""
+    from .passes.fx_utils import is_call
+
+    for name, before in held.items():
+        after = _tensor_node(tx.symbolic_locals.get(name))
+        if not (after in body and is_call(after, "call_method", "index_add", "scatter_add") and after.args
+                and after.args[0] is before):
+            return f"the skipped body sets {name}, read after it, to other than an out-of-place add into its value"
+    return None
 
 
 def _topk_ids_below(ids_flat: Node, E: int) -> bool:

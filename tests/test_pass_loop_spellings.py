@@ -80,9 +80,11 @@ def test_other_weights_are_left_alone(style):
 
 
 class ChainLoopMoE(nn.Module):
-    """``out = out.index_add(0, tok, c)`` per expert, the rows by ``index_select``; the look-alikes break the chain:
-    two experts add to the same earlier value (a branch), the value after the first expert is also returned, or
-    the last link copies rows instead of adding them."""
+    """``out = out.index_add(0, tok, c)`` per expert, the rows by ``index_select``, or behind ``if tok.numel() > 0:``
+    (the skip of an expert with no rows, assumed away while tracing: an add at no rows changes nothing); the
+    look-alikes break the chain: two experts add to the same earlier value (a branch), the value after the first
+    expert is also returned, the last link copies rows instead of adding them; behind the guard, the local ends as
+    more than an add into its value, or a Python count of the experts that ran is read after the loop."""
 
     def __init__(self, style: str):
         super().__init__()
@@ -95,6 +97,8 @@ class ChainLoopMoE(nn.Module):
         s = self.style
         weights, ids = torch.topk(torch.softmax(self.router(x), dim=-1), K, dim=-1)
         out = torch.zeros_like(x)
+        if s.startswith("guarded"):
+            return self._guarded(x, weights, ids, out)
         start, early = out, None
         for e in range(E):
             tok, pos = torch.where(ids == e)
@@ -112,8 +116,36 @@ class ChainLoopMoE(nn.Module):
                 early = out
         return out if early is None else out + early
 
+    def _guarded(self, x, weights, ids, out):
+        """Behind ``if tok.numel() > 0:``; the speculation reads the rest of the iteration, so each spelling has a
+        loop of its own."""
+        if self.style != "guarded":
+            return self._guarded_flawed(x, weights, ids, out)
+        for e in range(E):
+            tok, pos = torch.where(ids == e)
+            if tok.numel() > 0:
+                c = self._expert(x.index_select(0, tok), e) * weights[tok, pos].unsqueeze(-1)
+                out = out.index_add(0, tok, c)
+        return out
 
-@pytest.mark.parametrize("style", ["index_add", "scatter"])
+    def _guarded_flawed(self, x, weights, ids, out):
+        ran = 0
+        for e in range(E):
+            tok, pos = torch.where(ids == e)
+            if tok.numel() > 0:
+                c = self._expert(x.index_select(0, tok), e) * weights[tok, pos].unsqueeze(-1)
+                if self.style == "guarded_scaled":  # the local ends as more than an add into its value
+                    out = out.index_add(0, tok, c) * 1.5
+                else:  # a Python count of the experts that ran, read after the loop
+                    out = out.index_add(0, tok, c)
+                    ran = ran + 1
+        return out * ran if self.style == "guarded_counter" else out
+
+    def _expert(self, rows, e):
+        return F.linear(F.gelu(F.linear(rows, self.w1[e])), self.w2[e])
+
+
+@pytest.mark.parametrize("style", ["index_add", "scatter", "guarded"])
 def test_an_out_of_place_chain_is_rewritten(style):
     torch.manual_seed(0)
     model = ChainLoopMoE(style)
@@ -121,7 +153,7 @@ def test_an_out_of_place_chain_is_rewritten(style):
         assert_rewritten_like_eager(model, torch.randn(T, H), "unrolled_loop", f"{style} T={T}")
 
 
-@pytest.mark.parametrize("style", ["branch", "read_half_way", "copy_last"])
+@pytest.mark.parametrize("style", ["branch", "read_half_way", "copy_last", "guarded_scaled", "guarded_counter"])
 def test_a_broken_chain_is_left_alone(style):
     torch.manual_seed(0)
     model = ChainLoopMoE(style)
