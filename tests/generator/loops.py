@@ -63,11 +63,7 @@ class LoopMoE(nn.Module):
             routing = (ids, probs, weights, hits)
         ran = []
         if r.idioms["combine"] == "index_add_oop":  # a loop of its own: the proofs of the guarded and hit loops
-            for e in experts:  # below read the rest of their iteration, where this one stores a local
-                if r.flaw == "skipped" and e == 1:
-                    continue
-                out = body(e, x, idx == e, routing, out, ran)
-            return out
+            return self._chained(x, idx, routing, out, ran)  # read the rest of their iteration, where this stores
         # The guard stands in this loop and the whole rest of the iteration is one call: the skip's proof reads the
         # bytecode from the branch to the iteration's end, which must be the body and nothing after it.
         for e in experts:
@@ -99,6 +95,33 @@ class LoopMoE(nn.Module):
         if selection == "top1_mask" and r.idioms["position"] == "after":
             out = out * self._column(weights, routing[1])
         return out * len(ran) if r.flaw == "guard_list" else out
+
+    def _chained(self, x, idx, routing, out, ran):
+        """``out = out.index_add(0, tok, y)`` per expert, behind the recipe's guard: every branch of the iteration
+        sets ``out`` only, to an add into its value (what a skipped body may leave behind)."""
+        r, guard = self.r, self.r.idioms["guard"]
+        for e in range(r.E):
+            if r.flaw == "skipped" and e == 1:
+                continue
+            hit = idx == e
+            if guard == "none":
+                out = self._accumulate(e, x, hit, routing, out, ran)
+            elif guard == "mask_any":
+                if hit.any():
+                    out = self._accumulate(e, x, hit, routing, out, ran)
+            elif guard == "torch_any":
+                if torch.any(hit):
+                    out = self._accumulate(e, x, hit, routing, out, ran)
+            elif guard == "continue":
+                if not hit.any():
+                    continue
+                out = self._accumulate(e, x, hit, routing, out, ran)
+            elif guard == "guard_other":  # the next expert's rows decide whether this one runs
+                if (idx == (e + 1) % r.E).any():
+                    out = self._accumulate(e, x, hit, routing, out, ran)
+            elif hit.sum() > 1:  # "guard_count": an expert with one row is skipped too
+                out = self._accumulate(e, x, hit, routing, out, ran)
+        return out
 
     def _did_run(self, e: int, ran: list) -> None:
         """What a guard_more or guard_list body does besides the expert: a count in a buffer, or a list entry."""

@@ -220,9 +220,9 @@ def _loop_idioms(draw: Draw, idioms: dict, flaw: Optional[str], k: int) -> int:
         idioms["combine"] = draw("masked_combine", ("view_sum", "bmm"))
     if selection not in GUARDED:
         idioms["guard"] = "none"
-    if idioms["combine"] == "index_add_oop" and (selection in ("top1_mask", "hit_v5") or flaw in GUARD_FLAWS
-                                                 or idioms["guard"] != "none"):
-        idioms["combine"] = "index_add"  # the out-of-place chain is written for unguarded (token, slot) bodies
+    if idioms["combine"] == "index_add_oop" and (selection in ("top1_mask", "hit_v5")
+                                                 or flaw in ("guard_more", "guard_list")):
+        idioms["combine"] = "index_add"  # the out-of-place chain is written for (token, slot) bodies
     if flaw in ("guard_more", "guard_list") and idioms["guard"] == "none":
         idioms["guard"] = "mask_any"  # what these flaws add is the guard's body doing more
     elif flaw in ("guard_other", "guard_count"):
