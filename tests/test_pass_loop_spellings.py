@@ -161,3 +161,14 @@ def test_a_broken_chain_is_left_alone(style):
     out = compile_moe(model, x)
     assert not counters["moe_inductor"], dict(counters["moe_inductor"])
     assert_close(out, model(x), torch.float32, style)
+
+
+def test_explain_names_a_weight_of_another_choice():
+    """The reason a loop scaled by another choice's weight is left alone names the factor, not the projection."""
+    import moe_inductor
+
+    torch.manual_seed(0)
+    report = moe_inductor.explain(ColumnLoopMoE("other_choice"), torch.randn(9, H))
+    # behind its guard, the loop's reason comes with the frame's fallback (the skip went with no rewrite)
+    reasons = [r.reason for r in report.left_alone] + [f.reason for f in report.fallbacks]
+    assert any("scaled by a factor that is not this body's own routing weight" in r for r in reasons), reasons

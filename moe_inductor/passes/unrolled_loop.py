@@ -291,6 +291,11 @@ def _body(add: Node, acc: Node) -> Union[_Body, str]:
         return got if block is None else (*block, None)
 
     down = projection(expert_out)
+    if down is None and is_call(expert_out, "call_function", operator.mul) and len(expert_out.args) == 2 and any(
+            isinstance(a, Node) and projection(a) is not None for a in expert_out.args):
+        return (f"expert {e}'s output is scaled by a factor that is not this body's own routing weight "
+                "(weights[tok, pos, None] or a column of weights[tok, pos], at the rows and choices its selection "
+                "picked)")
     if down is None:
         return (f"expert {e}'s output is not a matmul or F.linear on w[{e}] (stacked, plus row {e} of a stacked bias) "
                 "or on a per-expert weight (plus its nn.Linear bias)")
