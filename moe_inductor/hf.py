@@ -59,6 +59,11 @@ def _is_decorated_experts_forward(fwd: Any) -> bool:
 
 
 def _unary_activation(act_fn: Any) -> Optional[str]:
+    # the torch functions themselves (LFM2-MoE's experts hold F.silu), with their default arguments
+    plain = {torch.nn.functional.silu: "silu", torch.nn.functional.relu: "relu", torch.nn.functional.gelu: "gelu",
+             torch.relu: "relu"}
+    if any(act_fn is f for f in plain):
+        return plain[act_fn]
     name = type(act_fn).__name__
     inner = getattr(act_fn, "act", None)
     if name in ("SiLUActivation", "SiLU"):
