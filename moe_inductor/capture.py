@@ -209,7 +209,8 @@ def note_fallback(code: Optional[types.CodeType], stage: str, error: BaseExcepti
     ``also`` adds what the attempt saw and did not assume away (speculation.py)."""
     while getattr(error, "inner_exception", None) is not None:  # BackendCompilerFailed holds what the compiler raised
         error = error.inner_exception
-    first_line = (str(error).strip().splitlines() or [""])[0][:400]
+    # the first line only, bounded: a speculation's line carries the pass's own reason (its source line included)
+    first_line = (str(error).strip().splitlines() or [""])[0][:1000]
     reason = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
     reason = "; ".join([reason, *dict.fromkeys(also)])
     first_time = code is None or code not in _logged_fallbacks
