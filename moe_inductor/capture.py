@@ -213,10 +213,29 @@ def note_fallback(code: Optional[types.CodeType], stage: str, error: BaseExcepti
     first_line = (str(error).strip().splitlines() or [""])[0][:1000]
     reason = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
     reason = "; ".join([reason, *dict.fromkeys(also)])
+    if getattr(_quiet, "on", False):  # explain()'s rewrites-off pass: recorded for its report, never logged
+        report.record_fallback(describe_frame(code), stage, reason, log_it=False)
+        return
     first_time = code is None or code not in _logged_fallbacks
     if code is not None:
         _logged_fallbacks.add(code)
     report.record_fallback(describe_frame(code), stage, reason, log_it=first_time)
+
+
+_quiet = threading.local()
+
+
+@contextlib.contextmanager
+def quiet_fallbacks() -> Iterator[None]:
+    """Fallbacks of the compiles inside are recorded but not logged, and do not count as a frame's one logged
+    fallback: explain()'s rewrites-off pass, whose fallbacks (a loop the rewrites would prove is data-dependent
+    there) are not the user's compile's."""
+    was = getattr(_quiet, "on", False)
+    _quiet.on = True
+    try:
+        yield
+    finally:
+        _quiet.on = was
 
 
 def _wrap_compile(original: Callable) -> Callable:

@@ -1,7 +1,6 @@
 """``moe_inductor.explain`` and the ``moe_inductor`` log."""
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import re
@@ -113,7 +112,7 @@ def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, *
         each MoE-looking region left as it was with the reason (``report.left_alone``), and the graph code before
         and after; ``print(report)`` reads well in a terminal.
     """
-    from . import speed_rule
+    from . import capture, speed_rule
 
     options = dict(options or {})
     # The speed rule judges as the user's compile would, Inductor's, unless an inner compiler is named: explain's
@@ -125,7 +124,7 @@ def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, *
     try:
         # Its fallbacks are this pass's own (with every rewrite off, a loop that the rewrites would prove is
         # data-dependent branching): kept in ``before``, not logged as if the user's compile had fallen back
-        with _quiet_fallbacks():
+        with capture.quiet_fallbacks():
             _compile_and_run(fn, args, kwargs, dict(options, forms=()), before)
         failed = None
     except Exception as error:  # noqa: BLE001  (said in the report; the configured pass below is what counts)
@@ -141,17 +140,6 @@ def explain(model_or_fn: Callable, *args: Any, options: Optional[dict] = None, *
     if failed is not None:
         report.notes.append(failed)
     return report
-
-
-@contextlib.contextmanager
-def _quiet_fallbacks():
-    """The moe_inductor logger's warnings held back for the duration (explain's rewrites-off pass)."""
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 def _device_of(fn: Callable, args: tuple, kwargs: dict) -> Optional[torch.device]:

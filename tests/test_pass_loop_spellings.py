@@ -172,3 +172,17 @@ def test_explain_names_a_weight_of_another_choice():
     # behind its guard, the loop's reason comes with the frame's fallback (the skip went with no rewrite)
     reasons = [r.reason for r in report.left_alone] + [f.reason for f in report.fallbacks]
     assert any("scaled by a factor that is not this body's own routing weight" in r for r in reasons), reasons
+
+
+def test_explain_logs_no_fallback_for_a_guarded_loop_it_rewrites(caplog):
+    """explain()'s rewrites-off pass cannot prove the skip of an idle expert and falls back; that is its own, not the
+    user's compile's: nothing is logged, and the report shows the rewrite and no fallback."""
+    import moe_inductor
+    from moe_inductor import capture
+
+    torch.manual_seed(0)
+    capture._logged_fallbacks.clear()
+    with caplog.at_level("WARNING", logger="moe_inductor"):
+        report = moe_inductor.explain(ChainLoopMoE("guarded"), torch.randn(9, H))
+    assert [r.form for r in report.rewrites] == ["unrolled_loop"] and not report.fallbacks
+    assert not [r for r in caplog.records if "failed to compile" in r.getMessage()]
