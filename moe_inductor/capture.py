@@ -18,6 +18,7 @@ records are rolled back (``report.roll_back``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import threading
@@ -253,6 +254,17 @@ def _wrap_compile(original: Callable) -> Callable:
         if not ours:
             with _compiling(_CompileState()):
                 return original(*args, **kwargs)
+        if getattr(_quiet, "on", False):  # explain()'s rewrites-off pass: an aid, never a cause of later skips
+            try:
+                return _unsticky(_ours(args, kwargs, options, code, closure))
+            except Exception:  # noqa: BLE001  (Dynamo gave up on the frame: run it as it is, this once)
+                once = _run_once()
+                if once is None:
+                    raise
+                return once
+        return _ours(args, kwargs, options, code, closure)
+
+    def _ours(args: tuple, kwargs: dict, options: Any, code: Any, closure: tuple) -> Any:
         from .options import BackendOptions
 
         try:
@@ -281,6 +293,31 @@ def _wrap_compile(original: Callable) -> Callable:
 
     _compile._moe_inductor_original = original
     return _compile
+
+
+def _unsticky(result: Any) -> Any:
+    """In explain()'s rewrites-off pass, a frame Dynamo gives up on (no compiled code: under torch 2.11, a graph break
+    in a loop) is run as it is this once, but not marked to be skipped for good: Dynamo would otherwise skip every
+    later frame of that code object, the user's own moe_inductor compile included, which would then run the frame
+    eagerly where it rewrites it."""
+    if getattr(result, "guarded_code", True) is not None or not getattr(result, "apply_to_code", False):
+        return result
+    try:
+        return dataclasses.replace(result, apply_to_code=False)
+    except (TypeError, ValueError):  # not the dataclass this torch is known to return: leave it
+        return result
+
+
+def _run_once() -> Any:
+    """Dynamo's answer "run this frame as it is, this time only", where this torch has one (else None)."""
+    try:
+        from torch._dynamo.types import ConvertFrameReturn
+    except ImportError:
+        return None
+    try:
+        return ConvertFrameReturn(apply_to_code=False)
+    except TypeError:
+        return None
 
 
 def mark_plain(code: Optional[types.CodeType], closure: tuple = ()) -> None:

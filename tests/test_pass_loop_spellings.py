@@ -186,3 +186,20 @@ def test_explain_logs_no_fallback_for_a_guarded_loop_it_rewrites(caplog):
         report = moe_inductor.explain(ChainLoopMoE("guarded"), torch.randn(9, H))
     assert [r.form for r in report.rewrites] == ["unrolled_loop"] and not report.fallbacks
     assert not [r for r in caplog.records if "failed to compile" in r.getMessage()]
+
+
+def test_explain_leaves_the_users_compile_as_it_would_be():
+    """explain()'s rewrites-off pass cannot compile a loop with data-dependent rows in one graph; under torch 2.11
+    Dynamo then gives up on the frame (a graph break in a loop) and would skip its code for good, so that the user's
+    own compile afterwards ran it eagerly. The user's compile after explain() is rewritten as without it."""
+    import moe_inductor
+
+    torch._dynamo.reset()  # this file's look-alikes share the class's code: under 2.11 their fallbacks skip it too
+    torch.manual_seed(0)
+    model = ColumnLoopMoE("unsqueeze")
+    x = torch.randn(9, H)
+    assert [r.form for r in moe_inductor.explain(model, x).rewrites] == ["unrolled_loop"]
+    counters.clear()
+    out = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x)
+    assert dict(counters["moe_inductor"]) == {"unrolled_loop": 1}
+    assert_close(out, model(x), torch.float32, "after explain")
