@@ -58,12 +58,15 @@ def _is_decorated_experts_forward(fwd: Any) -> bool:
             and fwd.__globals__.get("__name__") == _HF_MOE_MODULE)
 
 
+#: the torch functions themselves as an experts module's act_fn (LFM2-MoE's is F.silu), with their default arguments
+_PLAIN_ACTIVATIONS = ((torch.nn.functional.silu, "silu"), (torch.nn.functional.relu, "relu"),
+                      (torch.nn.functional.gelu, "gelu"), (torch.relu, "relu"))
+
+
 def _unary_activation(act_fn: Any) -> Optional[str]:
-    # the torch functions themselves (LFM2-MoE's experts hold F.silu), with their default arguments
-    plain = {torch.nn.functional.silu: "silu", torch.nn.functional.relu: "relu", torch.nn.functional.gelu: "gelu",
-             torch.relu: "relu"}
-    if any(act_fn is f for f in plain):
-        return plain[act_fn]
+    for fn, unary in _PLAIN_ACTIVATIONS:
+        if act_fn is fn:
+            return unary
     name = type(act_fn).__name__
     inner = getattr(act_fn, "act", None)
     if name in ("SiLUActivation", "SiLU"):

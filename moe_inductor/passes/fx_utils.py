@@ -190,6 +190,13 @@ def view_family(node: Node) -> list[Node]:
     return list(seen)
 
 
+def is_view_of(node: Node, base: Node) -> bool:
+    """``node`` is ``base`` or a view of it, through view ops."""
+    while node is not base and _is_view(node) and node.args and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return node is base
+
+
 def alias_mutations(node: Node) -> list[Node]:
     """Every in-place change (an ``x.op_(...)`` method or ``x[i] = v``) of ``node`` or of any tensor that may share
     its memory through view ops (``view_family``). Conservative: getitem counts as a view."""

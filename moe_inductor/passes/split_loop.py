@@ -38,7 +38,7 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match
-from .fx_utils import alias_mutations, base_of, flat_of, is_call, val, view_family
+from .fx_utils import alias_mutations, base_of, flat_of, is_call, is_view_of, val, view_family
 from .gated_reads import read_gated
 from .sorted_grouped_mm import _sort_order
 from .unrolled_loop import _linear, _topk_ids, expert_mlp
@@ -458,18 +458,11 @@ def _written_alone(acc: Node, write: Node) -> bool:
         return False
     family = view_family(acc)
     for alias in family:
-        if alias is acc or (base_of(alias) is not alias and _views_of(alias, acc) and not _before(alias, write)):
+        if is_view_of(alias, acc) and (alias is acc or not _before(alias, write)):
             continue
         if any(not _before(u, write) for u in alias.users if u not in family):
             return False
     return True
-
-
-def _views_of(node: Node, acc: Node) -> bool:
-    """``node`` is a view of ``acc`` (through view ops)."""
-    while node is not acc and node.args and isinstance(node.args[0], Node) and node is not base_of(node):
-        node = node.args[0]
-    return node is acc
 
 
 def _before(node: Node, other: Node) -> bool:

@@ -541,13 +541,11 @@ def match_loop(acc: Node) -> Union[Match, str, None]:
             spec = _as_nk(graph, spec, layouts)
         return _column_ids(graph, spec) if one_id else spec
 
-    # scaled after the loop, the result is the product (the accumulator goes with the region); else the accumulator
+    # scaled after the loop, the result is the product (the accumulator goes with the region); else the accumulator.
+    # Out of place (chained), the last link's value is the result, and the chain goes as dead code.
     end = product if product is not None else max(adds, key=position.__getitem__)
-    if chained:  # out of place: the last link's value is the result, and the chain goes as dead code
-        return Match(spec, end, note, where=bodies[0].add, transient=tuple(b.where for b in bodies),
-                     derive=derive if biased or one_id or sliced is not None or layouts is not None else None,
-                     top_k=1 if one_id else None)
-    return Match(spec, end, note, where=bodies[0].add, acc=None if product is not None else acc, writes=adds,
+    in_place = not chained and product is None
+    return Match(spec, end, note, where=bodies[0].add, acc=acc if in_place else None, writes=() if chained else adds,
                  transient=tuple(b.where for b in bodies),
                  derive=derive if biased or one_id or sliced is not None or layouts is not None else None,
                  top_k=1 if one_id else None)
