@@ -2,6 +2,8 @@
 # The GPU runs a session makes, one mode per device call (each sized for the 10-minute per-command limit).
 #   bash benchmarks/device_run.sh suite      # the whole GPU suite: the kernel-layer test files whole, then every
 #                                            # `gpu` test, four xdist workers on the one GPU               (~5 min)
+#   bash benchmarks/device_run.sh spill      # the shipped TMA entries of DeepSeek-V3's T=4096 forward (one spills under
+#                                            # triton 3.6) against POINTERS, 8 ABBA rounds (spill_check.py) (~2 min)
 #   bash benchmarks/device_run.sh examples   # memcheck of the kernel tests, then every example           (~4 min)
 #   bash benchmarks/device_run.sh experts    # bench_experts.py, the experts-alone table                  (~5 min)
 #   bash benchmarks/device_run.sh hf         # bench_hf.py: every family at prefill T=4096, the Qwen3 and
@@ -102,6 +104,9 @@ case "${1:-suite}" in
     timeout -s INT 320 python -m pytest tests -m gpu $(for f in $KERNEL_FILES; do echo "--ignore=$f"; done) $WORKERS \
       -v -p no:warnings -rfE --durations=8 2>&1 | grep -v torch.__trace > "$OUT/gpu_tests.log"
     grep -E "FAILED|ERROR" "$OUT/gpu_tests.log"; tail -12 "$OUT/gpu_tests.log" ;;
+  spill)
+    timeout 170 python benchmarks/spill_check.py --shape deepseekv3 --tokens 4096 --rounds 8 2>&1 \
+      | tee "$OUT/spill.log" | tail -12 ;;
   examples)
     timeout 260 compute-sanitizer --tool memcheck python -m pytest tests/test_kernels.py tests/test_grouped_mm_engine.py \
       -q -p no:warnings -x -k "not inductor_graph" \
