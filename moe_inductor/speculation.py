@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx import Node
 
-from . import mask_guards
+from . import host_counts, mask_guards, skipped_state
 from .loop_bytecode import _body_refusal, _loop_of, _next, _resolve
 
 TAG = "moe_inductor_speculation"
@@ -89,10 +89,14 @@ class Speculation:
     vacuous: bool = False
     #: the guard is ``mask.any()`` of one expert's mask (mask_guards.py), not a count
     mask: bool = False
-    #: locals the skipped body sets that are read after it, each with the graph node it held at the branch: each
-    #: must end the iteration as an out-of-place add into that value (``out = out.index_add(0, tok, c)``), which
-    #: adds nothing at no rows (``_rebinds_are_adds``)
+    #: locals the skipped body sets that are read after it, each with what it held at the branch (a graph node,
+    #: or an integer's ``skipped_state.Offset``): each must end the iteration as it began at no rows
+    #: (``skipped_state.rebinds_hold``)
     rebinds: dict = field(default_factory=dict)
+    #: the frame's lists at the branch (``skipped_state.lists_of``): the body may append its outputs to them
+    lists: dict = field(default_factory=dict)
+    #: the nodes the body appended to such lists: check_traced proves a cat is their only reader
+    appended: list = field(default_factory=list)
 
 
 @dataclass
@@ -102,6 +106,8 @@ class Trace:
     speculations: list = field(default_factory=list)
     refusals: list = field(default_factory=list)
     mutations: int = 0
+    #: the variable of each logged mutation, in order (None for a store to an attribute, a global or a cell)
+    mutated: list = field(default_factory=list)
     #: the iterators Dynamo made in this compile, by id: (the variable, its birth number). An iterator born inside a
     #: skipped body and stepped there is that body's own state: nn.Sequential's ``for module in self``, which
     #: torch 2.11 records as a mutation, is one
@@ -115,21 +121,22 @@ class Trace:
     checked: bool = False
     #: per-expert counts known to add up to the number of ids (``_counts_total``): (their symbols, that number)
     totals: list = field(default_factory=list)
+    #: whether a host copy of counts was walked as integers (host_counts.py): the backend must see the graph
+    host_counts: bool = False
 
     def mark(self) -> tuple:
-        """Where the side-effect record stands, for ``changed_since``."""
+        """Where the side-effect record stands: (mutations, births, steps) so far."""
         return self.mutations, self.births, len(self.steps)
 
-    def changed_since(self, mark: tuple) -> bool:
-        """Whether Python state made before ``mark`` changed since: any mutation but the steps of an iterator
-        born after it."""
-        mutations, births, steps = mark
-        return self.mutations != mutations or any(born <= births for born in self.steps[steps:])
+    def stepped_since(self, mark: tuple) -> bool:
+        """Whether an iterator made before ``mark`` was stepped since."""
+        _, births, steps = mark
+        return any(born <= births for born in self.steps[steps:])
 
     def require_checked(self) -> None:
         """A speculation holds only through the backend's proof, which a look-alike wrapper (capture.py) that hands
         the graph to another compiler never runs: then the frame falls back."""
-        if self.speculations and not self.checked:
+        if (self.speculations or self.host_counts) and not self.checked:
             raise SpeculationNotDischarged("skips of an empty expert were assumed while tracing, and the graph went to "
                                            "a compiler other than moe_inductor's backend, which cannot prove them")
 
@@ -262,8 +269,8 @@ def _speculate(tx, inst, jumps_when: bool) -> bool:
     else:
         names: list = []
         reason = _body_refusal(tx, inst, *loop, rebinds=names)
-        held = {name: _tensor_node(tx.symbolic_locals.get(name)) for name in names}
-        if reason is None and names and (hit_iteration is not None or any(node is None for node in held.values())):
+        held = {name: skipped_state.held(tx.symbolic_locals.get(name)) for name in names}
+        if reason is None and names and (hit_iteration is not None or any(h is None for h in held.values())):
             reason = f"the rest of the iteration sets {', '.join(names)}, read after it"
     if reason is not None:
         trace.refusals.append(f"{where}: the branch on {expr}: {reason}: not assumed away")
@@ -277,7 +284,8 @@ def _speculate(tx, inst, jumps_when: bool) -> bool:
                                               counts=mask_guards.counted_by(guard.name), mask=True, rebinds=held))
     else:
         trace.speculations.append(Speculation(next(_ids), symbol, where, graph, _last_node(graph), tx.f_code,
-                                              head.offset, tx, trace.mark(), rebinds=held))
+                                              head.offset, tx, trace.mark(), rebinds=held,
+                                              lists=skipped_state.lists_of(tx)))
     tx.pop()
     if not zero_jumps:  # the rows side is the jump target
         tx.jump(inst)
@@ -292,42 +300,18 @@ def _close(tx, inst) -> None:
     for s in trace.speculations:
         if s.tx is tx and not s.closed and s.loop_head == inst.offset:
             s.closed = True
-            if trace.changed_since(s.mark):
-                s.failed = "the skipped body changes Python state (a list, a dict, an attribute, an iterator)"
             body = set()
             node = s.start.next if s.start is not None else next(iter(s.graph.nodes), None)
             while node is not None and node is not s.graph._root:
                 node.meta[TAG] = s.id
                 body.add(node)
                 node = node.next
+            if trace.stepped_since(s.mark):
+                s.failed = "the skipped body changes Python state (a list, a dict, an attribute, an iterator)"
+            elif trace.mutations != s.mark[0]:
+                s.failed, s.appended = skipped_state.appends(tx, trace.mutated[s.mark[0]:], s.lists, body)
             if s.failed is None and s.rebinds:
-                s.failed = _rebinds_are_adds(tx, s.rebinds, body)
-
-
-def _tensor_node(var) -> Optional[Node]:
-    """The graph node a local's variable holds, when it is a tensor of the graph; else None."""
-    from torch._dynamo.variables import TensorVariable
-
-    if not isinstance(var, TensorVariable):
-        return None
-    try:
-        return var.as_proxy().node
-    except Exception:  # noqa: BLE001  (no proxy: not a graph tensor)
-        return None
-
-
-def _rebinds_are_adds(tx, held: dict, body: set) -> Optional[str]:
-    """Why a local the skipped body set is not ``x = x.index_add(0, rows, c)`` (or ``scatter_add``) of the value it
-    held at the branch, made in the body; None when each is. Such an add of the body's own rows (the rewrite that
-    must take the body proves they are) adds nothing when the expert has no rows, so the local ends as it began."""
-    from .passes.fx_utils import is_call
-
-    for name, before in held.items():
-        after = _tensor_node(tx.symbolic_locals.get(name))
-        if not (after in body and is_call(after, "call_method", "index_add", "scatter_add") and after.args
-                and after.args[0] is before):
-            return f"the skipped body sets {name}, read after it, to other than an out-of-place add into its value"
-    return None
+                s.failed = skipped_state.rebinds_hold(tx, s.rebinds, body, s.symbol)
 
 
 def _topk_ids_below(ids_flat: Node, E: int) -> bool:
@@ -471,6 +455,7 @@ def install() -> None:
                 trace.steps.append(_birth(trace, var))
             else:
                 trace.mutations += 1
+                trace.mutated.append(var)
         return mutation(self, *args, **kwargs)
 
     side_effects.SideEffects.mutation = counted
@@ -487,6 +472,7 @@ def install() -> None:
         return listed
 
     TensorVariable.method_tolist = method_tolist
+    host_counts.install()
     for table in dispatch_tables(base):
         hook_table(table, dis.opmap)
 
@@ -583,6 +569,7 @@ def _counting(method: Callable) -> Callable:
         trace = _trace()
         if trace is not None:
             trace.mutations += 1
+            trace.mutated.append(None)
         return method(self, *args, **kwargs)
 
     return counted

@@ -11,7 +11,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from . import mask_guards
-from .speculation import LENGTH, TAG, Speculation, _fail, _trace
+from .speculation import LENGTH, TAG, Speculation, SpeculationNotDischarged, _fail, _trace
 
 
 def of_graph(gm: GraphModule) -> list[Speculation]:
@@ -50,13 +50,18 @@ def _counted(graph, symbol) -> Optional[tuple[Node, int, Optional[Node]]]:
     selection of expert e (``tok.shape[0]`` of ``tok, pos = torch.where(ids == e)``)."""
     from .passes.fx_utils import is_call
 
+    from .passes.counts import host_copy_of, marked_counts
+
     for node in graph.nodes:
         v = node.meta.get("example_value")
         if isinstance(v, torch.SymInt) and v.node.expr == symbol and is_call(node, "call_method", "item"):
             pick = node.args[0]
             if not (is_call(pick, "call_function", operator.getitem) and isinstance(pick.args[1], int)):
                 return None
-            counts = pick.args[0]
+            marked = marked_counts(pick.args[0])  # DeepSeek-V2's scatter_ of ones, walked on the host or not
+            if marked is not None:
+                return marked[0], pick.args[1], None
+            counts = host_copy_of(pick.args[0])
             if not (is_call(counts, "call_function", torch.bincount) and len(counts.args) == 1
                     and set(counts.kwargs) <= {"minlength"}):
                 return None
@@ -102,7 +107,12 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
             s.vacuous = True
             continue
         read = {own} if own is not None else set()
+        slices = _slices_by_count(body, _count_item(graph, s.symbol)) if s.symbol is not None else []
+        if s.appended:
+            _check_appended(s, graph, ids)
         for node in body:
+            if node in slices:
+                continue  # rows[start:start + count]: no rows at a count of 0 (the rewrite proves which rows)
             if _selection_of(node) is not None:
                 read.add(node)
             for arg in node.all_input_nodes:
@@ -111,7 +121,7 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
                 elif _selection_of(arg) is not None:  # the tokens that chose e (any_selection), read whole
                     read.add(arg)
             read.update(mask_guards.masks_read(node))
-        if not read:
+        if not read and not slices:
             raise _fail(s, "the body it guards selects no expert's rows")
         for selection in read:
             sel_ids, sel_e = _selection_of(selection) or mask_guards.selected_by(selection)
@@ -131,6 +141,55 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
         s.counted = (ids.name, e, tuple(same))
 
 
+def _count_item(graph, symbol) -> Optional[Node]:
+    """The ``.item()`` node that made the count ``symbol``, if one did."""
+    from .passes.fx_utils import is_call
+
+    for node in graph.nodes:
+        v = node.meta.get("example_value")
+        if isinstance(v, torch.SymInt) and v.node.expr == symbol and is_call(node, "call_method", "item"):
+            return node
+    return None
+
+
+def _slices_by_count(body: list[Node], item: Optional[Node]) -> list[Node]:
+    """The body's slices ``rows[start:start + count]`` (``rows[0:count]`` at the first) of the count's own ``item``:
+    empty at a count of 0, whatever the rows."""
+    from .passes.split_loop import _size_after, _slice_bounds
+
+    if item is None:
+        return []
+    found = []
+    for node in body:
+        bounds = _slice_bounds(node)
+        if bounds is not None and _size_after(*bounds) is item:
+            found.append(node)
+    return found
+
+
+def _check_appended(s: Speculation, graph, ids: Node) -> None:
+    """The outputs the skipped body appended to a list are read by one ``torch.cat`` along dim 0 only (where a
+    part of zero rows adds nothing), and the ids have rows: ``len`` of the list, which the skip changes, differs
+    only where no expert has a row."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    from .passes.fx_utils import val
+
+    by_name = {n.name: n for n in graph.nodes}
+    iv = val(ids)
+    if iv is None or iv.dim() < 1 or not statically_known_true(iv.shape[0] >= 1):
+        raise _fail(s, "its outputs go to a list whose length could show the skip (the ids may have no rows)")
+    for appended in s.appended:
+        node = by_name.get(appended.name)
+        users = list(node.users) if node is not None else []
+        cat = users[0] if len(users) == 1 else None
+        rank = val(node).dim() if node is not None and val(node) is not None else 0
+        if cat is None or cat.target is not torch.cat or not cat.args or node not in cat.args[0] or (
+                cat.kwargs.get("dim", cat.args[1] if len(cat.args) > 1 else 0) not in (0, -rank)) or rank == 0:
+            raise _fail(s, f"the output it appends ({appended.name}) is read other than by one torch.cat along "
+                           "dim 0")
+
+
 def _computes_nothing(body: list[Node]) -> bool:
     """Whether an iteration's nodes are only reads of its hit-loop index (``t[0]``, ``t == c``): what is left of an
     iteration that a branch on the index skipped whole."""
@@ -143,6 +202,12 @@ def discharge(gm: GraphModule, speculations: list[Speculation], left_alone: Iter
     """After the passes: every speculated body went with a rewrite (no node of it is left but inputs); then the
     counts' proven size checks go. Raises SpeculationNotDischarged, saying what the passes said (``left_alone``,
     report.LeftAlone records)."""
+    from . import host_counts
+
+    trace = _trace()
+    unread = host_counts.unconsumed(gm) if trace is not None and trace.host_counts else None
+    if unread is not None:
+        raise SpeculationNotDischarged(unread)
     for s in speculations:
         if s.vacuous:
             continue

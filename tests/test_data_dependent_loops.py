@@ -152,7 +152,7 @@ def test_skip_of_an_empty_expert_is_rewritten_and_equal_to_eager(skip):
     ("fewer_than_2", "is not a test of 'this expert got no tokens'"),
     ("other_counts", "the count is of expert"),
     ("buffer", "no rewrite took its body"),
-    ("local", "the rest of the iteration sets ran, read after it"),
+    ("local", "the skipped body sets ran, read after it"),
     ("ticks", "the skipped body changes Python state"),
     ("any_other_expert", "the count is of expert"),
 ], ids=["counts-below-2", "another-routers-counts", "buffer-write-in-body", "local-counter", "stepped-iterator",

@@ -28,9 +28,10 @@ class LoopMoE(nn.Module):
             ids[:, -1] = ids[:, 0]
         out = torch.zeros_like(x)
         expert_mask = F.one_hot(ids, num_classes=self.E).permute(2, 1, 0)  # HF v4's (E, k, T) mask
-        arange = {"arange_from_one": lambda: torch.arange(1, self.E + 1), "arange_step": lambda: torch.arange(
-            0, 2 * self.E, 2), "arange_flipped": lambda: torch.arange(self.E).flip(0)}.get(
-            self.style, lambda: torch.arange(self.E))()
+        dev = ids.device
+        arange = {"arange_from_one": lambda: torch.arange(1, self.E + 1, device=dev), "arange_step": lambda: torch.arange(
+            0, 2 * self.E, 2, device=dev), "arange_flipped": lambda: torch.arange(self.E, device=dev).flip(0)}.get(
+            self.style, lambda: torch.arange(self.E, device=dev))()
         # litgpt's (E, T, k) mask: a broadcast compare against arange(E), permuted (the look-alikes compare
         # against other aranges: expert e then reads the rows of another id)
         token_masks = (ids[..., None] if self.style == "litgpt_ellipsis" else ids.unsqueeze(-1)) == arange

@@ -43,6 +43,7 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, Unmatched
+from .counts import host_copy_of, marked_counts
 from .fx_utils import alias_mutations, arange_length, column_of, flat_of, is_call, known_equal, size_is, val
 from .gated_reads import read_gated
 from .split_experts import split_loop_experts
@@ -58,12 +59,16 @@ def _strip(node, *methods) -> Node:
 
 
 def _sort_order(order: Node) -> Optional[Node]:
-    """The (T, k) ids whose flattening ``order`` sorts: ``argsort(flat)`` or ``sort(flat)[1]``."""
-    if is_call(order, "call_function", torch.argsort) and len(order.args) == 1 and set(order.kwargs) <= {"stable"}:
+    """The (T, k) ids whose flattening ``order`` sorts: ``argsort(flat)`` or ``sort(flat)[1]``, as functions or as
+    methods (DeepSeek-V2's ``topk_ids.view(-1).argsort()``). Stable or not: rows of one expert may come in any
+    order, as every reader of the order reads it alike."""
+    if (is_call(order, "call_function", torch.argsort) or is_call(order, "call_method", "argsort")) and (
+            order.args[1:] in ((), (0,), (-1,)) and set(order.kwargs) <= {"stable"}):
         return flat_of(order.args[0])
     if is_call(order, "call_function", operator.getitem) and order.args[1] == 1:
         sort = order.args[0]
-        if is_call(sort, "call_function", torch.sort) and len(sort.args) == 1 and set(sort.kwargs) <= {"stable"}:
+        if (is_call(sort, "call_function", torch.sort) or is_call(sort, "call_method", "sort")) and (
+                sort.args[1:] in ((), (0,), (-1,)) and set(sort.kwargs) <= {"stable"}):
             return flat_of(sort.args[0])
     return None
 
@@ -125,7 +130,10 @@ def _integer_cast_of(node) -> Node:
 def _counts_of(counts, ids: Node, num_experts: int) -> bool:
     """``counts`` holds, for e = 0..E-1, how many of the flattened ids are e: ``histc`` over E unit bins or
     ``one_hot(flat, E).sum(0)``, possibly cast to an integer dtype (torchtitan's histc gives the ids' dtype)."""
-    counts = _integer_cast_of(counts)
+    marked = marked_counts(counts)  # DeepSeek-V2's scatter_ of ones into zeros(T, E), summed over tokens
+    if marked is not None:
+        return marked == (ids, num_experts)
+    counts = _integer_cast_of(host_copy_of(counts))
     if is_call(counts, "call_function", torch.histc):
         bins = counts.kwargs.get("bins", counts.args[1] if len(counts.args) > 1 else None)
         lo = counts.kwargs.get("min", counts.args[2] if len(counts.args) > 2 else None)
@@ -207,6 +215,8 @@ class _Combine:
     end: Node  # the node holding the combined (T, H) result: replaced by the op
     writes: tuple  # the buffer's in-place writes, erased with the region
     weights: Optional[Node] = None  # (T, k) routing weights applied after the unsort (a bmm), else None
+    #: the (T, H) of the result where its traced shape is not exact (a view's inferred width over unbacked rows)
+    shape: Optional[tuple] = None
 
 
 def _scatter_back(acc: Node) -> Optional[_Combine]:
@@ -329,6 +339,66 @@ def _inverse_unsort(inv: Node) -> Optional[_Combine]:
     return None
 
 
+def _weighted_unsort(acc: Node) -> Optional[_Combine]:
+    """DeepSeek-V2's ``moe_infer`` unsort, the routing weights applied after it: ``buf = torch.empty_like(ys);
+    buf[order] = ys; buf.view(T, k, -1).type(w.dtype).mul_(w.unsqueeze(-1)).sum(dim=1).type(buf.dtype)`` (casts
+    optional, ``*`` for ``mul_``). ``order`` is a permutation of the T*k rows, so every row of the buffer is written
+    once before it is read."""
+    if not (is_call(acc, "call_function", torch.empty_like, torch.zeros_like, torch.zeros, torch.empty)
+            or is_call(acc, "call_method", "new_zeros", "new_empty")):
+        return None
+    mutations = alias_mutations(acc)
+    sets = [m for m in mutations if is_call(m, "call_function", operator.setitem)]
+    if len(sets) != 1 or sets[0].args[0] is not acc or not all(isinstance(a, Node) for a in sets[0].args[1:]):
+        return None
+    write, (order, ys) = sets[0], sets[0].args[1:]
+    ids = _sort_order(order)
+    av, yv, iv = val(acc), val(ys), val(ids) if ids is not None else None
+    if av is None or yv is None or iv is None or iv.dim() != 2 or av.dim() != 2 or tuple(yv.shape) != tuple(av.shape):
+        return None
+    T, k, width = iv.shape[0], iv.shape[1], av.shape[1]
+    # a buffer like ys (its rows the sum of the loop's pieces, unbacked) has T*k rows wherever eager runs: the
+    # order's T*k indices write into it, and ys goes into those T*k places
+    like_ys = is_call(acc, "call_function", torch.empty_like, torch.zeros_like) and acc.args[:1] == (ys,)
+    if not (known_equal(av.shape[0], T * k) or like_ys) or yv.dtype != av.dtype:
+        return None
+    reads = [u for u in acc.users if u is not write]
+    if len(reads) != 1 or not _after(reads[0], write):
+        return None
+    grouped = reads[0]
+    if not (is_call(grouped, "call_method", "reshape", "view") and len(grouped.args) == 4 and size_is(
+            grouped.args[1], T) and grouped.args[2] == k and size_is(grouped.args[3], width)):
+        return None
+    cast = _single_user(grouped)
+    if not is_call(cast, "call_method", "type", "float", "to") or val(cast) is None or val(cast).dtype not in (
+            torch.float32, av.dtype):
+        cast = grouped  # no cast: the product in the buffer's dtype
+    scaled = _single_user(cast)
+    if not (is_call(scaled, "call_method", "mul_", "mul") or is_call(scaled, "call_function", operator.mul)) or len(
+            scaled.args) != 2 or scaled.kwargs or scaled.args[0] is not cast:
+        return None
+    weights = column_of(scaled.args[1], 2)
+    wv = val(weights) if weights is not None else None
+    if wv is None or tuple(wv.shape) != tuple(iv.shape) or set(mutations) - {write, scaled}:
+        return None
+    # the in-place product is read through its result, or through the tensor it wrote (nothing else reads that)
+    readers = [u for u in (*scaled.users, *(cast.users if scaled.target == "mul_" else ())) if u is not scaled]
+    if len(readers) != 1 or not (is_call(readers[0], "call_method", "sum") and (
+            readers[0].args[1:] == (1,) and not readers[0].kwargs or (
+            len(readers[0].args) == 1 and readers[0].kwargs == {"dim": 1}))):
+        return None
+    end = readers[0]
+    back = _single_user(end)
+    if is_call(back, "call_method", "type", "to") and val(back) is not None and val(back).dtype == av.dtype:
+        end = back
+    # (an in-place product writes a tensor only the sum reads: it goes with the region as dead code)
+    return _Combine(ys, order, end, (write,), weights=weights, shape=(T, width))
+
+
+def _single_user(node: Node) -> Optional[Node]:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
 def _after(node: Node, other: Node) -> bool:
     """``node`` comes after ``other`` in graph order."""
     cur = other.next
@@ -374,7 +444,7 @@ def match(acc: Node) -> Union[Match, str, None]:
     """The MoE whose sorted expert outputs ``acc`` takes back to token order (scatter_add_/index_add_ into zeros,
     or torchtitan's unsort); why not, where ``acc`` receives grouped GEMM outputs (the form's mark) and a check
     fails; None when ``acc`` is no such buffer."""
-    combine = _scatter_back(acc) or _unsort_back(acc) or _inverse_unsort(acc)
+    combine = _scatter_back(acc) or _unsort_back(acc) or _inverse_unsort(acc) or _weighted_unsort(acc)
     if combine is None:
         if _written_by_grouped_mm(acc):
             return ("the grouped GEMM outputs are written back at rows that are not order // k (or order, unsorted) "
@@ -391,14 +461,14 @@ def match(acc: Node) -> Union[Match, str, None]:
     unscaled = _scaled_by(ys, score) if score is not None else None
     if unscaled is not None:
         ys, position = unscaled, "output"
-    down = _grouped(_no_op_cast(ys), ids, None)
+    down, transient = _grouped(_no_op_cast(ys), ids, None), ()
     if down is not None:
         h, w_down, layout, offs = down
         num_experts = val(w_down).shape[0]
         gated = read_gated(_no_op_cast(h), lambda n: _grouped(n, ids, num_experts))
     else:  # or a loop over per-expert chunks of the sorted rows (torchtitan's for-loop experts)
         looped = split_loop_experts(_no_op_cast(ys), lambda counts, n: _counts_of(counts, ids, n))
-        w_down, layout, gated = looped if looped is not None else (None, None, None)
+        w_down, layout, gated, transient = looped if looped is not None else (None, None, None, ())
     if gated is None:
         return None
     activation, gate, up = gated.activation, gated.gate, gated.up
@@ -431,22 +501,25 @@ def match(acc: Node) -> Union[Match, str, None]:
     if combine.writes[0].target in ("scatter_add_", "index_add_") and _token_rows(combine.writes[0].args[2]) is not tok:
         return "the rows read are not the rows written back"
     xv, ev = val(x), val(combine.end if combine.end is not combine.writes[0] else acc)
-    if xv is None or ev is None or xv.dim() != 2 or tuple(ev.shape) != tuple(xv.shape):
+    shape = combine.shape or (tuple(ev.shape) if ev is not None else None)
+    if xv is None or shape is None or xv.dim() != 2 or not all(map(known_equal, shape, xv.shape)) or len(shape) != 2:
         return "the tokens and the combined result do not have one (T, H) shape"
     wv = val(weights)
     if wv is None or tuple(wv.shape) != tuple(val(ids).shape) or k != val(ids).shape[1]:
         return "the routing weights are not (T, k) like the sorted ids"  # flattened like them, or order means nothing
-    w = lambda n: _no_op_cast(n)  # noqa: E731  (the user's parameter, not a same-dtype cast of it)
+    def w(n):  # the user's parameter (or each expert's), not a same-dtype cast of it
+        return tuple(map(_no_op_cast, n)) if isinstance(n, tuple) else _no_op_cast(n)
+
     spec = MoESpec(x, ids, weights, w(gate[1]), w(up[1]) if up else None, w(w_down), layout, activation, position,
                    **gated.spec_fields())
     note = f"routing weight on the {spec.weight_position}; no permuted copy of x"
     if combine.end is combine.writes[0] and combine.end.users:  # ``return out.scatter_add_(...)``
         if set(acc.users) != {combine.end}:
             return "the buffer and the value of its in-place write are both read"
-        return Match(spec, combine.end, note, writes=combine.writes)
+        return Match(spec, combine.end, note, writes=combine.writes, transient=transient)
     if combine.end is combine.writes[0]:  # scattered into acc in place: its later reads read the op
-        return Match(spec, combine.end, note, acc=acc, writes=combine.writes)
-    return Match(spec, combine.end, note, where=combine.writes[0], writes=combine.writes)
+        return Match(spec, combine.end, note, acc=acc, writes=combine.writes, transient=transient)
+    return Match(spec, combine.end, note, where=combine.writes[0], writes=combine.writes, transient=transient)
 
 
 def _grouped_mm_offsets(node: Node) -> Optional[Node]:
@@ -461,8 +534,9 @@ def _buffer(node: Node) -> bool:
 
 
 def _index_buffer(node: Node) -> bool:
-    """``torch.empty_like(order)``: the inverse permutation transformers v5 unsorts by (``_inverse_unsort``)."""
-    return is_call(node, "call_function", torch.empty_like)
+    """``torch.empty_like(order)``: the inverse permutation transformers v5 unsorts by (``_inverse_unsort``); or
+    an empty buffer the sorted outputs are put back into (``_weighted_unsort``)."""
+    return is_call(node, "call_function", torch.empty_like, torch.empty) or is_call(node, "call_method", "new_empty")
 
 
 def _written_buffer(node: Node, depth: int = 8) -> Optional[Node]:

@@ -4,7 +4,7 @@ read as what ``torch._grouped_mm`` on the same offsets computes, for the "sorted
 The user code this reads (``xs`` holds the routed rows sorted by expert, ``counts`` the rows per expert):
 
     sizes = counts.tolist()
-    chunks = torch.split(xs[: sum(sizes)], sizes, dim=0)
+    chunks = torch.split(xs[: sum(sizes)], sizes, dim=0)    # or contiguous slices: xs[start:start + n] (SliceRun)
     ys = torch.cat([w2[e] @ act(w1[e] @ x_e) * (w3[e] @ x_e)  for e, x_e in enumerate(chunks)], dim=0)
     ys = torch.vstack((ys, ys.new_zeros((xs.shape[0] - sum(sizes), H))))       # torchtitan's padding (optional)
 
@@ -57,26 +57,29 @@ def _unpadded(ys: Node) -> Node:
     return ys
 
 
-def split_loop_experts(ys: Node, counts_match: Callable[[Node, int], bool]) -> Optional[tuple[Node, str, GatedRead]]:
+def split_loop_experts(ys: Node, counts_match: Callable[[Node, int], bool]
+                       ) -> Optional[tuple[Node, str, GatedRead, tuple]]:
     """(stacked down weight, layout, the gated read with ``gate``/``up`` pointing at the sorted rows and the stacked
-    weights) for the per-expert loop ending at ``ys``, as ``_grouped_mm`` calls would give them; None when ``ys`` is
+    weights, the nodes whose data-dependent size checks go with the loop: the split or slices and the sizes) for the per-expert loop ending at ``ys``, as ``_grouped_mm`` calls would give them; None when ``ys`` is
     not such a loop. The loop is read by the split_loop form's ``read_experts`` (one whole MLP per chunk, the form's
     other spelling, a split per projection, is not taken here); ``counts_match(counts, E)`` says whether ``counts``
     are the per-expert counts of the ids the rows were sorted by."""
-    from .split_loop import _split_of, listed_counts, read_experts  # split_loop imports the sorted form's readers
+    from .split_loop import SliceRun, _split_of, listed_counts, read_experts, split_nodes  # (split_loop imports this form's readers)
 
     got = read_experts(_unpadded(ys))
-    if got is None or isinstance(got, str) or len(got.splits) != 1 or isinstance(got.down, tuple):
-        return None  # per-expert modules: their weights are stacked by other forms' emitters, not this one
+    if got is None or isinstance(got, str) or len(got.splits) != 1:
+        return None
     split = got.splits[0]
     _, sizes = _split_of(split)
-    num_experts = int(val(got.down).shape[0])
+    # stacked weights, or one module per expert (DeepSeek-V2's ModuleList: the spec takes the E weights as a tuple)
+    num_experts = len(got.down) if isinstance(got.down, tuple) else int(val(got.down).shape[0])
     counts = listed_counts(sizes, num_experts)
     if counts is None or not counts_match(counts, num_experts):
         return None
-    if any(u.op != "call_function" or u.target is not operator.getitem for u in split.users):
+    if not isinstance(split, SliceRun) and any(
+            u.op != "call_function" or u.target is not operator.getitem for u in split.users):
         return None
     xs = _rows_of(got.xs, sizes)
-    gated = GatedRead(got.activation, None, xs, xs if got.up is not None else None, (xs, got.gate, got.layout, True),
-                      (xs, got.up, got.layout, True) if got.up is not None else None, **got.fields)
-    return got.down, got.layout, gated
+    gated = GatedRead(got.activation, None, xs, xs if got.up is not None else None, (xs, got.gate, got.layout, not isinstance(got.gate, tuple)),
+                      (xs, got.up, got.layout, not isinstance(got.up, tuple)) if got.up is not None else None, **got.fields)
+    return got.down, got.layout, gated, (*split_nodes(split), *sizes)

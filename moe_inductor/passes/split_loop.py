@@ -169,8 +169,68 @@ def _counts(node, d: _Dispatch, num_experts: int) -> bool:
     return False
 
 
-def _pieces(part: Node) -> Optional[tuple[Node, int]]:
-    """(split node, j) for ``torch.split(a, sizes)[j]`` / ``a.split(sizes, dim=0)[j]``."""
+@dataclass(frozen=True)
+class SliceRun:
+    """Contiguous slices of ``rows`` one after another from row 0, ``rows[0:c0]``, ``rows[c0:c0 + c1]``, ... (the
+    bounds a running ``start = end`` makes): the pieces a ``torch.split(rows, [c0, c1, ...])`` would give, the
+    sizes ``c_e`` read off the bounds. Stands for a split node wherever the loop's pieces are read."""
+
+    rows: Node
+    sizes: tuple
+    slices: tuple
+
+
+def _slice_bounds(node) -> Optional[tuple]:
+    """(start, stop) of ``rows[start:stop]`` (step 1, stop given), else None."""
+    if not (is_call(node, "call_function", operator.getitem) and isinstance(node.args[1], slice)):
+        return None
+    s = node.args[1]
+    if s.step not in (None, 1) or s.stop is None:
+        return None
+    return (0 if s.start is None else s.start), s.stop
+
+
+def _size_after(start, stop) -> Optional[Node]:
+    """``c`` for ``stop = start + c`` (``c`` itself when start is 0), else None."""
+    if isinstance(start, int) and start == 0 and isinstance(stop, Node) and not (
+            is_call(stop, "call_function", operator.add)):
+        return stop
+    if is_call(stop, "call_function", operator.add) and len(stop.args) == 2:
+        a, b = stop.args
+        if a is start and isinstance(b, Node):
+            return b
+        if b is start and isinstance(a, Node):
+            return a
+    return None
+
+
+def slice_run(rows: Node) -> Optional[SliceRun]:
+    """The run of contiguous slices that every slice of ``rows`` belongs to, else None."""
+    slices = {u: _slice_bounds(u) for u in rows.users if _slice_bounds(u) is not None and u.args[0] is rows}
+    run, sizes, start = [], [], 0
+    while True:
+        nxt = [u for u, (a, b) in slices.items() if (a is start if isinstance(start, Node) else a == start)
+               and u not in run]
+        if len(nxt) != 1:
+            break
+        piece = nxt[0]
+        size = _size_after(start, slices[piece][1])
+        if size is None:
+            return None
+        run.append(piece)
+        sizes.append(size)
+        start = slices[piece][1]
+    if not run or len(run) != len(slices):
+        return None
+    return SliceRun(rows, tuple(sizes), tuple(run))
+
+
+def _pieces(part: Node) -> Optional[tuple[Union[Node, SliceRun], int]]:
+    """(split node, j) for ``torch.split(a, sizes)[j]`` / ``a.split(sizes, dim=0)[j]``; (its run, j) for the j-th of
+    a run of contiguous slices (``SliceRun``)."""
+    if _slice_bounds(part) is not None:
+        run = slice_run(part.args[0]) if isinstance(part.args[0], Node) else None
+        return None if run is None else (run, run.slices.index(part))
     if not (is_call(part, "call_function", operator.getitem) and isinstance(part.args[1], int)):
         return None
     split = part.args[0]
@@ -186,10 +246,17 @@ def _pieces(part: Node) -> Optional[tuple[Node, int]]:
     return split, part.args[1]
 
 
-def _split_of(split: Node) -> tuple[Node, list]:
+def _split_of(split: Union[Node, SliceRun]) -> tuple[Node, list]:
     """(the tensor split, its sizes)."""
+    if isinstance(split, SliceRun):
+        return split.rows, list(split.sizes)
     sizes = split.kwargs.get("split_size_or_sections", split.args[1] if len(split.args) > 1 else None)
     return split.args[0], list(sizes)
+
+
+def split_nodes(split: Union[Node, SliceRun]) -> tuple:
+    """The graph nodes that make the pieces (a split node, or a run's slices), whose size checks go with them."""
+    return split.slices if isinstance(split, SliceRun) else (split,)
 
 
 def _cat_parts(cat: Node) -> Optional[list[Node]]:
@@ -295,7 +362,7 @@ def read_experts(ys: Node) -> Union[_Experts, str, None]:
         bodies.append((piece[0], gate[1], up[1] if up else None, w_down, layout, stacked, gated.activation,
                        tuple(sorted(gated.spec_fields().items()))))
     first = bodies[0]
-    if any(b[0] is not first[0] or b[4:] != first[4:] or (b[2] is None) != (first[2] is None) for b in bodies):
+    if any(b[0] != first[0] or b[4:] != first[4:] or (b[2] is None) != (first[2] is None) for b in bodies):
         return "the experts differ in more than their weights"
     if len(_split_of(first[0])[1]) != len(parts):
         return "the rows are split into another number of pieces than there are experts"
@@ -516,7 +583,7 @@ def match(acc: Node) -> Union[Match, str, None]:
         return "the routing weights are not (T, k) like the ids"
     spec = MoESpec(x, d.ids, weights, experts.gate, experts.up, experts.down, experts.layout, experts.activation,
                    weight_position=position, **experts.fields)
-    roots = [d.tok, scale, *experts.splits]
+    roots = [d.tok, scale, *(n for split in experts.splits for n in split_nodes(split))]
     roots += [s for split in experts.splits for s in _split_of(split)[1] if isinstance(s, Node)]
     note = f"{num_experts} .item() host syncs and data-dependent splits removed"
     onto = acc if combine.onto else None  # the result is acc + op: the outputs are added into the user's value

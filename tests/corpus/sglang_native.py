@@ -10,7 +10,7 @@ Style, sorted loop: DeepSeek-V2's ``moe_infer`` as SGLang runs it: per-expert co
 column sum, the flat ids ``argsort``ed, the token rows gathered by ``idxs // k``, the counts brought to the host
 (``.cpu().numpy()``) and walked with ``enumerate``, skipping experts with no tokens, each expert's slice through
 one fused gate/up ``F.linear`` and a half-split activation, the outputs ``cat``ed and put back by ``new_x[idxs] =``,
-then ``view(T, k, H).type(..).mul_(weights[..., None]).sum(1)``. Not rewritten today: see its case.
+then ``view(T, k, H).type(..).mul_(weights[..., None]).sum(1)``.
 """
 import torch
 import torch.nn as nn
@@ -94,8 +94,7 @@ CASES = [
          GatheredNative, _tokens, form="gathered_weights"),
     Case("sglang_native_gathered_gelu", "sgl-project/sglang fused_moe_native.py fused_moe_forward_native (GELU)",
          lambda: GatheredNative("gelu"), _tokens, form="gathered_weights"),
-    # Dynamo traces the host counts as a numpy array of 0-d tensors, so ``if n == 0`` is a data-dependent branch
-    # (the speculation reads counts brought over by .tolist(), not .numpy()): the frame falls back to plain capture
+    # the host counts walked as integers (host_counts.py), the skip speculated, the loop read as sorted pieces
     Case("sglang_native_sorted_loop", "sgl-project/sglang fused_moe_native.py moe_forward_native (moe_infer)",
-         SortedLoopNative, _tokens, form="unrolled_loop", expect=("fell_back",)),
+         SortedLoopNative, _tokens, form="sorted_grouped_mm"),
 ]

@@ -1,0 +1,92 @@
+"""Per-expert counts brought to the host as a NumPy array and walked there, traced as the ``.tolist()`` they equal.
+
+DeepSeek-V2's remote code (``moe_infer``, copied by DeepSeek-V3's, SGLang's native path and many fine-tuning repos):
+
+    tokens_per_expert = cnts.sum(dim=0).cpu().numpy()
+    for i, num_tokens in enumerate(tokens_per_expert):
+        end_idx = start_idx + num_tokens
+        if num_tokens == 0:
+            continue
+        ...
+
+Dynamo traces the array as a tensor and each element as a 0-d array, so ``if num_tokens == 0`` branches on a tensor
+and the frame breaks. During a moe_inductor compile only, iterating a 1-D integer array that is a proven per-expert
+count vector of static length E (``passes/counts.py``'s marked counts, or a ``histc``/``bincount`` speculation.py
+knows) yields the counts as the integers ``.tolist()`` gives: the values eager's elements hold, read by the same
+host sync. A skip on them is then an ordinary speculation, proven and discharged as the others.
+
+Python ints and NumPy's int64 scalars differ in type only: where the frame uses the numbers for more than the loop
+the rewrite takes (``num_tokens / 2`` as a float64), ``unconsumed`` finds their reads left in the final graph, and the
+frame falls back.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule
+
+#: on the traced host copy (the array's node) whose elements were walked as counts
+WALKED = "moe_inductor_host_counts"
+
+
+def _count_items(var, tx) -> Optional[list]:
+    """The count vector's elements as the ``.tolist()`` integers, or None where this is no such array."""
+    from . import speculation
+    from .passes.counts import host_copy_of, marked_counts
+
+    trace = speculation._trace()
+    if trace is None:
+        return None
+    try:
+        node = var.as_proxy().node
+    except Exception:  # noqa: BLE001  (no proxy: not an array of the graph)
+        return None
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype.is_floating_point or (
+            value.dtype == torch.bool) or not isinstance(value.shape[0], int):
+        return None
+    if marked_counts(node) is None and speculation._histogram_total(host_copy_of(node)) is None:
+        return None
+    from torch._dynamo.variables.tensor import TensorVariable
+
+    listed = TensorVariable.method_tolist(var, tx)
+    node.meta[WALKED] = True
+    trace.host_counts = True
+    return listed.unpack_var_sequence(tx)
+
+
+def install() -> None:
+    """Hook Dynamo's unpacking of NumPy arrays (idempotent; nothing changes outside a moe_inductor compile)."""
+    try:
+        from torch._dynamo.variables.tensor import NumpyNdarrayVariable
+    except ImportError:
+        return
+    if getattr(NumpyNdarrayVariable.unpack_var_sequence, "_moe_inductor", False):
+        return
+    original = NumpyNdarrayVariable.unpack_var_sequence
+
+    def unpack_var_sequence(self, tx, *args, **kwargs):
+        items = None if args or kwargs else _count_items(self, tx)
+        return items if items is not None else original(self, tx, *args, **kwargs)
+
+    unpack_var_sequence._moe_inductor = True
+    NumpyNdarrayVariable.unpack_var_sequence = unpack_var_sequence
+
+
+def unconsumed(gm: GraphModule) -> Optional[str]:
+    """After the rewrites: why the walked counts are still read by the graph (as numbers, beyond the size checks of
+    what went with a rewrite), else None."""
+    from .speculation_check import _SIZE_CHECK_OPS
+
+    for node in gm.graph.nodes:
+        if not node.meta.get(WALKED):
+            continue
+        for pick in node.users:
+            for item in pick.users:
+                readers = [u for u in item.users if u.target not in _SIZE_CHECK_OPS
+                           and u.target is not torch.ops.aten._assert_scalar.default]
+                if readers:
+                    return (f"the host counts walked as numbers are still read by {readers[0].name} after the "
+                            "rewrites (a use of them beyond the loop the rewrite took)")
+    return None

@@ -1,0 +1,121 @@
+"""Per-expert count vectors built by marking a (T, E) table: ``zeros(T, E).scatter_(1, ids, 1).sum(dim=0)``.
+
+DeepSeek-V2's remote code (``moe_infer``) and its copies count each expert's tokens so:
+
+    cnts = topk_ids.new_zeros((topk_ids.shape[0], E))
+    cnts.scatter_(1, topk_ids, 1)                      # or out of place: cnts = zeros(T, E).scatter(1, ids, 1)
+    tokens_per_expert = cnts.sum(dim=0)
+    tokens_per_expert = tokens_per_expert.cpu().numpy()   # walked on the host (speculation.py reads it)
+
+Entry e is the number of rows of ``topk_ids`` holding e, which is the number of times e occurs in them because
+top-k indices are distinct within a row: the same vector as ``bincount(topk_ids.flatten(), minlength=E)``.
+Every fact is checked on the graph: the table is zeros of (T, E) with T the ids' rows, written once, by that
+scatter, before the sum reads it; the ids are top-k indices over a last dim of E.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.fx import Node
+
+from .fx_utils import alias_mutations, is_call, val
+
+
+def host_copy_of(node) -> Node:
+    """``t`` for ``t.cpu()``, ``t.cpu().numpy()`` as Dynamo traces it (``view_as`` of itself), integer casts of
+    integer ``t``, or ``t`` itself: the same values."""
+    for _ in range(8):
+        if is_call(node, "call_method", "view_as") and len(node.args) == 2 and node.args[0] is node.args[1]:
+            node = node.args[0]
+        elif is_call(node, "call_method", "cpu") and len(node.args) == 1 and not node.kwargs:
+            node = node.args[0]
+        elif (is_call(node, "call_method", "long", "int") and len(node.args) == 1 and not node.kwargs
+              and val(node.args[0]) is not None and not val(node.args[0]).is_floating_point()):
+            node = node.args[0]
+        else:
+            break
+    return node
+
+
+def _integer_ids(node) -> Node:
+    """``ids`` for ``ids.long()`` / ``ids.to(torch.int64)`` of integer ids (SGLang casts them for the scatter)."""
+    while isinstance(node, Node) and (
+            is_call(node, "call_method", "long") and len(node.args) == 1 and not node.kwargs
+            or is_call(node, "call_method", "to") and len(node.args) == 2 and node.args[1] == torch.int64
+            and not node.kwargs):
+        inner = val(node.args[0])
+        if inner is None or inner.is_floating_point():
+            break
+        node = node.args[0]
+    return node
+
+
+def topk_ids_over(ids: Node, num_experts: int) -> bool:
+    """``ids`` are ``topk(s, k)[1]`` over a last dim of ``num_experts``, unchanged since: each row's values are
+    distinct and below E."""
+    from ..speculation import _topk_ids_below
+
+    iv = val(ids)
+    return iv is not None and iv.dim() == 2 and _topk_ids_below(ids, num_experts)
+
+
+def _zeros_table(node) -> bool:
+    return (is_call(node, "call_function", torch.zeros, torch.zeros_like) or is_call(node, "call_method", "new_zeros")
+            ) and "fill_value" not in node.kwargs
+
+
+def marked_ids(table: Node) -> Optional[Node]:
+    """The (T, k) ids of a table that is 1 at (t, ids[t, j]) and 0 elsewhere: ``zeros(T, E).scatter(1, ids, 1)``,
+    or zeros written once in place by ``scatter_(1, ids, 1)``; else None."""
+    if is_call(table, "call_method", "scatter") and len(table.args) == 4 and not table.kwargs:
+        base, dim, ids, value = table.args
+        if not _zeros_table(base) or alias_mutations(base):
+            return None
+    elif _zeros_table(table):
+        writes = alias_mutations(table)
+        if len(writes) != 1 or not is_call(writes[0], "call_method", "scatter_"):
+            return None
+        write = writes[0]
+        if write.args[:1] != (table,) or len(write.args) != 4 or write.kwargs:
+            return None
+        _, dim, ids, value = write.args
+    else:
+        return None
+    if dim not in (1, -1) or isinstance(value, Node) or value != 1 or not isinstance(ids, Node):
+        return None
+    ids = _integer_ids(ids)
+    tv, iv = val(table), val(ids)
+    if tv is None or iv is None or tv.dim() != 2 or iv.dim() != 2 or tv.shape[0] != iv.shape[0]:
+        return None
+    return ids
+
+
+def _written_before(table: Node, reader: Node) -> bool:
+    """The table's one in-place write (if it has one) comes before ``reader``."""
+    writes = alias_mutations(table)
+    if not writes:
+        return True
+    cur = writes[0].next
+    while cur.op != "root":
+        if cur is reader:
+            return True
+        cur = cur.next
+    return False
+
+
+def marked_counts(node) -> Optional[tuple[Node, int]]:
+    """(ids, E) for ``node`` = a marked table's column sums (``table.sum(dim=0)``, casts and host copies aside),
+    with ``ids`` top-k indices over E: each expert's number of tokens, which equals its number of assignments."""
+    node = host_copy_of(node)
+    if not (is_call(node, "call_method", "sum") and (node.args[1:] == (0,) and not node.kwargs or (
+            len(node.args) == 1 and node.kwargs == {"dim": 0}))):
+        return None
+    table = node.args[0]
+    ids = marked_ids(table) if isinstance(table, Node) else None
+    if ids is None or not _written_before(table, node):
+        return None
+    num_experts = val(table).shape[1]
+    if not isinstance(num_experts, int) or not topk_ids_over(ids, num_experts):
+        return None
+    return ids, num_experts

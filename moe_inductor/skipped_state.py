@@ -1,0 +1,183 @@
+"""What a skipped body (speculation.py) may change that outlives its iteration, and why each change is the same
+whether the body runs on an expert with no tokens or is skipped.
+
+DeepSeek-V2's ``moe_infer`` (and SGLang's copy) walks the host counts so:
+
+    outputs, start_idx = [], 0
+    for i, num_tokens in enumerate(tokens_per_expert):
+        end_idx = start_idx + num_tokens
+        if num_tokens == 0:
+            continue
+        outputs.append(expert_i(sorted_tokens[start_idx:end_idx]))
+        start_idx = end_idx
+    outs = torch.cat(outputs, dim=0) if len(outputs) else sorted_tokens.new_empty(0)
+
+Run at a count of 0, the skipped rest sets ``start_idx`` to ``start_idx + 0`` (``offsets_hold``) and appends the
+expert's output on zero rows to a list that only ``torch.cat`` reads (``appends``): the cat is the same. Three kinds
+of change are taken, each checked when the iteration ends:
+
+- a tensor local rebound to ``x.index_add(0, rows, c)`` / ``scatter_add`` of its value at the branch, made in the body
+  (adds nothing at no rows: the rewrite that must take the body proves the rows are its expert's);
+- an integer local whose new value equals its old one at a count of 0 (the running slice offset);
+- appends of tensors made in the body to a list made in this frame (not the caller's), whose every read in the
+  function is an ``append``, ``torch.cat(list, ...)`` or a ``len(list)`` truth test: an output of zero rows adds
+  nothing to the cat, and check_traced proves the cat is its only reader in the graph. ``len`` differs only when
+  no expert has a row at all, which no call with tokens meets.
+
+Anything else the body changes refuses the skip, as before.
+"""
+from __future__ import annotations
+
+import dis
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch.fx import Node
+
+#: ``LOAD_ATTR``/``LOAD_METHOD`` names under which a list is passed whole to a concatenation
+_CATS = ("cat", "concat", "concatenate")
+_LOADS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")
+_NO_OPS = ("PRECALL", "CACHE", "EXTENDED_ARG", "TO_BOOL", "NOP")
+
+
+@dataclass(frozen=True)
+class Offset:
+    """An integer local's value at the branch, as a sympy expression."""
+
+    expr: Any
+
+
+def tensor_node(var) -> Optional[Node]:
+    """The graph node a local's variable holds, when it is a tensor of the graph; else None."""
+    from torch._dynamo.variables import TensorVariable
+
+    if not isinstance(var, TensorVariable):
+        return None
+    try:
+        return var.as_proxy().node
+    except Exception:  # noqa: BLE001  (no proxy: not a graph tensor)
+        return None
+
+
+def _int_expr(var) -> Optional[Any]:
+    """A sympy expression of an integer local (a traced SymInt, or a Python int), else None."""
+    import sympy
+    import torch
+    from torch._dynamo.variables import ConstantVariable, SymNodeVariable
+
+    if isinstance(var, SymNodeVariable) and isinstance(var.sym_num, torch.SymInt):
+        return var.sym_num.node.expr
+    if isinstance(var, ConstantVariable) and type(var.value) is int:
+        return sympy.Integer(var.value)
+    return None
+
+
+def held(var) -> Optional[object]:
+    """What a local holds at the branch, for a rebinding to be checked against: its tensor's node, or its integer
+    value (``Offset``); None for anything else (the skip is refused)."""
+    node = tensor_node(var)
+    if node is not None:
+        return node
+    expr = _int_expr(var)
+    return Offset(expr) if expr is not None else None
+
+
+def rebinds_hold(tx, before: dict, body: set, symbol) -> Optional[str]:
+    """Why a local the skipped body set does not end as it began at a count of 0 (``symbol`` = 0); None when each
+    does: a tensor rebound to an out-of-place add into its value made in the body, an integer rebound to a value
+    equal to its old one at 0."""
+    from .passes.fx_utils import is_call
+
+    for name, old in before.items():
+        var = tx.symbolic_locals.get(name)
+        if isinstance(old, Offset):
+            new = _int_expr(var)
+            if symbol is None or new is None or (new - old.expr).subs(symbol, 0) != 0:
+                return f"the skipped body sets {name}, read after it, to a number other than its value at no tokens"
+            continue
+        after = tensor_node(var)
+        if not (after in body and is_call(after, "call_method", "index_add", "scatter_add") and after.args
+                and after.args[0] is old):
+            return f"the skipped body sets {name}, read after it, to other than an out-of-place add into its value"
+    return None
+
+
+def lists_of(tx) -> dict:
+    """The lists the frame's locals hold at the branch, by id: (name, the variable, its length)."""
+    from torch._dynamo.variables.lists import ListVariable
+
+    return {id(var): (name, var, len(var.items)) for name, var in tx.symbolic_locals.items()
+            if type(var) is ListVariable}
+
+
+def appends(tx, mutated: list, lists: dict, body: set) -> tuple[Optional[str], list]:
+    """(why the Python changes the skipped body made are not appends of its outputs to output lists, or None; the
+    appended nodes). ``mutated``: the variables Dynamo logged a change of since the branch (None for a store to an
+    attribute, global or cell); ``lists``: ``lists_of`` at the branch."""
+    count: dict = {}
+    for var in mutated:
+        if var is None or id(var) not in lists or lists[id(var)][1] is not var:
+            return "the skipped body changes Python state (a list, a dict, an attribute, an iterator)", []
+        count[id(var)] = count.get(id(var), 0) + 1
+    nodes = []
+    for key, n in count.items():
+        name, var, length = lists[key]
+        if getattr(var, "source", None) is not None:
+            return f"the skipped body appends to {name}, a list the caller can see", []
+        added = var.items[length:]
+        if len(var.items) != length + n or len(added) != n:
+            return f"the skipped body changes the list {name} other than by appending", []
+        for item in added:
+            node = tensor_node(item)
+            if node is None or node not in body:
+                return f"the skipped body appends to {name} what is not a tensor it computed", []
+            nodes.append(node)
+        reason = _list_reads(tx, name)
+        if reason is not None:
+            return reason, []
+    return None, nodes
+
+
+def _names(ins) -> tuple:
+    names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
+    return tuple(n for n in names if isinstance(n, str))
+
+
+def _list_reads(tx, name: str) -> Optional[str]:
+    """Why some read of the local list ``name`` in the function is other than ``name.append(..)``,
+    ``torch.cat(name, ..)`` or a ``len(name)`` truth test; None when none is."""
+    code = list(dis.get_instructions(tx.f_code))
+    real = [i for i in code if i.opname not in _NO_OPS]
+    for at, ins in enumerate(real):
+        if ins.opname not in _LOADS or name not in _names(ins):
+            continue
+        if ins.opname == "LOAD_FAST_LOAD_FAST":
+            return f"the list {name} is read in a way not checked (with another local)"
+        after = real[at + 1] if at + 1 < len(real) else None
+        before = real[at - 1] if at > 0 else None
+        if after is not None and after.opname in ("LOAD_ATTR", "LOAD_METHOD") and _attr(after) == "append":
+            continue
+        if before is not None and before.opname in ("LOAD_ATTR", "LOAD_METHOD") and _attr(before) in _CATS and (
+                after is not None and after.opname in ("CALL", "CALL_FUNCTION", "CALL_KW", "LOAD_CONST", "KW_NAMES")):
+            continue
+        if before is not None and before.opname in ("LOAD_GLOBAL", "LOAD_NAME") and _attr(before) == "len":
+            call = real[at + 1] if at + 1 < len(real) else None
+            test = real[at + 2] if at + 2 < len(real) else None
+            if call is not None and call.opname in ("CALL", "CALL_FUNCTION") and test is not None and (
+                    test.opname.startswith("POP_JUMP") and not test.opname.endswith(("NONE", "NOT_NONE"))):
+                continue
+        return (f"the list {name} of outputs is read other than by append, torch.cat or a len() test (at line "
+                f"{_line(ins)}), where a skipped expert's missing entry could show")
+    return None
+
+
+def _attr(ins) -> Optional[str]:
+    value = ins.argval
+    if isinstance(value, tuple):  # (True, 'len') forms of some Python versions' LOAD_GLOBAL
+        value = next((v for v in value if isinstance(v, str)), None)
+    return value if isinstance(value, str) else None
+
+
+def _line(ins) -> Any:
+    positions = getattr(ins, "positions", None)
+    return getattr(positions, "lineno", None) or getattr(ins, "starts_line", "?")

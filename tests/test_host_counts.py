@@ -1,0 +1,144 @@
+"""Per-expert counts walked on the host (DeepSeek-V2's ``moe_infer``: ``.cpu().numpy()``, or ``.tolist()``), with a
+running slice offset, a skip of experts with no tokens and the outputs appended to a list (moe_inductor/
+host_counts.py, skipped_state.py; the loop read by passes/sorted_grouped_mm.py through split_loop's slice runs).
+
+Genuine, rewritten and equal to eager, forward and gradients, at token counts that leave experts empty: the NumPy
+walk over stacked weights, the ``.tolist()`` walk, and one nn.Linear set per expert. Look-alikes, each equal to
+eager and not rewritten, with the reason explain() gives: a skip of experts with fewer than 2 tokens, a count of the
+experts run kept in a local, the list's length read as a number, the counts used as numbers beyond the loop, the
+outputs appended to a list the module keeps (a change the caller sees), and an array that is not the experts'
+counts.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from moe_inductor import report
+from tests.corpus.harness import Case, check_rewritten, check_unchanged, run_case
+
+H, I, E, K = 16, 8, 8, 2
+
+
+class WalkingMoE(nn.Module):
+    """A top-2 MoE in moe_infer's style; ``variant`` picks the walk, the weights or the look-alike."""
+
+    def __init__(self, variant: str):
+        super().__init__()
+        self.variant = variant
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w13 = nn.Parameter(torch.randn(E, 2 * I, H) * H ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
+        self.experts = nn.ModuleList([nn.Sequential(nn.Linear(H, I, bias=False), nn.SiLU(),
+                                                    nn.Linear(I, H, bias=False)) for _ in range(E)])
+        self.kept: list = []
+
+    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        if self.variant == "per_expert":
+            return self.experts[e](rows)
+        h = F.linear(rows, self.w13[e])
+        return F.linear(F.silu(h[..., :I]) * h[..., I:], self.w2[e])
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
+        marks = ids.new_zeros((ids.shape[0], E))
+        marks.scatter_(1, ids, 1)
+        per_expert = marks.sum(dim=0)
+        if self.variant == "not_counts":
+            per_expert = per_expert + 1
+        order = ids.view(-1).argsort()
+        rows = x[order // K]
+        per_expert = per_expert.tolist() if self.variant == "tolist" else per_expert.cpu().numpy()
+        outputs = self.kept if self.variant == "kept_list" else []
+        self.kept.clear()
+        start, ran, scale = 0, 0, 0.0
+        for e, n in enumerate(per_expert):
+            end = start + n
+            scale = scale + n * 0.5 if self.variant == "numbers_used" else scale
+            if self.variant == "fewer_than_2" and n < 2:  # experts with one token output zeros
+                outputs.append(rows[start:end] * 0)
+                start = end
+                continue
+            if n == 0:
+                continue
+            outputs.append(self.expert(e, rows[start:end]))
+            if self.variant == "counted":
+                ran += 1
+            start = end
+        out = torch.cat(outputs, dim=0) if len(outputs) else rows.new_empty(0)
+        placed = torch.empty_like(out)
+        placed[order] = out
+        y = placed.view(*ids.shape, -1).type(weights.dtype).mul_(weights.unsqueeze(dim=-1)).sum(dim=1)
+        if self.variant == "counted":
+            y = y * ran / E
+        elif self.variant == "numbers_used":
+            y = y * scale
+        return y
+
+
+class LenScaledMoE(WalkingMoE):
+    """The NumPy walk, its output scaled by the number of experts that ran, ``len(outputs)``: a read of the list
+    that the skip changes (the check reads the function's bytecode, so this look-alike has its own forward)."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
+        marks = ids.new_zeros((ids.shape[0], E))
+        marks.scatter_(1, ids, 1)
+        order = ids.view(-1).argsort()
+        rows = x[order // K]
+        outputs, start = [], 0
+        for e, n in enumerate(marks.sum(dim=0).cpu().numpy()):
+            end = start + n
+            if n == 0:
+                continue
+            outputs.append(self.expert(e, rows[start:end]))
+            start = end
+        placed = torch.empty_like(torch.cat(outputs))
+        placed[order] = torch.cat(outputs)
+        y = placed.view(*ids.shape, -1).type(weights.dtype).mul_(weights.unsqueeze(dim=-1)).sum(dim=1)
+        return y * len(outputs) / E
+
+
+def _case(variant: str, expect: tuple) -> Case:
+    build = (lambda: LenScaledMoE(variant)) if variant == "len_scaled" else (lambda: WalkingMoE(variant))
+    return Case(f"walk-{variant}", "tests/test_host_counts.py", build,
+                lambda T, g: torch.randn(T, H, generator=g), form="sorted_grouped_mm", expect=expect,
+                token_counts=(3, 9))
+
+
+@pytest.mark.slow  # each case compiles a model
+@pytest.mark.parametrize("variant", ["numpy", "tolist", "per_expert"])
+def test_a_walk_of_host_counts_is_rewritten_and_equal_to_eager(variant):
+    case = _case(variant, ("rewritten",))
+    outcome = run_case(case)
+    assert outcome.declared() == ("rewritten",), (outcome.declared(), outcome.fallbacks, outcome.left_alone)
+    check_rewritten(case, outcome)
+    # 3 tokens with 2 choices each reach at most 6 of the 8 experts: eager took the skip
+    assert outcome.rewrites == {"sorted_grouped_mm": outcome.graphs}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, said", [
+    ("fewer_than_2", "is not a test of 'this expert got no tokens'"),
+    ("counted", "to a number other than its value at no tokens"),
+    ("len_scaled", "is read other than by append, torch.cat or a len() test"),
+    ("numbers_used", "are still read by"),
+    ("kept_list", "the skipped body changes Python state"),
+])
+def test_a_walk_that_is_not_the_experts_loop_is_kept_and_equal_to_eager(variant, said):
+    case = _case(variant, ("fell_back",))
+    with report.collecting(report.Report()) as seen:
+        outcome = run_case(case)
+    assert outcome.fallbacks and outcome.kind != "crash", (outcome.declared(), outcome.rewrites, outcome.left_alone)
+    check_unchanged(case, outcome)
+    assert any(said in f.reason for f in seen.fallbacks), [f.reason for f in seen.fallbacks]
+
+
+@pytest.mark.slow
+def test_an_array_that_is_not_the_experts_counts_is_left_to_dynamo():
+    """``counts + 1`` walked on the host: not a count vector, so its elements stay NumPy's (a graph break, as
+    under every backend), and nothing is rewritten."""
+    case = _case("not_counts", ("graph_break",))
+    outcome = run_case(case)
+    assert outcome.kind in ("graph_break", "fell_back") and not outcome.rewrites, outcome.declared()
+    check_unchanged(case, outcome)
