@@ -1,5 +1,5 @@
 """Measure the generator: ``python -m tests.generator [--examples N] [--seed S] [--lookalikes] [--guards-masks-slots]
-[--masks-v5]``.
+[--masks-v5] [--host-walks]``.
 
 Runs N recipes from a seeded generator, prints every miss, wrong rewrite and crash as it happens, then the rewrite
 rate per form, per idiom and per router, and the look-alikes kept per flaw."""
@@ -16,7 +16,8 @@ os.environ.setdefault("MOE_INDUCTOR_STRICT_PASSES", "1")
 
 def main() -> None:
     from tests.generator.check import run
-    from tests.generator.recipe import GUARDS_MASKS_SLOTS, MASKS_AND_V5, draw_recipe, narrowed, random_draw
+    from tests.generator.recipe import (GUARDS_MASKS_SLOTS, HOST_WALKS, MASKS_AND_V5, draw_recipe, narrowed,
+                                        random_draw)
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--examples", type=int, default=int(os.environ.get("MOE_GENERATOR_EXAMPLES", 200)))
@@ -27,8 +28,11 @@ def main() -> None:
                     help="draw only the guarded loops, top-1 mask writes and capacity biases/dropouts/stacked choices")
     ap.add_argument("--masks-v5", action="store_true",
                     help="draw only litgpt's broadcast masks and transformers v5's experts code written out")
+    ap.add_argument("--host-walks", action="store_true",
+                    help="draw only DeepSeek-V2's moe_infer: counts walked on the host, the weighted unsort")
     args = ap.parse_args()
-    only = GUARDS_MASKS_SLOTS if args.guards_masks_slots else MASKS_AND_V5 if args.masks_v5 else None
+    only = (GUARDS_MASKS_SLOTS if args.guards_masks_slots else MASKS_AND_V5 if args.masks_v5
+            else HOST_WALKS if args.host_walks else None)
     rng = random.Random(args.seed)
     tally: dict[str, Counter] = defaultdict(Counter)
     done = 0

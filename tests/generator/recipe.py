@@ -60,12 +60,17 @@ AXES: dict[str, dict[str, tuple]] = {
     "sorted": {
         "sort": ("argsort", "sort"),
         "gather": ("index", "gather"),
-        # "histc_sorted": histc of the sorted ids, transformers v5's grouped_mm
-        "counts": ("histc", "onehot_sum", "histc_sorted"),
+        # "histc_sorted": histc of the sorted ids, transformers v5's grouped_mm; "marks": DeepSeek-V2's ``scatter_``
+        # of ones into ``new_zeros((T, E))``, summed over tokens
+        "counts": ("histc", "onehot_sum", "histc_sorted", "marks"),
         "experts": ("stacked_nk", "stacked_kn", "fused_chunk"),
         "position": ("output", "input"),
-        # "unsort_inverse": v5's gather by the inverse permutation, ``inv[order] = arange(n); ys[inv]``
-        "combine": ("scatter_add", "index_add", "unsort_sum", "unsort_bmm", "unsort_inverse"),
+        # "unsort_inverse": v5's gather by the inverse permutation, ``inv[order] = arange(n); ys[inv]``;
+        # "unsort_weighted": DeepSeek-V2's ``buf = empty_like(ys); buf[order] = ys``, the weights applied after it
+        "combine": ("scatter_add", "index_add", "unsort_sum", "unsort_bmm", "unsort_inverse", "unsort_weighted"),
+        # the experts step: ``torch._grouped_mm`` per projection, or DeepSeek-V2's ``moe_infer`` walk of the counts
+        # on the host (``.cpu().numpy()`` or ``.tolist()``), a running slice per expert, empty experts skipped
+        "step": ("grouped_mm", "walk_numpy", "walk_tolist"),
     },
     "gathered": {
         "experts": ("stacked_nk", "stacked_kn", "fused_chunk", "fused_slice"),
@@ -163,6 +168,13 @@ def draw_recipe(draw: Draw, lookalike: Optional[bool] = None) -> Recipe:
         idioms[axis] = draw(axis, options)
     if flaw == "tiled_rows":
         idioms["combine"] = "flat_bmm"
+    if form == "sorted" and idioms["step"] != "grouped_mm":
+        if idioms["counts"].startswith("histc"):
+            idioms["counts"] = "marks"  # histc counts are floats: a walk slices by integers
+        if idioms["combine"] in ("unsort_sum", "unsort_bmm", "unsort_inverse"):
+            # a (T*k, H) buffer written with the walk's cat: Dynamo cannot prove the slices add up to T*k rows
+            # (their sizes are fresh symbols) and the frame falls back (README's known limits)
+            idioms["combine"] = "unsort_weighted"
     if idioms.get("combine") == "flat_bmm" and form == "gathered":
         idioms["split"] = "product"  # v5's batched_mm splits the projection's output
     act = draw("act", ACTIVATIONS)
@@ -261,6 +273,16 @@ def _capacity_idioms(draw: Draw, idioms: dict, flaw: Optional[str]) -> None:
         idioms["dropout"] = "train_p"
     if idioms["dropout"] != "none":  # between the projections, or on the experts' output
         idioms["dropout_at"] = draw("dropout_at", ("between", "after"))
+
+
+#: the choices that narrow a draw to DeepSeek-V2's ``moe_infer``: marked counts walked on the host, the weighted unsort
+HOST_WALKS = {
+    "lookalike": (False, True),
+    "form": ("sorted",),
+    "counts": ("marks",),
+    "combine": ("unsort_weighted", "scatter_add", "index_add"),
+    "step": ("walk_numpy", "walk_tolist"),
+}
 
 
 #: the choices that narrow a draw to the spellings of the guarded loops, the top-1 mask writes and the padded

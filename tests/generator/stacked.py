@@ -41,10 +41,14 @@ class SortedMoE(nn.Module):
             counts = torch.histc(flat.float(), bins=E, min=0, max=E - 1)
         elif d["counts"] == "histc_sorted":
             counts = torch.histc(sorted_ids.float(), bins=E, min=0, max=E - 1)
+        elif d["counts"] == "marks":
+            marks = ids.new_zeros((T, E))
+            marks.scatter_(1, ids, 1)
+            counts = marks.sum(dim=0)
         else:
             counts = F.one_hot(flat, num_classes=E).sum(dim=0)
         offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        in_bmm = d["combine"] == "unsort_bmm"
+        in_bmm = d["combine"] in ("unsort_bmm", "unsort_weighted")
         on_input = (d["position"] == "input" and not in_bmm) or r.flaw == "twice"
         if on_input:
             xs = (xs.float() * scores.reshape(-1, 1)).to(x.dtype)
@@ -54,13 +58,14 @@ class SortedMoE(nn.Module):
             return torch._grouped_mm(a, w if kn else w.transpose(-2, -1), offs=offs)
 
         act = ACT[r.act]
-        if w_gate is None and r.gated:
+        if d["step"] != "grouped_mm":
+            ys = self._walk(xs, counts, (w_up, w_gate, w_down, kn))
+        elif w_gate is None and r.gated:
             g, u = self.bank.split_gate_up(gmm(xs, w_up))
-            h = act(g) * u
+            ys = gmm(act(g) * u, w_down)
         else:
             h = act(gmm(xs, w_up))
-            h = h * gmm(xs, w_gate) if r.gated else h
-        ys = gmm(h, w_down)
+            ys = gmm(h * gmm(xs, w_gate) if r.gated else h, w_down)
         if (d["position"] == "output" and not in_bmm) or r.flaw == "twice":
             ys = ys * scores.reshape(-1, 1).to(ys.dtype)
         rows = tok.flip(0) if r.flaw == "other_rows" else tok
@@ -75,11 +80,43 @@ class SortedMoE(nn.Module):
             inv = torch.empty_like(order)
             inv[order.flip(0) if r.flaw == "other_rows" else order] = torch.arange(order.size(0), device=x.device)
             return ys[inv].view(T, k, H).sum(dim=1)
+        if d["combine"] == "unsort_weighted":  # DeepSeek-V2's moe_infer: the weights in fp32 after the unsort
+            buf = torch.empty_like(ys)
+            buf[order.flip(0) if r.flaw == "other_rows" else order] = ys
+            return (buf.view(*ids.shape, -1).type(weights.dtype).mul_(weights.unsqueeze(dim=-1)).sum(dim=1)
+                    .type(buf.dtype))
         buf = torch.zeros(T * k, H, dtype=ys.dtype, device=x.device)
         buf[order.flip(0) if r.flaw == "other_rows" else order] = ys
         if in_bmm:
             return torch.bmm(weights.reshape(-1, 1, k).to(buf.dtype), buf.reshape(-1, k, H)).squeeze(1)
         return buf.reshape(-1, k, H).sum(dim=1)
+
+
+    def _walk(self, xs: torch.Tensor, counts: torch.Tensor, stacked: tuple) -> torch.Tensor:
+        """DeepSeek-V2's ``moe_infer`` loop: the counts walked on the host, each expert's running slice of the sorted
+        rows through its MLP, experts with no rows skipped, the outputs ``cat``ed."""
+        walked = counts.cpu().numpy() if self.r.idioms["step"] == "walk_numpy" else counts.tolist()
+        outputs, start = [], 0
+        for e, n in enumerate(walked):
+            end = start + n
+            if n == 0:
+                continue
+            outputs.append(self._expert(xs[start:end], e, stacked))
+            start = end
+        return torch.cat(outputs, dim=0) if len(outputs) else xs.new_empty(0, H)
+
+    def _expert(self, rows: torch.Tensor, e: int, stacked: tuple) -> torch.Tensor:
+        w_up, w_gate, w_down, kn = stacked
+        act = ACT[self.r.act]
+        up = rows @ w_up[e] if kn else F.linear(rows, w_up[e])
+        if w_gate is None and self.r.gated:
+            g, u = self.bank.split_gate_up(up)
+            h = act(g) * u
+        else:
+            h = act(up)
+            if self.r.gated:
+                h = h * (rows @ w_gate[e] if kn else F.linear(rows, w_gate[e]))
+        return h @ w_down[e] if kn else F.linear(h, w_down[e])
 
 
 class GatheredMoE(nn.Module):
