@@ -1,8 +1,9 @@
 """The randomised generator of genuine MoE variants and look-alikes (tests/generator/): every genuine variant is
 rewritten as its form and equal to eager (forward and gradients); every look-alike is left alone and equal to eager.
 
-CI runs 36 recipes, 6 of them drawn from the guarded loops, top-1 mask writes and capacity layers alone, and 6
-from the broadcast masks and transformers v5's experts code written out (the general draws reach them seldom); ``MOE_GENERATOR_EXAMPLES=300`` runs that many in each test.
+CI runs 40 recipes, 6 of them drawn from the guarded loops, top-1 mask writes and capacity layers alone, 6 from the
+broadcast masks and transformers v5's experts code written out, and 4 from DeepSeek-V2's host walk (the general
+draws reach them seldom); ``MOE_GENERATOR_EXAMPLES=300`` runs that many in each test.
 ``python -m tests.generator --examples 300`` runs recipes without stopping at the first failure and prints the
 rewrite rate per form and per idiom (``--guards-masks-slots``: of those spellings alone).
 ``--hypothesis-show-statistics`` shows the verdicts per form from this test too (``hypothesis.event``).
@@ -15,7 +16,8 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from tests.generator.check import run
-from tests.generator.recipe import GUARDS_MASKS_SLOTS, MASKS_AND_V5, Recipe, draw_recipe, hypothesis_draw, narrowed
+from tests.generator.recipe import (GUARDS_MASKS_SLOTS, HOST_WALKS, MASKS_AND_V5, Recipe, draw_recipe, hypothesis_draw,
+                                    narrowed)
 
 EXAMPLES = int(os.environ.get("MOE_GENERATOR_EXAMPLES", 0))
 
@@ -78,3 +80,12 @@ def test_broadcast_masks_and_v5_user_code(data):
     r = draw_recipe(narrowed(hypothesis_draw(data), MASKS_AND_V5))
     assume(r.form != "sorted" or hasattr(torch, "_grouped_mm"))
     _check(r)
+
+
+@settings(max_examples=EXAMPLES or 4, **_SETTINGS)
+@given(data=st.data())
+def test_host_walks_of_the_counts(data):
+    """DeepSeek-V2's ``moe_infer``: counts marked by ``scatter_`` and summed, walked on the host (``.cpu().numpy()``
+    or ``.tolist()``) with a running slice per expert and empty experts skipped, the weights applied after the unsort
+    into ``empty_like``; and their look-alikes (the weight twice, the unsort by another order)."""
+    _check(draw_recipe(narrowed(hypothesis_draw(data), HOST_WALKS)))
