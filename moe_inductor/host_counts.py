@@ -21,6 +21,7 @@ frame falls back.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -53,7 +54,24 @@ def _count_items(var, tx) -> Optional[list]:
     listed = TensorVariable.method_tolist(var, tx)
     node.meta[WALKED] = True
     trace.host_counts = True
-    return listed.unpack_var_sequence(tx)
+    items = listed.unpack_var_sequence(tx)
+    for item in items:  # ``num_tokens.item()`` of an element (inclusionAI's Ling/LLaDA2 copies) is the number itself
+        if type(item).__name__ == "SymNodeVariable":
+            item.__class__ = _count_class(type(item))
+    return items
+
+
+@functools.lru_cache(maxsize=None)
+def _count_class(base: type) -> type:
+    """A SymNodeVariable whose ``.item()`` is itself, as a NumPy int64 element's is its value."""
+
+    class HostCount(base):
+        def call_method(self, tx, name, args, kwargs):
+            if name == "item" and not args and not kwargs:
+                return self
+            return super().call_method(tx, name, args, kwargs)
+
+    return HostCount
 
 
 def install() -> None:

@@ -50,18 +50,16 @@ def _counted(graph, symbol) -> Optional[tuple[Node, int, Optional[Node]]]:
     selection of expert e (``tok.shape[0]`` of ``tok, pos = torch.where(ids == e)``)."""
     from .passes.fx_utils import is_call
 
-    from .passes.counts import host_copy_of, marked_counts
+    from .passes.counts import count_item, host_copy_of, marked_counts
 
     for node in graph.nodes:
         v = node.meta.get("example_value")
-        if isinstance(v, torch.SymInt) and v.node.expr == symbol and is_call(node, "call_method", "item"):
-            pick = node.args[0]
-            if not (is_call(pick, "call_function", operator.getitem) and isinstance(pick.args[1], int)):
-                return None
-            marked = marked_counts(pick.args[0])  # DeepSeek-V2's scatter_ of ones, walked on the host or not
+        if isinstance(v, torch.SymInt) and v.node.expr == symbol and count_item(node) is not None:
+            source, e = count_item(node)
+            marked = marked_counts(source)  # DeepSeek-V2's scatter_ of ones, walked on the host or not
             if marked is not None:
-                return marked[0], pick.args[1], None
-            counts = host_copy_of(pick.args[0])
+                return marked[0], e, None
+            counts = host_copy_of(source)
             if not (is_call(counts, "call_function", torch.bincount) and len(counts.args) == 1
                     and set(counts.kwargs) <= {"minlength"}):
                 return None
@@ -69,7 +67,7 @@ def _counted(graph, symbol) -> Optional[tuple[Node, int, Optional[Node]]]:
             ids = flat.args[0] if is_call(flat, "call_method", "flatten", "view", "reshape") else flat
             if flat is not ids and not (len(flat.args) == 1 or tuple(flat.args[1:]) in ((-1,), ((-1,),))):
                 return None
-            return ids, pick.args[1], None
+            return ids, e, None
         rows = v[0] if isinstance(v, (tuple, list)) and v else v
         if isinstance(rows, torch.Tensor) and rows.dim() >= 1 and not isinstance(rows.shape[0], int) and (
                 rows.shape[0].node.expr == symbol):
@@ -143,11 +141,11 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
 
 def _count_item(graph, symbol) -> Optional[Node]:
     """The ``.item()`` node that made the count ``symbol``, if one did."""
-    from .passes.fx_utils import is_call
+    from .passes.counts import count_item
 
     for node in graph.nodes:
         v = node.meta.get("example_value")
-        if isinstance(v, torch.SymInt) and v.node.expr == symbol and is_call(node, "call_method", "item"):
+        if isinstance(v, torch.SymInt) and v.node.expr == symbol and count_item(node) is not None:
             return node
     return None
 

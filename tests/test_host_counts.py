@@ -3,7 +3,8 @@ running slice offset, a skip of experts with no tokens and the outputs appended 
 host_counts.py, skipped_state.py; the loop read by passes/sorted_grouped_mm.py through split_loop's slice runs).
 
 Genuine, rewritten and equal to eager, forward and gradients, at token counts that leave experts empty: the NumPy
-walk over stacked weights, the ``.tolist()`` walk, and one nn.Linear set per expert. Look-alikes, each equal to
+walk over stacked weights, the ``.tolist()`` walk, one nn.Linear set per expert, each element's ``.item()``, and
+``int(arr[e])`` over ``range(E)``. Look-alikes, each equal to
 eager and not rewritten, with the reason explain() gives: a skip of experts with fewer than 2 tokens, a count of the
 experts run kept in a local, the list's length read as a number, the counts used as numbers beyond the loop, the
 outputs appended to a list the module keeps (a change the caller sees), and an array that is not the experts'
@@ -99,15 +100,50 @@ class LenScaledMoE(WalkingMoE):
         return y * len(outputs) / E
 
 
+class ReadEachMoE(WalkingMoE):
+    """The NumPy copy read one element at a time: ``num_tokens = t.item()`` of each element walked (inclusionAI's
+    Ling and LLaDA2 copies of ``moe_infer``), or ``int(arr[e])`` over ``range(E)``, the slice taken after the skip."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
+        marks = ids.new_zeros((ids.shape[0], E))
+        marks.scatter_(1, ids, 1)
+        order = ids.view(-1).argsort()
+        rows = x[order // K]
+        per_expert = marks.sum(dim=0).cpu().numpy()
+        outputs, start = [], 0
+        if self.variant == "numpy_item":
+            for e, count in enumerate(per_expert):
+                n = count.item()
+                if n == 0:
+                    continue
+                end = start + n
+                outputs.append(self.expert(e, rows[start:end]))
+                start = end
+        else:
+            for e in range(E):
+                n = int(per_expert[e])
+                if n == 0:
+                    continue
+                end = start + n
+                outputs.append(self.expert(e, rows[start:end]))
+                start = end
+        out = torch.cat(outputs, dim=0) if len(outputs) else rows.new_empty(0)
+        placed = torch.empty_like(out)
+        placed[order] = out
+        return placed.view(*ids.shape, -1).type(weights.dtype).mul_(weights.unsqueeze(dim=-1)).sum(dim=1)
+
+
 def _case(variant: str, expect: tuple) -> Case:
-    build = (lambda: LenScaledMoE(variant)) if variant == "len_scaled" else (lambda: WalkingMoE(variant))
+    kind = {"len_scaled": LenScaledMoE, "numpy_item": ReadEachMoE, "numpy_index": ReadEachMoE}.get(variant, WalkingMoE)
+    build = lambda: kind(variant)  # noqa: E731
     return Case(f"walk-{variant}", "tests/test_host_counts.py", build,
                 lambda T, g: torch.randn(T, H, generator=g), form="sorted_grouped_mm", expect=expect,
                 token_counts=(3, 9))
 
 
 @pytest.mark.slow  # each case compiles a model
-@pytest.mark.parametrize("variant", ["numpy", "tolist", "per_expert"])
+@pytest.mark.parametrize("variant", ["numpy", "tolist", "per_expert", "numpy_item", "numpy_index"])
 def test_a_walk_of_host_counts_is_rewritten_and_equal_to_eager(variant):
     case = _case(variant, ("rewritten",))
     outcome = run_case(case)

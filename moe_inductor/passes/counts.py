@@ -14,6 +14,7 @@ scatter, before the sum reads it; the ids are top-k indices over a last dim of E
 """
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -125,3 +126,31 @@ def marked_counts(node) -> Optional[tuple[Node, int]]:
     if not isinstance(num_experts, int) or not topk_ids_over(ids, num_experts):
         return None
     return ids, num_experts
+
+
+def count_item(node) -> Optional[tuple[Node, int]]:
+    """(counts, e) for a count read as a number: ``counts[e].item()`` (``.tolist()`` as Dynamo traces it), or
+    ``int(counts_np[e])`` / ``counts_np[e].item()`` of a NumPy copy as Dynamo traces those (its ``wrapped_getitem``
+    and ``wrapped_item``); else None."""
+    if is_call(node, "call_method", "item") and len(node.args) == 1 and not node.kwargs:
+        pick = node.args[0]
+    elif _numpy_wrapper(node, "item") and len(node.args) == 1 and not node.kwargs:
+        pick = node.args[0]
+    else:
+        return None
+    if (is_call(pick, "call_function", operator.getitem) or _numpy_wrapper(pick, "getitem")) and len(
+            pick.args) == 2 and isinstance(pick.args[0], Node) and type(pick.args[1]) is int:
+        return pick.args[0], pick.args[1]
+    return None
+
+
+def _numpy_wrapper(node, name: str) -> bool:
+    """``node`` calls Dynamo's wrapper of a NumPy method or operator ``name`` (how it traces ``arr[e]``,
+    ``arr[e].item()`` and ``int(arr[e])`` of an array it holds as a tensor)."""
+    if not (isinstance(node, Node) and node.op == "call_function"):
+        return False
+    target = node.target
+    if getattr(target, "method", None) == name:  # numpy_method_wrapper
+        return True
+    op = getattr(target, "op", None)  # numpy_operator_wrapper
+    return getattr(op, "__name__", None) == name and type(target).__name__ == "numpy_operator_wrapper"

@@ -385,20 +385,17 @@ def _sizes_are_counts(sizes: list, d: _Dispatch, num_experts: int) -> bool:
 
 def listed_counts(sizes: list, num_experts: int) -> Optional[Node]:
     """``counts`` for sizes that are ``counts.tolist()`` as Dynamo traces it (``counts[e].item()`` for each e in
-    order), E of them; else None."""
+    order, or a NumPy copy's ``int(arr[e])``: ``counts.count_item``), E of them; else None."""
+    from .counts import count_item
+
     if len(sizes) != num_experts:
         return None
     source = None
     for e, s in enumerate(sizes):
-        if not (is_call(s, "call_method", "item") and len(s.args) == 1):
+        read = count_item(s)
+        if read is None or read[1] != e or (source is not None and read[0] is not source):
             return None
-        g = s.args[0]
-        if not (is_call(g, "call_function", operator.getitem) and g.args[1] == e):
-            return None
-        if source is None:
-            source = g.args[0]
-        elif g.args[0] is not source:
-            return None
+        source = read[0]
     return source
 
 
