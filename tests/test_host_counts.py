@@ -40,15 +40,25 @@ class WalkingMoE(nn.Module):
         h = F.linear(rows, self.w13[e])
         return F.linear(F.silu(h[..., :I]) * h[..., I:], self.w2[e])
 
-    def forward(self, x):
+    def route(self, x):
+        """(weights, ids, the sort order of the flat ids, the rows in that order, each expert's count)."""
         weights, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
         marks = ids.new_zeros((ids.shape[0], E))
         marks.scatter_(1, ids, 1)
-        per_expert = marks.sum(dim=0)
+        order = ids.view(-1).argsort()
+        return weights, ids, order, x[order // K], marks.sum(dim=0)
+
+    @staticmethod
+    def unsort(out, order, ids, weights):
+        """The outputs put back in (token, slot) order, weighted in fp32 and summed over the slots."""
+        placed = torch.empty_like(out)
+        placed[order] = out
+        return placed.view(*ids.shape, -1).type(weights.dtype).mul_(weights.unsqueeze(dim=-1)).sum(dim=1)
+
+    def forward(self, x):
+        weights, ids, order, rows, per_expert = self.route(x)
         if self.variant == "not_counts":
             per_expert = per_expert + 1
-        order = ids.view(-1).argsort()
-        rows = x[order // K]
         per_expert = per_expert.tolist() if self.variant == "tolist" else per_expert.cpu().numpy()
         outputs = self.kept if self.variant == "kept_list" else []
         self.kept.clear()
@@ -66,10 +76,7 @@ class WalkingMoE(nn.Module):
             if self.variant == "counted":
                 ran += 1
             start = end
-        out = torch.cat(outputs, dim=0) if len(outputs) else rows.new_empty(0)
-        placed = torch.empty_like(out)
-        placed[order] = out
-        y = placed.view(*ids.shape, -1).type(weights.dtype).mul_(weights.unsqueeze(dim=-1)).sum(dim=1)
+        y = self.unsort(torch.cat(outputs, dim=0) if len(outputs) else rows.new_empty(0), order, ids, weights)
         if self.variant == "counted":
             y = y * ran / E
         elif self.variant == "numbers_used":
@@ -82,22 +89,15 @@ class LenScaledMoE(WalkingMoE):
     that the skip changes (the check reads the function's bytecode, so this look-alike has its own forward)."""
 
     def forward(self, x):
-        weights, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
-        marks = ids.new_zeros((ids.shape[0], E))
-        marks.scatter_(1, ids, 1)
-        order = ids.view(-1).argsort()
-        rows = x[order // K]
+        weights, ids, order, rows, per_expert = self.route(x)
         outputs, start = [], 0
-        for e, n in enumerate(marks.sum(dim=0).cpu().numpy()):
+        for e, n in enumerate(per_expert.cpu().numpy()):
             end = start + n
             if n == 0:
                 continue
             outputs.append(self.expert(e, rows[start:end]))
             start = end
-        placed = torch.empty_like(torch.cat(outputs))
-        placed[order] = torch.cat(outputs)
-        y = placed.view(*ids.shape, -1).type(weights.dtype).mul_(weights.unsqueeze(dim=-1)).sum(dim=1)
-        return y * len(outputs) / E
+        return self.unsort(torch.cat(outputs), order, ids, weights) * len(outputs) / E
 
 
 class ReadEachMoE(WalkingMoE):
@@ -105,12 +105,8 @@ class ReadEachMoE(WalkingMoE):
     Ling and LLaDA2 copies of ``moe_infer``), or ``int(arr[e])`` over ``range(E)``, the slice taken after the skip."""
 
     def forward(self, x):
-        weights, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
-        marks = ids.new_zeros((ids.shape[0], E))
-        marks.scatter_(1, ids, 1)
-        order = ids.view(-1).argsort()
-        rows = x[order // K]
-        per_expert = marks.sum(dim=0).cpu().numpy()
+        weights, ids, order, rows, per_expert = self.route(x)
+        per_expert = per_expert.cpu().numpy()
         outputs, start = [], 0
         if self.variant == "numpy_item":
             for e, count in enumerate(per_expert):
@@ -128,10 +124,7 @@ class ReadEachMoE(WalkingMoE):
                 end = start + n
                 outputs.append(self.expert(e, rows[start:end]))
                 start = end
-        out = torch.cat(outputs, dim=0) if len(outputs) else rows.new_empty(0)
-        placed = torch.empty_like(out)
-        placed[order] = out
-        return placed.view(*ids.shape, -1).type(weights.dtype).mul_(weights.unsqueeze(dim=-1)).sum(dim=1)
+        return self.unsort(torch.cat(outputs, dim=0) if len(outputs) else rows.new_empty(0), order, ids, weights)
 
 
 def _case(variant: str, expect: tuple) -> Case:
