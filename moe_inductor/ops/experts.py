@@ -52,8 +52,11 @@ def _scale_modes(weight_position: str) -> tuple[int, int]:
     return up, SCALE_OUT if weight_position == "output" else SCALE_NONE
 
 
-def _forward_gemms(call: ExpertsCall, routed: Routed, pre: Optional[Tensor]) -> Tensor:
-    """The forward on the Triton kernels: two grouped GEMMs and the combine."""
+def _forward_gemms(call: ExpertsCall, routed: Routed, pre: Optional[Tensor], num_experts: Optional[int] = None
+                   ) -> Tensor:
+    """The forward on the Triton kernels: two grouped GEMMs and the combine. ``num_experts``: the E the ids are
+    checked against in the combine, where the weights hold other than E experts (per-assignment copies,
+    ops/expert_lists.py)."""
     x, w = call.x, call.weights
     T, H = x.shape
     M = routed.order.shape[0]
@@ -69,7 +72,7 @@ def _forward_gemms(call: ExpertsCall, routed: Routed, pre: Optional[Tensor]) -> 
     out = x.new_zeros(M, H) if routed.dropped or topk == 1 else x.new_empty(M, H)
     grouped_gemm(h, w.w2, routed.rows, out, a_rows=ROWS_SORTED, c_rows=ROWS_ASSIGNMENT,
                  epi=epilogue(bias=w.b2, scale=routed.scale, scale_mode=down_mode))
-    return out if topk == 1 else combine(out, routed.topk_ids, w.w1.shape[0])
+    return out if topk == 1 else combine(out, routed.topk_ids, num_experts or w.w1.shape[0])
 
 
 def experts_forward_call(call: ExpertsCall) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
