@@ -50,13 +50,13 @@ def _counted(graph, symbol) -> Optional[tuple[Node, int, Optional[Node]]]:
     selection of expert e (``tok.shape[0]`` of ``tok, pos = torch.where(ids == e)``)."""
     from .passes.fx_utils import is_call
 
-    from .passes.counts import count_item, host_copy_of, marked_counts
+    from .passes.counts import count_item, host_copy_of, per_expert_counts
 
     for node in graph.nodes:
         v = node.meta.get("example_value")
         if isinstance(v, torch.SymInt) and v.node.expr == symbol and count_item(node) is not None:
             source, e = count_item(node)
-            marked = marked_counts(source)  # DeepSeek-V2's scatter_ of ones, walked on the host or not
+            marked = per_expert_counts(source)  # DeepSeek-V2's scatter_ of ones, or a one-hot sum
             if marked is not None:
                 return marked[0], e, None
             counts = host_copy_of(source)

@@ -154,3 +154,28 @@ def _numpy_wrapper(node, name: str) -> bool:
         return True
     op = getattr(target, "op", None)  # numpy_operator_wrapper
     return getattr(op, "__name__", None) == name and type(target).__name__ == "numpy_operator_wrapper"
+
+
+def one_hot_counts(node) -> Optional[tuple[Node, int]]:
+    """(ids, E) for ``F.one_hot(ids.flatten(), E).sum(0)`` (casts and host copies aside) of top-k ids over E: the
+    number of assignments of each expert."""
+    from .fx_utils import flat_of
+
+    node = host_copy_of(node)
+    if not (is_call(node, "call_method", "sum") and (node.args[1:] == (0,) and not node.kwargs or (
+            len(node.args) == 1 and node.kwargs == {"dim": 0}))):
+        return None
+    hot = node.args[0]
+    if not is_call(hot, "call_function", torch.nn.functional.one_hot, torch._C._nn.one_hot):
+        return None
+    num_experts = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)
+    ids = flat_of(hot.args[0]) if isinstance(hot.args[0], Node) else None
+    if not isinstance(num_experts, int) or ids is None or not topk_ids_over(ids, num_experts):
+        return None
+    return ids, num_experts
+
+
+def per_expert_counts(node) -> Optional[tuple[Node, int]]:
+    """(ids, E) where ``node`` holds each expert's number of assignments of the (T, k) top-k ``ids`` in expert
+    order: a marked table's column sums (``marked_counts``) or a one-hot sum (``one_hot_counts``)."""
+    return marked_counts(node) or one_hot_counts(node)

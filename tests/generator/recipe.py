@@ -279,7 +279,7 @@ def _capacity_idioms(draw: Draw, idioms: dict, flaw: Optional[str]) -> None:
 HOST_WALKS = {
     "lookalike": (False, True),
     "form": ("sorted",),
-    "counts": ("marks",),
+    "counts": ("marks", "onehot_sum"),
     "combine": ("unsort_weighted", "scatter_add", "index_add"),
     "step": ("walk_numpy", "walk_tolist"),
 }
