@@ -1,5 +1,6 @@
-"""Per-expert weights at decode sizes (ops/expert_lists.py, kernels/gather_weights.py): with no gradient wanted and
-T*k below E (and at most GATHER_MAX_ROWS), the list op copies only the chosen experts' weights through a table of
+"""Per-expert weights at decode sizes (ops/expert_lists.py, kernels/gather_weights.py): with ``config.list_weight_copies``
+on (off by default until a GPU run measures it), no gradient wanted and T*k below E (and at most GATHER_MAX_ROWS), the
+list op copies only the chosen experts' weights through a table of
 their addresses instead of stacking every expert. Checked against the reference (and the stacking path) under the
 Triton interpreter on the CPU, for T = 1 and 2, E not a power of two, top-1 and top-2, every weight position and
 both layouts; a write into a weight between calls (even through ``.data``) is seen, the table being of addresses
@@ -31,7 +32,10 @@ def _reference(x, ids, w, w1, w3, w2, layout, position="output"):
 
 @pytest.fixture
 def copies_counted(monkeypatch):
-    """How many times the copies ran (the path taken, not only its result)."""
+    """How many times the copies ran (the path taken, not only its result), with the copies on."""
+    from moe_inductor import config
+
+    monkeypatch.setattr(config, "list_weight_copies", True)
     calls = []
     real = gather_module.gather_weights
 
@@ -89,9 +93,18 @@ def test_the_copy_kernel_reads_each_address_and_zeros_an_id_out_of_range(triton_
     assert torch.equal(out[2], torch.zeros(3, 5))
 
 
+def test_the_copies_are_off_unless_asked_for(triton_kernels):
+    """Off by default until a GPU run has measured them (config.list_weight_copies); the environment may ask."""
+    import os
+
+    from moe_inductor import config
+
+    assert config.list_weight_copies is (os.environ.get("MOE_INDUCTOR_LIST_COPIES", "0") == "1")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 2])
-def test_gpu_copies_match_the_stack_bf16(T):
+def test_gpu_copies_match_the_stack_bf16(T, copies_counted):
     torch.manual_seed(T)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     ids = torch.randn(T, E, device="cuda").topk(2).indices
@@ -99,4 +112,5 @@ def test_gpu_copies_match_the_stack_bf16(T):
     w1, w3, w2 = _weights("nk", "cuda", torch.bfloat16)
     y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", False, "output", "nk")
     stacked, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", True, "output", "nk")
+    assert copies_counted == [T * 2] * 3
     assert_close(y.float(), stacked.float(), torch.bfloat16, "copies against the stack")

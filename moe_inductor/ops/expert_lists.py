@@ -8,7 +8,8 @@ The stack is never cached: a cache keyed on the weights' versions misses ``p.dat
 ``.data`` bump no version counter), and nothing cheaper than reading the weights tells that they changed.
 
 At decode sizes (T*k at most ``GATHER_MAX_ROWS`` and below E, no gradient wanted) the stack of every expert is most of
-the call's time, so the weights the assignments chose are copied instead, each read in place through a table of the
+the call's time, so, with ``config.list_weight_copies`` on (off until measured on a GPU), the weights the assignments
+chose are copied instead, each read in place through a table of the
 experts' addresses (kernels/gather_weights.py), and each assignment runs as its own one-row "expert". The table is
 cached by those addresses only: it names where the weights are, never what they hold, so it cannot go stale.
 """
@@ -20,6 +21,7 @@ from torch import Tensor
 from collections import OrderedDict
 from typing import Optional
 
+from .. import config
 from .activations import GPTOSS_ALPHA, GPTOSS_LIMIT, Activation
 from .call import ExpertsCall, ExpertWeights, Routing, check_weight_position
 from .experts import Needs, _forward_gemms, experts_backward, experts_forward_call, to_kn
@@ -85,7 +87,7 @@ def _decode_tables(x: Tensor, topk_ids: Tensor, groups: tuple) -> Optional[list[
     T*k is at least 1, at most ``GATHER_MAX_ROWS`` and below E, and each projection's weights are contiguous, of one
     shape and dtype, on x's device. Else None."""
     E, M = len(groups[0]), topk_ids.numel()
-    if not (use_triton(x) and 0 < M <= GATHER_MAX_ROWS and M < E):
+    if not (config.list_weight_copies and use_triton(x) and 0 < M <= GATHER_MAX_ROWS and M < E):
         return None
     tables = []
     for ws in groups:
