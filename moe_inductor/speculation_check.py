@@ -153,14 +153,14 @@ def _count_item(graph, symbol) -> Optional[Node]:
 def _slices_by_count(body: list[Node], item: Optional[Node]) -> list[Node]:
     """The body's slices ``rows[start:start + count]`` (``rows[0:count]`` at the first) of the count's own ``item``:
     empty at a count of 0, whatever the rows."""
-    from .passes.split_loop import _size_after, _slice_bounds
+    from .passes.slice_runs import size_after, slice_bounds
 
     if item is None:
         return []
     found = []
     for node in body:
-        bounds = _slice_bounds(node)
-        if bounds is not None and _size_after(*bounds) is item:
+        bounds = slice_bounds(node)
+        if bounds is not None and size_after(*bounds) is item:
             found.append(node)
     return found
 

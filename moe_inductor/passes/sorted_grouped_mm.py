@@ -513,6 +513,9 @@ def match(acc: Node) -> Union[Match, str, None]:
     spec = MoESpec(x, ids, weights, w(gate[1]), w(up[1]) if up else None, w(w_down), layout, activation, position,
                    **gated.spec_fields())
     note = f"routing weight on the {spec.weight_position}; no permuted copy of x"
+    if transient:  # a loop over per-expert pieces sized by counts read on the host
+        num_experts = len(gate[1]) if isinstance(gate[1], tuple) else val(gate[1]).shape[0]
+        note += f"; the loop over {num_experts} experts and its host reads of the counts removed"
     if combine.end is combine.writes[0] and combine.end.users:  # ``return out.scatter_add_(...)``
         if set(acc.users) != {combine.end}:
             return "the buffer and the value of its in-place write are both read"

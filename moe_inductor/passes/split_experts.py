@@ -22,6 +22,7 @@ from torch.fx import Node
 
 from .fx_utils import is_call, val
 from .gated_reads import GatedRead
+from .slice_runs import SliceRun
 
 
 def _summed(node, items: list[Node]) -> bool:
@@ -60,11 +61,12 @@ def _unpadded(ys: Node) -> Node:
 def split_loop_experts(ys: Node, counts_match: Callable[[Node, int], bool]
                        ) -> Optional[tuple[Node, str, GatedRead, tuple]]:
     """(stacked down weight, layout, the gated read with ``gate``/``up`` pointing at the sorted rows and the stacked
-    weights, the nodes whose data-dependent size checks go with the loop: the split or slices and the sizes) for the per-expert loop ending at ``ys``, as ``_grouped_mm`` calls would give them; None when ``ys`` is
-    not such a loop. The loop is read by the split_loop form's ``read_experts`` (one whole MLP per chunk, the form's
-    other spelling, a split per projection, is not taken here); ``counts_match(counts, E)`` says whether ``counts``
+    weights, the nodes whose data-dependent size checks go with the loop: the split or slices and the sizes) for the
+    per-expert loop ending at ``ys``, as ``_grouped_mm`` calls would give them; None when ``ys`` is not such a loop.
+    The loop is read by the split_loop form's ``read_experts`` (one whole MLP per chunk, the form's other spelling,
+    a split per projection, is not taken here); ``counts_match(counts, E)`` says whether ``counts``
     are the per-expert counts of the ids the rows were sorted by."""
-    from .split_loop import SliceRun, _split_of, listed_counts, read_experts, split_nodes  # (split_loop imports this form's readers)
+    from .split_loop import _split_of, listed_counts, read_experts, split_nodes  # (split_loop imports this module)
 
     got = read_experts(_unpadded(ys))
     if got is None or isinstance(got, str) or len(got.splits) != 1:
@@ -80,6 +82,7 @@ def split_loop_experts(ys: Node, counts_match: Callable[[Node, int], bool]
             u.op != "call_function" or u.target is not operator.getitem for u in split.users):
         return None
     xs = _rows_of(got.xs, sizes)
-    gated = GatedRead(got.activation, None, xs, xs if got.up is not None else None, (xs, got.gate, got.layout, not isinstance(got.gate, tuple)),
-                      (xs, got.up, got.layout, not isinstance(got.up, tuple)) if got.up is not None else None, **got.fields)
+    gate = (xs, got.gate, got.layout, not isinstance(got.gate, tuple))
+    up = (xs, got.up, got.layout, not isinstance(got.up, tuple)) if got.up is not None else None
+    gated = GatedRead(got.activation, None, xs, xs if got.up is not None else None, gate, up, **got.fields)
     return got.down, got.layout, gated, (*split_nodes(split), *sizes)

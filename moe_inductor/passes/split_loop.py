@@ -40,6 +40,7 @@ from ..spec import MoESpec
 from .driver import Anchor, Form, Match
 from .fx_utils import alias_mutations, base_of, flat_of, is_call, is_view_of, val, view_family
 from .gated_reads import read_gated
+from .slice_runs import SliceRun, slice_bounds, slice_run
 from .sorted_grouped_mm import _sort_order
 from .unrolled_loop import _linear, _topk_ids, expert_mlp
 
@@ -169,66 +170,10 @@ def _counts(node, d: _Dispatch, num_experts: int) -> bool:
     return False
 
 
-@dataclass(frozen=True)
-class SliceRun:
-    """Contiguous slices of ``rows`` one after another from row 0, ``rows[0:c0]``, ``rows[c0:c0 + c1]``, ... (the
-    bounds a running ``start = end`` makes): the pieces a ``torch.split(rows, [c0, c1, ...])`` would give, the
-    sizes ``c_e`` read off the bounds. Stands for a split node wherever the loop's pieces are read."""
-
-    rows: Node
-    sizes: tuple
-    slices: tuple
-
-
-def _slice_bounds(node) -> Optional[tuple]:
-    """(start, stop) of ``rows[start:stop]`` (step 1, stop given), else None."""
-    if not (is_call(node, "call_function", operator.getitem) and isinstance(node.args[1], slice)):
-        return None
-    s = node.args[1]
-    if s.step not in (None, 1) or s.stop is None:
-        return None
-    return (0 if s.start is None else s.start), s.stop
-
-
-def _size_after(start, stop) -> Optional[Node]:
-    """``c`` for ``stop = start + c`` (``c`` itself when start is 0), else None."""
-    if isinstance(start, int) and start == 0 and isinstance(stop, Node) and not (
-            is_call(stop, "call_function", operator.add)):
-        return stop
-    if is_call(stop, "call_function", operator.add) and len(stop.args) == 2:
-        a, b = stop.args
-        if a is start and isinstance(b, Node):
-            return b
-        if b is start and isinstance(a, Node):
-            return a
-    return None
-
-
-def slice_run(rows: Node) -> Optional[SliceRun]:
-    """The run of contiguous slices that every slice of ``rows`` belongs to, else None."""
-    slices = {u: _slice_bounds(u) for u in rows.users if _slice_bounds(u) is not None and u.args[0] is rows}
-    run, sizes, start = [], [], 0
-    while True:
-        nxt = [u for u, (a, b) in slices.items() if (a is start if isinstance(start, Node) else a == start)
-               and u not in run]
-        if len(nxt) != 1:
-            break
-        piece = nxt[0]
-        size = _size_after(start, slices[piece][1])
-        if size is None:
-            return None
-        run.append(piece)
-        sizes.append(size)
-        start = slices[piece][1]
-    if not run or len(run) != len(slices):
-        return None
-    return SliceRun(rows, tuple(sizes), tuple(run))
-
-
 def _pieces(part: Node) -> Optional[tuple[Union[Node, SliceRun], int]]:
     """(split node, j) for ``torch.split(a, sizes)[j]`` / ``a.split(sizes, dim=0)[j]``; (its run, j) for the j-th of
     a run of contiguous slices (``SliceRun``)."""
-    if _slice_bounds(part) is not None:
+    if slice_bounds(part) is not None:
         run = slice_run(part.args[0]) if isinstance(part.args[0], Node) else None
         return None if run is None else (run, run.slices.index(part))
     if not (is_call(part, "call_function", operator.getitem) and isinstance(part.args[1], int)):
