@@ -1,5 +1,5 @@
-"""DeepSeek-V2's remote-code MoE layer in inference (``moe_infer``: host counts walked by ``.cpu().numpy()``), at
-DeepSeek-V2-Lite's widths, random bf16 weights and tokens: eager, ``torch.compile``'s default (which breaks the graph
+"""DeepSeek-V2's remote-code MoE layer in inference (``moe_infer``: host counts walked by ``.cpu().numpy()``; the layer
+of ``examples/remote_code_moe.py``), at DeepSeek-V2-Lite's widths, random bf16 weights and tokens: eager, ``torch.compile``'s default (which breaks the graph
 at the host walk and runs the loop eagerly) and ``backend="moe_inductor"`` (one graph, the experts op), timed in
 one process, do_bench medians in ms, the columns interleaved in rounds.
 
@@ -8,13 +8,13 @@ one process, do_bench medians in ms, the columns interleaved in rounds.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -25,53 +25,18 @@ from benchmarks.bench_experts import bench  # noqa: E402
 H, I, E, K, SHARED = 2048, 1408, 64, 6, 2
 
 
-class Mlp(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(H, width, bias=False)
-        self.up_proj = nn.Linear(H, width, bias=False)
-        self.down_proj = nn.Linear(width, H, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+def _example():
+    """``examples/remote_code_moe.py``: the remote code's layer, which this benchmark sizes up."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "remote_code_moe.py"
+    spec = importlib.util.spec_from_file_location("remote_code_moe", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class MoeInferLayer(nn.Module):
-    """The remote code's inference path: greedy softmax top-k, the experts walked over host counts, shared experts."""
-
-    def __init__(self):
-        super().__init__()
-        self.gate = nn.Parameter(torch.randn(E, H) * H ** -0.5)
-        self.experts = nn.ModuleList([Mlp(I) for _ in range(E)])
-        self.shared_experts = Mlp(SHARED * I)
-
-    def forward(self, hidden):
-        shape = hidden.shape
-        x = hidden.view(-1, H)
-        scores = F.linear(x, self.gate).softmax(dim=-1, dtype=torch.float32)
-        topk_weight, topk_ids = torch.topk(scores, K, dim=-1, sorted=False)
-        return self.moe_infer(x, topk_ids, topk_weight).view(*shape) + self.shared_experts(hidden)
-
-    @torch.no_grad()
-    def moe_infer(self, x, topk_ids, topk_weight):
-        marks = topk_ids.new_zeros((topk_ids.shape[0], len(self.experts)))
-        marks.scatter_(1, topk_ids, 1)
-        per_expert = marks.sum(dim=0)
-        order = topk_ids.view(-1).argsort()
-        rows = x[order // topk_ids.shape[1]]
-        per_expert = per_expert.cpu().numpy()
-        outputs, start = [], 0
-        for i, n in enumerate(per_expert):
-            end = start + n
-            if n == 0:
-                continue
-            outputs.append(self.experts[i](rows[start:end]))
-            start = end
-        outs = torch.cat(outputs, dim=0) if len(outputs) else rows.new_empty(0)
-        placed = torch.empty_like(outs)
-        placed[order] = outs
-        return (placed.view(*topk_ids.shape, -1).type(topk_weight.dtype).mul_(topk_weight.unsqueeze(dim=-1))
-                .sum(dim=1).type(placed.dtype))
+def MoeInferLayer() -> nn.Module:  # noqa: N802  (named as the layer it builds)
+    """The layer at DeepSeek-V2-Lite's widths."""
+    return _example().RemoteCodeMoE(hidden=H, inner=I, experts=E, top_k=K, shared=SHARED)
 
 
 def main() -> None:

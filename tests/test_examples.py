@@ -44,3 +44,10 @@ def test_your_own_loop_is_rewritten_and_its_look_alike_explained():
     assert "routing weight on the input" in report.rewrites[0].note
     assert not look_alike.rewrites
     assert [m.form for m in look_alike.left_alone] == ["unrolled_loop"]
+
+
+def test_remote_code_moe_example_is_one_graph_and_rewritten():
+    """DeepSeek-style ``moe_infer`` (host counts walked with ``.cpu().numpy()``): one graph, the sorted form."""
+    report = load("remote_code_moe").main(tokens=12, inner_compiler="eager")
+    assert [r.form for r in report.rewrites] == ["sorted_grouped_mm"]
+    assert not report.graph_breaks
