@@ -63,7 +63,8 @@ AXES: dict[str, dict[str, tuple]] = {
         # "histc_sorted": histc of the sorted ids, transformers v5's grouped_mm; "marks": DeepSeek-V2's ``scatter_``
         # of ones into ``new_zeros((T, E))``, summed over tokens
         "counts": ("histc", "onehot_sum", "histc_sorted", "marks"),
-        "experts": ("stacked_nk", "stacked_kn", "fused_chunk"),
+        # "modulelist": one module per expert, which only the host walk below can use
+        "experts": ("stacked_nk", "stacked_kn", "fused_chunk", "modulelist"),
         "position": ("output", "input"),
         # "unsort_inverse": v5's gather by the inverse permutation, ``inv[order] = arange(n); ys[inv]``;
         # "unsort_weighted": DeepSeek-V2's ``buf = empty_like(ys); buf[order] = ys``, the weights applied after it
@@ -168,6 +169,8 @@ def draw_recipe(draw: Draw, lookalike: Optional[bool] = None) -> Recipe:
         idioms[axis] = draw(axis, options)
     if flaw == "tiled_rows":
         idioms["combine"] = "flat_bmm"
+    if form == "sorted" and idioms["step"] == "grouped_mm" and idioms["experts"] == "modulelist":
+        idioms["experts"] = "stacked_nk"  # torch._grouped_mm takes one stacked weight
     if form == "sorted" and idioms["step"] != "grouped_mm":
         if idioms["counts"].startswith("histc"):
             idioms["counts"] = "marks"  # histc counts are floats: a walk slices by integers

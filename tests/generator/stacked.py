@@ -52,20 +52,10 @@ class SortedMoE(nn.Module):
         on_input = (d["position"] == "input" and not in_bmm) or r.flaw == "twice"
         if on_input:
             xs = (xs.float() * scores.reshape(-1, 1)).to(x.dtype)
-        w_up, w_gate, w_down, kn = self.bank.stacked()
-
-        def gmm(a, w):
-            return torch._grouped_mm(a, w if kn else w.transpose(-2, -1), offs=offs)
-
-        act = ACT[r.act]
         if d["step"] != "grouped_mm":
-            ys = self._walk(xs, counts, (w_up, w_gate, w_down, kn))
-        elif w_gate is None and r.gated:
-            g, u = self.bank.split_gate_up(gmm(xs, w_up))
-            ys = gmm(act(g) * u, w_down)
+            ys = self._walk(xs, counts)
         else:
-            h = act(gmm(xs, w_up))
-            ys = gmm(h * gmm(xs, w_gate) if r.gated else h, w_down)
+            ys = self._grouped(xs, offs)
         if (d["position"] == "output" and not in_bmm) or r.flaw == "twice":
             ys = ys * scores.reshape(-1, 1).to(ys.dtype)
         rows = tok.flip(0) if r.flaw == "other_rows" else tok
@@ -92,31 +82,33 @@ class SortedMoE(nn.Module):
         return buf.reshape(-1, k, H).sum(dim=1)
 
 
-    def _walk(self, xs: torch.Tensor, counts: torch.Tensor, stacked: tuple) -> torch.Tensor:
+    def _grouped(self, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """One ``torch._grouped_mm`` per projection over the sorted rows."""
+        w_up, w_gate, w_down, kn = self.bank.stacked()
+        act = ACT[self.r.act]
+
+        def gmm(a, w):
+            return torch._grouped_mm(a, w if kn else w.transpose(-2, -1), offs=offs)
+
+        if w_gate is None and self.r.gated:
+            g, u = self.bank.split_gate_up(gmm(xs, w_up))
+            return gmm(act(g) * u, w_down)
+        h = act(gmm(xs, w_up))
+        return gmm(h * gmm(xs, w_gate) if self.r.gated else h, w_down)
+
+    def _walk(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """DeepSeek-V2's ``moe_infer`` loop: the counts walked on the host, each expert's running slice of the sorted
-        rows through its MLP, experts with no rows skipped, the outputs ``cat``ed."""
+        rows through its MLP (stacked weights, or one module per expert), experts with no rows skipped, the outputs
+        ``cat``ed."""
         walked = counts.cpu().numpy() if self.r.idioms["step"] == "walk_numpy" else counts.tolist()
         outputs, start = [], 0
         for e, n in enumerate(walked):
             end = start + n
             if n == 0:
                 continue
-            outputs.append(self._expert(xs[start:end], e, stacked))
+            outputs.append(self.bank.mlp(e, xs[start:end]))
             start = end
         return torch.cat(outputs, dim=0) if len(outputs) else xs.new_empty(0, H)
-
-    def _expert(self, rows: torch.Tensor, e: int, stacked: tuple) -> torch.Tensor:
-        w_up, w_gate, w_down, kn = stacked
-        act = ACT[self.r.act]
-        up = rows @ w_up[e] if kn else F.linear(rows, w_up[e])
-        if w_gate is None and self.r.gated:
-            g, u = self.bank.split_gate_up(up)
-            h = act(g) * u
-        else:
-            h = act(up)
-            if self.r.gated:
-                h = h * (rows @ w_gate[e] if kn else F.linear(rows, w_gate[e]))
-        return h @ w_down[e] if kn else F.linear(h, w_down[e])
 
 
 class GatheredMoE(nn.Module):
