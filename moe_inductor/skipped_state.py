@@ -19,8 +19,8 @@ of change are taken, each checked when the iteration ends:
 - a tensor local rebound to ``x.index_add(0, rows, c)`` / ``scatter_add`` of its value at the branch, made in the body
   (adds nothing at no rows: the rewrite that must take the body proves the rows are its expert's);
 - an integer local whose new value equals its old one at a count of 0 (the running slice offset);
-- appends of tensors made in the body to a list made in this frame (not the caller's), whose every read in the
-  function is an ``append``, ``torch.cat(list, ...)`` or a ``len(list)`` truth test: an output of zero rows adds
+- appends of tensors made in the body to a list this frame made (``[]``, not the caller's nor one handed in),
+  whose every read in the function is an ``append``, ``torch.cat(list, ...)`` or a ``len(list)`` truth test: an output of zero rows adds
   nothing to the cat, and check_traced proves the cat is its only reader in the graph. ``len`` differs only when
   no expert has a row at all, which no call with tokens meets.
 
@@ -110,10 +110,11 @@ def lists_of(tx) -> dict:
             if type(var) is ListVariable}
 
 
-def appends(tx, mutated: list, lists: dict, body: set) -> tuple[Optional[str], list]:
+def appends(tx, mutated: list, lists: dict, body: set, built: dict) -> tuple[Optional[str], list]:
     """(why the Python changes the skipped body made are not appends of its outputs to output lists, or None; the
     appended nodes). ``mutated``: the variables Dynamo logged a change of since the branch (None for a store to an
-    attribute, global or cell); ``lists``: ``lists_of`` at the branch."""
+    attribute, global or cell); ``lists``: ``lists_of`` at the branch; ``built``: the lists made by ``BUILD_LIST``
+    in this compile, with their frame (``build_list_hook``)."""
     count: dict = {}
     for var in mutated:
         if var is None or id(var) not in lists or lists[id(var)][1] is not var:
@@ -122,8 +123,10 @@ def appends(tx, mutated: list, lists: dict, body: set) -> tuple[Optional[str], l
     nodes = []
     for key, n in count.items():
         name, var, length = lists[key]
-        if getattr(var, "source", None) is not None:
-            return f"the skipped body appends to {name}, a list the caller can see", []
+        made = built.get(id(var))
+        if getattr(var, "source", None) is not None or made is None or made[0] is not var or made[1] is not tx:
+            # a list of the caller's, or one this function was handed: reads of it elsewhere are not checked here
+            return f"the skipped body appends to {name}, a list not made by this function (a caller can see it)", []
         added = var.items[length:]
         if len(var.items) != length + n or len(added) != n:
             return f"the skipped body changes the list {name} other than by appending", []
@@ -136,6 +139,19 @@ def appends(tx, mutated: list, lists: dict, body: set) -> tuple[Optional[str], l
         if reason is not None:
             return reason, []
     return None, nodes
+
+
+def build_list_hook(handler, trace_of):
+    """Dynamo's ``BUILD_LIST`` handler, then a note of the list it made and in which frame (``appends`` takes only
+    lists this frame made, whose every read ``_list_reads`` sees); ``trace_of()`` is the compile's record, or None
+    outside a moe_inductor compile."""
+    def build_list(tx, inst):
+        handler(tx, inst)
+        trace = trace_of()
+        if trace is not None and tx.stack:
+            trace.built[id(tx.stack[-1])] = (tx.stack[-1], tx)
+
+    return build_list
 
 
 def _names(ins) -> tuple:

@@ -123,6 +123,8 @@ class Trace:
     totals: list = field(default_factory=list)
     #: whether a host copy of counts was walked as integers (host_counts.py): the backend must see the graph
     host_counts: bool = False
+    #: the lists ``BUILD_LIST`` made in this compile, by id: (the variable, its frame) (skipped_state.build_list_hook)
+    built: dict = field(default_factory=dict)
 
     def mark(self) -> tuple:
         """Where the side-effect record stands: (mutations, births, steps) so far."""
@@ -309,7 +311,8 @@ def _close(tx, inst) -> None:
             if trace.stepped_since(s.mark):
                 s.failed = "the skipped body changes Python state (a list, a dict, an attribute, an iterator)"
             elif trace.mutations != s.mark[0]:
-                s.failed, s.appended = skipped_state.appends(tx, trace.mutated[s.mark[0]:], s.lists, body)
+                s.failed, s.appended = skipped_state.appends(tx, trace.mutated[s.mark[0]:], s.lists, body,
+                                                             trace.built)
             if s.failed is None and s.rebinds:
                 s.failed = skipped_state.rebinds_hold(tx, s.rebinds, body, s.symbol)
 
@@ -507,6 +510,8 @@ def hook_table(table: list, opmap: dict) -> None:
             table[op] = _jump_hook(handler, opname.endswith("_IF_TRUE"))
         elif opname == "FOR_ITER":
             table[op] = _for_iter_hook(handler)
+        elif opname == "BUILD_LIST":
+            table[op] = skipped_state.build_list_hook(handler, _trace)
 
 
 #: the methods by which Dynamo steps an iterator it traces (one or both, by torch version)

@@ -7,8 +7,8 @@ walk over stacked weights, the ``.tolist()`` walk, one nn.Linear set per expert,
 ``int(arr[e])`` over ``range(E)``. Look-alikes, each equal to
 eager and not rewritten, with the reason explain() gives: a skip of experts with fewer than 2 tokens, a count of the
 experts run kept in a local, the list's length read as a number, the counts used as numbers beyond the loop, the
-outputs appended to a list the module keeps (a change the caller sees), and an array that is not the experts'
-counts.
+outputs appended to a list the module keeps (a change the caller sees) or to one a caller made and handed in (its
+reads are the caller's), and an array that is not the experts' counts.
 """
 import pytest
 import torch
@@ -127,8 +127,42 @@ class ReadEachMoE(WalkingMoE):
         return self.unsort(torch.cat(outputs, dim=0) if len(outputs) else rows.new_empty(0), order, ids, weights)
 
 
+class HandedListMoE(WalkingMoE):
+    """The walk in a helper that appends to a list ``forward`` made and handed it, ``forward`` then scaling by the
+    list's length: a read the helper's bytecode does not show, so the skip is refused (``handed_list``). Where the
+    helper makes the list itself (``helper_list``), the walk is rewritten."""
+
+    def walk(self, rows, per_expert, outputs):
+        start = 0
+        for e, n in enumerate(per_expert.cpu().numpy()):
+            end = start + n
+            if n == 0:
+                continue
+            outputs.append(self.expert(e, rows[start:end]))
+            start = end
+
+    def walk_own(self, rows, per_expert):
+        outputs, start = [], 0
+        for e, n in enumerate(per_expert.cpu().numpy()):
+            end = start + n
+            if n == 0:
+                continue
+            outputs.append(self.expert(e, rows[start:end]))
+            start = end
+        return torch.cat(outputs, dim=0)
+
+    def forward(self, x):
+        weights, ids, order, rows, per_expert = self.route(x)
+        if self.variant == "helper_list":
+            return self.unsort(self.walk_own(rows, per_expert), order, ids, weights)
+        outputs = []
+        self.walk(rows, per_expert, outputs)
+        return self.unsort(torch.cat(outputs, dim=0), order, ids, weights) * len(outputs) / E
+
+
 def _case(variant: str, expect: tuple) -> Case:
-    kind = {"len_scaled": LenScaledMoE, "numpy_item": ReadEachMoE, "numpy_index": ReadEachMoE}.get(variant, WalkingMoE)
+    kind = {"len_scaled": LenScaledMoE, "numpy_item": ReadEachMoE, "numpy_index": ReadEachMoE,
+            "handed_list": HandedListMoE, "helper_list": HandedListMoE}.get(variant, WalkingMoE)
     build = lambda: kind(variant)  # noqa: E731
     return Case(f"walk-{variant}", "tests/test_host_counts.py", build,
                 lambda T, g: torch.randn(T, H, generator=g), form="sorted_grouped_mm", expect=expect,
@@ -136,7 +170,7 @@ def _case(variant: str, expect: tuple) -> Case:
 
 
 @pytest.mark.slow  # each case compiles a model
-@pytest.mark.parametrize("variant", ["numpy", "tolist", "per_expert", "numpy_item", "numpy_index"])
+@pytest.mark.parametrize("variant", ["numpy", "tolist", "per_expert", "numpy_item", "numpy_index", "helper_list"])
 def test_a_walk_of_host_counts_is_rewritten_and_equal_to_eager(variant):
     case = _case(variant, ("rewritten",))
     outcome = run_case(case)
@@ -153,6 +187,7 @@ def test_a_walk_of_host_counts_is_rewritten_and_equal_to_eager(variant):
     ("len_scaled", "is read other than by append, torch.cat or a len() test"),
     ("numbers_used", "are still read by"),
     ("kept_list", "the skipped body changes Python state"),
+    ("handed_list", "a list not made by this function"),
 ])
 def test_a_walk_that_is_not_the_experts_loop_is_kept_and_equal_to_eager(variant, said):
     case = _case(variant, ("fell_back",))
