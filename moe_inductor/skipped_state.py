@@ -135,9 +135,11 @@ def appends(tx, mutated: list, lists: dict, body: set, built: dict) -> tuple[Opt
             if node is None or node not in body:
                 return f"the skipped body appends to {name} what is not a tensor it computed", []
             nodes.append(node)
-        reason = _list_reads(tx, name)
-        if reason is not None:
-            return reason, []
+        # every name the frame holds it by (an alias's reads are reads of it too)
+        for alias in [other for other, v in tx.symbolic_locals.items() if v is var] or [name]:
+            reason = _list_reads(tx, alias)
+            if reason is not None:
+                return reason, []
     return None, nodes
 
 
