@@ -93,6 +93,23 @@ def test_the_copy_kernel_reads_each_address_and_zeros_an_id_out_of_range(triton_
     assert torch.equal(out[2], torch.zeros(3, 5))
 
 
+def test_a_compiled_remote_code_moe_at_decode_size_takes_the_copies(triton_kernels, copies_counted):
+    """DeepSeek-V2's ``moe_infer`` compiled (its ModuleList experts reach the list op, no gradient under its
+    ``no_grad``): at two tokens the op copies the 4 chosen experts' weights of 8, and the output is eager's."""
+    from tests.corpus.deepseek_v2_infer import H as HIDDEN
+    from tests.corpus.deepseek_v2_infer import DeepseekV2MoEInfer
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = DeepseekV2MoEInfer().eval()
+    x = torch.randn(1, 2, HIDDEN)
+    compiled = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})
+    with torch.no_grad():
+        got, ref = compiled(x), model(x)
+    assert copies_counted == [4] * 3
+    assert_close(got, ref, torch.float32, "compiled with copies")
+
+
 def test_the_copies_are_off_unless_asked_for(triton_kernels):
     """Off by default until a GPU run has measured them (config.list_weight_copies); the environment may ask."""
     import os
