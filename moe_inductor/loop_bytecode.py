@@ -97,3 +97,31 @@ def _read_before_written(instructions: list, start: int, name: str) -> bool:
         if entry is not None:
             stack.append(index_of[id(entry.target)])
     return False
+
+
+_SKIPPED = ("NOP", "CACHE", "EXTENDED_ARG", "TO_BOOL")
+
+
+def through_constant_test(tx, inst):
+    """Where control goes from ``inst`` when it starts a test of a local's attribute that Dynamo holds as a constant
+    bool (``elif self.training:`` on the no-tokens side of a loop): the target its jump takes; else ``inst``. Reading
+    the attribute guards on it, as Dynamo's own read would."""
+    from torch._dynamo.variables import ConstantVariable
+
+    seq, cur = [], inst
+    while cur is not None and len(seq) < 3:
+        if cur.opname not in _SKIPPED:
+            seq.append(cur)
+        cur = _next(tx, cur)
+    if len(seq) < 3 or seq[0].opname != "LOAD_FAST" or seq[1].opname != "LOAD_ATTR" or not seq[2].opname.startswith(
+            "POP_JUMP") or not seq[2].opname.endswith(("_IF_TRUE", "_IF_FALSE")):
+        return inst
+    var = tx.symbolic_locals.get(seq[0].argval)
+    try:
+        value = var.var_getattr(tx, seq[1].argval) if var is not None else None
+    except Exception:  # noqa: BLE001  (an attribute Dynamo cannot read here: no constant)
+        return inst
+    if not (isinstance(value, ConstantVariable) and type(value.value) is bool):
+        return inst
+    jumps = value.value == seq[2].opname.endswith("_IF_TRUE")
+    return seq[2].target if jumps else _next(tx, seq[2])

@@ -96,6 +96,8 @@ def rebinds_hold(tx, before: dict, body: set, symbol) -> Optional[str]:
                 return f"the skipped body sets {name}, read after it, to a number other than its value at no tokens"
             continue
         after = tensor_node(var)
+        if after is old:  # set only on a path this iteration did not take (the no-tokens side's own code)
+            continue
         if not (after in body and is_call(after, "call_method", "index_add", "scatter_add") and after.args
                 and after.args[0] is old):
             return f"the skipped body sets {name}, read after it, to other than an out-of-place add into its value"

@@ -17,7 +17,8 @@ establishes, and which then disappears into the op), and (b) the test is exactly
 that body selects on. So, during a moe_inductor compile only:
 
 - at trace time (``_jump``), a branch on such a count that is ``count == 0`` (or its negation, ``count > 0``,
-  ``count >= 1``, truthiness), whose zero side jumps straight to the loop's next iteration (``continue``), with a
+  ``count >= 1``, truthiness), whose zero side jumps straight to the loop's next iteration (``continue``, or an
+  ``elif self.training:`` that Dynamo reads False: ``loop_bytecode.through_constant_test``), with a
   rest of iteration that neither leaves the loop nor writes a local that outlives it nor stores attributes or
   globals, is answered "has rows"; the answer is a recorded ``Speculation``, and its body's graph nodes are tagged
   with it when the iteration ends (``_for_iter``), provided no Python object was mutated in between and no
@@ -52,7 +53,7 @@ import torch
 from torch.fx import Node
 
 from . import host_counts, mask_guards, skipped_state
-from .loop_bytecode import _body_refusal, _loop_of, _next, _resolve
+from .loop_bytecode import _body_refusal, _loop_of, _next, _resolve, through_constant_test
 
 TAG = "moe_inductor_speculation"
 #: on a node whose size checks are facts, removable once its loop went with a rewrite: a bincount whose length is
@@ -255,6 +256,7 @@ def _speculate(tx, inst, jumps_when: bool) -> bool:
     zero_jumps = at_zero == jumps_when
     taken, fallthrough = inst.target, _next(tx, inst)
     zero_side, rows_side = (taken, fallthrough) if zero_jumps else (fallthrough, taken)
+    zero_side = through_constant_test(tx, zero_side)  # ``elif self.training:`` in eval: straight on
     loop = _loop_of(tx, inst)
     head = tx.instructions[loop[0]] if loop else None
     reason = None

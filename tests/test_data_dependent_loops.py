@@ -278,3 +278,39 @@ def test_a_wrapper_that_looks_like_ours_but_compiles_elsewhere_falls_back():
     got = torch.compile(model, backend=lookalike)(x)
     assert torch.equal(got, model(x))
     assert counters["moe_inductor_fallback"], "the frame must fall back"
+
+
+class TrainingOnlyIdleMoE(SkippingMoE):
+    """The no-tokens side tests ``self.training`` (``elif self.training:``), touching the idle expert's weights in
+    training only, as a DDP workaround does: in eval it goes straight to the next expert."""
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        weights, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
+        counts = torch.bincount(ids.flatten(), minlength=E).tolist()
+        y = torch.zeros_like(x)
+        for i in range(E):
+            if counts[i] > 0:
+                tok, pos = torch.where(ids == i)
+                y[tok] += self.expert(i, x[tok]) * weights[tok, pos, None]
+            elif self.training:
+                y = y + 0.0 * self.w2[i].sum()
+        return y
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_a_no_tokens_side_that_tests_self_training(training):
+    """In eval the ``elif self.training:`` side is a straight skip: rewritten, equal to eager. In training it runs
+    code of its own: the skip is not assumed away, and the frame falls back, equal to eager."""
+    expect = ("fell_back",) if training else ("rewritten",)  # (training's pieces: see below)
+    case = Case(f"training-only-idle-{training}", "tests/test_data_dependent_loops.py",
+                lambda: TrainingOnlyIdleMoE("bincount").train(training), lambda T, g: torch.randn(T, H, generator=g),
+                form="unrolled_loop", expect=expect, token_counts=(3, 9))
+    outcome = run_case(case)
+    if training:  # the frame falls back; its resumed pieces are compiled as they come, none rewritten
+        assert outcome.fallbacks and not outcome.rewrites, (outcome.declared(), outcome.rewrites)
+        check_unchanged(case, outcome)
+    else:
+        assert outcome.declared() == expect, (outcome.declared(), outcome.fallbacks, outcome.left_alone)
+        check_rewritten(case, outcome)
