@@ -99,7 +99,8 @@ def _read_before_written(instructions: list, start: int, name: str) -> bool:
     return False
 
 
-_SKIPPED = ("NOP", "CACHE", "EXTENDED_ARG", "TO_BOOL")
+#: instructions that do nothing to the values a reading of the bytecode follows (across Python versions)
+NO_OPS = ("PRECALL", "CACHE", "EXTENDED_ARG", "TO_BOOL", "NOP")
 
 
 def through_constant_test(tx, inst):
@@ -110,7 +111,7 @@ def through_constant_test(tx, inst):
 
     seq, cur = [], inst
     while cur is not None and len(seq) < 3:
-        if cur.opname not in _SKIPPED:
+        if cur.opname not in NO_OPS:
             seq.append(cur)
         cur = _next(tx, cur)
     if len(seq) < 3 or seq[0].opname != "LOAD_FAST" or seq[1].opname != "LOAD_ATTR" or not seq[2].opname.startswith(

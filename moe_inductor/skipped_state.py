@@ -34,10 +34,11 @@ from typing import Any, Optional
 
 from torch.fx import Node
 
+from .loop_bytecode import NO_OPS
+
 #: ``LOAD_ATTR``/``LOAD_METHOD`` names under which a list is passed whole to a concatenation
 _CATS = ("cat", "concat", "concatenate")
 _LOADS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")
-_NO_OPS = ("PRECALL", "CACHE", "EXTENDED_ARG", "TO_BOOL", "NOP")
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def _list_reads(tx, name: str) -> Optional[str]:
     """Why some read of the local list ``name`` in the function is other than ``name.append(..)``,
     ``torch.cat(name, ..)`` or a ``len(name)`` truth test; None when none is."""
     code = list(dis.get_instructions(tx.f_code))
-    real = [i for i in code if i.opname not in _NO_OPS]
+    real = [i for i in code if i.opname not in NO_OPS]
     for at, ins in enumerate(real):
         if ins.opname not in _LOADS or name not in _names(ins):
             continue

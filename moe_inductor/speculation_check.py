@@ -48,26 +48,26 @@ def _counted(graph, symbol) -> Optional[tuple[Node, int, Optional[Node]]]:
     """(ids, e, the selection whose size it is, if it is one) that the count ``symbol`` counts the rows of:
     ``bincount(ids.flatten(), minlength=E).tolist()[e]`` (Dynamo: ``counts[e].item()``), or the row count of a
     selection of expert e (``tok.shape[0]`` of ``tok, pos = torch.where(ids == e)``)."""
+    from .passes.counts import count_item, host_copy_of, per_expert_counts
     from .passes.fx_utils import is_call
 
-    from .passes.counts import count_item, host_copy_of, per_expert_counts
-
+    item = _count_item(graph, symbol)  # (the node that makes the symbol: any size equal to it comes after)
+    if item is not None:
+        source, e = count_item(item)
+        marked = per_expert_counts(source)  # DeepSeek-V2's scatter_ of ones, or a one-hot sum
+        if marked is not None:
+            return marked[0], e, None
+        counts = host_copy_of(source)
+        if not (is_call(counts, "call_function", torch.bincount) and len(counts.args) == 1
+                and set(counts.kwargs) <= {"minlength"}):
+            return None
+        flat = counts.args[0]
+        ids = flat.args[0] if is_call(flat, "call_method", "flatten", "view", "reshape") else flat
+        if flat is not ids and not (len(flat.args) == 1 or tuple(flat.args[1:]) in ((-1,), ((-1,),))):
+            return None
+        return ids, e, None
     for node in graph.nodes:
         v = node.meta.get("example_value")
-        if isinstance(v, torch.SymInt) and v.node.expr == symbol and count_item(node) is not None:
-            source, e = count_item(node)
-            marked = per_expert_counts(source)  # DeepSeek-V2's scatter_ of ones, or a one-hot sum
-            if marked is not None:
-                return marked[0], e, None
-            counts = host_copy_of(source)
-            if not (is_call(counts, "call_function", torch.bincount) and len(counts.args) == 1
-                    and set(counts.kwargs) <= {"minlength"}):
-                return None
-            flat = counts.args[0]
-            ids = flat.args[0] if is_call(flat, "call_method", "flatten", "view", "reshape") else flat
-            if flat is not ids and not (len(flat.args) == 1 or tuple(flat.args[1:]) in ((-1,), ((-1,),))):
-                return None
-            return ids, e, None
         rows = v[0] if isinstance(v, (tuple, list)) and v else v
         if isinstance(rows, torch.Tensor) and rows.dim() >= 1 and not isinstance(rows.shape[0], int) and (
                 rows.shape[0].node.expr == symbol):

@@ -112,14 +112,14 @@ def _forward_copies(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, groups: t
     from ..kernels.gather_weights import gather_weights
 
     E = len(groups[0])
-    routed = prepare_routing(Routing(topk_ids, topk_weights), E)
+    routing = Routing(topk_ids, topk_weights)
+    routed = prepare_routing(routing, E)
     M = routed.order.shape[0]
     copies = [to_kn(gather_weights(t, routed.sorted_expert, ws[0], E), layout) if ws else None
               for t, ws in zip(tables, groups)]
     slots = torch.arange(M + 1, dtype=routed.offsets.dtype, device=x.device)
     one_each = routed._replace(sorted_expert=slots[:M], offsets=slots, num_experts=M)
-    call = ExpertsCall(x, Routing(topk_ids, topk_weights), ExpertWeights(*copies), Activation(activation),
-                       weight_position, False)
+    call = ExpertsCall(x, routing, ExpertWeights(*copies), Activation(activation), weight_position, False)
     y = _forward_gemms(call, one_each, None, num_experts=E)
     return y, x.new_empty(0), routed.order, routed.sorted_expert, routed.offsets
 

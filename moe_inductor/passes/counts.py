@@ -1,4 +1,6 @@
-"""Per-expert count vectors built by marking a (T, E) table: ``zeros(T, E).scatter_(1, ids, 1).sum(dim=0)``.
+"""Per-expert count vectors of top-k ids, and their reads as numbers: a marked (T, E) table's column sums
+(``zeros(T, E).scatter_(1, ids, 1).sum(dim=0)``), a one-hot sum, host copies of either, and ``counts[e]`` read
+by ``.item()`` or through NumPy.
 
 DeepSeek-V2's remote code (``moe_infer``) and its copies count each expert's tokens so:
 
@@ -20,7 +22,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from .fx_utils import alias_mutations, is_call, val
+from .fx_utils import alias_mutations, comes_before, flat_of, is_call, val
 
 
 def host_copy_of(node) -> Node:
@@ -98,29 +100,22 @@ def marked_ids(table: Node) -> Optional[Node]:
     return ids
 
 
-def _written_before(table: Node, reader: Node) -> bool:
-    """The table's one in-place write (if it has one) comes before ``reader``."""
-    writes = alias_mutations(table)
-    if not writes:
-        return True
-    cur = writes[0].next
-    while cur.op != "root":
-        if cur is reader:
-            return True
-        cur = cur.next
-    return False
+def _column_sums(node) -> Optional[Node]:
+    """``t`` for ``node`` = ``t.sum(0)`` / ``t.sum(dim=0)`` (host copies and integer casts of it aside), else None."""
+    node = host_copy_of(node)
+    if is_call(node, "call_method", "sum") and isinstance(node.args[0], Node) and (
+            node.args[1:] == (0,) and not node.kwargs or (len(node.args) == 1 and node.kwargs == {"dim": 0})):
+        return node.args[0]
+    return None
 
 
 def marked_counts(node) -> Optional[tuple[Node, int]]:
     """(ids, E) for ``node`` = a marked table's column sums (``table.sum(dim=0)``, casts and host copies aside),
     with ``ids`` top-k indices over E: each expert's number of tokens, which equals its number of assignments."""
-    node = host_copy_of(node)
-    if not (is_call(node, "call_method", "sum") and (node.args[1:] == (0,) and not node.kwargs or (
-            len(node.args) == 1 and node.kwargs == {"dim": 0}))):
-        return None
-    table = node.args[0]
-    ids = marked_ids(table) if isinstance(table, Node) else None
-    if ids is None or not _written_before(table, node):
+    table = _column_sums(node)
+    ids = marked_ids(table) if table is not None else None
+    writes = alias_mutations(table) if ids is not None else []
+    if ids is None or (writes and not comes_before(writes[0], host_copy_of(node))):
         return None
     num_experts = val(table).shape[1]
     if not isinstance(num_experts, int) or not topk_ids_over(ids, num_experts):
@@ -159,13 +154,7 @@ def _numpy_wrapper(node, name: str) -> bool:
 def one_hot_counts(node) -> Optional[tuple[Node, int]]:
     """(ids, E) for ``F.one_hot(ids.flatten(), E).sum(0)`` (casts and host copies aside) of top-k ids over E: the
     number of assignments of each expert."""
-    from .fx_utils import flat_of
-
-    node = host_copy_of(node)
-    if not (is_call(node, "call_method", "sum") and (node.args[1:] == (0,) and not node.kwargs or (
-            len(node.args) == 1 and node.kwargs == {"dim": 0}))):
-        return None
-    hot = node.args[0]
+    hot = _column_sums(node)
     if not is_call(hot, "call_function", torch.nn.functional.one_hot, torch._C._nn.one_hot):
         return None
     num_experts = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)

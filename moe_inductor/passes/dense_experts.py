@@ -39,7 +39,8 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, every_node, num_experts
-from .fx_utils import alias_mutations, einsum_parts, is_call, single_use, unsqueezed_last, val, weighted_sum
+from .fx_utils import (alias_mutations, comes_before, einsum_parts, is_call, single_use, unsqueezed_last, val,
+                       weighted_sum)
 from .gated_reads import read_gated
 
 FORM = "dense_experts"
@@ -435,7 +436,7 @@ def match_token_replicated(add: Node) -> Union[Match, str, None]:
             return "the score matrix is not (E, T)"
         spec = MoESpec(x, ids, values, gate[1], up[1] if up else None, w_down, layout, gated.activation,
                        weight_position="input", **gated.spec_fields())
-        if alias_mutations(acc) != [add] or any(_before(u, add) for u in acc.users if u is not add):
+        if alias_mutations(acc) != [add] or any(comes_before(u, add) for u in acc.users if u is not add):
             return "the output buffer is changed or read around the scatter"
 
         def scores(graph, spec: MoESpec) -> MoESpec:  # the (T, k) scores the routing matrix holds
@@ -459,15 +460,6 @@ def _bmm_projection(node: Node) -> Optional[tuple[Node, Node, str]]:
     if wv is None or wv.dim() != 3 or not wv.is_floating_point() or w.op not in ("placeholder", "get_attr"):
         return None
     return a, w, layout
-
-
-def _before(node: Node, other: Node) -> bool:
-    cur = node.next
-    while cur.op != "root":
-        if cur is other:
-            return True
-        cur = cur.next
-    return False
 
 
 def _add_chain(y: Node) -> Optional[list[Node]]:

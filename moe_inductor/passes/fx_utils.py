@@ -197,6 +197,16 @@ def is_view_of(node: Node, base: Node) -> bool:
     return node is base
 
 
+def comes_before(node: Node, other: Node) -> bool:
+    """``node`` comes before ``other`` in graph order (a walk forward from ``node``)."""
+    cur = node.next
+    while cur.op != "root":
+        if cur is other:
+            return True
+        cur = cur.next
+    return False
+
+
 def alias_mutations(node: Node) -> list[Node]:
     """Every in-place change (an ``x.op_(...)`` method or ``x[i] = v``) of ``node`` or of any tensor that may share
     its memory through view ops (``view_family``). Conservative: getitem counts as a view."""

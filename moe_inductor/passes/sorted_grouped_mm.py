@@ -44,7 +44,8 @@ from torch.fx import Node
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, Unmatched
 from .counts import host_copy_of, marked_counts
-from .fx_utils import alias_mutations, arange_length, column_of, flat_of, is_call, known_equal, size_is, val
+from .fx_utils import (alias_mutations, arange_length, column_of, comes_before, flat_of, is_call, known_equal,
+                       size_is, val)
 from .gated_reads import read_gated
 from .split_experts import split_loop_experts
 
@@ -234,7 +235,7 @@ def _scatter_back(acc: Node) -> Optional[_Combine]:
     if tok is None or (add.target == "index_add_" and tok is not add.args[2]):
         return None
     got = _token_of(tok)
-    if got is None or any(_after(add, u) for u in acc.users if u is not add):
+    if got is None or any(comes_before(u, add) for u in acc.users if u is not add):
         return None  # (a read of the zeros before the scatter must not see the op's result)
     xv, av = val(add.args[3]), val(acc)
     if xv is None or av is None or av.dim() != 2:
@@ -263,7 +264,7 @@ def _unsort_back(acc: Node) -> Optional[_Combine]:
     if rows != iv.shape[0] * k or yv.dtype != av.dtype:
         return None
     reads = [u for u in acc.users if u is not write]
-    if len(reads) != 1 or not _after(reads[0], write):
+    if len(reads) != 1 or not comes_before(write, reads[0]):
         return None
     grouped = reads[0]
     if not (is_call(grouped, "call_method", "reshape", "view") and len(grouped.args) == 4 and tuple(
@@ -317,7 +318,7 @@ def _inverse_unsort(inv: Node) -> Optional[_Combine]:
     if length is None or not known_equal(length, n) or not known_equal(n, iv.shape[0] * k):
         return None
     reads = [u for u in inv.users if u is not write]
-    if len(reads) != 1 or not _after(reads[0], write):
+    if len(reads) != 1 or not comes_before(write, reads[0]):
         return None
     gathered = reads[0]
     if not (is_call(gathered, "call_function", operator.getitem) and gathered.args[1] is inv
@@ -363,7 +364,7 @@ def _weighted_unsort(acc: Node) -> Optional[_Combine]:
     if not (known_equal(av.shape[0], T * k) or like_ys) or yv.dtype != av.dtype:
         return None
     reads = [u for u in acc.users if u is not write]
-    if len(reads) != 1 or not _after(reads[0], write):
+    if len(reads) != 1 or not comes_before(write, reads[0]):
         return None
     grouped = reads[0]
     if not (is_call(grouped, "call_method", "reshape", "view") and len(grouped.args) == 4 and size_is(
@@ -397,16 +398,6 @@ def _weighted_unsort(acc: Node) -> Optional[_Combine]:
 
 def _single_user(node: Node) -> Optional[Node]:
     return next(iter(node.users)) if len(node.users) == 1 else None
-
-
-def _after(node: Node, other: Node) -> bool:
-    """``node`` comes after ``other`` in graph order."""
-    cur = other.next
-    while cur.op != "root":
-        if cur is node:
-            return True
-        cur = cur.next
-    return False
 
 
 def _no_op_cast(node):

@@ -38,7 +38,7 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match
-from .fx_utils import alias_mutations, base_of, flat_of, is_call, is_view_of, val, view_family
+from .fx_utils import alias_mutations, base_of, comes_before, flat_of, is_call, is_view_of, val, view_family
 from .gated_reads import read_gated
 from .slice_runs import SliceRun, slice_bounds, slice_run
 from .sorted_grouped_mm import _sort_order
@@ -105,7 +105,7 @@ def _dispatch(tok: Node) -> Optional[_Dispatch]:
             tok.kwargs == {"rounding_mode": "trunc"} or tok.kwargs == {"rounding_mode": "floor"}):
         order, k = tok.args[0], tok.args[1]
     if order is not None:
-        ids = _any_sort_order(order)
+        ids = _sort_order(order)
         iv = val(ids) if ids is not None else None
         if iv is None or iv.dim() != 2 or iv.shape[1] != k or iv.dtype.is_floating_point:
             return None
@@ -131,22 +131,6 @@ def _dispatch(tok: Node) -> Optional[_Dispatch]:
     if av is None or av.dim() != 1 or av.shape[0] != T or rows.args[1] != E:
         return None
     return _Dispatch(ids, tok, rmap=_strip(rmap, "bool"))
-
-
-def _any_sort_order(order: Node) -> Optional[Node]:
-    """The (T, k) ids whose flattening ``order`` sorts ascending: argsort/sort, as function or method."""
-    got = _sort_order(order)
-    if got is not None:
-        return got
-    if is_call(order, "call_method", "argsort") and order.args[1:] in ((), (0,), (-1,)) and set(order.kwargs) <= {
-            "stable"}:
-        return flat_of(order.args[0])
-    if is_call(order, "call_function", operator.getitem) and order.args[1] == 1:
-        sort = order.args[0]
-        if is_call(sort, "call_method", "sort") and sort.args[1:] in ((), (0,), (-1,)) and set(sort.kwargs) <= {
-                "stable"}:
-            return flat_of(sort.args[0])
-    return None
 
 
 def _counts(node, d: _Dispatch, num_experts: int) -> bool:
@@ -441,7 +425,7 @@ def _combine(acc: Node) -> Optional[_Combine]:
     if node.args[0] is not acc or len(node.args) > 4 or set(bound) != set(names) or bound["dim"] != 0:
         return None
     onto = not _zeros(acc)
-    if mutations and not onto and any(_before(u, node) for u in acc.users if u is not node):
+    if mutations and not onto and any(comes_before(u, node) for u in acc.users if u is not node):
         return None  # a read of the zeros before the write: the op's result must not reach it
     if mutations and onto and not _written_alone(acc, node):
         return None
@@ -467,21 +451,11 @@ def _written_alone(acc: Node, write: Node) -> bool:
         return False
     family = view_family(acc)
     for alias in family:
-        if is_view_of(alias, acc) and (alias is acc or not _before(alias, write)):
+        if is_view_of(alias, acc) and (alias is acc or not comes_before(alias, write)):
             continue
-        if any(not _before(u, write) for u in alias.users if u not in family):
+        if any(not comes_before(u, write) for u in alias.users if u not in family):
             return False
     return True
-
-
-def _before(node: Node, other: Node) -> bool:
-    """``node`` comes before ``other`` in graph order."""
-    cur = node.next
-    while cur.op != "root":
-        if cur is other:
-            return True
-        cur = cur.next
-    return False
 
 
 def match(acc: Node) -> Union[Match, str, None]:
