@@ -4,8 +4,8 @@
 #                                            # `gpu` test, four xdist workers on the one GPU               (~5 min)
 #   bash benchmarks/device_run.sh spill      # the shipped TMA entries of DeepSeek-V3's T=4096 forward (one spills under
 #                                            # triton 3.6) against POINTERS, 8 ABBA rounds (spill_check.py) (~2 min)
-#   bash benchmarks/device_run.sh moeinfer   # DeepSeek-V2's moe_infer layer: the list op's copies' GPU tests, then
-#                                            # bench_moe_infer.py with the copies off and on (list_weight_copies) (~5 min)
+#   bash benchmarks/device_run.sh moeinfer   # DeepSeek-V2's moe_infer layer: the list op's GPU tests, then
+#                                            # bench_moe_infer.py, the list op stacking against its tables (~6 min)
 #   bash benchmarks/device_run.sh examples   # memcheck of the kernel tests, then every example           (~4 min)
 #   bash benchmarks/device_run.sh experts    # bench_experts.py, the experts-alone table                  (~5 min)
 #   bash benchmarks/device_run.sh hf         # bench_hf.py: every family at prefill T=4096, the Qwen3 and
@@ -110,12 +110,12 @@ case "${1:-suite}" in
     timeout 170 python benchmarks/spill_check.py --shape deepseekv3 --tokens 4096 --rounds 8 2>&1 \
       | tee "$OUT/spill.log" | tail -12 ;;
   moeinfer)
-    timeout 100 python -m pytest tests/test_expert_list_copies.py tests/test_host_counts.py -q -p no:warnings -rfE \
-      2>&1 | tail -3
-    timeout 150 python benchmarks/bench_moe_infer.py --tokens 1 2 16 512 4096 --rounds 3 2>&1 | tee "$OUT/moeinfer_off.log" \
-      | tail -7
-    MOE_INDUCTOR_LIST_COPIES=1 timeout 100 python benchmarks/bench_moe_infer.py --tokens 1 2 --rounds 3 2>&1 \
-      | tee "$OUT/moeinfer_copies.log" | tail -4 ;;
+    # the tables' GPU tests, and the kernel-layer file whole (its GEMM kernel gained the table loads)
+    timeout 200 python -m pytest tests/test_expert_list_tables.py::test_gpu_tables_match_the_stack_bf16 \
+      tests/test_expert_list_tables.py::test_gpu_a_cuda_graph_replays_the_tables tests/test_kernels.py $WORKERS -q \
+      -p no:warnings -rfE 2>&1 | grep -v torch.__trace | tail -4
+    timeout 300 python benchmarks/bench_moe_infer.py --tokens 1 2 16 512 4096 --rounds 3 2>&1 \
+      | grep -v "torch.__trace" | tee "$OUT/moeinfer.log" | tail -8 ;;
   examples)
     timeout 260 compute-sanitizer --tool memcheck python -m pytest tests/test_kernels.py tests/test_grouped_mm_engine.py \
       -q -p no:warnings -x -k "not inductor_graph" \

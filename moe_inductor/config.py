@@ -88,11 +88,10 @@ grouped_mm_biased_backward_min_rows_per_expert: int = 128
 #: size measured; smaller experts with biases stay fused.
 grouped_mm_biased_min_expert_weights: int = 4 * 1024 * 1024
 
-#: Per-expert weights (the list op) at decode sizes: copy only the chosen experts' weights, read through a table of
-#: their addresses, instead of stacking every expert at each call (ops/expert_lists.py). Off until a GPU run measures
-#: it: it was written and tested under the interpreter in a session whose device time ran out (env
-#: MOE_INDUCTOR_LIST_COPIES=1 turns it on).
-list_weight_copies: bool = os.environ.get("MOE_INDUCTOR_LIST_COPIES", "0") == "1"
+#: Per-expert weights (the list op, a ModuleList of experts): the forward reads them in place through a table of their
+#: addresses instead of stacking every expert at each call (ops/expert_lists.py, kernels/weight_table.py). Off until
+#: a GPU run measures it (env MOE_INDUCTOR_LIST_TABLES=1 turns it on).
+list_weight_tables: bool = os.environ.get("MOE_INDUCTOR_LIST_TABLES", "0") == "1"
 
 #: Take a rewrite only where the whole-model measurements say it is faster than Inductor (speed_rule.py). Off, every
 #: proven MoE layer is rewritten: that is how the measurements themselves are taken (env MOE_INDUCTOR_SPEED_RULE=0).

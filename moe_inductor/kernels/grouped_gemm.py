@@ -149,7 +149,7 @@ def _gemm_tile(
     ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INTERLEAVED: tl.constexpr, SPLIT: tl.constexpr, FULL_M: tl.constexpr,
-    B_DESC: tl.constexpr, B_NK: tl.constexpr, A_DESC: tl.constexpr,
+    B_DESC: tl.constexpr, B_NK: tl.constexpr, A_DESC: tl.constexpr, B_TABLE: tl.constexpr,
 ):
     """Tile ``i_tile`` of ``num_tiles`` (see ``grouped_gemm_kernel``; ``d_a``, ``d_b``, ``d_b2`` are the descriptors
     the launch reads through, where it does). A tile past the work does nothing."""
@@ -174,19 +174,25 @@ def _gemm_tile(
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < N
         o_k = tl.arange(0, BLOCK_K)
+        if B_TABLE:  # the expert's weights at the address its table entry holds
+            p_b_e = tl.load(p_b + e64).to(tl.pointer_type(p_a.dtype.element_ty))
+            p_b2_e = tl.load(p_b2 + e64).to(tl.pointer_type(p_a.dtype.element_ty))
+        elif not B_DESC:  # (descriptor launches index experts in the descriptor)
+            p_b_e = p_b + e64 * stride_be
+            p_b2_e = p_b2 + e64 * stride_b2e
         if not A_DESC:
             p_a_blk = p_a + a_rows[:, None] * stride_am + o_k[None, :] * stride_ak
         if not B_DESC:
-            p_b_blk = p_b + e64 * stride_be + o_k[:, None] * stride_bk + o_n[None, :] * stride_bn
+            p_b_blk = p_b_e + o_k[:, None] * stride_bk + o_n[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if INTERLEAVED:
             o_n2 = i_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
             m_n2 = o_n2 < 2 * N
-            p_b_blk = p_b + e64 * stride_be + o_k[:, None] * stride_bk + o_n2[None, :] * stride_bn
+            p_b_blk = p_b_e + o_k[:, None] * stride_bk + o_n2[None, :] * stride_bn
             acc_pairs = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         elif GATED:
             if not B_DESC:
-                p_b2_blk = p_b2 + e64 * stride_b2e + o_k[:, None] * stride_b2k + o_n[None, :] * stride_b2n
+                p_b2_blk = p_b2_e + o_k[:, None] * stride_b2k + o_n[None, :] * stride_b2n
             acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for i_k in range(0, tl.cdiv(K, BLOCK_K)):
             m_k = o_k < K - i_k * BLOCK_K  # unused (and dropped by the compiler) when EVEN_K
@@ -280,7 +286,7 @@ def grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INTERLEAVED: tl.constexpr = False, SPLIT: tl.constexpr = 0, FULL_M: tl.constexpr = 1,
     B_DESC: tl.constexpr = 0, B_NK: tl.constexpr = False, A_DESC: tl.constexpr = False,
-    PERSISTENT: tl.constexpr = False,
+    PERSISTENT: tl.constexpr = False, B_TABLE: tl.constexpr = False,
 ):
     """c[rows_c(i)] (+)= epilogue(a[rows_a(i)] @ b[e(i)] [, a[rows_a(i)] @ b2[e(i)]]) for every kept row i.
 
@@ -301,6 +307,9 @@ def grouped_gemm_kernel(
     A_DESC (with A_ROWS == ROWS_SORTED and B_DESC == 2) reads the token rows through a descriptor too: a tile's rows
     are then contiguous, and those past the expert's end (the next expert's rows, or zeros past ``num_a_rows``) are
     computed and never stored. Gathered token rows stay pointer loads (Hopper's TMA cannot gather rows).
+
+    B_TABLE (pointer loads only): ``p_b`` and ``p_b2`` are (E,) int64 tables of each expert's weight address, for
+    experts held as separate tensors of one shape and strides (``stride_be`` is then 0): no stack of them is made.
 
     PERSISTENT: each program walks tiles ``program_id, program_id + num_programs, ...`` of ``num_tiles`` (the grid
     of a launch without it, which ignores ``num_tiles``), so the descriptors it makes are made once per program
@@ -336,7 +345,7 @@ def grouped_gemm_kernel(
                 ACCUMULATE, UPCAST, DOT_PRECISION,
                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                 EVEN_K, INTERLEAVED, SPLIT, FULL_M,
-                B_DESC, B_NK, A_DESC,
+                B_DESC, B_NK, A_DESC, B_TABLE,
             )
     else:
         _gemm_tile(
@@ -355,7 +364,7 @@ def grouped_gemm_kernel(
             ACCUMULATE, UPCAST, DOT_PRECISION,
             BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
             EVEN_K, INTERLEAVED, SPLIT, FULL_M,
-            B_DESC, B_NK, A_DESC,
+            B_DESC, B_NK, A_DESC, B_TABLE,
         )
 
 

@@ -16,6 +16,7 @@ import torch
 from . import configs
 from .modes import ROWS_SORTED, SCALE_NONE
 from .tma import ensure_scratch_allocator, rows_descriptor_ok, tma_weights_apply, weight_descriptor
+from .weight_table import WeightTable
 
 
 class LazyKernel:
@@ -206,7 +207,8 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
     if _traceable:  # (eager shapes are ints already: this stays off the hot path)
         num_experts, k_dim, n_dim = static_dim(num_experts), static_dim(k_dim), static_dim(n_dim)
     gated = b2 is not None
-    pairs = interleaved_pairs(b, b2)
+    tabled = isinstance(b, WeightTable)  # per-expert tensors read through their addresses (pointer loads only)
+    pairs = None if tabled else interleaved_pairs(b, b2)
     has_bias = bias is not None
     dummy = offsets
     # the config only changes speed, so a traced (symbolic) row count may pick it from its example value
@@ -216,8 +218,8 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
     # (a symbolic row count never takes TMA: a dynamic graph serves small counts too, where it loses). Under "tuned"
     # the table decides per key, and only a key with a TMA entry pays for the per-call check of whether this call
     # can take it (below); "auto" and "on" check every call here.
-    by_table = tma_weights == "tuned"
-    tma_ok = not by_table and pairs is None and isinstance(num_rows, int) and tma_weights_apply(
+    by_table = tma_weights == "tuned" and not tabled
+    tma_ok = not by_table and not tabled and pairs is None and isinstance(num_rows, int) and tma_weights_apply(
         a, b, b2, num_rows, num_experts, tma_weights, tma_min_rows_per_expert, tma_descriptors, traced=_traceable)
     fixed_desc = (2 if tma_descriptors == "device" else 1) if tma_ok else 0
     b_nk = b.stride(1) == 1  # an (E, K, N) view of HF's (E, N, K) weight: the layout the TMA descriptor reads
@@ -229,7 +231,7 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
     rows_ok = tma_ok and rows_through_descriptor()
     decision_key = (num_experts, n_dim, k_dim, a.dtype, gated, a_rows, c_rows, bucket, scale_mode, act_id, has_bias,
                     pre is not None, accumulate, a.device, autotune,
-                    configs.interpreting(), pairs is not None, tail_split, by_table, fixed_desc, b_nk, rows_ok)
+                    configs.interpreting(), pairs is not None, tail_split, by_table, fixed_desc, b_nk, rows_ok, tabled)
     decided = _GEMM_DECISIONS.get(decision_key)
 
     def run(cfg: configs.LaunchConfig, meta: dict) -> None:
@@ -258,6 +260,8 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
         b_ = pairs if pairs is not None else b
         b2_ = b2 if gated else b
         b_strides, b2_strides = b_.stride(), b2_.stride()
+        if tabled:
+            b_, b2_ = b_.table, b2_.table
         if meta["B_DESC"] == 1:  # (the strides above are then unused by the kernel)
             b_, b2_ = (weight_descriptor(w, cfg.BLOCK_K, cfg.BLOCK_N) for w in (b_, b2_))
         bias_ = bias if has_bias else dummy
@@ -293,7 +297,7 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 EVEN_K=k_dim % cfg.BLOCK_K == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 INTERLEAVED=pairs is not None, SPLIT=split, FULL_M=full_m, B_DESC=b_desc, B_NK=b_desc > 0 and b_nk,
-                A_DESC=a_desc, PERSISTENT=b_desc == 2,
+                A_DESC=a_desc, PERSISTENT=b_desc == 2, B_TABLE=tabled,
             )
 
         def launches(cfg: configs.LaunchConfig, tail: configs.LaunchConfig | None) -> tuple:

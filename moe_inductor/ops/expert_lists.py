@@ -1,24 +1,23 @@
-"""Experts held as separate per-expert weight tensors (a ModuleList of nn.Linear, HF v4's loop): the same fused op,
-on a stack of the weights made at each call.
+"""Experts held as separate per-expert weight tensors (a ModuleList of nn.Linear, HF v4's loop): the same fused op.
 
 Shapes: with ``layout`` "nk" each ``w1[e]``/``w1_up[e]`` is (I, H) and each ``w2[e]`` (H, I), nn.Linear's (out, in);
 with "kn" they are (in, out): (H, I) and (I, H), for experts written as ``x @ w``.
 
-The stack is never cached: a cache keyed on the weights' versions misses ``p.data.copy_(new)`` (writes through
-``.data`` bump no version counter), and nothing cheaper than reading the weights tells that they changed.
+Where the Triton kernels run, ``config.list_weight_tables`` is on and each projection's weights share one shape,
+strides and x's dtype, the forward reads them where they lie, through a table of their addresses
+(kernels/weight_table.py): no stack is made, and a call reads only the experts its tokens chose. Otherwise (the CPU,
+mixed layouts, a table that would have to be uploaded during CUDA-graph capture, and the backward) the weights are
+stacked at each call.
 
-At decode sizes (T*k at most ``GATHER_MAX_ROWS`` and below E, no gradient wanted) the stack of every expert is most of
-the call's time, so, with ``config.list_weight_copies`` on (off until measured on a GPU), the weights the assignments
-chose are copied instead, each read in place through a table of the
-experts' addresses (kernels/gather_weights.py), and each assignment runs as its own one-row "expert". The table is
-cached by those addresses only: it names where the weights are, never what they hold, so it cannot go stale.
+The stack is never cached: a cache keyed on the weights' versions misses ``p.data.copy_(new)`` (writes through
+``.data`` bump no version counter), and nothing cheaper than reading the weights tells that they changed. The table
+is cached by the weights' addresses alone, so it cannot go stale that way.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from collections import OrderedDict
 from typing import Optional
 
 from .. import config
@@ -26,13 +25,8 @@ from .activations import GPTOSS_ALPHA, GPTOSS_LIMIT, Activation
 from .call import ExpertsCall, ExpertWeights, Routing, check_weight_position
 from .experts import Needs, _forward_gemms, experts_backward, experts_forward_call, to_kn
 from .grouped import use_triton
+from .grouped_mm_engine import may_take_experts_of
 from .routing import prepare_routing
-
-#: the most assignments (T*k) served by per-assignment weight copies. Each count compiles its own GEMM variant (the
-#: copies are its experts), so only decode-sized calls take them
-GATHER_MAX_ROWS = 32
-_TABLES: "OrderedDict[tuple, Tensor]" = OrderedDict()
-_MAX_TABLES = 64
 
 
 def stacked(ws: list[Tensor]) -> Tensor:
@@ -58,70 +52,42 @@ def experts_forward_list(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: 
         y (T, H), pre, order, sorted_expert, offsets, as ``experts_forward``.
     """
     check_weight_position(weight_position)
-    tables = None if save_pre else _decode_tables(x, topk_ids, (w1, w1_up, w2))
+    routing = Routing(topk_ids, topk_weights)
+    tables = _weight_tables(x, topk_ids, (w1, w1_up, w2), layout)
     if tables is not None:
-        return _forward_copies(x, topk_ids, topk_weights, (w1, w1_up, w2), tables, activation, weight_position, layout)
-    call = ExpertsCall(x, Routing(topk_ids, topk_weights), ExpertWeights(*_views(w1, w1_up, w2, layout)),
+        call = ExpertsCall(x, routing, ExpertWeights(*tables), Activation(activation), weight_position, save_pre)
+        routed = prepare_routing(routing, len(w1))
+        n_pre = tables[0].shape[2] * (2 if w1_up else 1)
+        pre = x.new_empty(routed.order.shape[0], n_pre) if save_pre else x.new_empty(0)
+        y = _forward_gemms(call, routed, pre if save_pre else None)
+        return y, pre, routed.order, routed.sorted_expert, routed.offsets
+    call = ExpertsCall(x, routing, ExpertWeights(*_views(w1, w1_up, w2, layout)),
                        Activation(activation), weight_position, save_pre)
     return experts_forward_call(call)
 
 
-def _address_table(ws: list[Tensor]) -> Optional[Tensor]:
-    """An int64 tensor of the weights' addresses on their device, cached by those addresses; None where it would
-    have to be uploaded during CUDA-graph capture (not allowed: the stack serves that call)."""
-    key = (ws[0].device, tuple(w.data_ptr() for w in ws))
-    table = _TABLES.get(key)
-    if table is not None:
-        _TABLES.move_to_end(key)
-        return table
-    if ws[0].is_cuda and torch.cuda.is_current_stream_capturing():
+def _weight_tables(x: Tensor, topk_ids: Tensor, groups: tuple, layout: str) -> Optional[tuple]:
+    """The (w1, w1_up or None, w2) address tables the forward reads the weights through (kernels/weight_table.py),
+    or None where it stacks them: the tables are off, the Triton kernels do not run, "auto" would give the stacked
+    weights' GEMMs to ``torch._grouped_mm`` (a layout only a stack has), or a projection's weights differ in shape,
+    strides, dtype (x's) or device (x's)."""
+    if not (config.list_weight_tables and use_triton(x)):
         return None
-    table = _TABLES[key] = torch.tensor(key[1], dtype=torch.int64, device=ws[0].device)
-    if len(_TABLES) > _MAX_TABLES:
-        _TABLES.popitem(last=False)
-    return table
+    w1, w1_up, w2 = groups
+    E = len(w1)
+    if not w1_up:  # (gated stacks never take the engine: their gate and up are two tensors, not one)
+        H_I = w2[0].shape if layout == "nk" else w2[0].shape[::-1]
+        if may_take_experts_of(torch.empty((E, H_I[1], H_I[0]), device="meta"), False, topk_ids.numel()):
+            return None
+    from ..kernels.weight_table import weight_table
 
-
-def _decode_tables(x: Tensor, topk_ids: Tensor, groups: tuple) -> Optional[list[Optional[Tensor]]]:
-    """The address tables of (w1, w1_up, w2) where a call takes the per-assignment copies: the Triton kernels run,
-    T*k is at least 1, at most ``GATHER_MAX_ROWS`` and below E, and each projection's weights are contiguous, of one
-    shape and dtype, on x's device. Else None."""
-    E, M = len(groups[0]), topk_ids.numel()
-    if not (config.list_weight_copies and use_triton(x) and 0 < M <= GATHER_MAX_ROWS and M < E):
-        return None
     tables = []
     for ws in groups:
-        if not ws:
-            tables.append(None)
-            continue
-        first = ws[0]
-        if any(w.shape != first.shape or w.dtype != first.dtype or w.device != x.device or not w.is_contiguous()
-               for w in ws):
-            return None
-        table = _address_table(ws)
-        if table is None:
+        table = weight_table(ws, layout, x.dtype, x.device) if ws else None
+        if ws and table is None:
             return None
         tables.append(table)
-    return tables
-
-
-def _forward_copies(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, groups: tuple, tables: list,
-                    activation: str, weight_position: str, layout: str) -> tuple[Tensor, ...]:
-    """The forward on per-assignment copies of the chosen experts' weights: sorted assignment j runs as "expert"
-    j of one row, on its own copy. Returns what ``experts_forward_call`` returns (pre empty: no backward)."""
-    from ..kernels.gather_weights import gather_weights
-
-    E = len(groups[0])
-    routing = Routing(topk_ids, topk_weights)
-    routed = prepare_routing(routing, E)
-    M = routed.order.shape[0]
-    copies = [to_kn(gather_weights(t, routed.sorted_expert, ws[0], E), layout) if ws else None
-              for t, ws in zip(tables, groups)]
-    slots = torch.arange(M + 1, dtype=routed.offsets.dtype, device=x.device)
-    one_each = routed._replace(sorted_expert=slots[:M], offsets=slots, num_experts=M)
-    call = ExpertsCall(x, routing, ExpertWeights(*copies), Activation(activation), weight_position, False)
-    y = _forward_gemms(call, one_each, None, num_experts=E)
-    return y, x.new_empty(0), routed.order, routed.sorted_expert, routed.offsets
+    return tuple(tables)
 
 
 @experts_forward_list.register_fake
