@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -248,13 +249,15 @@ def _compile_for_sm90(name, fn, pointer_types, constexprs, *, floats=(), num_war
                 attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
-    print(json.dumps({"name": name, "shared": kernel.metadata.shared, "wgmma": "wgmma" in kernel.asm["ptx"],
+    ptx = kernel.asm["ptx"]
+    # 16-byte asynchronous copies to shared memory: the pipelined, vectorised loads of a GEMM's operands
+    copies16 = len(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*, 0x10", ptx))
+    print(json.dumps({"name": name, "shared": kernel.metadata.shared, "wgmma": "wgmma" in ptx, "copies16": copies16,
                       **_resource_usage(kernel.asm["cubin"])}), flush=True)
 
 
 def _resource_usage(cubin: bytes) -> dict:
     """Registers per thread and stack bytes (register spills) from the cubin, by the cuobjdump Triton ships."""
-    import re
     import tempfile
 
     import triton
@@ -271,10 +274,11 @@ def _resource_usage(cubin: bytes) -> dict:
 
 
 def _sm90_gemm(name, cfg, dtype, *, gated, a_rows, c_rows, save_pre=False, k_dim=4096, interleaved=False,
-               tma=False) -> None:
+               tma=False, table=False) -> None:
     from moe_inductor.kernels.grouped_gemm import grouped_gemm_kernel
 
     pointers = {n: f"*{dtype}" for n in ("p_a", "p_b", "p_b2", "p_bias", "p_bias2", "p_c", "p_pre", "p_scale")}
+    pointers.update(p_b_table="*i64", p_b2_table="*i64")
     constexprs = dict(
         stride_ak=1, stride_cn=1, stride_pre_n=1, NUM_EXPERTS=8, E_POW2=8, A_ROWS=a_rows, C_ROWS=c_rows,
         SCALE_MODE=2, GATED=gated, ACT=4, HAS_BIAS=False, SAVE_PRE=save_pre, ACCUMULATE=False, UPCAST=False,
@@ -284,6 +288,8 @@ def _sm90_gemm(name, cfg, dtype, *, gated, a_rows, c_rows, save_pre=False, k_dim
         constexprs.update(stride_bn=1, HAS_BIAS=True, ACT=5)
     else:  # nn.Linear-style weights: K contiguous
         constexprs.update(stride_bk=1, stride_b2k=1)
+    if table:  # per-expert weights through their table of places (the list op), 16-byte aligned
+        constexprs.update(B_TABLE=8 if dtype == "bf16" else 4)
     if tma:  # a "|tma" entry's launch: weights (and sorted rows) through descriptors made in the kernel, persistent
         constexprs.update(B_DESC=2, B_NK=not interleaved, A_DESC=a_rows == 0, PERSISTENT=True)
     _compile_for_sm90(name, grouped_gemm_kernel, pointers, constexprs, floats=("alpha", "limit"),
@@ -318,6 +324,8 @@ def sm90_kernel_report() -> None:
                 cfg = configs.default_gemm_config(bucket, 2048, 4096, torch_dtype, gated)
                 _sm90_gemm(f"gemm default {dtype} m{bucket} gated={gated}", cfg, dtype, gated=gated, a_rows=1,
                            c_rows=0, save_pre=gated)
+                _sm90_gemm(f"gemm default {dtype} m{bucket} gated={gated} table", cfg, dtype, gated=gated, a_rows=1,
+                           c_rows=0, save_pre=gated, table=True)
             cfg = configs.default_gemm_config(bucket, 2880, 2880, torch_dtype, True)
             _sm90_gemm(f"gemm default {dtype} m{bucket} interleaved", cfg, dtype, gated=True, a_rows=1, c_rows=0,
                        save_pre=True, k_dim=2880, interleaved=True)

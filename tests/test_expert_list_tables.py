@@ -131,6 +131,18 @@ def test_a_weight_replaced_by_a_new_tensor_gets_a_new_table(triton_kernels, tabl
     assert_close(y, _reference(x, ids, w, w1, w3, w2, "nk"), torch.float32, "after the replacement")
 
 
+def test_weights_off_16_byte_boundaries_are_stacked(triton_kernels, tables_counted):
+    """The kernel tells the compiler every expert starts on a 16-byte boundary (vectorised loads); weights that are
+    views one element into a buffer do not, so the call stacks them, and the result is still the reference's."""
+    x, ids, w = torch.randn(2, H), torch.tensor([[0, 2], [2, 4]]), torch.rand(2, 2)
+    w1, w3, w2 = _weights("nk")
+    w2 = [torch.cat([torch.zeros(1), t.flatten()])[1:].view(H, I) for t in w2]
+    assert all(t.data_ptr() % 16 for t in w2)
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", False, "output", "nk")
+    assert len(tables_counted) < 3
+    assert_close(y, _reference(x, ids, w, w1, w3, w2, "nk"), torch.float32, "y")
+
+
 @pytest.mark.parametrize("odd", ["strides", "dtype"])
 def test_weights_a_table_cannot_describe_are_stacked(triton_kernels, tables_counted, odd):
     """Every expert is read at the first one's strides, in x's dtype: one expert held transposed (same shape,

@@ -206,3 +206,164 @@ def test_an_array_that_is_not_the_experts_counts_is_left_to_dynamo():
     outcome = run_case(case)
     assert outcome.kind in ("graph_break", "fell_back") and not outcome.rewrites, outcome.declared()
     check_unchanged(case, outcome)
+
+
+# --- cumulative counts (MiniMind's moe_infer walk: moe_inductor/host_cumsum.py) -----------------------------------
+
+
+class CumulativeWalkMoE(WalkingMoE):
+    """The experts' boundaries walked instead of their counts, as MiniMind's ``moe_infer`` does: ``cum =
+    flat.bincount().cpu().numpy().cumsum(0)``, ``for i, end in enumerate(cum)``, ``start = 0 if i == 0 else cum[i -
+    1]``, ``if start == end: continue``; here with DeepSeek-V2's body (outputs appended, cat, weighted unsort), which
+    sorted_grouped_mm takes, so that what decides each outcome is the walk. ``variant`` picks the spelling or the
+    look-alike."""
+
+    def __init__(self, variant: str):
+        super().__init__(variant)
+        if variant == "cum_last_idle":  # the last expert never chosen: the bincount is always shorter than E
+            with torch.no_grad():
+                self.gate.weight[E - 1] = -self.gate.weight[:E - 1].abs().sum(0) * 4
+
+    def boundaries(self, flat):
+        if self.variant in ("cum_minlength", "cum_stops_early_min"):
+            return flat.bincount(minlength=E).cpu().numpy().cumsum(0)
+        if self.variant == "cum_torch":
+            return flat.bincount().cumsum(0).cpu().numpy()
+        if self.variant == "cum_tolist":
+            return flat.bincount(minlength=E).cumsum(0).tolist()
+        if self.variant == "cum_tolist_padded":
+            return flat.bincount().cumsum(0).tolist()
+        if self.variant == "cum_not_ids":
+            return (flat // 2).bincount().cpu().numpy().cumsum(0)
+        return flat.bincount().cpu().numpy().cumsum(0)
+
+    def forward(self, x):
+        weights, ids, order, rows, _ = self.route(x)
+        cum = self.boundaries(ids.view(-1))
+        outputs = []
+        if self.variant == "cum_plain_for":  # ``for end in cum`` with the start carried by hand
+            start = 0
+            for e, end in enumerate(cum):
+                if start == end:
+                    continue
+                outputs.append(self.expert(e, rows[start:end]))
+                start = end
+            return self.unsort(torch.cat(outputs, dim=0), order, ids, weights)
+        for i, end in enumerate(cum):
+            start = 0 if i == 0 else cum[i - 1]
+            if start == end:
+                continue
+            outputs.append(self.expert(i, rows[start:end]))
+        return self.unsort(torch.cat(outputs, dim=0), order, ids, weights)
+
+
+class SkipCountingWalkMoE(CumulativeWalkMoE):
+    """The cumulative walk whose skipped branch counts the idle experts (eager counts those below the largest id
+    only), the output scaled by that count (each look-alike has its own forward: the checks read its bytecode)."""
+
+    def forward(self, x):
+        weights, ids, order, rows, _ = self.route(x)
+        cum = self.boundaries(ids.view(-1))
+        outputs, skipped = [], 0
+        for i, end in enumerate(cum):
+            start = 0 if i == 0 else cum[i - 1]
+            if start == end:
+                skipped += 1
+                continue
+            outputs.append(self.expert(i, rows[start:end]))
+        return self.unsort(torch.cat(outputs, dim=0), order, ids, weights) * (1 + skipped)
+
+
+class IndexAfterWalkMoE(CumulativeWalkMoE):
+    """The loop index read after the loop: the largest id in eager, E - 1 in a walk over all E experts."""
+
+    def forward(self, x):
+        weights, ids, order, rows, _ = self.route(x)
+        cum = self.boundaries(ids.view(-1))
+        outputs = []
+        for i, end in enumerate(cum):
+            start = 0 if i == 0 else cum[i - 1]
+            if start == end:
+                continue
+            outputs.append(self.expert(i, rows[start:end]))
+        return self.unsort(torch.cat(outputs, dim=0), order, ids, weights) * (i + 1) / E
+
+
+class ScatteringWalkMoE(CumulativeWalkMoE):
+    """MiniMind's own body (each expert's output weighted in place and ``scatter_add_``-ed into zeros), which a
+    token left out leaves at zero, for the look-alikes that leave tokens out: a walk that stops at E // 2, and one
+    whose start reads the wrong neighbour, ``cum[i - 2]``."""
+
+    def forward(self, x):
+        weights, ids, order, _, _ = self.route(x)
+        flat = ids.view(-1)
+        cum = self.boundaries(flat)
+        out, tok = torch.zeros_like(x), order // K
+        for i, end in enumerate(cum):
+            if self.variant.startswith("cum_stops_early") and i == E // 2:
+                break
+            start = 0 if i == 0 else cum[i - 1]
+            if self.variant == "cum_wrong_neighbour":
+                start = 0 if i < 2 else cum[i - 2]
+            if start == end:
+                continue
+            y = self.expert(i, x[tok[start:end]])
+            y.mul_(weights.view(-1, 1)[order[start:end]])
+            out.scatter_add_(0, tok[start:end].view(-1, 1).repeat(1, H), y)
+        return out
+
+
+def _cumulative_case(variant: str, expect: tuple) -> Case:
+    kind = {"cum_skip_counts": SkipCountingWalkMoE, "cum_index_after": IndexAfterWalkMoE,
+            "cum_stops_early": ScatteringWalkMoE, "cum_stops_early_min": ScatteringWalkMoE,
+            "cum_wrong_neighbour": ScatteringWalkMoE}.get(variant, CumulativeWalkMoE)
+    return Case(f"walk-{variant}", "tests/test_host_counts.py", lambda: kind(variant),
+                lambda T, g: torch.randn(T, H, generator=g), form="sorted_grouped_mm", expect=expect,
+                token_counts=(3, 9))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["cum_numpy", "cum_minlength", "cum_torch", "cum_tolist", "cum_plain_for",
+                                     "cum_last_idle"])
+def test_a_walk_of_cumulative_host_counts_is_rewritten_and_equal_to_eager(variant):
+    """The bincount without minlength has max id + 1 entries (3 tokens reach at most 6 of 8 experts, and
+    ``cum_last_idle`` never reaches the last): traced as all E, the experts past the largest id skipped."""
+    case = _cumulative_case(variant, ("rewritten",))
+    outcome = run_case(case)
+    assert outcome.declared() == ("rewritten",), (outcome.declared(), outcome.fallbacks, outcome.left_alone)
+    check_rewritten(case, outcome)
+    assert outcome.rewrites == {"sorted_grouped_mm": outcome.graphs}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, said", [
+    # the skipped branch counts idle experts: eager counts those below the largest id only
+    ("cum_skip_counts", "does not go straight to the next iteration"),
+    # start = cum[i - 2]: the test is c[i-1] + c[i] == 0, of two counts, so no skip is assumed (Dynamo's break)
+    ("cum_wrong_neighbour", "Data-dependent branching"),
+    # a walk that stops at E // 2: the experts past it never run
+    ("cum_stops_early", "not every one of its iterations reaches a skip"),
+    ("cum_stops_early_min", "not every one of its iterations reaches a skip"),
+    # the loop index read after the loop: its last value is the largest id in eager, E - 1 in the walk over all E
+    ("cum_index_after", "read after it"),
+])
+def test_a_cumulative_walk_that_is_not_the_experts_loop_is_kept_and_equal_to_eager(variant, said):
+    case = _cumulative_case(variant, ("fell_back",))
+    with report.collecting(report.Report()) as seen:
+        outcome = run_case(case)
+    assert outcome.fallbacks and outcome.kind != "crash", (outcome.declared(), outcome.rewrites, outcome.left_alone)
+    check_unchanged(case, outcome)
+    reasons = [f.reason for f in seen.fallbacks] + [r for f in seen.fallbacks for r in getattr(f, "also", ())]
+    assert any(said in r for r in reasons), reasons
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [
+    "cum_not_ids",  # bincount of flat // 2, not of the routing ids: its length is no bound of E
+    "cum_tolist_padded",  # .tolist() of a bincount without minlength: a list whose length (max id + 1) is read
+])
+def test_cumulative_counts_that_are_not_the_experts_are_left_to_dynamo(variant):
+    case = _cumulative_case(variant, ("graph_break",))
+    outcome = run_case(case)
+    assert outcome.kind in ("graph_break", "fell_back") and not outcome.rewrites, outcome.declared()
+    check_unchanged(case, outcome)

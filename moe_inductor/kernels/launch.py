@@ -260,15 +260,17 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
         b_ = pairs if pairs is not None else b
         b2_ = b2 if gated else b
         b_strides, b2_strides = b_.stride(), b2_.stride()
-        if tabled:
-            b_, b2_ = b_.table, b2_.table
+        tables = (dummy, dummy)
+        if tabled:  # expert 0's weights, and each expert's distance from them
+            tables = (b_.table, b2_.table)
+            b_, b2_ = b_.like, b2_.like
         if meta["B_DESC"] == 1:  # (the strides above are then unused by the kernel)
             b_, b2_ = (weight_descriptor(w, cfg.BLOCK_K, cfg.BLOCK_N) for w in (b_, b2_))
         bias_ = bias if has_bias else dummy
         bias2_ = bias2 if (has_bias and gated) else bias_
         pre_ = pre if pre is not None else out
         args = (
-            a, b_, b2_, bias_, bias2_, out, pre_, order, scale if scale is not None else dummy, offsets,
+            a, b_, b2_, bias_, bias2_, out, pre_, order, scale if scale is not None else dummy, offsets, *tables,
             n_dim, k_dim, topk, a.shape[0], tiles,
             a.stride(0), a.stride(1),
             b_strides[0], b_strides[1], b_strides[2],
@@ -297,7 +299,7 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
                 BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                 EVEN_K=k_dim % cfg.BLOCK_K == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                 INTERLEAVED=pairs is not None, SPLIT=split, FULL_M=full_m, B_DESC=b_desc, B_NK=b_desc > 0 and b_nk,
-                A_DESC=a_desc, PERSISTENT=b_desc == 2, B_TABLE=tabled,
+                A_DESC=a_desc, PERSISTENT=b_desc == 2, B_TABLE=b.aligned_elements if tabled else 0,
             )
 
         def launches(cfg: configs.LaunchConfig, tail: configs.LaunchConfig | None) -> tuple:

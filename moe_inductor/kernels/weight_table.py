@@ -1,10 +1,9 @@
-"""Experts held as separate tensors, read by the grouped GEMM where they lie: a table of their addresses.
+"""Experts held as separate tensors, read by the grouped GEMM where they lie, through a table of their places.
 
 A ModuleList of E experts holds E weight tensors of one shape. The stacked kernels want one (E, K, N) tensor, and a
-stack of every expert at each call reads and writes all of them: on DeepSeek-V2-Lite's 64 experts that was 0.73 ms
-of a 1.18 ms call at one token, and of a 2.02 ms call at 4096 (H100, RESULTS.md). With the table, each tile loads
-its expert's address and reads the weights in place (``grouped_gemm_kernel``'s ``B_TABLE``), so a call reads only
-the experts its tokens chose.
+stack of every expert at each call reads and writes all of them, where a decode step needs the few its tokens
+chose. With the table, each tile finds its expert's weights from expert 0's address and the expert's distance from
+it (``grouped_gemm_kernel``'s ``B_TABLE``), and reads them in place.
 
 The table is cached by the addresses alone: it says where the weights are, never what they hold, so a weight
 changed in place (``p.data.copy_(new)``, an optimizer step) is read as it is now.
@@ -17,12 +16,23 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 
-class WeightTable(NamedTuple):
-    """E same-shaped weights as the grouped GEMM reads them: logically (E, K, N), expert e's (K, N) weight at the
-    address ``table[e]``, in the strides of ``like`` (expert 0's (K, N) view; every expert has them)."""
+#: bytes every expert's address is a multiple of, so that the kernel may load 16-byte vectors (the hint it gives
+#: the compiler, ``grouped_gemm_kernel``'s B_TABLE, must hold)
+ALIGNMENT = 16
 
-    table: torch.Tensor  # (E,) int64 addresses, on the weights' device
+
+class WeightTable(NamedTuple):
+    """E same-shaped weights as the grouped GEMM reads them: logically (E, K, N), expert e's (K, N) weight starting
+    ``table[e]`` elements past expert 0's, in the strides of ``like`` (expert 0's (K, N) view; every expert has
+    them). Every address is a multiple of ``ALIGNMENT`` bytes."""
+
+    table: torch.Tensor  # (E,) int64 element offsets from expert 0's weight, on the weights' device
     like: torch.Tensor
+
+    @property
+    def aligned_elements(self) -> int:
+        """The elements every offset is a multiple of (the kernel's B_TABLE)."""
+        return ALIGNMENT // self.like.element_size()
 
     @property
     def shape(self) -> torch.Size:
@@ -48,17 +58,22 @@ _MAX_TABLES = 256
 
 
 def address_table(ws: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """An (E,) int64 tensor of the weights' addresses on their device, cached by those addresses; None where it is
-    not cached and would have to be uploaded during CUDA-graph capture (not allowed there: the caller then stacks).
-    The upload goes through pinned memory, asynchronously: it never waits for the GPU."""
-    key = (ws[0].device, tuple(w.data_ptr() for w in ws))
+    """An (E,) int64 tensor, on the weights' device, of how many elements past ``ws[0]``'s address each weight
+    starts, cached by the addresses; None where an address is not a multiple of ``ALIGNMENT`` bytes, or where the
+    table is not cached and would have to be uploaded during CUDA-graph capture (not allowed there). The caller
+    stacks then. The upload goes through pinned memory, asynchronously: it never waits for the GPU."""
+    addresses = tuple(w.data_ptr() for w in ws)
+    if any(a % ALIGNMENT for a in addresses):
+        return None
+    key = (ws[0].device, ws[0].element_size(), addresses)
     table = _TABLES.get(key)
     if table is not None:
         _TABLES.move_to_end(key)
         return table
     if ws[0].is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    host = torch.tensor(key[1], dtype=torch.int64)
+    size = ws[0].element_size()
+    host = torch.tensor([(a - addresses[0]) // size for a in addresses], dtype=torch.int64)
     if ws[0].is_cuda:
         table = host.pin_memory().to(ws[0].device, non_blocking=True)
     else:
