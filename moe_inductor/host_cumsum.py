@@ -61,6 +61,7 @@ class Walk:
     first: Optional[Node]  # the graph's last node before the walk made any
     array: Any  # the array variable walked
     padded: bool  # eager's array may be shorter than E (a bincount without minlength)
+    mutations: int  # the side-effect log's length when the walk began
     speculated: list = field(default_factory=list)
 
 
@@ -268,7 +269,7 @@ def walk_items(var, tx) -> Optional[list]:
             item.__class__ = host_counts._count_class(type(item))
     symbols = [c.sym_num.node.expr for c in items]
     walks(trace).append(Walk(frame, frame.instructions[head].offset, num_experts, ends, symbols, graph, first, var,
-                             padded))
+                             padded, trace.mutations))
     return list(ends)
 
 
@@ -342,9 +343,9 @@ def check(gm: GraphModule, speculations: list) -> None:
             continue
         why = _refusal(walk, speculations)
         if why is not None:
-            raise SpeculationNotDischarged(f"the walk of cumulative host counts at {_where(walk)} (its length the "
-                                           f"largest id + 1, traced as all {walk.num_experts} experts): {why}; "
-                                           "not kept")
+            length = "its length the largest id + 1" if walk.padded else "its length E"
+            raise SpeculationNotDischarged(f"the walk of cumulative host counts at {_where(walk)} ({length}, traced "
+                                           f"as all {walk.num_experts} experts): {why}; not kept")
         if not walk.padded:
             continue
         last = max((n for n in gm.graph.nodes if n.meta.get("moe_inductor_speculation") == walk.speculated[-1].id),
@@ -388,14 +389,18 @@ def _refusal(walk: Walk, speculations: list) -> Optional[str]:
     after = sorted(name for name in stored if _read_before_written(ins, exit_, name))
     if after:
         return f"the loop sets {', '.join(after)}, read after it (its last value differs where eager stops earlier)"
-    for s in mine:
+    began = [walk.mutations] + [s.closed_at for s in mine[:-1]]
+    for s, mutations in zip(mine, began):
+        if s.mark[0] != mutations:  # (a user's __getitem__ or __eq__ that changes Python state, say)
+            return "the code before its skip changes Python state (an iteration past the largest id would too)"
         branch = next((i for i, x in enumerate(ins) if x.offset == s.branch), None)
         if branch is None:
             return "its skip is not found in the loop's code"
         for x in ins[head + 1:branch]:
-            if x.opname not in _PLAIN and not (x.opname.startswith("POP_JUMP") and head < ins.index(x.target) <= branch):
-                return (f"the code before its skip runs {x.opname} (an iteration past the largest id would run it "
-                        "where eager does not)")
+            jump = x.opname.startswith("POP_JUMP") and head < ins.index(x.target) <= branch
+            if x.opname not in _PLAIN and not jump or x.opname == "BINARY_OP" and str(x.argrepr).endswith("="):
+                return (f"the code before its skip runs {x.opname} {x.argrepr or ''}".rstrip() + " (an iteration "
+                        "past the largest id would run it where eager does not)")
     return None
 
 

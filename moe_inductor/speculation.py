@@ -98,8 +98,9 @@ class Speculation:
     lists: dict = field(default_factory=dict)
     #: the nodes the body appended to such lists: check_traced proves a cat is their only reader
     appended: list = field(default_factory=list)
-    #: the offset of the branch instruction (host_cumsum.py reads the code before it)
+    #: the offset of the branch instruction, and the mutation count when the iteration ended (host_cumsum.py)
     branch: Optional[int] = None
+    closed_at: Optional[int] = None
 
 
 @dataclass
@@ -307,7 +308,7 @@ def _close(tx, inst) -> None:
         return
     for s in trace.speculations:
         if s.tx is tx and not s.closed and s.loop_head == inst.offset:
-            s.closed = True
+            s.closed, s.closed_at = True, trace.mutations
             body = set()
             node = s.start.next if s.start is not None else next(iter(s.graph.nodes), None)
             while node is not None and node is not s.graph._root:

@@ -289,6 +289,30 @@ class IndexAfterWalkMoE(CumulativeWalkMoE):
         return self.unsort(torch.cat(outputs, dim=0), order, ids, weights) * (i + 1) / E
 
 
+class NotedWalkMoE(CumulativeWalkMoE):
+    """Each expert walked noted in a list before the skip, the output scaled by its length (eager notes experts up
+    to the largest id only); or (``cum_from_1``) the walk numbered from 1, ``enumerate(cum, 1)``."""
+
+    def forward(self, x):
+        weights, ids, order, rows, _ = self.route(x)
+        cum = self.boundaries(ids.view(-1))
+        outputs, seen = [], []
+        if self.variant == "cum_from_1":
+            for i, end in enumerate(cum, 1):
+                start = 0 if i == 1 else cum[i - 2]
+                if start == end:
+                    continue
+                outputs.append(self.expert(i - 1, rows[start:end]))
+            return self.unsort(torch.cat(outputs, dim=0), order, ids, weights)
+        for i, end in enumerate(cum):
+            seen.append(i)
+            start = 0 if i == 0 else cum[i - 1]
+            if start == end:
+                continue
+            outputs.append(self.expert(i, rows[start:end]))
+        return self.unsort(torch.cat(outputs, dim=0), order, ids, weights) * len(seen) / E
+
+
 class ScatteringWalkMoE(CumulativeWalkMoE):
     """MiniMind's own body (each expert's output weighted in place and ``scatter_add_``-ed into zeros), which a
     token left out leaves at zero, for the look-alikes that leave tokens out: a walk that stops at E // 2, and one
@@ -316,7 +340,8 @@ class ScatteringWalkMoE(CumulativeWalkMoE):
 def _cumulative_case(variant: str, expect: tuple) -> Case:
     kind = {"cum_skip_counts": SkipCountingWalkMoE, "cum_index_after": IndexAfterWalkMoE,
             "cum_stops_early": ScatteringWalkMoE, "cum_stops_early_min": ScatteringWalkMoE,
-            "cum_wrong_neighbour": ScatteringWalkMoE}.get(variant, CumulativeWalkMoE)
+            "cum_wrong_neighbour": ScatteringWalkMoE, "cum_noted": NotedWalkMoE,
+            "cum_from_1": NotedWalkMoE}.get(variant, CumulativeWalkMoE)
     return Case(f"walk-{variant}", "tests/test_host_counts.py", lambda: kind(variant),
                 lambda T, g: torch.randn(T, H, generator=g), form="sorted_grouped_mm", expect=expect,
                 token_counts=(3, 9))
@@ -346,6 +371,8 @@ def test_a_walk_of_cumulative_host_counts_is_rewritten_and_equal_to_eager(varian
     ("cum_stops_early_min", "not every one of its iterations reaches a skip"),
     # the loop index read after the loop: its last value is the largest id in eager, E - 1 in the walk over all E
     ("cum_index_after", "read after it"),
+    # each expert walked appended to a list before the skip: the list's length is the largest id + 1 in eager
+    ("cum_noted", "the code before its skip"),
 ])
 def test_a_cumulative_walk_that_is_not_the_experts_loop_is_kept_and_equal_to_eager(variant, said):
     case = _cumulative_case(variant, ("fell_back",))
@@ -361,6 +388,7 @@ def test_a_cumulative_walk_that_is_not_the_experts_loop_is_kept_and_equal_to_eag
 @pytest.mark.parametrize("variant", [
     "cum_not_ids",  # bincount of flat // 2, not of the routing ids: its length is no bound of E
     "cum_tolist_padded",  # .tolist() of a bincount without minlength: a list whose length (max id + 1) is read
+    "cum_from_1",  # enumerate(cum, 1): the walk's index is not the expert's (no consumer the walk takes)
 ])
 def test_cumulative_counts_that_are_not_the_experts_are_left_to_dynamo(variant):
     case = _cumulative_case(variant, ("graph_break",))

@@ -11,6 +11,7 @@ changed in place (``p.data.copy_(new)``, an optimizer step) is read as it is now
 from __future__ import annotations
 
 from collections import OrderedDict
+from operator import attrgetter
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -52,6 +53,7 @@ class WeightTable(NamedTuple):
         return strides if dim is None else strides[dim]
 
 
+_SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
 _TABLES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 #: tables kept (each a few hundred bytes): a model's layers times its projections, with room to spare
 _MAX_TABLES = 256
@@ -62,7 +64,7 @@ def address_table(ws: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     starts, cached by the addresses; None where an address is not a multiple of ``ALIGNMENT`` bytes, or where the
     table is not cached and would have to be uploaded during CUDA-graph capture (not allowed there). The caller
     stacks then. The upload goes through pinned memory, asynchronously: it never waits for the GPU."""
-    addresses = tuple(w.data_ptr() for w in ws)
+    addresses = tuple(map(torch.Tensor.data_ptr, ws))
     if any(a % ALIGNMENT for a in addresses):
         return None
     key = (ws[0].device, ws[0].element_size(), addresses)
@@ -92,9 +94,10 @@ def weight_table(ws: Sequence[torch.Tensor], layout: str, dtype: torch.dtype, de
     first = ws[0]
     if first.dim() != 2 or first.dtype != dtype or first.device != device:
         return None
-    if any(w.shape != first.shape or w.stride() != first.stride() or w.dtype != dtype or w.device != device
-           for w in ws):
-        return None
+    # one shape, strides, dtype and device across the experts (C-level maps: this runs at every call)
+    for attr in (_SHAPE, torch.Tensor.stride, _DTYPE, _DEVICE):
+        if len(set(map(attr, ws))) != 1:
+            return None
     table = address_table(ws)
     if table is None:
         return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from types import SimpleNamespace
 from typing import Optional
 
 from .. import config
@@ -76,8 +77,8 @@ def _weight_tables(x: Tensor, topk_ids: Tensor, groups: tuple, layout: str) -> O
     w1, w1_up, w2 = groups
     E = len(w1)
     if not w1_up:  # (gated stacks never take the engine: their gate and up are two tensors, not one)
-        H_I = w2[0].shape if layout == "nk" else w2[0].shape[::-1]
-        if may_take_experts_of(torch.empty((E, H_I[1], H_I[0]), device="meta"), False, topk_ids.numel()):
+        out_dim, in_dim = w2[0].shape if layout == "nk" else w2[0].shape[::-1]
+        if may_take_experts_of(SimpleNamespace(shape=(E, in_dim, out_dim)), False, topk_ids.numel()):
             return None
     from ..kernels.weight_table import weight_table
 
