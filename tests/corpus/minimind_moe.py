@@ -114,5 +114,6 @@ CASES = [
          _input, form="unrolled_loop",
          expect=("left_alone", "unrolled_loop", "expert 0's output is cast from float32 to float16")),
     Case("minimind_moe_eval", SOURCE + " (eval: moe_infer over numpy host counts)", lambda: MOEFeedForward().eval(),
-         _input, form="unrolled_loop", expect=("fell_back",)),
+         _input, form="unrolled_loop", expect=("graph_break",),
+         before_2_13=("fell_back",)),  # 2.11 raises on the bincount's unhinted length under the capture settings
 ]
