@@ -1,6 +1,6 @@
 """Per-expert weights read in place through a table of their addresses (ops/expert_lists.py,
 kernels/weight_table.py, ``grouped_gemm_kernel``'s ``B_TABLE``): with ``config.list_weight_tables`` on, the list op's
-forward makes no stack of the experts' weights.
+forward makes no stack of the experts' weights (here at every count of rows; by default from one row per expert).
 
 Checked against the plain-torch reference under the Triton interpreter on the CPU: T = 0, 1 and several, E not a
 power of two, one hot expert, experts without tokens, top-1 and top-2, every weight position, both layouts, gated and
@@ -42,6 +42,7 @@ def _reference(x, ids, w, w1, w3, w2, layout, position="output", activation="sil
 def tables_counted(monkeypatch):
     """The tables on, and the projections that were read through one (the path taken, not only its result)."""
     monkeypatch.setattr(config, "list_weight_tables", True)
+    monkeypatch.setattr(config, "list_weight_tables_min_rows_per_expert", 0.0)  # every count of rows
     made = []
     real = table_module.weight_table
 
@@ -174,9 +175,22 @@ def test_opcheck_with_the_tables(triton_kernels, tables_counted):
     assert tables_counted
 
 
-def test_the_tables_are_off_unless_asked_for():
-    """Off by default until a GPU run has measured them; the environment may ask."""
-    assert config.list_weight_tables is (os.environ.get("MOE_INDUCTOR_LIST_TABLES", "0") == "1")
+def test_the_tables_are_on_unless_turned_off():
+    """On where measured faster than the stack (an H100); the environment may turn them off."""
+    assert config.list_weight_tables is (os.environ.get("MOE_INDUCTOR_LIST_TABLES", "1") == "1")
+
+
+def test_calls_with_fewer_rows_than_experts_stack(triton_kernels, tables_counted, monkeypatch):
+    """At the default row rule (one row per expert on average), 2 tokens x 2 choices over 5 experts stack the
+    weights, 3 x 2 read the tables; both give the reference."""
+    monkeypatch.setattr(config, "list_weight_tables_min_rows_per_expert", 1.0)
+    w1, w3, w2 = _weights("nk")
+    for T, tables in ((2, 0), (3, 3)):
+        x, w, ids = torch.randn(T, H), torch.rand(T, 2), _ids(T, 2, seed=T)
+        tables_counted.clear()
+        y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", False, "output", "nk")
+        assert len(tables_counted) == tables
+        assert_close(y, _reference(x, ids, w, w1, w3, w2, "nk"), torch.float32, f"T={T}")
 
 
 def test_a_compiled_remote_code_moe_reads_the_tables(triton_kernels, tables_counted):

@@ -3,11 +3,11 @@
 Shapes: with ``layout`` "nk" each ``w1[e]``/``w1_up[e]`` is (I, H) and each ``w2[e]`` (H, I), nn.Linear's (out, in);
 with "kn" they are (in, out): (H, I) and (I, H), for experts written as ``x @ w``.
 
-Where the Triton kernels run, ``config.list_weight_tables`` is on and each projection's weights share one shape,
-strides and x's dtype, the forward reads them where they lie, through a table of their addresses
-(kernels/weight_table.py): no stack is made, and a call reads only the experts its tokens chose. Otherwise (the CPU,
-mixed layouts, a table that would have to be uploaded during CUDA-graph capture, and the backward) the weights are
-stacked at each call.
+Where the Triton kernels run, ``config.list_weight_tables`` is on, the call has enough rows per expert for it, and
+each projection's weights share one shape, strides and x's dtype, the forward reads them where they lie, through a
+table of their places (kernels/weight_table.py): no stack is made, and a call reads only the experts its tokens
+chose. Otherwise (the CPU, mixed layouts, weights off 16-byte boundaries, a table that would have to be uploaded
+during CUDA-graph capture, and the backward) the weights are stacked at each call.
 
 The stack is never cached: a cache keyed on the weights' versions misses ``p.data.copy_(new)`` (writes through
 ``.data`` bump no version counter), and nothing cheaper than reading the weights tells that they changed. The table
@@ -69,13 +69,16 @@ def experts_forward_list(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: 
 
 def _weight_tables(x: Tensor, topk_ids: Tensor, groups: tuple, layout: str) -> Optional[tuple]:
     """The (w1, w1_up or None, w2) address tables the forward reads the weights through (kernels/weight_table.py),
-    or None where it stacks them: the tables are off, the Triton kernels do not run, "auto" would give the stacked
+    or None where it stacks them: the tables are off, the Triton kernels do not run, the call has fewer rows than
+    ``config.list_weight_tables_min_rows_per_expert`` per expert, "auto" would give the stacked
     weights' GEMMs to ``torch._grouped_mm`` (a layout only a stack has), or a projection's weights differ in shape,
     strides, dtype (x's) or device (x's)."""
-    if not (config.list_weight_tables and use_triton(x)):
-        return None
     w1, w1_up, w2 = groups
     E = len(w1)
+    if not (config.list_weight_tables and use_triton(x)):
+        return None
+    if topk_ids.numel() < config.list_weight_tables_min_rows_per_expert * E:  # where the stack was measured faster
+        return None
     if not w1_up:  # (gated stacks never take the engine: their gate and up are two tensors, not one)
         out_dim, in_dim = w2[0].shape if layout == "nk" else w2[0].shape[::-1]
         if may_take_experts_of(SimpleNamespace(shape=(E, in_dim, out_dim)), False, topk_ids.numel()):
