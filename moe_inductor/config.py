@@ -89,14 +89,14 @@ grouped_mm_biased_backward_min_rows_per_expert: int = 128
 grouped_mm_biased_min_expert_weights: int = 4 * 1024 * 1024
 
 #: Per-expert weights (the list op, a ModuleList of experts): the forward reads them in place through a table of their
-#: places instead of stacking every expert at each call (ops/expert_lists.py, kernels/weight_table.py), from
-#: ``list_weight_tables_min_rows_per_expert`` rows (T*k) per expert on average. On an H100 (DeepSeek-V2-Lite's
-#: widths, RESULTS.md) the tables were 1.02x to 1.48x the stack from 16 tokens (96 rows, 64 experts) up, and
-#: 0.97-0.98x at 1 and 2 tokens, where the call is bound by the host (env MOE_INDUCTOR_LIST_TABLES=0 turns them off).
+#: places instead of stacking every expert at each call (ops/expert_lists.py, kernels/weight_table.py). On an H100
+#: (DeepSeek-V2-Lite's widths, RESULTS.md, thirty-first session) the tables were 1.03x to 1.48x the stack from 16
+#: tokens up in two runs; at 1 and 2 tokens, where the call is bound by the host, 0.97x / 0.98x before the per-call
+#: checks were made cheaper and 1.16x / 1.04x after (env MOE_INDUCTOR_LIST_TABLES=0 turns them off).
 list_weight_tables: bool = os.environ.get("MOE_INDUCTOR_LIST_TABLES", "1") == "1"
 
-#: ... the rows per expert below which the list op stacks the weights instead (see ``list_weight_tables``).
-list_weight_tables_min_rows_per_expert: float = 1.0
+#: ... from this many rows (T*k) per expert on average; below it the list op stacks the weights. 0: every call.
+list_weight_tables_min_rows_per_expert: float = 0.0
 
 #: Take a rewrite only where the whole-model measurements say it is faster than Inductor (speed_rule.py). Off, every
 #: proven MoE layer is rewritten: that is how the measurements themselves are taken (env MOE_INDUCTOR_SPEED_RULE=0).

@@ -1,6 +1,6 @@
 """Per-expert weights read in place through a table of their addresses (ops/expert_lists.py,
 kernels/weight_table.py, ``grouped_gemm_kernel``'s ``B_TABLE``): with ``config.list_weight_tables`` on, the list op's
-forward makes no stack of the experts' weights (here at every count of rows; by default from one row per expert).
+forward makes no stack of the experts' weights (at every count of rows, as by default).
 
 Checked against the plain-torch reference under the Triton interpreter on the CPU: T = 0, 1 and several, E not a
 power of two, one hot expert, experts without tokens, top-1 and top-2, every weight position, both layouts, gated and
@@ -180,9 +180,9 @@ def test_the_tables_are_on_unless_turned_off():
     assert config.list_weight_tables is (os.environ.get("MOE_INDUCTOR_LIST_TABLES", "1") == "1")
 
 
-def test_calls_with_fewer_rows_than_experts_stack(triton_kernels, tables_counted, monkeypatch):
-    """At the default row rule (one row per expert on average), 2 tokens x 2 choices over 5 experts stack the
-    weights, 3 x 2 read the tables; both give the reference."""
+def test_calls_with_fewer_rows_than_the_row_rule_stack(triton_kernels, tables_counted, monkeypatch):
+    """With a row rule of one row per expert on average, 2 tokens x 2 choices over 5 experts stack the weights,
+    3 x 2 read the tables; both give the reference."""
     monkeypatch.setattr(config, "list_weight_tables_min_rows_per_expert", 1.0)
     w1, w3, w2 = _weights("nk")
     for T, tables in ((2, 0), (3, 3)):
