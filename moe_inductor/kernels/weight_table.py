@@ -11,7 +11,8 @@ changed in place (``p.data.copy_(new)``, an optimizer step) is read as it is now
 from __future__ import annotations
 
 from collections import OrderedDict
-from operator import attrgetter
+from functools import reduce
+from operator import attrgetter, or_
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -53,7 +54,7 @@ class WeightTable(NamedTuple):
         return strides if dim is None else strides[dim]
 
 
-_SHAPE, _DTYPE, _DEVICE = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
+_SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
 _TABLES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 #: tables kept (each a few hundred bytes): a model's layers times its projections, with room to spare
 _MAX_TABLES = 256
@@ -65,7 +66,7 @@ def address_table(ws: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     table is not cached and would have to be uploaded during CUDA-graph capture (not allowed there). The caller
     stacks then. The upload goes through pinned memory, asynchronously: it never waits for the GPU."""
     addresses = tuple(map(torch.Tensor.data_ptr, ws))
-    if any(a % ALIGNMENT for a in addresses):
+    if reduce(or_, addresses) % ALIGNMENT:  # (any address's low bits show in the OR of all)
         return None
     key = (ws[0].device, ws[0].element_size(), addresses)
     table = _TABLES.get(key)
@@ -94,8 +95,9 @@ def weight_table(ws: Sequence[torch.Tensor], layout: str, dtype: torch.dtype, de
     first = ws[0]
     if first.dim() != 2 or first.dtype != dtype or first.device != device:
         return None
-    # one shape, strides, dtype and device across the experts (C-level maps: this runs at every call)
-    for attr in (_SHAPE, torch.Tensor.stride, _DTYPE, _DEVICE):
+    # one shape, strides, dtype and device across the experts (C-level maps: this runs at every call; the device
+    # index with the first tensor's device says the device)
+    for attr in (_SHAPE, torch.Tensor.stride, _DTYPE, torch.Tensor.get_device):
         if len(set(map(attr, ws))) != 1:
             return None
     table = address_table(ws)
