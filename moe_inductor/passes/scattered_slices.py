@@ -136,7 +136,8 @@ def _weighted(value: Node, write: Node) -> Union[tuple[Node, Node, Optional[Node
             return "the weighted expert output is read besides its write"
         for y, s in (value.args, value.args[::-1]):
             if isinstance(y, Node) and _weight_column(s) is not None:
-                return y, s, None
+                # read by the weighting only: no view of it, and no change of it in place, is anywhere else
+                return (y, s, None) if set(y.users) == {value} else "the expert's output is read besides its weighting"
         return "the expert's output is multiplied by something other than its rows' routing weights"
     muls = inplace_users(value)
     if len(muls) != 1 or not is_call(muls[0], "call_method", "mul_") or len(muls[0].args) != 2 or muls[0].kwargs:
@@ -258,8 +259,8 @@ def _one_spec(bodies: list[_Body], d) -> Union[tuple[MoESpec, int], str]:
 
 
 def _marked(acc: Node) -> Optional[tuple[list[Node], object]]:
-    """(the buffer's writes, the dispatch) where zeros ``acc`` is written more than once by scatters whose token
-    index is a slice of a sorted order's tokens: this form's mark; else None."""
+    """(the buffer's writes, the dispatch) where zeros ``acc`` is written by a scatter whose token index is a slice
+    of a sorted order's tokens: this form's mark; else None."""
     from .split_loop import _dispatch
 
     av = val(acc)
@@ -297,6 +298,8 @@ def match(acc: Node) -> Union[Match, str, None]:
     xv = val(spec.x)
     if xv is None or xv.dim() != 2 or av.dtype != xv.dtype or not all(map(known_equal, av.shape, xv.shape)):
         return "the buffer is not zeros of x's (T, H) shape and dtype"
+    if not known_equal(xv.shape[0], val(d.ids).shape[0]):  # order // k numbers the ids' rows: x's rows must be those
+        return "x and the ids have different numbers of rows"
     if alias_mutations(d.tok) or alias_mutations(d.order):
         return "the sorted order or its tokens are changed in place"
     position = {n: i for i, n in enumerate(acc.graph.nodes)}
