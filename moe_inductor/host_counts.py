@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule
 
+from . import host_cumsum
+
 #: on the traced host copy (the array's node) whose elements were walked as counts
 WALKED = "moe_inductor_host_counts"
 
@@ -86,6 +88,8 @@ def install() -> None:
 
     def unpack_var_sequence(self, tx, *args, **kwargs):
         items = None if args or kwargs else _count_items(self, tx)
+        if items is None and not args and not kwargs:
+            items = host_cumsum.walk_items(self, tx)
         return items if items is not None else original(self, tx, *args, **kwargs)
 
     unpack_var_sequence._moe_inductor = True

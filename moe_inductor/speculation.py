@@ -52,7 +52,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx import Node
 
-from . import host_counts, mask_guards, skipped_state
+from . import host_counts, host_cumsum, mask_guards, skipped_state
 from .loop_bytecode import _body_refusal, _loop_of, _next, _resolve, through_constant_test
 
 TAG = "moe_inductor_speculation"
@@ -98,6 +98,9 @@ class Speculation:
     lists: dict = field(default_factory=dict)
     #: the nodes the body appended to such lists: check_traced proves a cat is their only reader
     appended: list = field(default_factory=list)
+    #: the offset of the branch instruction, and the mutation count when the iteration ended (host_cumsum.py)
+    branch: Optional[int] = None
+    closed_at: Optional[int] = None
 
 
 @dataclass
@@ -126,6 +129,8 @@ class Trace:
     host_counts: bool = False
     #: the lists ``BUILD_LIST`` made in this compile, by id: (the variable, its frame) (skipped_state.build_list_hook)
     built: dict = field(default_factory=dict)
+    #: cumulative count arrays walked as running sums (host_cumsum.Walk)
+    cumulative_walks: list = field(default_factory=list)
 
     def mark(self) -> tuple:
         """Where the side-effect record stands: (mutations, births, steps) so far."""
@@ -202,7 +207,7 @@ def _count_symbol(value) -> Optional[tuple[Any, Any]]:
             return None  # Dynamo decides it (a guard), nothing to speculate
     except Exception:  # noqa: BLE001
         return None
-    expr = sym.node.expr
+    expr = host_cumsum.one_count(sym.node.expr)  # ``start == end`` of running sums: ``c == 0``
     symbols = free_unbacked_symbols(expr)
     if len(symbols) != 1 or expr.free_symbols != symbols:
         return None
@@ -289,7 +294,7 @@ def _speculate(tx, inst, jumps_when: bool) -> bool:
     else:
         trace.speculations.append(Speculation(next(_ids), symbol, where, graph, _last_node(graph), tx.f_code,
                                               head.offset, tx, trace.mark(), rebinds=held,
-                                              lists=skipped_state.lists_of(tx)))
+                                              lists=skipped_state.lists_of(tx), branch=inst.offset))
     tx.pop()
     if not zero_jumps:  # the rows side is the jump target
         tx.jump(inst)
@@ -303,7 +308,7 @@ def _close(tx, inst) -> None:
         return
     for s in trace.speculations:
         if s.tx is tx and not s.closed and s.loop_head == inst.offset:
-            s.closed = True
+            s.closed, s.closed_at = True, trace.mutations
             body = set()
             node = s.start.next if s.start is not None else next(iter(s.graph.nodes), None)
             while node is not None and node is not s.graph._root:
@@ -472,7 +477,8 @@ def install() -> None:
 
     def method_tolist(self, *args, **kwargs):  # (self, tx) in torch 2.13; whatever the version passes, passed on
         _tolist(self)
-        listed = original_tolist(self, *args, **kwargs)
+        listed = host_cumsum.cumulative_list(self, *args, **kwargs) if _trace() is not None else None
+        listed = listed if listed is not None else original_tolist(self, *args, **kwargs)
         _counts_total(self, listed)
         return listed
 
@@ -514,6 +520,8 @@ def hook_table(table: list, opmap: dict) -> None:
             table[op] = _for_iter_hook(handler)
         elif opname == "BUILD_LIST":
             table[op] = skipped_state.build_list_hook(handler, _trace)
+        elif opname == "BINARY_SUBSCR":
+            table[op] = host_cumsum.subscript_hook(handler)
 
 
 #: the methods by which Dynamo steps an iterator it traces (one or both, by torch version)

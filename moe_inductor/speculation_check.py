@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from . import mask_guards
+from . import host_cumsum, mask_guards
 from .speculation import LENGTH, TAG, Speculation, SpeculationNotDischarged, _fail, _trace
 
 
@@ -81,6 +81,7 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
     expert only. Raises SpeculationNotDischarged."""
     from .passes.fx_utils import canonicalize_operators, is_call, same_value_key
 
+    host_cumsum.check(gm, speculations)
     if not speculations:
         return
     graph = torch.fx.Graph()
@@ -204,6 +205,7 @@ def discharge(gm: GraphModule, speculations: list[Speculation], left_alone: Iter
 
     trace = _trace()
     unread = host_counts.unconsumed(gm) if trace is not None and trace.host_counts else None
+    unread = unread or host_cumsum.leftover(gm)
     if unread is not None:
         raise SpeculationNotDischarged(unread)
     for s in speculations:

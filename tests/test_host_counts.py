@@ -10,11 +10,11 @@ experts run kept in a local, the list's length read as a number, the counts used
 outputs appended to a list the module keeps (a change the caller sees) or to one a caller made and handed in (its
 reads are the caller's), and an array that is not the experts' counts.
 
-MiniMind's walk of cumulative counts (``bincount().cpu().numpy().cumsum(0)``, ``for i, end in enumerate(cum)``,
-``start = 0 if i == 0 else cum[i - 1]``, ``if start == end: continue``) is not taken yet: the array's length (max id
-+ 1 without minlength, an unhinted size with it) breaks the graph where it is walked, under every backend. Its
-spellings (with DeepSeek-V2's body, which sorted_grouped_mm takes from the marked-count walk) and its look-alikes
-are each left to Dynamo, not rewritten and equal to eager.
+MiniMind's walk of cumulative counts (``bincount().cpu().numpy().cumsum(0)``, ``start = 0 if i == 0 else cum[i -
+1]``; moe_inductor/host_cumsum.py), with DeepSeek-V2's body: rewritten without minlength (the bincount shorter than
+E), with it, by torch's cumsum, by ``.tolist()``, over ``for end in cum``; look-alikes kept, each equal to eager: a
+skipped branch that counts, the wrong neighbour read, a walk that stops early, the index read after the loop, a
+list noted before the skip, a bincount of other ids, ``.tolist()`` without minlength, ``enumerate(cum, 1)``.
 """
 import pytest
 import torch
@@ -353,26 +353,50 @@ def _cumulative_case(variant: str, expect: tuple) -> Case:
                 token_counts=(3, 9))
 
 
-#: the cumulative walk's spellings (taking them needs the walk of all E experts proven equal to eager's max id + 1)
-CUMULATIVE = ["cum_numpy", "cum_minlength", "cum_torch", "cum_tolist", "cum_plain_for", "cum_last_idle"]
-#: its look-alikes, which a proof of that walk must keep refusing (the comments say why each is another program)
-CUMULATIVE_LOOK_ALIKES = [
-    "cum_skip_counts",  # the skipped branch counts idle experts: eager counts those below the largest id only
-    "cum_wrong_neighbour",  # start = cum[i - 2]: the test is c[i-1] + c[i] == 0, not one expert's count
-    "cum_stops_early", "cum_stops_early_min",  # a walk that stops at E // 2: the experts past it never run
-    "cum_index_after",  # the loop index after the loop: the largest id in eager, E - 1 in a walk over all E
-    "cum_noted",  # each expert walked noted in a list before the skip: its length is the largest id + 1 in eager
-    "cum_not_ids",  # bincount of flat // 2, not of the routing ids: its length is no bound of E
-    "cum_tolist_padded",  # .tolist() of a bincount without minlength: a list whose length (max id + 1) is read
-    "cum_from_1",  # enumerate(cum, 1): the walk's index is not the expert's
-]
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["cum_numpy", "cum_minlength", "cum_torch", "cum_tolist", "cum_plain_for",
+                                     "cum_last_idle"])
+def test_a_walk_of_cumulative_host_counts_is_rewritten_and_equal_to_eager(variant):
+    """The bincount without minlength has max id + 1 entries (3 tokens reach at most 6 of 8 experts, and
+    ``cum_last_idle`` never reaches the last): traced as all E, the experts past the largest id skipped."""
+    case = _cumulative_case(variant, ("rewritten",))
+    outcome = run_case(case)
+    assert outcome.declared() == ("rewritten",), (outcome.declared(), outcome.fallbacks, outcome.left_alone)
+    check_rewritten(case, outcome)
+    assert outcome.rewrites == {"sorted_grouped_mm": outcome.graphs}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", CUMULATIVE + CUMULATIVE_LOOK_ALIKES)
-def test_a_walk_of_cumulative_host_counts_is_left_to_dynamo_and_equal_to_eager(variant):
-    """Not rewritten today, spelling or look-alike: a graph break where the array is walked (or, where torch raises
-    on its unhinted length under the capture settings, the frame compiled as plain capture would), equal to eager."""
+@pytest.mark.parametrize("variant, said", [
+    # the skipped branch counts idle experts: eager counts those below the largest id only
+    ("cum_skip_counts", "does not go straight to the next iteration"),
+    # start = cum[i - 2]: the test is c[i-1] + c[i] == 0, of two counts, so no skip is assumed (Dynamo's break)
+    ("cum_wrong_neighbour", "Data-dependent branching"),
+    # a walk that stops at E // 2: the experts past it never run
+    ("cum_stops_early", "not every one of its iterations reaches a skip"),
+    ("cum_stops_early_min", "not every one of its iterations reaches a skip"),
+    # the loop index read after the loop: its last value is the largest id in eager, E - 1 in the walk over all E
+    ("cum_index_after", "read after it"),
+    # each expert walked appended to a list before the skip: the list's length is the largest id + 1 in eager
+    ("cum_noted", "the code before its skip"),
+])
+def test_a_cumulative_walk_that_is_not_the_experts_loop_is_kept_and_equal_to_eager(variant, said):
+    case = _cumulative_case(variant, ("fell_back",))
+    with report.collecting(report.Report()) as seen:
+        outcome = run_case(case)
+    assert outcome.fallbacks and outcome.kind != "crash", (outcome.declared(), outcome.rewrites, outcome.left_alone)
+    check_unchanged(case, outcome)
+    reasons = [f.reason for f in seen.fallbacks] + [r for f in seen.fallbacks for r in getattr(f, "also", ())]
+    assert any(said in r for r in reasons), reasons
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [
+    "cum_not_ids",  # bincount of flat // 2, not of the routing ids: its length is no bound of E
+    "cum_tolist_padded",  # .tolist() of a bincount without minlength: a list whose length (max id + 1) is read
+    "cum_from_1",  # enumerate(cum, 1): the walk's index is not the expert's (no consumer the walk takes)
+])
+def test_cumulative_counts_that_are_not_the_experts_are_left_to_dynamo(variant):
     case = _cumulative_case(variant, ("graph_break",))
     outcome = run_case(case)
     assert outcome.kind in ("graph_break", "fell_back") and not outcome.rewrites, outcome.declared()

@@ -75,7 +75,8 @@ class SplitLoopMoE(nn.Module):
         if s.startswith("mask"):
             out = torch.zeros(T, H)
             early = out.clone() + 1.0 if s == "mask_read_before" else None  # reads the zeros before the write
-            out.scatter_add_(0, tok.unsqueeze(1).expand(-1, H), ys * ws.unsqueeze(-1))
+            width = H // 2 if s == "mask_narrow_index" else H  # adds the first half of each row only
+            out.scatter_add_(0, tok.unsqueeze(1).expand(-1, width), ys * ws.unsqueeze(-1))
             return out if early is None else out * early
         rows = torch.flip(tok, [0]) if s == "sort_other_rows" else tok
         return torch.zeros((T, H)).index_add(0, rows, ys * ws[:, None])
@@ -202,3 +203,12 @@ def test_an_add_into_memory_read_through_another_name_is_left_alone(style):
     out = compile_moe(model, x)
     assert not counters["moe_inductor"], dict(counters["moe_inductor"])
     assert_close(out, model(x), torch.float32, style)
+
+
+def test_a_scatter_index_narrower_than_the_buffer_is_not_rewritten():
+    torch.manual_seed(0)
+    model = SplitLoopMoE("mask_narrow_index")
+    x = torch.randn(9, H)
+    out = compile_moe(model, x)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    assert_close(out, model(x), torch.float32, "mask_narrow_index")

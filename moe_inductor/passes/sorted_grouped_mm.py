@@ -237,9 +237,11 @@ def _scatter_back(acc: Node) -> Optional[_Combine]:
     got = _token_of(tok)
     if got is None or any(comes_before(u, add) for u in acc.users if u is not add):
         return None  # (a read of the zeros before the scatter must not see the op's result)
-    xv, av = val(add.args[3]), val(acc)
+    xv, av, iv = val(add.args[3]), val(acc), val(add.args[2])
     if xv is None or av is None or av.dim() != 2:
         return None
+    if add.target == "scatter_add_" and (iv is None or iv.dim() != 2 or not known_equal(iv.shape[1], av.shape[1])):
+        return None  # an index narrower than the buffer adds only its first columns
     return _Combine(add.args[3], got[0], add, (add,))
 
 
@@ -485,6 +487,8 @@ def match(acc: Node) -> Union[Match, str, None]:
     if is_call(xs, "call_function", torch.gather) and xs.args[1] == 0:
         tok = _token_rows(xs.args[2])
         x = xs.args[0]
+        if val(xs) is None or val(x) is None or not known_equal(val(xs).shape[-1], val(x).shape[-1]):
+            tok = None  # a narrower index gathers only the first columns of each row
     elif is_call(xs, "call_function", operator.getitem):
         tok, x = xs.args[1], xs.args[0]
     if tok is None or _token_of(tok) != (order, ids):

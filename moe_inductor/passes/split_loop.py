@@ -38,7 +38,9 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match
-from .fx_utils import alias_mutations, base_of, comes_before, flat_of, is_call, is_view_of, val, view_family
+from .fx_utils import (alias_mutations, base_of, comes_before, flat_of, is_call, is_view_of, known_equal, val,
+                       view_family)
+from . import scattered_slices
 from .gated_reads import read_gated
 from .slice_runs import SliceRun, slice_bounds, slice_run
 from .sorted_grouped_mm import _sort_order
@@ -371,7 +373,7 @@ def _token_rows(xs: Node, tok: Node) -> Optional[Node]:
         names = ("input", "dim", "index")
         bound = {**dict(zip(names, xs.args)), **xs.kwargs}
         if set(bound) == set(names) and bound["dim"] == 0 and isinstance(bound["index"], Node) and (
-                _token_index(bound["index"]) is tok):
+                _token_index(bound["index"]) is tok) and _full_width(bound["index"], bound["input"]):
             return bound["input"]
     return None
 
@@ -386,6 +388,12 @@ def _token_index(index: Node) -> Optional[Node]:
     if is_call(inner, "call_method", "reshape", "view") and inner.args[1:] == (-1, 1):
         return inner.args[0]
     return None
+
+
+def _full_width(index: Node, rows: Node) -> bool:
+    """A (n, H) gather/scatter index as wide as ``rows``: a narrower one reads or adds only the first columns."""
+    iv, rv = val(index), val(rows)
+    return iv is not None and rv is not None and iv.dim() == 2 and known_equal(iv.shape[1], rv.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -430,6 +438,8 @@ def _combine(acc: Node) -> Optional[_Combine]:
     if mutations and onto and not _written_alone(acc, node):
         return None
     index = bound["index"]
+    if node.target.startswith("scatter") and not _full_width(index, acc):
+        return None
     tok = _token_index(index) if node.target.startswith("scatter") else index
     if not isinstance(tok, Node):
         return None
@@ -519,5 +529,5 @@ def _zeros(node: Node) -> bool:
     return is_call(node, "call_function", torch.zeros, torch.zeros_like) or is_call(node, "call_method", "new_zeros")
 
 
-rewrite = Form(FORM, (Anchor(lambda n: _zeros(n) or _added_into(n), match),))
+rewrite = Form(FORM, (Anchor(lambda n: _zeros(n) or _added_into(n), match), Anchor(_zeros, scattered_slices.match)))
 """Replace every provable split loop in a GraphModule; returns what was rewritten."""

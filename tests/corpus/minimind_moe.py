@@ -15,7 +15,10 @@ expert(x[flat == i]).to(y.dtype)``), ``(y.view(T, k, H) * w.unsqueeze(-1)).sum(d
 
 Outcomes: training rounds every expert output to fp16 in the buffer, a different function from the fp32 model's
 experts, which the masked-writes proof does not take for the op (left alone, the cast named as the reason; equal to
-eager); eval walks numpy host counts, which Dynamo breaks the graph on (under every backend), equal to eager.
+eager); eval's walk of the cumulative host counts traces as one graph (moe_inductor/host_cumsum.py: the bincount's
+max id + 1 entries walked as all E experts, proven), and its body, each expert's output weighted in place and
+``scatter_add_``-ed into zeros at its own slice of the sorted order, is the split loop's per-expert spelling
+(passes/scattered_slices.py): rewritten, equal to eager.
 """
 import torch
 import torch.nn as nn
@@ -114,6 +117,5 @@ CASES = [
          _input, form="unrolled_loop",
          expect=("left_alone", "unrolled_loop", "expert 0's output is cast from float32 to float16")),
     Case("minimind_moe_eval", SOURCE + " (eval: moe_infer over numpy host counts)", lambda: MOEFeedForward().eval(),
-         _input, form="unrolled_loop", expect=("graph_break",),
-         before_2_13=("fell_back",)),  # 2.11 raises on the bincount's unhinted length under the capture settings
+         _input, form="split_loop"),
 ]
