@@ -22,10 +22,10 @@ frame falls back.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 from . import host_cumsum
 
@@ -33,17 +33,27 @@ from . import host_cumsum
 WALKED = "moe_inductor_host_counts"
 
 
+def traced_node(var) -> tuple[Any, Optional[Node]]:
+    """(the running trace, the graph node behind Dynamo variable ``var``) while a moe_inductor compile traces, else
+    (None, None); the node is None for a variable without a proxy (not a value of the graph)."""
+    from . import speculation
+
+    trace = speculation._trace()
+    if trace is None:
+        return None, None
+    try:
+        return trace, var.as_proxy().node
+    except Exception:  # noqa: BLE001  (no proxy: not an array of the graph)
+        return trace, None
+
+
 def _count_items(var, tx) -> Optional[list]:
     """The count vector's elements as the ``.tolist()`` integers, or None where this is no such array."""
     from . import speculation
     from .passes.counts import host_copy_of, per_expert_counts
 
-    trace = speculation._trace()
-    if trace is None:
-        return None
-    try:
-        node = var.as_proxy().node
-    except Exception:  # noqa: BLE001  (no proxy: not an array of the graph)
+    trace, node = traced_node(var)
+    if node is None:
         return None
     value = node.meta.get("example_value")
     if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype.is_floating_point or (

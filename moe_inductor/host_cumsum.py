@@ -249,12 +249,8 @@ def walk_items(var, tx) -> Optional[list]:
     unpacking then runs, as before)."""
     from . import host_counts, speculation
 
-    trace = speculation._trace()
-    if trace is None:
-        return None
-    try:
-        node = var.as_proxy().node
-    except Exception:  # noqa: BLE001  (no proxy: not an array of the graph)
+    trace, node = host_counts.traced_node(var)
+    if node is None:
         return None
     found = cumulative_source(node)
     loop = _consumer(tx) if found is not None else None
