@@ -51,7 +51,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch.fx import Graph, Node
 
-from . import report, speculation
+from . import count_totals, report, speculation
 from .loop_bytecode import _body_refusal, _loop_of, _next
 
 #: on a ``torch.full((1,), e)`` node that stands for the e-th row of a hit loop's nonzero: e
@@ -130,7 +130,7 @@ def _counts(node: Node) -> Union[tuple[Node, int, tuple], str]:
         return ids, E, (node, *made_of)
     if is_call(node, "call_function", torch.bincount) and len(node.args) == 1 and set(node.kwargs) == {"minlength"}:
         E, flat = node.kwargs["minlength"], node.args[0]
-        if isinstance(E, int) and E > 0 and isinstance(flat, Node) and speculation._topk_ids_below(flat, E):
+        if isinstance(E, int) and E > 0 and isinstance(flat, Node) and count_totals.topk_ids_below(flat, E):
             ids = flat.args[0] if flat.op == "call_method" else flat
             return ids, E, (node, flat)
         return "the bincount is not of top-k ids over E experts with minlength=E"

@@ -49,7 +49,7 @@ def traced_node(var) -> tuple[Any, Optional[Node]]:
 
 def _count_items(var, tx) -> Optional[list]:
     """The count vector's elements as the ``.tolist()`` integers, or None where this is no such array."""
-    from . import speculation
+    from . import count_totals
     from .passes.counts import host_copy_of, per_expert_counts
 
     trace, node = traced_node(var)
@@ -59,7 +59,7 @@ def _count_items(var, tx) -> Optional[list]:
     if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype.is_floating_point or (
             value.dtype == torch.bool) or not isinstance(value.shape[0], int):
         return None
-    if per_expert_counts(node) is None and speculation._histogram_total(host_copy_of(node)) is None:
+    if per_expert_counts(node) is None and count_totals.histogram_total(host_copy_of(node)) is None:
         return None
     from torch._dynamo.variables.tensor import TensorVariable
 

@@ -112,9 +112,9 @@ def _cumsum_over_0(node) -> bool:
 
 
 def _experts_of(flat) -> Optional[int]:
-    """E for ``flat`` = top-k ids over a last dim of E, flattened (speculation._topk_ids_below), else None."""
+    """E for ``flat`` = top-k ids over a last dim of E, flattened (count_totals.topk_ids_below), else None."""
     from .passes.fx_utils import is_call, val
-    from .speculation import _topk_ids_below
+    from .count_totals import topk_ids_below
 
     ids = flat
     if is_call(ids, "call_method", "flatten", "view", "reshape"):
@@ -126,7 +126,7 @@ def _experts_of(flat) -> Optional[int]:
     fv = val(flat)
     if scores is None or fv is None or fv.dim() != 1 or not isinstance(scores.shape[-1], int):
         return None
-    return scores.shape[-1] if _topk_ids_below(flat, scores.shape[-1]) else None
+    return scores.shape[-1] if topk_ids_below(flat, scores.shape[-1]) else None
 
 
 def _consumer(tx) -> Optional[tuple[Any, int]]:

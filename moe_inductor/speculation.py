@@ -45,14 +45,13 @@ from __future__ import annotations
 
 import dis
 import itertools
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 from torch.fx import Node
 
-from . import host_counts, host_cumsum, mask_guards, skipped_state
+from . import count_totals, host_counts, host_cumsum, mask_guards, skipped_state
 from .loop_bytecode import _body_refusal, _loop_of, _next, _resolve, through_constant_test
 
 TAG = "moe_inductor_speculation"
@@ -123,7 +122,7 @@ class Trace:
     loops: dict = field(default_factory=dict)
     #: whether moe_inductor's backend was handed a graph of this compile (``of_graph``)
     checked: bool = False
-    #: per-expert counts known to add up to the number of ids (``_counts_total``): (their symbols, that number)
+    #: per-expert counts known to add up to the number of ids (``count_totals.counts_total``): (their symbols, that number)
     totals: list = field(default_factory=list)
     #: whether a host copy of counts was walked as integers (host_counts.py): the backend must see the graph
     host_counts: bool = False
@@ -324,114 +323,6 @@ def _close(tx, inst) -> None:
                 s.failed = skipped_state.rebinds_hold(tx, s.rebinds, body, s.symbol)
 
 
-def _topk_ids_below(ids_flat: Node, E: int) -> bool:
-    """``ids_flat`` is ``ids.flatten()`` (or ``view(-1)``/``reshape(-1)``, or ids itself) of ``topk(s, k)[1]`` over a
-    last dim of size E, unchanged since: every value is below E."""
-    from .passes.fx_utils import is_call, mutated_alias, val
-
-    ids = ids_flat
-    if is_call(ids, "call_method", "flatten") and len(ids.args) == 1 and not ids.kwargs or (
-            is_call(ids, "call_method", "view", "reshape") and tuple(ids.args[1:]) in ((-1,), ((-1,),))):
-        ids = ids.args[0]
-    if not (is_call(ids, "call_function", operator.getitem) and ids.args[1] == 1):
-        return False
-    topk = ids.args[0]
-    if not (is_call(topk, "call_function", torch.topk) or is_call(topk, "call_method", "topk")):
-        return False
-    src = topk.args[0] if isinstance(topk.args[0], Node) else None
-    sv = val(src)
-    dim = topk.kwargs.get("dim", topk.args[2] if len(topk.args) > 2 else -1)
-    if sv is None or dim not in (-1, sv.dim() - 1) or topk.kwargs.get("largest", True) is not True:
-        return False
-    return sv.shape[-1] == E and not mutated_alias(ids) and not mutated_alias(src)
-
-
-def _histogram_total(node: Node) -> Optional[Any]:
-    """The number of ids a per-expert count vector adds up to: ``bincount(ids.flatten(), minlength=E)`` or
-    ``histc(ids.flatten()(.float()), bins=E, min=0, max=E or E - 1)`` of ``topk`` ids over E experts (integer casts
-    aside), every id landing in one of the E bins, is the flat ids' length; None for anything else."""
-    from .passes.fx_utils import is_call, val
-
-    while (is_call(node, "call_method", "long", "int", "cpu") and len(node.args) == 1 and not node.kwargs) or (
-            is_call(node, "call_method", "to") and len(node.args) == 2 and isinstance(node.args[1], torch.dtype)
-            and not node.args[1].is_floating_point and not node.kwargs):
-        node = node.args[0]
-    if is_call(node, "call_function", torch.bincount) and len(node.args) == 1 and set(node.kwargs) == {"minlength"}:
-        E, flat = node.kwargs["minlength"], node.args[0]
-    elif is_call(node, "call_function", torch.histc) and len(node.args) == 1 and set(node.kwargs) == {
-            "bins", "min", "max"}:
-        E, flat = node.kwargs["bins"], node.args[0]
-        if node.kwargs["min"] != 0 or node.kwargs["max"] not in (E, E - 1):
-            return None
-        if is_call(flat, "call_method", "float") and len(flat.args) == 1 and not flat.kwargs:
-            flat = flat.args[0]
-    else:
-        return None
-    fv = val(flat) if isinstance(flat, Node) else None
-    if not isinstance(E, int) or E <= 0 or fv is None or fv.dim() != 1 or not _topk_ids_below(flat, E):
-        return None
-    return fv.shape[0]
-
-
-def _counts_total(tensor_variable, listed) -> None:
-    """After ``.tolist()`` of per-expert counts that add up to the number of ids (``_histogram_total``): record
-    their symbols and that number, which ``_decide_by_totals`` reads."""
-    trace = _trace()
-    if trace is None:
-        return
-    total = _histogram_total(tensor_variable.as_proxy().node)
-    sizes = [getattr(item, "sym_num", None) for item in getattr(listed, "items", None) or []]
-    if total is None or not sizes or any(not isinstance(x, torch.SymInt) for x in sizes):
-        return
-    symbols = [x.node.expr for x in sizes]
-    if len(set(symbols)) == len(symbols) and all(getattr(x, "is_Symbol", False) for x in symbols):
-        trace.totals.append((symbols, total.node.expr if isinstance(total, torch.SymInt) else total))
-
-
-def _decide_by_totals(tx, inst, jumps_when: bool) -> bool:
-    """Take the branch ``inst`` (and return True) when its condition is decided once counts recorded by
-    ``_counts_total`` are known to add up to their number of ids: ``if out.numel() > 0`` on the ``cat`` of rows split
-    by those counts (torchtune) reads their sum, which Dynamo cannot decide alone. The condition is checked at run
-    time too (``torch._check``)."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    trace = _trace()
-    sym = _branch_condition(tx.stack[-1]) if trace is not None and trace.totals and tx.stack else None
-    if sym is None:
-        return False
-    expr = sym.node.expr
-    for symbols, total in trace.totals:
-        if not free_unbacked_symbols(expr) <= set(symbols):
-            continue
-        decided = tx.output.shape_env._maybe_evaluate_static(
-            expr.xreplace({symbols[-1]: total - sum(symbols[:-1])}))
-        if decided is None or decided not in (True, False):
-            continue
-        value = bool(decided)
-        torch._check(sym if value else torch.sym_not(sym))
-        tx.pop()
-        if value == jumps_when:
-            tx.jump(inst)
-        return True
-    return False
-
-
-def _tolist(tensor_variable) -> None:
-    """Before ``.tolist()`` of ``bincount(topk_ids.flatten(), minlength=E)``: its length is E (a fact)."""
-    if _trace() is None:
-        return
-    from .passes.fx_utils import is_call
-
-    node = tensor_variable.as_proxy().node
-    value = node.meta.get("example_value")
-    if not isinstance(value, torch.Tensor) or value.dim() != 1 or isinstance(value.shape[0], int):
-        return
-    if is_call(node, "call_function", torch.bincount) and _histogram_total(node) is not None:
-        E = node.kwargs["minlength"]
-        torch._check(value.shape[0] == E)
-        node.meta[LENGTH] = E
-
-
 # --- installation -------------------------------------------------------------------------------------------------
 
 _installed = False
@@ -476,10 +367,10 @@ def install() -> None:
             setattr(side_effects.SideEffects, name, _counting(method))
 
     def method_tolist(self, *args, **kwargs):  # (self, tx) in torch 2.13; whatever the version passes, passed on
-        _tolist(self)
+        count_totals.tolist_length(self)
         listed = host_cumsum.cumulative_list(self, *args, **kwargs) if _trace() is not None else None
         listed = listed if listed is not None else original_tolist(self, *args, **kwargs)
-        _counts_total(self, listed)
+        count_totals.counts_total(self, listed)
         return listed
 
     TensorVariable.method_tolist = method_tolist
@@ -592,7 +483,7 @@ def _counting(method: Callable) -> Callable:
 
 def _jump_hook(handler: Callable, jumps_when: bool) -> Callable:
     def jump(tx, inst):
-        if not _decide_by_totals(tx, inst, jumps_when) and not _speculate(tx, inst, jumps_when):
+        if not count_totals.decide_by_totals(tx, inst, jumps_when) and not _speculate(tx, inst, jumps_when):
             handler(tx, inst)
 
     return jump

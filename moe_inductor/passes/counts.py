@@ -57,7 +57,7 @@ def _integer_ids(node) -> Node:
 def topk_ids_over(ids: Node, num_experts: int) -> bool:
     """``ids`` are ``topk(s, k)[1]`` (or a top-1 router's ``max(dim=-1, keepdim=True)[1]``) over a last dim of
     ``num_experts``, unchanged since: each row's values are distinct and below E."""
-    from ..speculation import _topk_ids_below
+    from ..count_totals import topk_ids_below
     from .unrolled_loop import max_ids
 
     iv = val(ids)
@@ -66,7 +66,7 @@ def topk_ids_over(ids: Node, num_experts: int) -> bool:
     if max_ids(ids):
         scores = val(ids.args[0].args[0])
         return scores is not None and scores.shape[-1] == num_experts and not alias_mutations(ids)
-    return _topk_ids_below(ids, num_experts)
+    return topk_ids_below(ids, num_experts)
 
 
 def _zeros_table(node) -> bool:

@@ -15,7 +15,7 @@ Departure (as in torchtitan_moe.py): ``histc`` gets the ids as floats and its co
 Under moe_inductor's capture the ``.tolist()`` counts trace as unbacked sizes, so the ``cat``ed output's row count
 is their sum, which Dynamo alone cannot compare with 0: ``if routed_output.numel() > 0`` would break the graph
 before the combine. The counts are a histogram of the top-k ids, so they add up to T*k, and the capture decides the
-test with that (``speculation._decide_by_totals``, checked at run time too). With a shared expert the outputs are
+test with that (``count_totals.decide_by_totals``, checked at run time too). With a shared expert the outputs are
 added into the shared expert's result (a view of it) rather than into zeros; the split-loop form reads that as the
 shared expert's output plus the op's.
 """

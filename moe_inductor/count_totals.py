@@ -1,0 +1,125 @@
+"""Per-expert counts whose total is known, for the trace-time hooks of speculation.py: a ``bincount``/``histc`` of
+top-k ids over E experts has E bins and adds up to the number of ids, facts Dynamo cannot derive alone.
+
+- ``histogram_total``/``topk_ids_below`` read those facts off the FX graph;
+- ``tolist_length`` records that such a bincount (minlength E) has E entries before ``.tolist()``;
+- ``counts_total`` notes the listed counts' symbols and their total, and ``decide_by_totals`` decides a branch on
+  their sum with it (torchtune's ``if out.numel() > 0``), checked at run time too.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+from torch.fx import Node
+
+from . import speculation
+
+
+def topk_ids_below(ids_flat: Node, E: int) -> bool:
+    """``ids_flat`` is ``ids.flatten()`` (or ``view(-1)``/``reshape(-1)``, or ids itself) of ``topk(s, k)[1]`` over a
+    last dim of size E, unchanged since: every value is below E."""
+    from .passes.fx_utils import is_call, mutated_alias, val
+
+    ids = ids_flat
+    if is_call(ids, "call_method", "flatten") and len(ids.args) == 1 and not ids.kwargs or (
+            is_call(ids, "call_method", "view", "reshape") and tuple(ids.args[1:]) in ((-1,), ((-1,),))):
+        ids = ids.args[0]
+    if not (is_call(ids, "call_function", operator.getitem) and ids.args[1] == 1):
+        return False
+    topk = ids.args[0]
+    if not (is_call(topk, "call_function", torch.topk) or is_call(topk, "call_method", "topk")):
+        return False
+    src = topk.args[0] if isinstance(topk.args[0], Node) else None
+    sv = val(src)
+    dim = topk.kwargs.get("dim", topk.args[2] if len(topk.args) > 2 else -1)
+    if sv is None or dim not in (-1, sv.dim() - 1) or topk.kwargs.get("largest", True) is not True:
+        return False
+    return sv.shape[-1] == E and not mutated_alias(ids) and not mutated_alias(src)
+
+
+def histogram_total(node: Node) -> Optional[Any]:
+    """The number of ids a per-expert count vector adds up to: ``bincount(ids.flatten(), minlength=E)`` or
+    ``histc(ids.flatten()(.float()), bins=E, min=0, max=E or E - 1)`` of ``topk`` ids over E experts (integer casts
+    aside), every id landing in one of the E bins, is the flat ids' length; None for anything else."""
+    from .passes.fx_utils import is_call, val
+
+    while (is_call(node, "call_method", "long", "int", "cpu") and len(node.args) == 1 and not node.kwargs) or (
+            is_call(node, "call_method", "to") and len(node.args) == 2 and isinstance(node.args[1], torch.dtype)
+            and not node.args[1].is_floating_point and not node.kwargs):
+        node = node.args[0]
+    if is_call(node, "call_function", torch.bincount) and len(node.args) == 1 and set(node.kwargs) == {"minlength"}:
+        E, flat = node.kwargs["minlength"], node.args[0]
+    elif is_call(node, "call_function", torch.histc) and len(node.args) == 1 and set(node.kwargs) == {
+            "bins", "min", "max"}:
+        E, flat = node.kwargs["bins"], node.args[0]
+        if node.kwargs["min"] != 0 or node.kwargs["max"] not in (E, E - 1):
+            return None
+        if is_call(flat, "call_method", "float") and len(flat.args) == 1 and not flat.kwargs:
+            flat = flat.args[0]
+    else:
+        return None
+    fv = val(flat) if isinstance(flat, Node) else None
+    if not isinstance(E, int) or E <= 0 or fv is None or fv.dim() != 1 or not topk_ids_below(flat, E):
+        return None
+    return fv.shape[0]
+
+
+def counts_total(tensor_variable, listed) -> None:
+    """After ``.tolist()`` of per-expert counts that add up to the number of ids (``histogram_total``): record
+    their symbols and that number, which ``decide_by_totals`` reads."""
+    trace = speculation._trace()
+    if trace is None:
+        return
+    total = histogram_total(tensor_variable.as_proxy().node)
+    sizes = [getattr(item, "sym_num", None) for item in getattr(listed, "items", None) or []]
+    if total is None or not sizes or any(not isinstance(x, torch.SymInt) for x in sizes):
+        return
+    symbols = [x.node.expr for x in sizes]
+    if len(set(symbols)) == len(symbols) and all(getattr(x, "is_Symbol", False) for x in symbols):
+        trace.totals.append((symbols, total.node.expr if isinstance(total, torch.SymInt) else total))
+
+
+def decide_by_totals(tx, inst, jumps_when: bool) -> bool:
+    """Take the branch ``inst`` (and return True) when its condition is decided once counts recorded by
+    ``counts_total`` are known to add up to their number of ids: ``if out.numel() > 0`` on the ``cat`` of rows split
+    by those counts (torchtune) reads their sum, which Dynamo cannot decide alone. The condition is checked at run
+    time too (``torch._check``)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    trace = speculation._trace()
+    sym = speculation._branch_condition(tx.stack[-1]) if trace is not None and trace.totals and tx.stack else None
+    if sym is None:
+        return False
+    expr = sym.node.expr
+    for symbols, total in trace.totals:
+        if not free_unbacked_symbols(expr) <= set(symbols):
+            continue
+        decided = tx.output.shape_env._maybe_evaluate_static(
+            expr.xreplace({symbols[-1]: total - sum(symbols[:-1])}))
+        if decided is None or decided not in (True, False):
+            continue
+        value = bool(decided)
+        torch._check(sym if value else torch.sym_not(sym))
+        tx.pop()
+        if value == jumps_when:
+            tx.jump(inst)
+        return True
+    return False
+
+
+def tolist_length(tensor_variable) -> None:
+    """Before ``.tolist()`` of ``bincount(topk_ids.flatten(), minlength=E)``: its length is E (a fact)."""
+    if speculation._trace() is None:
+        return
+    from .passes.fx_utils import is_call
+
+    node = tensor_variable.as_proxy().node
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or isinstance(value.shape[0], int):
+        return
+    if is_call(node, "call_function", torch.bincount) and histogram_total(node) is not None:
+        E = node.kwargs["minlength"]
+        torch._check(value.shape[0] == E)
+        node.meta[speculation.LENGTH] = E
