@@ -144,6 +144,21 @@ def test_weights_off_16_byte_boundaries_are_stacked(triton_kernels, tables_count
     assert_close(y, _reference(x, ids, w, w1, w3, w2, "nk"), torch.float32, "y")
 
 
+class _Wrapped(torch.Tensor):
+    """A tensor subclass (as DTensor and other wrappers are): its data_ptr need not be where its elements are."""
+
+
+def test_tensor_subclasses_are_stacked(triton_kernels, tables_counted):
+    x, ids, w = torch.randn(2, H), torch.tensor([[0, 2], [2, 4]]), torch.rand(2, 2)
+    w1, w3, w2 = _weights("nk")
+    w2 = [t.as_subclass(_Wrapped) for t in w2]
+    assert table_module.weight_table(w2, "nk", x.dtype, x.device) is None
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, "silu_glu", False, "output", "nk")
+    assert len(tables_counted) < 3
+    plain = [t.as_subclass(torch.Tensor) for t in w2]
+    assert_close(y.as_subclass(torch.Tensor), _reference(x, ids, w, w1, w3, plain, "nk"), torch.float32, "y")
+
+
 @pytest.mark.parametrize("odd", ["strides", "dtype"])
 def test_weights_a_table_cannot_describe_are_stacked(triton_kernels, tables_counted, odd):
     """Every expert is read at the first one's strides, in x's dtype: one expert held transposed (same shape,

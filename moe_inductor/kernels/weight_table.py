@@ -55,6 +55,7 @@ class WeightTable(NamedTuple):
 
 
 _SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
+_PLAIN = {torch.Tensor, torch.nn.Parameter}
 _TABLES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 #: tables kept (each a few hundred bytes): a model's layers times its projections, with room to spare
 _MAX_TABLES = 256
@@ -94,6 +95,9 @@ def weight_table(ws: Sequence[torch.Tensor], layout: str, dtype: torch.dtype, de
     (each tensor's elements are read at the first one's strides from its own address), or no table can be made."""
     first = ws[0]
     if first.dim() != 2 or first.dtype != dtype or first.device != device:
+        return None
+    # plain tensors only: a subclass (DTensor shards, wrappers) may not hold its elements at its data_ptr
+    if not set(map(type, ws)) <= _PLAIN:
         return None
     # one shape, strides, dtype and device across the experts (C-level maps: this runs at every call; the device
     # index with the first tensor's device says the device)
