@@ -6,9 +6,9 @@ Genuine, rewritten and equal to eager (forward and gradients): ``x[None, rows].r
 ``w[rows, pos, None]``, ``x[rows]`` without the None, the loop without its empty-expert skip, the list made inside the
 index (``x[top_x.tolist()]``). Look-alikes, each equal to eager and not rewritten, the frame compiled as plain capture
 would with the reason said: the list read by ``len()``, iterated, added to (``+ [0]``), repeated (``* 1``), handed to
-a Python function, kept on the module; the tensor changed in place after ``tolist``; an int32 tensor's list; the rows
-reversed (a list of the expert's rows in another order than the one the output is added at); a graph break while the
-lists are held; a look-alike wrapper that compiles elsewhere.
+a Python function, kept on the module; the tensor changed in place after ``tolist``; an int32 tensor's list; lists
+that are not the expert's own rows and choices (its rows reversed, against the order the output is added at; each
+row's other choice's weight); a graph break while the lists are held; a look-alike wrapper that compiles elsewhere.
 """
 import dis
 
@@ -222,6 +222,21 @@ class Reversed(ListRowsMoE):
         return y
 
 
+class OtherSlot(ListRowsMoE):
+    """The expert's rows, with the weights of each row's other choice (a list that is not the expert's positions)."""
+
+    def forward(self, x):
+        x, weights, expert_mask, y = self.route(x)
+        for i in range(E):
+            idx, top_x = torch.where(expert_mask[i])
+            if top_x.shape[0] == 0:
+                continue
+            rows = top_x.tolist()
+            pos = (1 - idx).tolist()
+            y.index_add_(0, top_x, self.experts[i](x[None, rows].reshape(-1, H)) * weights[rows, pos, None])
+        return y
+
+
 class BrokenHere(ListRowsMoE):
     """The loop without its skip, then a graph break while the last lists are still held."""
 
@@ -237,7 +252,7 @@ class BrokenHere(ListRowsMoE):
 
 MODULES = {"mixtral": Mixtral, "plain": Plain, "no_skip": NoSkip, "inline": Inline, "len": Len, "loop": Loop,
            "plus_zero": PlusZero, "repeated": Repeated, "function": Function, "kept": Kept, "mutated": Mutated,
-           "int32": Int32, "reversed": Reversed, "graph_break": BrokenHere}
+           "int32": Int32, "reversed": Reversed, "other_slot": OtherSlot, "graph_break": BrokenHere}
 
 
 def _case(how: str, expect: tuple) -> Case:
@@ -266,6 +281,7 @@ def test_row_lists_used_as_indices_are_rewritten(how):
     ("mutated", "changed in place"),
     ("int32", "torch.int32"),
     ("reversed", "no rewrite took its body"),
+    ("other_slot", "no rewrite took its body"),
     ("graph_break", "breaks its graph"),
 ])
 def test_look_alikes_are_not_taken_and_equal_to_eager(how, said):
