@@ -17,9 +17,10 @@ into zeros. The block returns ``(hidden, router_logits)``.
 E = 6 (not a power of two), k = 2; input (B, S, H).
 
 Outcome: both are rewritten (the empty-expert skip is traced as running every body). In ``jamba_mambapy`` the row
-lists, read only as indices of tensors, are traced as the tensors they were made from (moe_inductor/list_indices.py):
-Dynamo's own ``tolist`` of ``top_x``, whose length is data-dependent, cannot make a list (its ``unbind`` guards on
-``Eq(u0, 0)``), and the frame would be compiled as plain capture would, without rewrites.
+lists, read only as indices of tensors, are traced as the tensors they were made from (moe_inductor/list_indices.py).
+Dynamo's own ``tolist`` cannot make a list of ``top_x``, whose length is data-dependent (its ``unbind`` guards on
+``Eq(u0, 0)``): without the substitution the frame fails under the capture settings and is compiled as plain capture
+would, without rewrites.
 """
 import torch
 import torch.nn as nn
