@@ -20,15 +20,18 @@ or as an item of an index tuple: torch turns the list into that very tensor (a l
 of indices), then copies it to the indexed tensor's device. So the list is traced as the tensor when all of this
 holds, and else ``tolist`` runs as Dynamo's own (and the frame falls back, as before, saying why):
 
-- the tensor is 1-D int64 with a data-dependent length (what Dynamo's own ``tolist`` fails on: no trace that
-  succeeded before changes);
-- the call is ``t.tolist()``, and its value is stored in a local, or used in place, whose every read in the function
-  (its bytecode) is an index of a subscript ``x[...]``, whole or as an item of the index tuple, with nothing but
-  constants, locals and slices beside it (``index_only``): no ``len()``, iteration, arithmetic, ``append``, call,
-  attribute store, return, and no other name bound to it;
-- at each such subscript (``_subscript``) the indexed value is a plain tensor on the index's device (or the index is
-  on the CPU, as a list is), and the tensor was not changed in place since ``tolist`` (its version counter, shared
-  with every view): the list is a copy of the values, the tensor is not.
+- the tensor is a plain 1-D int64 tensor with a data-dependent length (what Dynamo's own ``tolist`` fails on: no
+  trace that succeeded before changes);
+- the call is ``t.tolist()``, and its value, used in place or stored in a local that no nested function reads, is
+  read (every read of that local in the function's bytecode) only as the index of a subscript ``x[...]``, whole or
+  as an item of a flat index tuple; beside it may be computed any expression of loads, attribute reads, calls and
+  operators that leaves it on the stack (``index_only``): no ``len()``, iteration, arithmetic, ``append``, call,
+  attribute store, return, slice bound, and no other name bound to it;
+- at each such subscript (``_subscript_hook``) the indexed value is a plain tensor on the index's device (or the
+  index is on the CPU, as a list is), and the tensor was not changed in place since ``tolist`` (its version counter,
+  shared with every view): the list is a copy of the values, the tensor is not;
+- the frame's graph ends without a graph break (the code after a break would hold the tensor where the user's code
+  holds the list), and moe_inductor's backend sees it (``check_graph``, ``require_checked``).
 
 The trace then equals the tensor-indexing form (``hf_v4_jamba``), which the unrolled_loop rewrite proves or leaves.
 """
