@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import capture, grad_gate, hf, hf_attention, hf_masks, report, speculation, speculation_check
+from . import capture, grad_gate, hf, hf_attention, hf_masks, list_indices, report, speculation, speculation_check
 from .options import BackendOptions
 from .passes import FX_PASSES
 from .passes.driver import Layer, run_passes
@@ -84,6 +84,7 @@ def moe_inductor_backend(
     # the skips of empty experts assumed away while tracing: proven, or we raise
     speculated = speculation_check.of_graph(gm)
     speculation_check.check_traced(gm, speculated)
+    list_indices.check_graph(gm, state)
     gm, rewrites, left_alone = run_passes(gm, FX_PASSES, opts.forms, speed=functools.partial(_speed_rule, opts.inner))
     speculation_check.discharge(gm, speculated, left_alone)
     record = report.file_graph(gm.code, _moe_ops_in(gm), traced.rewrites + rewrites, traced.left_alone + left_alone)

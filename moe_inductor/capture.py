@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from . import report
+from . import list_indices, report
 
 try:
     from torch._dynamo.comptime import comptime as _comptime
@@ -52,6 +52,10 @@ class _CompileState:
     closure: tuple = ()
     #: the skips of empty experts assumed away while tracing (speculation.Trace), made on first use
     speculation: Optional[Any] = None
+    #: the tensor variables traced in place of row lists (list_indices.py), by id
+    lists: dict = dataclasses.field(default_factory=dict)
+    #: whether moe_inductor's backend saw every graph of this compile that such a variable reached (list_indices)
+    lists_checked: bool = False
 
 
 _local = threading.local()
@@ -282,6 +286,7 @@ def _wrap_compile(original: Callable) -> Callable:
                 result = original(*args, **kwargs)
             if attempt.speculation is not None:
                 attempt.speculation.require_checked()
+            list_indices.require_checked(attempt)
             return result
         except _no_retry_errors():
             raise
@@ -338,7 +343,7 @@ def install() -> None:
 
     if not hasattr(convert_frame._compile, "_moe_inductor_original"):
         convert_frame._compile = _wrap_compile(convert_frame._compile)
-    from . import data_widths, hit_loops, shape_tensors, speculation
+    from . import data_widths, hit_loops, list_indices, shape_tensors, speculation
 
     try:
         speculation.install()
@@ -347,6 +352,13 @@ def install() -> None:
 
         warnings.warn(f"moe_inductor: skip-of-empty-expert speculation is off on this torch ({error!r}); such "
                       "loops fall back to plain capture")
+    try:
+        list_indices.install()  # after speculation's: it wraps that tolist hook, and hands it every tolist it leaves
+    except Exception as error:  # noqa: BLE001  (as above: the backend loads, the list loops fall back)
+        import warnings
+
+        warnings.warn(f"moe_inductor: row lists as indices are off on this torch ({error!r}); such loops fall back "
+                      "to plain capture")
     hit_loops.install()  # after speculation's hooks: it opens iterations that those hooks close and tag
     shape_tensors.install()  # warns, rather than raises, where this torch lacks a hook it needs
     data_widths.install()  # after shape_tensors': it wraps the one_hot hook that one installs
