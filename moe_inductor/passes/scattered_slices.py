@@ -1,8 +1,8 @@
 """The split loop's MiniMind spelling, for the "split_loop" form: each expert's slice of the sorted order run and
 ``scatter_add_``-ed into zeros on its own, one write per expert, no ``cat``.
 
-MiniMind's ``moe_infer`` (jingyaogong/minimind, copied by its many forks; its cumulative host counts are traced as
-running sums by moe_inductor/host_cumsum.py):
+The user code this matches is MiniMind's ``moe_infer`` (jingyaogong/minimind, copied by its many forks; its
+cumulative host counts are traced as running sums by moe_inductor/host_cumsum.py):
 
     expert_cache = torch.zeros_like(x)
     idxs = flat_ids.argsort(); token_idxs = idxs // k
