@@ -74,7 +74,7 @@ def _per_expert_loop(rows, offsets, w, w_second):
 def test_cpu_grouped_mm_and_its_gradients_match_a_per_expert_loop(second, capacity, routing, layout):
     """The matmul op, forward and backward (its gradients' op), against the per-expert loop, and opcheck of the
     three ops."""
-    from moe_inductor.kernels.launch import interleaved_pairs
+    from moe_inductor.kernels.weight_views import interleaved_pairs
     from moe_inductor.lowerings.cpu import cpu_grouped_mm_backward
     from moe_inductor.ops.routing import route_reference
 

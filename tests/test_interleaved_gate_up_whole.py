@@ -233,7 +233,7 @@ def test_same_storage_proves_views_of_one_tensor_real_fake_or_functional():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from moe_inductor.kernels.launch import interleaved_pairs, same_storage
+    from moe_inductor.kernels.weight_views import interleaved_pairs, same_storage
 
     answers = {}
 

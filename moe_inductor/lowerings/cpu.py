@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.launch import interleaved_pairs
+from ..kernels.weight_views import interleaved_pairs
 from ..ops.activations import apply_activation
 from ..ops.call import from_op_args
 from ..ops.cpu_path import project_up

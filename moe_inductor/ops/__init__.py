@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .. import config
-from ..kernels.launch import same_storage
+from ..kernels.weight_views import same_storage
 from .activations import ACTIVATIONS, GPTOSS_ALPHA, GPTOSS_LIMIT, Activation, apply_activation, is_gated
 from .call import ExpertsCall, ExpertWeights, Routing, check_call, op_call, pairs_view
 from . import expert_lists  # noqa: F401  (registers moe_inductor::experts_forward_list)

@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..kernels.launch import interleaved_pairs
+from ..kernels.weight_views import interleaved_pairs
 from . import grouped_mm_engine
 from .activations import NO_ACTIVATION, Activation, activation_backward, apply_activation
 from .call import ExpertsCall, ExpertWeights, Routing

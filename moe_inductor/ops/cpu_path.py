@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.launch import interleaved_pairs
+from ..kernels.weight_views import interleaved_pairs
 from .activations import apply_activation
 from .call import ExpertsCall
 from .grouped import Routed, project, row_sizes

@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from .. import config
-from ..kernels.launch import interleaved_pairs, launch_activation, same_storage, tracing_launches
+from ..kernels.launch import launch_activation, tracing_launches
+from ..kernels.weight_views import interleaved_pairs, same_storage
 from .activations import Activation
 from .call import ExpertsCall
 from .grouped import (ROWS_TOKEN, Routed, backward_middle, combine, down_bias_scale_grad, is_dense_transpose,
