@@ -24,10 +24,9 @@ from typing import Optional
 from .. import config
 from .activations import GPTOSS_ALPHA, GPTOSS_LIMIT, Activation
 from .call import ExpertsCall, ExpertWeights, Routing, check_weight_position
-from .experts import Needs, _forward_gemms, experts_backward, experts_forward_call, to_kn
+from .experts import Needs, experts_backward, experts_forward_call, to_kn
 from .grouped import use_triton
 from .grouped_mm_engine import may_take_experts_of
-from .routing import prepare_routing
 
 
 def stacked(ws: list[Tensor]) -> Tensor:
@@ -53,17 +52,9 @@ def experts_forward_list(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: 
         y (T, H), pre, order, sorted_expert, offsets, as ``experts_forward``.
     """
     check_weight_position(weight_position)
-    routing = Routing(topk_ids, topk_weights)
     tables = _weight_tables(x, topk_ids, (w1, w1_up, w2), layout)
-    if tables is not None:
-        call = ExpertsCall(x, routing, ExpertWeights(*tables), Activation(activation), weight_position, save_pre)
-        routed = prepare_routing(routing, len(w1))
-        n_pre = tables[0].shape[2] * (2 if w1_up else 1)
-        pre = x.new_empty(routed.order.shape[0], n_pre) if save_pre else x.new_empty(0)
-        y = _forward_gemms(call, routed, pre if save_pre else None)
-        return y, pre, routed.order, routed.sorted_expert, routed.offsets
-    call = ExpertsCall(x, routing, ExpertWeights(*_views(w1, w1_up, w2, layout)),
-                       Activation(activation), weight_position, save_pre)
+    weights = ExpertWeights(*(tables if tables is not None else _views(w1, w1_up, w2, layout)))
+    call = ExpertsCall(x, Routing(topk_ids, topk_weights), weights, Activation(activation), weight_position, save_pre)
     return experts_forward_call(call)
 
 

@@ -76,7 +76,8 @@ def _forward_gemms(call: ExpertsCall, routed: Routed, pre: Optional[Tensor], num
 
 
 def experts_forward_call(call: ExpertsCall) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The fused experts forward of a call with stacked weights (see the module docstring for shapes and modes).
+    """The fused experts forward of a call with stacked weights, or per-expert ones read through their tables
+    (kernels/weight_table.py; see the module docstring for shapes and modes).
 
     Returns:
         y (T, H); pre (T*k, I or 2I), the raw up-projection results kept for backward (empty unless

@@ -113,6 +113,8 @@ def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tenso
     mode = engine_mode(backward)
     if mode == "triton" or tracing_launches() or isinstance(num_rows, torch.SymInt) or num_rows == 0:
         return None
+    if not isinstance(w1, Tensor):  # per-expert weights read through a table (kernels/weight_table.py): no one tensor
+        return None
     E, H, I = w1.shape
     biased = b1 is not None or b2 is not None
     # the size rule first: it is the cheapest test, and most calls (decode, small experts) stop here
