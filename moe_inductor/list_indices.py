@@ -42,10 +42,9 @@ from typing import Any, Optional
 
 import torch
 
-from .loop_bytecode import NO_OPS
+from .loop_bytecode import LOCAL_LOADS, NO_OPS, _local_names, line_of
 
-_READS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_LOAD_FAST", "LOAD_DEREF",
-          "LOAD_CLOSURE", "DELETE_FAST")
+_READS = LOCAL_LOADS + ("DELETE_FAST",)
 #: names through which a function can read its own locals other than by bytecode loads
 _FRAME_READERS = ("locals", "vars", "eval", "exec", "_getframe", "currentframe")
 
@@ -70,11 +69,6 @@ def _standing() -> Optional[dict]:
 
 def _real(instructions: list, start: int) -> list:
     return [i for i in instructions[start:] if i.opname not in NO_OPS]
-
-
-def _loaded_names(ins) -> tuple:
-    names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
-    return tuple(n for n in names if isinstance(n, str))
 
 
 def _pops(ins) -> Optional[int]:
@@ -148,30 +142,25 @@ def uses_refusal(code, instructions: list, at: int) -> Optional[str]:
     if any(n in code.co_names for n in _FRAME_READERS):
         return "the function reads its frame's locals by name"
     for i, ins in enumerate(instructions):
-        if ins.opname not in _READS or name not in _loaded_names(ins):
+        if ins.opname not in _READS or name not in _local_names(ins):
             continue
         if ins.opname == "DELETE_FAST":
             continue
         if ins.opname not in ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST"):
             return f"{name} is read by {ins.opname}"
-        depth = 1 if ins.opname == "LOAD_FAST_LOAD_FAST" and _loaded_names(ins)[0] == name else 0
-        if ins.opname == "LOAD_FAST_LOAD_FAST" and len(set(_loaded_names(ins))) != 2:
+        depth = 1 if ins.opname == "LOAD_FAST_LOAD_FAST" and _local_names(ins)[0] == name else 0
+        if ins.opname == "LOAD_FAST_LOAD_FAST" and len(set(_local_names(ins))) != 2:
             return f"{name} is read twice in one instruction"
         why = index_only(instructions, i, depth)
         if why is not None:
-            return f"{name} is read other than as an index of a subscript (at line {_line(ins)}: {why})"
+            return f"{name} is read other than as an index of a subscript (at line {line_of(ins)}: {why})"
     return None
-
-
-def _line(ins) -> Any:
-    positions = getattr(ins, "positions", None)
-    return getattr(positions, "lineno", None) or getattr(ins, "starts_line", "?")
 
 
 def _where(tx) -> str:
     code = getattr(tx, "f_code", None)
     inst = getattr(tx, "current_instruction", None)
-    return f"{getattr(code, 'co_filename', '?').rsplit('/', 1)[-1]}:{_line(inst) if inst is not None else '?'}"
+    return f"{getattr(code, 'co_filename', '?').rsplit('/', 1)[-1]}:{line_of(inst) if inst is not None else '?'}"
 
 
 def _refuse(why: str) -> None:

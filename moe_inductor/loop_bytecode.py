@@ -3,7 +3,7 @@ whether the rest of an iteration is plain graph work on locals (speculation.py's
 from __future__ import annotations
 
 import dis
-from typing import Optional
+from typing import Any, Optional
 
 #: bytecode that makes the rest of an iteration more than graph work on locals (state that outlives it, exits)
 _FORBIDDEN = {"RETURN_VALUE", "RETURN_CONST", "YIELD_VALUE", "STORE_GLOBAL", "DELETE_GLOBAL", "STORE_ATTR",
@@ -41,9 +41,21 @@ def _loop_of(tx, inst):
     return best
 
 
+#: the instructions that read a local variable (or a cell of one) onto the stack, across Python 3.11 to 3.13
+LOCAL_LOADS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_LOAD_FAST", "LOAD_DEREF",
+               "LOAD_CLOSURE")
+
+
 def _local_names(ins) -> tuple:
+    """The local names ``ins`` loads or stores (two for Python 3.13's paired ``LOAD_FAST_LOAD_FAST``)."""
     names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
     return tuple(n for n in names if isinstance(n, str))
+
+
+def line_of(ins) -> Any:
+    """The source line of instruction ``ins`` (its positions on Python 3.11+, else where it starts a line)."""
+    positions = getattr(ins, "positions", None)
+    return getattr(positions, "lineno", None) or getattr(ins, "starts_line", "?")
 
 
 def _body_refusal(tx, inst, head: int, exit_: int, rebinds: Optional[list] = None) -> Optional[str]:

@@ -34,11 +34,10 @@ from typing import Any, Optional
 
 from torch.fx import Node
 
-from .loop_bytecode import NO_OPS
+from .loop_bytecode import LOCAL_LOADS, NO_OPS, _local_names, line_of
 
 #: ``LOAD_ATTR``/``LOAD_METHOD`` names under which a list is passed whole to a concatenation
 _CATS = ("cat", "concat", "concatenate")
-_LOADS = ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "LOAD_FAST_LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")
 
 
 @dataclass(frozen=True)
@@ -159,18 +158,13 @@ def build_list_hook(handler, trace_of):
     return build_list
 
 
-def _names(ins) -> tuple:
-    names = ins.argval if isinstance(ins.argval, tuple) else (ins.argval,)
-    return tuple(n for n in names if isinstance(n, str))
-
-
 def _list_reads(tx, name: str) -> Optional[str]:
     """Why some read of the local list ``name`` in the function is other than ``name.append(..)``,
     ``torch.cat(name, ..)`` or a ``len(name)`` truth test; None when none is."""
     code = list(dis.get_instructions(tx.f_code))
     real = [i for i in code if i.opname not in NO_OPS]
     for at, ins in enumerate(real):
-        if ins.opname not in _LOADS or name not in _names(ins):
+        if ins.opname not in LOCAL_LOADS or name not in _local_names(ins):
             continue
         if ins.opname == "LOAD_FAST_LOAD_FAST":
             return f"the list {name} is read in a way not checked (with another local)"
@@ -188,7 +182,7 @@ def _list_reads(tx, name: str) -> Optional[str]:
                     test.opname.startswith("POP_JUMP") and not test.opname.endswith(("NONE", "NOT_NONE"))):
                 continue
         return (f"the list {name} of outputs is read other than by append, torch.cat or a len() test (at line "
-                f"{_line(ins)}), where a skipped expert's missing entry could show")
+                f"{line_of(ins)}), where a skipped expert's missing entry could show")
     return None
 
 
@@ -198,7 +192,3 @@ def _attr(ins) -> Optional[str]:
         value = next((v for v in value if isinstance(v, str)), None)
     return value if isinstance(value, str) else None
 
-
-def _line(ins) -> Any:
-    positions = getattr(ins, "positions", None)
-    return getattr(positions, "lineno", None) or getattr(ins, "starts_line", "?")
