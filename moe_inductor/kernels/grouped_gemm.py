@@ -176,7 +176,7 @@ def _gemm_tile(
         o_k = tl.arange(0, BLOCK_K)
         if B_TABLE:  # the expert's weights: its table entry elements past expert 0's, a multiple of B_TABLE
             # (the hint keeps the loads vectorised and asynchronous: without it the compiler cannot tell that the
-            # address is 16-byte aligned, and loads one element at a time, 4x slower on an H100)
+            # address is 16-byte aligned, and loads one element at a time)
             p_b_e = p_b + tl.multiple_of(tl.load(p_b_table + e64), B_TABLE)
             p_b2_e = p_b2 + tl.multiple_of(tl.load(p_b2_table + e64), B_TABLE)
         elif not B_DESC:  # (descriptor launches index experts in the descriptor)
@@ -356,7 +356,7 @@ def grouped_gemm_kernel(
         _gemm_tile(
             tl.program_id(0), tl.num_programs(0),
             p_a, p_b, p_b2, p_bias, p_bias2, p_c, p_pre, p_order, p_scale, p_offsets, p_b_table, p_b2_table,
-                d_a, d_b, d_b2,
+            d_a, d_b, d_b2,
             N, K, topk,
             stride_am, stride_ak,
             stride_be, stride_bk, stride_bn,
