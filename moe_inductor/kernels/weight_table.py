@@ -69,14 +69,14 @@ def address_table(ws: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     addresses = tuple(map(torch.Tensor.data_ptr, ws))
     if reduce(or_, addresses) % ALIGNMENT:  # (any address's low bits show in the OR of all)
         return None
-    key = (ws[0].device, ws[0].element_size(), addresses)
+    size = ws[0].element_size()
+    key = (ws[0].device, size, addresses)
     table = _TABLES.get(key)
     if table is not None:
         _TABLES.move_to_end(key)
         return table
     if ws[0].is_cuda and torch.cuda.is_current_stream_capturing():
         return None
-    size = ws[0].element_size()
     host = torch.tensor([(a - addresses[0]) // size for a in addresses], dtype=torch.int64)
     if ws[0].is_cuda:
         table = host.pin_memory().to(ws[0].device, non_blocking=True)
