@@ -4,7 +4,8 @@
 
 Genuine spellings, rewritten and equal to eager (forward, under no_grad as MiniMind's eval path runs; one also with
 gradients): MiniMind's own body, ``index_add_``, an ``expand`` index, the weight out of place, the weight as a
-flat gather, the rows as slices of ``x[tok]``, stacked weights, and MiniMind's cumulative host walk with its skip.
+flat gather, the rows as slices of ``x[tok]``, stacked weights, and MiniMind's cumulative host walk with its skip (of
+top-k ids, and of a top-1 router's ``max(dim=-1, keepdim=True)`` ids).
 Look-alikes, not rewritten and equal to eager, each with the reason explain() gives where the buffer carries the
 form's mark: the scatter index from another sort of the same ids, the weight gathered by the token order, a buffer
 that is not zeros, a slice one row too long, a slice run that starts at row 1, an extra write into the buffer, a read
@@ -54,13 +55,17 @@ class ScatteredSlicesMoE(nn.Module):
 
     def forward(self, x):
         v = self.variant
-        weights, ids = torch.topk(self.gate(x).softmax(dim=-1), K, dim=-1)
+        k = 1 if v == "walk_max" else K
+        if v == "walk_max":  # a top-1 router's max ids: one per row, below E as topk's are
+            weights, ids = self.gate(x).softmax(dim=-1).max(dim=-1, keepdim=True)
+        else:
+            weights, ids = torch.topk(self.gate(x).softmax(dim=-1), K, dim=-1)
         flat = ids.view(-1)
         order = flat.argsort()
-        tok = order // K
+        tok = order // k
         column = weights.view(-1, 1)
         out = torch.full_like(x, 0.5) if v == "not_zeros" else torch.zeros_like(x)
-        if v == "walk":  # MiniMind's own walk: cumulative host counts, empty experts skipped
+        if v.startswith("walk"):  # MiniMind's own walk: cumulative host counts, empty experts skipped
             cum = flat.bincount().cpu().numpy().cumsum(0)
             for i, end in enumerate(cum):
                 start = 0 if i == 0 else cum[i - 1]
@@ -110,7 +115,8 @@ class ScatteredSlicesMoE(nn.Module):
         return out + extra
 
 
-GENUINE = ["minimind", "index_add", "expand", "out_of_place", "flat_weight", "sorted_rows", "stacked", "walk"]
+GENUINE = ["minimind", "index_add", "expand", "out_of_place", "flat_weight", "sorted_rows", "stacked", "walk",
+           "walk_max"]
 
 
 @pytest.mark.parametrize("variant", GENUINE)
