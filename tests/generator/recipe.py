@@ -129,13 +129,13 @@ FLAWS: dict[str, tuple] = {
 #: general draw offers FORM_COUNTER's and FLAWS' forms alone, so every seed keeps drawing the recipes it drew before
 #: these came. Each: the counter a genuine variant bumps, and its look-alikes' flaws. "cumsum_walk" is MiniMind's
 #: ``moe_infer`` (cumulative host counts walked, one scatter per expert): its walk flaws count the skipped experts
-#: into the output, read each start two boundaries back, stop half way, or walk the counts of other ids (each id
-#: + 1, mod E: every slice sized by the expert before's count). "list_rows" is transformers v4.36 Mixtral's loop
-#: indexing rows by ``.tolist()`` lists: "list_len" reads the row list as a number too, "list_reversed" reverses both
-#: lists in place before use
+#: into the output, read each start two boundaries back, stop half way, walk the counts of other ids (each id + 1,
+#: mod E: every slice sized by the expert before's count), or count every iteration after a guarded body.
+#: "list_rows" is transformers v4.36 Mixtral's loop indexing rows by ``.tolist()`` lists: "list_len" reads the row
+#: list as a number too, "list_reversed" reverses both lists in place before use
 OWN_FAMILY: dict[str, tuple[str, tuple]] = {
     "cumsum_walk": ("split_loop", ("other_rows", "other_slot", "differs", "twice", "walk_counts", "walk_neighbour",
-                                   "walk_stops", "walk_other_counts")),
+                                   "walk_stops", "walk_other_counts", "walk_tail")),
     "list_rows": ("unrolled_loop", ("other_rows", "other_slot", "differs", "twice", "list_len", "list_reversed")),
 }
 #: the family of MiniMind's cumulative walk and v4.36 Mixtral's row lists
@@ -147,6 +147,9 @@ AXES.update({
         "cumsum": ("numpy", "torch", "numpy_minlength", "tolist_minlength"),
         # ``start = 0 if i == 0 else cum[i - 1]``, or carried from the last end
         "start": ("previous", "carried"),
+        # ``if start == end: continue`` (MiniMind), ``if end <= start: continue``, or the body under ``if start !=
+        # end:``
+        "skip": ("continue", "le_continue", "guarded"),
         # no "slices": the per-expert scatters read each expert's MLP as the split loop does, which takes no row
         # blocks of flat weights (passes/flat_slices.py serves the unrolled loop and the masked writes)
         "experts": ("modulelist", "moduledict", "stacked_nk", "stacked_kn") + FUSED,
@@ -325,7 +328,9 @@ def _own_family_idioms(form: str, idioms: dict, flaw: Optional[str]) -> None:
     """Narrow the walk's and the row lists' idioms to those their flaw is written with (each flawed walk or list read
     is its own function, in the plain spelling)."""
     if form == "cumsum_walk" and flaw in ("walk_counts", "walk_neighbour", "walk_stops", "walk_other_counts"):
-        idioms["start"] = "previous"
+        idioms.update(start="previous", skip="continue")
+    elif form == "cumsum_walk" and flaw == "walk_tail":
+        idioms.update(start="previous", skip="guarded")
     if form == "list_rows" and flaw in ("list_len", "list_reversed"):
         idioms.update(lists="stored", rows="plain", weight_read="index_none")
 

@@ -44,10 +44,18 @@ class CumsumWalkMoE(nn.Module):
         column = weights.view(-1, 1)
         out = torch.zeros_like(x)
         walk = {"walk_counts": self._walk_counting, "walk_neighbour": self._walk_neighbour,
-                "walk_stops": self._walk_stopping}.get(self.r.flaw)
-        if walk is not None:
-            return walk(x, cum, idxs, tok, column, weights, out)
-        if d["start"] == "carried":
+                "walk_stops": self._walk_stopping, "walk_tail": self._walk_tail}.get(self.r.flaw)
+        if walk is None:
+            walk = {"continue": self._walk, "le_continue": self._walk_le, "guarded": self._walk_guarded}[d["skip"]]
+        return walk(x, cum, idxs, tok, column, weights, out)
+
+    # Each skip spelling has its own loops: the proof of a walk shorter in eager reads the loop's code up to the skip,
+    # which must be plain reads and stores (one test written two ways, ``a if c else b``, jumps there).
+
+    def _walk(self, x, cum, idxs, tok, column, weights, out):
+        """MiniMind's ``if start == end: continue``; the start read from the boundary before, or carried from the
+        last end."""
+        if self.r.idioms["start"] == "carried":
             start = 0
             for i, end in enumerate(cum):
                 if start == end:
@@ -60,6 +68,38 @@ class CumsumWalkMoE(nn.Module):
             if start == end:
                 continue
             self._scatter(i, x, idxs, tok, column, weights, out, start, end)
+        return out
+
+    def _walk_le(self, x, cum, idxs, tok, column, weights, out):
+        """The skip as ``if end <= start: continue``."""
+        if self.r.idioms["start"] == "carried":
+            start = 0
+            for i, end in enumerate(cum):
+                if end <= start:
+                    continue
+                self._scatter(i, x, idxs, tok, column, weights, out, start, end)
+                start = end
+            return out
+        for i, end in enumerate(cum):
+            start = 0 if i == 0 else cum[i - 1]
+            if end <= start:
+                continue
+            self._scatter(i, x, idxs, tok, column, weights, out, start, end)
+        return out
+
+    def _walk_guarded(self, x, cum, idxs, tok, column, weights, out):
+        """The body under ``if start != end:``, nothing after it in the iteration (a carried start moves inside)."""
+        if self.r.idioms["start"] == "carried":
+            start = 0
+            for i, end in enumerate(cum):
+                if start != end:
+                    self._scatter(i, x, idxs, tok, column, weights, out, start, end)
+                    start = end
+            return out
+        for i, end in enumerate(cum):
+            start = 0 if i == 0 else cum[i - 1]
+            if start != end:
+                self._scatter(i, x, idxs, tok, column, weights, out, start, end)
         return out
 
     def _boundaries(self, flat: torch.Tensor):
@@ -128,7 +168,8 @@ class CumsumWalkMoE(nn.Module):
         return out
 
     def _walk_stopping(self, x, cum, idxs, tok, column, weights, out):
-        """Look-alike: the walk stops after the first half of the experts; the tokens of the rest keep zeros."""
+        """Look-alike: the walk stops after the first half of the experts; the tokens of the rest keep zeros (``+ 0 *
+        x`` keeps a gradient where no expert ran: the check runs a backward)."""
         for i, end in enumerate(cum):
             if i == self.r.E // 2:
                 break
@@ -136,7 +177,18 @@ class CumsumWalkMoE(nn.Module):
             if start == end:
                 continue
             self._scatter(i, x, idxs, tok, column, weights, out, start, end)
-        return out
+        return out + 0 * x
+
+    def _walk_tail(self, x, cum, idxs, tok, column, weights, out):
+        """Look-alike: every iteration, run or skipped, ends by counting itself into a tensor after the guarded body,
+        and the output is scaled by the count (eager's walk has the largest id + 1 iterations)."""
+        steps = torch.zeros((), dtype=x.dtype)
+        for i, end in enumerate(cum):
+            start = 0 if i == 0 else cum[i - 1]
+            if start != end:
+                self._scatter(i, x, idxs, tok, column, weights, out, start, end)
+            steps.add_(1.0)
+        return out * steps
 
 
 class ListRowsMoE(nn.Module):
