@@ -72,7 +72,8 @@ class ScatteredSlicesMoE(nn.Module):
                 if start == end:
                     continue
                 y = self.expert(i, x[tok[start:end]])
-                y.mul_(column[order[start:end]])
+                # walk_token_weight: the weight gathered by the token order, not the assignment order
+                y.mul_(column[(tok if v == "walk_token_weight" else order)[start:end]])
                 out.scatter_add_(0, tok[start:end].view(-1, 1).repeat(1, H), y)
             return out
         counts = F.one_hot(flat, E).sum(0)
@@ -165,3 +166,19 @@ def test_look_alikes_are_left_alone_and_equal_to_eager(variant, said):
         reasons = [m.reason for m in seen.left_alone if m.form == "split_loop"]
         assert len(reasons) == 1 and said in reasons[0], reasons
     assert_close(out, ref, torch.float32, variant)
+
+
+def test_a_walk_whose_body_is_left_alone_falls_back_saying_why():
+    """MiniMind's walk with the weight read at the tokens: the frame falls back (the walked counts would outlive the
+    loop), and its reason carries what split_loop said of the body, not only that the counts are still read."""
+    torch.manual_seed(0)
+    model = ScatteredSlicesMoE("walk_token_weight").eval()
+    x = torch.randn(9, H)
+    with torch.no_grad(), report.collecting(report.Report()) as seen:
+        out = compile_moe(model, x)
+        ref = model(x)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    reasons = [f.reason for f in seen.fallbacks]
+    assert any("split_loop left" in r and "routing weights are not read at its own slice" in r for r in reasons), (
+        reasons)
+    assert_close(out, ref, torch.float32, "walk_token_weight")
