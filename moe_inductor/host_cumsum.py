@@ -112,7 +112,10 @@ def _cumsum_over_0(node) -> bool:
 
 
 def _experts_of(flat) -> Optional[int]:
-    """E for ``flat`` = top-k ids over a last dim of E, flattened (count_totals.topk_ids_below), else None."""
+    """E for ``flat`` = top-k ids over a last dim of E, flattened (count_totals.topk_ids_below), or a top-1 router's
+    ``max(dim=-1, keepdim=True)[1]`` ids over E flattened (passes/counts.topk_ids_over: one id per row, below E as
+    topk's are); else None."""
+    from .passes.counts import topk_ids_over
     from .passes.fx_utils import is_call, val
     from .count_totals import topk_ids_below
 
@@ -126,7 +129,13 @@ def _experts_of(flat) -> Optional[int]:
     fv = val(flat)
     if scores is None or fv is None or fv.dim() != 1 or not isinstance(scores.shape[-1], int):
         return None
-    return scores.shape[-1] if topk_ids_below(flat, scores.shape[-1]) else None
+    num_experts = scores.shape[-1]
+    if topk_ids_below(flat, num_experts):
+        return num_experts
+    # the max ids' (T, 1) tensor flattened whole: ``view(-1)``, ``reshape(-1)`` or ``flatten()``
+    whole = flat is not ids and (tuple(flat.args[1:]) in ((-1,), ((-1,),)) if flat.target != "flatten" else (
+        len(flat.args) == 1)) and not flat.kwargs
+    return num_experts if whole and topk_ids_over(ids, num_experts) else None
 
 
 def _consumer(tx) -> Optional[tuple[Any, int]]:

@@ -206,8 +206,9 @@ def discharge(gm: GraphModule, speculations: list[Speculation], left_alone: Iter
     trace = _trace()
     unread = host_counts.unconsumed(gm) if trace is not None and trace.host_counts else None
     unread = unread or host_cumsum.leftover(gm)
-    if unread is not None:
-        raise SpeculationNotDischarged(unread)
+    if unread is not None:  # the walk's body was not taken: what the passes said of it is the reason to give
+        said = "; ".join(f"{m.form} left {m.where} alone: {m.reason}" for m in left_alone)
+        raise SpeculationNotDischarged(unread + (f" ({said})" if said else ""))
     for s in speculations:
         if s.vacuous:
             continue

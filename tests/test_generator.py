@@ -1,9 +1,12 @@
 """The randomised generator of genuine MoE variants and look-alikes (tests/generator/): every genuine variant is
 rewritten as its form and equal to eager (forward and gradients); every look-alike is left alone and equal to eager.
 
-CI runs 40 recipes, 6 of them drawn from the guarded loops, top-1 mask writes and capacity layers alone, 6 from the
-broadcast masks and transformers v5's experts code written out, and 4 from DeepSeek-V2's host walk (the general
-draws reach them seldom); ``MOE_GENERATOR_EXAMPLES=300`` runs that many in each test.
+CI runs 46 recipes, 6 of them drawn from the guarded loops, top-1 mask writes and capacity layers alone, 6 from the
+broadcast masks and transformers v5's experts code written out, 4 from DeepSeek-V2's host walk (the general draws
+reach them seldom), and 6 from the forms of their own family (MiniMind's cumulative walk, v4.36 Mixtral's row lists:
+``draw_recipe(..., forms=WALKS_LISTS)``, which the general draws never reach); besides, every look-alike of that
+family is run once in a fixed recipe, against its genuine twin. ``MOE_GENERATOR_EXAMPLES=300`` runs that many in each
+test.
 ``python -m tests.generator --examples 300`` runs recipes without stopping at the first failure and prints the
 rewrite rate per form and per idiom (``--guards-masks-slots``: of those spellings alone).
 ``--hypothesis-show-statistics`` shows the verdicts per form from this test too (``hypothesis.event``).
@@ -11,13 +14,14 @@ rewrite rate per form and per idiom (``--guards-masks-slots``: of those spelling
 import os
 from typing import Optional
 
+import pytest
 import torch
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from tests.generator.check import run
-from tests.generator.recipe import (GUARDS_MASKS_SLOTS, HOST_WALKS, MASKS_AND_V5, Recipe, draw_recipe, hypothesis_draw,
-                                    narrowed)
+from tests.generator.recipe import (GUARDS_MASKS_SLOTS, HOST_WALKS, MASKS_AND_V5, Recipe, WALKS_LISTS, draw_recipe,
+                                    hypothesis_draw, narrowed)
 
 EXAMPLES = int(os.environ.get("MOE_GENERATOR_EXAMPLES", 0))
 
@@ -89,6 +93,96 @@ def test_host_walks_of_the_counts(data):
     or ``.tolist()``) with a running slice per expert and empty experts skipped, the weights applied after the unsort
     into ``empty_like``; and their look-alikes (the weight twice, the unsort by another order)."""
     _check(draw_recipe(narrowed(hypothesis_draw(data), HOST_WALKS)))
+
+
+@settings(max_examples=EXAMPLES or 6, **_SETTINGS)
+@given(data=st.data())
+def test_cumulative_walks_and_row_lists(data):
+    """MiniMind's ``moe_infer`` (``bincount().cpu().numpy().cumsum(0)`` walked with ``enumerate``, ``start == end``
+    skipped, one weighted ``scatter_add_`` per expert) and transformers v4.36 Mixtral's rows indexed by ``.tolist()``
+    lists; and their look-alikes (rows, weights or counts of others, a walk that counts, stops or misreads its start,
+    a list read as a number or reversed in place)."""
+    _check(draw_recipe(hypothesis_draw(data), forms=WALKS_LISTS))
+
+
+def test_the_general_draws_keep_their_recipes_and_never_reach_the_own_family_forms():
+    """Each seed draws the recipes it drew before the walk and list forms came (their forms and axes are drawn only
+    when named), and these draws never give them."""
+    import random
+
+    from tests.generator.recipe import OWN_FAMILY, random_draw
+
+    rng = random.Random(41)
+    drawn = [draw_recipe(random_draw(rng)) for _ in range(400)]
+    assert not {r.form for r in drawn} & set(OWN_FAMILY)
+    # the first recipes of seed 41, as drawn before (a change here changes what every seed measures)
+    assert [str(r) for r in drawn[:2]] == FIRST_OF_SEED_41
+
+
+FIRST_OF_SEED_41 = [
+    "split other_slot E8k3T1s2 relu group_limited raw dispatch=megatron experts=per_projection combine=index_add",
+    "gathered twice E6k1T5s27 silu_glu softmax_topk renorm experts=fused_chunk combine=einsum split=gathered",
+]
+
+
+def test_the_walks_and_lists_family_draws_every_form_idiom_and_flaw():
+    """Every option of every axis of both forms is drawn in genuine recipes, and every flaw in look-alikes: a form,
+    spelling or look-alike dropped from the draws fails here."""
+    import random
+
+    from tests.generator.check import MODULES
+    from tests.generator.recipe import AXES, OWN_FAMILY, counter_of, random_draw
+
+    rng = random.Random(0)
+    recipes = [draw_recipe(random_draw(rng), forms=WALKS_LISTS) for _ in range(600)]
+    for form in WALKS_LISTS:
+        assert form in MODULES and counter_of(form) == OWN_FAMILY[form][0]
+        genuine = [r for r in recipes if r.form == form and r.genuine]
+        for axis, options in AXES[form].items():
+            assert {r.idioms[axis] for r in genuine} == set(options), (form, axis)
+        assert {r.flaw for r in recipes if r.form == form and not r.genuine} == set(OWN_FAMILY[form][1]), form
+
+
+def _fixed(form: str, flaw: Optional[str], **dims) -> Recipe:
+    """The recipe of ``form`` with ``flaw`` (None: genuine) whose every other draw is its first option, at ``dims``
+    (E, k, T, seed) where given."""
+    only = {"form": (form,), "flaw": (flaw,), **{name: (value,) for name, value in dims.items()}}
+    return draw_recipe(narrowed(lambda name, options: options[0], only), lookalike=flaw is not None,
+                       forms=WALKS_LISTS)
+
+
+#: each look-alike's dims: where the flaw changes the function at the first options' seed (a walk that counts its
+#: skips needs an idle expert below the largest id)
+_DIMS = {"walk_counts": dict(E=8, k=1, T=3)}
+
+
+def _lookalikes():
+    from tests.generator.recipe import OWN_FAMILY
+
+    return [(form, flaw) for form in WALKS_LISTS for flaw in OWN_FAMILY[form][1]]
+
+
+@pytest.mark.parametrize("form", WALKS_LISTS)
+def test_the_walk_and_list_forms_are_rewritten_in_their_plain_recipe(form):
+    r = _fixed(form, None, E=4, k=2, T=8)
+    o = run(r)
+    assert o.verdict == "rewritten", o.describe()
+
+
+@pytest.mark.parametrize("form, flaw", _lookalikes(), ids=lambda v: v)
+def test_each_walk_and_list_lookalike_is_another_function_and_left_alone(form, flaw):
+    """The look-alike differs from its genuine twin (the same idioms and weights, no flaw) in eager, so a rewrite of
+    it as the MoE would be wrong; compiled, it is left alone and equal to eager."""
+    from tests.generator.check import build
+    from tests.helpers import rel_err
+
+    dims = _DIMS.get(flaw, dict(E=4, k=2, T=8))
+    r = _fixed(form, flaw, **dims)
+    twin = Recipe(**{**r.__dict__, "flaw": None})
+    x = torch.randn(r.T, 16, generator=torch.Generator().manual_seed(r.seed))
+    assert rel_err(build(r)(x), build(twin)(x)) > 1e-3, f"{r} computes what its genuine twin does"
+    o = run(r)
+    assert o.verdict == "kept", o.describe()
 
 
 def test_the_fp32_rule_accepts_a_bf16_error_closer_to_fp32_than_eagers():

@@ -4,7 +4,8 @@
 
 Genuine spellings, rewritten and equal to eager (forward, under no_grad as MiniMind's eval path runs; one also with
 gradients): MiniMind's own body, ``index_add_``, an ``expand`` index, the weight out of place, the weight as a
-flat gather, the rows as slices of ``x[tok]``, stacked weights, and MiniMind's cumulative host walk with its skip.
+flat gather, the rows as slices of ``x[tok]``, stacked weights, and MiniMind's cumulative host walk with its skip (of
+top-k ids, and of a top-1 router's ``max(dim=-1, keepdim=True)`` ids).
 Look-alikes, not rewritten and equal to eager, each with the reason explain() gives where the buffer carries the
 form's mark: the scatter index from another sort of the same ids, the weight gathered by the token order, a buffer
 that is not zeros, a slice one row too long, a slice run that starts at row 1, an extra write into the buffer, a read
@@ -54,20 +55,25 @@ class ScatteredSlicesMoE(nn.Module):
 
     def forward(self, x):
         v = self.variant
-        weights, ids = torch.topk(self.gate(x).softmax(dim=-1), K, dim=-1)
+        k = 1 if v == "walk_max" else K
+        if v == "walk_max":  # a top-1 router's max ids: one per row, below E as topk's are
+            weights, ids = self.gate(x).softmax(dim=-1).max(dim=-1, keepdim=True)
+        else:
+            weights, ids = torch.topk(self.gate(x).softmax(dim=-1), K, dim=-1)
         flat = ids.view(-1)
         order = flat.argsort()
-        tok = order // K
+        tok = order // k
         column = weights.view(-1, 1)
         out = torch.full_like(x, 0.5) if v == "not_zeros" else torch.zeros_like(x)
-        if v == "walk":  # MiniMind's own walk: cumulative host counts, empty experts skipped
+        if v.startswith("walk"):  # MiniMind's own walk: cumulative host counts, empty experts skipped
             cum = flat.bincount().cpu().numpy().cumsum(0)
             for i, end in enumerate(cum):
                 start = 0 if i == 0 else cum[i - 1]
                 if start == end:
                     continue
                 y = self.expert(i, x[tok[start:end]])
-                y.mul_(column[order[start:end]])
+                # walk_token_weight: the weight gathered by the token order, not the assignment order
+                y.mul_(column[(tok if v == "walk_token_weight" else order)[start:end]])
                 out.scatter_add_(0, tok[start:end].view(-1, 1).repeat(1, H), y)
             return out
         counts = F.one_hot(flat, E).sum(0)
@@ -110,7 +116,8 @@ class ScatteredSlicesMoE(nn.Module):
         return out + extra
 
 
-GENUINE = ["minimind", "index_add", "expand", "out_of_place", "flat_weight", "sorted_rows", "stacked", "walk"]
+GENUINE = ["minimind", "index_add", "expand", "out_of_place", "flat_weight", "sorted_rows", "stacked", "walk",
+           "walk_max"]
 
 
 @pytest.mark.parametrize("variant", GENUINE)
@@ -159,3 +166,19 @@ def test_look_alikes_are_left_alone_and_equal_to_eager(variant, said):
         reasons = [m.reason for m in seen.left_alone if m.form == "split_loop"]
         assert len(reasons) == 1 and said in reasons[0], reasons
     assert_close(out, ref, torch.float32, variant)
+
+
+def test_a_walk_whose_body_is_left_alone_falls_back_saying_why():
+    """MiniMind's walk with the weight read at the tokens: the frame falls back (the walked counts would outlive the
+    loop), and its reason carries what split_loop said of the body, not only that the counts are still read."""
+    torch.manual_seed(0)
+    model = ScatteredSlicesMoE("walk_token_weight").eval()
+    x = torch.randn(9, H)
+    with torch.no_grad(), report.collecting(report.Report()) as seen:
+        out = compile_moe(model, x)
+        ref = model(x)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    reasons = [f.reason for f in seen.fallbacks]
+    assert any("split_loop left" in r and "routing weights are not read at its own slice" in r for r in reasons), (
+        reasons)
+    assert_close(out, ref, torch.float32, "walk_token_weight")

@@ -1,5 +1,5 @@
 """Measure the generator: ``python -m tests.generator [--examples N] [--seed S] [--lookalikes] [--guards-masks-slots]
-[--masks-v5] [--host-walks]``.
+[--masks-v5] [--host-walks] [--walks-lists]``.
 
 Runs N recipes from a seeded generator, prints every miss, wrong rewrite and crash as it happens, then the rewrite
 rate per form, per idiom and per router, and the look-alikes kept per flaw."""
@@ -16,8 +16,8 @@ os.environ.setdefault("MOE_INDUCTOR_STRICT_PASSES", "1")
 
 def main() -> None:
     from tests.generator.check import run
-    from tests.generator.recipe import (GUARDS_MASKS_SLOTS, HOST_WALKS, MASKS_AND_V5, draw_recipe, narrowed,
-                                        random_draw)
+    from tests.generator.recipe import (GUARDS_MASKS_SLOTS, HOST_WALKS, MASKS_AND_V5, WALKS_LISTS, draw_recipe,
+                                        narrowed, random_draw)
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--examples", type=int, default=int(os.environ.get("MOE_GENERATOR_EXAMPLES", 200)))
@@ -30,6 +30,9 @@ def main() -> None:
                     help="draw only litgpt's broadcast masks and transformers v5's experts code written out")
     ap.add_argument("--host-walks", action="store_true",
                     help="draw only DeepSeek-V2's moe_infer: counts walked on the host, the weighted unsort")
+    ap.add_argument("--walks-lists", action="store_true",
+                    help="draw only the forms of their own family: MiniMind's walk of cumulative host counts with "
+                         "a scatter per expert, and transformers v4.36 Mixtral's rows indexed by .tolist() lists")
     args = ap.parse_args()
     only = (GUARDS_MASKS_SLOTS if args.guards_masks_slots else MASKS_AND_V5 if args.masks_v5
             else HOST_WALKS if args.host_walks else None)
@@ -38,8 +41,8 @@ def main() -> None:
     done = 0
     while done < args.examples:
         draw = random_draw(rng)
-        r = draw_recipe(narrowed(draw, only) if only else draw,
-                        lookalike=True if args.lookalikes else None)
+        r = draw_recipe(narrowed(draw, only) if only else draw, lookalike=True if args.lookalikes else None,
+                        forms=WALKS_LISTS if args.walks_lists else None)
         if args.form and r.form != args.form:
             continue
         done += 1
@@ -51,7 +54,7 @@ def main() -> None:
             keys = [f"form {r.form}", f"router {r.router}", f"act {r.act}"]
             keys += [f"{r.form}.{axis} {value}" for axis, value in r.idioms.items()]
         else:
-            keys = [f"look-alike {r.form}.{r.flaw}", f"look-alike all"]
+            keys = [f"look-alike {r.form}.{r.flaw}", "look-alike all"]
         for key in keys + (["genuine all"] if r.genuine else []):
             tally[key][v] += 1
     print(f"\n{'':44s} {'n':>4s} {'rewritten':>9s} {'missed':>6s} {'wrong':>5s} {'crash':>5s} {'kept':>5s}  rate")

@@ -12,12 +12,14 @@ from torch._dynamo.utils import counters
 
 from tests.generator.loops import ExpertChoiceMoE, LoopMoE, SplitMoE
 from tests.generator.parts import H
-from tests.generator.recipe import FORM_COUNTER, Recipe
+from tests.generator.recipe import Recipe, counter_of
 from tests.generator.stacked import CapacityMoE, DenseMoE, GatheredMoE, MemorySlotsMoE, SortedMoE
+from tests.generator.walks_lists import CumsumWalkMoE, ListRowsMoE
 from tests.helpers import rel_err
 
 MODULES = {"loop": LoopMoE, "split": SplitMoE, "expert_choice": ExpertChoiceMoE, "sorted": SortedMoE,
-           "gathered": GatheredMoE, "dense": DenseMoE, "capacity": CapacityMoE, "memory_slots": MemorySlotsMoE}
+           "gathered": GatheredMoE, "dense": DenseMoE, "capacity": CapacityMoE, "memory_slots": MemorySlotsMoE,
+           "cumsum_walk": CumsumWalkMoE, "list_rows": ListRowsMoE}
 
 #: the issue's bar (fp32); torch._grouped_mm takes bf16 only, and bf16 gets its own bound (tests/helpers.py)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -62,7 +64,7 @@ class Outcome:
             return "wrong" if self.rewritten else "kept"
         if not self.rewritten:
             return "missed"
-        return "rewritten" if set(self.rewrites) == {FORM_COUNTER[self.recipe.form]} else "wrong"
+        return "rewritten" if set(self.rewrites) == {counter_of(self.recipe.form)} else "wrong"
 
     def describe(self) -> str:
         errs = ", ".join(f"{n} {e:.1e}" for n, e in self.errors.items() if e >= 1e-6)

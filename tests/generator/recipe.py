@@ -125,6 +125,63 @@ FLAWS: dict[str, tuple] = {
     "memory_slots": ("memory_slots",),
 }
 
+#: forms drawn only by a family of their own (``draw_recipe(..., forms=WALKS_LISTS)``, ``--walks-lists``): the
+#: general draw offers FORM_COUNTER's and FLAWS' forms alone, so every seed keeps drawing the recipes it drew before
+#: these came. Each: the counter a genuine variant bumps, and its look-alikes' flaws. "cumsum_walk" is MiniMind's
+#: ``moe_infer`` (cumulative host counts walked, one scatter per expert): its walk flaws count the skipped experts
+#: into the output, read each start two boundaries back, stop half way, walk the counts of other ids (each id + 1,
+#: mod E: every slice sized by the expert before's count), or count every iteration after a guarded body.
+#: "list_rows" is transformers v4.36 Mixtral's loop indexing rows by ``.tolist()`` lists: "list_len" reads the row
+#: list as a number too, "list_reversed" reverses both lists in place before use
+OWN_FAMILY: dict[str, tuple[str, tuple]] = {
+    "cumsum_walk": ("split_loop", ("other_rows", "other_slot", "differs", "twice", "walk_counts", "walk_neighbour",
+                                   "walk_stops", "walk_other_counts", "walk_tail")),
+    "list_rows": ("unrolled_loop", ("other_rows", "other_slot", "differs", "twice", "list_len", "list_reversed")),
+}
+#: the family of MiniMind's cumulative walk and v4.36 Mixtral's row lists
+WALKS_LISTS = ("cumsum_walk", "list_rows")
+AXES.update({
+    "cumsum_walk": {
+        "sort": ("argsort", "argsort_stable", "sort"),
+        # NumPy's cumsum of the host copy, torch's cumsum then the copy, either with minlength=E, or its .tolist()
+        "cumsum": ("numpy", "torch", "numpy_minlength", "tolist_minlength"),
+        # ``start = 0 if i == 0 else cum[i - 1]``, or carried from the last end
+        "start": ("previous", "carried"),
+        # ``if start == end: continue`` (MiniMind), ``if end <= start: continue``, or the body under ``if start !=
+        # end:``
+        "skip": ("continue", "le_continue", "guarded"),
+        # no "slices": the per-expert scatters read each expert's MLP as the split loop does, which takes no row
+        # blocks of flat weights (passes/flat_slices.py serves the unrolled loop and the masked writes)
+        "experts": ("modulelist", "moduledict", "stacked_nk", "stacked_kn") + FUSED,
+        # ``x[tok[s:e]]``, ``x[tok][s:e]``, ``x.index_select(0, tok[s:e])``
+        "rows": ("tok_slice", "sorted_rows", "index_select"),
+        # ``y.mul_(column[idxs[s:e]])``, ``y * column[...]``, ``y.mul_(weights.view(-1)[idxs[s:e]].unsqueeze(-1))``
+        "weight": ("mul_", "out_of_place", "flat"),
+        # ``scatter_add_`` of ``tok[s:e].view(-1, 1).repeat(1, H)`` or ``.unsqueeze(1).expand(-1, H)``, ``index_add_``
+        "combine": ("scatter_repeat", "scatter_expand", "index_add"),
+    },
+    "list_rows": {
+        # ``torch.where`` of the (E, k, T) one-hot (transformers v4), of ``ids == e``, or of the (E, T, k) one-hot
+        "selection": ("onehot", "where", "onehot_etk"),
+        # ``if tok.shape[0] == 0: continue``, or no skip (an empty list selects the same nothing)
+        "skip": ("shape0", "none"),
+        # the lists in locals, or ``x[tok.tolist()]`` made inside each subscript
+        "lists": ("stored", "inline"),
+        # ``x[None, rows].reshape(-1, H)`` or ``x[rows]``
+        "rows": ("none_reshape", "plain"),
+        "weight_read": ("index_none", "unsqueeze", "view"),
+        "experts": ("modulelist", "moduledict", "stacked_nk", "stacked_kn", "slices") + FUSED,
+        "position": ("output", "input", "between"),
+        "combine": ("index_add", "index_put", "scatter_add"),
+    },
+})
+
+
+def counter_of(form: str) -> str:
+    """The counter a genuine variant of ``form`` bumps (``counters["moe_inductor"][...]``)."""
+    return FORM_COUNTER[form] if form in FORM_COUNTER else OWN_FAMILY[form][0]
+
+
 Draw = Callable[[str, Sequence[Any]], Any]
 
 
@@ -155,15 +212,17 @@ class Recipe:
         return " ".join(parts)
 
 
-def draw_recipe(draw: Draw, lookalike: Optional[bool] = None) -> Recipe:
-    """One recipe. ``lookalike`` None draws genuine variants and look-alikes alike (3 in 4 genuine)."""
+def draw_recipe(draw: Draw, lookalike: Optional[bool] = None, forms: Optional[Sequence[str]] = None) -> Recipe:
+    """One recipe. ``lookalike`` None draws genuine variants and look-alikes alike (3 in 4 genuine). ``forms``: the
+    forms of a family of their own to draw from (OWN_FAMILY's), instead of the general ones."""
     if lookalike is None:
         lookalike = draw("lookalike", (False, False, False, True))
+    flaws = FLAWS if forms is None else {f: OWN_FAMILY[f][1] for f in forms}
     if lookalike:
-        form = draw("form", tuple(FLAWS))
-        flaw = draw("flaw", FLAWS[form])
+        form = draw("form", tuple(flaws))
+        flaw = draw("flaw", flaws[form])
     else:
-        form, flaw = draw("form", tuple(FORM_COUNTER)), None
+        form, flaw = draw("form", tuple(FORM_COUNTER) if forms is None else tuple(forms)), None
     idioms = {}
     for axis, options in AXES.get(form, {}).items():
         idioms[axis] = draw(axis, options)
@@ -205,6 +264,7 @@ def draw_recipe(draw: Draw, lookalike: Optional[bool] = None) -> Recipe:
         k, router = 2, "softmax_topk" if router == "argmax" else router
     if form == "loop":
         k = _loop_idioms(draw, idioms, flaw, k)
+    _own_family_idioms(form, idioms, flaw)
     T = draw("T", (1, 2, 3, 5, 8, 11, 16))
     if flaw == "other_rows" and T == 1:
         T = 3
@@ -262,6 +322,17 @@ def _loop_idioms(draw: Draw, idioms: dict, flaw: Optional[str], k: int) -> int:
     if idioms["position"] == "none":
         del idioms["column"]
     return 1
+
+
+def _own_family_idioms(form: str, idioms: dict, flaw: Optional[str]) -> None:
+    """Narrow the walk's and the row lists' idioms to those their flaw is written with (each flawed walk or list read
+    is its own function, in the plain spelling)."""
+    if form == "cumsum_walk" and flaw in ("walk_counts", "walk_neighbour", "walk_stops", "walk_other_counts"):
+        idioms.update(start="previous", skip="continue")
+    elif form == "cumsum_walk" and flaw == "walk_tail":
+        idioms.update(start="previous", skip="guarded")
+    if form == "list_rows" and flaw in ("list_len", "list_reversed"):
+        idioms.update(lists="stored", rows="plain", weight_read="index_none")
 
 
 def _capacity_idioms(draw: Draw, idioms: dict, flaw: Optional[str]) -> None:
