@@ -172,9 +172,10 @@ def _refuse(why: str) -> None:
         trace.refusals.append(why)
 
 
-def as_tensor_index(variable, tx) -> Optional[Any]:
+def as_tensor_index(variable, tx, refusals: list) -> Optional[Any]:
     """The variable to trace ``variable.tolist()`` as: a copy of the tensor variable where the module docstring's
-    conditions hold at the call (the subscripts check the rest), else None (Dynamo's own tolist runs)."""
+    conditions hold at the call (the subscripts check the rest), else None (Dynamo's own tolist runs), with why it
+    was not taken added to ``refusals`` where the tensor is one this module could have taken."""
     from torch._dynamo.variables import TensorVariable
 
     standing = _standing()
@@ -190,12 +191,13 @@ def as_tensor_index(variable, tx) -> Optional[Any]:
         return None  # a numpy array or a tensor subclass: its indexing is not torch.Tensor's
     where = _where(tx)
     if value.dtype != torch.int64:
-        _refuse(f"{where}: .tolist() of a {value.dtype} tensor is not traced as its tensor (an int64 one only)")
+        refusals.append(f"{where}: .tolist() of a {value.dtype} tensor is not traced as its tensor (an int64 one "
+                        "only)")
         return None
     site = _call_site(tx)
     why = "it is not a call t.tolist()" if site is None else uses_refusal(tx.f_code, *site)
     if why is not None:
-        _refuse(f"{where}: the list of .tolist() is not traced as its tensor: {why}")
+        refusals.append(f"{where}: the list of .tolist() is not traced as its tensor: {why}")
         return None
     tensor = variable.clone()
     standing[id(tensor)] = (tensor, value._version, where)
@@ -286,8 +288,18 @@ def install() -> None:
         return
 
     def method_tolist(self, tx, *args, **kwargs):
-        standing = None if args or kwargs else as_tensor_index(self, tx)
-        return standing if standing is not None else original(self, tx, *args, **kwargs)
+        refusals: list[str] = []
+        standing = None if args or kwargs else as_tensor_index(self, tx, refusals)
+        if standing is not None:
+            return standing
+        try:
+            return original(self, tx, *args, **kwargs)
+        except Exception:
+            # the refusals explain the frame's fallback only where the tolist then fails; one that another hook
+            # takes (a walk of cumulative counts, host_cumsum.py) or Dynamo traces would be noise in its reason
+            for why in refusals:
+                _refuse(why)
+            raise
 
     TensorVariable.method_tolist = method_tolist
     for table in dispatch_tables(base):

@@ -66,14 +66,17 @@ class ScatteredSlicesMoE(nn.Module):
         column = weights.view(-1, 1)
         out = torch.full_like(x, 0.5) if v == "not_zeros" else torch.zeros_like(x)
         if v.startswith("walk"):  # MiniMind's own walk: cumulative host counts, empty experts skipped
-            cum = flat.bincount().cpu().numpy().cumsum(0)
+            if "tolist" in v:  # the torch spelling: bincount with minlength, cumsum on the device, then .tolist()
+                cum = flat.bincount(minlength=E).cumsum(0).tolist()
+            else:
+                cum = flat.bincount().cpu().numpy().cumsum(0)
             for i, end in enumerate(cum):
                 start = 0 if i == 0 else cum[i - 1]
                 if start == end:
                     continue
                 y = self.expert(i, x[tok[start:end]])
                 # walk_token_weight: the weight gathered by the token order, not the assignment order
-                y.mul_(column[(tok if v == "walk_token_weight" else order)[start:end]])
+                y.mul_(column[(tok if v.endswith("token_weight") else order)[start:end]])
                 out.scatter_add_(0, tok[start:end].view(-1, 1).repeat(1, H), y)
             return out
         counts = F.one_hot(flat, E).sum(0)
@@ -117,7 +120,7 @@ class ScatteredSlicesMoE(nn.Module):
 
 
 GENUINE = ["minimind", "index_add", "expand", "out_of_place", "flat_weight", "sorted_rows", "stacked", "walk",
-           "walk_max"]
+           "walk_max", "walk_tolist"]
 
 
 @pytest.mark.parametrize("variant", GENUINE)
@@ -182,3 +185,20 @@ def test_a_walk_whose_body_is_left_alone_falls_back_saying_why():
     assert any("split_loop left" in r and "routing weights are not read at its own slice" in r for r in reasons), (
         reasons)
     assert_close(out, ref, torch.float32, "walk_token_weight")
+
+
+def test_a_tolist_walk_that_falls_back_names_no_row_list_it_did_not_need():
+    """The walk's cumulative counts as ``.tolist()``, the body's weight read at the tokens: the walk is traced as a
+    speculation (host_cumsum.py), which takes the tolist, so list_indices' note that it would not trace that list as
+    its tensor is no part of the fallback's reason; split_loop's is."""
+    torch.manual_seed(0)
+    model = ScatteredSlicesMoE("walk_tolist_token_weight").eval()
+    x = torch.randn(9, H)
+    with torch.no_grad(), report.collecting(report.Report()) as seen:
+        out = compile_moe(model, x)
+        ref = model(x)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    reasons = [f.reason for f in seen.fallbacks]
+    assert any("split_loop left" in r for r in reasons), reasons
+    assert not any("is not traced as its tensor" in r for r in reasons), reasons
+    assert_close(out, ref, torch.float32, "walk_tolist_token_weight")
