@@ -19,7 +19,8 @@
 #   bash benchmarks/device_run.sh decode     # decode B=1 of GPT-OSS and OLMoE, each column in 3 processes
 #                                            # (order alternating), on fixed cores, with host profiles      (~7 min)
 #   bash benchmarks/device_run.sh rule       # the speed rule's values: each family's prefill and GPT-OSS's training,
-#                                            # experts kept against every layer rewritten (bench_hf)        (~9 min)
+#                                            # experts kept against every layer rewritten (bench_hf), merged
+#                                            # into this GPU's whole_model file (rule_file.py)            (~9 min)
 #   bash benchmarks/device_run.sh gptoss     # GPT-OSS's experts on both engines: the op alone (fused against
 #                                            # torch._grouped_mm, fwd and fwd+bwd) at T 512..16384, then the whole
 #                                            # model's training step and prefill 2048/512/4096, experts kept
@@ -170,7 +171,10 @@ case "${1:-suite}" in
       olmoe:prefill:4096:$C qwen2_moe:prefill:4096:$C deepseek_v3:prefill:4096:$C \
       --json "$OUT/bench_hf_rule.json" --markdown "$OUT/bench_hf_rule.md" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_rule.log"
-    cat "$OUT/bench_hf_rule.md" ;;
+    cat "$OUT/bench_hf_rule.md"
+    # this GPU's whole_model file, the values merged in (rule_file.py), brought back to be committed
+    python benchmarks/rule_file.py "$OUT/bench_hf_rule.json" --write > "$OUT/rule_file.log" 2>&1; tail -1 "$OUT/rule_file.log"
+    cp moe_inductor/kernels/tuned/whole_model/*.json "$OUT/" ;;
   hfall)  # every family, mode and size in one run: one family per GPU, side by side (--gpus 6), so it needs a
           # machine of 8 GPUs (kind nvidia-h200-x8); each family's cells, most wanted first, under a 540 s budget.
           # Qwen3 also gets the max-autotune-no-cudagraphs column in prefill.

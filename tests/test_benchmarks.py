@@ -1,5 +1,7 @@
 """Smoke runs of the benchmark scripts on the CPU, so that a broken script is found here and not on the GPU, where
 every minute is budgeted. They check that each script runs end to end and prints its rows; they measure nothing."""
+import json
+
 import pytest
 import torch
 
@@ -518,3 +520,54 @@ def test_mem_peak_replays_an_allocator_trace():
     assert peak == 180 and sites == {"cab.py:12 call": 100, "grouped_mm_engine.py:210 backward": 80}
     peak, _ = mem_peak.peak_live([e for e in events if e["action"] != "free_completed"])  # frees as requested then
     assert peak == 150
+
+
+def test_rule_file_writes_what_the_speed_rule_reads(tmp_path, monkeypatch):
+    """benchmarks/rule_file.py: bench_hf runs with the experts kept and rewritten become a GPU's whole_model file,
+    each family's mode at its worst size; the speed rule then keeps Inductor's path on that GPU exactly where a
+    value is below 1.0, and keeps the file's entries that the runs did not measure."""
+    from benchmarks import bench_hf, rule_file
+    from moe_inductor import speed_rule
+
+    def row(family, mode, size, column, value):
+        return dict(family=family, layers=2, mode=mode, size=size, column=column, value=value, unit="ms")
+
+    kept, off = bench_hf.EXPERTS_KEPT, bench_hf.RULE_OFF
+    run = {"meta": {"device": "NVIDIA H100 80GB HBM3"}, "rows": [
+        row("qwen3_moe", "prefill", 4096, kept, 4.8), row("qwen3_moe", "prefill", 4096, off, 3.2),  # 1.50
+        row("qwen3_moe", "prefill", 512, kept, 1.0), row("qwen3_moe", "prefill", 512, off, 1.25),  # 0.80: the worst
+        row("gpt_oss", "train", 4096, kept, 54.0), row("gpt_oss", "train", 4096, off, 45.0),  # 1.20
+        row("gpt_oss", "prefill", 4096, "moe_inductor", 8.0)]}  # no experts-kept column: no value
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "run.json").write_text(json.dumps(run))
+    (tmp_path / "NVIDIA_H100_80GB_HBM3.json").write_text(json.dumps({"layers": [
+        {"name": "Mixtral-8x7B", "route": "hf", "activation": "silu_glu", "gate_up": "concat", "bias": False,
+         "shape": [4096, 14336, 8, 2], "prefill": 0.9},
+        {"name": "GPT-OSS-20B", "route": "hf", "activation": "gptoss_glu", "gate_up": "interleaved", "bias": True,
+         "shape": [2880, 2880, 32, 4], "decode": 1.3, "train": 0.5}]}))
+    path = rule_file.main([str(tmp_path / "runs" / "run.json"), "--out-dir", str(tmp_path), "--write"])
+    layers = {e["name"]: e for e in json.loads(path.read_text())["layers"]}
+    assert layers["Qwen3-30B-A3B"]["prefill"] == 0.8 and layers["Qwen3-30B-A3B"]["shape"] == [2048, 768, 128, 8]
+    assert (layers["GPT-OSS-20B"]["train"], layers["GPT-OSS-20B"]["decode"]) == (1.2, 1.3)  # decode kept
+    assert "prefill" not in layers["GPT-OSS-20B"] and layers["Mixtral-8x7B"]["prefill"] == 0.9
+
+    monkeypatch.setattr(speed_rule, "_DATA_DIR", tmp_path)
+    monkeypatch.setattr(speed_rule, "_gpu_tag", lambda device: "NVIDIA_H100_80GB_HBM3")
+    speed_rule._tables.cache_clear()
+    try:
+        cuda = torch.device("cuda")
+        qwen3 = speed_rule.LayerKind("silu_glu", "concat", False, (2048, 768, 128, 8))
+        gptoss = speed_rule.LayerKind("gptoss_glu", "interleaved", True, (2880, 2880, 32, 4))
+        assert speed_rule.keeps_inductor(qwen3, cuda, "prefill", "inductor")  # 0.80 at T = 512
+        assert speed_rule.keeps_inductor(gptoss, cuda, "train", "inductor") is None  # 1.20
+        assert speed_rule.keeps_inductor(gptoss, cuda, "decode", "inductor") is None  # 1.3, kept from the file
+    finally:
+        speed_rule._tables.cache_clear()
+
+
+def test_rule_file_refuses_runs_of_two_gpus():
+    from benchmarks import rule_file
+
+    runs = [{"meta": {"device": "NVIDIA H100 80GB HBM3"}, "rows": []}, {"meta": {"device": "NVIDIA H200"}, "rows": []}]
+    with pytest.raises(ValueError, match="different GPUs"):
+        rule_file.measured(runs)

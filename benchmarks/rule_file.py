@@ -1,0 +1,103 @@
+"""The speed rule's data for a GPU, from bench_hf.py's measurements: merge the values of runs with the experts kept
+and every proven layer rewritten (``bash benchmarks/device_run.sh rule`` on that GPU) into
+``moe_inductor/kernels/tuned/whole_model/<GPU>.json``, the file ``moe_inductor/speed_rule.py`` reads.
+
+    python benchmarks/rule_file.py bench_hf_rule.json [more.json ...] [--write] [--out-dir DIR]
+
+Each family measured becomes one layer kind (its activation, gate/up layout, biases and (H, I, E, k) at the real
+widths bench_hf.py builds), with one value per mode measured: the worst over the sizes measured, since the rule
+decides from the mode, not the size. A GPU without a file is judged by the other GPUs' files with a margin
+(``speed_rule.UNMEASURED_GPU_MARGIN``); with one, a layer kind below 1.0 in a mode keeps Inductor's path there.
+Entries of the file that the runs do not measure are kept as they are. Without ``--write`` the merged file is only
+printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Iterable, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.hf_families import FAMILIES  # noqa: E402
+from benchmarks.hf_tables import rule_values  # noqa: E402
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "moe_inductor" / "kernels" / "tuned" / "whole_model"
+
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def layer_kind(family: str) -> dict:
+    """The speed rule's key for a bench_hf family: its name, route, activation, gate/up layout, biases and shape."""
+    name, widths = FAMILIES[family][1], FAMILIES[family][3]
+    inner = widths.get("moe_intermediate_size", widths["intermediate_size"])
+    experts = next(widths[key] for key in _EXPERTS if key in widths)
+    gptoss = family == "gpt_oss"  # transformers' GPT-OSS experts: clamped glu, interleaved gate/up, biases
+    return {"name": name, "route": "hf", "activation": "gptoss_glu" if gptoss else "silu_glu",
+            "gate_up": "interleaved" if gptoss else "concat", "bias": gptoss,
+            "shape": [widths["hidden_size"], inner, experts, widths["num_experts_per_tok"]]}
+
+
+def measured(runs: Iterable[dict]) -> tuple[Optional[str], dict]:
+    """(the GPU the runs measured, {family: {mode: worst value over its sizes}}) from bench_hf JSON documents. Runs
+    of different GPUs are refused: one file holds one GPU's measurements."""
+    gpus, worst = set(), {}
+    for run in runs:
+        gpus.add(run.get("meta", {}).get("device"))
+        for v in rule_values(run["rows"]):
+            modes = worst.setdefault(v["family"], {})
+            modes[v["mode"]] = min(modes.get(v["mode"], float("inf")), v["value"])
+    gpus.discard(None)
+    if len(gpus) > 1:
+        raise ValueError(f"the runs measured different GPUs: {sorted(gpus)}")
+    return (gpus.pop() if gpus else None), worst
+
+
+def merged(existing: Optional[dict], worst: dict, sources: list[str]) -> dict:
+    """The file's document with ``worst``'s values put in: a family's layer kind is updated in place (its other
+    modes kept) or added; ``sources`` joins the file's ``_source``."""
+    doc = existing or {"_what": "what rewriting the experts buys over leaving them to Inductor, per layer kind and "
+                                "mode, measured on this GPU by benchmarks/bench_hf.py: the model's time with the "
+                                "experts left to Inductor over its time with every proven layer rewritten (>= 1.0: "
+                                "the rewrite is faster); written by benchmarks/rule_file.py", "layers": []}
+    layers = doc["layers"]
+    for family, modes in sorted(worst.items()):
+        kind = layer_kind(family)
+        entry = next((e for e in layers if e.get("name") == kind["name"]), None)
+        if entry is None:
+            entry = dict(kind)
+            layers.append(entry)
+        entry.update({mode: round(value, 2) for mode, value in modes.items()})
+    doc["_source"] = "; ".join(s for s in (doc.get("_source"), *sources) if s)
+    return doc
+
+
+def main(argv: Optional[list] = None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", help="bench_hf.py --json outputs with both moe_inductor_experts_kept and "
+                                            "moe_inductor_rule_off columns")
+    ap.add_argument("--gpu", default=None, help="the GPU's name, where the runs' meta does not say it")
+    ap.add_argument("--out-dir", default=str(DATA_DIR))
+    ap.add_argument("--write", action="store_true", help="write the merged file (else print it only)")
+    args = ap.parse_args(argv)
+    gpu, worst = measured(json.loads(Path(p).read_text()) for p in args.runs)
+    gpu = args.gpu or gpu
+    if not gpu or gpu == "cpu":
+        raise SystemExit("rule_file.py: the runs name no GPU (pass --gpu); the CPU's rule is whole_model/cpu.json")
+    if not worst:
+        raise SystemExit("rule_file.py: no cell ran both moe_inductor_experts_kept and moe_inductor_rule_off")
+    path = Path(args.out_dir) / f"{gpu.replace(' ', '_')}.json"
+    existing = json.loads(path.read_text()) if path.exists() else None
+    doc = merged(existing, worst, [f"benchmarks/rule_file.py {' '.join(Path(p).name for p in args.runs)}"])
+    text = json.dumps(doc, indent=1) + "\n"
+    print(text)
+    if args.write:
+        path.write_text(text)
+        print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
