@@ -29,10 +29,13 @@ def project_up(rows: Tensor, sizes: list[int], w1: Tensor, w1_up: Optional[Tenso
     """``out[lo:hi] = [rows[lo:hi] @ w1[e] | rows[lo:hi] @ w1_up[e]]`` for each expert e (``rows @ w1[e]`` where
     ``w1_up`` is None), ``sizes`` as in ``project``. One matmul per expert where the two are one tensor's halves (HF's
     gate_up_proj) or its interleaved columns (GPT-OSS's, whose stride-2 views ``torch.mm`` would copy), else two."""
+    n = w1.shape[2]
+    if not isinstance(w1, Tensor):  # per-expert weights (ops/expert_lists.PerExpert): each expert's own tensors
+        project(rows, sizes, w1, out[:, :n] if w1_up is not None else out)
+        return project(rows, sizes, w1_up, out[:, n:]) if w1_up is not None else out
     both = combined_up_weights(w1, w1_up)
     if both is not None:
         return project(rows, sizes, both, out)
-    n = w1.shape[2]
     pairs = interleaved_pairs(w1, w1_up)
     if pairs is not None:
         joint = project(rows, sizes, pairs, rows.new_empty(rows.shape[0], 2 * n))

@@ -6,7 +6,8 @@ with "kn" they are (in, out): (H, I) and (I, H), for experts written as ``x @ w`
 Where the Triton kernels run, ``config.list_weight_tables`` is on, the call has enough rows per expert for it, and
 each projection's weights share one shape, strides and x's dtype, the forward reads them where they lie, through a
 table of their places (kernels/weight_table.py): no stack is made, and a call reads only the experts its tokens
-chose. Otherwise (the CPU, mixed layouts, weights off 16-byte boundaries, a table that would have to be uploaded
+chose. On the CPU, whose path computes expert by expert, the forward reads each expert's own tensors
+(``PerExpert``). Otherwise (mixed layouts, weights off 16-byte boundaries, a table that would have to be uploaded
 during CUDA-graph capture, and the backward) the weights are stacked at each call.
 
 The stack is never cached: a cache keyed on the weights' versions misses ``p.data.copy_(new)`` (writes through
@@ -35,6 +36,37 @@ def stacked(ws: list[Tensor]) -> Tensor:
         return torch.stack([w.detach() for w in ws])
 
 
+class PerExpert:
+    """E same-shaped per-expert weights as the CPU path reads them: logically (E, K, N), ``unbind(0)`` giving each
+    expert's (K, N) view of its own tensor. Nothing is stacked: a call computes with the experts' weights where they
+    lie, as eager's loop does, where a stack would copy every expert's weights at every call (at DeepSeek-V2-Lite's
+    widths, 64 experts of 2.9M weights a projection)."""
+
+    def __init__(self, ws: list[Tensor], layout: str) -> None:
+        self._views = tuple(to_kn(w, layout) for w in ws)
+        self.shape = torch.Size((len(ws), *self._views[0].shape))
+        self.dtype = self._views[0].dtype
+        self.device = self._views[0].device
+
+    def unbind(self, dim: int = 0) -> tuple[Tensor, ...]:
+        assert dim == 0, "per-expert weights unbind into their experts only"
+        return self._views
+
+
+def _per_expert(w1: list[Tensor], w1_up: list[Tensor], w2: list[Tensor], layout: str) -> Optional[tuple]:
+    """The (w1, w1_up or None, w2) ``PerExpert`` weights of the CPU path, or None where a projection's weights
+    differ in shape or dtype (the path then reads a stack, which refuses them as torch.stack does)."""
+    groups = []
+    for ws in (w1, w1_up, w2):
+        if not ws:
+            groups.append(None)
+            continue
+        if len({(w.shape, w.dtype) for w in ws}) != 1:
+            return None
+        groups.append(PerExpert(ws, layout))
+    return tuple(groups)
+
+
 def _views(w1: list[Tensor], w1_up: list[Tensor], w2: list[Tensor], layout: str):
     """The (E, K, N) views the op takes, of the stacked per-expert weights."""
     return (to_kn(stacked(w1), layout), to_kn(stacked(w1_up), layout) if w1_up else None,
@@ -52,7 +84,10 @@ def experts_forward_list(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: 
         y (T, H), pre, order, sorted_expert, offsets, as ``experts_forward``.
     """
     check_weight_position(weight_position)
-    tables = _weight_tables(x, topk_ids, (w1, w1_up, w2), layout)
+    if use_triton(x):
+        tables = _weight_tables(x, topk_ids, (w1, w1_up, w2), layout)
+    else:  # the CPU path computes expert by expert: it reads each expert's own weights (PerExpert)
+        tables = _per_expert(w1, w1_up, w2, layout)
     weights = ExpertWeights(*(tables if tables is not None else _views(w1, w1_up, w2, layout)))
     call = ExpertsCall(x, Routing(topk_ids, topk_weights), weights, Activation(activation), weight_position, save_pre)
     return experts_forward_call(call)
@@ -60,13 +95,13 @@ def experts_forward_list(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: 
 
 def _weight_tables(x: Tensor, topk_ids: Tensor, groups: tuple, layout: str) -> Optional[tuple]:
     """The (w1, w1_up or None, w2) address tables the forward reads the weights through (kernels/weight_table.py),
-    or None where it stacks them: the tables are off, the Triton kernels do not run, the call has fewer rows than
+    or None where it stacks them: the tables are off, the call has fewer rows than
     ``config.list_weight_tables_min_rows_per_expert`` per expert, "auto" would give the stacked
     weights' GEMMs to ``torch._grouped_mm`` (a layout only a stack has), or a projection's weights differ in shape,
     strides, dtype (x's) or device (x's)."""
     w1, w1_up, w2 = groups
     E = len(w1)
-    if not (config.list_weight_tables and use_triton(x)):
+    if not config.list_weight_tables:
         return None
     if topk_ids.numel() < config.list_weight_tables_min_rows_per_expert * E:  # where the stack was measured faster
         return None
