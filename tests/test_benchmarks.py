@@ -571,3 +571,11 @@ def test_rule_file_refuses_runs_of_two_gpus():
     runs = [{"meta": {"device": "NVIDIA H100 80GB HBM3"}, "rows": []}, {"meta": {"device": "NVIDIA H200"}, "rows": []}]
     with pytest.raises(ValueError, match="different GPUs"):
         rule_file.measured(runs)
+
+
+@pytest.mark.slow  # three compiles of the layer
+def test_bench_moe_infer_cpu_runs_end_to_end():
+    from benchmarks import bench_moe_infer_cpu
+
+    rows = bench_moe_infer_cpu.main(["--tiny", "--tokens", "3", "--rounds", "1", "--calls", "1"])
+    assert [r["T"] for r in rows] == [3] and all(r[c] > 0 for r in rows for c in ("eager", "inductor", "moe_inductor"))
