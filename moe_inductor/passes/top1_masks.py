@@ -20,6 +20,10 @@ Several such passes, one per choice j of a top-k router, adding into one zeros b
         for e in range(E):
             out[ids == e] += expert_e(x[ids == e]) * w[ids == e].unsqueeze(-1)
 
+The masks may also be the columns ``M[..., e]`` of a one-hot with the router's drops in it (transformers v4's
+Switch, ``kept_masks.py``): ``out[M[:, :, e]] = expert_e(x[M[:, :, e]])`` into zeros, a dropped row then the op's
+out-of-range id E (left zero), a weight on the whole buffer left to the graph.
+
 A boolean mask of x's leading dims picks its rows in row-major order, so the batched loop is the flat loop on
 ``x.reshape(-1, H)``, ``idx.reshape(-1)`` and ``out.view(-1, H)``: the op reads those views and its (B*T, H) result is
 viewed back as (B, T, H). The driver has no step for a result of another shape than the region's, so the match's
@@ -42,6 +46,7 @@ from ..spec import MoESpec
 from .driver import Match
 from .flat_slices import block_linear
 from .fx_utils import alias_mutations, column_of, is_call, same_value_key, scale_of_rows, val
+from .kept_masks import choice_column, kept_column, kept_one_hot
 
 _ZEROS = ((torch.zeros_like, torch.zeros), ("new_zeros",))
 _EMPTY = ((torch.empty_like, torch.empty), ("new_empty",))
@@ -55,6 +60,9 @@ def _mask_of(index) -> Optional[tuple[Node, object, int]]:
     integer ids."""
     if isinstance(index, tuple) and len(index) == 2 and index[1] == _ALL:
         index = index[0]
+    kept = kept_column(index) if isinstance(index, Node) else None
+    if kept is not None:  # the rows expert e keeps of a one-hot with the router's drops in it (kept_masks.py)
+        return (kept[0], same_value_key(kept[0]), kept[1]) if val(kept[0]).dim() - 1 in _ID_DIMS else None
     if not (is_call(index, "call_function", operator.eq, torch.eq) and len(index.args) == 2 and not index.kwargs):
         return None
     a, b = index.args
@@ -155,28 +163,6 @@ def _groups(marked: list) -> list[tuple[object, list]]:
     return list(groups.items())
 
 
-def _choice(node) -> Optional[tuple[Node, int]]:
-    """(base, j) for column j of a base whose last dim is a static k: ``base[..., j]``, ``base[:, :, j]`` (a full
-    slice over every other dim) or ``base.select(-1, j)``, j normalised to range(k)."""
-    if is_call(node, "call_function", operator.getitem) and len(node.args) == 2 and isinstance(node.args[1], tuple):
-        base, index = node.args
-        bv = val(base)
-        if bv is None or not index or index[:-1] not in ((Ellipsis,), (_ALL,) * (bv.dim() - 1)):
-            return None
-        j = index[-1]
-    elif is_call(node, "call_method", "select") and len(node.args) == 3 and not node.kwargs:
-        base, dim, j = node.args
-        bv = val(base)
-        if bv is None or dim not in (-1, bv.dim() - 1):
-            return None
-    else:
-        return None
-    k = bv.shape[-1]
-    if type(j) is not int or not isinstance(k, int) or not -k <= j < k:
-        return None
-    return base, j % k
-
-
 def _choice_columns(marked: list) -> Union[tuple[Node, int, dict], str, None]:
     """None where every mask is of one id tensor. Where they are of several, RaF's DeepSeek-from-scratch loop (one
     top-1 pass per choice j of a top-k router, ``out[ids_j == e] += expert_e(x[m]) * w_j[m].unsqueeze(-1)``):
@@ -185,7 +171,7 @@ def _choice_columns(marked: list) -> Union[tuple[Node, int, dict], str, None]:
     groups = _groups(marked)
     if len(groups) == 1:
         return None
-    columns = {key: _choice(group[0][0]) for key, group in groups}
+    columns = {key: choice_column(group[0][0]) for key, group in groups}
     if any(c is None for c in columns.values()):
         return "the writes select rows by masks of different id tensors (not the columns of one (..., k) id tensor)"
     base = next(iter(columns.values()))[0]
@@ -211,7 +197,7 @@ def _choices_spec(choices: tuple, marked: list, bodies: list) -> Union[tuple[MoE
         passes.setdefault(choice_of[m[1]], []).append(body)
     weights, keys, specs = {}, set(), {}
     for j, group in sorted(passes.items()):
-        cols = [_choice(b.spec.weights) if b.spec.weights is not None else None for b in group]
+        cols = [choice_column(b.spec.weights) if b.spec.weights is not None else None for b in group]
         if any(c is None or c[1] != j for c in cols):
             return (f"the experts of choice {j} are not scaled by column {j} of one (..., {k}) routing weight (several "
                     "choices need their own weights)")
@@ -325,6 +311,9 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
                 "writes would keep values the op does not give")
     if len(marked) != len(writes):
         return "the buffer is also changed by something other than its masked writes"
+    kept = kept_one_hot(ids)  # (idx, E): the masks are the columns of a one-hot with the router's drops in it
+    if kept is not None and not zeros:
+        return "the buffer is torch.empty_like and the router drops rows: a dropped row would hold garbage"
     choices = _choice_columns(marked)
     if isinstance(choices, str):
         return choices
@@ -335,7 +324,7 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
             return f"expert {twice}'s rows are written twice: the second write replaces the first"
     position = {n: i for i, n in enumerate(buf.graph.nodes)}
     marked.sort(key=lambda wm: position[wm[0]])
-    lead = tuple(val(ids).shape)
+    lead = tuple(val(ids).shape) if kept is None else tuple(val(ids).shape[:-1])
     bodies, reads, own = [], [], set()
     for w, (_, key, e) in marked:
         value, vv, bv = w.args[2], val(w.args[2]), val(buf)
@@ -398,10 +387,12 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
     if any(position[u] < position[marked[-1][0]] for u in readers):
         return "the buffer is read before the loop's last write"
     product = None
-    if spec.weights is None and (scaled := scale_of_rows(buf, readers, lead)) is not None:
+    # with drops, a weight on the whole buffer stays the user's multiply: a dropped row is 0 * w there (NaN at a
+    # non-finite w), and the op would give 0
+    if spec.weights is None and kept is None and (scaled := scale_of_rows(buf, readers, lead)) is not None:
         product, weights = scaled
         spec = dataclasses.replace(spec, weights=weights)
-    width = _router_width(ids) if choices is None else _topk_width(choices[0], choices[1])
+    width = kept[1] if kept is not None else _router_width(ids) if choices is None else _topk_width(*choices[:2])
     if width is not None and width != num_experts:
         return f"the router chooses among {width} experts and the loop writes {num_experts}"
     if empty and width is None:
@@ -423,6 +414,9 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
 
     def derive(graph, spec: MoESpec) -> MoESpec:
         spec = _stacked(graph, spec) if biased else sliced(graph, spec) if sliced is not None else spec
+        if kept is not None:  # a row the router dropped gets the out-of-range id E: the op leaves it zero
+            has_row = graph.call_method("any", (spec.ids, -1))
+            spec = dataclasses.replace(spec, ids=graph.call_function(torch.where, (has_row, kept[0], num_experts)))
         if batched:  # the flat loop on row-major views; the readers get the op's result viewed back as (B, T, H)
             _viewed_back(graph, product if product is not None else buf, end, spec.x)
             tokens = graph.call_method("reshape", (spec.x, -1, hidden))
@@ -443,6 +437,7 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
         return dataclasses.replace(spec, ids=column, weights=weights)
 
     note = (f"{len(bodies)} boolean-mask selections (host syncs) removed"
+            + ("; the router's drops kept (a dropped row is the op's out-of-range id)" if kept is not None else "")
             + ("; the (B, T) tokens read as one (B*T, H) view" if batched else "")
             + ("; the flat weights read as (E, n, m) views" if sliced is not None else
                "; per-expert weights stacked at each call" if isinstance(spec.gate, tuple) else "")
