@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dis
 import operator
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -201,19 +202,35 @@ def as_expert_list(variable, tx):
         return None
     nonzero.meta[speculation.LENGTH] = E  # its size checks (0 <= n_hit <= E) are facts: they go if its loop does
     items = ListVariable([ConstantVariable.create(e) for e in range(E)], mutation_type=ValueMutationNew())
-    trace.loops[id(items)] = (items, hit_loops._Loop(nonzero.name, E, where, counts_of=_counts_of(nonzero.name)))
+    trace.loops[id(items)] = (items, _Listed(nonzero.name, E, where))
     return items
 
 
+@dataclass(frozen=True)
+class _Listed:
+    """A list ``as_expert_list`` made, waiting for the GET_ITER of its loop (held in ``Trace.loops`` by its id)."""
+
+    nonzero: str
+    E: int
+    where: str
+
+
 def _get_iter(tx, inst, handler: Callable) -> None:
-    """GET_ITER of a list made by ``as_expert_list``: Dynamo's iterator over it becomes the loop hit_loops' FOR_ITER
-    hook opens an iteration (a Speculation) of at each step."""
+    """GET_ITER of a list made by ``as_expert_list``: Dynamo's iterator over it becomes a loop that hit_loops' FOR_ITER
+    hook opens an iteration (a Speculation) of at each step. Each GET_ITER makes a loop of its own: the one read of
+    the list may run again (a loop inside another), and every run of its body is speculated and proven."""
     trace = speculation._trace()
-    pending = trace.loops.pop(id(tx.stack[-1]), None) if trace is not None and tx.stack else None
+    got = trace.loops.get(id(tx.stack[-1])) if trace is not None and tx.stack else None
+    if got is not None and isinstance(got[1], _Listed) and any(s.tx is tx and not s.closed
+                                                                for s in trace.speculations):
+        # the list is [0, ..., E-1] already: only a failed frame (and capture's fallback) undoes it
+        raise speculation.SpeculationNotDischarged(f"{got[1].where}: the list of the experts that kept rows is "
+                                                   "iterated inside a body already assumed to have rows")
     handler(tx, inst)
-    if pending is not None:
-        iterator = tx.stack[-1]
-        trace.loops[id(iterator)] = (iterator, pending[1])
+    if got is not None and isinstance(got[1], _Listed):
+        listed, iterator = got[1], tx.stack[-1]
+        trace.loops[id(iterator)] = (iterator, hit_loops._Loop(listed.nonzero, listed.E, listed.where,
+                                                               counts_of=_counts_of(listed.nonzero)))
 
 
 _installed = False

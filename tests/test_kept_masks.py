@@ -12,7 +12,8 @@ The list is traced as every expert (``moe_inductor/hit_lists.py``) and the masks
 dropped rows given the out-of-range id E (``passes/kept_masks.py``): rewritten, forward and backward equal to eager
 (an idle expert's weights get no gradient, as in eager). Look-alikes are left alone or fall back, equal to eager: a
 float keep factor, a mask that is no one-hot, counts of another mask than the body reads, the list or the loop
-variable read again, the mask changed in place after it was counted, the buffer written elsewhere."""
+variable read again, the mask changed in place after it was counted or inside the loop, the list's loop run again
+to count the experts in a tensor, the buffer written elsewhere."""
 import pytest
 import torch
 import torch.nn as nn
@@ -52,7 +53,8 @@ class SwitchLike(nn.Module):
             return weight * self._counted_by(x, router_mask, (other * (torch.cumsum(other, dim=-2) <= C)).bool(), out)
         loop = {"every_expert": self._every_expert, "guarded": self._guarded, "list_read_again": self._read_again,
                 "loop_variable_read_after": self._variable_read_after,
-                "changed_after_count": self._changed_after_count}.get(s, self._hit_list)
+                "changed_after_count": self._changed_after_count,
+                "changed_mid_loop": self._changed_mid_loop, "rerun_counter": self._rerun_counter}.get(s, self._hit_list)
         return weight * loop(x, router_mask, out)
 
     # each spelling has a loop of its own: the trace reads the bytecode of the whole function around the loop
@@ -67,6 +69,24 @@ class SwitchLike(nn.Module):
         for e in range(E):
             out[router_mask[..., e]] = self.experts[f"expert_{e}"](x[router_mask[..., e]])
         return out
+
+    def _changed_mid_loop(self, x, router_mask, out):
+        for e in range(E):
+            if e == 2:  # the later experts' masks are not what the op would read at the end of the loop
+                router_mask[..., 3] = router_mask[..., 0]
+            out[router_mask[..., e]] = self.experts[f"expert_{e}"](x[router_mask[..., e]])
+        return out
+
+    def _rerun_counter(self, x, router_mask, out):
+        hit = torch.nonzero(router_mask.reshape(-1, E).sum(dim=0), as_tuple=True)[0].tolist()
+        ran = torch.zeros(1)
+        for rep in range(2):  # the one read of the list runs twice; the second run counts the experts in a tensor
+            for e in hit:
+                if rep == 0:
+                    out[router_mask[..., e]] = getattr(self.experts, f"expert_{e}")(x[router_mask[..., e]])
+                else:
+                    ran.add_(1.0)
+        return out + ran
 
     def _guarded(self, x, router_mask, out):
         for e in range(E):
@@ -118,7 +138,8 @@ def test_kept_one_hot_loops_are_rewritten(style, batched):
 
 
 @pytest.mark.parametrize("style", ["float_keep", "not_one_hot", "other_counts", "list_read_again",
-                                   "loop_variable_read_after", "changed_after_count", "written_elsewhere"])
+                                   "loop_variable_read_after", "changed_after_count", "changed_mid_loop",
+                                   "rerun_counter", "written_elsewhere"])
 def test_kept_one_hot_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = SwitchLike(style)

@@ -5,9 +5,11 @@ Mistral, and a from-scratch "mini LLM"), the kind of MoE code people write for t
 straight-through estimator, ``hard - probs.detach() + probs``; each expert takes the tokens whose straight-through
 value ``== 1`` (``torch.where(onehot[:, e] == 1)[0]``), scaled by that value ``.unsqueeze(-1)``, ``index_add_``ed
 into zeros; an expert with no tokens runs on a one-row dummy input added times 0.0 to the first row (FSDP keeps
-every expert in the collective). Eval mode: no Gumbel noise, no router dropout. The selection is a float equality
-(``1 - p + p`` need not be exactly 1 in floating point), not a top-1 choice the backend can prove, so it is left
-alone, equal to eager.
+every expert in the collective). Eval mode: no Gumbel noise, no router dropout. The frame falls back to plain capture,
+equal to eager: the branch on ``token_indices.numel() > 0`` is data-dependent, and its no-tokens side is no skip (it
+runs the expert on a dummy row and adds ``0.0 *`` its output to row 0, which is NaN where that output is not finite),
+so it is not assumed away; and the selection is a float equality (``1 - p + p`` need not be exactly 1 in floating
+point), not a top-1 choice the backend could prove anyway.
 
 ``MiniLLMMoE``: fp32 softmax over the router, ``topk(sorted=False)``, renormalised with ``clamp_min``; the loop over
 ``enumerate(self.experts)`` with ``torch.where(topk_indices == e)``, ``if token_indices.numel() > 0:``, the expert on
