@@ -13,7 +13,8 @@ dropped rows given the out-of-range id E (``passes/kept_masks.py``): rewritten, 
 (an idle expert's weights get no gradient, as in eager). Look-alikes are left alone or fall back, equal to eager: a
 float keep factor, a mask that is no one-hot, counts of another mask than the body reads, the list or the loop
 variable read again, the mask changed in place after it was counted or inside the loop, the list's loop run again
-to count the experts in a tensor, the buffer written elsewhere."""
+to count the experts in a tensor, the one-hot's ids changed in place after it was made, the buffer written
+elsewhere."""
 import pytest
 import torch
 import torch.nn as nn
@@ -42,6 +43,8 @@ class SwitchLike(nn.Module):
         if s == "float_keep":  # NaN-capable: a NaN times one_hot's 0 would be True off idx
             keep = keep.float()
         router_mask = (hot * keep).bool()
+        if s == "ids_changed":  # the one-hot's ids changed after it was made: the mask keeps the old ones
+            idx.fill_(0)
         if s == "not_one_hot":  # several experts per row
             router_mask = x[..., :E] > 0
         weight = torch.max(probs, dim=-1).values.unsqueeze(-1)
@@ -139,7 +142,7 @@ def test_kept_one_hot_loops_are_rewritten(style, batched):
 
 @pytest.mark.parametrize("style", ["float_keep", "not_one_hot", "other_counts", "list_read_again",
                                    "loop_variable_read_after", "changed_after_count", "changed_mid_loop",
-                                   "rerun_counter", "written_elsewhere"])
+                                   "rerun_counter", "ids_changed", "written_elsewhere"])
 def test_kept_one_hot_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = SwitchLike(style)

@@ -45,7 +45,7 @@ from torch.fx import Graph, Node
 from ..spec import MoESpec
 from .driver import Match
 from .flat_slices import block_linear
-from .fx_utils import alias_mutations, column_of, is_call, same_value_key, scale_of_rows, val
+from .fx_utils import alias_mutations, column_of, is_call, mutated_alias, same_value_key, scale_of_rows, val
 from .kept_masks import choice_column, kept_column, kept_one_hot
 
 _ZEROS = ((torch.zeros_like, torch.zeros), ("new_zeros",))
@@ -314,6 +314,8 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
     kept = kept_one_hot(ids)  # (idx, E): the masks are the columns of a one-hot with the router's drops in it
     if kept is not None and not zeros:
         return "the buffer is torch.empty_like and the router drops rows: a dropped row would hold garbage"
+    if kept is not None and mutated_alias(kept[0]):  # the op reads the one-hot's ids later, where the loop ends
+        return CHANGED_IN_PLACE
     choices = _choice_columns(marked)
     if isinstance(choices, str):
         return choices
