@@ -13,8 +13,8 @@ dropped rows given the out-of-range id E (``passes/kept_masks.py``): rewritten, 
 (an idle expert's weights get no gradient, as in eager). Look-alikes are left alone or fall back, equal to eager: a
 float keep factor, a mask that is no one-hot, counts of another mask than the body reads, the list or the loop
 variable read again, the mask changed in place after it was counted or inside the loop, the list's loop run again
-to count the experts in a tensor, the one-hot's ids changed in place after it was made, the buffer written
-elsewhere."""
+to count the experts in a tensor, the one-hot's ids changed in place after it was made, the one-hot or its product with keep changed in
+place before the cast (a second True in a row), the buffer written elsewhere."""
 import pytest
 import torch
 import torch.nn as nn
@@ -39,10 +39,15 @@ class SwitchLike(nn.Module):
         probs = torch.softmax(self.classifier(x), dim=-1)
         idx = torch.argmax(probs, dim=-1)
         hot = F.one_hot(idx, num_classes=E)
+        if s == "one_hot_changed":  # a second 1 in each row, put there before anything reads the one-hot
+            hot.view(-1, E)[:, 1] = 1
         keep = torch.cumsum(hot, dim=-2) <= C
         if s == "float_keep":  # NaN-capable: a NaN times one_hot's 0 would be True off idx
             keep = keep.float()
-        router_mask = (hot * keep).bool()
+        product = hot * keep
+        if s == "product_changed":  # the product changed in place before its cast: True off idx
+            product[..., 0] = 1
+        router_mask = product.bool()
         if s == "ids_changed":  # the one-hot's ids changed after it was made: the mask keeps the old ones
             idx.fill_(0)
         if s == "not_one_hot":  # several experts per row
@@ -150,6 +155,20 @@ def test_kept_one_hot_look_alikes_are_left_alone(style):
     out = compile_moe(model, x.clone())
     assert not counters["moe_inductor"], dict(counters["moe_inductor"])
     assert_close(out, model(x.clone()), torch.float32, style)
+
+
+@pytest.mark.parametrize("style", ["one_hot_changed", "product_changed"])
+@pytest.mark.parametrize("loop", ["hit_list", "every_expert"])
+def test_kept_one_hot_changed_in_place_is_left_alone(style, loop):
+    """The one-hot (or the product with keep) changed in place before the cast to bool: the mask may be True off
+    idx, several experts writing one row (the last one wins in eager), so it is no top-1 router's mask."""
+    torch.manual_seed(0)
+    model = SwitchLike(style)
+    model._hit_list = model._every_expert if loop == "every_expert" else model._hit_list
+    x = _tokens(True, 9)
+    out = compile_moe(model, x.clone())
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    assert_close(out, model(x.clone()), torch.float32, f"{style} {loop}")
 
 
 def test_a_dropped_row_is_zero_before_the_weight():

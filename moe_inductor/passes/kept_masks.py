@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from .fx_utils import is_call, val
+from .fx_utils import is_call, mutated_alias, val
 
 _ONE_HOT = (F.one_hot, torch._C._nn.one_hot)
 _ALL = slice(None, None, None)
@@ -67,7 +67,9 @@ def _one_hot(node) -> Optional[tuple[Node, int]]:
 def kept_one_hot(mask: Node) -> Optional[tuple[Node, int]]:
     """(idx, E) when ``mask`` is a (*lead, E) bool tensor True at most at idx's position of each row:
     ``(one_hot(idx, E) * keep).bool()`` (either order of the product, ``.to(torch.bool)`` too), keep a bool or
-    integer tensor that broadcasts to the one-hot's shape without widening it; else None."""
+    integer tensor that broadcasts to the one-hot's shape without widening it, and neither the one-hot, the product nor
+    the mask changed in place anywhere (``hot[..., 0] = 1`` puts a second 1 in a row: several experts' masks share
+    it); else None."""
     mv = val(mask)
     if mv is None or mv.dtype != torch.bool:
         return None
@@ -88,6 +90,8 @@ def kept_one_hot(mask: Node) -> Optional[tuple[Node, int]]:
             continue
         if kv.dtype.is_floating_point or kv.dtype.is_complex or tuple(pv.shape) != tuple(hv.shape):
             continue
+        if any(mutated_alias(n) for n in (hot, product, mask)):
+            return None
         return got
     return None
 
