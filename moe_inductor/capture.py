@@ -343,7 +343,7 @@ def install() -> None:
 
     if not hasattr(convert_frame._compile, "_moe_inductor_original"):
         convert_frame._compile = _wrap_compile(convert_frame._compile)
-    from . import data_widths, hit_loops, list_indices, shape_tensors, speculation
+    from . import data_widths, hit_lists, hit_loops, list_indices, shape_tensors, speculation
 
     try:
         speculation.install()
@@ -360,6 +360,7 @@ def install() -> None:
         warnings.warn(f"moe_inductor: row lists as indices are off on this torch ({error!r}); such loops fall back "
                       "to plain capture")
     hit_loops.install()  # after speculation's hooks: it opens iterations that those hooks close and tag
+    hit_lists.install()  # after list_indices' and hit_loops': its tolist and GET_ITER hooks come first
     shape_tensors.install()  # warns, rather than raises, where this torch lacks a hook it needs
     data_widths.install()  # after shape_tensors': it wraps the one_hot hook that one installs
 

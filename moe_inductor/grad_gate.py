@@ -57,8 +57,11 @@ class _KeepIfHit(torch.autograd.Function):
 
 def add_hit_flags(gm: GraphModule, speculations: list) -> list[Gated]:
     """Append to ``gm``'s outputs one bool vector: for each speculation whose body owns inputs that need gradients
-    (``Speculation.own``), whether its expert got rows (``(ids == e).any()``). Returns the gated inputs; [] (and
-    ``gm`` unchanged) where there are none. Raises LookupError where a named node is gone (the caller falls back)."""
+    (``Speculation.own``), whether its expert got rows (``(ids == e).any()``, or ``M[..., e].any()``). Returns the
+    gated inputs; [] (and ``gm`` unchanged) where there are none. Raises LookupError where a named node is gone
+    (the caller falls back)."""
+    from .passes.kept_masks import kept_one_hot
+
     owning = [s for s in speculations if getattr(s, "own", None)]
     if not owning:
         return []
@@ -78,7 +81,11 @@ def add_hit_flags(gm: GraphModule, speculations: list) -> list[Gated]:
             ids = next((nodes[name] for name in (ids_name, *same) if name in nodes), None)
             if ids is None:
                 raise LookupError(f"the ids {ids_name} the count counts are gone from the rewritten graph")
-            flags.append(graph.call_function(torch.any, (graph.call_function(operator.eq, (ids, e)),)))
+            # expert e's rows: ``ids == e``, or the column e of a one-hot with the router's drops in it (whose count
+            # is of the rows kept, passes/kept_masks.py)
+            rows = (graph.call_method("select", (ids, -1, e)) if kept_one_hot(ids) is not None
+                    else graph.call_function(operator.eq, (ids, e)))
+            flags.append(graph.call_function(torch.any, (rows,)))
             for name in s.own:
                 p = nodes.get(name)
                 if p is None or p.op != "placeholder":

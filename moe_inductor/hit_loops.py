@@ -191,6 +191,9 @@ class _Loop:
     where: str
     iterations: list = field(default_factory=list)  # the Speculation of each iteration, in order
     finished: bool = False  # the loop's FOR_ITER ran out of experts in this trace
+    #: ``counts_of(loop, e)``, what iteration e counts, where the loop is not over a hit vector's nonzero rows
+    #: (hit_lists.py's loops over a list of kept experts); None: ``_counts_of``
+    counts_of: Optional[Callable] = None
 
 
 def _unroll(tx, inst) -> bool:
@@ -259,7 +262,7 @@ def _iteration(tx, inst, handler: Callable) -> None:
     graph = tx.output.graph
     s = speculation.Speculation(next(speculation._ids), None, loop.where, graph, speculation._last_node(graph),
                                 tx.f_code, inst.offset, tx, trace.mark())
-    s.counts = _counts_of(loop, before)
+    s.counts = (loop.counts_of or _counts_of)(loop, before)
     loop.iterations.append(s)
     trace.speculations.append(s)
 

@@ -41,9 +41,15 @@ def any_of_mask(value) -> Optional[Node]:
 
 
 def selected_by(mask: Node) -> Optional[tuple[Node, int]]:
-    """(ids, e) when ``mask`` is ``ids == e`` (either order) of integer ids and a Python int e, else None."""
+    """(ids, e) when ``mask`` is ``ids == e`` (either order) of integer ids and a Python int e; (M, e) when it is the
+    column ``M[..., e]`` of a one-hot M with the router's drops in it (passes/kept_masks.py: the rows expert e
+    keeps); else None."""
     from .passes.fx_utils import is_call, val
+    from .passes.kept_masks import kept_column
 
+    kept = kept_column(mask)
+    if kept is not None:
+        return kept
     if not is_call(mask, "call_function", operator.eq) or len(mask.args) != 2:
         return None
     a, b = mask.args

@@ -235,8 +235,10 @@ def _drop_proven_lengths(graph) -> bool:
                 continue
             region.append(user)
             stack.extend(user.users)
+        # (a getitem: the one tensor of ``nonzero(as_tuple=True)``, read by nothing but its size checks either)
         checks = all(u.target is torch.ops.aten.sym_size.int or u.target in _SIZE_CHECK_OPS
-                     or u.target is torch.ops.aten._assert_scalar.default for u in region)
+                     or u.target is torch.ops.aten._assert_scalar.default or u.target is operator.getitem
+                     for u in region)
         if not checks:
             continue
         position = {n: i for i, n in enumerate(graph.nodes)}

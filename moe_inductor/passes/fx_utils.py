@@ -293,6 +293,24 @@ def scale_of_rows(buf: Node, readers: set, lead: tuple) -> Optional[tuple[Node, 
     return mul, s
 
 
+_LIKE_METHODS = ("new_zeros", "new_ones", "new_empty", "new_full")
+_LIKE_FUNCTIONS = (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like)
+
+
+def reads_metadata_only(user: Node, node: Node) -> bool:
+    """Whether ``user`` reads nothing of ``node`` but its shape, dtype and device: ``node.new_zeros(...)`` (and the
+    other ``new_*`` methods) or ``torch.zeros_like(node, ...)`` (and the other ``*_like``), with ``node`` as the
+    template only. Such a reader sees the same thing whatever values ``node`` holds, so a rewrite that replaces how
+    those values are computed leaves it as it was."""
+    template = user.op == "call_method" and user.target in _LIKE_METHODS or (
+        user.op == "call_function" and user.target in _LIKE_FUNCTIONS)
+    if not template or not user.args or user.args[0] is not node:
+        return False
+    rest: list = []
+    torch.fx.node.map_arg((user.args[1:], user.kwargs), rest.append)
+    return node not in rest
+
+
 def val(node) -> Optional[torch.Tensor]:
     """The fake tensor Dynamo traced for ``node`` (``example_value`` in Dynamo graphs, ``val`` after aot)."""
     if not isinstance(node, Node):

@@ -12,6 +12,18 @@ weight after the loop ``w[..., None]`` / ``w.unsqueeze(-1)`` of a (B, T) w:
 
     out[idx == e] = expert_e(x[idx == e])                # x[mask] is (n, H): the rows of (B, T) in row-major order
 
+Several such passes, one per choice j of a top-k router, adding into one zeros buffer are the top-k MoE of the
+(..., k) ids and weights whose columns they read (RaF-in/Build-deepseek-from-scratch; ``_choices_spec``):
+
+    for j in range(k):
+        ids, w = topk_ids[..., j], topk_weights[..., j]
+        for e in range(E):
+            out[ids == e] += expert_e(x[ids == e]) * w[ids == e].unsqueeze(-1)
+
+The masks may also be the columns ``M[..., e]`` of a one-hot with the router's drops in it (transformers v4's
+Switch, ``kept_masks.py``): ``out[M[:, :, e]] = expert_e(x[M[:, :, e]])`` into zeros, a dropped row then the op's
+out-of-range id E (left zero), a weight on the whole buffer left to the graph.
+
 A boolean mask of x's leading dims picks its rows in row-major order, so the batched loop is the flat loop on
 ``x.reshape(-1, H)``, ``idx.reshape(-1)`` and ``out.view(-1, H)``: the op reads those views and its (B*T, H) result is
 viewed back as (B, T, H). The driver has no step for a result of another shape than the region's, so the match's
@@ -33,7 +45,8 @@ from torch.fx import Graph, Node
 from ..spec import MoESpec
 from .driver import Match
 from .flat_slices import block_linear
-from .fx_utils import alias_mutations, column_of, is_call, same_value_key, scale_of_rows, val
+from .fx_utils import alias_mutations, column_of, is_call, mutated_alias, same_value_key, scale_of_rows, val
+from .kept_masks import choice_column, kept_column, kept_one_hot
 
 _ZEROS = ((torch.zeros_like, torch.zeros), ("new_zeros",))
 _EMPTY = ((torch.empty_like, torch.empty), ("new_empty",))
@@ -47,6 +60,9 @@ def _mask_of(index) -> Optional[tuple[Node, object, int]]:
     integer ids."""
     if isinstance(index, tuple) and len(index) == 2 and index[1] == _ALL:
         index = index[0]
+    kept = kept_column(index) if isinstance(index, Node) else None
+    if kept is not None:  # the rows expert e keeps of a one-hot with the router's drops in it (kept_masks.py)
+        return (kept[0], same_value_key(kept[0]), kept[1]) if val(kept[0]).dim() - 1 in _ID_DIMS else None
     if not (is_call(index, "call_function", operator.eq, torch.eq) and len(index.args) == 2 and not index.kwargs):
         return None
     a, b = index.args
@@ -139,6 +155,86 @@ def _column_weight(s, key, e: int, dims: int) -> Optional[tuple[Node, Node, bool
 
 
 
+def _groups(marked: list) -> list[tuple[object, list]]:
+    """The writes' masks grouped by the key of their ids, in the order the keys first appear."""
+    groups: dict = {}
+    for _, m in marked:
+        groups.setdefault(m[1], []).append(m)
+    return list(groups.items())
+
+
+def _choice_columns(marked: list) -> Union[tuple[Node, int, dict], str, None]:
+    """None where every mask is of one id tensor. Where they are of several, RaF's DeepSeek-from-scratch loop (one
+    top-1 pass per choice j of a top-k router, ``out[ids_j == e] += expert_e(x[m]) * w_j[m].unsqueeze(-1)``):
+    (the (..., k) integer ids, k, the choice j of each id tensor's key) when each is a column ``ids[..., j]`` of one
+    id tensor and every j of range(k) has its writes; else why not."""
+    groups = _groups(marked)
+    if len(groups) == 1:
+        return None
+    columns = {key: choice_column(group[0][0]) for key, group in groups}
+    if any(c is None for c in columns.values()):
+        return "the writes select rows by masks of different id tensors (not the columns of one (..., k) id tensor)"
+    base = next(iter(columns.values()))[0]
+    bv, k = val(base), val(base).shape[-1]
+    if bv.dtype.is_floating_point or bv.dtype.is_complex or bv.dtype == torch.bool or len(
+            {same_value_key(b) for b, _ in columns.values()}) != 1:
+        return "the writes' id tensors are not the columns of one (..., k) integer id tensor"
+    if sorted(j for _, j in columns.values()) != list(range(k)):
+        return f"the writes' id tensors are not each column of the (..., {k}) ids once"
+    return base, k, {key: j for key, (_, j) in columns.items()}
+
+
+def _choices_spec(choices: tuple, marked: list, bodies: list) -> Union[tuple[MoESpec, int, None], str]:
+    """One top-k spec for the choices' passes (``_choice_columns``): each pass j a complete top-1 loop (each of
+    range(E) once), every pass running the same experts, pass j scaled by column j of one (..., k) float routing
+    weight at one place. Exact: the op sums, for each token, its k choices' weighted expert outputs, as the passes'
+    ``+=`` into one zeros buffer do."""
+    from .masked_writes import _one_spec
+
+    base, k, choice_of = choices
+    passes: dict = {}
+    for (_, m), body in zip(marked, bodies):
+        passes.setdefault(choice_of[m[1]], []).append(body)
+    weights, keys, specs = {}, set(), {}
+    for j, group in sorted(passes.items()):
+        cols = [choice_column(b.spec.weights) if b.spec.weights is not None else None for b in group]
+        if any(c is None or c[1] != j for c in cols):
+            return (f"the experts of choice {j} are not scaled by column {j} of one (..., {k}) routing weight (several "
+                    "choices need their own weights)")
+        keys |= {(same_value_key(c[0]), b.spec.weight_position) for c, b in zip(cols, group)}
+        weights[j] = cols[0][0]
+        group = [dataclasses.replace(b, spec=dataclasses.replace(b.spec, weights=group[0].spec.weights))
+                 for b in group]
+        one = _one_spec(group)
+        if isinstance(one, str):
+            return f"choice {j}: {one}"
+        if one[2] is not None:
+            return "row blocks of flat weights are not read with several choices"
+        specs[j] = one
+    wv = val(weights[0])
+    if len(keys) != 1 or wv is None or not wv.is_floating_point() or tuple(wv.shape) != tuple(val(base).shape):
+        return f"the choices are not scaled by the columns of one (..., {k}) routing weight at one place"
+    first, num_experts, _ = specs[0]
+    plain = dataclasses.replace(first, ids=None, weights=None)
+    if any(n != num_experts or dataclasses.replace(s, ids=None, weights=None) != plain for s, n, _ in specs.values()):
+        return "the choices' passes run different experts"
+    return dataclasses.replace(first, ids=base, weights=weights[0]), num_experts, None
+
+
+def _topk_width(ids: Node, k: int) -> Optional[int]:
+    """N for ``topk(scores, k).indices`` over the last dim of (..., N) scores (every id in range(N)), else None."""
+    if not (is_call(ids, "call_function", operator.getitem) and ids.args[1] == 1):
+        return None
+    top = ids.args[0]
+    if not (is_call(top, "call_function", torch.topk) or is_call(top, "call_method", "topk")):
+        return None
+    dim = top.kwargs.get("dim", top.args[2] if len(top.args) > 2 else -1)
+    scores = val(top.args[0]) if top.args else None
+    if scores is None or dim not in (-1, scores.dim() - 1) or not isinstance(scores.shape[-1], int):
+        return None
+    return scores.shape[-1]
+
+
 def top1_buffer(node: Node) -> bool:
     """The mark of a top-1 masked-writes loop: ``node`` is written at the rows of ``ids == e`` of (T,) or (B, T)
     integer ids."""
@@ -215,15 +311,22 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
                 "writes would keep values the op does not give")
     if len(marked) != len(writes):
         return "the buffer is also changed by something other than its masked writes"
-    if len({m[1] for _, m in marked}) != 1:
-        return "the writes select rows by masks of different id tensors"
-    experts = [m[2] for _, m in marked]
-    if len(set(experts)) != len(experts):
-        twice = next(e for e in experts if experts.count(e) > 1)
-        return f"expert {twice}'s rows are written twice: the second write replaces the first"
+    kept = kept_one_hot(ids)  # (idx, E): the masks are the columns of a one-hot with the router's drops in it
+    if kept is not None and not zeros:
+        return "the buffer is torch.empty_like and the router drops rows: a dropped row would hold garbage"
+    if kept is not None and mutated_alias(kept[0]):  # the op reads the one-hot's ids later, where the loop ends
+        return CHANGED_IN_PLACE
+    choices = _choice_columns(marked)
+    if isinstance(choices, str):
+        return choices
+    for _, group in _groups(marked):
+        experts = [m[2] for m in group]
+        if len(set(experts)) != len(experts):
+            twice = next(e for e in experts if experts.count(e) > 1)
+            return f"expert {twice}'s rows are written twice: the second write replaces the first"
     position = {n: i for i, n in enumerate(buf.graph.nodes)}
     marked.sort(key=lambda wm: position[wm[0]])
-    lead = tuple(val(ids).shape)
+    lead = tuple(val(ids).shape) if kept is None else tuple(val(ids).shape[:-1])
     bodies, reads, own = [], [], set()
     for w, (_, key, e) in marked:
         value, vv, bv = w.args[2], val(w.args[2]), val(buf)
@@ -236,6 +339,8 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
             own.add(added[0])
             reads.append(added[0])
             value = added[1]
+        elif choices is not None:  # the choices' masks share rows: a second write would replace the first's sum
+            return f"expert {e}'s write of one of several choices replaces the rows (out[mask] = ...), not adds to them"
 
         def projection(n, e=e):  # e's own weights (an nn.Linear's bias, row e of a stacked one), or a row block
             got = biased_linear(n, e)
@@ -260,13 +365,18 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
                        **gated.spec_fields())
         mask = w.args[1][0] if isinstance(w.args[1], tuple) else w.args[1]
         bodies.append(_Body(e, spec, mask, w, stacked, blocks=sliced))
-    # a weight recomputed in each write (``w.squeeze(-1)[m, None]``) is one weight: the same ops on the same inputs
-    keys = {(None if b.spec.weights is None else same_value_key(b.spec.weights), b.spec.weight_position)
-            for b in bodies}
-    if len(keys) != 1:
-        return "the experts do not all apply one routing weight at one place"
-    bodies = [dataclasses.replace(b, spec=dataclasses.replace(b.spec, weights=bodies[0].spec.weights)) for b in bodies]
-    one = _one_spec(bodies)
+    if choices is not None:
+        one = _choices_spec(choices, marked, bodies)
+    else:
+        # a weight recomputed in each write (``w.squeeze(-1)[m, None]``) is one weight: the same ops on the same
+        # inputs
+        keys = {(None if b.spec.weights is None else same_value_key(b.spec.weights), b.spec.weight_position)
+                for b in bodies}
+        if len(keys) != 1:
+            return "the experts do not all apply one routing weight at one place"
+        bodies = [dataclasses.replace(b, spec=dataclasses.replace(b.spec, weights=bodies[0].spec.weights))
+                  for b in bodies]
+        one = _one_spec(bodies)
     if isinstance(one, str):
         return one
     spec, num_experts, sliced = one
@@ -279,10 +389,12 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
     if any(position[u] < position[marked[-1][0]] for u in readers):
         return "the buffer is read before the loop's last write"
     product = None
-    if spec.weights is None and (scaled := scale_of_rows(buf, readers, lead)) is not None:
+    # with drops, a weight on the whole buffer stays the user's multiply: a dropped row is 0 * w there (NaN at a
+    # non-finite w), and the op would give 0
+    if spec.weights is None and kept is None and (scaled := scale_of_rows(buf, readers, lead)) is not None:
         product, weights = scaled
         spec = dataclasses.replace(spec, weights=weights)
-    width = _router_width(ids)
+    width = kept[1] if kept is not None else _router_width(ids) if choices is None else _topk_width(*choices[:2])
     if width is not None and width != num_experts:
         return f"the router chooses among {width} experts and the loop writes {num_experts}"
     if empty and width is None:
@@ -298,34 +410,44 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
                 "the buffer and the tokens are not (B, T, H) of one dtype, their leading dims the (B, T) ids'")
     biased = isinstance(spec.gate, tuple) and any(b is not None for b in (spec.b1, spec.b1_up, spec.b2))
     unweighted, batched, hidden = spec.weights is None, len(lead) > 1, xv.shape[-1]
+    top_k = 1 if choices is None else len(choices[2])
     last = marked[-1][0]
     end = product if product is not None else last
 
     def derive(graph, spec: MoESpec) -> MoESpec:
         spec = _stacked(graph, spec) if biased else sliced(graph, spec) if sliced is not None else spec
+        if kept is not None:  # a row the router dropped gets the out-of-range id E: the op leaves it zero
+            has_row = graph.call_method("any", (spec.ids, -1))
+            spec = dataclasses.replace(spec, ids=graph.call_function(torch.where, (has_row, kept[0], num_experts)))
         if batched:  # the flat loop on row-major views; the readers get the op's result viewed back as (B, T, H)
             _viewed_back(graph, product if product is not None else buf, end, spec.x)
             tokens = graph.call_method("reshape", (spec.x, -1, hidden))
             # the emitter reads the tokens' dtype and grad from their traced value, the user's x flattened
             tokens.meta["example_value"] = xv.reshape(-1, hidden)
-            column = graph.call_method("reshape", (spec.ids, -1, 1))
+            column = graph.call_method("reshape", (spec.ids, -1, top_k))
             spec = dataclasses.replace(spec, x=tokens)
+        elif choices is not None:  # (T, k) ids and weights, as the op takes them
+            return spec
         else:  # a top-1 router's (T,) ids as the op's (T, 1)
             column = graph.call_method("view", (spec.ids, -1, 1))
         if unweighted:  # a weight of exactly 1: the op's product leaves each expert output as it is
             weights = graph.call_function(torch.ones_like, (column,), {"dtype": xv.dtype})
         elif batched:
-            weights = graph.call_method("reshape", (spec.weights, -1, 1))
+            weights = graph.call_method("reshape", (spec.weights, -1, top_k))
         else:
             weights = graph.call_method("view", (spec.weights, -1, 1)) if val(spec.weights).dim() == 1 else spec.weights
         return dataclasses.replace(spec, ids=column, weights=weights)
 
     note = (f"{len(bodies)} boolean-mask selections (host syncs) removed"
+            + ("; the router's drops kept (a dropped row is the op's out-of-range id)" if kept is not None else "")
             + ("; the (B, T) tokens read as one (B*T, H) view" if batched else "")
             + ("; the flat weights read as (E, n, m) views" if sliced is not None else
                "; per-expert weights stacked at each call" if isinstance(spec.gate, tuple) else "")
             + (f"; routing weight on the {spec.weight_position}" if spec.weight_position != "output" else "")
             + ("; the routing weight scaled the combined result" if product is not None else "")
             + ("; no routing weight (the op scales by 1)" if unweighted else ""))
+    if choices is not None:
+        note += f"; {top_k} passes over the choices, one per column of the (..., {top_k}) ids, read as top-{top_k}"
     return Match(spec, end, note, where=marked[0][0], acc=None if product is not None else buf,
-                 writes=tuple(w for w, _ in marked), transient=tuple(reads), derive=derive, top_k=1)
+                 writes=tuple(w for w, _ in marked), transient=tuple(reads),
+                 derive=derive, top_k=top_k)

@@ -44,7 +44,8 @@ from torch.fx import Graph, Node
 from ..spec import MoESpec
 from .driver import CHANGED_IN_PLACE, Anchor, Form, Match
 from .flat_slices import block_linear, blocks, sliced_spec, views
-from .fx_utils import alias_mutations, is_call, known_equal, mutated_alias, scale_of_rows, source_line, val
+from .fx_utils import (alias_mutations, is_call, known_equal, mutated_alias, reads_metadata_only, scale_of_rows,
+                       source_line, val)
 from .gated_reads import GatedRead, read_gated
 from .loop_rows import routing_scaled, rows_index, selection, token_rows_of
 from .masked_writes import match_masked_writes, match_top1_masks, top1_buffer
@@ -459,7 +460,8 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
     if any(mutated_alias(b) for b in biases):  # the op reads the biases later than the user's code did
         return CHANGED_IN_PLACE
     own_reads = {b.read for b in bodies if b.read is not None}
-    readers = {u for u in result.users if u not in mutations and u not in own_reads}
+    readers = {u for u in result.users if u not in mutations and u not in own_reads
+               and not reads_metadata_only(u, result)}  # a template (``out.new_zeros(())``) reads no value
     iv = val(spec.ids)
     product = None
     if spec.weights is None:  # the routing weight on the result: only where each token has one choice
@@ -489,10 +491,15 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
 
 def _chain(acc: Node) -> Optional[list[Node]]:
     """The links of ``out = out.index_add(0, tok, c)`` (or ``scatter_add``) starting at ``acc``, each read only by
-    the next, the last read by what follows the loop; None when acc is not the start of such a chain."""
+    the next, the last read by what follows the loop; None when acc is not the start of such a chain. The zeros
+    ``acc`` may also be a template of another tensor (``link = out.new_zeros(())``, a hand-written DDP keep-alive):
+    that reader sees its shape, dtype and device only, which the rewrite leaves as they are."""
     links, cur = [], acc
-    while len(cur.users) == 1:
-        (user,) = cur.users
+    while True:
+        users = [u for u in cur.users if not (cur is acc and reads_metadata_only(u, acc))]
+        if len(users) != 1:
+            break
+        (user,) = users
         if not (is_call(user, "call_method", "index_add", "scatter_add") and user.args and user.args[0] is cur):
             break
         links.append(user)

@@ -12,7 +12,9 @@ result by ``router_probs``; it returns ``(hidden_states, (router_logits, expert_
 
 - ``hf_v4_switch`` (v4.4x-v4.5x): ``next_states`` starts as zeros (dropped tokens give 0) and the loop runs over
   the hit experts only, ``torch.nonzero(router_mask.reshape(B*S, E).sum(dim=0), as_tuple=True)[0].tolist()``,
-  reaching each expert by ``getattr(self.experts, f"expert_{idx}")``.
+  reaching each expert by ``getattr(self.experts, f"expert_{idx}")``. The list is traced as every expert
+  (``moe_inductor/hit_lists.py``), the masks are the columns of a one-hot with the drops in it
+  (``passes/kept_masks.py``), a dropped row the op's out-of-range id: rewritten, ``router_probs *`` left to the graph.
 - ``hf_v4_switch_v427`` (v4.2x-v4.3x): ``next_states = hidden_states.clone()`` (a dropped token passes through,
   scaled by its probability) and the loop is ``for idx, expert in enumerate(self.experts.values())``.
 """
@@ -119,7 +121,10 @@ class Wrapped(nn.Module):
 _SRC = "huggingface/transformers models/switch_transformers/modeling_switch_transformers.py SwitchTransformersSparseMLP"
 CASES = [
     Case("hf_v4_switch", f"{_SRC} (v4.4x, hit experts)", lambda: Wrapped(True).eval(),
-         lambda T, g: torch.randn(2, T, H, generator=g), form="unrolled_loop", expect=("fell_back",)),
+         lambda T, g: torch.randn(2, T, H, generator=g), form="unrolled_loop",
+         # 2.11 breaks the graph at the router's classifier.to(dtype) (README): the frame after the break gets the
+         # mask as an input, whose one-hot it cannot see, and falls back as before
+         before_2_13=("fell_back",)),
     Case("hf_v4_switch_v427", f"{_SRC} (v4.27, every expert)", lambda: Wrapped(False).eval(),
          lambda T, g: torch.randn(2, T, H, generator=g), form="unrolled_loop",
          expect=("left_alone", "moe_region", "no MoE form proves"),
