@@ -73,7 +73,7 @@ def test_per_expert_weights_call_the_list_op_and_refuse_what_it_lacks():
     call = ExpertsCall(x, Routing(ids, tw), ExpertWeights(w_in, None, w_out, layout="nk"), Activation("relu"))
     op, args = op_call(call)
     assert op is torch.ops.moe_inductor.experts_forward_list.default
-    assert args[3] == list(w_in) and args[4] == [] and args[9] == "nk"
+    assert args[3] == list(w_in) and args[4] == [] and args[6:9] == ([], [], []) and args[12] == "nk"
     ref = torch.stack([torch.relu(x[t] @ w_in[ids[t, 0]].t()) @ w_out[ids[t, 0]].t() for t in range(T)])
     torch.testing.assert_close(op(*args)[0], ref, rtol=1e-5, atol=1e-5)
     for bad in (call._replace(weights=call.weights._replace(b2=torch.zeros(E, H))),

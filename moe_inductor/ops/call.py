@@ -41,7 +41,7 @@ class ExpertWeights(NamedTuple):
     Stacked, they are the op's logical (E, K, N) views: ``w1`` the up projection (the gate when ``w1_up`` is given),
     ``w2`` the down projection; ``b1``/``b1_up`` (E, I) and ``b2`` (E, H) biases. Per expert (the list op), ``w1``,
     ``w1_up`` and ``w2`` are tuples of E weights held in ``layout`` ("nk": nn.Linear's (out, in); "kn": (in, out)),
-    with no biases.
+    and the biases tuples of E (N,) biases or None.
     """
 
     w1: Value
@@ -77,15 +77,15 @@ def op_call(call: ExpertsCall, gate_up: Optional[Value] = None) -> tuple[Any, tu
     write of the whole gradient)."""
     r, w, act = call.routing, call.weights, call.activation
     if isinstance(w.w1, (tuple, list)):
-        if w.b1 is not None or w.b1_up is not None or w.b2 is not None:
-            raise ValueError("the per-expert list op takes no biases")
+        if any(b is not None and not isinstance(b, (tuple, list)) for b in (w.b1, w.b1_up, w.b2)):
+            raise ValueError("the per-expert list op takes per-expert biases (one per expert), not a stacked one")
         if r.capacity is not None:
             raise ValueError("the per-expert list op has no capacity")
         if (act.alpha, act.limit) != (GPTOSS_ALPHA, GPTOSS_LIMIT):
             raise ValueError("the per-expert list op runs gptoss_glu with its default alpha and limit only")
         return torch.ops.moe_inductor.experts_forward_list.default, (
-            call.x, r.topk_ids, r.topk_weights, list(w.w1), list(w.w1_up or ()), list(w.w2), act.name,
-            call.save_pre, call.weight_position, w.layout)
+            call.x, r.topk_ids, r.topk_weights, list(w.w1), list(w.w1_up or ()), list(w.w2), list(w.b1 or ()),
+            list(w.b1_up or ()), list(w.b2 or ()), act.name, call.save_pre, call.weight_position, w.layout)
     w1, w1_up = (gate_up, None) if gate_up is not None and w.w1_up is not None else (w.w1, w.w1_up)
     return torch.ops.moe_inductor.experts_forward.default, (
         call.x, r.topk_ids, r.topk_weights, w1, w1_up, w.w2, w.b1, w.b1_up, w.b2, act.name, call.weight_position,

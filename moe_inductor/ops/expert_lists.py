@@ -8,7 +8,8 @@ each projection's weights share one shape, strides and x's dtype, the forward re
 table of their places (kernels/weight_table.py): no stack is made, and a call reads only the experts its tokens
 chose. On the CPU, whose path computes expert by expert, the forward reads each expert's own tensors
 (``PerExpert``). Otherwise (mixed layouts, weights off 16-byte boundaries, a table that would have to be uploaded
-during CUDA-graph capture, and the backward) the weights are stacked at each call.
+during CUDA-graph capture, and the backward) the weights are stacked at each call. Per-expert biases (nn.Linear's,
+one list per projection, empty where it has none) are stacked at each call: a few numbers per expert.
 
 The stack is never cached: a cache keyed on the weights' versions misses ``p.data.copy_(new)`` (writes through
 ``.data`` bump no version counter), and nothing cheaper than reading the weights tells that they changed. The table
@@ -73,27 +74,37 @@ def _views(w1: list[Tensor], w1_up: list[Tensor], w2: list[Tensor], layout: str)
             to_kn(stacked(w2), layout))
 
 
+def _biases(b1: list[Tensor], b1_up: list[Tensor], b2: list[Tensor]) -> tuple:
+    """The (E, N) stacks of the per-expert biases (None where a projection has none): a few numbers per expert,
+    stacked at each call as the op reads stacked biases."""
+    return tuple(stacked(bs) if bs else None for bs in (b1, b1_up, b2))
+
+
 @torch.library.custom_op("moe_inductor::experts_forward_list", mutates_args=())
 def experts_forward_list(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: list[Tensor], w1_up: list[Tensor],
-                         w2: list[Tensor], activation: str, save_pre: bool, weight_position: str, layout: str
+                         w2: list[Tensor], b1: list[Tensor], b1_up: list[Tensor], b2: list[Tensor], activation: str,
+                         save_pre: bool, weight_position: str, layout: str
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``experts_forward`` on per-expert nn.Linear weights (``w1_up`` empty for a plain activation); the routing
-    weight scales the expert's output, input or hidden state (``weight_position``), as in ``experts_forward``.
+    """``experts_forward`` on per-expert nn.Linear weights and biases (``w1_up`` empty for a plain activation, a
+    bias list empty where its projection has none, else one (N,) bias per expert); the routing weight scales the
+    expert's output, input or hidden state (``weight_position``), as in ``experts_forward``.
 
     Returns:
         y (T, H), pre, order, sorted_expert, offsets, as ``experts_forward``.
     """
     check_weight_position(weight_position)
+    biases = _biases(b1, b1_up, b2)
     if use_triton(x):
-        tables = _weight_tables(x, topk_ids, (w1, w1_up, w2), layout)
+        tables = _weight_tables(x, topk_ids, (w1, w1_up, w2), layout, biased=bool(b1 or b2))
     else:  # the CPU path computes expert by expert: it reads each expert's own weights (PerExpert)
         tables = _per_expert(w1, w1_up, w2, layout)
-    weights = ExpertWeights(*(tables if tables is not None else _views(w1, w1_up, w2, layout)))
+    weights = ExpertWeights(*(tables if tables is not None else _views(w1, w1_up, w2, layout)), *biases)
     call = ExpertsCall(x, Routing(topk_ids, topk_weights), weights, Activation(activation), weight_position, save_pre)
     return experts_forward_call(call)
 
 
-def _weight_tables(x: Tensor, topk_ids: Tensor, groups: tuple, layout: str) -> Optional[tuple]:
+def _weight_tables(x: Tensor, topk_ids: Tensor, groups: tuple, layout: str, biased: bool = False
+                   ) -> Optional[tuple]:
     """The (w1, w1_up or None, w2) address tables the forward reads the weights through (kernels/weight_table.py),
     or None where it stacks them: the tables are off, the call has fewer rows than
     ``config.list_weight_tables_min_rows_per_expert`` per expert, "auto" would give the stacked
@@ -107,7 +118,7 @@ def _weight_tables(x: Tensor, topk_ids: Tensor, groups: tuple, layout: str) -> O
         return None
     if not w1_up:  # (gated stacks never take the engine: their gate and up are two tensors, not one)
         out_dim, in_dim = w2[0].shape if layout == "nk" else w2[0].shape[::-1]
-        if may_take_experts_of(SimpleNamespace(shape=(E, in_dim, out_dim)), False, topk_ids.numel()):
+        if may_take_experts_of(SimpleNamespace(shape=(E, in_dim, out_dim)), biased, topk_ids.numel()):
             return None
     from ..kernels.weight_table import weight_table
 
@@ -121,7 +132,7 @@ def _weight_tables(x: Tensor, topk_ids: Tensor, groups: tuple, layout: str) -> O
 
 
 @experts_forward_list.register_fake
-def _(x, topk_ids, topk_weights, w1, w1_up, w2, activation, save_pre, weight_position, layout):
+def _(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, save_pre, weight_position, layout):
     M = topk_ids.shape[0] * topk_ids.shape[1]
     n_pre = w1[0].shape[0 if layout == "nk" else 1] * (2 if w1_up else 1)
     ids = topk_ids.new_empty(M, dtype=torch.int32)
@@ -131,54 +142,60 @@ def _(x, topk_ids, topk_weights, w1, w1_up, w2, activation, save_pre, weight_pos
 
 @torch.library.custom_op("moe_inductor::experts_backward_list", mutates_args=())
 def experts_backward_list(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: list[Tensor],
-                          w1_up: list[Tensor], w2: list[Tensor], pre: Tensor, order: Tensor, sorted_expert: Tensor,
-                          offsets: Tensor, activation: str, weight_position: str, layout: str
-                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of ``experts_forward_list``: dx, d_topk_weights, and the stacked (E, N, K) dw1, dw1_up, dw2
-    (dw1_up empty for a plain activation)."""
+                          w1_up: list[Tensor], w2: list[Tensor], b1: list[Tensor], b1_up: list[Tensor],
+                          b2: list[Tensor], pre: Tensor, order: Tensor, sorted_expert: Tensor, offsets: Tensor,
+                          activation: str, weight_position: str, layout: str
+                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of ``experts_forward_list``: dx, d_topk_weights, the stacked (E, N, K) dw1, dw1_up, dw2 and the
+    stacked (E, N) db1, db1_up, db2 (empty where the forward had no such weight or bias)."""
     g, u, d = _views(w1, w1_up, w2, layout)
-    dx, dtw, dg, du, dd, *_ = experts_backward(dy, x, topk_ids, topk_weights, g, u, d, None, None, None, pre, order,
-                                               sorted_expert, offsets, activation, weight_position, GPTOSS_ALPHA,
-                                               GPTOSS_LIMIT, False,
-                                               list(Needs(True, True, True, u is not None, True, False, False, False)))
+    sb1, sb1_up, sb2 = _biases(b1, b1_up, b2)
+    needs = Needs(True, True, True, u is not None, True, sb1 is not None, sb1_up is not None, sb2 is not None)
+    dx, dtw, dg, du, dd, db1, db1_up, db2 = experts_backward(
+        dy, x, topk_ids, topk_weights, g, u, d, sb1, sb1_up, sb2, pre, order, sorted_expert, offsets, activation,
+        weight_position, GPTOSS_ALPHA, GPTOSS_LIMIT, False, list(needs))
     # the grads of the (E, K, N) views, laid out like the stacked weights (to_kn is its own inverse); a plain
     # activation has no up weights, and du is the empty placeholder
     return (dx, dtw, to_kn(dg, layout).contiguous(), to_kn(du, layout).contiguous() if u is not None else du,
-            to_kn(dd, layout).contiguous())
+            to_kn(dd, layout).contiguous(), db1, db1_up, db2)
 
 
 @experts_backward_list.register_fake
-def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, pre, order, sorted_expert, offsets, activation,
+def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets, activation,
       weight_position, layout):
     E = len(w1)
 
     def stack_like(ws):
         return x.new_empty(E, *ws[0].shape) if ws else x.new_empty(0)
 
-    return torch.empty_like(x), torch.empty_like(topk_weights), stack_like(w1), stack_like(w1_up), stack_like(w2)
+    return (torch.empty_like(x), torch.empty_like(topk_weights), stack_like(w1), stack_like(w1_up), stack_like(w2),
+            stack_like(b1), stack_like(b1_up), stack_like(b2))
 
 
 def _setup(ctx, inputs, output):
     # (no argument has a default: the dispatcher drops arguments equal to their defaults before autograd, which
     # would make the number of gradients to return depend on the values passed)
-    x, topk_ids, topk_weights, w1, w1_up, w2, activation, save_pre, weight_position, layout = inputs
+    x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, save_pre, weight_position, layout = inputs
     _, pre, order, sorted_expert, offsets = output
-    ctx.save_for_backward(x, topk_ids, topk_weights, pre, order, sorted_expert, offsets, *w1, *w1_up, *w2)
-    ctx.sizes = (len(w1), len(w1_up))
+    groups = (w1, w1_up, w2, b1, b1_up, b2)
+    ctx.save_for_backward(x, topk_ids, topk_weights, pre, order, sorted_expert, offsets,
+                          *(t for g in groups for t in g))
+    ctx.sizes = tuple(len(g) for g in groups)
     ctx.activation = activation
     ctx.weight_position = weight_position
     ctx.layout = layout
 
 
 def _backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
-    x, topk_ids, topk_weights, pre, order, sorted_expert, offsets, *ws = ctx.saved_tensors
-    n1, n_up = ctx.sizes
-    w1, w1_up, w2 = ws[:n1], ws[n1:n1 + n_up], ws[n1 + n_up:]
-    dx, dtw, dw1, dw1_up, dw2 = experts_backward_list(dy.contiguous(), x, topk_ids, topk_weights, w1, w1_up, w2, pre,
-                                                      order, sorted_expert, offsets, ctx.activation,
-                                                      ctx.weight_position, ctx.layout)
-    return (dx, None, dtw, list(dw1.unbind(0)), list(dw1_up.unbind(0)) if n_up else [], list(dw2.unbind(0)), None,
-            None, None, None)
+    x, topk_ids, topk_weights, pre, order, sorted_expert, offsets, *flat = ctx.saved_tensors
+    groups, at = [], 0
+    for n in ctx.sizes:
+        groups.append(flat[at:at + n])
+        at += n
+    dx, dtw, *grads = experts_backward_list(dy.contiguous(), x, topk_ids, topk_weights, *groups, pre, order,
+                                            sorted_expert, offsets, ctx.activation, ctx.weight_position, ctx.layout)
+    per_expert = [list(g.unbind(0)) if n else [] for g, n in zip(grads, ctx.sizes)]
+    return (dx, None, dtw, *per_expert, None, None, None, None)
 
 
 experts_forward_list.register_autograd(_backward, setup_context=_setup)

@@ -272,7 +272,7 @@ def match_masked_writes(y: Node) -> Union[Match, str, None]:
         return "the tokens and the buffer do not have (T, H) and (T*k, H) shapes"
     note = (f"{num_experts} boolean-mask selections (host syncs) removed"
             + ("; the flat weights read as (E, n, m) views" if derive is not None else
-               "; per-expert weights stacked at each call" if isinstance(spec.gate, tuple) else "")
+               "; per-expert weights read where they lie" if isinstance(spec.gate, tuple) else "")
             + (f"; routing weight on the {spec.weight_position}" if spec.weight_position != "output" else ""))
     return Match(spec, y, note, where=writes[0], writes=tuple(writes), transient=tuple(reads), derive=derive)
 

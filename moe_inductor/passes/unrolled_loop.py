@@ -41,6 +41,7 @@ from typing import Optional, Union
 import torch
 from torch.fx import Graph, Node
 
+from ..ops.activations import GPTOSS_ALPHA, GPTOSS_LIMIT
 from ..spec import MoESpec
 from .driver import CHANGED_IN_PLACE, Anchor, Form, Match
 from .flat_slices import block_linear, blocks, sliced_spec, views
@@ -384,9 +385,14 @@ def _per_expert_spec(bodies: list[_Body]) -> Optional[MoESpec]:
                    b1=b1, b1_up=b1_up, b2=b2)
 
 
-def _stacked(graph: Graph, spec: MoESpec) -> MoESpec:
-    """The per-expert spec with its weights and biases stacked (``torch.stack``, at each call, as the list op stacks
-    its weights), for the op that takes biases; the layout stays the per-expert one."""
+def _biased(graph: Graph, spec: MoESpec) -> MoESpec:
+    """The per-expert spec with biases, for the op: as it is where the list op runs its activation (it takes each
+    expert's weights and biases, and reads the weights where they lie); else (a gptoss_glu of other constants) its
+    weights and biases stacked (``torch.stack``, at each call) for the op with stacked weights. The layout stays the
+    per-expert one."""
+    if (spec.alpha, spec.limit) == (GPTOSS_ALPHA, GPTOSS_LIMIT):
+        return spec
+
     def stack(t):
         return None if t is None else graph.call_function(torch.stack, (list(t),))
 
@@ -536,14 +542,14 @@ def match_loop(acc: Node) -> Union[Match, str, None]:
     sliced = bodies[0].blocks
     note = (f"{len(bodies)} nonzero host syncs and data-dependent sizes removed"
             + ("; the flat weights read as (E, n, m) views" if sliced is not None else
-               "; per-expert weights stacked at each call" if isinstance(spec.gate, tuple) else "")
+               "; per-expert weights read where they lie" if isinstance(spec.gate, tuple) else "")
             + (f"; routing weight on the {spec.weight_position}" if spec.weight_position != "output" else "")
             + ("; the routing weight scaled the combined result" if product is not None else ""))
 
     layouts = bodies[0].layouts
 
     def derive(graph: Graph, spec: MoESpec) -> MoESpec:
-        spec = _stacked(graph, spec) if biased else views(sliced)(graph, spec) if sliced is not None else spec
+        spec = _biased(graph, spec) if biased else views(sliced)(graph, spec) if sliced is not None else spec
         if layouts is not None:
             spec = _as_nk(graph, spec, layouts)
         return _column_ids(graph, spec) if one_id else spec
