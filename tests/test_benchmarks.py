@@ -579,3 +579,11 @@ def test_bench_moe_infer_cpu_runs_end_to_end():
 
     rows = bench_moe_infer_cpu.main(["--tiny", "--tokens", "3", "--rounds", "1", "--calls", "1"])
     assert [r["T"] for r in rows] == [3] and all(r[c] > 0 for r in rows for c in ("eager", "inductor", "moe_inductor"))
+
+
+def test_bench_loop_cpu_runs_end_to_end():
+    from benchmarks import bench_loop_cpu
+
+    rows = bench_loop_cpu.main(["--tokens", "3", "--rounds", "1", "--calls", "1", "--widths", "16", "8", "4", "2"])
+    assert [(r["bias"], r["T"]) for r in rows] == [(False, 3), (True, 3)]
+    assert all(r["rewrites"] == {"unrolled_loop": 1} for r in rows), rows
