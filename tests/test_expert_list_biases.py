@@ -5,7 +5,7 @@ with stacked weights.
 
 The op against the plain-torch reference with biases: forward and every gradient (biases included) for gated and
 plain activations, every weight position, both layouts, T = 0 and 1, one hot expert with empty ones, E not a power
-of two; opcheck. The FX route: a biased ModuleList loop is rewritten into the list op with its biases, equal to eager
+of two; opcheck; the Triton kernels' table path under the interpreter. The FX route: a biased ModuleList loop is rewritten into the list op with its biases, equal to eager
 forward and backward, and its graph stacks no weight.
 """
 import pytest
@@ -124,3 +124,26 @@ def test_biased_module_list_loop_runs_the_list_op_without_a_stack(monkeypatch):
     assert not [n for n in calls if n.target in (torch.stack, torch.cat)], gm.code
     b1, b1_up, b2 = op.args[6:9]
     assert len(b1) == E and b1_up == [] and len(b2) == E
+
+
+def test_kernels_read_the_weights_through_tables_and_add_the_biases(triton_kernels, monkeypatch):
+    """The Triton path (under the interpreter here): weights read through their address tables, the stacked biases
+    added by the GEMMs' epilogues; forward against the reference, and the backward's bias gradients."""
+    from moe_inductor.kernels import weight_table as table_module
+
+    monkeypatch.setattr(config, "list_weight_tables", True)
+    monkeypatch.setattr(config, "list_weight_tables_min_rows_per_expert", 0.0)
+    made, real = [], table_module.weight_table
+    monkeypatch.setattr(table_module, "weight_table", lambda ws, *a, **k: made.append(len(ws)) or real(ws, *a, **k))
+    torch.manual_seed(3)
+    x = torch.randn(3, H, requires_grad=True)
+    ids = torch.tensor([[0, 2], [2, 4], [4, 1]])
+    w = torch.rand(3, 2)
+    weights, biases = _params("nk", True)
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, *weights, *biases, "silu_glu", True, "output", "nk")
+    ref = _reference(x, ids, w, weights, biases, "nk", "output", "silu_glu")
+    assert made == [E] * 3
+    assert_close(y, ref, torch.float32, "y")
+    dy = torch.randn_like(y)
+    for i, (a, b) in enumerate(zip(torch.autograd.grad(y, biases[2], dy), torch.autograd.grad(ref, biases[2], dy))):
+        assert_close(a, b, torch.float32, f"db2 {i}")
