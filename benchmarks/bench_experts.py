@@ -437,7 +437,7 @@ def list_stack_cost(T: int, shape: str) -> dict:
     gate, up, down = list(w1[:, :I].unbind(0)), list(w1[:, I:].unbind(0)), list(w2.unbind(0))
     gate, up, down = ([t.contiguous() for t in ws] for ws in (gate, up, down))
     per_expert = partial(experts_forward_list, x, ids, weights, gate, up, down, [], [], [], "silu_glu", False, "output",
-                         "nk")
+                         "nk", None)
     stacked = partial(moe_inductor.fused_experts, x, ids, weights, w1, w2)
     stack_only = lambda: [torch.stack(ws) for ws in (gate, up, down)]  # noqa: E731
     with torch.no_grad():

@@ -53,7 +53,7 @@ def test_list_op_with_biases_matches_the_reference_forward_and_backward(T, posit
     w = torch.rand(T, 2, requires_grad=True)
     weights, biases = _params(layout, gated)
     activation = "silu_glu" if gated else "gelu"
-    y, *_ = expert_lists.experts_forward_list(x, ids, w, *weights, *biases, activation, True, position, layout)
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, *weights, *biases, activation, True, position, layout, None)
     ref = _reference(x, ids, w, weights, biases, layout, position, activation)
     assert_close(y, ref, torch.float32, "y")
     leaves = [x, w, *(t for g in (*weights, *biases) for t in g)]
@@ -71,7 +71,7 @@ def test_list_op_with_biases_one_hot_expert():
     x = torch.randn(4, H, requires_grad=True)
     ids, w = torch.full((4, 1), 3), torch.rand(4, 1)
     weights, biases = _params("nk", True)
-    y, *_ = expert_lists.experts_forward_list(x, ids, w, *weights, *biases, "silu_glu", True, "output", "nk")
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, *weights, *biases, "silu_glu", True, "output", "nk", None)
     ref = _reference(x, ids, w, weights, biases, "nk", "output", "silu_glu")
     assert_close(y, ref, torch.float32, "y")
     db2 = torch.autograd.grad(y.sum(), biases[2])
@@ -84,7 +84,7 @@ def test_opcheck_list_op_with_biases():
     w = torch.rand(6, 2, requires_grad=True)
     weights, biases = _params("nk", True)
     torch.library.opcheck(expert_lists.experts_forward_list,
-                          (x, ids, w, *weights, *biases, "silu_glu", True, "output", "nk"))
+                          (x, ids, w, *weights, *biases, "silu_glu", True, "output", "nk", None))
 
 
 class BiasedLoopMoE(nn.Module):

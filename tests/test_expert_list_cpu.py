@@ -63,7 +63,7 @@ def test_forward_reads_each_experts_own_weights(T, layout, dtype, no_stack):
     w1, w3, w2 = _weights(layout, dtype)
     with torch.no_grad():
         y, *_ = expert_lists.experts_forward_list(x, ids, w.to(dtype), w1, w3, w2, [], [], [], "silu_glu", False,
-                                                  "output", layout)
+                                                  "output", layout, None)
         ref = _reference(x.float(), ids, w, *([t.float() for t in ws] for ws in (w1, w3, w2)), layout)
     assert y.shape == (T, H) and y.dtype == dtype
     assert_close(y.float(), ref, dtype, f"T={T}")
@@ -80,7 +80,7 @@ def test_forward_and_backward_with_a_hot_expert_and_empty_ones(position, gated):
     w.requires_grad_()
     w1, w3, w2 = _weights("nk", gated=gated)
     activation = "silu_glu" if gated else "relu"
-    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], activation, True, position, "nk")
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], activation, True, position, "nk", None)
     ref = _reference(x, ids, w, w1, w3, w2, "nk", position, activation)
     assert_close(y, ref, torch.float32, "y")
     leaves = [x, w, *w1, *w3, *w2]
@@ -99,10 +99,11 @@ def test_a_write_through_data_is_read_at_the_next_call(no_stack):
     ids, w = _routing(4, 2)
     w1, w3, w2 = _weights("nk")
     with torch.no_grad():
-        expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk")
+        expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk", None)
         for t in w2:
             t.data.mul_(2.0)  # bumps no version counter
-        y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk")
+        y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output",
+                                                  "nk", None)
         ref = _reference(x, ids, w, w1, w3, w2, "nk")
     assert_close(y, ref, torch.float32, "after the write")
 
@@ -113,4 +114,4 @@ def test_weights_of_mixed_shapes_fail_as_a_stack_does():
     w1, w3, w2 = _weights("nk")
     w2[1] = torch.randn(H, I + 1)
     with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
-        expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk")
+        expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk", None)

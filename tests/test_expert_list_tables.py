@@ -84,7 +84,7 @@ def test_the_forward_reads_the_tables_and_matches_the_reference(triton_kernels, 
     gated = activation.endswith("glu")
     w1, w3, w2 = _weights(layout, gated=gated)
     y, pre, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], activation, False, position,
-                                                   layout)
+                                                   layout, None)
     assert tables_counted == [E] * (3 if gated else 2) and pre.numel() == 0
     assert_close(y, _reference(x, ids, w, w1, w3, w2, layout, position, activation), torch.float32, "y")
 
@@ -97,7 +97,7 @@ def test_the_backward_of_a_forward_through_the_tables(triton_kernels, tables_cou
     ids = torch.tensor([[0, 2], [2, 4], [4, 0]])
     w = torch.rand(3, 2, requires_grad=True)
     params = [[t.requires_grad_() for t in ws] for ws in _weights("nk")]
-    y, *_ = expert_lists.experts_forward_list(x, ids, w, *params, [], [], [], "silu_glu", True, "output", "nk")
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, *params, [], [], [], "silu_glu", True, "output", "nk", None)
     assert tables_counted == [E] * 3
     dy = torch.randn_like(y)
     got = torch.autograd.grad(y, [x, w, *params[0], *params[1], *params[2]], dy)
@@ -115,9 +115,11 @@ def test_a_weight_changed_between_calls_is_read_as_it_is_now(triton_kernels, tab
     which no version counter sees, shows in the next call."""
     x, ids, w = torch.randn(1, H), torch.tensor([[0, 3]]), torch.rand(1, 2)
     w1, w3, w2 = _weights("nk")
-    first, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk")
+    first, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output",
+                                                  "nk", None)
     w2[3].data.mul_(2.0)
-    second, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk")
+    second, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output",
+                                                   "nk", None)
     assert tables_counted == [E] * 6
     assert_close(second, _reference(x, ids, w, w1, w3, w2, "nk"), torch.float32, "after the write")
     assert not torch.allclose(first, second)
@@ -127,9 +129,10 @@ def test_a_weight_replaced_by_a_new_tensor_gets_a_new_table(triton_kernels, tabl
     """A new tensor in the list (``expert.weight = nn.Parameter(...)``) has a new address, so a new table."""
     x, ids, w = torch.randn(2, H), torch.tensor([[1, 3], [3, 4]]), torch.rand(2, 2)
     w1, w3, w2 = _weights("nk")
-    expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk")
+    expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk", None)
     w1[3] = torch.randn(I, H)
-    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk")
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk",
+                                              None)
     assert_close(y, _reference(x, ids, w, w1, w3, w2, "nk"), torch.float32, "after the replacement")
 
 
@@ -140,7 +143,8 @@ def test_weights_off_16_byte_boundaries_are_stacked(triton_kernels, tables_count
     w1, w3, w2 = _weights("nk")
     w2 = [torch.cat([torch.zeros(1), t.flatten()])[1:].view(H, I) for t in w2]
     assert all(t.data_ptr() % 16 for t in w2)
-    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk")
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk",
+                                              None)
     assert len(tables_counted) < 3
     assert_close(y, _reference(x, ids, w, w1, w3, w2, "nk"), torch.float32, "y")
 
@@ -154,7 +158,8 @@ def test_tensor_subclasses_are_stacked(triton_kernels, tables_counted):
     w1, w3, w2 = _weights("nk")
     w2 = [t.as_subclass(_Wrapped) for t in w2]
     assert table_module.weight_table(w2, "nk", x.dtype, x.device) is None
-    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk")
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk",
+                                              None)
     assert len(tables_counted) < 3
     plain = [t.as_subclass(torch.Tensor) for t in w2]
     assert_close(y.as_subclass(torch.Tensor), _reference(x, ids, w, w1, w3, plain, "nk"), torch.float32, "y")
@@ -169,7 +174,8 @@ def test_weights_a_table_cannot_describe_are_stacked(triton_kernels, tables_coun
     if odd == "strides":
         w3[2] = w3[2].t().contiguous().t()  # (I, H) with strides (1, I)
         assert w3[2].stride() != w3[0].stride()
-        y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk")
+        y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output",
+                                                  "nk", None)
         assert_close(y, _reference(x, ids, w, w1, w3, w2, "nk"), torch.float32, "y")
     else:
         w2[1] = w2[1].double()
@@ -187,7 +193,7 @@ def test_opcheck_with_the_tables(triton_kernels, tables_counted):
     w = torch.rand(3, 2, requires_grad=True)
     w1, w3, w2 = ([t.requires_grad_() for t in ws] for ws in _weights("nk"))
     torch.library.opcheck(expert_lists.experts_forward_list,
-                          (x, ids, w, w1, w3, w2, [], [], [], "silu_glu", True, "output", "nk"))
+                          (x, ids, w, w1, w3, w2, [], [], [], "silu_glu", True, "output", "nk", None))
     assert tables_counted
 
 
@@ -204,7 +210,8 @@ def test_calls_with_fewer_rows_than_the_row_rule_stack(triton_kernels, tables_co
     for T, tables in ((2, 0), (3, 3)):
         x, w, ids = torch.randn(T, H), torch.rand(T, 2), _ids(T, 2, seed=T)
         tables_counted.clear()
-        y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk")
+        y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output",
+                                                  "nk", None)
         assert len(tables_counted) == tables
         assert_close(y, _reference(x, ids, w, w1, w3, w2, "nk"), torch.float32, f"T={T}")
 
@@ -234,12 +241,13 @@ def test_gpu_tables_match_the_stack_bf16(T, tables_counted):
     ids = torch.randn(T, E, device="cuda").topk(2).indices
     w = torch.rand(T, 2, device="cuda")
     w1, w3, w2 = _weights("nk", "cuda", torch.bfloat16)
-    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk")
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk",
+                                              None)
     assert tables_counted == [E] * 3
     config.list_weight_tables = False
     try:
         stacked, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output",
-                                                        "nk")
+                                                        "nk", None)
     finally:
         config.list_weight_tables = True
     assert_close(y.float(), stacked.float(), torch.bfloat16, "tables against the stack")
@@ -253,7 +261,7 @@ def test_gpu_a_cuda_graph_replays_the_tables(tables_counted):
     ids = torch.tensor([[0, 3], [3, 4]], device="cuda")
     w = torch.rand(2, 2, device="cuda")
     w1, w3, w2 = _weights("nk", "cuda", torch.bfloat16)
-    args = (x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk")
+    args = (x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk", None)
     expert_lists.experts_forward_list(*args)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

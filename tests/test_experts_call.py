@@ -64,7 +64,7 @@ def test_the_op_run_from_op_call_matches_the_reference_and_fused_experts():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_per_expert_weights_call_the_list_op_and_refuse_what_it_lacks():
+def test_per_expert_weights_call_the_list_op_with_their_capacity_and_refuse_what_it_lacks():
     gen = torch.Generator().manual_seed(1)
     E, H, I, T = 3, 8, 4, 5
     w_in = tuple(torch.randn(I, H, generator=gen) for _ in range(E))
@@ -74,10 +74,16 @@ def test_per_expert_weights_call_the_list_op_and_refuse_what_it_lacks():
     op, args = op_call(call)
     assert op is torch.ops.moe_inductor.experts_forward_list.default
     assert args[3] == list(w_in) and args[4] == [] and args[6:9] == ([], [], []) and args[12] == "nk"
+    assert args[13] is None  # no capacity
     ref = torch.stack([torch.relu(x[t] @ w_in[ids[t, 0]].t()) @ w_out[ids[t, 0]].t() for t in range(T)])
     torch.testing.assert_close(op(*args)[0], ref, rtol=1e-5, atol=1e-5)
+    # a capacity is the list op's last argument: each expert keeps its first 2 tokens, the others get zeros
+    op, args = op_call(call._replace(routing=Routing(ids, tw, 2)))
+    assert op is torch.ops.moe_inductor.experts_forward_list.default and args[13] == 2
+    seen = [int((ids[:t, 0] == ids[t, 0]).sum()) for t in range(T)]
+    kept = torch.tensor([s < 2 for s in seen]).unsqueeze(1)
+    torch.testing.assert_close(op(*args)[0], torch.where(kept, ref, 0.0), rtol=1e-5, atol=1e-5)
     for bad in (call._replace(weights=call.weights._replace(b2=torch.zeros(E, H))),
-                call._replace(routing=Routing(ids, tw, 2)),
                 call._replace(activation=Activation("gptoss_glu", 1.0))):
         with pytest.raises(ValueError, match="list op"):
             op_call(bad)

@@ -348,7 +348,7 @@ def test_expert_list_op_matches_reference_and_stacks_the_weights_as_they_are():
     ids = torch.randn(T, E).topk(k).indices
     w = torch.rand(T, k, requires_grad=True)
     w1, w3, w2 = ([(torch.randn(*shape) * 0.3).requires_grad_() for _ in range(E)] for shape in ((I, H), (I, H), (H, I)))
-    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", True, "output", "nk")
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", True, "output", "nk", None)
     ref = moe_reference(x, ids, w, *(torch.stack(ws).transpose(1, 2) for ws in (w1, w3, w2)))
     assert_close(y, ref, torch.float32, "y")
     dy = torch.randn_like(y)
@@ -371,7 +371,7 @@ def test_expert_list_op_with_a_plain_activation_matches_the_reference(layout):
     w = torch.rand(T, k, requires_grad=True)
     shapes = ((I, H), (H, I)) if layout == "nk" else ((H, I), (I, H))
     w1, w2 = ([(torch.randn(*shape) * 0.3).requires_grad_() for _ in range(E)] for shape in shapes)
-    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, [], w2, [], [], [], "relu", True, "output", layout)
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, [], w2, [], [], [], "relu", True, "output", layout, None)
     stacks = [torch.stack(ws).transpose(1, 2) if layout == "nk" else torch.stack(ws) for ws in (w1, w2)]
     ref = moe_reference(x, ids, w, stacks[0], None, stacks[1], activation="relu")
     assert_close(y, ref, torch.float32, "y")
@@ -390,7 +390,7 @@ def test_opcheck_expert_list_op(position, layout):
     w1 = [t.detach().contiguous().requires_grad_() for t in gate.unbind(0)]
     w3 = [t.detach().contiguous().requires_grad_() for t in up.unbind(0)]
     w2 = [t.detach().requires_grad_() for t in p.w2.unbind(0)]
-    args = (p.x, p.topk_ids, p.topk_weights, w1, w3, w2, [], [], [], "silu_glu", True, position, layout)
+    args = (p.x, p.topk_ids, p.topk_weights, w1, w3, w2, [], [], [], "silu_glu", True, position, layout, None)
     torch.library.opcheck(expert_lists.experts_forward_list, args)
 
 
@@ -407,7 +407,8 @@ def test_expert_list_op_takes_every_weight_position_and_layout(position, layout)
     w = torch.rand(T, k, requires_grad=True)
     shapes = ((I, H), (I, H), (H, I)) if layout == "nk" else ((H, I), (H, I), (I, H))
     w1, w3, w2 = ([(torch.randn(*shape) * 0.3).requires_grad_() for _ in range(E)] for shape in shapes)
-    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", True, position, layout)
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", True, position, layout,
+                                              None)
     stacks = [torch.stack(ws).transpose(1, 2) if layout == "nk" else torch.stack(ws) for ws in (w1, w3, w2)]
     ref = moe_reference(x, ids, w, *stacks, activation="silu_glu", weight_position=position)
     assert_close(y, ref, torch.float32, "y")
@@ -416,9 +417,9 @@ def test_expert_list_op_takes_every_weight_position_and_layout(position, layout)
     for a, b in zip(torch.autograd.grad(y, leaves, dy), torch.autograd.grad(ref, leaves, dy)):
         assert_close(a, b, torch.float32, "grad")
     with pytest.raises(ValueError, match="weight_position='before'; choose one of"):
-        expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", True, "before", layout)
+        expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", True, "before", layout, None)
     with pytest.raises(ValueError, match="layout='nn'; choose 'nk'"):
-        expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", True, position, "nn")
+        expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", True, position, "nn", None)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -79,13 +79,12 @@ def op_call(call: ExpertsCall, gate_up: Optional[Value] = None) -> tuple[Any, tu
     if isinstance(w.w1, (tuple, list)):
         if any(b is not None and not isinstance(b, (tuple, list)) for b in (w.b1, w.b1_up, w.b2)):
             raise ValueError("the per-expert list op takes per-expert biases (one per expert), not a stacked one")
-        if r.capacity is not None:
-            raise ValueError("the per-expert list op has no capacity")
         if (act.alpha, act.limit) != (GPTOSS_ALPHA, GPTOSS_LIMIT):
             raise ValueError("the per-expert list op runs gptoss_glu with its default alpha and limit only")
         return torch.ops.moe_inductor.experts_forward_list.default, (
             call.x, r.topk_ids, r.topk_weights, list(w.w1), list(w.w1_up or ()), list(w.w2), list(w.b1 or ()),
-            list(w.b1_up or ()), list(w.b2 or ()), act.name, call.save_pre, call.weight_position, w.layout)
+            list(w.b1_up or ()), list(w.b2 or ()), act.name, call.save_pre, call.weight_position, w.layout,
+            r.capacity)
     w1, w1_up = (gate_up, None) if gate_up is not None and w.w1_up is not None else (w.w1, w.w1_up)
     return torch.ops.moe_inductor.experts_forward.default, (
         call.x, r.topk_ids, r.topk_weights, w1, w1_up, w.w2, w.b1, w.b1_up, w.b2, act.name, call.weight_position,

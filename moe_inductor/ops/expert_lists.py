@@ -11,6 +11,10 @@ chose. On the CPU, whose path computes expert by expert, the forward reads each 
 during CUDA-graph capture, and the backward) the weights are stacked at each call. Per-expert biases (nn.Linear's,
 one list per projection, empty where it has none) are stacked at each call: a few numbers per expert.
 
+``capacity`` is the stacked op's: each expert keeps its first ``capacity`` assignments in choice-major order
+(ops/routing.py) and the others contribute nothing, so a padded-capacity layer over a ModuleList (GShard, Switch,
+fairseq, DeepSpeed) reads its experts' weights where they lie, as an uncapped one does.
+
 The stack is never cached: a cache keyed on the weights' versions misses ``p.data.copy_(new)`` (writes through
 ``.data`` bump no version counter), and nothing cheaper than reading the weights tells that they changed. The table
 is cached by the weights' addresses alone, so it cannot go stale that way.
@@ -83,11 +87,13 @@ def _biases(b1: list[Tensor], b1_up: list[Tensor], b2: list[Tensor]) -> tuple:
 @torch.library.custom_op("moe_inductor::experts_forward_list", mutates_args=())
 def experts_forward_list(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: list[Tensor], w1_up: list[Tensor],
                          w2: list[Tensor], b1: list[Tensor], b1_up: list[Tensor], b2: list[Tensor], activation: str,
-                         save_pre: bool, weight_position: str, layout: str
+                         save_pre: bool, weight_position: str, layout: str, capacity: Optional[int]
                          ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``experts_forward`` on per-expert nn.Linear weights and biases (``w1_up`` empty for a plain activation, a
     bias list empty where its projection has none, else one (N,) bias per expert); the routing weight scales the
-    expert's output, input or hidden state (``weight_position``), as in ``experts_forward``.
+    expert's output, input or hidden state (``weight_position``), as in ``experts_forward``. ``capacity`` (None:
+    none) drops each expert's assignments past it in choice-major order, as ``experts_forward``'s does: a dropped
+    assignment adds nothing to its token's output.
 
     Returns:
         y (T, H), pre, order, sorted_expert, offsets, as ``experts_forward``.
@@ -95,28 +101,31 @@ def experts_forward_list(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: 
     check_weight_position(weight_position)
     biases = _biases(b1, b1_up, b2)
     if use_triton(x):
-        tables = _weight_tables(x, topk_ids, (w1, w1_up, w2), layout, biased=bool(b1 or b2))
+        tables = _weight_tables(x, topk_ids, (w1, w1_up, w2), layout, biased=bool(b1 or b2),
+                                dropped=capacity is not None)
     else:  # the CPU path computes expert by expert: it reads each expert's own weights (PerExpert)
         tables = _per_expert(w1, w1_up, w2, layout)
     weights = ExpertWeights(*(tables if tables is not None else _views(w1, w1_up, w2, layout)), *biases)
-    call = ExpertsCall(x, Routing(topk_ids, topk_weights), weights, Activation(activation), weight_position, save_pre)
+    call = ExpertsCall(x, Routing(topk_ids, topk_weights, capacity), weights, Activation(activation), weight_position,
+                       save_pre)
     return experts_forward_call(call)
 
 
-def _weight_tables(x: Tensor, topk_ids: Tensor, groups: tuple, layout: str, biased: bool = False
-                   ) -> Optional[tuple]:
+def _weight_tables(x: Tensor, topk_ids: Tensor, groups: tuple, layout: str, biased: bool = False,
+                   dropped: bool = False) -> Optional[tuple]:
     """The (w1, w1_up or None, w2) address tables the forward reads the weights through (kernels/weight_table.py),
     or None where it stacks them: the tables are off, the call has fewer rows than
     ``config.list_weight_tables_min_rows_per_expert`` per expert, "auto" would give the stacked
-    weights' GEMMs to ``torch._grouped_mm`` (a layout only a stack has), or a projection's weights differ in shape,
-    strides, dtype (x's) or device (x's)."""
+    weights' GEMMs to ``torch._grouped_mm`` (a layout only a stack has; never for a call with a capacity,
+    ``dropped``, which the engine does not run), or a projection's weights differ in shape, strides, dtype (x's)
+    or device (x's)."""
     w1, w1_up, w2 = groups
     E = len(w1)
     if not config.list_weight_tables:
         return None
     if topk_ids.numel() < config.list_weight_tables_min_rows_per_expert * E:  # where the stack was measured faster
         return None
-    if not w1_up:  # (gated stacks never take the engine: their gate and up are two tensors, not one)
+    if not w1_up and not dropped:  # (gated stacks never take the engine: their gate and up are two tensors)
         out_dim, in_dim = w2[0].shape if layout == "nk" else w2[0].shape[::-1]
         if may_take_experts_of(SimpleNamespace(shape=(E, in_dim, out_dim)), biased, topk_ids.numel()):
             return None
@@ -132,7 +141,8 @@ def _weight_tables(x: Tensor, topk_ids: Tensor, groups: tuple, layout: str, bias
 
 
 @experts_forward_list.register_fake
-def _(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, save_pre, weight_position, layout):
+def _(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, save_pre, weight_position, layout,
+      capacity):
     M = topk_ids.shape[0] * topk_ids.shape[1]
     n_pre = w1[0].shape[0 if layout == "nk" else 1] * (2 if w1_up else 1)
     ids = topk_ids.new_empty(M, dtype=torch.int32)
@@ -144,16 +154,19 @@ def _(x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, save_
 def experts_backward_list(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: list[Tensor],
                           w1_up: list[Tensor], w2: list[Tensor], b1: list[Tensor], b1_up: list[Tensor],
                           b2: list[Tensor], pre: Tensor, order: Tensor, sorted_expert: Tensor, offsets: Tensor,
-                          activation: str, weight_position: str, layout: str
+                          activation: str, weight_position: str, layout: str, dropped: bool
                           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of ``experts_forward_list``: dx, d_topk_weights, the stacked (E, N, K) dw1, dw1_up, dw2 and the
-    stacked (E, N) db1, db1_up, db2 (empty where the forward had no such weight or bias)."""
+    stacked (E, N) db1, db1_up, db2 (empty where the forward had no such weight or bias). ``dropped``: whether the
+    forward had a capacity. The routing metadata already says which assignments it dropped (sorted past
+    ``offsets[E]``); the flag tells the backward that rows it never computes must start at zero, as
+    ``experts_backward``'s does."""
     g, u, d = _views(w1, w1_up, w2, layout)
     sb1, sb1_up, sb2 = _biases(b1, b1_up, b2)
     needs = Needs(True, True, True, u is not None, True, sb1 is not None, sb1_up is not None, sb2 is not None)
     dx, dtw, dg, du, dd, db1, db1_up, db2 = experts_backward(
         dy, x, topk_ids, topk_weights, g, u, d, sb1, sb1_up, sb2, pre, order, sorted_expert, offsets, activation,
-        weight_position, GPTOSS_ALPHA, GPTOSS_LIMIT, False, list(needs))
+        weight_position, GPTOSS_ALPHA, GPTOSS_LIMIT, dropped, list(needs))
     # the grads of the (E, K, N) views, laid out like the stacked weights (to_kn is its own inverse); a plain
     # activation has no up weights, and du is the empty placeholder
     return (dx, dtw, to_kn(dg, layout).contiguous(), to_kn(du, layout).contiguous() if u is not None else du,
@@ -162,7 +175,7 @@ def experts_backward_list(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights:
 
 @experts_backward_list.register_fake
 def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets, activation,
-      weight_position, layout):
+      weight_position, layout, dropped):
     E = len(w1)
 
     def stack_like(ws):
@@ -175,7 +188,8 @@ def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, s
 def _setup(ctx, inputs, output):
     # (no argument has a default: the dispatcher drops arguments equal to their defaults before autograd, which
     # would make the number of gradients to return depend on the values passed)
-    x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, save_pre, weight_position, layout = inputs
+    (x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, save_pre, weight_position, layout,
+     capacity) = inputs
     _, pre, order, sorted_expert, offsets = output
     groups = (w1, w1_up, w2, b1, b1_up, b2)
     ctx.save_for_backward(x, topk_ids, topk_weights, pre, order, sorted_expert, offsets,
@@ -184,6 +198,7 @@ def _setup(ctx, inputs, output):
     ctx.activation = activation
     ctx.weight_position = weight_position
     ctx.layout = layout
+    ctx.dropped = capacity is not None  # (a flag, not the capacity: the metadata saved above holds the drops)
 
 
 def _backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
@@ -193,9 +208,10 @@ def _backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
         groups.append(flat[at:at + n])
         at += n
     dx, dtw, *grads = experts_backward_list(dy.contiguous(), x, topk_ids, topk_weights, *groups, pre, order,
-                                            sorted_expert, offsets, ctx.activation, ctx.weight_position, ctx.layout)
+                                            sorted_expert, offsets, ctx.activation, ctx.weight_position, ctx.layout,
+                                            ctx.dropped)
     per_expert = [list(g.unbind(0)) if n else [] for g, n in zip(grads, ctx.sizes)]
-    return (dx, None, dtw, *per_expert, None, None, None, None)
+    return (dx, None, dtw, *per_expert, None, None, None, None, None)
 
 
 experts_forward_list.register_autograd(_backward, setup_context=_setup)

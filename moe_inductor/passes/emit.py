@@ -40,7 +40,7 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
 
     with graph.inserting_before(before):
         weights = graph.call_method("to", (spec.weights, x_dtype))
-        if per_expert:  # nn.Linear weights: the list op stacks them at each call
+        if per_expert:  # nn.Linear weights, as lists: the list op reads them where they lie
             experts = ExpertWeights(spec.gate, spec.up, spec.down, spec.b1, spec.b1_up, spec.b2, spec.layout)
         else:
             experts = ExpertWeights(kn(spec.gate), kn(spec.up), kn(spec.down), spec.b1, spec.b1_up, spec.b2)

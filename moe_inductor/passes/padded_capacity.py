@@ -19,10 +19,11 @@ Beside the einsums: fairseq's ``mm(dispatch.permute(1, 2, 0).view(E*C, T), x)`` 
 experts as ``torch.bmm`` / ``@`` on stacked weights, with or without per-expert biases broadcast over the slots
 (``+ b[:, None, :]``, ``+= b`` of an (E, 1, N) parameter: ``slot_layers.py``), or as one module per expert on
 ``xin.chunk(E, dim)`` (fairseq's and DeepSpeed's ModuleList, nn.Linear with or without biases) joined by ``cat``
-along the same dim. The (E, C, H) buffer may pass through reshapes that regroup it (``reshape(1, E, -1, H)``): a
-reshape keeps the row-major order, so slot (e, c) stays where it was; so does a dropout that is the identity (p == 0
-or not training, ``slot_layers.py``), also between the projections. nanoMoE's gating, the k choices stacked in one
-(k, T, E) mask and summed by ``sum(dim=0)``, is read by ``stacked_choices.py``.
+along the same dim, whose weights go to the list op as lists, read where they lie. The (E, C, H) buffer may pass
+through reshapes that regroup it (``reshape(1, E, -1, H)``): a reshape keeps the row-major order, so slot (e, c)
+stays where it was; so does a dropout that is the identity (p == 0 or not training, ``slot_layers.py``), also
+between the projections. nanoMoE's gating, the k choices stacked in one (k, T, E) mask and summed by
+``sum(dim=0)``, is read by ``stacked_choices.py``.
 
 Why it is exact: the queue positions come from a cumsum over tokens, so within an expert every kept (token, choice)
 gets its own slot (choice j queues behind all earlier choices, kept or not, which drops exactly what the op drops
@@ -44,6 +45,7 @@ from typing import Any, Optional, Union
 import torch
 from torch.fx import Graph, Node
 
+from ..ops.activations import GPTOSS_ALPHA, GPTOSS_LIMIT
 from ..spec import MoESpec
 from .capacity_gating import (Choice, call, choice, order_choices, same_traced, shape, strip_casts,
                               versions_sound)
@@ -462,6 +464,9 @@ def match_capacity(y: Node) -> Union[Match, str, None]:
                    b1=b1, b1_up=b1_up, b2=b2, **dict(ex.fields))
 
     stacked = isinstance(found.choices, StackedChoices)
+    # per-expert weights stay lists for the list op, which reads them where they lie (a stack in the graph would
+    # copy every expert's weights at each call); it runs gptoss_glu with the default alpha and limit only
+    lists = per_expert and (spec.alpha, spec.limit) == (GPTOSS_ALPHA, GPTOSS_LIMIT)
 
     def derive(graph: Graph, spec: MoESpec) -> MoESpec:
         ids, weights = found.choices.op_routing(graph) if stacked else _op_routing(graph, found.choices)
@@ -469,7 +474,7 @@ def match_capacity(y: Node) -> Union[Match, str, None]:
         if not per_expert:  # a stacked (E, 1, N) bias as the op's (E, N) view
             spec = dataclasses.replace(spec, **{f: op_bias(graph, b) for f, b in zip(("b1", "b1_up", "b2"),
                                                                                      ex.biases)})
-        else:  # the list op has no capacity: the op with capacity takes them stacked, at each call
+        elif not lists:  # an activation the list op does not run: the stacked op takes them, stacked at each call
             def stack(t):
                 return None if t is None else graph.call_function(torch.stack, (list(t),))
             spec = dataclasses.replace(spec, gate=stack(spec.gate), up=stack(spec.up), down=stack(spec.down),
@@ -485,7 +490,8 @@ def match_capacity(y: Node) -> Union[Match, str, None]:
     padded = f"{E} x {found.capacity} slots = {E * found.capacity * slot_flops / 1e6:.2f} MFLOP per call" \
         if isinstance(found.capacity, int) else "the padded slots"
     note = (f"capacity {found.capacity}, the same drops; runs the T*k routed rows instead of {padded}, no (T, E, C) "
-            "dispatch" + ("; per-expert weights stacked at each call" if per_expert else ""))
+            "dispatch" + ("" if not per_expert else "; per-expert weights read where they lie (the list op)" if lists
+                          else "; per-expert weights stacked at each call (an activation the list op does not run)"))
     return Match(spec, y, note=note, derive=derive, top_k=found.choices.k if stacked else len(found.choices))
 
 
