@@ -587,3 +587,10 @@ def test_bench_loop_cpu_runs_end_to_end():
     rows = bench_loop_cpu.main(["--tokens", "3", "--rounds", "1", "--calls", "1", "--widths", "16", "8", "4", "2"])
     assert [(r["bias"], r["T"]) for r in rows] == [(False, 3), (True, 3)]
     assert all(r["rewrites"] == {"unrolled_loop": 1} for r in rows), rows
+
+
+def test_bench_capacity_cpu_runs_end_to_end():
+    from benchmarks import bench_capacity_cpu
+
+    rows = bench_capacity_cpu.main(["--tokens", "5", "--rounds", "1", "--calls", "1", "--widths", "16", "8", "4"])
+    assert [r["T"] for r in rows] == [5] and rows[0]["rewrites"] == {"padded_capacity": 1}, rows
