@@ -1,5 +1,6 @@
-"""Top-1 masks with the router's drops already in them: Switch Transformers' (transformers v4) router hands the experts
-a one-hot of its choice with the rows past the capacity zeroed, and the experts loop reads one column per expert:
+"""Top-1 masks with the router's drops already in them. The user code this reads is Switch Transformers' (transformers
+v4): the router hands the experts a one-hot of its choice with the rows past the capacity zeroed, and the experts
+loop reads one column per expert:
 
     router_mask = F.one_hot(idx, E) * (torch.cumsum(F.one_hot(idx, E), dim=-2) <= C)     # (B, T, E) int
     router_mask = router_mask.bool()
