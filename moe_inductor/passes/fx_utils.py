@@ -221,13 +221,21 @@ _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itru
                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul}
 
 
+def _registers_hook(node: Node) -> bool:
+    """``t.register_hook(fn)`` on an intermediate, as Dynamo records it from torch 2.13 (the ``register_hook``
+    higher-order op): its result is never read, but the hook changes ``t``'s gradient (ArcticTraining's
+    load-balancing hook on the router's probabilities)."""
+    target = node.target if node.op == "call_function" else None
+    return isinstance(target, torch._ops.HigherOrderOperator) and target.name() == "register_hook"
+
+
 def is_impure(node: Node) -> bool:
     """FX's purity, plus what it misses in Dynamo graphs: an in-place write (``written_in_place``: ``buf.add_(c)``,
     ``m.scatter_(...)``, ``t += u``, ``torch.relu_(t)``, ``out=t``) whose result nobody reads is still a write. It
     must stay when it changes the user's state (an input, parameter or buffer, or a view of one) or a tensor read
     after it (directly or through a view); a write to a tensor of the graph's own that nothing reads any more may go
     with it."""
-    if node.is_impure():
+    if node.is_impure() or _registers_hook(node):
         return True
     target = written_in_place(node)
     if target is None:

@@ -40,7 +40,7 @@ from ..spec import MoESpec
 from .driver import Anchor, Form, Match
 from .fx_utils import (alias_mutations, base_of, comes_before, flat_of, is_call, is_view_of, known_equal, val,
                        view_family)
-from . import scattered_slices
+from . import bounded_gemm, scattered_slices
 from .gated_reads import read_gated
 from .slice_runs import SliceRun, slice_bounds, slice_run
 from .sorted_grouped_mm import _sort_order
@@ -529,5 +529,6 @@ def _zeros(node: Node) -> bool:
     return is_call(node, "call_function", torch.zeros, torch.zeros_like) or is_call(node, "call_method", "new_zeros")
 
 
-rewrite = Form(FORM, (Anchor(lambda n: _zeros(n) or _added_into(n), match), Anchor(_zeros, scattered_slices.match)))
+rewrite = Form(FORM, (Anchor(lambda n: _zeros(n) or _added_into(n), match), Anchor(_zeros, scattered_slices.match),
+                      Anchor(_zeros, bounded_gemm.match)))
 """Replace every provable split loop in a GraphModule; returns what was rewritten."""

@@ -16,10 +16,11 @@ Departures: one rank (``ep_size=1``: no all-to-all, no ``local_ep_transpose``) a
 test); the weights are randomly initialised (the source leaves them ``torch.empty`` for its initialiser). E = 6
 (not a power of two), k = 2, SiLU.
 
-Outcome: one graph per shape, no graph break (the hook and the ``cumsum``-bounded slices trace), but no form proves
-the experts: the loop slices the expert-sorted rows ``A[start:end]`` between ``cumsum`` bounds of counts and
-writes ``C[start:end] = ...`` into a buffer sized by ``rows_cumsum[-1]``, which is neither the split loop's
-``torch.split(rows, counts.tolist())`` nor a grouped_mm on offsets; the region is left alone (eager-equal).
+Outcome: one graph per shape, no graph break (the hook and the ``cumsum``-bounded slices trace), rewritten by the
+split_loop form's bounded-slices proof (``passes/bounded_gemm.py``): each ``torch_group_gemm_fn`` buffer is proven
+the grouped GEMM of the expert-sorted rows over the counts' running sums, the slots the cat of one one-hot's
+``where`` rows, and the interleaved gate/up, the scores and the ``index_add_`` read at those slots. The
+load-balancing hook stays in the graph (a rewrite must not drop it: ``fx_utils.is_impure``).
 """
 from dataclasses import dataclass
 
@@ -145,5 +146,5 @@ def _build(normalize=True):
 
 CASES = [Case("arctic_training_moe", "snowflakedb/ArcticTraining arctic_training/model/moe/moe.py ArcticMoE "
               "(torch_group_gemm_fn)", _build, lambda T, g: torch.randn(1, T, H, generator=g), form="split_loop",
-              expect=("left_alone", "moe_region", "no MoE form proves"),
+              expect=("rewritten",),
               before_2_13=("fell_back",))]  # 2.11's Dynamo fails inside its own tracing here (README)
