@@ -140,7 +140,7 @@ def test_kernels_read_the_weights_through_tables_and_add_the_biases(triton_kerne
     ids = torch.tensor([[0, 2], [2, 4], [4, 1]])
     w = torch.rand(3, 2)
     weights, biases = _params("nk", True)
-    y, *_ = expert_lists.experts_forward_list(x, ids, w, *weights, *biases, "silu_glu", True, "output", "nk")
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, *weights, *biases, "silu_glu", True, "output", "nk", None)
     ref = _reference(x, ids, w, weights, biases, "nk", "output", "silu_glu")
     assert made == [E] * 3
     assert_close(y, ref, torch.float32, "y")
