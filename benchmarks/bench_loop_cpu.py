@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import moe_inductor  # noqa: E402
+from benchmarks.bench_cpu import interleaved_ms  # noqa: E402
 
 
 class LoopMoE(nn.Module):
@@ -66,13 +66,8 @@ def main(argv=None) -> list[dict]:
             compiled = torch.compile(model, backend="moe_inductor")
             with torch.no_grad():
                 err = (compiled(x) - model(x)).abs().max().item()
-                times = {"eager": [], "moe_inductor": []}
-                for r in range(args.rounds):
-                    for name, fn in ((("eager", model), ("moe_inductor", compiled))[::1 if r % 2 == 0 else -1]):
-                        start = time.perf_counter()
-                        for _ in range(args.calls):
-                            fn(x)
-                        times[name].append((time.perf_counter() - start) / args.calls * 1e3)
+                times = interleaved_ms({"eager": lambda: model(x), "moe_inductor": lambda: compiled(x)}, args.rounds,
+                                       args.calls)
             med = {n: statistics.median(v) for n, v in times.items()}
             rewrites = dict(counters["moe_inductor"])
             rows.append(dict(bias=bias, T=T, rewrites=rewrites, **med))

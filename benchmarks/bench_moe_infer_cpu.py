@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import moe_inductor  # noqa: E402
+from benchmarks.bench_cpu import interleaved_ms  # noqa: E402
 from benchmarks.bench_moe_infer import E, H, I, K, SHARED, _example  # noqa: E402
 
 
@@ -47,13 +47,7 @@ def main(argv=None) -> list[dict]:
         with torch.no_grad():
             ref = layer(x)
             err = {n: (f(x) - ref).abs().max().item() for n, f in runs.items() if n != "eager"}
-            times = {n: [] for n in runs}
-            for r in range(args.rounds):
-                for n in (list(runs) if r % 2 == 0 else list(reversed(list(runs)))):
-                    start = time.perf_counter()
-                    for _ in range(args.calls):
-                        runs[n](x)
-                    times[n].append((time.perf_counter() - start) / args.calls * 1e3)
+            times = interleaved_ms({n: (lambda f=f: f(x)) for n, f in runs.items()}, args.rounds, args.calls)
         med = {n: statistics.median(v) for n, v in times.items()}
         rows.append(dict(T=T, **med))
         print(f"| {T} | {med['eager']:.2f} | {med['inductor']:.2f} | {med['moe_inductor']:.2f} | "
