@@ -45,7 +45,6 @@ from typing import Any, Optional, Union
 import torch
 from torch.fx import Graph, Node
 
-from ..ops.activations import GPTOSS_ALPHA, GPTOSS_LIMIT
 from ..spec import MoESpec
 from .capacity_gating import (Choice, call, choice, order_choices, same_traced, shape, strip_casts,
                               versions_sound)
@@ -54,7 +53,7 @@ from .fx_utils import einsum_parts, val
 from .gated_reads import read_gated, split_gated
 from .slot_layers import Bias, biased, dropout, op_bias, per_expert_bias, through_dropouts
 from .stacked_choices import StackedChoices, stacked_routing
-from .unrolled_loop import biased_linear
+from .unrolled_loop import biased_linear, list_op_runs, per_expert_for_op
 
 FORM = "padded_capacity"
 
@@ -465,8 +464,8 @@ def match_capacity(y: Node) -> Union[Match, str, None]:
 
     stacked = isinstance(found.choices, StackedChoices)
     # per-expert weights stay lists for the list op, which reads them where they lie (a stack in the graph would
-    # copy every expert's weights at each call); it runs gptoss_glu with the default alpha and limit only
-    lists = per_expert and (spec.alpha, spec.limit) == (GPTOSS_ALPHA, GPTOSS_LIMIT)
+    # copy every expert's weights at each call)
+    lists = per_expert and list_op_runs(spec)
 
     def derive(graph: Graph, spec: MoESpec) -> MoESpec:
         ids, weights = found.choices.op_routing(graph) if stacked else _op_routing(graph, found.choices)
@@ -474,11 +473,8 @@ def match_capacity(y: Node) -> Union[Match, str, None]:
         if not per_expert:  # a stacked (E, 1, N) bias as the op's (E, N) view
             spec = dataclasses.replace(spec, **{f: op_bias(graph, b) for f, b in zip(("b1", "b1_up", "b2"),
                                                                                      ex.biases)})
-        elif not lists:  # an activation the list op does not run: the stacked op takes them, stacked at each call
-            def stack(t):
-                return None if t is None else graph.call_function(torch.stack, (list(t),))
-            spec = dataclasses.replace(spec, gate=stack(spec.gate), up=stack(spec.up), down=stack(spec.down),
-                                       b1=stack(spec.b1), b1_up=stack(spec.b1_up), b2=stack(spec.b2))
+        else:
+            spec = per_expert_for_op(graph, spec)
         return spec
 
     gv = val(ex.gate[0] if per_expert else ex.gate)

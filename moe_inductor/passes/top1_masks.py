@@ -291,7 +291,7 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
     one row-major order: the op runs on the flat views and its result is viewed back (``_viewed_back``)."""
     from .driver import CHANGED_IN_PLACE
     from .masked_writes import _flat_ids, _masked_body, _one_spec  # the checks shared with DeepSeek's spelling
-    from .unrolled_loop import _Body, _biased, biased_linear
+    from .unrolled_loop import _Body, biased_linear, per_expert_for_op
 
     writes = alias_mutations(buf)
     marked = [(w, _mask_of(w.args[1])) for w in writes if is_call(w, "call_function", operator.setitem)
@@ -415,7 +415,7 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
     end = product if product is not None else last
 
     def derive(graph, spec: MoESpec) -> MoESpec:
-        spec = _biased(graph, spec) if biased else sliced(graph, spec) if sliced is not None else spec
+        spec = per_expert_for_op(graph, spec) if biased else sliced(graph, spec) if sliced is not None else spec
         if kept is not None:  # a row the router dropped gets the out-of-range id E: the op leaves it zero
             has_row = graph.call_method("any", (spec.ids, -1))
             spec = dataclasses.replace(spec, ids=graph.call_function(torch.where, (has_row, kept[0], num_experts)))

@@ -385,12 +385,18 @@ def _per_expert_spec(bodies: list[_Body]) -> Optional[MoESpec]:
                    b1=b1, b1_up=b1_up, b2=b2)
 
 
-def _biased(graph: Graph, spec: MoESpec) -> MoESpec:
-    """The per-expert spec with biases, for the op: as it is where the list op runs its activation (it takes each
-    expert's weights and biases, and reads the weights where they lie); else (a gptoss_glu of other constants) its
-    weights and biases stacked (``torch.stack``, at each call) for the op with stacked weights. The layout stays the
+def list_op_runs(spec: MoESpec) -> bool:
+    """Whether the per-expert list op runs ``spec``'s activation: every one but a gptoss_glu of other than its
+    default alpha and limit."""
+    return (spec.alpha, spec.limit) == (GPTOSS_ALPHA, GPTOSS_LIMIT)
+
+
+def per_expert_for_op(graph: Graph, spec: MoESpec) -> MoESpec:
+    """A per-expert spec (weights and biases, capacity or not) for the op: as it is where the list op runs its
+    activation (it takes each expert's weights and biases, and reads the weights where they lie); else its weights
+    and biases stacked (``torch.stack``, at each call) for the op with stacked weights. The layout stays the
     per-expert one."""
-    if (spec.alpha, spec.limit) == (GPTOSS_ALPHA, GPTOSS_LIMIT):
+    if list_op_runs(spec):
         return spec
 
     def stack(t):
@@ -549,7 +555,7 @@ def match_loop(acc: Node) -> Union[Match, str, None]:
     layouts = bodies[0].layouts
 
     def derive(graph: Graph, spec: MoESpec) -> MoESpec:
-        spec = _biased(graph, spec) if biased else views(sliced)(graph, spec) if sliced is not None else spec
+        spec = per_expert_for_op(graph, spec) if biased else views(sliced)(graph, spec) if sliced is not None else spec
         if layouts is not None:
             spec = _as_nk(graph, spec, layouts)
         return _column_ids(graph, spec) if one_id else spec
