@@ -221,7 +221,7 @@ def _choices_spec(choices: tuple, marked: list, bodies: list) -> Union[tuple[MoE
     return dataclasses.replace(first, ids=base, weights=weights[0]), num_experts, None
 
 
-def _topk_width(ids: Node, k: int) -> Optional[int]:
+def _topk_width(ids: Node) -> Optional[int]:
     """N for ``topk(scores, k).indices`` over the last dim of (..., N) scores (every id in range(N)), else None."""
     if not (is_call(ids, "call_function", operator.getitem) and ids.args[1] == 1):
         return None
@@ -394,7 +394,7 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
     if spec.weights is None and kept is None and (scaled := scale_of_rows(buf, readers, lead)) is not None:
         product, weights = scaled
         spec = dataclasses.replace(spec, weights=weights)
-    width = kept[1] if kept is not None else _router_width(ids) if choices is None else _topk_width(*choices[:2])
+    width = kept[1] if kept is not None else _router_width(ids) if choices is None else _topk_width(choices[0])
     if width is not None and width != num_experts:
         return f"the router chooses among {width} experts and the loop writes {num_experts}"
     if empty and width is None:
