@@ -45,11 +45,10 @@ from torch.fx import Node
 from ..spec import MoESpec
 from .counts import count_item, per_expert_counts, topk_ids_over
 from .driver import Match
-from .fx_utils import alias_mutations, column_of, comes_before, flat_of, is_call, known_equal, val
+from .fx_utils import ONE_HOT, alias_mutations, column_of, comes_before, flat_of, is_call, known_equal, val
 from .gated_reads import GatedRead, activation_of, fused_gate_up
 
 _ALL = slice(None, None, None)
-_ONE_HOT = (torch.nn.functional.one_hot, torch._C._nn.one_hot)
 
 #: the form's mark: a buffer written by per-expert matmuls between cumsum bounds
 MARK = "the loop of cumsum-bounded matmuls is a grouped GEMM"
@@ -105,7 +104,7 @@ def _sorted_slots(slots) -> Optional[tuple[Node, Node, str, int, tuple]]:
         hot_t = row.args[0]
         picks += [part, where, row]
     hot = _transposed(hot_t) if hot_t is not None else None
-    if not is_call(hot, "call_function", *_ONE_HOT):
+    if not is_call(hot, "call_function", *ONE_HOT):
         return None
     num_experts = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)
     flat = _flattening(hot.args[0])

@@ -31,13 +31,11 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch.fx import Node
 
 from ..shape_tensors import shape_value
-from .fx_utils import einsum_parts, reach, val
+from .fx_utils import ONE_HOT, einsum_parts, reach, val
 
-_ONE_HOT = (F.one_hot, torch._C._nn.one_hot)
 _MUL = (operator.mul, torch.mul, operator.imul, "mul_")
 _ADD = (operator.add, torch.add, operator.iadd, "add_")
 _SUB = (operator.sub, torch.sub, operator.isub, "sub_")
@@ -164,7 +162,7 @@ def _zeros(node: Any) -> bool:
 def one_hot(node: Any) -> Optional[OneHot]:
     """The one-hot ``node`` is (0/1 casts stripped), or None."""
     node = strip_casts(node, zero_one=True)
-    if call(node, *_ONE_HOT) and isinstance(node.args[0], Node):
+    if call(node, *ONE_HOT) and isinstance(node.args[0], Node):
         classes = node.kwargs.get("num_classes", node.args[1] if len(node.args) > 1 else None)
         return OneHot(node.args[0], classes, node)
     if _zeros(node):  # the buffer, read after its one write

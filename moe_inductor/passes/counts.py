@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from .fx_utils import alias_mutations, comes_before, flat_of, is_call, val
+from .fx_utils import ONE_HOT, alias_mutations, comes_before, flat_of, is_call, val
 
 
 def host_copy_of(node) -> Node:
@@ -155,7 +155,7 @@ def one_hot_counts(node) -> Optional[tuple[Node, int]]:
     """(ids, E) for ``F.one_hot(ids.flatten(), E).sum(0)`` (casts and host copies aside) of top-k ids over E: the
     number of assignments of each expert."""
     hot = _column_sums(node)
-    if not is_call(hot, "call_function", torch.nn.functional.one_hot, torch._C._nn.one_hot):
+    if not is_call(hot, "call_function", *ONE_HOT):
         return None
     num_experts = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)
     ids = flat_of(hot.args[0]) if isinstance(hot.args[0], Node) else None

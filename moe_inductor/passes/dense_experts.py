@@ -39,8 +39,8 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, every_node, num_experts
-from .fx_utils import (alias_mutations, comes_before, einsum_parts, is_call, single_use, unsqueezed_last, val,
-                       weighted_sum)
+from .fx_utils import (ONE_HOT, alias_mutations, comes_before, einsum_parts, is_call, single_use, unsqueezed_last,
+                       val, weighted_sum)
 from .gated_reads import read_gated
 
 FORM = "dense_experts"
@@ -106,7 +106,7 @@ def _one_hot_sum(routing: Node) -> Optional[tuple[Node, Node]]:
     for hot, scaled in (prod.args, prod.args[::-1]):
         if is_call(hot, "call_method", "to", "float", "type_as", "half", "bfloat16") and isinstance(hot.args[0], Node):
             hot = hot.args[0]
-        if not (is_call(hot, "call_function", torch.nn.functional.one_hot, torch._C._nn.one_hot)
+        if not (is_call(hot, "call_function", *ONE_HOT)
                 and isinstance(scaled, Node)):
             continue
         values = unsqueezed_last(scaled)

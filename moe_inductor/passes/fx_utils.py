@@ -430,6 +430,8 @@ def known_equal(a, b) -> bool:
 
 
 _ALL = slice(None, None, None)
+#: the two callables Dynamo records ``F.one_hot`` under
+ONE_HOT = (torch.nn.functional.one_hot, torch._C._nn.one_hot)
 
 
 def column_of(node, dims: int = 1) -> Optional[Node]:

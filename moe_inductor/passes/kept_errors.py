@@ -16,13 +16,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch.fx import Graph, Node
 
 from ..ops.routing import device_assert_message
-from .fx_utils import is_call, source_line, val
+from .fx_utils import ONE_HOT, is_call, source_line, val
 
-_ONE_HOT = (F.one_hot, torch._C._nn.one_hot)
 #: ops whose ``(dim, index)`` arguments must index within ``self.shape[dim]``
 _INDEXED_BY_DIM = ("scatter", "scatter_", "scatter_add", "scatter_add_", "gather", "index_select", "index_add",
                    "index_add_", "index_copy", "index_copy_")
@@ -55,7 +53,7 @@ def index_bound(node: Node) -> Optional[IndexBound]:
     """The bound that ``node`` enforces on an integer index tensor by raising, if it is one of the ops above."""
     if node.op not in ("call_function", "call_method"):
         return None
-    if is_call(node, "call_function", *_ONE_HOT) and node.args and _int_tensor(node.args[0]):
+    if is_call(node, "call_function", *ONE_HOT) and node.args and _int_tensor(node.args[0]):
         size = _static(node.kwargs.get("num_classes", node.args[1] if len(node.args) > 1 else -1))
         return IndexBound(node.name, node.args[0], size, "one_hot", source_line(node)) if size and size > 0 else None
     if is_call(node, "call_function", operator.getitem) and len(node.args) == 2:

@@ -22,12 +22,10 @@ import operator
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch.fx import Node
 
-from .fx_utils import is_call, mutated_alias, val
+from .fx_utils import ONE_HOT, is_call, mutated_alias, val
 
-_ONE_HOT = (F.one_hot, torch._C._nn.one_hot)
 _ALL = slice(None, None, None)
 
 
@@ -55,7 +53,7 @@ def choice_column(node) -> Optional[tuple[Node, int]]:
 
 def _one_hot(node) -> Optional[tuple[Node, int]]:
     """(idx, E) for ``one_hot(idx, E)`` of integer ids, E a Python int."""
-    if not (is_call(node, "call_function", *_ONE_HOT) and node.args and isinstance(node.args[0], Node)):
+    if not (is_call(node, "call_function", *ONE_HOT) and node.args and isinstance(node.args[0], Node)):
         return None
     E = node.kwargs.get("num_classes", node.args[1] if len(node.args) > 1 else None)
     iv = val(node.args[0])

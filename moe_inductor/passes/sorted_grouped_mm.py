@@ -44,8 +44,8 @@ from torch.fx import Node
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, Unmatched
 from .counts import host_copy_of, marked_counts
-from .fx_utils import (alias_mutations, arange_length, column_of, comes_before, flat_of, is_call, known_equal,
-                       size_is, val)
+from .fx_utils import (ONE_HOT, alias_mutations, arange_length, column_of, comes_before, flat_of, is_call,
+                       known_equal, size_is, val)
 from .gated_reads import read_gated
 from .split_experts import split_loop_experts
 
@@ -147,7 +147,7 @@ def _counts_of(counts, ids: Node, num_experts: int) -> bool:
     # one_hot(flat, E).sum(0): the same counts (one_hot raises where histc would drop an id out of range)
     if is_call(counts, "call_method", "sum") and (counts.args[1:] or (counts.kwargs.get("dim"),))[0] == 0:
         hot = counts.args[0]
-        if is_call(hot, "call_function", torch.nn.functional.one_hot, torch._C._nn.one_hot):
+        if is_call(hot, "call_function", *ONE_HOT):
             classes = hot.kwargs.get("num_classes", hot.args[1] if len(hot.args) > 1 else None)
             return classes == num_experts and flat_of(hot.args[0]) is ids and set(counts.kwargs) <= {"dim"}
     return False
