@@ -50,8 +50,6 @@ class PerExpert:
     def __init__(self, ws: list[Tensor], layout: str) -> None:
         self._views = tuple(to_kn(w, layout) for w in ws)
         self.shape = torch.Size((len(ws), *self._views[0].shape))
-        self.dtype = self._views[0].dtype
-        self.device = self._views[0].device
 
     def unbind(self, dim: int = 0) -> tuple[Tensor, ...]:
         assert dim == 0, "per-expert weights unbind into their experts only"
