@@ -101,10 +101,10 @@ gptoss_tests() {
 case "${1:-suite}" in
   suite)
     # -v: each test's outcome is logged as it ends, so a run cut by its timeout still names what failed
-    timeout -s INT 250 python -m pytest $KERNEL_FILES $WORKERS -v -p no:warnings -rfE --durations=5 2>&1 \
+    timeout -s INT 200 python -m pytest $KERNEL_FILES $WORKERS -v -p no:warnings -rfE --durations=5 2>&1 \
       | grep -v torch.__trace > "$OUT/gpu_kernel_tests.log"; grep -E "FAILED|ERROR" "$OUT/gpu_kernel_tests.log"
     tail -4 "$OUT/gpu_kernel_tests.log"
-    timeout -s INT 320 python -m pytest tests -m gpu $(for f in $KERNEL_FILES; do echo "--ignore=$f"; done) $WORKERS \
+    timeout -s INT 380 python -m pytest tests -m gpu $(for f in $KERNEL_FILES; do echo "--ignore=$f"; done) $WORKERS \
       -v -p no:warnings -rfE --durations=8 2>&1 | grep -v torch.__trace > "$OUT/gpu_tests.log"
     grep -E "FAILED|ERROR" "$OUT/gpu_tests.log"; tail -12 "$OUT/gpu_tests.log" ;;
   spill)

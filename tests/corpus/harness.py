@@ -110,20 +110,20 @@ def _step(module: nn.Module, x: torch.Tensor, seed: int) -> Step:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = module(x)
         probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
-        (out.float() * probe).sum().backward()
+        (out.float() * probe.to(out.device)).sum().backward()
     grads = {"x": x.grad}
     grads.update({n.removeprefix("_orig_mod."): p.grad for n, p in module.named_parameters() if p.grad is not None})
     return Step(out.detach(), grads, _moe_op_calls(prof))
 
 
-def run_case(case: Case, inner: str = "eager") -> Outcome:
+def run_case(case: Case, inner: str = "eager", device: str = "cpu") -> Outcome:
     """Compile ``case``'s module once and run it at each token count, forward and backward, next to eager. The
     inner compiler is "eager": the rewritten graph runs as is, so the op's own autograd makes the gradients, and
-    the corpus stays fast enough for CI."""
+    the corpus stays fast enough for CI. On ``device="cuda"`` the ops run their Triton kernels."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = case.build().to(case.dtype)
+    model = case.build().to(device, case.dtype)
     eager_model = copy.deepcopy(model)  # its own buffers: a compiled step must update the module's state as eager's
     breaks, graphs = [], []
 
@@ -141,7 +141,7 @@ def run_case(case: Case, inner: str = "eager") -> Outcome:
     outcome = Outcome("rewritten")
     gen = torch.Generator().manual_seed(1)
     for i, T in enumerate(case.token_counts):
-        x = case.make_input(T, gen).to(case.dtype)
+        x = case.make_input(T, gen).to(device, case.dtype)
         try:
             got = _step(compiled, x, seed=i)
         except Exception as exc:  # noqa: BLE001  (the outcome records which error; the test declares it)

@@ -76,3 +76,14 @@ def test_gpu_one_module_per_form_runs_the_kernels_bf16(case):
         assert_bf16_logits_match(out, ref, ref32, f"{case.name} T={T}")
     assert counters["moe_inductor"][case.form] >= 1, dict(counters["moe_inductor"])
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [c for c in CASES if c.expected() == ("rewritten",)], ids=str)
+def test_gpu_every_rewritten_module_forward_and_backward(case):
+    """Every rewritten public-codebase layer on the GPU, forward and backward, in its corpus dtype: the Triton
+    kernels (per-expert tables, biases, capacities, masks) against eager's cuBLAS at the corpus bound. The fp32
+    kernels use IEEE dots, as eager's matmuls do."""
+    outcome = run_case(case, device="cuda")
+    assert outcome.kind == "rewritten", (outcome.declared(), outcome.rewrites, outcome.left_alone)
+    check_rewritten(case, outcome)
