@@ -130,8 +130,10 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
         if torch.is_grad_enabled():
             own = [n for n in graph.nodes if n.op == "placeholder" and n.users and all(
                 u.meta.get(TAG) == s.id for u in n.users) and getattr(n.meta.get("example_value"), "requires_grad",
-                                                                       False)]
-            # eager leaves these without a gradient where it skips the expert: the gate (grad_gate.py) does too
+                                                                       False) and any(map(_records_grad, n.users))]
+            # eager leaves these without a gradient where it skips the expert: the gate (grad_gate.py) does too. A
+            # body run under no_grad (DeepSeek's ``moe_infer``) records no gradient for them at all: gating them
+            # would turn the compiled graph's zero gradient for an unread input into a zero ``p.grad``
             s.own = [n.name for n in own]
         # the ids recomputed elsewhere (each iteration's own ``logits.argmax(-1)``): a rewrite keeps one of them
         key = same_value_key(ids)
@@ -247,3 +249,11 @@ def _drop_proven_lengths(graph) -> bool:
         graph.erase_node(node)
         changed = True
     return changed
+
+
+def _records_grad(node: torch.fx.Node) -> bool:
+    """Whether ``node`` (a reader of an input) made a value autograd records: its traced value, or one of them,
+    requires grad (not so under a no_grad span of the graph)."""
+    traced = node.meta.get("example_value")
+    values = traced if isinstance(traced, (tuple, list)) else (traced,)
+    return any(getattr(v, "requires_grad", False) for v in values)

@@ -257,6 +257,9 @@ def test_corpus_capacity_layers_pass_a_symbolic_capacity_to_the_list_op(monkeypa
         joined = [n for n in calls if n.target in (torch.stack, torch.cat, torch.concat)]
         assert not [n for n in joined if any(i.op in ("placeholder", "get_attr") for i in n.all_input_nodes)]
     assert isinstance(capacities[0], int) and isinstance(capacities[-1], torch.fx.Node), capacities
+    # a size, not DeepSpeed's 0-d capacity tensor: a traced graph (AOTAutograd, Inductor) reads a tensor given as
+    # the op's int as garbage, and the layer's output turned to zeros
+    assert isinstance(capacities[-1].meta.get("example_value"), torch.SymInt), capacities[-1].meta
 
 
 def test_explain_says_the_capacity_layer_reads_its_experts_in_place():
@@ -270,3 +273,17 @@ def test_explain_says_the_capacity_layer_reads_its_experts_in_place():
     (rewrite,) = report.rewrites
     assert rewrite.form == "padded_capacity" and "read where they lie (the list op)" in rewrite.note, rewrite.note
     assert "stacked" not in rewrite.note
+
+
+def test_the_emitter_refuses_a_capacity_that_is_not_a_size():
+    """A pass that hands the op a tensor's node (or a raw SymInt) as its capacity is a pass's bug: the emitter
+    raises, and the driver leaves the graph as it was (a traced graph would read the tensor as a garbage int)."""
+    from moe_inductor.passes.emit import _check_capacity
+
+    graph = torch.fx.Graph()
+    cap = graph.placeholder("capacity")
+    cap.meta["example_value"] = torch.tensor(4)
+    with pytest.raises(TypeError, match="capacity"):
+        _check_capacity(cap)
+    _check_capacity(None)
+    _check_capacity(3)

@@ -128,6 +128,23 @@ def same_size(handle: Any, size: Any) -> bool:
     return isinstance(traced, torch.SymInt) and same_traced(traced, size)
 
 
+def size_node(anchor: Node, size: Any, held: Any = None) -> Any:
+    """The op's capacity argument for a slots' C of ``size``: the int, or a node defined before ``anchor`` whose
+    traced value is that symbolic size (``held``, the capacity as the drop wrote it, when it is such a node; else
+    the first such node of the graph: the SymInt placeholder or size expression Dynamo passed to the slots'
+    one_hot). None when no node holds it: a 0-d capacity tensor (DeepSpeed's) is a tensor, not an int; read as one
+    by a compiled graph it turns into garbage, and its ``.item()`` would be a host sync."""
+    if type(size) is int:
+        return size
+    for n in ([held] if isinstance(held, Node) else []) + list(anchor.graph.nodes):
+        if n is anchor:
+            break
+        traced = n.meta.get("example_value", n.meta.get("val"))
+        if isinstance(traced, torch.SymInt) and same_traced(traced, size):
+            return n
+    return None
+
+
 def same_traced(a: Any, b: Any) -> bool:
     """Two traced sizes are the same size (equal ints, or one symbolic expression)."""
     if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):

@@ -23,6 +23,7 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
     """
     traced_x = traced_x if traced_x is not None else spec.x
     x_dtype = val(traced_x).dtype
+    _check_capacity(spec.capacity)
     per_expert = isinstance(spec.gate, tuple)
     weight_nodes = [traced_x, spec.weights, *((spec.gate + (spec.up or ()) + spec.down) if per_expert
                                              else (spec.gate, spec.up, spec.down, spec.b1, spec.b1_up, spec.b2))]
@@ -55,6 +56,17 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
         if out_dtype != x_dtype:
             out = graph.call_method("to", (out, out_dtype))
     return out
+
+
+def _check_capacity(capacity) -> None:
+    """The op's capacity is an int or the node of a symbolic size. A tensor (a 0-d capacity tensor's node) would be
+    read as an int by the compiled graph, which gives garbage; a raw SymInt is no node of this graph. Either is a
+    pass's bug: raising here leaves the graph as it was (passes/driver.py)."""
+    if capacity is None or type(capacity) is int:
+        return
+    traced = capacity.meta.get("val", capacity.meta.get("example_value")) if isinstance(capacity, Node) else capacity
+    if not (isinstance(capacity, Node) and isinstance(traced, torch.SymInt)):
+        raise TypeError(f"the op's capacity must be an int or a size node, got {capacity!r} ({type(traced).__name__})")
 
 
 def _split_fused(graph: Graph, spec: MoESpec) -> MoESpec:

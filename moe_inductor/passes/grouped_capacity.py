@@ -34,7 +34,8 @@ from torch.fx import Graph, Node
 
 from ..data_widths import NONNEGATIVE
 from ..spec import MoESpec
-from .capacity_gating import binary, call, mask_key, one_hot, same_traced, shape, strip_casts, versions_sound
+from .capacity_gating import (binary, call, mask_key, one_hot, same_traced, shape, size_node, strip_casts,
+                              versions_sound)
 from .driver import Match
 from .fx_utils import einsum_parts, val
 from .padded_capacity import _ADD, _dispatch_of, _regrouped, _stacked_experts
@@ -289,6 +290,8 @@ def match_grouped(y: Node) -> Union[Match, str, None]:
     if shape(x) is None or len(shape(x)) != 3 or not (same_traced(shape(x)[0], B) and same_traced(shape(x)[1], N)):
         return f"{base} the dispatched tokens are not (B, N, D)"
     slot_c = _capacity_node(combine, C)
+    if slot_c is None:
+        return f"{base} its symbolic capacity C is held by no size in the graph (the op takes an int or a size)"
     choices = _routing(combine, B, N, E, C, slot_c)
     if isinstance(choices, str):
         return choices
@@ -316,7 +319,8 @@ def match_grouped(y: Node) -> Union[Match, str, None]:
 
 
 def _capacity_node(combine: Node, C: Any) -> Any:
-    """C as the graph holds it: an int, or the SymInt node a slot one-hot is sliced to."""
+    """C as the graph holds it: an int, or the SymInt node a slot one-hot is sliced to (else any node holding that
+    size); None when no node holds it."""
     if type(C) is int:
         return C
     for n in combine.graph.nodes:
@@ -325,7 +329,7 @@ def _capacity_node(combine: Node, C: Any) -> Any:
             stop = n.args[1][1].stop
             if isinstance(stop, Node) and same_traced(stop.meta.get("example_value"), C):
                 return stop
-    return C
+    return size_node(combine, C)
 
 
 def _checked_class(node: Node) -> Optional[Node]:

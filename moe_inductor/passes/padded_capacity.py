@@ -46,7 +46,7 @@ import torch
 from torch.fx import Graph, Node
 
 from ..spec import MoESpec
-from .capacity_gating import (Choice, call, choice, order_choices, same_traced, shape, strip_casts,
+from .capacity_gating import (Choice, call, choice, order_choices, same_traced, shape, size_node, strip_casts,
                               versions_sound)
 from .driver import Anchor, Form, Match, every_node
 from .fx_utils import einsum_parts, val
@@ -408,7 +408,11 @@ def _match_parts(y: Node, combine: Node, out: Node) -> Union[_Match, str]:
             return ("a (T, E, C) combine over capacity slots whose gating tensors are changed in place after "
                     "they are read")
         held = choices.capacity if isinstance(choices, StackedChoices) else choices[0].capacity
-        return _Match(ex, x, choices, C if isinstance(C, int) else held)  # the op takes an int or a size node
+        capacity = size_node(y, C, held)  # the op takes an int or a size node, never a tensor
+        if capacity is None:
+            return ("a (T, E, C) combine over capacity slots whose symbolic capacity no size in the graph holds "
+                    "(a capacity tensor cannot reach the op without a host sync)")
+        return _Match(ex, x, choices, capacity)
     return reason
 
 
