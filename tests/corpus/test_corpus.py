@@ -83,8 +83,8 @@ def test_gpu_one_module_per_form_runs_the_kernels_bf16(case):
 def test_gpu_every_rewritten_module_forward_and_backward(case):
     """Every rewritten public-codebase layer on the GPU, forward and backward, in its corpus dtype: the Triton
     kernels (per-expert tables, biases, capacities, masks) against eager's cuBLAS at the corpus bound. The fp32
-    kernels use IEEE dots, as eager's matmuls do."""
-    outcome = run_case(case, device="cuda")
+    kernels use IEEE dots, as eager's matmuls do. AOTAutograd traces the rewritten graph again, as Inductor does."""
+    outcome = run_case(case, inner="aot_eager", device="cuda")
     assert outcome.kind == "rewritten", (outcome.declared(), outcome.rewrites, outcome.left_alone)
     check_rewritten(case, outcome)
 

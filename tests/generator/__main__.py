@@ -1,5 +1,5 @@
 """Measure the generator: ``python -m tests.generator [--examples N] [--seed S] [--lookalikes] [--guards-masks-slots]
-[--masks-v5] [--host-walks] [--walks-lists]``.
+[--masks-v5] [--host-walks] [--walks-lists] [--inner aot_eager]``.
 
 Runs N recipes from a seeded generator, prints every miss, wrong rewrite and crash as it happens, then the rewrite
 rate per form, per idiom and per router, and the look-alikes kept per flaw."""
@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--walks-lists", action="store_true",
                     help="draw only the forms of their own family: MiniMind's walk of cumulative host counts with "
                          "a scatter per expert, and transformers v4.36 Mixtral's rows indexed by .tolist() lists")
+    ap.add_argument("--inner", default="eager", choices=("eager", "aot_eager"),
+                    help="the compiler the rewritten graph goes to (aot_eager traces it again, as Inductor does)")
     args = ap.parse_args()
     only = (GUARDS_MASKS_SLOTS if args.guards_masks_slots else MASKS_AND_V5 if args.masks_v5
             else HOST_WALKS if args.host_walks else None)
@@ -46,7 +48,7 @@ def main() -> None:
         if args.form and r.form != args.form:
             continue
         done += 1
-        o = run(r)
+        o = run(r, args.inner)
         v = o.verdict
         if v not in ("rewritten", "kept"):
             print(o.describe(), flush=True)

@@ -108,15 +108,17 @@ def _errors(out, grads, ref, ref_grads, zero: tuple = ()) -> dict:
     return errors
 
 
-def run(r: Recipe) -> Outcome:
-    """Compile the recipe's module once at its T, one forward and backward, against an eager copy."""
+def run(r: Recipe, inner: str = "eager") -> Outcome:
+    """Compile the recipe's module once at its T, one forward and backward, against an eager copy. ``inner`` is
+    the compiler the rewritten graph goes to: "aot_eager" traces it again as Inductor does (fake tensors, the ops'
+    autograd formulas), which the light default does not."""
     torch._dynamo.reset()
     counters.clear()
     model = build(r)
     eager = copy.deepcopy(model)
     x = torch.randn(r.T, H, generator=torch.Generator().manual_seed(r.seed)).to(dtype_of(r))
     outcome = Outcome(r)
-    compiled = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})
+    compiled = torch.compile(model, backend="moe_inductor", options={"inner": inner})
     try:
         got, got_grads = _step(compiled, x)
     except Exception as exc:  # noqa: BLE001  (the outcome records it; the caller decides)
