@@ -6,12 +6,13 @@ for each layer kind (activation, gate/up layout, biases, the (H, I, E, k) it was
 over ``torch.compile``'s default in each mode ("prefill", "decode", "train"), from ``benchmarks/bench_hf.py``. The
 rule reads shapes, dtypes and modes only (nothing on the device), so it costs nothing per call.
 
-- A layer kind with a measured value below 1.0 in the current mode is left to Inductor. Where the mode itself was not
-  measured, the worst value measured for that layer kind decides. The mode (``mode_of``) is "train" for a call that
+- A layer kind with a measured value below 1.0 in the current mode is left to Inductor. Where this GPU did not
+  measure the mode itself, another GPU's value for the mode below ``UNMEASURED_GPU_MARGIN`` keeps it too; else the
+  worst value this GPU measured for that layer kind decides. The mode (``mode_of``) is "train" for a call that
   makes a gradient, "decode" or "prefill" by a static token count of the sizes those were measured at, else
   "inference", the worse of the two.
-- On a GPU with no file, the rule is conservative: it uses the measurements of the GPUs that have one, and leaves a
-  layer kind to Inductor unless it won there by ``UNMEASURED_GPU_MARGIN``.
+- On a GPU with no file, the rule is conservative: it uses the worst of the measurements of the GPUs that have one,
+  and leaves a layer kind to Inductor unless it won there by ``UNMEASURED_GPU_MARGIN``.
 - Layer kinds never measured are rewritten (the op benchmark, ``bench_experts.py``, shows the op ahead of
   sort + ``torch._grouped_mm`` on every measured shape).
 - A measurement holds for the route it was made on (``"route"``: ``"hf"``, transformers' experts modules, the only
@@ -84,6 +85,21 @@ def _gpu_tag(device: torch.device) -> str:
     return torch.cuda.get_device_name(device).replace(" ", "_")
 
 
+def _nearest(layers: list[dict], kind: LayerKind, route: str) -> Optional[dict]:
+    """The measured entry of ``kind``'s activation, gate/up layout, biases and route nearest its shape, or None."""
+    same_kind = [e for e in layers if (e["activation"], e["gate_up"], bool(e["bias"]), e.get("route", "hf"))
+                 == (kind.activation, kind.gate_up, kind.bias, route)]
+    return min(same_kind, key=lambda e: _distance(kind.shape, e["shape"])) if same_kind else None
+
+
+def _exact(entry: dict, mode: str) -> Optional[float]:
+    """The entry's value for ``mode`` itself ("inference": the worse of prefill and decode), None if unmeasured."""
+    if mode == "inference":
+        measured = [float(entry[m]) for m in ("prefill", "decode") if entry.get(m) is not None]
+        return min(measured) if measured else None
+    return float(entry[mode]) if entry.get(mode) is not None else None
+
+
 def _worst(entry: dict, mode: str) -> Optional[float]:
     if mode == "inference":  # the worse of prefill and decode, where measured
         measured = [float(entry[m]) for m in ("prefill", "decode") if entry.get(m) is not None]
@@ -144,23 +160,31 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
                 f"{f', and slower on the CPU only in: {kept}' if kept else ' only'})")
     tables = _tables()
     tag = _gpu_tag(device)
-    sources = {tag: tables[tag]} if tag in tables else tables
-    threshold = 1.0 if tag in tables else UNMEASURED_GPU_MARGIN
-    where = "" if tag in tables else f" (no measurements for {tag}; at least {threshold}x asked)"
     route = route_of(form)
-    for gpu, layers in sources.items():
-        same_kind = [e for e in layers if (e["activation"], e["gate_up"], bool(e["bias"]), e.get("route", "hf"))
-                     == (kind.activation, kind.gate_up, kind.bias, route)]
-        if not same_kind:
+    own = _nearest(tables.get(tag, []), kind, route)
+    others = [(gpu, e) for gpu, layers in tables.items() if gpu != tag
+              for e in [_nearest(layers, kind, route)] if e is not None]
+    where = "" if tag in tables else f" (no measurements for {tag}; at least {UNMEASURED_GPU_MARGIN}x asked)"
+    # this GPU's own measurement of the mode decides; where it has none, the other GPUs' measurements of the mode
+    # with a margin; then this GPU's worst measured mode; then the others' worst, with the margin
+    steps = (([(tag, own)], 1.0, True), (others, UNMEASURED_GPU_MARGIN, True), ([(tag, own)], 1.0, False),
+             (others, UNMEASURED_GPU_MARGIN, False))
+    for sources, threshold, exact in steps:
+        found = [(value, gpu, e) for gpu, e in sources if e is not None
+                 for value in [_exact(e, mode) if exact else _worst(e, mode)] if value is not None]
+        if not found:
             continue
-        entry = min(same_kind, key=lambda e: _distance(kind.shape, e["shape"]))
-        worst = _worst(entry, mode)
-        if worst is None:
-            continue
-        measured = mode if entry.get(mode) is not None else "the worst measured " + mode + " mode"
+        worst, gpu, entry = min(found, key=lambda f: f[0])
+        measured = mode if exact else "the worst measured " + mode + " mode"
+        if gpu == tag or tag not in tables:
+            note = where
+        else:
+            note = f" ({tag} has no {mode} value for this kind; at least {threshold}x asked)"
         if worst < threshold:
             return (f"kept Inductor's path: {entry['name']}-style layers ran at {worst:.2f}x Inductor's speed in "
-                    f"{measured} on {gpu}{where} (benchmarks/RESULTS.md)")
+                    f"{measured} on {gpu}{note} (benchmarks/RESULTS.md)")
+        if exact and threshold > 1.0 and own is not None:
+            continue  # another GPU's win does not speak for this one: this GPU's own values (any mode) do
         return f"speed rule: {entry['name']}-style layers ran at {worst:.2f}x Inductor's speed in {measured} on {gpu}"
     return (f"speed rule: this layer kind was never measured as a whole model on the {route} route; rewritten (the "
             f"op benchmark has the op ahead of sort + grouped_mm)")

@@ -39,6 +39,21 @@ def test_the_nearest_measured_shape_of_a_kind_decides():
         assert keeps_inductor(QWEN3, CUDA, "prefill", "inductor") is None  # Qwen3 won by 1.13x
 
 
+def test_a_gpu_without_a_value_for_the_mode_defers_to_another_gpus_with_the_margin():
+    """The H100's file has Qwen3's prefill only: a Qwen3 training step there is judged by the H200's training value
+    (1.0, short of the 1.1x margin) and kept, not by the H100's prefill win. GPT-OSS's training step has the H100's own
+    value (1.01) and is rewritten, though the H200 measured 0.88."""
+    with _on("NVIDIA_H100_80GB_HBM3"):
+        reason = keeps_inductor(QWEN3, CUDA, "train", "inductor")
+        assert reason and "NVIDIA_H200" in reason and "1.00x" in reason and "no train value" in reason, reason
+        assert keeps_inductor(QWEN3, CUDA, "prefill", "inductor") is None
+        assert keeps_inductor(GPT_OSS, CUDA, "train", "inductor") is None
+        # decode: no GPU's GPT-OSS decode value is below the margin (H200's 1.16), so the H100's worst mode decides
+        assert keeps_inductor(GPT_OSS, CUDA, "decode", "inductor") is None
+    with _on("NVIDIA_A100-SXM4-80GB"):  # no file: the worst of every GPU's value for the mode, with the margin
+        assert "0.88x" in keeps_inductor(GPT_OSS, CUDA, "train", "inductor")
+
+
 @pytest.mark.parametrize("inner", ["aot_eager", "eager"])
 def test_the_rule_applies_to_inductor_on_cuda_only(inner):
     with _on("NVIDIA_H200"):
