@@ -2,6 +2,10 @@
 ``backend="moe_inductor"`` (its list op), fp32, the median of interleaved rounds of wall-clock time, ms per call.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_loop_cpu.py --tokens 1 64 --rounds 5
+    OMP_NUM_THREADS=1 python benchmarks/bench_loop_cpu.py --train --tokens 64 256 --rounds 5
+
+``--train`` times a training step instead (forward, then the backward of the output against a fixed random probe,
+gradients set to None first), where the list op's backward reads the experts' weights too.
 
 The rewrite used to stack every expert's weights in the graph at each call where the experts had biases (the list
 op took none): the biased rows show what that cost, and what reading each expert's own weights gives.
@@ -48,15 +52,18 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--tokens", nargs="*", type=int, default=[1, 64])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=2)
+    ap.add_argument("--train", action="store_true", help="time forward + backward instead of the forward")
+    ap.add_argument("--biases", nargs="*", default=["off", "on"], choices=["off", "on"])
     ap.add_argument("--widths", nargs=4, type=int, default=[1024, 2048, 32, 2], metavar=("H", "I", "E", "K"))
     args = ap.parse_args(argv)
     assert moe_inductor.__name__  # the backend's name is registered on import
     hidden, inner, experts, top_k = args.widths
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, H={hidden} I={inner} E={experts} k={top_k}")
+    print(f"mode: {'training step' if args.train else 'forward (no_grad)'}")
     print("| biases | T | eager ms | moe_inductor ms | eager / moe_inductor | rewrites | max abs err |")
     print("|---|---|---|---|---|---|---|")
     rows = []
-    for bias in (False, True):
+    for bias in (b == "on" for b in args.biases):
         torch.manual_seed(0)
         model = LoopMoE(hidden, inner, experts, top_k, bias).eval()
         for T in args.tokens:
@@ -64,10 +71,25 @@ def main(argv=None) -> list[dict]:
             counters.clear()
             x = torch.randn(T, hidden)
             compiled = torch.compile(model, backend="moe_inductor")
-            with torch.no_grad():
-                err = (compiled(x) - model(x)).abs().max().item()
-                times = interleaved_ms({"eager": lambda: model(x), "moe_inductor": lambda: compiled(x)}, args.rounds,
-                                       args.calls)
+            if args.train:
+                probe = torch.randn(T, hidden)
+                xg = x.clone().requires_grad_(True)
+
+                def step(run):
+                    for p in model.parameters():
+                        p.grad = None
+                    xg.grad = None
+                    (run(xg) * probe).sum().backward()
+                    return xg.grad
+
+                err = (step(compiled) - step(model)).abs().max().item()
+                times = interleaved_ms({"eager": lambda: step(model), "moe_inductor": lambda: step(compiled)},
+                                       args.rounds, args.calls)
+            else:
+                with torch.no_grad():
+                    err = (compiled(x) - model(x)).abs().max().item()
+                    times = interleaved_ms({"eager": lambda: model(x), "moe_inductor": lambda: compiled(x)},
+                                           args.rounds, args.calls)
             med = {n: statistics.median(v) for n, v in times.items()}
             rewrites = dict(counters["moe_inductor"])
             rows.append(dict(bias=bias, T=T, rewrites=rewrites, **med))

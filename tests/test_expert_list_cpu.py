@@ -3,9 +3,10 @@ own weight tensors, as eager's loop does, instead of a stack of every expert's w
 DeepSeek-V2-Lite's widths a stack copies 64 experts' 2.9M weights a projection, about 740 MB in fp32, per call).
 
 Against the plain-torch reference: T = 0, 1 and several, E not a power of two, one hot expert, experts without tokens,
-fp32/fp16/bf16, both layouts, gated and plain activations, every weight position, the backward, and a write into a
-weight through ``.data`` between calls; weights of mixed shapes still take the stack, which refuses them as eager's
-``torch.stack`` does.
+fp32/fp16/bf16, both layouts, gated and plain activations, every weight position, the backward (which reads each
+expert's own weights too, and hands each parameter a gradient in its own layout), and a write into a weight through
+``.data`` between calls; weights of mixed shapes still take the stack, which refuses them as eager's ``torch.stack``
+does.
 """
 import pytest
 import torch
@@ -25,9 +26,13 @@ def _plain_cpu_path(monkeypatch):
 
 @pytest.fixture
 def no_stack(monkeypatch):
-    """Fails the test if the forward stacks the experts' weights."""
+    """Fails the test if the op stacks the experts' weights (their (N,) biases it stacks: a few numbers each)."""
+    real = expert_lists.stacked
+
     def refuse(ws):
-        raise AssertionError("the CPU forward stacked the experts' weights")
+        if ws and ws[0].dim() > 1:
+            raise AssertionError("the CPU path stacked the experts' weights")
+        return real(ws)
     monkeypatch.setattr(expert_lists, "stacked", refuse)
 
 
@@ -73,7 +78,7 @@ def test_forward_reads_each_experts_own_weights(T, layout, dtype, no_stack):
 @pytest.mark.parametrize("gated", [True, False])
 def test_forward_and_backward_with_a_hot_expert_and_empty_ones(position, gated):
     """Every token on expert 3 (top-1): the others get no rows; gradients of x, the routing weights and every
-    expert's weights against the reference (the backward stacks, as before)."""
+    expert's weights against the reference."""
     torch.manual_seed(0)
     x = torch.randn(6, H, requires_grad=True)
     ids, w = _routing(6, 1, hot=3)
@@ -115,3 +120,58 @@ def test_weights_of_mixed_shapes_fail_as_a_stack_does():
     w2[1] = torch.randn(H, I + 1)
     with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
         expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk", None)
+
+
+@pytest.mark.parametrize("T", [0, 1, 9])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("biased", [False, True])
+def test_backward_reads_each_experts_own_weights(T, layout, gated, biased, no_stack):
+    """The backward makes every gradient (x, routing weights, each expert's weights and biases) without a stack of
+    the weights, equal to the reference's; each weight's gradient is laid out as the weight is (nn.Linear's (out, in)
+    rows contiguous), so autograd takes it as it is. One hot expert at T = 9 leaves others without rows."""
+    torch.manual_seed(0)
+    x = torch.randn(T, H, requires_grad=True)
+    ids, w = _routing(T, 2) if T != 9 else _routing(T, 1, hot=2)
+    w.requires_grad_()
+    w1, w3, w2 = _weights(layout, gated=gated)
+    g = torch.Generator().manual_seed(3)
+    b1, b3, b2 = ([(torch.randn(n, generator=g) * 0.1).requires_grad_() for _ in range(E)] for n in (I, I, H))
+    biases = [b1, b3 if gated else [], b2] if biased else [[], [], []]
+    activation = "silu_glu" if gated else "gelu"
+    y, *_ = expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, *biases, activation, True, "output", layout,
+                                              None)
+    stacks = [torch.stack(ws) if ws else None for ws in (w1, w3, w2)]
+    if layout == "nk":
+        stacks = [t.transpose(1, 2) if t is not None else None for t in stacks]
+    bstacks = [torch.stack(bs) if bs else None for bs in biases]
+    ref = moe_reference(x, ids, w, *stacks, *bstacks, activation=activation)
+    assert_close(y, ref, torch.float32, "y")
+    leaves = [x, w, *w1, *w3, *w2, *(b for bs in biases for b in bs)]
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, leaves, dy, allow_unused=True)
+    # (at T = 0 the reference's output is a constant: every gradient is zero)
+    want = torch.autograd.grad(ref, leaves, dy, allow_unused=True) if ref.requires_grad else [
+        torch.zeros_like(t) for t in leaves]
+    for i, (a, b, leaf) in enumerate(zip(got, want, leaves)):
+        if b is None:
+            assert a is None or not a.any(), i
+            continue
+        assert_close(a, b, torch.float32, f"grad {i}")
+        assert a.shape == leaf.shape and a.stride() == leaf.stride(), (i, a.stride(), leaf.stride())
+
+
+def test_a_weight_gradient_into_a_transposed_buffer_is_one_gemm(monkeypatch):
+    """``project_weight_grad`` writes an expert's gradient into nn.Linear's (out, in) storage (a transposed view of
+    the (in, out) product) as ``g^T a`` in place: no strided copy of the product."""
+    from moe_inductor.ops.grouped import project_weight_grad
+
+    a, gr = torch.randn(7, H), torch.randn(7, I)
+    dw = torch.empty(2, I, H).transpose(1, 2)  # (E, H, I) views of (E, I, H) storage
+    copies = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, *args, **kw: copies.append(t) or real_copy(t, *args, **kw))
+    project_weight_grad(a, gr, [3, 4], dw)
+    assert not copies
+    assert_close(dw[0], a[:3].t() @ gr[:3], torch.float32, "expert 0")
+    assert_close(dw[1], a[3:].t() @ gr[3:], torch.float32, "expert 1")

@@ -63,7 +63,10 @@ class Needs(NamedTuple):
 
 
 def _grad_buffer(w: Tensor) -> Tensor:
-    """An empty gradient for ``w`` laid out like it where it is dense (a transposed view stays transposed)."""
+    """An empty gradient for ``w`` laid out like it where it is dense (a transposed view stays transposed); per-expert
+    weights (``expert_lists.PerExpert``) give one laid out as each expert's weight is."""
+    if not isinstance(w, Tensor):
+        return w.grad_buffer()
     if is_dense_transpose(w):
         return w.new_empty(w.shape[0], w.shape[2], w.shape[1]).transpose(1, 2)
     return w.new_empty(w.shape)
@@ -101,7 +104,8 @@ class _SortedRows(NamedTuple):
 def _paired(w1: Tensor, w1_up: Optional[Tensor], needs: Needs) -> bool:
     """Whether d_pre holds (gate, up) column pairs (else [gate | up] halves): the weight is interleaved and its
     whole gradient is wanted. The engine's rule too (``is_interleaved`` of the whole weight it reads)."""
-    return needs.gate_up_pairs and w1_up is not None and interleaved_pairs(w1, w1_up) is not None
+    return (needs.gate_up_pairs and w1_up is not None and isinstance(w1, Tensor)
+            and interleaved_pairs(w1, w1_up) is not None)
 
 
 def _call_and_routing(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, weights: tuple,
@@ -308,7 +312,7 @@ def _up_grads(call: ExpertsCall, routed: Routed, d_pre: Tensor, d_scale_sorted: 
     dx = None
     if needs.x:
         dx_rows = x.new_zeros(M, H) if routed.dropped or topk == 1 else x.new_empty(M, H)  # k = 1: the rows are dx
-        pairs = interleaved_pairs(w1, w1_up) if gated else None
+        pairs = interleaved_pairs(w1, w1_up) if gated and isinstance(w1, Tensor) else None
         if pairs is not None:  # one GEMM over the whole weight, read along its contiguous 2I axis
             if d_pairs is None:
                 d_pairs = torch.stack((d_gate, d_up), -1).view(M, 2 * w1.shape[2])

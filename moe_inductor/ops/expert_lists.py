@@ -6,9 +6,10 @@ with "kn" they are (in, out): (H, I) and (I, H), for experts written as ``x @ w`
 Where the Triton kernels run, ``config.list_weight_tables`` is on, the call has enough rows per expert for it, and
 each projection's weights share one shape, strides and x's dtype, the forward reads them where they lie, through a
 table of their places (kernels/weight_table.py): no stack is made, and a call reads only the experts its tokens
-chose. On the CPU, whose path computes expert by expert, the forward reads each expert's own tensors
-(``PerExpert``). Otherwise (mixed layouts, weights off 16-byte boundaries, a table that would have to be uploaded
-during CUDA-graph capture, and the backward) the weights are stacked at each call. Per-expert biases (nn.Linear's,
+chose. On the CPU, whose path computes expert by expert, the forward and the backward read each expert's own tensors
+(``PerExpert``), and each weight's gradient is laid out as its weight. Otherwise (mixed layouts, weights off 16-byte
+boundaries, a table that would have to be uploaded during CUDA-graph capture, and the GPU's backward) the weights
+are stacked at each call. Per-expert biases (nn.Linear's,
 one list per projection, empty where it has none) are stacked at each call: a few numbers per expert.
 
 ``capacity`` is the stacked op's: each expert keeps its first ``capacity`` assignments in choice-major order
@@ -30,6 +31,7 @@ from typing import Optional
 from .. import config
 from .activations import GPTOSS_ALPHA, GPTOSS_LIMIT, Activation
 from .call import ExpertsCall, ExpertWeights, Routing, check_weight_position
+from .backward import _call_and_routing, _empty_or, middle_grads, up_grads
 from .experts import Needs, experts_backward, experts_forward_call, to_kn
 from .grouped import use_triton
 from .grouped_mm_engine import may_take_experts_of
@@ -51,9 +53,29 @@ class PerExpert:
         self._views = tuple(to_kn(w, layout) for w in ws)
         self.shape = torch.Size((len(ws), *self._views[0].shape))
 
+    @classmethod
+    def _of(cls, views: tuple) -> "PerExpert":
+        new = cls.__new__(cls)
+        new._views, new.shape = views, torch.Size((len(views), *views[0].shape))
+        return new
+
     def unbind(self, dim: int = 0) -> tuple[Tensor, ...]:
         assert dim == 0, "per-expert weights unbind into their experts only"
         return self._views
+
+    def transpose(self, dim0: int, dim1: int) -> "PerExpert":
+        """(E, N, K): each expert's (K, N) view transposed, as the backward reads the weights."""
+        assert sorted((dim0, dim1)) == [1, 2], "per-expert weights transpose within an expert only"
+        return PerExpert._of(tuple(v.t() for v in self._views))
+
+    def grad_buffer(self) -> Tensor:
+        """An empty (E, K, N) gradient whose expert e is laid out as expert e's weight (nn.Linear's (N, K) storage
+        gives a transposed view), so that its ``unbind`` hands each parameter a gradient in its own layout."""
+        v = self._views[0]
+        E, K, N = self.shape
+        if v.stride(0) == 1 and v.stride(1) == K:
+            return v.new_empty(E, N, K).transpose(1, 2)
+        return v.new_empty(E, K, N)
 
 
 def _per_expert(w1: list[Tensor], w1_up: list[Tensor], w2: list[Tensor], layout: str) -> Optional[tuple]:
@@ -159,12 +181,22 @@ def experts_backward_list(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights:
     forward had a capacity. The routing metadata already says which assignments it dropped (sorted past
     ``offsets[E]``); the flag tells the backward that rows it never computes must start at zero, as
     ``experts_backward``'s does."""
-    g, u, d = _views(w1, w1_up, w2, layout)
     sb1, sb1_up, sb2 = _biases(b1, b1_up, b2)
-    needs = Needs(True, True, True, u is not None, True, sb1 is not None, sb1_up is not None, sb2 is not None)
-    dx, dtw, dg, du, dd, db1, db1_up, db2 = experts_backward(
-        dy, x, topk_ids, topk_weights, g, u, d, sb1, sb1_up, sb2, pre, order, sorted_expert, offsets, activation,
-        weight_position, GPTOSS_ALPHA, GPTOSS_LIMIT, dropped, list(needs))
+    needs = Needs(True, True, True, bool(w1_up), True, sb1 is not None, sb1_up is not None, sb2 is not None)
+    per_expert = None if use_triton(x) or pre.shape[0] != order.shape[0] else _per_expert(w1, w1_up, w2, layout)
+    if per_expert is not None:  # the CPU path reads each expert's own weights, as the forward does
+        call, routed = _call_and_routing(x, topk_ids, topk_weights, (*per_expert, sb1, sb1_up, sb2), activation,
+                                         GPTOSS_ALPHA, GPTOSS_LIMIT, weight_position, order, sorted_expert, offsets,
+                                         dropped)
+        d_pre, d_scale, dd, db2, db1, db1_up = middle_grads(dy, call, routed, pre, needs)
+        dx, dtw, dg, du = up_grads(call, routed, d_pre, d_scale, needs)
+        dx, dtw, dg, du, dd, db1, db1_up, db2 = (_empty_or(t, x) for t in (dx, dtw, dg, du, dd, db1, db1_up, db2))
+        u = per_expert[1]
+    else:
+        g, u, d = _views(w1, w1_up, w2, layout)
+        dx, dtw, dg, du, dd, db1, db1_up, db2 = experts_backward(
+            dy, x, topk_ids, topk_weights, g, u, d, sb1, sb1_up, sb2, pre, order, sorted_expert, offsets,
+            activation, weight_position, GPTOSS_ALPHA, GPTOSS_LIMIT, dropped, list(needs))
     # the grads of the (E, K, N) views, laid out like the stacked weights (to_kn is its own inverse); a plain
     # activation has no up weights, and du is the empty placeholder
     return (dx, dtw, to_kn(dg, layout).contiguous(), to_kn(du, layout).contiguous() if u is not None else du,

@@ -111,6 +111,8 @@ def project_weight_grad(rows_a: torch.Tensor, rows_g: torch.Tensor, sizes: list[
             d.zero_()
         elif d.is_contiguous() and d.dtype == ra.dtype:
             torch.mm(ra.t(), rg, out=d)
+        elif d.t().is_contiguous() and d.dtype == ra.dtype:  # nn.Linear's (out, in) storage: dw^T = g^T a, in
+            torch.mm(rg.t(), ra, out=d.t())  # place (a strided copy of the product costs more than the GEMM)
         else:
             d.copy_(ra.t() @ rg)
     return dw
