@@ -117,7 +117,7 @@ def _speed_rule(inner: str, layer: Layer) -> tuple[bool, str]:
 
     mode = "train" if layer.train else "inference"
     said = verdict(LayerKind(layer.activation, layer.gate_up, layer.bias, layer.shape), layer.device, mode, inner,
-                   layer.form)
+                   layer.form, route="fx_list" if layer.per_expert else None)
     return said.startswith(KEPT), said
 
 

@@ -18,7 +18,8 @@ rule reads shapes, dtypes and modes only (nothing on the device), so it costs no
 - A measurement holds for the route it was made on (``"route"``: ``"hf"``, transformers' experts modules, the only
   route bench_hf.py measures). What Inductor makes of the user's own code depends on how it is written: for the FX
   forms (gathered weights, loops, capacity einsums) Inductor's path is the user's code, unmeasured as a whole model,
-  so they count as never measured.
+  so they count as never measured, except the FX layers over per-expert weights (a ModuleList of nn.Linear experts,
+  run by the list op), route ``"fx_list"``, measured by ``benchmarks/bench_list_train.py``.
 - It applies only when the inner compiler is Inductor: with ``inner="aot_eager"``/``"eager"`` (tests, explain())
   there is no Inductor path to compare against. On the CPU the experts run as ``lowerings/cpu.py`` lowers them,
   measured against Inductor's path on the quickstart model (``benchmarks/bench_cpu.py``; ``whole_model/cpu.json``,
@@ -139,10 +140,12 @@ def judging_as(inner: Optional[str]) -> Iterator[None]:
         _judged_inner = before
 
 
-def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: str = "hf_grouped_mm") -> str:
+def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: str = "hf_grouped_mm",
+            route: Optional[str] = None) -> str:
     """The rule's word on one layer, for explain(): "kept Inductor's path: ..." (the measurement that says our
     rewrite would be slower) or "speed rule: ..." (why the rewrite is taken). ``mode`` is "train" (a
-    differentiable call), "prefill" or "decode" (``mode_of``), or "inference" (the worse of those two)."""
+    differentiable call), "prefill" or "decode" (``mode_of``), or "inference" (the worse of those two). ``route``
+    overrides the form's (``route_of``): "fx_list" for an FX layer over per-expert weights (the list op)."""
     inner = _judged_inner or inner
     if not config.speed_rule:
         return "speed rule: off (moe_inductor.config.speed_rule = False)"
@@ -160,7 +163,7 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
                 f"{f', and slower on the CPU only in: {kept}' if kept else ' only'})")
     tables = _tables()
     tag = _gpu_tag(device)
-    route = route_of(form)
+    route = route or route_of(form)
     own = _nearest(tables.get(tag, []), kind, route)
     others = [(gpu, e) for gpu, layers in tables.items() if gpu != tag
               for e in [_nearest(layers, kind, route)] if e is not None]

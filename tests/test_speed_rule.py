@@ -269,7 +269,7 @@ def test_a_proven_fx_region_the_rule_keeps_is_left_to_inductor_with_the_reason(n
     x = torch.randn(7, 16 if name.startswith("unrolled") else model.w1.shape[-1])
     seen = []
 
-    def slower(kind, device, mode, inner, form):
+    def slower(kind, device, mode, inner, form, route=None):
         seen.append((kind, mode, form))
         return "kept Inductor's path: measured slower"
 
@@ -350,3 +350,49 @@ def test_a_failing_token_probe_leaves_the_mode_inference(monkeypatch):
     monkeypatch.setattr(ComptimeContext, "get_local", broken)
     torch._dynamo.reset()
     assert _modes_traced(False, (8, 4096)) == (["inference"] * 2, 2)
+
+
+MIXTRAL_LIST = LayerKind("silu_glu", "separate", False, (4096, 14336, 8, 2))
+DSV2_LITE_LIST = LayerKind("silu_glu", "separate", False, (2048, 1408, 64, 6))
+
+
+def test_per_expert_fx_layers_follow_the_list_ops_measurements():
+    """bench_list_train.py on the H100: a ModuleList layer of Mixtral's widths is slower through the list op than
+    under Inductor in training (0.66x) and at T=4096 (0.91x), so it is kept; one of DeepSeek-V2-Lite's widths is
+    7 to 13x faster and rewritten. The H200, with no such values, takes the H100's with the margin. Stacked-weight
+    FX layers ("fx") were never measured and are rewritten."""
+    for gpu in ("NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"):
+        with _on(gpu):
+            for mode, value in (("train", "0.66x"), ("inference", "0.91x")):
+                said = speed_rule.verdict(MIXTRAL_LIST, CUDA, mode, "inductor", "unrolled_loop", route="fx_list")
+                assert said.startswith("kept Inductor's path") and value in said, (gpu, mode, said)
+            for mode in ("train", "inference"):
+                said = speed_rule.verdict(DSV2_LITE_LIST, CUDA, mode, "inductor", "unrolled_loop", route="fx_list")
+                assert not said.startswith("kept"), (gpu, mode, said)
+            said = speed_rule.verdict(MIXTRAL_LIST, CUDA, "train", "inductor", "unrolled_loop")
+            assert "never measured" in said, said
+
+
+def test_a_module_list_layer_is_judged_on_the_list_route():
+    """The FX passes tell the rule that a layer's weights are per expert (a ModuleList), so the list op's values
+    judge it; stacked weights keep the plain FX route."""
+    from tests.test_pass_unrolled_loop import LoopMoE
+    from tests.test_expert_list_capacity import _models
+
+    seen = []
+
+    def record(kind, device, mode, inner, form, route=None):
+        seen.append(route)
+        return "speed rule: recorded"
+
+    # the two models: a ModuleList capacity layer, then a loop over stacked parameters
+    fairseq = _models()["fairseq-swiglu"]()
+    loop = LoopMoE("where_matmul", 4, 2)
+    routes = []
+    for model, x in ((fairseq, torch.randn(6, 16)), (loop, torch.randn(7, 16))):
+        seen.clear()
+        torch._dynamo.reset()
+        with mock.patch.object(speed_rule, "verdict", side_effect=record):
+            torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x)
+        routes.append(set(seen))
+    assert routes == [{"fx_list"}, {None}], routes

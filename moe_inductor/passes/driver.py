@@ -197,6 +197,7 @@ class Layer:
     shape: tuple  # (H, I, E, k)
     device: torch.device
     train: bool
+    per_expert: bool = False  # separate per-expert weights (a ModuleList), which the list op reads where they lie
 
 
 def layer_of(form: str, m: Match) -> Layer:
@@ -213,7 +214,7 @@ def layer_of(form: str, m: Match) -> Layer:
     train = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in map(val, weights))
     return Layer(form, spec.activation, spec.gate_up or "separate",
                  any(b is not None for b in (spec.b1, spec.b1_up, spec.b2)), (H, I, num_experts(spec), k),
-                 val(spec.x).device, train)
+                 val(spec.x).device, train, per_expert)
 
 
 def _speed_verdict(form: str, m: Match) -> tuple[bool, str]:
