@@ -72,6 +72,9 @@
 #                                            # rounds), merged; its prefill T=4096, "tuned" against "off" (~7 min)
 #   bash benchmarks/device_run.sh profile15  # Qwen1.5-MoE's prefill T=4096 (the gap cell) profiled, inductor against
 #                                            # moe_inductor with its TMA entries, 3 rounds: which kernels differ (~5 min)
+#   bash benchmarks/device_run.sh listtrain  # ModuleList layers through the list op against Inductor and eager, forward
+#                                            # and training step, Mixtral's and DeepSeek-V2-Lite's widths: the
+#                                            # speed rule's "fx_list" values for this GPU (bench_list_train.py) (~3 min)
 #   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys, GPT-OSS's
 #                                            # own layout first (tune_gemm.py, 14 compiling processes), merge (~7 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -107,6 +110,10 @@ case "${1:-suite}" in
     timeout -s INT 380 python -m pytest tests -m gpu $(for f in $KERNEL_FILES; do echo "--ignore=$f"; done) $WORKERS \
       -v -p no:warnings -rfE --durations=8 2>&1 | grep -v torch.__trace > "$OUT/gpu_tests.log"
     grep -E "FAILED|ERROR" "$OUT/gpu_tests.log"; tail -12 "$OUT/gpu_tests.log" ;;
+  listtrain)
+    { timeout 200 python benchmarks/bench_list_train.py --tokens 4096 16 --modes train forward
+      timeout 200 python benchmarks/bench_list_train.py --tokens 4096 16 --widths 2048 1408 64 6 --modes train forward
+    } 2>&1 | grep -v "torch.__trace\|Warning\|warn\|cfg = " | tee "$OUT/bench_list_train.log" | grep "^|\|^torch" ;;
   spill)
     timeout 170 python benchmarks/spill_check.py --shape deepseekv3 --tokens 4096 --rounds 8 2>&1 \
       | tee "$OUT/spill.log" | tail -12 ;;
