@@ -175,3 +175,25 @@ def test_a_weight_gradient_into_a_transposed_buffer_is_one_gemm(monkeypatch):
     assert not copies
     assert_close(dw[0], a[:3].t() @ gr[:3], torch.float32, "expert 0")
     assert_close(dw[1], a[3:].t() @ gr[3:], torch.float32, "expert 1")
+
+
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_opcheck_of_the_per_expert_backward(layout):
+    """``experts_backward_per_expert`` (the CPU backward, a list of per-expert gradients per projection) against its
+    fake: schema, no aliasing between its outputs, fake and real alike under AOTAutograd."""
+    torch.manual_seed(0)
+    x = torch.randn(9, H)
+    ids, w = _routing(9, 2)
+    w1, w3, w2 = ([t.detach() for t in ws] for ws in _weights(layout))
+    _, pre, order, sorted_expert, offsets = expert_lists.experts_forward_list(
+        x, ids, w, w1, w3, w2, [], [], [], "silu_glu", True, "output", layout, None)
+    args = (torch.randn(9, H), x, ids, w, w1, w3, w2, [], [], [], pre, order, sorted_expert, offsets, "silu_glu",
+            "output", layout, False)
+    torch.library.opcheck(expert_lists.experts_backward_per_expert, args)
+    got = expert_lists.experts_backward_per_expert(*args)
+    want = expert_lists.experts_backward_list(*args)
+    for i in (0, 1):
+        assert_close(got[i], want[i], torch.float32, f"output {i}")
+    for i, (mine, stacked) in enumerate(zip(got[2:5], want[2:5])):
+        assert len(mine) == E and all(m.data_ptr() != n.data_ptr() for m, n in zip(mine, mine[1:]))
+        assert_close(torch.stack(mine), stacked, torch.float32, f"weight gradients {i}")
