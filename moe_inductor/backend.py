@@ -42,7 +42,24 @@ def _inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs: list[Any
     inductor = _inductor_wrapper(mode, inductor_options)
     if inductor not in _state.wrappers:  # one per distinct setting (the wrappers compare by their config)
         _state.wrappers.append(inductor)
-    return inductor(gm, example_inputs)
+    with torch.compiler.config.patch(cache_key_tag=cache_tag()):
+        return inductor(gm, example_inputs)
+
+
+@functools.lru_cache(maxsize=None)
+def cache_tag() -> str:
+    """The tag our Inductor compiles add to torch's compile-cache keys: a hash of this package's source. AOTAutograd's
+    cache keys a compiled graph by the graph Dynamo traced, not by what our ops' autograd formulas trace it into, so
+    after an upgrade that changes them (a backward op, its arguments) a cached graph would run the old ones."""
+    import hashlib
+    from pathlib import Path
+
+    digest = hashlib.sha256()
+    root = Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return f"moe_inductor-{digest.hexdigest()[:16]}"
 
 
 def _inductor_wrapper(mode: Optional[str], inductor_options: Optional[dict]) -> Any:

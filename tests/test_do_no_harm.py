@@ -542,3 +542,18 @@ def test_gpu_bad_ids_raise_on_the_device_in_a_compiled_graph():
     assert "healthy ids ran" in done.stdout
     assert done.returncode != 0 and "bad ids ran" not in done.stdout
     assert "must lie in [0, 5)" in done.stdout + done.stderr
+
+
+def test_inductor_compiles_tag_the_cache_with_this_packages_source(monkeypatch):
+    """torch's compile caches key a graph by what Dynamo traced, not by what our ops' autograd formulas trace it
+    into: without a tag of our source, a graph cached before an upgrade that changed a backward op kept running the
+    old one (seen with the list op's CPU backward). Our Inductor compiles run with the tag set, and only they."""
+    from moe_inductor import backend
+
+    seen = []
+    monkeypatch.setattr(backend, "_inductor_wrapper",
+                        lambda mode, options: lambda gm, inputs: seen.append(torch.compiler.config.cache_key_tag))
+    backend._inner_compile("inductor", None, [], None)
+    tag = backend.cache_tag()
+    assert seen == [tag] and tag.startswith("moe_inductor-") and len(tag) == len("moe_inductor-") + 16
+    assert torch.compiler.config.cache_key_tag != tag  # restored after the compile
