@@ -551,6 +551,7 @@ def test_inductor_compiles_tag_the_cache_with_this_packages_source(monkeypatch):
     from moe_inductor import backend
 
     seen = []
+    monkeypatch.setattr(backend, "_state", backend._BackendState())  # (the stand-in compiler has no reset())
     monkeypatch.setattr(backend, "_inductor_wrapper",
                         lambda mode, options: lambda gm, inputs: seen.append(torch.compiler.config.cache_key_tag))
     backend._inner_compile("inductor", None, [], None)
