@@ -130,9 +130,9 @@ def moe_inductor_backend(
 
 def _speed_rule(inner: str, layer: Layer) -> tuple[bool, str]:
     """The speed rule (speed_rule.py) on a region an FX pass proved: keep Inductor's path, and what to say."""
-    from .speed_rule import KEPT, LayerKind, verdict
+    from .speed_rule import KEPT, LayerKind, mode_from, verdict
 
-    mode = "train" if layer.train else "inference"
+    mode = mode_from(layer.train, layer.tokens)
     said = verdict(LayerKind(layer.activation, layer.gate_up, layer.bias, layer.shape), layer.device, mode, inner,
                    layer.form, route="fx_list" if layer.per_expert else None)
     return said.startswith(KEPT), said

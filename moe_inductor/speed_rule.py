@@ -218,7 +218,14 @@ def mode_of(x: torch.Tensor, weights: tuple) -> str:
     worse of the two."""
     if torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in (x, *weights)):
         return "train"
-    tokens = static_token_count(x)
+    return mode_from(False, static_token_count(x))
+
+
+def mode_from(train: bool, tokens: Optional[int]) -> str:
+    """``mode_of``'s rule on what it reads: whether the call makes a gradient, and its static token count (None
+    where symbolic). The FX passes judge a traced region with it."""
+    if train:
+        return "train"
     if tokens is not None and tokens <= DECODE_MAX_TOKENS:
         return "decode"
     if tokens is not None and tokens >= PREFILL_MIN_TOKENS:

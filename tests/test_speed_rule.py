@@ -396,3 +396,21 @@ def test_a_module_list_layer_is_judged_on_the_list_route():
             torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x)
         routes.append(set(seen))
     assert routes == [{"fx_list"}, {None}], routes
+
+
+def test_an_fx_layer_with_a_static_token_count_is_judged_in_its_mode():
+    """A traced FX region's static token count picks its mode as ``mode_of`` does for transformers' experts: a
+    Mixtral-sized ModuleList layer at one token is judged by decode (2.02x on the H100: rewritten), at 4096 tokens by
+    prefill (0.91x: kept), and with a symbolic count by the worse of the two (kept)."""
+    from moe_inductor.backend import _speed_rule
+    from moe_inductor.passes.driver import Layer
+
+    def layer(tokens, train=False):
+        return Layer("unrolled_loop", "silu_glu", "separate", False, (4096, 14336, 8, 2), CUDA, train, True, tokens)
+
+    with _on("NVIDIA_H100_80GB_HBM3"):
+        assert _speed_rule("inductor", layer(1)) == (False, mock.ANY)
+        assert "2.02x" in _speed_rule("inductor", layer(1))[1]
+        assert _speed_rule("inductor", layer(4096))[0] and "0.91x" in _speed_rule("inductor", layer(4096))[1]
+        assert _speed_rule("inductor", layer(None))[0]
+        assert _speed_rule("inductor", layer(1, train=True))[0]  # training: 0.66x

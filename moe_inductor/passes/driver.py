@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import operator
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Union
@@ -198,6 +199,7 @@ class Layer:
     device: torch.device
     train: bool
     per_expert: bool = False  # separate per-expert weights (a ModuleList), which the list op reads where they lie
+    tokens: Optional[int] = None  # the static token count (every dimension of x but the last an int), else None
 
 
 def layer_of(form: str, m: Match) -> Layer:
@@ -212,9 +214,11 @@ def layer_of(form: str, m: Match) -> Layer:
     for w in (spec.gate, spec.up, spec.down):
         weights += list(w) if isinstance(w, tuple) else [w]
     train = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in map(val, weights))
+    dims = val(spec.x).shape[:-1]
+    tokens = math.prod(dims) if all(type(d) is int for d in dims) else None  # (a SymInt is never compared)
     return Layer(form, spec.activation, spec.gate_up or "separate",
                  any(b is not None for b in (spec.b1, spec.b1_up, spec.b2)), (H, I, num_experts(spec), k),
-                 val(spec.x).device, train, per_expert)
+                 val(spec.x).device, train, per_expert, tokens)
 
 
 def _speed_verdict(form: str, m: Match) -> tuple[bool, str]:
