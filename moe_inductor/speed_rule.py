@@ -102,12 +102,10 @@ def _exact(entry: dict, mode: str) -> Optional[float]:
 
 
 def _worst(entry: dict, mode: str) -> Optional[float]:
-    if mode == "inference":  # the worse of prefill and decode, where measured
-        measured = [float(entry[m]) for m in ("prefill", "decode") if entry.get(m) is not None]
-        if measured:
-            return min(measured)
-    if entry.get(mode) is not None:
-        return float(entry[mode])
+    """The entry's value for ``mode`` (``_exact``), else the worst value it measured in any mode."""
+    exact = _exact(entry, mode)
+    if exact is not None:
+        return exact
     measured = [float(entry[m]) for m in ("prefill", "decode", "train") if entry.get(m) is not None]
     return min(measured) if measured else None
 

@@ -197,13 +197,8 @@ def experts_backward_list(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights:
 @experts_backward_list.register_fake
 def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets, activation,
       weight_position, layout, dropped):
-    E = len(w1)
-
-    def stack_like(ws):
-        return x.new_empty(E, *ws[0].shape) if ws else x.new_empty(0)
-
-    return (torch.empty_like(x), torch.empty_like(topk_weights), stack_like(w1), stack_like(w1_up), stack_like(w2),
-            stack_like(b1), stack_like(b1_up), stack_like(b2))
+    return (torch.empty_like(x), torch.empty_like(topk_weights),
+            *(_stack_like(x, ws) for ws in (w1, w1_up, w2, b1, b1_up, b2)))
 
 
 @torch.library.custom_op("moe_inductor::experts_backward_per_expert", mutates_args=())
@@ -243,14 +238,14 @@ def experts_backward_per_expert(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_we
 @experts_backward_per_expert.register_fake
 def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets, activation,
       weight_position, layout, dropped):
-    E = len(w1)
+    return (torch.empty_like(x), torch.empty_like(topk_weights), *([x.new_empty(w.shape) for w in ws]
+                                                                   for ws in (w1, w1_up, w2)),
+            *(_stack_like(x, bs) for bs in (b1, b1_up, b2)))
 
-    def stack_like(bs):
-        return x.new_empty(E, *bs[0].shape) if bs else x.new_empty(0)
 
-    return (torch.empty_like(x), torch.empty_like(topk_weights), [x.new_empty(w.shape) for w in w1],
-            [x.new_empty(w.shape) for w in w1_up], [x.new_empty(w.shape) for w in w2], stack_like(b1),
-            stack_like(b1_up), stack_like(b2))
+def _stack_like(x: Tensor, ts: list[Tensor]) -> Tensor:
+    """A fake (E, ...) stack of the per-expert ``ts`` in x's dtype, or an empty tensor where there are none."""
+    return x.new_empty(len(ts), *ts[0].shape) if ts else x.new_empty(0)
 
 
 def _per_expert_backward(x: Tensor, pre: Tensor, order: Tensor) -> bool:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import operator
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Union
@@ -31,6 +30,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from .. import report
+from ..capture import _count_of
 from ..report import LeftAlone, Rewrite
 from ..spec import MoESpec
 from .emit import emit_experts
@@ -214,11 +214,10 @@ def layer_of(form: str, m: Match) -> Layer:
     for w in (spec.gate, spec.up, spec.down):
         weights += list(w) if isinstance(w, tuple) else [w]
     train = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in map(val, weights))
-    dims = val(spec.x).shape[:-1]
-    tokens = math.prod(dims) if all(type(d) is int for d in dims) else None  # (a SymInt is never compared)
+    tokens = _count_of(val(spec.x).shape[:-1])  # -1 where symbolic (a SymInt is never compared)
     return Layer(form, spec.activation, spec.gate_up or "separate",
                  any(b is not None for b in (spec.b1, spec.b1_up, spec.b2)), (H, I, num_experts(spec), k),
-                 val(spec.x).device, train, per_expert, tokens)
+                 val(spec.x).device, train, per_expert, tokens if tokens >= 0 else None)
 
 
 def _speed_verdict(form: str, m: Match) -> tuple[bool, str]:
