@@ -14,7 +14,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import capture, grad_gate, hf, hf_attention, hf_masks, list_indices, report, speculation, speculation_check
+from . import (capture, grad_gate, hf, hf_attention, hf_masks, input_mutations, list_indices, report, speculation,
+               speculation_check)
 from .options import BackendOptions
 from .passes import FX_PASSES
 from .passes.driver import Layer, run_passes
@@ -119,6 +120,8 @@ def moe_inductor_backend(
         gated = grad_gate.add_hit_flags(gm, speculated) if gm is not original else []
     except LookupError as error:
         raise speculation.SpeculationNotDischarged(f"the gradient gate cannot be built: {error}") from error
+    if opts.inner != "eager":  # AOTAutograd's limit on inputs changed in place (input_mutations.py)
+        input_mutations.clone_mutated_grad_inputs(gm, example_inputs)
     compiled = _inner_compile(opts.inner, gm, example_inputs, mode, opts.inductor)
     if gated:
         compiled = grad_gate.wrap(compiled, gated)

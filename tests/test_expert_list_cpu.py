@@ -122,6 +122,24 @@ def test_weights_of_mixed_shapes_fail_as_a_stack_does():
         expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk", None)
 
 
+def test_weights_of_mixed_dtypes_fail_as_eager_does():
+    """One expert's weight in float64 among float32 ones: eager's loop fails in that expert's ``F.linear``, and so does
+    the op (its stack promotes, and the GEMM refuses float32 rows against float64 weights); the backward, which
+    reads each expert's weights, is never reached with such weights, and says so if called."""
+    x = torch.randn(4, H)
+    ids, w = _routing(4, 2)
+    w1, w3, w2 = _weights("nk")
+    w1[1] = w1[1].detach().double()
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.nn.functional.linear(x, w1[1])
+    with pytest.raises(RuntimeError, match="dtype"):
+        expert_lists.experts_forward_list(x, ids, w, w1, w3, w2, [], [], [], "silu_glu", False, "output", "nk", None)
+    empty = torch.empty(0)
+    with pytest.raises(RuntimeError, match="share one shape and dtype"):
+        expert_lists.experts_backward_per_expert(x, x, ids, w, w1, w3, w2, [], [], [], empty, empty, empty, empty,
+                                                 "silu_glu", "output", "nk", False)
+
+
 @pytest.mark.parametrize("T", [0, 1, 9])
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("gated", [True, False])

@@ -215,13 +215,9 @@ def experts_backward_per_expert(dy: Tensor, x: Tensor, topk_ids: Tensor, topk_we
     sb1, sb1_up, sb2 = _biases(b1, b1_up, b2)
     needs = Needs(True, True, True, bool(w1_up), True, sb1 is not None, sb1_up is not None, sb2 is not None)
     weights = _per_expert(w1, w1_up, w2, layout)
-    if weights is None:  # weights of mixed shapes or dtypes: the stacked backward, each gradient a copy of its own
-        dx, dtw, dg, du, dd, db1, db1_up, db2 = experts_backward_list(
-            dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets,
-            activation, weight_position, layout, dropped)
-        return (dx, dtw, *([t.clone() for t in g.unbind(0)] if ws else [] for g, ws in ((dg, w1), (du, w1_up),
-                                                                                        (dd, w2))),
-                db1, db1_up, db2)
+    if weights is None:  # the forward refuses such weights (a stack of mixed shapes, a GEMM of mixed dtypes)
+        raise RuntimeError("experts_backward_per_expert: each projection's expert weights must share one shape and "
+                           "dtype, as the forward's require")
     call, routed = _call_and_routing(x, topk_ids, topk_weights, (*weights, sb1, sb1_up, sb2), activation,
                                      GPTOSS_ALPHA, GPTOSS_LIMIT, weight_position, order, sorted_expert, offsets,
                                      dropped)

@@ -1,0 +1,114 @@
+"""A graph input that records a gradient and is changed in place: the graph changes a clone, then copies it back.
+
+AOTAutograd runs a graph's changes to its inputs after the compiled forward, as ``input.copy_(new)``. Where the
+backward also needs the input's value from before the change (``y.mul_(w)`` with ``w`` recording a gradient needs the
+old ``y`` for ``w``'s gradient), it saves that input, and the copy that follows changes the saved tensor: the
+backward then raises "one of the variables needed for gradient computation has been modified by an inplace
+operation", where eager runs. Plain capture hits it too, but only where a graph break hands a graph such an input;
+our capture settings and hooks break graphs elsewhere than plain capture does (the generator's NumPy walk, whose
+callee breaks at ``str()`` of a symbolic expert id, handed its second graph the expert's output to weight in place).
+
+So before an AOTAutograd-based inner compile, each such input is read through a clone made at the graph's start, and
+the clone is copied into the input at the end: the same values in the same tensors after the call, the same
+gradients (the clone passes them through), and the saved tensor is the clone, which nothing changes later. Inputs
+left as they are: a leaf that records a gradient (eager raises on changing it in place, and so must we), an input an
+output of the graph aliases (the caller would get a view of the clone), and every input where grad mode is off.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+
+#: in-place operators Dynamo records as functions (``y += z`` is ``operator.iadd``)
+_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                                operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                                operator.ilshift, operator.irshift, operator.setitem})
+
+
+def clone_mutated_grad_inputs(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> list[str]:
+    """Make each input of ``gm`` that records a gradient (not a leaf) and that the graph changes in place be changed
+    through a clone, copied back at the end (module docstring). Returns the names of the inputs it did this for."""
+    if not torch.is_grad_enabled():
+        return []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        return []
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    done = []
+    for node, example in zip(placeholders, example_inputs):
+        if not isinstance(example, torch.Tensor) or not example.requires_grad or example.is_leaf:
+            continue
+        aliases = _aliases_of(gm, node)
+        if aliases is None or not any(_changes_in_place(n, aliases) for n in gm.graph.nodes):
+            continue
+        if any(isinstance(a, torch.fx.Node) and a in aliases for a in _flat(output.args)):
+            continue
+        _read_through_clone(gm, node, output)
+        done.append(node.name)
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def _value(node: torch.fx.Node) -> Optional[torch.Tensor]:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _storage(value: torch.Tensor) -> Any:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(value.untyped_storage())
+
+
+def _aliases_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[set]:
+    """The nodes whose traced value shares ``node``'s storage (the input, its views, ``.to()`` of it that returned
+    it), by the traced values' storages; None where the input's traced value is unknown."""
+    value = _value(node)
+    if value is None:
+        return None
+    try:
+        storage = _storage(value)
+        return {n for n in gm.graph.nodes if (v := _value(n)) is not None and _storage(v) == storage}
+    except Exception:  # noqa: BLE001  (a value without a storage, a tensor subclass: nothing is known to alias it)
+        return None
+
+
+def _changes_in_place(node: torch.fx.Node, aliases: set) -> bool:
+    """Whether ``node`` writes into one of ``aliases``: an in-place method (``mul_``) or function (``torch.relu_``,
+    ``y += z``, ``y[i] = v``) on it, or ``inplace=True`` (``out=`` a tensor that records a gradient raises in eager,
+    so no traced graph holds one)."""
+    if node.op not in ("call_method", "call_function"):
+        return False
+    target = node.args[0] if node.args else None
+    if not (isinstance(target, torch.fx.Node) and target in aliases):
+        return False
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_method":
+        name = node.target
+    elif node.target in _INPLACE_OPERATORS:
+        return True
+    else:
+        name = getattr(node.target, "__name__", "")
+    return isinstance(name, str) and name.endswith("_") and not name.startswith("_")
+
+
+def _flat(args: Any) -> list:
+    out: list = []
+    torch.fx.node.map_aggregate(args, out.append)
+    return out
+
+
+def _read_through_clone(gm: torch.fx.GraphModule, node: torch.fx.Node, output: torch.fx.Node) -> None:
+    graph = gm.graph
+    with graph.inserting_after(node):
+        clone = graph.call_method("clone", (node,))
+    if "stack_trace" in node.meta:
+        clone.meta["stack_trace"] = node.meta["stack_trace"]
+    node.replace_all_uses_with(clone, delete_user_cb=lambda user: user is not clone)
+    with graph.inserting_before(output):
+        graph.call_method("copy_", (node, clone))
