@@ -8,9 +8,11 @@ operation", where eager runs. Plain capture hits it too, but only where a graph 
 our capture settings and hooks break graphs elsewhere than plain capture does (the generator's NumPy walk, whose
 callee breaks at ``str()`` of a symbolic expert id, handed its second graph the expert's output to weight in place).
 
-So before an AOTAutograd-based inner compile, each such input is read through a clone made at the graph's start, and
-the clone is copied into the input at the end: the same values in the same tensors after the call, the same
-gradients (the clone passes them through), and the saved tensor is the clone, which nothing changes later. Inputs
+So before an AOTAutograd-based inner compile, each such input is read through a copy made at the graph's start, and
+the copy is copied into the input at the end: the same values in the same tensors after the call, the same
+gradients (the copy passes them through), and the saved tensor is the copy, which nothing changes later. The copy is
+an op of ours (``moe_inductor::own_copy``), opaque to Inductor's partitioner: a plain ``clone`` it would recompute in
+the backward from the input, and save the input again. Inputs
 left as they are: a leaf that records a gradient (eager raises on changing it in place, and so must we), an input an
 output of the graph aliases (the caller would get a view of the clone), and every input where grad mode is off.
 """
@@ -25,6 +27,21 @@ import torch
 _INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                                 operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
                                 operator.ilshift, operator.irshift, operator.setitem})
+
+
+@torch.library.custom_op("moe_inductor::own_copy", mutates_args=())
+def own_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` in a tensor of its own (``x.clone()``), which a partitioner saves rather than recomputes from
+    ``x``; its gradient passes through unchanged."""
+    return x.clone()
+
+
+@own_copy.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+own_copy.register_autograd(lambda ctx, grad: grad)
 
 
 def clone_mutated_grad_inputs(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> list[str]:
@@ -106,7 +123,7 @@ def _flat(args: Any) -> list:
 def _read_through_clone(gm: torch.fx.GraphModule, node: torch.fx.Node, output: torch.fx.Node) -> None:
     graph = gm.graph
     with graph.inserting_after(node):
-        clone = graph.call_method("clone", (node,))
+        clone = graph.call_function(torch.ops.moe_inductor.own_copy.default, (node,))
     if "stack_trace" in node.meta:
         clone.meta["stack_trace"] = node.meta["stack_trace"]
     node.replace_all_uses_with(clone, delete_user_cb=lambda user: user is not clone)

@@ -13,7 +13,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from helpers import rel_err
-from moe_inductor.input_mutations import clone_mutated_grad_inputs
+from moe_inductor.input_mutations import clone_mutated_grad_inputs, own_copy
 
 AOT = {"inner": "aot_eager"}
 
@@ -44,6 +44,33 @@ def test_an_input_weighted_in_place_runs_backward_as_eager_does():
     got = _run(_weigh_in_place, "moe_inductor", AOT)
     for g, r in zip(got, ref):
         assert rel_err(g, r) < 1e-6
+
+
+@pytest.mark.slow  # two Inductor compiles
+def test_under_inductor_too():
+    """Inductor's partitioner recomputes a plain clone in the backward from the input and saves the input itself;
+    the copy it cannot see into is saved instead."""
+    ref = _run(_weigh_in_place, None)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _run(_weigh_in_place, "inductor")
+    got = _run(_weigh_in_place, "moe_inductor", {"inner": "inductor"})
+    for g, r in zip(got, ref):
+        assert rel_err(g, r) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(0, 4), (1, 4), (5, 3)])
+def test_own_copy_is_a_copy_with_the_identity_gradient(dtype, shape):
+    x = torch.randn(shape).to(dtype)
+    for inp in (x, x.t() if len(shape) == 2 else x):  # a transposed input keeps its strides, as clone's does
+        inp = inp.detach().requires_grad_(True)
+        y = own_copy(inp)
+        assert torch.equal(y, inp) and y.data_ptr() != inp.data_ptr() or inp.numel() == 0
+        assert y.stride() == inp.clone().stride()
+        g = torch.randn(y.shape).to(dtype)
+        (gx,) = torch.autograd.grad(y, inp, g)
+        assert torch.equal(gx, g)
+        torch.library.opcheck(torch.ops.moe_inductor.own_copy.default, (inp,))
 
 
 def test_a_leaf_changed_in_place_raises_as_eager_does():
