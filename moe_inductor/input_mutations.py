@@ -12,9 +12,12 @@ So before an AOTAutograd-based inner compile, each such input is read through a 
 the copy is copied into the input at the end: the same values in the same tensors after the call, the same
 gradients (the copy passes them through), and the saved tensor is the copy, which nothing changes later. The copy is
 an op of ours (``moe_inductor::own_copy``), opaque to Inductor's partitioner: a plain ``clone`` it would recompute in
-the backward from the input, and save the input again. Inputs
-left as they are: a leaf that records a gradient (eager raises on changing it in place, and so must we), an input an
-output of the graph aliases (the caller would get a view of the clone), and every input where grad mode is off.
+the backward from the input, and save the input again.
+
+Inputs left as they are: a leaf that records a gradient (eager raises on changing it in place, and so must we), an
+input an output of the graph aliases (the caller would get a view of the copy), an input nothing reads but views and
+changes whose gradient needs none of its old values (a residual's ``h += x``: nothing of it is saved, and a copy would
+only cost time), and every input where grad mode is off.
 """
 from __future__ import annotations
 
@@ -44,6 +47,13 @@ def _(x: torch.Tensor) -> torch.Tensor:
 own_copy.register_autograd(lambda ctx, grad: grad)
 
 
+#: changes in place whose gradient reads none of the changed tensor's old values (as long as it is not also among
+#: their other arguments): AOTAutograd saves nothing of the input for them
+_WRITES_ONLY = frozenset({"add_", "sub_", "copy_", "zero_", "fill_", "index_add_", "index_put_", "index_copy_",
+                          "index_fill_", "scatter_add_", "masked_fill_", "masked_scatter_"})
+_WRITES_ONLY_OPERATORS = frozenset({operator.iadd, operator.isub, operator.setitem})
+
+
 def clone_mutated_grad_inputs(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> list[str]:
     """Make each input of ``gm`` that records a gradient (not a leaf) and that the graph changes in place be changed
     through a clone, copied back at the end (module docstring). Returns the names of the inputs it did this for."""
@@ -59,6 +69,8 @@ def clone_mutated_grad_inputs(gm: torch.fx.GraphModule, example_inputs: list[Any
             continue
         aliases = _aliases_of(gm, node)
         if aliases is None or not any(_changes_in_place(n, aliases) for n in gm.graph.nodes):
+            continue
+        if not _may_be_saved(gm, aliases):  # AOTAutograd runs it as it is (a residual's ``h += x``)
             continue
         if any(isinstance(a, torch.fx.Node) and a in aliases for a in _flat(output.args)):
             continue
@@ -112,6 +124,25 @@ def _changes_in_place(node: torch.fx.Node, aliases: set) -> bool:
     else:
         name = getattr(node.target, "__name__", "")
     return isinstance(name, str) and name.endswith("_") and not name.startswith("_")
+
+
+def _may_be_saved(gm: torch.fx.GraphModule, aliases: set) -> bool:
+    """Whether a node other than a view of the input, or a change in place whose gradient needs none of its old values
+    (``_WRITES_ONLY``), reads the input: such a reader may have its value saved for backward."""
+    for node in gm.graph.nodes:
+        if node in aliases or node.op not in ("call_method", "call_function"):
+            continue
+        if not any(isinstance(a, torch.fx.Node) and a in aliases for a in _flat((node.args, node.kwargs))):
+            continue
+        target = node.args[0] if node.args else None
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        writes_only = (isinstance(target, torch.fx.Node) and target in aliases
+                       and (node.target in _WRITES_ONLY_OPERATORS or name in _WRITES_ONLY)
+                       and not any(isinstance(a, torch.fx.Node) and a in aliases
+                                   for a in _flat((node.args[1:], node.kwargs))))
+        if not writes_only:
+            return True
+    return False
 
 
 def _flat(args: Any) -> list:

@@ -73,6 +73,19 @@ def test_own_copy_is_a_copy_with_the_identity_gradient(dtype, shape):
         torch.library.opcheck(torch.ops.moe_inductor.own_copy.default, (inp,))
 
 
+def _residual_in_place(a, w, out):
+    a += w  # nothing of a is saved for backward: AOTAutograd runs it without a copy
+    out.add_(a * 2.0)
+
+
+def test_a_change_nothing_saves_runs_without_a_copy():
+    ref = _run(_residual_in_place, None)
+    for backend, options in (("aot_eager", None), ("moe_inductor", AOT)):
+        got = _run(_residual_in_place, backend, options)
+        for g, r in zip(got, ref):
+            assert rel_err(g, r) < 1e-6
+
+
 def test_a_leaf_changed_in_place_raises_as_eager_does():
     with pytest.raises(RuntimeError, match="leaf Variable"):
         _run(_weigh_in_place, None, leaf=True)
@@ -100,6 +113,7 @@ def _grad_input():
 @pytest.mark.parametrize("spelling", ["view", "iadd", "setitem", "relu_inplace"])
 def test_every_spelling_of_a_change_in_place_is_seen(spelling):
     def fn(a, b):
+        s = (a * b).sum()  # a reader whose gradient needs a's value from before the change
         if spelling == "view":
             a.view(-1).mul_(2.0)
         elif spelling == "iadd":
@@ -109,7 +123,7 @@ def test_every_spelling_of_a_change_in_place_is_seen(spelling):
             a[1] = b[1]
         else:
             F.relu(a, inplace=True)
-        return b.sum()
+        return s
 
     gm, inputs = _traced(fn, _grad_input(), torch.randn(3, 4))
     assert clone_mutated_grad_inputs(gm, inputs) == ["l_a_"]
@@ -123,9 +137,16 @@ def test_inputs_it_leaves_alone():
     def reads_only(a, w):
         return (a * w).sum()
 
+    def residual(a, w):  # changes a without reading it: nothing of a is saved
+        a += w
+        a[0] = w[0]
+        return w.sum()
+
     gm, inputs = _traced(returns_alias, _grad_input(), torch.randn(3, 1))
     assert clone_mutated_grad_inputs(gm, inputs) == []  # the caller would get the clone back
     gm, inputs = _traced(reads_only, _grad_input(), torch.randn(3, 1))
+    assert clone_mutated_grad_inputs(gm, inputs) == []
+    gm, inputs = _traced(residual, _grad_input(), torch.randn(3, 4))
     assert clone_mutated_grad_inputs(gm, inputs) == []
     gm, inputs = _traced(_weigh_in_place, _grad_input(), torch.randn(3, 1), torch.zeros(3, 4))
     with torch.no_grad():
