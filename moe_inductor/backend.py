@@ -133,11 +133,14 @@ def moe_inductor_backend(
 
 def _speed_rule(inner: str, layer: Layer) -> tuple[bool, str]:
     """The speed rule (speed_rule.py) on a region an FX pass proved: keep Inductor's path, and what to say."""
-    from .speed_rule import KEPT, LayerKind, mode_from, verdict
+    from .speed_rule import KEPT, LayerKind, fx_route, mode_from, verdict
 
     mode = mode_from(layer.train, layer.tokens)
+    route, note = fx_route(layer.form, layer.per_expert)
     said = verdict(LayerKind(layer.activation, layer.gate_up, layer.bias, layer.shape), layer.device, mode, inner,
-                   layer.form, route="fx_list" if layer.per_expert else None)
+                   layer.form, route=route)
+    if "ran at" in said:  # the verdict read a measurement: say whose
+        said += note
     return said.startswith(KEPT), said
 
 

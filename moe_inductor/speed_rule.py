@@ -19,7 +19,11 @@ rule reads shapes, dtypes and modes only (nothing on the device), so it costs no
   route bench_hf.py measures). What Inductor makes of the user's own code depends on how it is written: for the FX
   forms (gathered weights, loops, capacity einsums) Inductor's path is the user's code, unmeasured as a whole model,
   so they count as never measured, except the FX layers over per-expert weights (a ModuleList of nn.Linear experts,
-  run by the list op), route ``"fx_list"``, measured by ``benchmarks/bench_list_train.py``.
+  run by the list op), route ``"fx_list"``, measured by ``benchmarks/bench_list_train.py``. A loop over the slices
+  of stacked weights (``LOOP_FORMS``) is judged by those values too (``fx_route``): Inductor's path for it is the
+  same per-expert GEMMs as for the ModuleList's loop, and ours reads the stack directly, without the list op's
+  table or the stack its GPU backward makes, so the list op's ratio is the cautious one until such loops are
+  measured themselves.
 - It applies only when the inner compiler is Inductor: with ``inner="aot_eager"``/``"eager"`` (tests, explain())
   there is no Inductor path to compare against. On the CPU the experts run as ``lowerings/cpu.py`` lowers them,
   measured against Inductor's path on the quickstart model (``benchmarks/bench_cpu.py``; ``whole_model/cpu.json``,
@@ -120,6 +124,22 @@ def _distance(a: tuple, b: list) -> float:
 def route_of(form: str) -> str:
     """The route a rewrite takes: "hf" for transformers' experts modules (forms ``hf_*``), "fx" for the FX passes."""
     return "hf" if form.startswith("hf_") else "fx"
+
+
+#: the FX forms whose user code is a loop over the experts (what Inductor compiles into per-expert GEMMs)
+LOOP_FORMS = frozenset({"unrolled_loop", "split_loop"})
+
+
+def fx_route(form: str, per_expert: bool) -> tuple[Optional[str], str]:
+    """The route whose measurements judge an FX layer, and what explain() adds to say so: "fx_list" for per-expert
+    weights (the list op) and for a loop over stacked weights (the same loop under Inductor; the module docstring
+    says why the list op's values are the cautious ones), else the form's own route."""
+    if per_expert:
+        return "fx_list", ""
+    if form in LOOP_FORMS:
+        return "fx_list", (" (a loop over stacked weights, judged by the ModuleList loop's values: Inductor runs the "
+                           "same per-expert GEMMs for both)")
+    return None, ""
 
 
 #: The inner compiler the rule judges for, where it is not the one the graph is handed to: explain() compiles with a

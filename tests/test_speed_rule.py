@@ -375,9 +375,11 @@ def test_per_expert_fx_layers_follow_the_list_ops_measurements():
 
 def test_a_module_list_layer_is_judged_on_the_list_route():
     """The FX passes tell the rule that a layer's weights are per expert (a ModuleList), so the list op's values
-    judge it; stacked weights keep the plain FX route."""
-    from tests.test_pass_unrolled_loop import LoopMoE
+    judge it; a loop over stacked weights is judged by them too (speed_rule.fx_route); other FX forms keep the plain
+    FX route."""
     from tests.test_expert_list_capacity import _models
+    from tests.test_pass_gathered_weights import D, GatheredMoE
+    from tests.test_pass_unrolled_loop import LoopMoE
 
     seen = []
 
@@ -385,17 +387,37 @@ def test_a_module_list_layer_is_judged_on_the_list_route():
         seen.append(route)
         return "speed rule: recorded"
 
-    # the two models: a ModuleList capacity layer, then a loop over stacked parameters
+    # the three models: a ModuleList capacity layer, a loop over stacked parameters, gathered stacked weights
     fairseq = _models()["fairseq-swiglu"]()
     loop = LoopMoE("where_matmul", 4, 2)
+    gathered = GatheredMoE()
     routes = []
-    for model, x in ((fairseq, torch.randn(6, 16)), (loop, torch.randn(7, 16))):
+    for model, x in ((fairseq, torch.randn(6, 16)), (loop, torch.randn(7, 16)), (gathered, torch.randn(5, D))):
         seen.clear()
         torch._dynamo.reset()
         with mock.patch.object(speed_rule, "verdict", side_effect=record):
             torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x)
         routes.append(set(seen))
-    assert routes == [{"fx_list"}, {None}], routes
+    assert routes == [{"fx_list"}, {"fx_list"}, {None}], routes
+
+
+def test_a_loop_over_stacked_weights_is_judged_by_the_list_loops_values():
+    """A Mixtral-sized loop over stacked weights in a training step is kept with the list loop's 0.66x, and says
+    whose value judged it; at one token it is rewritten (2.02x); gathered weights stay never measured."""
+    from moe_inductor.backend import _speed_rule
+    from moe_inductor.passes.driver import Layer
+
+    def layer(form, tokens, train):
+        return Layer(form, "silu_glu", "separate", False, (4096, 14336, 8, 2), CUDA, train, False, tokens)
+
+    with _on("NVIDIA_H100_80GB_HBM3"):
+        for form in ("unrolled_loop", "split_loop"):
+            kept, said = _speed_rule("inductor", layer(form, 4096, True))
+            assert kept and "0.66x" in said and "loop over stacked weights" in said, said
+            kept, said = _speed_rule("inductor", layer(form, 1, False))
+            assert not kept and "2.02x" in said, said
+        kept, said = _speed_rule("inductor", layer("gathered_weights", 4096, True))
+        assert not kept and "never measured" in said, said
 
 
 def test_an_fx_layer_with_a_static_token_count_is_judged_in_its_mode():
