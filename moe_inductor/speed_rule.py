@@ -23,7 +23,9 @@ rule reads shapes, dtypes and modes only (nothing on the device), so it costs no
   of stacked weights (``LOOP_FORMS``) is judged by those values too (``fx_route``): Inductor's path for it is the
   same per-expert GEMMs as for the ModuleList's loop, and ours reads the stack directly, without the list op's
   table or the stack its GPU backward makes, so the list op's ratio is the cautious one until such loops are
-  measured themselves.
+  measured themselves. ``benchmarks/bench_fx_forms.py`` measures each FX form over stacked weights on a route of
+  its own (``FORM_ROUTES``: "fx_loop", "fx_gathered", "fx_capacity", "fx_sorted"); once a GPU's file holds a
+  route's values, they judge that form.
 - It applies only when the inner compiler is Inductor: with ``inner="aot_eager"``/``"eager"`` (tests, explain())
   there is no Inductor path to compare against. On the CPU the experts run as ``lowerings/cpu.py`` lowers them,
   measured against Inductor's path on the quickstart model (``benchmarks/bench_cpu.py``; ``whole_model/cpu.json``,
@@ -128,18 +130,29 @@ def route_of(form: str) -> str:
 
 #: the FX forms whose user code is a loop over the experts (what Inductor compiles into per-expert GEMMs)
 LOOP_FORMS = frozenset({"unrolled_loop", "split_loop"})
+#: the route each FX form's own measurements over stacked weights are filed under (benchmarks/bench_fx_forms.py)
+FORM_ROUTES = {"unrolled_loop": "fx_loop", "split_loop": "fx_loop", "gathered_weights": "fx_gathered",
+               "padded_capacity": "fx_capacity", "sorted_grouped_mm": "fx_sorted"}
+
+
+def _measured(route: str) -> bool:
+    return any(e.get("route", "hf") == route for layers in _tables().values() for e in layers)
 
 
 def fx_route(form: str, per_expert: bool) -> tuple[Optional[str], str]:
     """The route whose measurements judge an FX layer, and what explain() adds to say so: "fx_list" for per-expert
-    weights (the list op) and for a loop over stacked weights (the same loop under Inductor; the module docstring
-    says why the list op's values are the cautious ones), else the form's own route."""
+    weights (the list op); the form's own route (``FORM_ROUTES``) where some GPU measured it; for a loop over
+    stacked weights measured nowhere, "fx_list" (the same loop under Inductor; the module docstring says why the
+    list op's values are the cautious ones); else the form's own route, which then says "never measured"."""
     if per_expert:
         return "fx_list", ""
+    own = FORM_ROUTES.get(form)
+    if own is not None and _measured(own):
+        return own, ""
     if form in LOOP_FORMS:
         return "fx_list", (" (a loop over stacked weights, judged by the ModuleList loop's values: Inductor runs the "
                            "same per-expert GEMMs for both)")
-    return None, ""
+    return own, ""
 
 
 #: The inner compiler the rule judges for, where it is not the one the graph is handed to: explain() compiles with a

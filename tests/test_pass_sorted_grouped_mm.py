@@ -76,6 +76,23 @@ class SortedMoE(nn.Module):
             out = torch.zeros_like(x)
             out.index_add_(0, tok, ys)
             return out
+        if self.style.startswith("bincount"):  # counts by bincount(minlength=E), offsets cast after the cumsum
+            flat = ids.view(-1)
+            order = torch.argsort(flat, stable=True)
+            tok = order // k
+            if self.style == "bincount_weighted":  # look-alike: weighted counts are not the experts' row counts
+                counts = torch.bincount(flat, weights=torch.ones_like(flat, dtype=torch.float32) * 2, minlength=E)
+            elif self.style == "bincount_other_ids":  # look-alike: the counts of other ids
+                counts = ((flat + 1) % E).bincount(minlength=E)
+            else:
+                counts = torch.bincount(flat, minlength=E)
+            offs = torch.cumsum(counts, dim=0).to(torch.int32) if self.style != "bincount_int" else (
+                counts.cumsum(0).int())
+            xs = x[tok]
+            h = F.silu(torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)) * torch._grouped_mm(
+                xs, self.w3.transpose(1, 2), offs=offs)
+            ys = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs) * top.view(-1)[order][:, None].to(x.dtype)
+            return torch.zeros_like(x).index_add_(0, tok, ys)
         if self.style.startswith("v5"):  # transformers v5's grouped_mm forward; three look-alikes of its unsort
             flat, weights = ids.reshape(-1), top.reshape(-1)
             if self.style in ("v5_argsort", "v5_other_counts"):  # the sorted values read as flat[perm]
@@ -122,9 +139,11 @@ def _hf_fallback():
 
 
 @pytest.mark.parametrize("style,k", [("titan", 1), ("titan", 2), ("hf", 1), ("hf", 2), ("hf_fallback_fp32", 2),
-                                     ("functional_fp32", 2), ("v5", 2), ("v5", 1), ("v5_argsort", 2)],
+                                     ("functional_fp32", 2), ("v5", 2), ("v5", 1), ("v5_argsort", 2),
+                                     ("bincount", 2), ("bincount_int", 1)],
                          ids=["titan-k1", "titan-k2", "hf-k1", "hf-k2", "hf-fallback-op-fp32", "functional-fp32",
-                              "v5-inverse-unsort-k2", "v5-inverse-unsort-k1", "v5-argsort-counts-of-flat-perm"])
+                              "v5-inverse-unsort-k2", "v5-inverse-unsort-k1", "v5-argsort-counts-of-flat-perm",
+                              "bincount-minlength-cast-offsets-k2", "bincount-int-offsets-k1"])
 def test_styles_are_rewritten_and_equal(style, k):
     """Every spelling of the grouped GEMM: torch._grouped_mm (bf16 only), transformers' fp32 fallback op, and
     F.grouped_mm (bf16 on CPU, like _grouped_mm)."""
@@ -145,10 +164,11 @@ def test_styles_are_rewritten_and_equal(style, k):
         assert sum(counters["graph_break"].values()) == 0
 
 
-@pytest.mark.parametrize("style", ["wrong_offsets", "unsorted_scores", "scatter_other_rows", "v5_other_counts"])
+@pytest.mark.parametrize("style", ["wrong_offsets", "unsorted_scores", "scatter_other_rows", "v5_other_counts",
+                                   "bincount_weighted", "bincount_other_ids"])
 def test_look_alikes_are_left_alone(style):
-    """Offsets of other ids (counted flat, or in sorted order as v5 counts them), scores not in the sorted order,
-    results added to other rows: none is this MoE."""
+    """Offsets of other ids (counted flat, or in sorted order as v5 counts them, or by bincount), weighted bincounts,
+    scores not in the sorted order, results added to other rows: none is this MoE."""
     torch.manual_seed(0)
     model = SortedMoE(style).bfloat16()
     x = torch.randn(9, H, dtype=torch.bfloat16)

@@ -375,8 +375,8 @@ def test_per_expert_fx_layers_follow_the_list_ops_measurements():
 
 def test_a_module_list_layer_is_judged_on_the_list_route():
     """The FX passes tell the rule that a layer's weights are per expert (a ModuleList), so the list op's values
-    judge it; a loop over stacked weights is judged by them too (speed_rule.fx_route); other FX forms keep the plain
-    FX route."""
+    judge it; a loop over stacked weights is judged by them too (speed_rule.fx_route) while no GPU measured it on
+    its own route; other FX forms take their own route ("fx_gathered"), unmeasured today."""
     from tests.test_expert_list_capacity import _models
     from tests.test_pass_gathered_weights import D, GatheredMoE
     from tests.test_pass_unrolled_loop import LoopMoE
@@ -398,7 +398,7 @@ def test_a_module_list_layer_is_judged_on_the_list_route():
         with mock.patch.object(speed_rule, "verdict", side_effect=record):
             torch.compile(model, backend="moe_inductor", options={"inner": "eager"})(x)
         routes.append(set(seen))
-    assert routes == [{"fx_list"}, {"fx_list"}, {None}], routes
+    assert routes == [{"fx_list"}, {"fx_list"}, {"fx_gathered"}], routes
 
 
 def test_a_loop_over_stacked_weights_is_judged_by_the_list_loops_values():
@@ -436,3 +436,26 @@ def test_an_fx_layer_with_a_static_token_count_is_judged_in_its_mode():
         assert _speed_rule("inductor", layer(4096))[0] and "0.91x" in _speed_rule("inductor", layer(4096))[1]
         assert _speed_rule("inductor", layer(None))[0]
         assert _speed_rule("inductor", layer(1, train=True))[0]  # training: 0.66x
+
+
+def test_a_forms_own_measurements_judge_it_once_a_gpu_has_them():
+    """bench_fx_forms.py files each FX form's values on a route of its own: once a GPU's file holds the stacked loop's
+    ("fx_loop"), they judge it instead of the ModuleList loop's; a form still unmeasured says so on its own route."""
+    from moe_inductor.backend import _speed_rule
+    from moe_inductor.passes.driver import Layer
+
+    own = {"name": "stacked_loop (bench_fx_forms.py)", "route": "fx_loop", "activation": "silu_glu",
+           "gate_up": "separate", "bias": False, "shape": [4096, 14336, 8, 2], "train": 1.25, "prefill": 0.95}
+    tables = {gpu: list(layers) for gpu, layers in speed_rule._tables().items()}
+    tables["NVIDIA_H100_80GB_HBM3"] = tables["NVIDIA_H100_80GB_HBM3"] + [own]
+
+    def layer(form, tokens, train):
+        return Layer(form, "silu_glu", "separate", False, (4096, 14336, 8, 2), CUDA, train, False, tokens)
+
+    with _on("NVIDIA_H100_80GB_HBM3"), mock.patch.object(speed_rule, "_tables", return_value=tables):
+        kept, said = _speed_rule("inductor", layer("unrolled_loop", 4096, True))
+        assert not kept and "1.25x" in said and "stacked_loop" in said and "judged by the ModuleList" not in said
+        kept, said = _speed_rule("inductor", layer("split_loop", 4096, False))
+        assert kept and "0.95x" in said, said
+        kept, said = _speed_rule("inductor", layer("padded_capacity", 4096, True))
+        assert not kept and "never measured" in said and "fx_capacity" in said, said

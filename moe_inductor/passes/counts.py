@@ -123,6 +123,20 @@ def marked_counts(node) -> Optional[tuple[Node, int]]:
     return ids, num_experts
 
 
+def bincount_of(node, num_experts: int) -> Optional[Node]:
+    """``t`` for ``node`` = ``torch.bincount(t, minlength=E)`` / ``t.bincount(minlength=E)`` without weights (host
+    copies and integer casts aside), else None. For ids in [0, E) that is each expert's count, as ``histc`` over E
+    unit bins gives it; an id out of range makes it longer than E, and the op raises where such ids reach it."""
+    node = host_copy_of(node)
+    if not (is_call(node, "call_function", torch.bincount) or is_call(node, "call_method", "bincount")):
+        return None
+    weights = node.kwargs.get("weights", node.args[1] if len(node.args) > 1 else None)
+    minlength = node.kwargs.get("minlength", node.args[2] if len(node.args) > 2 else 0)
+    if weights is not None or minlength != num_experts or set(node.kwargs) - {"weights", "minlength"}:
+        return None
+    return node.args[0] if isinstance(node.args[0], Node) else None
+
+
 def count_item(node) -> Optional[tuple[Node, int]]:
     """(counts, e) for a count read as a number: ``counts[e].item()`` (``.tolist()`` as Dynamo traces it), or
     ``int(counts_np[e])`` / ``counts_np[e].item()`` of a NumPy copy as Dynamo traces those (its ``wrapped_getitem``

@@ -43,7 +43,7 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, Unmatched
-from .counts import host_copy_of, marked_counts
+from .counts import bincount_of, host_copy_of, marked_counts
 from .fx_utils import (ONE_HOT, alias_mutations, arange_length, column_of, comes_before, flat_of, is_call,
                        known_equal, size_is, val)
 from .gated_reads import read_gated
@@ -111,12 +111,25 @@ def _token_of(tok: Node) -> Optional[tuple[Node, Node]]:
 
 
 def _offsets_of(offs, ids: Node, num_experts: int) -> bool:
-    """``cumsum(counts, 0, dtype=int32)`` of per-expert counts of the same flattened ids."""
-    if not (is_call(offs, "call_function", torch.cumsum) and offs.kwargs.get("dtype") == torch.int32):
+    """``cumsum(counts, 0, dtype=int32)`` of per-expert counts of the same flattened ids, or the integer cumsum
+    cast after it (``cumsum(counts, 0).to(torch.int32)``, ``.int()``: exact, as T * k is far below 2**31)."""
+    if (is_call(offs, "call_method", "int") and len(offs.args) == 1 and not offs.kwargs) or (
+            is_call(offs, "call_method", "to") and offs.args[1:] == (torch.int32,) and not offs.kwargs):
+        inner = offs.args[0]
+        if not (_is_cumsum(inner) and val(inner) is not None and not val(inner).is_floating_point()
+                and set(inner.kwargs) <= {"dim"}):
+            return False
+        offs = inner
+    elif not (_is_cumsum(offs) and offs.kwargs.get("dtype") == torch.int32):
         return False
     if (offs.args[1:] or (offs.kwargs.get("dim"),))[0] != 0:
         return False
     return _counts_of(offs.args[0], ids, num_experts)
+
+
+def _is_cumsum(node) -> bool:
+    """``torch.cumsum(t, ...)`` or ``t.cumsum(...)``: the input first either way."""
+    return is_call(node, "call_function", torch.cumsum) or is_call(node, "call_method", "cumsum")
 
 
 def _integer_cast_of(node) -> Node:
@@ -129,8 +142,9 @@ def _integer_cast_of(node) -> Node:
 
 
 def _counts_of(counts, ids: Node, num_experts: int) -> bool:
-    """``counts`` holds, for e = 0..E-1, how many of the flattened ids are e: ``histc`` over E unit bins or
-    ``one_hot(flat, E).sum(0)``, possibly cast to an integer dtype (torchtitan's histc gives the ids' dtype)."""
+    """``counts`` holds, for e = 0..E-1, how many of the flattened ids are e: ``histc`` over E unit bins,
+    ``bincount(flat, minlength=E)`` or ``one_hot(flat, E).sum(0)``, possibly cast to an integer dtype (torchtitan's
+    histc gives the ids' dtype)."""
     marked = marked_counts(counts)  # DeepSeek-V2's scatter_ of ones into zeros(T, E), summed over tokens
     if marked is not None:
         return marked == (ids, num_experts)
@@ -144,6 +158,9 @@ def _counts_of(counts, ids: Node, num_experts: int) -> bool:
         # the flat ids, or their sorted values (transformers v5 counts those): the same multiset, the same counts
         return (bins == num_experts and lo == 0 and hi in (num_experts, num_experts - 1)
                 and (flat_of(counted) is ids or _sorted_values_of(counted) is ids))
+    counted = bincount_of(counts, num_experts)
+    if counted is not None:
+        return flat_of(counted) is ids or _sorted_values_of(counted) is ids
     # one_hot(flat, E).sum(0): the same counts (one_hot raises where histc would drop an id out of range)
     if is_call(counts, "call_method", "sum") and (counts.args[1:] or (counts.kwargs.get("dim"),))[0] == 0:
         hot = counts.args[0]

@@ -41,6 +41,7 @@ from .driver import Anchor, Form, Match
 from .fx_utils import (alias_mutations, base_of, comes_before, flat_of, is_call, is_view_of, known_equal, val,
                        view_family)
 from . import bounded_gemm, scattered_slices
+from .counts import bincount_of
 from .gated_reads import read_gated
 from .slice_runs import SliceRun, slice_bounds, slice_run
 from .sorted_grouped_mm import _sort_order
@@ -136,8 +137,8 @@ def _dispatch(tok: Node) -> Optional[_Dispatch]:
 
 
 def _counts(node, d: _Dispatch, num_experts: int) -> bool:
-    """``node`` (casts aside) holds each expert's number of assignments: the routing map summed over tokens, or a
-    histc of the flat ids."""
+    """``node`` (casts aside) holds each expert's number of assignments: the routing map summed over tokens, a histc
+    of the flat ids, or their ``bincount(minlength=E)``."""
     node = _strip(node, "long", "int", "float", "cpu")
     while is_call(node, "call_method", "to") and len(node.args) == 2 and not node.kwargs and isinstance(
             node.args[1], torch.dtype) and not node.args[1].is_floating_point:  # an integer cast of float counts
@@ -153,7 +154,8 @@ def _counts(node, d: _Dispatch, num_experts: int) -> bool:
         hi = node.kwargs.get("max", node.args[3] if len(node.args) > 3 else None)
         return (bins == num_experts and lo == 0 and hi in (num_experts, num_experts - 1)
                 and flat_of(_strip(node.args[0], "float", "int", "long")) is d.ids)
-    return False
+    counted = bincount_of(node, num_experts)
+    return counted is not None and flat_of(counted) is d.ids
 
 
 def _pieces(part: Node) -> Optional[tuple[Union[Node, SliceRun], int]]:
