@@ -594,3 +594,40 @@ def test_bench_capacity_cpu_runs_end_to_end():
 
     rows = bench_capacity_cpu.main(["--tokens", "5", "--rounds", "1", "--calls", "1", "--widths", "16", "8", "4"])
     assert [r["T"] for r in rows] == [5] and rows[0]["rewrites"] == {"padded_capacity": 1}, rows
+
+
+def test_bench_fx_forms_rewrites_every_form_it_times(monkeypatch):
+    """Each form's layer is rewritten by its FX pass (a row that times Inductor's path twice would be worthless on
+    the GPU), equal to eager, in a forward and a training step; the speed rule is off while it runs."""
+    from benchmarks import bench_fx_forms
+    from moe_inductor import config
+
+    monkeypatch.setattr(config, "speed_rule", True)  # restored after; the script turns it off itself
+    rows = bench_fx_forms.main(["--device", "cpu", "--inner", "aot_eager", "--columns", "eager", "moe_inductor",
+                                "--tokens", "6", "--widths", "16", "8", "4", "2"])
+    assert config.speed_rule is False
+    ours = [r for r in rows if r["column"] == "moe_inductor"]
+    assert sorted({r["form"] for r in ours}) == sorted(bench_fx_forms.FORMS) and len(ours) == 8
+    for r in ours:  # max abs error on O(1) outputs; sorted runs in bf16 (torch._grouped_mm), a few ulps of 2**-8
+        assert r["rewrites"] == 1 and r["err"] < (1e-1 if r["form"] == "sorted" else 1e-4), r
+
+
+def test_bench_fx_forms_rule_entries_take_each_modes_worst_ratio():
+    from benchmarks.bench_fx_forms import rule_entries
+
+    def row(form, mode, T, column, ms, rewrites=1):
+        return dict(form=form, mode=mode, T=T, column=column, ms=ms, rewrites=rewrites)
+
+    rows = [row("stacked_loop", "forward", 4096, "inductor", 6.0), row("stacked_loop", "forward", 4096,
+                                                                          "moe_inductor", 5.0),
+            row("stacked_loop", "forward", 8192, "inductor", 9.0), row("stacked_loop", "forward", 8192,
+                                                                          "moe_inductor", 10.0),
+            row("stacked_loop", "forward", 16, "inductor", 1.0), row("stacked_loop", "forward", 16,
+                                                                        "moe_inductor", 0.5),
+            row("stacked_loop", "forward", 64, "inductor", 1.0), row("stacked_loop", "forward", 64,
+                                                                        "moe_inductor", 0.1),  # no rule mode
+            row("stacked_loop", "train", 4096, "inductor", 3.0), row("stacked_loop", "train", 4096,
+                                                                        "moe_inductor", 3.0, rewrites=0)]
+    (entry,) = rule_entries(rows, [16, 8, 4, 2])
+    assert entry["route"] == "fx_loop" and entry["shape"] == [16, 8, 4, 2]
+    assert entry["prefill"] == 0.9 and entry["decode"] == 2.0 and "train" not in entry  # not rewritten: no value
