@@ -91,7 +91,9 @@ class SortedMoE(nn.Module):
             xs = x[tok]
             h = F.silu(torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)) * torch._grouped_mm(
                 xs, self.w3.transpose(1, 2), offs=offs)
-            ys = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs) * top.view(-1)[order][:, None].to(x.dtype)
+            # the column of sorted weights in one index, or gathered, then given its unit dimension
+            scores = top.view(-1)[order, None] if self.style == "bincount_int" else top.view(-1)[order][:, None]
+            ys = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs) * scores.to(x.dtype)
             return torch.zeros_like(x).index_add_(0, tok, ys)
         if self.style.startswith("v5"):  # transformers v5's grouped_mm forward; three look-alikes of its unsort
             flat, weights = ids.reshape(-1), top.reshape(-1)
@@ -143,7 +145,7 @@ def _hf_fallback():
                                      ("bincount", 2), ("bincount_int", 1)],
                          ids=["titan-k1", "titan-k2", "hf-k1", "hf-k2", "hf-fallback-op-fp32", "functional-fp32",
                               "v5-inverse-unsort-k2", "v5-inverse-unsort-k1", "v5-argsort-counts-of-flat-perm",
-                              "bincount-minlength-cast-offsets-k2", "bincount-int-offsets-k1"])
+                              "bincount-minlength-cast-offsets-k2", "bincount-int-offsets-column-index-k1"])
 def test_styles_are_rewritten_and_equal(style, k):
     """Every spelling of the grouped GEMM: torch._grouped_mm (bf16 only), transformers' fp32 fallback op, and
     F.grouped_mm (bf16 on CPU, like _grouped_mm)."""

@@ -205,23 +205,32 @@ def _grouped(node: Node, offs_ids: Node, num_experts: Optional[int]) -> Optional
 
 
 def _scaled_by(node: Node, scores: Node) -> Optional[Node]:
-    """``t`` when ``node`` is ``t * scores.reshape(-1, 1)`` (or ``scores[:, None]``, ``scores.unsqueeze(-1)``),
-    possibly inside casts."""
+    """``t`` when ``node`` is ``t * scores.reshape(-1, 1)`` (or ``scores[:, None]``, ``scores.unsqueeze(-1)``; or
+    ``t * scores`` where ``scores`` is that column already, ``weights.view(-1)[order, None]``), possibly inside
+    casts."""
     node = _strip(node, "to")
     if not is_call(node, "call_function", operator.mul):
         return None
+    is_column = isinstance(scores.args[1], tuple)  # _scores_of's (order, None) index
     for t, s in (node.args, node.args[::-1]):
         s = _strip(s, "to", "float")
-        if column_of(s, 1) is scores:
+        if (s is scores) if is_column else (column_of(s, 1) is scores):
             return _strip(t, "float", "to")
     return None
 
 
 def _scores_of(order: Node) -> list[Node]:
-    """The ``weights.view(-1)[order]`` gathers that read the routing weights in sorted order (floating values: the
-    ids' own ``flat[order]``, which v5 counts, is not one)."""
-    return [u for u in order.users if is_call(u, "call_function", operator.getitem) and u.args[1] is order
+    """The ``weights.view(-1)[order]`` gathers that read the routing weights in sorted order, or their column read
+    in the same index (``weights.view(-1)[order, None]``) (floating values: the ids' own ``flat[order]``, which v5
+    counts, is not one)."""
+    return [u for u in order.users if is_call(u, "call_function", operator.getitem)
+            and (u.args[1] is order or _column_index(u.args[1], order))
             and flat_of(u.args[0]) is not None and val(u) is not None and val(u).is_floating_point()]
+
+
+def _column_index(index, order: Node) -> bool:
+    """Whether ``index`` is ``(order, None)``: a gather by ``order`` and a trailing unit dimension, in one index."""
+    return isinstance(index, tuple) and len(index) == 2 and index[0] is order and index[1] is None
 
 
 @dataclass
