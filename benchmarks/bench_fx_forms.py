@@ -1,10 +1,12 @@
 """Hand-written MoE layers of the FX forms, one per form, against Inductor: the speed rule's values for the routes
 ``bench_list_train.py`` does not measure (``moe_inductor/speed_rule.py``'s ``fx_route``).
 
-    python benchmarks/bench_fx_forms.py --forms stacked_loop gathered capacity sorted --widths 4096 14336 8 2
+    python benchmarks/bench_fx_forms.py --forms list stacked_loop gathered capacity sorted --widths 4096 14336 8 2
 
-Each layer is written as such code is in public codebases, over stacked (E, out, in) weights, SwiGLU experts:
+Each layer is written as such code is in public codebases, SwiGLU experts, over stacked (E, out, in) weights but the
+first:
 
+- ``list``: bench_list_train.py's ModuleList loop (route "fx_list"), so that one run measures every route;
 - ``stacked_loop``: a loop over the experts, ``torch.where`` of each one's rows of a one-hot, ``F.linear`` on the
   expert's slice of each stack, ``index_add_`` (Mixtral's transformers-v4 loop with the weights stacked);
 - ``gathered``: every token's chosen experts' weights gathered (``w[ids]``) and applied by einsum (gpt-fast's
@@ -43,7 +45,8 @@ import moe_inductor  # noqa: E402
 from moe_inductor import config  # noqa: E402
 
 #: the speed rule's route each form's values are for
-ROUTES = {"stacked_loop": "fx_loop", "gathered": "fx_gathered", "capacity": "fx_capacity", "sorted": "fx_sorted"}
+ROUTES = {"list": "fx_list", "stacked_loop": "fx_loop", "gathered": "fx_gathered", "capacity": "fx_capacity",
+          "sorted": "fx_sorted"}
 #: token counts beyond which a form's eager code cannot run at real widths (gathered weights: (T, k, I, H) each)
 MAX_TOKENS = {"gathered": 64}
 #: forms whose code takes one dtype whatever the device (torch._grouped_mm traces bf16 only)
@@ -67,6 +70,20 @@ class _Stacked(nn.Module):
         probs = self.gate(x).float().softmax(-1)
         w, ids = torch.topk(probs, self.top_k, dim=-1)
         return (w / w.sum(-1, keepdim=True)).to(x.dtype), ids
+
+
+class ListLoop(nn.Module):
+    """bench_list_train.py's layer: transformers v4's Mixtral loop over a ModuleList of nn.Linear SwiGLU experts (the
+    list op's route, "fx_list"), so that one run measures every FX route."""
+
+    def __init__(self, hidden: int, inner: int, experts: int, top_k: int):
+        super().__init__()
+        from benchmarks.bench_list_train import LoopMoE
+
+        self.layer = LoopMoE(hidden, inner, experts, top_k)
+
+    def forward(self, x):
+        return self.layer(x)
 
 
 class StackedLoop(_Stacked):
@@ -130,7 +147,7 @@ class Sorted(_Stacked):
         return torch.zeros_like(x).index_add_(0, tok, down)
 
 
-FORMS = {"stacked_loop": StackedLoop, "gathered": Gathered, "capacity": Capacity, "sorted": Sorted}
+FORMS = {"list": ListLoop, "stacked_loop": StackedLoop, "gathered": Gathered, "capacity": Capacity, "sorted": Sorted}
 
 
 def _timer(device: str) -> Callable[[Callable], float]:
@@ -233,8 +250,9 @@ def main(argv=None) -> list[dict]:
                                      first_s=first, rewrites=rewrites))
                     print(f"| {form} | {mode} | {T} | {column} | {ms:.3f} | {ratio:.2f} | {err:.2e} | {peak:.0f} | "
                           f"{first:.1f} | {rewrites} |", flush=True)
-    for entry in rule_entries(rows, args.widths):
-        print("RULE " + json.dumps(entry))
+        # each form's entry as soon as it is measured: a run cut by its time limit keeps what it finished
+        for entry in rule_entries([r for r in rows if r["form"] == form], args.widths):
+            print("RULE " + json.dumps(entry), flush=True)
     return rows
 
 

@@ -75,11 +75,11 @@
 #   bash benchmarks/device_run.sh listtrain  # ModuleList layers through the list op against Inductor and eager, forward
 #                                            # and training step, Mixtral's and DeepSeek-V2-Lite's widths: the
 #                                            # speed rule's "fx_list" values for this GPU (bench_list_train.py) (~3 min)
-#   bash benchmarks/device_run.sh fxforms    # the FX forms over stacked weights (a loop, gathered weights, GShard
-#                                            # capacity, sort + grouped_mm) against Inductor and eager, forward and
-#                                            # training step, Mixtral's widths: the speed rule's "fx_loop",
-#                                            # "fx_gathered", "fx_capacity", "fx_sorted" values (bench_fx_forms.py;
-#                                            # RULE lines) (~8 min; fxforms2: DeepSeek-V2-Lite's widths)
+#   bash benchmarks/device_run.sh fxforms    # the FX forms (a ModuleList loop; over stacked weights a loop, gathered
+#                                            # weights, GShard capacity, sort + grouped_mm) against Inductor and
+#                                            # eager, forward and training step, Mixtral's widths: the speed rule's
+#                                            # "fx_list", "fx_loop", "fx_gathered", "fx_capacity", "fx_sorted" values
+#                                            # (bench_fx_forms.py; RULE lines) (~9 min; fxforms2: DeepSeek-V2-Lite's)
 #   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys, GPT-OSS's
 #                                            # own layout first (tune_gemm.py, 14 compiling processes), merge (~7 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.

@@ -21,19 +21,19 @@ AOT = {"inner": "aot_eager"}
 def _weigh_in_place(a, w, out):
     y = a.to(torch.float32)  # the same tensor: a is changed in place below
     y.mul_(w)  # w's gradient needs a's value from before the change
-    out.index_add_(0, torch.arange(a.shape[0]), y)
+    out.index_add_(0, torch.arange(a.shape[0], device=a.device), y)
 
 
-def _run(fn, backend, options=None, leaf=False):
+def _run(fn, backend, options=None, leaf=False, device="cpu"):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    lin = nn.Linear(4, 4)
-    w = torch.randn(3, 1, requires_grad=True)
-    a = torch.randn(3, 4, requires_grad=True) if leaf else lin(torch.randn(3, 4))
-    out = torch.zeros(3, 4)
+    lin = nn.Linear(4, 4).to(device)
+    w = torch.randn(3, 1, device=device, requires_grad=True)
+    a = torch.randn(3, 4, device=device, requires_grad=True) if leaf else lin(torch.randn(3, 4, device=device))
+    out = torch.zeros(3, 4, device=device)
     run = fn if backend is None else torch.compile(fn, backend=backend, options=options)
     run(a, w, out)
-    (out * torch.arange(12.0).view(3, 4)).sum().backward()
+    (out * torch.arange(12.0, device=device).view(3, 4)).sum().backward()
     return out.detach(), w.grad, lin.weight.grad
 
 
@@ -170,3 +170,16 @@ def test_the_generators_numpy_walk_lookalike_runs_backward_under_aot():
     outcome = run(r, "aot_eager")
     assert outcome.verdict == "kept", outcome.describe()
     assert not counters["moe_inductor"]
+
+
+@pytest.mark.gpu
+def test_gpu_an_input_weighted_in_place_under_inductor():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.library.opcheck(torch.ops.moe_inductor.own_copy.default,
+                              (torch.randn(5, 3, device="cuda", dtype=dtype, requires_grad=True),))
+    ref = _run(_weigh_in_place, None, device="cuda")
+    got = _run(_weigh_in_place, "moe_inductor", {"inner": "inductor"}, device="cuda")
+    for g, r in zip(got, ref):
+        assert rel_err(g, r) < 1e-5
