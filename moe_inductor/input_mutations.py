@@ -15,7 +15,8 @@ an op of ours (``moe_inductor::own_copy``), opaque to Inductor's partitioner: a 
 the backward from the input, and save the input again.
 
 Inputs left as they are: a leaf that records a gradient (eager raises on changing it in place, and so must we), an
-input an output of the graph aliases (the caller would get a view of the copy), an input nothing reads but views and
+input an output of the graph aliases (the caller would get a view of the copy), one another input views (that view
+must see each change as it is made), an input nothing reads but views and
 changes whose gradient needs none of its old values (a residual's ``h += x``: nothing of it is saved, and a copy would
 only cost time), and every input where grad mode is off.
 """
@@ -70,6 +71,8 @@ def clone_mutated_grad_inputs(gm: torch.fx.GraphModule, example_inputs: list[Any
         aliases = _aliases_of(gm, node)
         if aliases is None or not any(_changes_in_place(n, aliases) for n in gm.graph.nodes):
             continue
+        if any(n.op == "placeholder" and n is not node for n in aliases):  # another input views it: it must see
+            continue  # each change when it is made, not at the end
         if not _may_be_saved(gm, aliases):  # AOTAutograd runs it as it is (a residual's ``h += x``)
             continue
         if any(isinstance(a, torch.fx.Node) and a in aliases for a in _flat(output.args)):

@@ -129,6 +129,33 @@ def test_every_spelling_of_a_change_in_place_is_seen(spelling):
     assert clone_mutated_grad_inputs(gm, inputs) == ["l_a_"]
 
 
+def _weigh_then_read_view(a, row, w, out):
+    a.mul_(w)  # row, another input, views a: it must read the changed values
+    out.add_(row * 3.0)
+
+
+def test_an_input_another_input_views_is_changed_in_place_as_eager_does():
+    def run(backend, options=None):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 4)
+        a = lin(torch.randn(3, 4))
+        w = torch.randn(3, 1, requires_grad=True)
+        out = torch.zeros(4)
+        fn = _weigh_then_read_view if backend is None else torch.compile(_weigh_then_read_view, backend=backend,
+                                                                          options=options)
+        fn(a, a[1], w, out)
+        return out
+
+    ref = run(None)
+    got = run("moe_inductor", AOT)
+    assert rel_err(got, ref) < 1e-6
+    a = _grad_input()
+    gm, inputs = _traced(_weigh_then_read_view, a, a[1], torch.randn(3, 1), torch.zeros(4))
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"][:1] == ["l_a_"]
+    assert clone_mutated_grad_inputs(gm, inputs) == []  # a copy of a would hide the change from the view
+
+
 def test_inputs_it_leaves_alone():
     def returns_alias(a, w):
         a.mul_(w)
