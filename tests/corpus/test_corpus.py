@@ -104,3 +104,14 @@ def test_rewritten_module_survives_aot_tracing(case):
     outcome = run_case(case, inner="aot_eager")
     assert outcome.kind == "rewritten", (outcome.declared(), outcome.rewrites, outcome.left_alone)
     check_rewritten(case, outcome)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _one_rewritten_case_per_form(), ids=lambda c: f"{c.form}-{c.name}")
+def test_one_module_per_form_under_inductor_on_the_cpu(case):
+    """A rewritten layer of each form with the default inner compiler, Inductor, on the CPU: the CPU lowering of the
+    op (lowerings/cpu.py), Inductor's own partitioner and decompositions, forward and backward against eager. The
+    whole corpus passes the same way (RESULTS.md, thirty-fourth session); one per form keeps CI's time."""
+    outcome = run_case(case, inner="inductor")
+    assert outcome.kind == "rewritten", (outcome.declared(), outcome.rewrites, outcome.left_alone)
+    check_rewritten(case, outcome)
