@@ -27,6 +27,8 @@ from typing import Any, Optional
 
 import torch
 
+from .passes.fx_utils import val
+
 #: in-place operators Dynamo records as functions (``y += z`` is ``operator.iadd``)
 _INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
                                 operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
@@ -75,7 +77,7 @@ def clone_mutated_grad_inputs(gm: torch.fx.GraphModule, example_inputs: list[Any
             continue  # each change when it is made, not at the end
         if not _may_be_saved(gm, aliases):  # AOTAutograd runs it as it is (a residual's ``h += x``)
             continue
-        if any(isinstance(a, torch.fx.Node) and a in aliases for a in _flat(output.args)):
+        if _reads(output.args, aliases):
             continue
         _read_through_clone(gm, node, output)
         done.append(node.name)
@@ -83,11 +85,6 @@ def clone_mutated_grad_inputs(gm: torch.fx.GraphModule, example_inputs: list[Any
         gm.graph.lint()
         gm.recompile()
     return done
-
-
-def _value(node: torch.fx.Node) -> Optional[torch.Tensor]:
-    value = node.meta.get("example_value", node.meta.get("val"))
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _storage(value: torch.Tensor) -> Any:
@@ -99,12 +96,12 @@ def _storage(value: torch.Tensor) -> Any:
 def _aliases_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[set]:
     """The nodes whose traced value shares ``node``'s storage (the input, its views, ``.to()`` of it that returned
     it), by the traced values' storages; None where the input's traced value is unknown."""
-    value = _value(node)
+    value = val(node)
     if value is None:
         return None
     try:
         storage = _storage(value)
-        return {n for n in gm.graph.nodes if (v := _value(n)) is not None and _storage(v) == storage}
+        return {n for n in gm.graph.nodes if (v := val(n)) is not None and _storage(v) == storage}
     except Exception:  # noqa: BLE001  (a value without a storage, a tensor subclass: nothing is known to alias it)
         return None
 
@@ -135,23 +132,23 @@ def _may_be_saved(gm: torch.fx.GraphModule, aliases: set) -> bool:
     for node in gm.graph.nodes:
         if node in aliases or node.op not in ("call_method", "call_function"):
             continue
-        if not any(isinstance(a, torch.fx.Node) and a in aliases for a in _flat((node.args, node.kwargs))):
+        if not _reads((node.args, node.kwargs), aliases):
             continue
         target = node.args[0] if node.args else None
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
         writes_only = (isinstance(target, torch.fx.Node) and target in aliases
                        and (node.target in _WRITES_ONLY_OPERATORS or name in _WRITES_ONLY)
-                       and not any(isinstance(a, torch.fx.Node) and a in aliases
-                                   for a in _flat((node.args[1:], node.kwargs))))
+                       and not _reads((node.args[1:], node.kwargs), aliases))
         if not writes_only:
             return True
     return False
 
 
-def _flat(args: Any) -> list:
-    out: list = []
-    torch.fx.node.map_aggregate(args, out.append)
-    return out
+def _reads(args: Any, aliases: set) -> bool:
+    """Whether any node among ``args`` (nested in tuples, lists and dicts) is one of ``aliases``."""
+    found: list = []
+    torch.fx.node.map_arg(args, lambda n: found.append(n in aliases))
+    return any(found)
 
 
 def _read_through_clone(gm: torch.fx.GraphModule, node: torch.fx.Node, output: torch.fx.Node) -> None:
