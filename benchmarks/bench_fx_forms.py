@@ -42,6 +42,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import moe_inductor  # noqa: E402
+from benchmarks.bench_cpu import interleaved_ms  # noqa: E402
+from benchmarks.bench_list_train import LoopMoE  # noqa: E402
 from moe_inductor import config  # noqa: E402
 
 #: the speed rule's route each form's values are for
@@ -70,20 +72,6 @@ class _Stacked(nn.Module):
         probs = self.gate(x).float().softmax(-1)
         w, ids = torch.topk(probs, self.top_k, dim=-1)
         return (w / w.sum(-1, keepdim=True)).to(x.dtype), ids
-
-
-class ListLoop(nn.Module):
-    """bench_list_train.py's layer: transformers v4's Mixtral loop over a ModuleList of nn.Linear SwiGLU experts (the
-    list op's route, "fx_list"), so that one run measures every FX route."""
-
-    def __init__(self, hidden: int, inner: int, experts: int, top_k: int):
-        super().__init__()
-        from benchmarks.bench_list_train import LoopMoE
-
-        self.layer = LoopMoE(hidden, inner, experts, top_k)
-
-    def forward(self, x):
-        return self.layer(x)
 
 
 class StackedLoop(_Stacked):
@@ -147,7 +135,9 @@ class Sorted(_Stacked):
         return torch.zeros_like(x).index_add_(0, tok, down)
 
 
-FORMS = {"list": ListLoop, "stacked_loop": StackedLoop, "gathered": Gathered, "capacity": Capacity, "sorted": Sorted}
+#: "list" is bench_list_train.py's layer (transformers v4's Mixtral loop over a ModuleList), so one run measures every
+#: route
+FORMS = {"list": LoopMoE, "stacked_loop": StackedLoop, "gathered": Gathered, "capacity": Capacity, "sorted": Sorted}
 
 
 def _timer(device: str) -> Callable[[Callable], float]:
@@ -158,13 +148,7 @@ def _timer(device: str) -> Callable[[Callable], float]:
 
     def median_ms(fn: Callable, rounds: int = 7, calls: int = 3) -> float:
         fn()
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append((time.perf_counter() - t0) / calls * 1e3)
-        return statistics.median(times)
+        return statistics.median(interleaved_ms({"fn": fn}, rounds, calls)["fn"])
 
     return median_ms
 
