@@ -22,7 +22,8 @@ token count up to 16 is the rule's "decode", from 512 its "prefill") and ``train
 the output against a fixed probe). Times are ``triton.testing.do_bench`` medians in ms on CUDA (random bf16 weights
 and inputs), or wall-clock medians on the CPU (``--device cpu``, fp32 but ``sorted``'s bf16, for a smoke run). Each row gives the time,
 Inductor's time over the column's, the max abs error against eager, the peak memory and the first call's seconds,
-and how many layers moe_inductor rewrote (a 0 there means the row times Inductor's path twice). The last lines,
+and how many layers moe_inductor rewrote (a 0 there means the row times Inductor's path twice; a ``LEFT`` line
+then gives explain()'s reasons). The last lines,
 ``RULE {...}``, are each form's values as the rule's file holds them (route, shape, one value per mode).
 """
 from __future__ import annotations
@@ -234,10 +235,21 @@ def main(argv=None) -> list[dict]:
                                      first_s=first, rewrites=rewrites))
                     print(f"| {form} | {mode} | {T} | {column} | {ms:.3f} | {ratio:.2f} | {err:.2e} | {peak:.0f} | "
                           f"{first:.1f} | {rewrites} |", flush=True)
+                    if column == "moe_inductor" and not rewrites:
+                        print(f"LEFT {form} {mode} T={T}: {why_left(model, xg if mode == 'train' else x, mode)}",
+                              flush=True)
         # each form's entry as soon as it is measured: a run cut by its time limit keeps what it finished
         for entry in rule_entries([r for r in rows if r["form"] == form], args.widths):
             print("RULE " + json.dumps(entry), flush=True)
     return rows
+
+
+def why_left(model: nn.Module, x: torch.Tensor, mode: str) -> str:
+    """explain()'s reasons for a layer moe_inductor did not rewrite (a row that times Inductor's path twice)."""
+    with torch.set_grad_enabled(mode == "train"):
+        report = moe_inductor.explain(model, x, options={"inner": "aot_eager"})
+    reasons = "; ".join(f"{left.form}: {left.reason}" for left in report.left_alone)
+    return reasons or "explain() found no MoE-looking region"
 
 
 def rule_entries(rows: list[dict], widths: list[int]) -> list[dict]:

@@ -140,3 +140,34 @@ def test_eager_errors_kept(gate, message):
     with pytest.raises(Exception, match=message):
         compiled(x)
     assert not counters["moe_inductor"]
+
+
+class CastCombineMoE(GroupedMoE):
+    """float32 gating in a bf16 model: the combine cast to x's dtype, the dispatch the support of that cast (or, with
+    ``narrower``, of a float16 cast, which rounds gates under 6e-8 to zero where bf16 keeps them)."""
+
+    def __init__(self, narrower=False):
+        super().__init__(factor=1.0)
+        self.narrower = narrower
+
+    def forward(self, x):
+        full = self.gate(x.float())[1]
+        combine = full.to(x.dtype)
+        dispatch = (full.half() if self.narrower else combine).bool().to(x.dtype)
+        xin = torch.einsum("bnd,bnec->ebcd", x, dispatch)
+        out = self.experts(xin.reshape(E, -1, H)).reshape(xin.shape)
+        return torch.einsum("ebcd,bnec->bnd", out, combine)
+
+
+@pytest.mark.parametrize("narrower", [False, True], ids=["cast-combine", "narrower-dispatch"])
+def test_dispatch_of_the_cast_combine(narrower):
+    torch.manual_seed(0)
+    model = CastCombineMoE(narrower).to(torch.bfloat16)
+    model.gate.float()
+    compiled = _compile(model)
+    for b, n in ((2, 24), (1, 9)):
+        x = torch.randn(b, n, H, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(n))
+        assert rel_err(compiled(x).float(), model(x).float()) < 2e-2
+    rewrites = counters["moe_inductor"]["padded_capacity"]
+    assert rewrites == 0 if narrower else rewrites == counters["stats"]["unique_graphs"] >= 1
+    assert bool(counters["moe_inductor_left_alone"]) == narrower

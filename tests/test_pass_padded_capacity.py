@@ -149,6 +149,51 @@ def test_padded_capacity_bf16_matches_eager():
     assert ((got - ref).norm() / ref.norm()).item() < 2e-2
 
 
+class CastCombineMoE(CapacityMoE):
+    """float32 gating in a bf16 model, the combine cast to x's dtype before the dispatch is taken (GShard's
+    ``combine.to(x.dtype)``, then ``combine.bool()``): the dispatch is the support of the combine the einsum reads.
+    ``narrower`` takes the dispatch through float16 instead, which rounds gates under 6e-8 to zero where bf16 keeps
+    them: a dispatch that is not the read combine's support."""
+
+    def __init__(self, narrower=False):
+        super().__init__("top2")
+        self.narrower = narrower
+
+    def forward(self, x):
+        full = self.gating(x.float())  # the router is float32
+        combine = full.to(x.dtype)
+        dispatch = (full.half() if self.narrower else combine).bool().to(x.dtype)
+        expert_in = torch.einsum("tec,th->ech", dispatch, x)
+        h = F.silu(torch.einsum("ech,eih->eci", expert_in, self.w1)) * torch.einsum("ech,eih->eci", expert_in, self.w3)
+        return torch.einsum("tec,ech->th", combine, torch.einsum("eci,ehi->ech", h, self.w2))
+
+
+def test_dispatch_of_the_cast_combine_is_rewritten():
+    """bench_fx_forms.py's GShard layer on the GPU: bf16 experts, float32 gates, the dispatch taken from the cast."""
+    torch.manual_seed(3)
+    model = CastCombineMoE().to(torch.bfloat16)
+    model.router.float()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor", options={"inner": "eager"})
+    for T in (7, 19):
+        x = torch.randn(T, H, dtype=torch.bfloat16)
+        got, ref = compiled(x).float(), model(x).float()
+        assert ((got - ref).norm() / ref.norm()).item() < 2e-2
+    assert counters["moe_inductor"]["padded_capacity"] >= 1
+    assert not counters["moe_inductor_left_alone"]
+
+
+def test_dispatch_through_a_narrower_cast_is_left_alone():
+    torch.manual_seed(3)
+    model = CastCombineMoE(narrower=True).to(torch.bfloat16)
+    model.router.float()
+    x = torch.randn(19, H, dtype=torch.bfloat16)
+    torch.testing.assert_close(compile_moe(model, x), model(x))
+    assert counters["moe_inductor"]["padded_capacity"] == 0
+    assert counters["moe_inductor_left_alone"]["padded_capacity"] == 1
+
+
 @pytest.mark.slow
 def test_capacity_computed_from_the_token_count():
     """C = 2T // E + 1: one_hot specialises on C (under any backend), so every new C is a new graph; each one is

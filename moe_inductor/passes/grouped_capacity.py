@@ -253,7 +253,10 @@ def match_grouped(y: Node) -> Union[Match, str, None]:
     parts = _y_parts(y)
     if parts is None:
         return None
-    combine, out = strip_casts(parts[0]), parts[1]
+    # a dispatch may be the support of the gating's combine or of the cast the combine einsum reads (the emitter
+    # casts the gates to x's dtype the same way): padded_capacity._match_parts says why either is exact
+    read, out = parts
+    combine = strip_casts(read)
     s = shape(combine)
     if s is None or len(s) != 4 or combine.op == "placeholder":
         return None
@@ -282,7 +285,8 @@ def match_grouped(y: Node) -> Union[Match, str, None]:
         for xi, di in ((0, 1), (1, 0)):
             xs, ds = subs[xi], subs[di]
             if len(ds) == 4 and len(set(ds)) == 4 and xs == ds[0] + ds[1] + xs[2:] and len(xs) == 3 \
-                    and xs[2] not in ds and o == ds[2] + ds[0] + ds[3] + xs[2] and _support_of(ops[di]) is combine:
+                    and xs[2] not in ds and o == ds[2] + ds[0] + ds[3] + xs[2] \
+                    and any(_support_of(ops[di]) is n for n in (combine, read)):
                 dispatched = (ex, ops[xi])
     if dispatched is None:
         return f"{base} its slots are not experts on a dispatch of combine's support"

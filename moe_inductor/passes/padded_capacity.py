@@ -368,14 +368,18 @@ def match(y: Node) -> Union[_Match, str, None]:
     combine; None when it is not one."""
     reason = None
     for combine, out in _capacity_combines(y):
-        found = _match_parts(y, strip_casts(combine), out)
+        found = _match_parts(y, strip_casts(combine), out, read=combine)
         if isinstance(found, _Match):
             return found
         reason = reason or found
     return reason
 
 
-def _match_parts(y: Node, combine: Node, out: Node) -> Union[_Match, str]:
+def _match_parts(y: Node, combine: Node, out: Node, read: Node) -> Union[_Match, str]:
+    """``combine`` is the gating's (T, E, C) tensor under float casts; ``read`` is what the combine einsum reads
+    (that tensor, or a cast of it). A dispatch may be the support of either: of ``read``, it is exactly the slots
+    whose combine weight is nonzero where the weights are applied (the emitter casts the gates to x's dtype, as
+    ``read`` is when the model runs in bf16 with float32 gating)."""
     s = shape(combine)
     if s is None or len(s) != 3:
         return "the combine is not a (T, E, C) tensor"
@@ -390,7 +394,8 @@ def _match_parts(y: Node, combine: Node, out: Node) -> Union[_Match, str]:
     reason = "a (T, E, C) combine over capacity slots, but its slots are not filled by a dispatch of combine's support"
     for ex in experts:
         dispatched = _dispatched(ex.xin, T, E, C)
-        if dispatched is None or _dispatch_of(dispatched[0]) is not combine:
+        support = None if dispatched is None else _dispatch_of(dispatched[0])
+        if support is None or (support is not combine and support is not read):
             continue
         x = dispatched[1]
         if shape(x) is None or len(shape(x)) != 2 or not same_traced(shape(x)[0], T):
