@@ -92,7 +92,17 @@ class SortedMoE(nn.Module):
             h = F.silu(torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)) * torch._grouped_mm(
                 xs, self.w3.transpose(1, 2), offs=offs)
             # the column of sorted weights in one index, or gathered, then given its unit dimension
-            scores = top.view(-1)[order, None] if self.style == "bincount_int" else top.view(-1)[order][:, None]
+            sorted_w = top.view(-1)[order]
+            if self.style == "bincount_int":
+                scores = top.view(-1)[order, None]
+            elif self.style == "bincount_fn":  # the functional spelling of the unit dimension
+                scores = torch.unsqueeze(sorted_w, 1)
+            elif self.style == "bincount_sized":  # a reshape to its own size and a 1
+                scores = sorted_w.reshape(sorted_w.shape[0], 1)
+            elif self.style == "bincount_transposed":  # look-alike: k-major order read back as a column
+                scores = sorted_w.view(k, -1).t().reshape(-1, 1)
+            else:
+                scores = sorted_w[:, None]
             ys = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=offs) * scores.to(x.dtype)
             return torch.zeros_like(x).index_add_(0, tok, ys)
         if self.style.startswith("v5"):  # transformers v5's grouped_mm forward; three look-alikes of its unsort
@@ -142,10 +152,11 @@ def _hf_fallback():
 
 @pytest.mark.parametrize("style,k", [("titan", 1), ("titan", 2), ("hf", 1), ("hf", 2), ("hf_fallback_fp32", 2),
                                      ("functional_fp32", 2), ("v5", 2), ("v5", 1), ("v5_argsort", 2),
-                                     ("bincount", 2), ("bincount_int", 1)],
+                                     ("bincount", 2), ("bincount_int", 1), ("bincount_fn", 2), ("bincount_sized", 2)],
                          ids=["titan-k1", "titan-k2", "hf-k1", "hf-k2", "hf-fallback-op-fp32", "functional-fp32",
                               "v5-inverse-unsort-k2", "v5-inverse-unsort-k1", "v5-argsort-counts-of-flat-perm",
-                              "bincount-minlength-cast-offsets-k2", "bincount-int-offsets-column-index-k1"])
+                              "bincount-minlength-cast-offsets-k2", "bincount-int-offsets-column-index-k1",
+                              "bincount-torch-unsqueeze-column", "bincount-reshape-to-own-size-column"])
 def test_styles_are_rewritten_and_equal(style, k):
     """Every spelling of the grouped GEMM: torch._grouped_mm (bf16 only), transformers' fp32 fallback op, and
     F.grouped_mm (bf16 on CPU, like _grouped_mm)."""
@@ -167,10 +178,11 @@ def test_styles_are_rewritten_and_equal(style, k):
 
 
 @pytest.mark.parametrize("style", ["wrong_offsets", "unsorted_scores", "scatter_other_rows", "v5_other_counts",
-                                   "bincount_weighted", "bincount_other_ids"])
+                                   "bincount_weighted", "bincount_other_ids", "bincount_transposed"])
 def test_look_alikes_are_left_alone(style):
     """Offsets of other ids (counted flat, or in sorted order as v5 counts them, or by bincount), weighted bincounts,
-    scores not in the sorted order, results added to other rows: none is this MoE."""
+    scores not in the sorted order (or read back in another order as a column), results added to other rows: none is
+    this MoE."""
     torch.manual_seed(0)
     model = SortedMoE(style).bfloat16()
     x = torch.randn(9, H, dtype=torch.bfloat16)

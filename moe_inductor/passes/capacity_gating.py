@@ -34,7 +34,7 @@ import torch
 from torch.fx import Node
 
 from ..shape_tensors import shape_value
-from .fx_utils import ONE_HOT, einsum_parts, reach, val
+from .fx_utils import ONE_HOT, einsum_parts, reach, same_traced, val  # noqa: F401 (same_traced: re-exported)
 
 _MUL = (operator.mul, torch.mul, operator.imul, "mul_")
 _ADD = (operator.add, torch.add, operator.iadd, "add_")
@@ -143,17 +143,6 @@ def size_node(anchor: Node, size: Any, held: Any = None) -> Any:
         if isinstance(traced, torch.SymInt) and same_traced(traced, size):
             return n
     return None
-
-
-def same_traced(a: Any, b: Any) -> bool:
-    """Two traced sizes are the same size (equal ints, or one symbolic expression)."""
-    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
-        return str(a.node.expr) == str(b.node.expr)
-    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
-        # a plain int size made from a symbolic one: Dynamo specialised it (one_hot's num_classes), under a guard
-        s, i = (a, b) if isinstance(a, torch.SymInt) else (b, a)
-        return isinstance(i, int) and s.node.hint == i
-    return isinstance(a, int) and isinstance(b, int) and a == b
 
 
 @dataclass(frozen=True)

@@ -434,23 +434,42 @@ _ALL = slice(None, None, None)
 ONE_HOT = (torch.nn.functional.one_hot, torch._C._nn.one_hot)
 
 
+def same_traced(a: Any, b: Any) -> bool:
+    """Two traced sizes are the same size (equal ints, or one symbolic expression)."""
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return str(a.node.expr) == str(b.node.expr)
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        # a plain int size made from a symbolic one: Dynamo specialised it (one_hot's num_classes), under a guard
+        s, i = (a, b) if isinstance(a, torch.SymInt) else (b, a)
+        return isinstance(i, int) and s.node.hint == i
+    return isinstance(a, int) and isinstance(b, int) and a == b
+
+
+def _new_axes_only(index: Any) -> bool:
+    """An index of Nones, full slices and an Ellipsis only: it adds size-1 axes and selects nothing."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(p is None or p is Ellipsis or p == _ALL for p in parts)
+
+
 def column_of(node, dims: int = 1) -> Optional[Node]:
-    """``w`` for a ``dims``-d w given a trailing 1: ``w.unsqueeze(-1)`` (or at dim ``dims``), ``w[..., None]`` or
-    ``w[:, None]`` (``[:, :, None]`` at two dims); at one dim also ``w.view(-1, 1)`` (``reshape``)."""
+    """``w`` for a ``dims``-d ``w`` read with a trailing size-1 axis: a view, reshape, unsqueeze (method or function)
+    or index of Nones and full slices whose result has ``w``'s shape and then a 1. Such a result holds w's values in
+    w's order whatever the spelling (``w.unsqueeze(-1)``, ``torch.unsqueeze(w, 1)``, ``w[..., None]``,
+    ``w[:, None]``, ``w.view(-1, 1)``, ``w.reshape(T, 1)``, ``w.view(*w.shape, 1)``): only size-1 axes differ."""
     if not isinstance(node, Node) or not node.args or not isinstance(node.args[0], Node):
         return None
     w = node.args[0]
-    if is_call(node, "call_method", "unsqueeze"):
-        dim = node.args[1] if len(node.args) == 2 and not node.kwargs else (
-            node.kwargs.get("dim") if len(node.args) == 1 and set(node.kwargs) == {"dim"} else None)
-        hit = dim in (-1, dims)
-    elif node.kwargs:
+    if not (is_call(node, "call_method", "unsqueeze", "view", "reshape")
+            or is_call(node, "call_function", torch.unsqueeze, torch.reshape)
+            or (is_call(node, "call_function", operator.getitem) and len(node.args) == 2
+                and _new_axes_only(node.args[1]))):
         return None
-    else:
-        hit = (is_call(node, "call_function", operator.getitem) and node.args[1] in (
-            (_ALL,) * dims + (None,), (Ellipsis, None))) or (dims == 1 and (
-            is_call(node, "call_method", "view", "reshape") and tuple(node.args[1:]) in ((-1, 1), ((-1, 1),))))
-    return w if hit and val(w) is not None and val(w).dim() == dims else None
+    src, out = val(w), val(node)
+    if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor) or src.dim() != dims \
+            or out.dim() != dims + 1 or out.dtype != src.dtype:
+        return None
+    want = (*src.shape, 1)
+    return w if all(same_traced(a, b) for a, b in zip(out.shape, want)) else None
 
 
 def unsqueezed_last(node) -> Optional[Node]:
