@@ -3,6 +3,7 @@ and every proven layer rewritten (``bash benchmarks/device_run.sh rule`` on that
 ``moe_inductor/kernels/tuned/whole_model/<GPU>.json``, the file ``moe_inductor/speed_rule.py`` reads.
 
     python benchmarks/rule_file.py bench_hf_rule.json [more.json ...] [--write] [--out-dir DIR]
+    python benchmarks/rule_file.py --fx-logs bench_fx_forms_mixtral.log [more.log ...] [--write]
 
 Each family measured becomes one layer kind (its activation, gate/up layout, biases and (H, I, E, k) at the real
 widths bench_hf.py builds), with one value per mode measured: the worst over the sizes measured, since the rule
@@ -10,6 +11,10 @@ decides from the mode, not the size. A GPU without a file is judged by the other
 (``speed_rule.UNMEASURED_GPU_MARGIN``); with one, a layer kind below 1.0 in a mode keeps Inductor's path there.
 Entries of the file that the runs do not measure are kept as they are. Without ``--write`` the merged file is only
 printed.
+
+``--fx-logs`` takes bench_fx_forms.py's logs instead (or as well): their ``RULE {...}`` lines are the FX routes'
+entries, already one value per mode; each replaces the modes of the file's entry with the same route and shape,
+or is added. The GPU is the one each log's first line names.
 """
 from __future__ import annotations
 
@@ -74,23 +79,67 @@ def merged(existing: Optional[dict], worst: dict, sources: list[str]) -> dict:
     return doc
 
 
+def fx_log_entries(text: str) -> tuple[Optional[str], list[dict]]:
+    """(the GPU a bench_fx_forms.py log measured, its RULE entries). The log's first line is
+    ``torch <version>, <GPU>, H=..``."""
+    gpu = None
+    entries = []
+    for line in text.splitlines():
+        if line.startswith("torch ") and gpu is None:
+            parts = [p.strip() for p in line.split(",")]
+            gpu = parts[1] if len(parts) > 2 else None
+        elif line.startswith("RULE "):
+            entries.append(json.loads(line[len("RULE "):]))
+    return gpu, entries
+
+
+def merged_fx(existing: Optional[dict], entries: list[dict], sources: list[str]) -> dict:
+    """The file's document with bench_fx_forms.py's entries put in: an entry of the same route and shape has its
+    measured modes replaced (its name and other modes kept), else the entry is added."""
+    doc = merged(existing, {}, sources)
+    layers = doc["layers"]
+    for new in entries:
+        entry = next((e for e in layers if e.get("route") == new["route"] and e.get("shape") == new["shape"]), None)
+        if entry is None:
+            layers.append(dict(new))
+            continue
+        entry.update({mode: new[mode] for mode in MODES if mode in new})
+    return doc
+
+
+#: the modes a whole_model entry holds values for (speed_rule.mode_of)
+MODES = ("prefill", "decode", "train")
+
+
 def main(argv: Optional[list] = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", help="bench_hf.py --json outputs with both moe_inductor_experts_kept and "
+    ap.add_argument("runs", nargs="*", help="bench_hf.py --json outputs with both moe_inductor_experts_kept and "
                                             "moe_inductor_rule_off columns")
+    ap.add_argument("--fx-logs", nargs="*", default=[], help="bench_fx_forms.py logs (their RULE lines)")
     ap.add_argument("--gpu", default=None, help="the GPU's name, where the runs' meta does not say it")
     ap.add_argument("--out-dir", default=str(DATA_DIR))
     ap.add_argument("--write", action="store_true", help="write the merged file (else print it only)")
     args = ap.parse_args(argv)
+    if not args.runs and not args.fx_logs:
+        ap.error("give bench_hf.py runs, --fx-logs, or both")
     gpu, worst = measured(json.loads(Path(p).read_text()) for p in args.runs)
-    gpu = args.gpu or gpu
+    fx = [fx_log_entries(Path(p).read_text()) for p in args.fx_logs]
+    gpus = {g for g in [gpu, *(g for g, _ in fx)] if g}
+    if len(gpus) > 1:
+        raise SystemExit(f"rule_file.py: the runs and logs measured different GPUs: {sorted(gpus)}")
+    gpu = args.gpu or (gpus.pop() if gpus else None)
     if not gpu or gpu == "cpu":
         raise SystemExit("rule_file.py: the runs name no GPU (pass --gpu); the CPU's rule is whole_model/cpu.json")
-    if not worst:
+    entries = [e for _, found in fx for e in found]
+    if args.runs and not worst:
         raise SystemExit("rule_file.py: no cell ran both moe_inductor_experts_kept and moe_inductor_rule_off")
+    if args.fx_logs and not entries:
+        raise SystemExit("rule_file.py: the bench_fx_forms.py logs hold no RULE line (no form was rewritten)")
     path = Path(args.out_dir) / f"{gpu.replace(' ', '_')}.json"
     existing = json.loads(path.read_text()) if path.exists() else None
-    doc = merged(existing, worst, [f"benchmarks/rule_file.py {' '.join(Path(p).name for p in args.runs)}"])
+    sources = [f"benchmarks/rule_file.py {' '.join(Path(p).name for p in args.runs)}"] if args.runs else []
+    sources += [f"bench_fx_forms.py logs {' '.join(Path(p).name for p in args.fx_logs)}"] if args.fx_logs else []
+    doc = merged_fx(merged(existing, worst, sources), entries, [])
     text = json.dumps(doc, indent=1) + "\n"
     print(text)
     if args.write:

@@ -1,6 +1,7 @@
 """Smoke runs of the benchmark scripts on the CPU, so that a broken script is found here and not on the GPU, where
 every minute is budgeted. They check that each script runs end to end and prints its rows; they measure nothing."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -571,6 +572,35 @@ def test_rule_file_refuses_runs_of_two_gpus():
     runs = [{"meta": {"device": "NVIDIA H100 80GB HBM3"}, "rows": []}, {"meta": {"device": "NVIDIA H200"}, "rows": []}]
     with pytest.raises(ValueError, match="different GPUs"):
         rule_file.measured(runs)
+
+
+def test_rule_file_merges_bench_fx_forms_logs(tmp_path):
+    """--fx-logs: the RULE lines of bench_fx_forms.py's logs (the H100's, as measured) replace the modes of the
+    entries of their route and shape, keep the rest, and add the routes the file lacks; logs of two GPUs are
+    refused."""
+    from benchmarks import rule_file
+
+    data = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
+    logs = sorted(str(p) for p in data.glob("bench_fx_forms_h100_2026-12-05_thirtyfourth_*.log"))
+    assert len(logs) == 3
+    dsv2 = [2048, 1408, 64, 6]
+    (tmp_path / "NVIDIA_H100_80GB_HBM3.json").write_text(json.dumps({"layers": [
+        {"name": "old loop", "route": "fx_loop", "activation": "silu_glu", "gate_up": "separate", "bias": False,
+         "shape": dsv2, "prefill": 0.5, "decode": 0.5, "train": 0.5},
+        {"name": "Qwen3-30B-A3B", "route": "hf", "activation": "silu_glu", "gate_up": "concat", "bias": False,
+         "shape": [2048, 768, 128, 8], "prefill": 1.1}]}))
+    path = rule_file.main(["--fx-logs", *logs, "--out-dir", str(tmp_path), "--write"])
+    layers = json.loads(path.read_text())["layers"]
+    by = {(e["route"], tuple(e["shape"])): e for e in layers}
+    loop = by[("fx_loop", tuple(dsv2))]
+    assert loop["name"] == "old loop" and (loop["prefill"], loop["decode"], loop["train"]) == (10.49, 30.53, 28.79)
+    assert by[("hf", (2048, 768, 128, 8))]["prefill"] == 1.1
+    assert by[("fx_sorted", (4096, 14336, 8, 2))]["train"] == 0.69  # added
+    assert len(layers) == 2 + 5  # fx_list and fx_sorted at both widths, fx_loop at Mixtral's
+    other = tmp_path / "h200.log"
+    other.write_text("torch 2.11.0, NVIDIA H200, H=1\nRULE " + json.dumps(loop) + "\n")
+    with pytest.raises(SystemExit, match="different GPUs"):
+        rule_file.main(["--fx-logs", logs[0], str(other), "--out-dir", str(tmp_path)])
 
 
 @pytest.mark.slow  # three compiles of the layer
