@@ -12,6 +12,8 @@
 #                                            # GPT-OSS training steps, Qwen3 decode B=1, with profiles     (~9 min)
 #   bash benchmarks/device_run.sh hfall      # bench_hf.py over every family, mode and size in one run, one
 #                                            # family per GPU: needs an 8-GPU machine (nvidia-h200-x8)    (~9 min)
+#   bash benchmarks/device_run.sh dense      # the control: a dense Llama (nothing to rewrite), prefill 512/4096, decode
+#                                            # B 1/16, train 4096, eager/inductor/moe_inductor (bench_hf) (~6 min)
 #   bash benchmarks/device_run.sh fair       # bench_hf.py: every prefill T=4096 cell but GPT-OSS's, and Qwen3's training
 #                                            # step, each cell's columns again in 3 interleaved rounds, GPU clocks (~9 min)
 #   bash benchmarks/device_run.sh mem        # the live allocations at a compiled training step's peak, by site,
@@ -157,6 +159,11 @@ case "${1:-suite}" in
       mixtral:prefill:4096 olmoe:prefill:4096 qwen2_moe:prefill:4096 deepseek_v3:prefill:4096 \
       --json "$OUT/bench_hf.json" --markdown "$OUT/bench_hf.md" 2>&1 | grep -v "torch.__trace\|^DEBUG" \
       | tee "$OUT/bench_hf.log" | grep -v "^  " ;;
+  dense)  # the do-no-harm control: a dense Llama-3-8B (2 layers), nothing to rewrite, in every mode; moe_inductor
+          # must equal Inductor there (~6 min)
+    timeout 575 python benchmarks/bench_hf.py --deadline-s 550 --budget llama=540 --families llama --tokens 512 4096 \
+      --batches 1 16 --train-tokens 4096 --json "$OUT/bench_hf_dense.json" --markdown "$OUT/bench_hf_dense.md" 2>&1 \
+      | grep -v "torch.__trace\|^DEBUG" | tee "$OUT/bench_hf_dense.log" | grep -v "^  " ;;
   fair)  # every prefill T=4096 cell and Qwen3's training step, each cell's columns timed again in 3 interleaved
          # rounds (order reversed every other round) with the GPU's clock sampled: whether a ratio depends on the
          # columns' order (it did not, twenty-second session: the faster column draws the card to its power limit

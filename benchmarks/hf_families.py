@@ -60,4 +60,11 @@ FAMILIES = {
         n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=0, num_attention_heads=4,
         num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
         routed_scaling_factor=2.5)),
+    # the control: a dense model, nothing to rewrite. moe_inductor must equal Inductor here (its capture settings and
+    # hooks are all it adds); a gap is harm to every non-MoE model a user compiles with it
+    "llama": ("Llama", "Llama-3-8B (dense)", 2, dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128), dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
 }
+#: families with no MoE layer: bench_hf.py times them as the do-no-harm control, the speed rule has no entry for them
+DENSE = frozenset({"llama"})
