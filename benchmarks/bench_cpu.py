@@ -75,6 +75,17 @@ def gptoss_model() -> tuple[torch.nn.Module, int]:
     return GptOssForCausalLM(cfg).float().eval(), cfg.vocab_size
 
 
+def llama_model() -> tuple[torch.nn.Module, int]:
+    """The do-no-harm control: a tiny random dense Llama (2 layers, H=64, no MoE layer) on the CPU, fp32, and its
+    vocab size. Nothing in it is rewritten, so moe_inductor's time should be Inductor's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    return LlamaForCausalLM(cfg).float().eval(), cfg.vocab_size
+
+
 def quickstart_model() -> tuple[torch.nn.Module, int]:
     """The model ``examples/quickstart.py`` builds on the CPU (loaded from the example itself), and its vocab size."""
     spec = importlib.util.spec_from_file_location("quickstart", QUICKSTART)
@@ -85,7 +96,8 @@ def quickstart_model() -> tuple[torch.nn.Module, int]:
 
 
 #: the whole models ``--model`` times
-MODELS: dict[str, Callable[[], tuple[torch.nn.Module, int]]] = {"quickstart": quickstart_model, "gptoss": gptoss_model}
+MODELS: dict[str, Callable[[], tuple[torch.nn.Module, int]]] = {"quickstart": quickstart_model, "gptoss": gptoss_model,
+                                                                 "llama": llama_model}
 
 
 def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int, calls: int,
