@@ -214,8 +214,12 @@ def note_fallback(code: Optional[types.CodeType], stage: str, error: BaseExcepti
     ``also`` adds what the attempt saw and did not assume away (speculation.py)."""
     while getattr(error, "inner_exception", None) is not None:  # BackendCompilerFailed holds what the compiler raised
         error = error.inner_exception
-    # the first line only, bounded: a speculation's line carries the pass's own reason (its source line included)
-    first_line = (str(error).strip().splitlines() or [""])[0][:1000]
+    # the first line, bounded: a speculation's line carries the pass's own reason (its source line included); an
+    # error raised in a compile worker (SubprocException) says only where on its first line, and what on its last
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    first_line = lines[0][:1000] if lines else ""
+    if len(lines) > 1 and first_line.endswith(":"):
+        first_line = f"{first_line} {lines[-1][:1000]}"
     reason = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
     reason = "; ".join([reason, *dict.fromkeys(also)])
     if getattr(_quiet, "on", False):  # explain()'s rewrites-off pass: recorded for its report, never logged

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 import torch
 from torch._dynamo.utils import counters
 
@@ -53,3 +55,32 @@ def test_compiled_fused_experts_with_a_long_layer_name_asserts_a_short_message(m
     name = "model." + ".".join(f"block_{i}" for i in range(60)) + ".experts"
     moe_inductor.ops.routing.assert_ids_in_range(p.topk_ids, 5, name)
     assert seen and all(len(m.encode()) <= DEVICE_MESSAGE_BYTES for m in seen), seen
+
+
+def test_a_message_is_safe_inside_generated_string_literals():
+    """Inductor's C++ kernels put the message in ``"..."`` as it is: a source line with a double quote or a
+    backslash (an einsum's subscripts) failed the compile, and the fallback then dropped the rewrite."""
+    text = 'at layer.py:9: up = torch.einsum("th,tkih->tki", x, w[ids])  # a \\ b\n\tc'
+    safe = device_assert_message(text)
+    assert '"' not in safe and "\\" not in safe and "\n" not in safe and "\t" not in safe
+    assert "einsum('th,tkih->tki', x, w[ids])" in safe
+
+    def check(ids):
+        torch._assert_async((ids < 4).all(), safe)
+        return ids + 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(check, backend="inductor")
+    assert torch.equal(compiled(torch.tensor([0, 3])), torch.tensor([1, 4]))
+    with pytest.raises(RuntimeError, match="einsum"):
+        compiled(torch.tensor([0, 5]))
+
+
+def test_gathered_weights_spelled_by_einsum_are_rewritten_under_inductor_on_the_cpu():
+    """bench_fx_forms.py's gathered layer (its einsum lines carry quotes) in bf16 under Inductor: the rewrite runs,
+    with no fallback to plain capture."""
+    from tests.test_fx_forms_gpu import run_form
+
+    rewrites, fallbacks, err = run_form("gathered", (32, 48, 8, 2), 5, False, device="cpu")
+    assert not fallbacks, fallbacks
+    assert rewrites == 1 and err < 2e-2

@@ -68,3 +68,21 @@ def test_a_first_call_failure_marks_only_that_function_plain(monkeypatch):
     out = torch.compile(f, backend="moe_inductor", options={"inner": "eager"})(x)  # the failed one: plain now
     assert torch.allclose(out, first(x), atol=1e-6)
     assert counters["moe_inductor"]["gathered_weights"] == rewrites + 1
+
+
+def test_a_compile_worker_error_is_named_in_the_fallback_line(caplog):
+    """Inductor's compile workers raise SubprocException, whose first line only says that a subprocess failed: the
+    fallback line also gives its last line, the worker's own error."""
+    from moe_inductor import capture
+
+    class SubprocException(Exception):
+        pass
+
+    error = SubprocException("An exception occurred in a subprocess:\n\nTraceback (most recent call last):\n"
+                             "  File \"x.py\", line 1, in f\nValueError: the tile does not fit in shared memory\n")
+    caplog.set_level("WARNING", logger="moe_inductor")
+    capture.note_fallback(None, "compile", error)
+    assert "subprocess: ValueError: the tile does not fit in shared memory" in caplog.text
+    caplog.clear()
+    capture.note_fallback(None, "compile", RuntimeError("first line\nsecond line"))
+    assert "RuntimeError: first line)" in caplog.text  # a first line that says what keeps its own

@@ -97,7 +97,12 @@ DEVICE_MESSAGE_BYTES = 254
 
 
 def device_assert_message(text: str) -> str:
-    """``text`` cut to what a device-side assert takes; the cut keeps the start, which names the layer's bound."""
+    """``text`` as a device-side assert takes it: safe inside the string literal Inductor's generated code puts it
+    in (its C++ kernels write ``throw std::runtime_error("<text>")`` as it is, so a double quote or a backslash, as in
+    an einsum's source line, fails the compile), and cut to the assert's length; the cut keeps the start, which names
+    the layer's bound."""
+    text = "".join(" " if ch.isspace() or not ch.isprintable() else "'" if ch == '"' else "/" if ch == "\\" else ch
+                   for ch in text)
     data = text.encode()
     if len(data) <= DEVICE_MESSAGE_BYTES:
         return text
