@@ -73,6 +73,10 @@ class CapacityMoE(nn.Module):
         combine = self.gating(x)  # (T, E, C)
         if self.style == "top1_gt_dispatch":  # a dispatch that is not provably combine's support
             dispatch = (combine > 0.5).to(x.dtype)
+        elif self.style == "top1_bool_kw":  # the support by keyword
+            dispatch = combine.to(dtype=torch.bool).to(x.dtype)
+        elif self.style == "top2_type_bool":
+            dispatch = combine.type(torch.bool).type_as(x)
         else:
             dispatch = combine.bool().to(x.dtype)
         expert_in = torch.einsum("tec,th->ech", dispatch, x)  # (E, C, H), zero rows where a slot is empty
@@ -90,7 +94,7 @@ def _check(model, lengths, tol=1e-5):
         torch.testing.assert_close(compiled(x), model(x), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("style", ["top1", "top2", "top1_raw_gate", "top2_fairseq"])
+@pytest.mark.parametrize("style", ["top1", "top2", "top1_raw_gate", "top2_fairseq", "top1_bool_kw", "top2_type_bool"])
 def test_padded_capacity_is_rewritten_and_equal(style):
     torch.manual_seed(0)
     model = CapacityMoE(style)

@@ -269,14 +269,16 @@ def _experts_on(out: Node, E, C) -> Union[list[_Experts], str]:
 
 
 def _dispatch_of(node: Any) -> Optional[Node]:
-    """``combine`` for ``combine.bool()`` / ``combine != 0`` (then casts of the 0/1 result): exactly combine's
-    support. No cast may sit under the test: a narrower float could round a small gate to zero."""
+    """``combine`` for ``combine.bool()`` / ``combine.to(torch.bool)`` (``dtype=``, ``.type``) / ``combine != 0``
+    (then casts of the 0/1 result): exactly combine's support. No cast may sit under the test: a narrower float could round a small gate to zero."""
     for _ in range(8):
         if not isinstance(node, Node):
             return None
         if call(node, "bool") and len(node.args) == 1 and not node.kwargs:
             return node.args[0]
-        if call(node, "to") and len(node.args) == 2 and node.args[1] is torch.bool and not node.kwargs:
+        if call(node, "to", "type") and len(node.args) == 2 and node.args[1] is torch.bool and not node.kwargs:
+            return node.args[0]
+        if call(node, "to") and len(node.args) == 1 and node.kwargs == {"dtype": torch.bool}:
             return node.args[0]
         if call(node, operator.ne, torch.ne, "ne") and len(node.args) == 2 and node.args[1] in (0, 0.0) \
                 and not node.kwargs:
