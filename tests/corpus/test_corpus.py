@@ -114,4 +114,5 @@ def test_one_module_per_form_under_inductor_on_the_cpu(case):
     whole corpus passes the same way (RESULTS.md, thirty-fourth session); one per form keeps CI's time."""
     outcome = run_case(case, inner="inductor")
     assert outcome.kind == "rewritten", (outcome.declared(), outcome.rewrites, outcome.left_alone)
+    assert not outcome.fallbacks, outcome.fallbacks  # a graph Inductor cannot compile loses its rewrite silently
     check_rewritten(case, outcome)
