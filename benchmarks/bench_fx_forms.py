@@ -14,7 +14,8 @@ first:
 - ``capacity``: GShard's top-2 gating into a (T, E, C) dispatch with capacity factor 1.25, the experts on the padded
   (E, C, H) buffer by einsum, the combine einsum;
 - ``sorted``: the assignments sorted by expert and run through ``torch._grouped_mm`` with cumulative offsets
-  (torchtitan's grouped experts; bf16 on the GPU).
+  (torchtitan's grouped experts; bf16 on the GPU);
+- ``dense``: every expert on every token by einsum, weighted by a (T, E) matrix zero outside each token's top-k.
 
 Columns: eager, ``torch.compile`` (Inductor) and ``backend="moe_inductor"`` with the speed rule off, so that the
 rewrite itself is timed (the rule's own values are what this measures). Modes: ``forward`` (under ``no_grad``; a
@@ -49,7 +50,7 @@ from moe_inductor import config  # noqa: E402
 
 #: the speed rule's route each form's values are for
 ROUTES = {"list": "fx_list", "stacked_loop": "fx_loop", "gathered": "fx_gathered", "capacity": "fx_capacity",
-          "sorted": "fx_sorted"}
+          "sorted": "fx_sorted", "dense": "fx_dense"}
 #: token counts beyond which a form's eager code cannot run at real widths (gathered weights: (T, k, I, H) each)
 MAX_TOKENS = {"gathered": 64}
 #: forms whose code takes one dtype whatever the device (torch._grouped_mm traces bf16 only)
@@ -122,6 +123,17 @@ class Capacity(_Stacked):
         return torch.einsum("tec,ech->th", combine, torch.einsum("eci,ehi->ech", h, self.w2))
 
 
+class Dense(_Stacked):
+    """Every expert on every token, weighted by a (T, E) matrix that is zero outside each token's top-k (the
+    all-experts einsums of small research code and of MoE layers written for export)."""
+
+    def forward(self, x):
+        w, ids = self.route(x)
+        routing = torch.zeros(x.shape[0], self.experts, device=x.device, dtype=x.dtype).scatter(1, ids, w)
+        h = F.silu(torch.einsum("th,eih->tei", x, self.w1)) * torch.einsum("th,eih->tei", x, self.w3)
+        return torch.einsum("teh,te->th", torch.einsum("tei,ehi->teh", h, self.w2), routing)
+
+
 class Sorted(_Stacked):
     def forward(self, x):
         w, ids = self.route(x)
@@ -138,7 +150,8 @@ class Sorted(_Stacked):
 
 #: "list" is bench_list_train.py's layer (transformers v4's Mixtral loop over a ModuleList), so one run measures every
 #: route
-FORMS = {"list": LoopMoE, "stacked_loop": StackedLoop, "gathered": Gathered, "capacity": Capacity, "sorted": Sorted}
+FORMS = {"list": LoopMoE, "stacked_loop": StackedLoop, "gathered": Gathered, "capacity": Capacity, "sorted": Sorted,
+         "dense": Dense}
 
 
 def _timer(device: str) -> Callable[[Callable], float]:

@@ -24,8 +24,8 @@ rule reads shapes, dtypes and modes only (nothing on the device), so it costs no
   same per-expert GEMMs as for the ModuleList's loop, and ours reads the stack directly, without the list op's
   table or the stack its GPU backward makes, so the list op's ratio is the cautious one until such loops are
   measured themselves. ``benchmarks/bench_fx_forms.py`` measures each FX form over stacked weights on a route of
-  its own (``FORM_ROUTES``: "fx_loop", "fx_gathered", "fx_capacity", "fx_sorted"); once a GPU's file holds a
-  route's values, they judge that form.
+  its own (``FORM_ROUTES``: "fx_loop", "fx_gathered", "fx_capacity", "fx_sorted", "fx_dense"); once a GPU's file
+  holds a route's values, they judge that form.
 - It applies only when the inner compiler is Inductor: with ``inner="aot_eager"``/``"eager"`` (tests, explain())
   there is no Inductor path to compare against. On the CPU the experts run as ``lowerings/cpu.py`` lowers them,
   measured against Inductor's path on the quickstart model (``benchmarks/bench_cpu.py``; ``whole_model/cpu.json``,
@@ -132,7 +132,7 @@ def route_of(form: str) -> str:
 LOOP_FORMS = frozenset({"unrolled_loop", "split_loop"})
 #: the route each FX form's own measurements over stacked weights are filed under (benchmarks/bench_fx_forms.py)
 FORM_ROUTES = {"unrolled_loop": "fx_loop", "split_loop": "fx_loop", "gathered_weights": "fx_gathered",
-               "padded_capacity": "fx_capacity", "sorted_grouped_mm": "fx_sorted"}
+               "padded_capacity": "fx_capacity", "sorted_grouped_mm": "fx_sorted", "dense_experts": "fx_dense"}
 
 
 def _measured(route: str) -> bool:
