@@ -33,8 +33,9 @@ def main() -> None:
     ap.add_argument("--walks-lists", action="store_true",
                     help="draw only the forms of their own family: MiniMind's walk of cumulative host counts with "
                          "a scatter per expert, and transformers v4.36 Mixtral's rows indexed by .tolist() lists")
-    ap.add_argument("--inner", default="eager", choices=("eager", "aot_eager"),
-                    help="the compiler the rewritten graph goes to (aot_eager traces it again, as Inductor does)")
+    ap.add_argument("--inner", default="eager", choices=("eager", "aot_eager", "inductor"),
+                    help="the compiler the rewritten graph goes to (aot_eager traces it again, as Inductor does; "
+                         "inductor compiles it, as users do: slow, a few seconds per draw)")
     args = ap.parse_args()
     only = (GUARDS_MASKS_SLOTS if args.guards_masks_slots else MASKS_AND_V5 if args.masks_v5
             else HOST_WALKS if args.host_walks else None)

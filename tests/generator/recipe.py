@@ -262,6 +262,10 @@ def draw_recipe(draw: Draw, lookalike: Optional[bool] = None, forms: Optional[Se
             k = 2
     if flaw == "other_slot" and k == 1:  # another slot needs two
         k, router = 2, "softmax_topk" if router == "argmax" else router
+    if flaw == "soft":  # the full probabilities differ from the top-k weights only where some are off the top-k:
+        if router == "topk_softmax":  # its probabilities are zero off the top-k (a genuine MoE, not a look-alike)
+            router = "softmax_topk"
+        k = min(k, E - 1)  # all E chosen: the full softmax is the top-k weights
     if form == "loop":
         k = _loop_idioms(draw, idioms, flaw, k)
     _own_family_idioms(form, idioms, flaw)
