@@ -66,5 +66,3 @@ FAMILIES = {
         hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128), dict(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
 }
-#: families with no MoE layer: bench_hf.py times them as the do-no-harm control, the speed rule has no entry for them
-DENSE = frozenset({"llama"})

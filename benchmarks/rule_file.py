@@ -26,7 +26,7 @@ from typing import Iterable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.hf_families import FAMILIES  # noqa: E402
+from benchmarks.hf_families import FAMILIES, MODES  # noqa: E402
 from benchmarks.hf_tables import rule_values  # noqa: E402
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "moe_inductor" / "kernels" / "tuned" / "whole_model"
@@ -93,10 +93,9 @@ def fx_log_entries(text: str) -> tuple[Optional[str], list[dict]]:
     return gpu, entries
 
 
-def merged_fx(existing: Optional[dict], entries: list[dict], sources: list[str]) -> dict:
-    """The file's document with bench_fx_forms.py's entries put in: an entry of the same route and shape has its
+def merged_fx(doc: dict, entries: list[dict]) -> dict:
+    """``doc`` (``merged``'s) with bench_fx_forms.py's entries put in: an entry of the same route and shape has its
     measured modes replaced (its name and other modes kept), else the entry is added."""
-    doc = merged(existing, {}, sources)
     layers = doc["layers"]
     for new in entries:
         entry = next((e for e in layers if e.get("route") == new["route"] and e.get("shape") == new["shape"]), None)
@@ -105,10 +104,6 @@ def merged_fx(existing: Optional[dict], entries: list[dict], sources: list[str])
             continue
         entry.update({mode: new[mode] for mode in MODES if mode in new})
     return doc
-
-
-#: the modes a whole_model entry holds values for (speed_rule.mode_of)
-MODES = ("prefill", "decode", "train")
 
 
 def main(argv: Optional[list] = None) -> Path:
@@ -139,7 +134,7 @@ def main(argv: Optional[list] = None) -> Path:
     existing = json.loads(path.read_text()) if path.exists() else None
     sources = [f"benchmarks/rule_file.py {' '.join(Path(p).name for p in args.runs)}"] if args.runs else []
     sources += [f"bench_fx_forms.py logs {' '.join(Path(p).name for p in args.fx_logs)}"] if args.fx_logs else []
-    doc = merged_fx(merged(existing, worst, sources), entries, [])
+    doc = merged_fx(merged(existing, worst, sources), entries)
     text = json.dumps(doc, indent=1) + "\n"
     print(text)
     if args.write:

@@ -34,7 +34,7 @@ import torch
 from torch.fx import Node
 
 from ..shape_tensors import shape_value
-from .fx_utils import ONE_HOT, einsum_parts, reach, same_traced, val  # noqa: F401 (same_traced: re-exported)
+from .fx_utils import ONE_HOT, einsum_parts, reach, same_traced, val
 
 _MUL = (operator.mul, torch.mul, operator.imul, "mul_")
 _ADD = (operator.add, torch.add, operator.iadd, "add_")

@@ -285,9 +285,10 @@ def match_grouped(y: Node) -> Union[Match, str, None]:
         for xi, di in ((0, 1), (1, 0)):
             xs, ds = subs[xi], subs[di]
             if len(ds) == 4 and len(set(ds)) == 4 and xs == ds[0] + ds[1] + xs[2:] and len(xs) == 3 \
-                    and xs[2] not in ds and o == ds[2] + ds[0] + ds[3] + xs[2] \
-                    and any(_support_of(ops[di]) is n for n in (combine, read)):
-                dispatched = (ex, ops[xi])
+                    and xs[2] not in ds and o == ds[2] + ds[0] + ds[3] + xs[2]:
+                support = _support_of(ops[di])
+                if support is combine or support is read:
+                    dispatched = (ex, ops[xi])
     if dispatched is None:
         return f"{base} its slots are not experts on a dispatch of combine's support"
     ex, x = dispatched

@@ -270,7 +270,8 @@ def _experts_on(out: Node, E, C) -> Union[list[_Experts], str]:
 
 def _dispatch_of(node: Any) -> Optional[Node]:
     """``combine`` for ``combine.bool()`` / ``combine.to(torch.bool)`` (``dtype=``, ``.type``) / ``combine != 0``
-    (then casts of the 0/1 result): exactly combine's support. No cast may sit under the test: a narrower float could round a small gate to zero."""
+    (then casts of the 0/1 result): exactly combine's support. No cast may sit under the test: a narrower float
+    could round a small gate to zero."""
     for _ in range(8):
         if not isinstance(node, Node):
             return None
