@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import moe_inductor  # noqa: E402
 from benchmarks.bench_cpu import interleaved_ms  # noqa: E402
 from benchmarks.bench_list_train import LoopMoE  # noqa: E402
+from benchmarks.hf_profile import Profiler  # noqa: E402
 from moe_inductor import config  # noqa: E402
 
 #: the speed rule's route each form's values are for
@@ -186,6 +187,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--inner", default="inductor", choices=["inductor", "aot_eager"],
                     help="moe_inductor's inner compiler (aot_eager: a light smoke run on the CPU)")
+    ap.add_argument("--profile", metavar="PATH", default=None,
+                    help="after each timed row, torch.profiler over 3 of its steps: the top kernels and the time "
+                         "outside them, printed and appended to PATH (which kernels differ between the columns)")
     args = ap.parse_args(argv)
     assert moe_inductor.__name__  # the backend's name is registered on import
     config.speed_rule = False  # the rewrite itself is what is timed
@@ -199,6 +203,8 @@ def main(argv=None) -> list[dict]:
     print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     from torch._dynamo.utils import counters
+
+    profiler = Profiler(args.profile, rows=16) if args.profile else None
 
     for form in args.forms:
         torch.manual_seed(0)
@@ -248,6 +254,8 @@ def main(argv=None) -> list[dict]:
                                      first_s=first, rewrites=rewrites))
                     print(f"| {form} | {mode} | {T} | {column} | {ms:.3f} | {ratio:.2f} | {err:.2e} | {peak:.0f} | "
                           f"{first:.1f} | {rewrites} |", flush=True)
+                    if profiler is not None:
+                        profiler(f"{form} {mode} T={T} {column}", lambda: step(run), 3, args.device)
                     if column == "moe_inductor" and not rewrites:
                         print(f"LEFT {form} {mode} T={T}: {why_left(model, xg if mode == 'train' else x, mode)}",
                               flush=True)
