@@ -374,6 +374,10 @@ def sm90_kernel_report() -> None:
     for act in (4, 5):
         _compile_for_sm90(f"activation act={act}", activation_kernel, {"p_pre": "*bf16", "p_h": "*bf16"},
                           dict(GATED=True, ACT=act, BLOCK_M=8, BLOCK_I=512), floats=("alpha", "limit"))
+    _compile_for_sm90("activation separate up", activation_kernel,
+                      {"p_pre": "*bf16", "p_h": "*bf16", "p_up_in": "*bf16", "p_pre_out": "*bf16"},
+                      dict(GATED=True, ACT=1, BLOCK_M=8, BLOCK_I=512, SEPARATE_UP=True, STORE_PRE=True),
+                      floats=("alpha", "limit"))
 
 
 class _Captured(Exception):

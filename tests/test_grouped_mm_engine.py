@@ -517,3 +517,83 @@ def test_engine_backward_remakes_an_unkept_pre_of_interleaved_pairs(engine_calls
     for name, a, b in zip(["dx", "dtopk_weights", "dw1", "dw1_up", "dw2", "db1", "db1_up", "db2"], from_kept, remade):
         assert a.numel() > 0, name
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def _two_tensor_layer(T: int, E: int, layout: str, bias: bool, routing: str, seed: int = 0):
+    """A layer whose gate and up weights are two tensors (torchtitan's w1 and w3), as leaves in the layout they are
+    held (nk: (E, I, H) read transposed; kn: (E, H, I)), with the op's (E, H, I) views of them."""
+    p = make_problem(T, 32, 16, E, 2, dtype=torch.bfloat16, device=DEVICE, layout=layout, bias=bias, routing=routing,
+                     requires_grad=False, seed=seed)
+    g, u, d, b1, b1_up = expert_weight_views(p.w1, p.w2, p.b1, activation="silu_glu", layout=layout,
+                                             gate_up="concat")
+    held = [t.transpose(1, 2) if layout == "nk" else t for t in (g, u, d)]
+    leaves = [p.x, p.topk_weights, *(t.contiguous() for t in held)]
+    if bias:
+        leaves += [b1.contiguous(), b1_up.contiguous(), p.b2]
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+
+    def views(ls):
+        x, w, gh, uh, dh, *biases = ls
+        gv, uv, dv = (t.transpose(1, 2) if layout == "nk" else t for t in (gh, uh, dh))
+        return (x, p.topk_ids, w, gv, uv, dv, *(biases or (None, None, None)))
+
+    return leaves, views
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("T,E,routing,bias,seed", [
+    pytest.param(6, 5, "random", False, 0, id="E5"),
+    # seed 1: seed 0's one token has, in kn, a routing-weight gradient of 0.22 summed from terms near 1, which
+    # bf16 rounding of dh (CUTLASS writes it in bf16) moves by 6%, the one-tensor engine path alike
+    pytest.param(1, 3, "random", False, 1, id="T1"),
+    pytest.param(0, 3, "random", False, 0, id="T0"),
+    pytest.param(7, 4, "skip_odd", True, 0, id="empty-experts-biases"),
+    pytest.param(5, 3, "one_expert", False, 0, id="one-hot-expert"),
+])
+def test_engine_runs_gate_and_up_held_as_two_tensors(layout, T, E, routing, bias, seed, engine_calls, nan_empty):
+    """Gate and up weights that are two tensors take the engine as two GEMMs (they used to fall back to the fused
+    kernels at every size): forward, the inference forward (nothing kept) and every gradient against the float64
+    reference."""
+    leaves, views = _two_tensor_layer(T, E, layout, bias, routing, seed)
+    tail = ("silu_glu", "output", 1.702, 7.0, None)
+    y = torch.ops.moe_inductor.experts_forward(*views(leaves), *tail, True)[0]
+    with torch.no_grad():
+        y_inference = torch.ops.moe_inductor.experts_forward(*views(leaves), *tail, False)[0]
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y)
+    grads = torch.autograd.grad(y, leaves, dy, allow_unused=True)
+    if T == 0:  # nothing to run: no GEMM, and every gradient zero
+        assert engine_calls == {"forward": 0, "backward": 0} and y.shape == (0, 32)
+        assert all(g is None or not g.any() for g in grads)
+        return
+    assert engine_calls == {"forward": 2, "backward": 1}
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    ref = moe_reference(*views(leaves64), *tail)
+    assert_close(y, ref, torch.bfloat16, "y")
+    assert_close(y_inference, ref, torch.bfloat16, "y (inference)")
+    want = torch.autograd.grad(ref, leaves64, dy.double(), allow_unused=True)
+    for i, (got, w) in enumerate(zip(grads, want)):
+        if w is None:
+            continue
+        assert_close(got, w.to(got.dtype), torch.bfloat16, f"grad {i}")
+        assert got.stride() == leaves[i].stride(), f"grad {i} is not in its leaf's layout"
+
+
+@needs_grouped_mm
+def test_engine_with_two_tensors_passes_opcheck(engine_calls):
+    """A gated layer whose gate and up are two tensors (opcheck's own copies are two tensors too)."""
+    leaves, views = _two_tensor_layer(5, 3, "nk", False, "random")
+    args = (*views([t.detach() for t in leaves]), "silu_glu", "output", 1.702, 7.0, None, True)
+    torch.library.opcheck(torch.ops.moe_inductor.experts_forward.default, args)
+    assert engine_calls["forward"] > 0
+
+
+def test_two_tensors_that_differ_stay_on_the_fused_kernels(monkeypatch, triton_kernels):
+    """Two gate and up tensors of other shapes or dtypes than each other are not the engine's."""
+    monkeypatch.setattr(config, "gemm_engine", "grouped_mm")
+    p, (g, u, d, _, _) = _weights()
+    x = p.x.bfloat16()
+    pair = grouped_mm_engine.grouped_mm_weights(x, g, u.clone(), d, None, None, "output", False, 8)
+    assert isinstance(pair, tuple) and not grouped_mm_engine.is_interleaved(pair, g)
+    assert grouped_mm_engine.grouped_mm_weights(x, g, u.float(), d, None, None, "output", False, 8) is None
+    assert grouped_mm_engine.grouped_mm_weights(x, g, u[:, :16].clone(), d, None, None, "output", False, 8) is None

@@ -2,6 +2,8 @@
 ops/grouped_mm_engine.py): h[r] = act(pre[r, :I], pre[r, I:]) for a gated activation, act(pre[r]) otherwise.
 
 INTERLEAVED: a gated pre holds (gate, up) in its even and odd columns (GPT-OSS's gate_up_proj, run as one weight).
+SEPARATE_UP: pre holds the gate only, (M, I), and the up projection is its own (M, I) tensor ``p_up_in`` (gate and
+up weights that are two tensors, each run through its own GEMM).
 HAS_BIAS: the row's expert's biases (b1, and b1_up when gated) are added to gate and up first; the expert is
 ``sorted_expert[r]``, clamped into range (rows past the experts are never read by the combine).
 With STORE_PRE, pre is also written back out as [gate | up] halves (the layout the backward reads), without biases.
@@ -18,13 +20,13 @@ from .grouped_gemm import _activation
 
 @triton.jit
 def activation_kernel(
-    p_pre, p_h, p_sorted_expert, p_b1, p_b1_up, p_pre_out,
+    p_pre, p_h, p_sorted_expert, p_b1, p_b1_up, p_pre_out, p_up_in,
     M, I,
-    stride_pre_m, stride_h_m, stride_b_e, stride_pre_out_m,
+    stride_pre_m, stride_h_m, stride_b_e, stride_pre_out_m, stride_up_m,
     alpha, limit,
     GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
     INTERLEAVED: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, NUM_EXPERTS: tl.constexpr = 1,
-    STORE_PRE: tl.constexpr = False,
+    STORE_PRE: tl.constexpr = False, SEPARATE_UP: tl.constexpr = False,
 ):
     o_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     o_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -34,6 +36,9 @@ def activation_kernel(
     if INTERLEAVED:
         p_gate = p_pre + rows[:, None] * stride_pre_m + 2 * o_i[None, :]
         p_up = p_gate + 1
+    elif SEPARATE_UP:
+        p_gate = p_pre + rows[:, None] * stride_pre_m + o_i[None, :]
+        p_up = p_up_in + rows[:, None] * stride_up_m + o_i[None, :]
     else:
         p_gate = p_pre + rows[:, None] * stride_pre_m + o_i[None, :]
         p_up = p_gate + I

@@ -540,12 +540,18 @@ def launch_backward_middle(pre: torch.Tensor, g: torch.Tensor, routing: SortedRo
 def launch_activation(pre: torch.Tensor, act: KernelActivation, interleaved: bool = False,
                       biases: tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
                       sorted_expert: Optional[torch.Tensor] = None,
-                      pre_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      pre_out: Optional[torch.Tensor] = None, up: Optional[torch.Tensor] = None) -> torch.Tensor:
     """h (M, I) = act(pre) by activation.py's kernel; ``pre`` (M, 2I) holds [gate | up] when gated, or (gate, up)
-    pairs in its even and odd columns when ``interleaved``. ``biases`` = (b1, b1_up), (E, I) each, added per row
-    by its expert (``sorted_expert``); ``pre_out`` (M, 2I): also write pre there as [gate | up] halves."""
+    pairs in its even and odd columns when ``interleaved``; with ``up`` (M, I) given, ``pre`` (M, I) is the gate
+    alone. ``biases`` = (b1, b1_up), (E, I) each, added per row by its expert (``sorted_expert``); ``pre_out``
+    (M, 2I): also write pre there as [gate | up] halves."""
     M = pre.shape[0]
-    I = pre.shape[1] // (2 if act.gated else 1)
+    separate = up is not None
+    if separate and (not act.gated or interleaved or up.shape != pre.shape or up.stride(1) != 1
+                     or pre.stride(1) != 1):
+        raise ValueError("moe_inductor: a separate up projection needs a gated activation and two (M, I) row-major "
+                         f"halves, got {tuple(pre.shape)} and {tuple(up.shape)}")
+    I = pre.shape[1] // (2 if act.gated and not separate else 1)
     h = pre.new_empty(M, I)
     b1, b1_up = biases
     has_bias = b1 is not None
@@ -558,11 +564,12 @@ def launch_activation(pre: torch.Tensor, act: KernelActivation, interleaved: boo
         with device_guard(pre):
             launch_kernel(activation_kernel, (cdiv(M, block_m), cdiv(I, block_i)),
                           (pre, h, sorted_expert if has_bias else pre, b1c, b1_upc,
-                           pre_out if pre_out is not None else pre, M, I, pre.stride(0), h.stride(0),
-                           b1c.stride(0) if has_bias else 0, pre_out.stride(0) if pre_out is not None else 0,
+                           pre_out if pre_out is not None else pre, up if separate else pre, M, I, pre.stride(0),
+                           h.stride(0), b1c.stride(0) if has_bias else 0,
+                           pre_out.stride(0) if pre_out is not None else 0, up.stride(0) if separate else 0,
                            float(act.alpha), float(act.limit)),
                           dict(GATED=act.gated, ACT=act.act_id, BLOCK_M=block_m, BLOCK_I=block_i,
                                INTERLEAVED=interleaved and act.gated, HAS_BIAS=has_bias,
                                NUM_EXPERTS=b1c.shape[0] if has_bias else 1, STORE_PRE=pre_out is not None,
-                               num_warps=4))
+                               SEPARATE_UP=separate, num_warps=4))
     return h

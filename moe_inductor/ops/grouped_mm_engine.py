@@ -19,13 +19,17 @@ the gate and up gradients paired up again.
 ``config.gemm_engine`` picks: "auto" (the rule in ``grouped_mm_weights``), "triton" (never this), "grouped_mm"
 (whenever the layout allows; also on the CPU with ``config.triton_on_cpu``, where the tests drive it).
 
+Gate and up weights held as two tensors (torchtitan's w1 and w3, any code with separate gate and up stacks) run as
+two GEMMs into separate (M, I) results that the activation pass reads side by side (``UpWeights`` is then the pair);
+dx is then two GEMMs summed. Copying the pair into one weight at every call would move 2 E H I values each time.
+
 Nothing here reads a tensor's values on the host: the choice depends on shapes, dtypes and strides only, and the
 group boundaries are the device offsets of the routing metadata.
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -37,6 +41,11 @@ from .activations import Activation
 from .call import ExpertsCall
 from .grouped import (ROWS_TOKEN, Routed, backward_middle, combine, down_bias_scale_grad, is_dense_transpose,
                       gate_up_bias_grads, kernel_activation, sum_rows_by_expert, use_triton)
+
+
+#: the up-projection operand(s) ``torch._grouped_mm`` reads: one (E, H, n_pre) weight ([gate | up], interleaved pairs
+#: or ungated), or the (gate, up) pair of (E, H, I) weights where they are two tensors
+UpWeights = Union[Tensor, tuple[Tensor, Tensor]]
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,8 +110,8 @@ def engine_mode(backward: bool = False) -> str:
 
 def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tensor, b1: Optional[Tensor],
                        b2: Optional[Tensor], weight_position: str, dropped: bool, num_rows,
-                       backward: bool = False) -> Optional[Tensor]:
-    """The (E, H, n_pre) up weights to run through ``torch._grouped_mm`` when this call should, else None.
+                       backward: bool = False) -> Optional[UpWeights]:
+    """The up weights to run through ``torch._grouped_mm`` when this call should (``UpWeights``), else None.
     ``backward``: decide for the backward's GEMMs (``config.gemm_engine_backward``, when set, overrides the mode;
     "auto" then asks ``config.grouped_mm_backward_min_rows_per_expert`` rows per expert and no size rule).
 
@@ -136,18 +145,31 @@ def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tenso
         return None
     if not x.is_cuda and mode != "grouped_mm":
         return None
+    if not _dense_enough(w2):
+        return None
     w_up = combined_up_weights(w1, w1_up)
     if w_up is None and w1_up is not None:  # GPT-OSS's pairs: read as they lie
         w_up = interleaved_pairs(w1, w1_up)
-    if w_up is None or not _dense_enough(w_up) or not _dense_enough(w2):
+    if w_up is None and w1_up is not None and not same_storage(w1, w1_up):  # two tensors: two GEMMs
+        separate = w1_up.shape == w1.shape and w1_up.dtype == w1.dtype and _dense_enough(w1) and _dense_enough(w1_up)
+        return (w1, w1_up) if separate else None
+    if w_up is None or not _dense_enough(w_up):
         return None
     return w_up
 
 
-def is_interleaved(w_up: Tensor, w1: Tensor) -> bool:
-    """Whether ``grouped_mm_weights``' up weights hold (gate, up) in even and odd columns (else [gate | up] or
-    ungated): the whole weight's columns are twice as dense as the gate's."""
-    return w_up.shape[2] == 2 * w1.shape[2] and w1.stride(2) == 2 * w_up.stride(2)
+def is_interleaved(w_up: UpWeights, w1: Tensor) -> bool:
+    """Whether ``grouped_mm_weights``' up weights hold (gate, up) in even and odd columns (else [gate | up], two
+    tensors or ungated): the whole weight's columns are twice as dense as the gate's."""
+    return isinstance(w_up, Tensor) and w_up.shape[2] == 2 * w1.shape[2] and w1.stride(2) == 2 * w_up.stride(2)
+
+
+def _up_projection(rows: Tensor, w_up: UpWeights, group_ends: Tensor) -> Tensor:
+    """The raw up projection of expert-sorted ``rows``, (M, n_pre): [gate | up] halves when the pair is two
+    tensors (else in the whole weight's own column order)."""
+    if isinstance(w_up, Tensor):
+        return torch._grouped_mm(rows, w_up, offs=group_ends)
+    return torch.cat([torch._grouped_mm(rows, w, offs=group_ends) for w in w_up], 1)
 
 
 def _row_of(order: Tensor) -> Tensor:
@@ -156,7 +178,7 @@ def _row_of(order: Tensor) -> Tensor:
     return torch.empty_like(order).scatter_(0, order.long(), torch.arange(M, dtype=order.dtype, device=order.device))
 
 
-def forward(x: Tensor, routed: Routed, w_up: Tensor, w2: Tensor, act: Activation,
+def forward(x: Tensor, routed: Routed, w_up: UpWeights, w2: Tensor, act: Activation,
             biases: tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]] = (None, None, None),
             interleaved: bool = False, save_pre: bool = True) -> tuple[Tensor, Tensor]:
     """(y, pre): the experts forward with "output" routing weights; pre (M, n_pre) is the raw up projection as
@@ -165,19 +187,30 @@ def forward(x: Tensor, routed: Routed, w_up: Tensor, w2: Tensor, act: Activation
     b1, b1_up, b2 = biases
     group_ends = routed.offsets[1:]
     x_sorted = x.index_select(0, routed.order.long() // routed.topk)
+    kact = kernel_activation(act)
+    if not isinstance(w_up, Tensor):  # gate and up as two tensors: two GEMMs, read side by side
+        gate, up = (torch._grouped_mm(x_sorted, w, offs=group_ends) for w in w_up)
+        del x_sorted
+        pre = x.new_empty(gate.shape[0], 2 * gate.shape[1]) if save_pre else x.new_empty(0)
+        h = launch_activation(gate, kact, biases=(b1, b1_up), sorted_expert=routed.sorted_expert,
+                              pre_out=pre if save_pre else None, up=up)
+        del gate, up
+        return _down_and_combine(h, routed, w2, b2), pre
     raw = torch._grouped_mm(x_sorted, w_up, offs=group_ends)
     del x_sorted
-    kact = kernel_activation(act)
     # the raw GEMM output is already the kept layout unless its pairs are interleaved or it is not to be kept
     reorder = save_pre and interleaved and kact.gated
     pre = x.new_empty(raw.shape) if reorder else (raw if save_pre else x.new_empty(0))
     h = launch_activation(raw, kact, interleaved=interleaved, biases=(b1, b1_up),
                           sorted_expert=routed.sorted_expert, pre_out=pre if reorder else None)
     del raw
-    out_sorted = torch._grouped_mm(h, w2, offs=group_ends)
+    return _down_and_combine(h, routed, w2, b2), pre
+
+
+def _down_and_combine(h: Tensor, routed: Routed, w2: Tensor, b2: Optional[Tensor]) -> Tensor:
+    out_sorted = torch._grouped_mm(h, w2, offs=routed.offsets[1:])
     del h
-    y = combine(out_sorted, routed.topk_ids, w2.shape[0], row_of=_row_of(routed.order), scale=routed.scale, bias=b2)
-    return y, pre
+    return combine(out_sorted, routed.topk_ids, w2.shape[0], row_of=_row_of(routed.order), scale=routed.scale, bias=b2)
 
 
 def _weight_grad(a: Tensor, g: Tensor, group_ends: Tensor, like: Tensor) -> Tensor:
@@ -188,7 +221,7 @@ def _weight_grad(a: Tensor, g: Tensor, group_ends: Tensor, like: Tensor) -> Tens
     return torch._grouped_mm(a.t(), g, offs=group_ends)
 
 
-def middle_grads(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pre: Tensor, needs) -> tuple:
+def middle_grads(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: UpWeights, pre: Tensor, needs) -> tuple:
     """The first half of the engine's backward (``ops/backward.py`` runs the two as ops of their own), the last that
     reads ``pre``: (d_pre, d_scale_sorted, dw2, db2, db1, db1_up).
     d_pre (M, n_pre) holds the gradients of the raw up projection, as its (gate, up) column pairs where
@@ -203,7 +236,7 @@ def middle_grads(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pr
     group_ends = offsets[1:]
     token = order.long() // topk
     if pre.shape[0] != M:  # the forward did not keep it: the raw up projection again, as [gate | up] halves
-        pre = torch._grouped_mm(x.index_select(0, token), w_up, offs=group_ends)
+        pre = _up_projection(x.index_select(0, token), w_up, group_ends)
         if interleaved:
             pre = pre.view(M, I, 2).transpose(1, 2).reshape(M, 2 * I)
     dy_sorted = dy.index_select(0, token)
@@ -230,7 +263,7 @@ def middle_grads(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: Tensor, pr
     return d_pre, d_scale_sorted, dw2, db2, db1, db1_up
 
 
-def up_grads(call: ExpertsCall, routed: Routed, w_up: Tensor, d_pre: Tensor, d_scale_sorted: Optional[Tensor],
+def up_grads(call: ExpertsCall, routed: Routed, w_up: UpWeights, d_pre: Tensor, d_scale_sorted: Optional[Tensor],
              needs) -> tuple:
     """The second half of the engine's backward, from ``middle_grads``' d_pre and d_scale_sorted: (dx, d_weights,
     dw1, dw1_up), None where not wanted. x is gathered in expert order (M x H) only here, for dW1, after the first
@@ -249,7 +282,7 @@ def up_grads(call: ExpertsCall, routed: Routed, w_up: Tensor, d_pre: Tensor, d_s
     dw1 = dw1_up = None
     if needs.combined_gate_up or needs.w1 or needs.w1_up:
         x_sorted = x.index_select(0, order.long() // topk)
-        if needs.combined_gate_up:  # one GEMM over d_pre, its columns in d_pre's order (pairs seen as (E, H, I, 2))
+        if needs.combined_gate_up and isinstance(w_up, Tensor):  # one GEMM over d_pre, its columns in d_pre's order (pairs seen as (E, H, I, 2))
             dw1 = _weight_grad(x_sorted, d_pre, group_ends, w_up)
             if paired:
                 dw1 = dw1.unflatten(2, (I, 2))
@@ -262,7 +295,11 @@ def up_grads(call: ExpertsCall, routed: Routed, w_up: Tensor, d_pre: Tensor, d_s
     if needs.x:
         if interleaved and not paired:  # the whole weight's columns are (gate, up) pairs: so must d_pre's be
             d_pre = torch.stack((d_pre[:, :I], d_pre[:, I:]), -1).view(M, 2 * I)
-        dx_sorted = torch._grouped_mm(d_pre, w_up.transpose(1, 2), offs=group_ends)
+        if isinstance(w_up, Tensor):
+            dx_sorted = torch._grouped_mm(d_pre, w_up.transpose(1, 2), offs=group_ends)
+        else:  # two tensors: d_gate @ w1^T + d_up @ w1_up^T
+            dx_sorted = torch._grouped_mm(d_pre[:, :I], w_up[0].transpose(1, 2), offs=group_ends)
+            dx_sorted += torch._grouped_mm(d_pre[:, I:], w_up[1].transpose(1, 2), offs=group_ends)
         del d_pre
         dx = combine(dx_sorted, routed.topk_ids, E, row_of=_row_of(order))
     d_weights = None
