@@ -151,11 +151,14 @@ def _slot(node: Any, C: Any) -> Optional[Node]:
     return idx
 
 
-def _factors(node: Any, B, N, E, C) -> Optional[list[tuple[str, Node]]]:
-    """The factors of one (B, N, E, C) term, tagged "w" ((B, N)), "e" ((B, N, E)) or "c" ((B, N, C))."""
+def _factors(node: Any, B, N, E, C, cap: Any = None) -> Optional[list[tuple[str, Node]]]:
+    """The factors of one (B, N, E, C) term, tagged "w" ((B, N)), "e" ((B, N, E)) or "c" ((B, N, C)). A slot
+    factor may also be a slice ``[..., :cap]`` proven ``cap`` wide (``_cap_wide``) whose size the trace holds as a
+    size of its own (torch 2.11 gives such a slice a fresh unbacked size): the sum of the terms, of width C, then
+    has each term's width, ``cap``."""
     ab = binary(node, _MUL)
     if ab is not None and all(isinstance(a, Node) for a in ab) and len(shape(node) or ()) == 4:
-        parts = [_factors(a, B, N, E, C) for a in ab]
+        parts = [_factors(a, B, N, E, C, cap) for a in ab]
         return None if None in parts else parts[0] + parts[1]
     for index, tag, want, under in (((Ellipsis, None, None), "w", (B, N, 1, 1), (B, N)),
                                     ((Ellipsis, None), "e", (B, N, E, 1), (B, N, E)),
@@ -163,7 +166,36 @@ def _factors(node: Any, B, N, E, C) -> Optional[list[tuple[str, Node]]]:
         base = _is_index(node, index)
         if base is not None and _shaped(node, want) and _shaped(base, under):
             return [(tag, base)]
+        if tag == "c" and base is not None and cap is not None and _cap_wide(base, cap):
+            width = shape(base)[-1]
+            if _shaped(node, (B, N, 1, width)) and _shaped(base, (B, N, width)):
+                return [(tag, base)]
     return None
+
+
+def _cap_wide(node: Any, cap: Any) -> bool:
+    """``node`` is ``wide[..., :cap]`` of a ``wide`` whose last size is proven at least ``cap`` (a ``Max`` over
+    ``cap``'s own terms and others: safe_one_hot's ``max(idx.max() + 2, C)`` classes), so it is exactly ``cap``
+    wide."""
+    wide = _is_index(node, (Ellipsis, slice(None, cap, None)))
+    if wide is None or not isinstance(cap, Node) or not shape(wide):
+        return False
+    return _at_least(shape(wide)[-1], cap.meta.get("example_value"))
+
+
+def _at_least(w: Any, c: Any) -> bool:
+    """``w >= c`` for every value of their symbols: ints compared, or ``w`` a ``Max`` over every term of ``c`` (its
+    own terms where it is a ``Max`` too) and maybe others."""
+    if isinstance(w, int) and isinstance(c, int):
+        return w >= c
+    if not isinstance(w, torch.SymInt) or not isinstance(c, (int, torch.SymInt)):
+        return False
+    import sympy
+
+    def terms(e) -> set:
+        return set(e.args) if type(e).__name__ == "Max" else {e}
+
+    return terms(c.node.expr if isinstance(c, torch.SymInt) else sympy.Integer(c)) <= terms(w.node.expr)
 
 
 @dataclasses.dataclass
@@ -188,7 +220,7 @@ def _routing(combine: Node, B, N, E, C, cap) -> Union[list[_Choice], str]:
             terms.append(t)
     choices = []
     for term in terms:
-        factors = _factors(term, B, N, E, C)
+        factors = _factors(term, B, N, E, C, cap)
         if factors is None:
             return f"{NOT_GROUPED_ROUTING}: a term is not a product of (B, N, 1, 1), (B, N, E, 1), (B, N, 1, C) views"
         experts = [n for tag, n in factors if tag == "e"]
@@ -325,14 +357,19 @@ def match_grouped(y: Node) -> Union[Match, str, None]:
 
 def _capacity_node(combine: Node, C: Any) -> Any:
     """C as the graph holds it: an int, or the SymInt node a slot one-hot is sliced to (else any node holding that
-    size); None when no node holds it."""
+    size); None when no node holds it. A slice proven as wide as its stop (``_cap_wide``) whose own size is C
+    names its stop too (torch 2.11 gives the slice a size of its own)."""
     if type(C) is int:
         return C
     for n in combine.graph.nodes:
         if call(n, operator.getitem) and isinstance(n.args[1], tuple) and len(n.args[1]) == 2 \
                 and n.args[1][0] is Ellipsis and isinstance(n.args[1][1], slice):
             stop = n.args[1][1].stop
-            if isinstance(stop, Node) and same_traced(stop.meta.get("example_value"), C):
+            if not isinstance(stop, Node):
+                continue
+            if same_traced(stop.meta.get("example_value"), C):
+                return stop
+            if shape(n) and same_traced(shape(n)[-1], C) and _cap_wide(n, stop):
                 return stop
     return size_node(combine, C)
 
