@@ -200,7 +200,10 @@ def test_a_skipped_experts_own_weights_keep_their_gradient_as_in_eager():
 
 
 @pytest.mark.gpu
-def test_a_skipped_experts_own_weights_keep_their_gradient_under_inductor_on_the_gpu():
+def test_a_skipped_experts_own_weights_keep_their_gradient_under_inductor_on_the_gpu(monkeypatch):
+    # the rewrite's gradients are what is tested: the speed rule keeps such ModuleList layers on Inductor's path in
+    # training where this GPU's data measured them slower (the H100's), which would leave nothing to test
+    monkeypatch.setattr(moe_inductor.config, "speed_rule", False)
     _two_accumulating_steps("cuda", {}, tol=1e-4)
 
 

@@ -107,6 +107,52 @@ def test_experts_the_grouped_mm_engine_may_take_stay_opaque(engine, swapped, swa
     assert swap_in_visible_ops(_graph_of_the_opaque_op(inputs)) == swapped_below_rule
 
 
+class _StackedLoop(torch.nn.Module):
+    """A loop over stacked (E, out, in) expert weights: the rewrite hands the op transposed views of them."""
+
+    def __init__(self, E=4, H=16, I=8):
+        super().__init__()
+        self.E = E
+        self.gate = torch.nn.Linear(H, E, bias=False)
+        self.w1, self.w3 = (torch.nn.Parameter(torch.randn(E, I, H) * H ** -0.5) for _ in range(2))
+        self.w2 = torch.nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
+
+    def forward(self, x):
+        w, ids = torch.topk(self.gate(x).softmax(-1), 2, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.E):
+            tok, slot = torch.where(ids == e)
+            rows = x[tok]
+            h = torch.nn.functional.silu(rows @ self.w1[e].t()) * (rows @ self.w3[e].t())
+            out.index_add_(0, tok, (h @ self.w2[e].t()) * w[tok, slot, None])
+        return out
+
+
+@pytest.mark.parametrize("engine,swapped", [("auto", 0), ("triton", 1)])
+def test_rewritten_stacked_weights_the_engine_may_take_stay_opaque(engine, swapped, monkeypatch):
+    """The views the rewrite makes of stacked nn.Linear-layout weights carry their traced shapes, so the engine's
+    size rule can read the down weight: experts it may take stay on the opaque op (a view without one was swapped
+    to the visible op, which never runs the engine: Mixtral-sized sort + grouped_mm layers ran our fused GEMMs
+    where torch._grouped_mm is faster)."""
+    from moe_inductor import backend
+
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    monkeypatch.setattr(config, "visible_kernels", True)
+    monkeypatch.setattr(config, "gemm_engine", engine)
+    monkeypatch.setattr(config, "grouped_mm_min_expert_weights", 16 * 8)
+    monkeypatch.setattr(backend, "_inner_compile", lambda name, gm, inputs, mode, inductor_options=None: gm.forward)
+    torch.manual_seed(0)
+    model = _StackedLoop()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor", options={"inner": "inductor"})
+    x = torch.randn(6, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    assert counters["moe_inductor"]["unrolled_loop"] == 1, dict(counters["moe_inductor"])
+    assert counters["moe_inductor_visible"]["swapped"] == swapped
+
+
 @needs_wrap_triton
 def test_visible_op_has_the_opaque_ops_gradients(triton_kernels):
     import moe_inductor.lowerings.visible  # noqa: F401  (registers the op)

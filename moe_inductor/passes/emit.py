@@ -36,8 +36,15 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
     if spec.gate_up is not None:
         with graph.inserting_before(before):
             spec = _split_fused(graph, spec)
-    def kn(w: Optional[Node]) -> Optional[Node]:  # a stacked weight as the op's (E, K, N) view
-        return None if w is None else graph.call_method("transpose", (w, 1, 2)) if spec.layout == "nk" else w
+    def kn(w: Optional[Node]) -> Optional[Node]:
+        """A stacked weight as the op's (E, K, N) view, with its traced value: the visible-kernel swap reads the
+        down weight's shape for the engine's size rule (lowerings/visible.py)."""
+        if w is None or spec.layout != "nk":
+            return w
+        view = graph.call_method("transpose", (w, 1, 2))
+        if isinstance(val(w), torch.Tensor):
+            view.meta["example_value"] = val(w).transpose(1, 2)
+        return view
 
     with graph.inserting_before(before):
         weights = graph.call_method("to", (spec.weights, x_dtype))
