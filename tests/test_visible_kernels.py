@@ -142,11 +142,11 @@ def test_rewritten_stacked_weights_the_engine_may_take_stay_opaque(engine, swapp
     monkeypatch.setattr(config, "grouped_mm_min_expert_weights", 16 * 8)
     monkeypatch.setattr(backend, "_inner_compile", lambda name, gm, inputs, mode, inductor_options=None: gm.forward)
     torch.manual_seed(0)
-    model = _StackedLoop()
+    model = _StackedLoop().to(DEVICE)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend="moe_inductor", options={"inner": "inductor"})
-    x = torch.randn(6, 16)
+    x = torch.randn(6, 16, device=DEVICE)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
     assert counters["moe_inductor"]["unrolled_loop"] == 1, dict(counters["moe_inductor"])
