@@ -145,7 +145,10 @@ def _weight_tables(x: Tensor, topk_ids: Tensor, groups: tuple, layout: str, bias
         return None
     if topk_ids.numel() < config.list_weight_tables_min_rows_per_expert * E:  # where the stack was measured faster
         return None
-    if not w1_up and not dropped:  # (gated stacks never take the engine: their gate and up are two tensors)
+    # An ungated stack the engine takes beats the tables. Gated layers keep the tables: their two stacks would take
+    # the engine too (as two GEMMs), but a stack copies every expert's gate, up and down weights at each call, and
+    # that against the fused GEMMs on the tables was never measured
+    if not w1_up and not dropped:
         out_dim, in_dim = w2[0].shape if layout == "nk" else w2[0].shape[::-1]
         if may_take_experts_of(SimpleNamespace(shape=(E, in_dim, out_dim)), biased, topk_ids.numel()):
             return None
