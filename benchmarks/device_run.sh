@@ -78,10 +78,11 @@
 #                                            # and training step, Mixtral's and DeepSeek-V2-Lite's widths: the
 #                                            # speed rule's "fx_list" values for this GPU (bench_list_train.py) (~3 min)
 #   bash benchmarks/device_run.sh fxforms    # the FX forms (a ModuleList loop; over stacked weights a loop, gathered
-#                                            # weights, GShard capacity, sort + grouped_mm) against Inductor and
-#                                            # eager, forward and training step, Mixtral's widths: the speed rule's
-#                                            # "fx_list", "fx_loop", "fx_gathered", "fx_capacity", "fx_sorted" values
-#                                            # (bench_fx_forms.py; RULE lines) (~9 min; fxforms2: DeepSeek-V2-Lite's)
+#                                            # weights, GShard capacity, sort + grouped_mm, dense all-experts) against
+#                                            # Inductor, forward and training step, Mixtral's widths: the speed rule's
+#                                            # "fx_list", "fx_loop", "fx_gathered", "fx_capacity", "fx_sorted",
+#                                            # "fx_dense" values (bench_fx_forms.py; RULE lines; merge them with
+#                                            # rule_file.py --fx-logs) (~9 min; fxforms2: DeepSeek-V2-Lite's)
 #   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys, GPT-OSS's
 #                                            # own layout first (tune_gemm.py, 14 compiling processes), merge (~7 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -122,10 +123,10 @@ case "${1:-suite}" in
       timeout 200 python benchmarks/bench_list_train.py --tokens 4096 16 --widths 2048 1408 64 6 --modes train forward
     } 2>&1 | grep -v "torch.__trace\|Warning\|warn\|cfg = " | tee "$OUT/bench_list_train.log" | grep "^|\|^torch" ;;
   fxforms)
-    timeout 560 python benchmarks/bench_fx_forms.py --tokens 4096 16 --widths 4096 14336 8 2 2>&1 \
+    timeout 560 python benchmarks/bench_fx_forms.py --tokens 4096 16 --widths 4096 14336 8 2 --columns inductor moe_inductor 2>&1 \
       | grep -v "torch.__trace\|Warning\|warn\|cfg = " | tee "$OUT/bench_fx_forms_mixtral.log" | grep "^|\|^torch\|^RULE" ;;
   fxforms2)
-    timeout 560 python benchmarks/bench_fx_forms.py --tokens 4096 16 --widths 2048 1408 64 6 2>&1 \
+    timeout 560 python benchmarks/bench_fx_forms.py --tokens 4096 16 --widths 2048 1408 64 6 --columns inductor moe_inductor 2>&1 \
       | grep -v "torch.__trace\|Warning\|warn\|cfg = " | tee "$OUT/bench_fx_forms_dsv2lite.log" | grep "^|\|^torch\|^RULE" ;;
   spill)
     timeout 170 python benchmarks/spill_check.py --shape deepseekv3 --tokens 4096 --rounds 8 2>&1 \
