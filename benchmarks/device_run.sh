@@ -83,6 +83,9 @@
 #                                            # "fx_list", "fx_loop", "fx_gathered", "fx_capacity", "fx_sorted",
 #                                            # "fx_dense" values (bench_fx_forms.py; RULE lines; merge them with
 #                                            # rule_file.py --fx-logs) (~9 min; fxforms2: DeepSeek-V2-Lite's)
+#   bash benchmarks/device_run.sh listab     # the list op's training step at DeepSeek-V2-Lite's widths, its stacked
+#                                            # backward on our kernels against the engine, alternating processes
+#                                            # (MOE_INDUCTOR_GEMM_ENGINE_BACKWARD triton / auto)            (~4 min)
 #   bash benchmarks/device_run.sh tunegemm   # tune the forward GEMM for every family's untuned keys, GPT-OSS's
 #                                            # own layout first (tune_gemm.py, 14 compiling processes), merge (~7 min)
 # A cold machine start costs held time too: batch what you need into few calls and give the machine back after.
@@ -128,6 +131,13 @@ case "${1:-suite}" in
   fxforms2)
     timeout 560 python benchmarks/bench_fx_forms.py --tokens 4096 16 --widths 2048 1408 64 6 --columns inductor moe_inductor 2>&1 \
       | grep -v "torch.__trace\|Warning\|warn\|cfg = " | tee "$OUT/bench_fx_forms_dsv2lite.log" | grep "^|\|^torch\|^RULE" ;;
+  listab)  # the thirty-sixth session's run read 8.77 ms where the thirty-third's read 5.11, with Inductor's column
+    # 3x slower too: whether the backward's engine or the host moved it, in one call
+    for engine in triton auto triton auto; do
+      echo "== backward engine: $engine"
+      MOE_INDUCTOR_GEMM_ENGINE_BACKWARD=$engine timeout 110 python benchmarks/bench_list_train.py --tokens 4096 \
+        --widths 2048 1408 64 6 --modes train --columns inductor moe_inductor 2>&1 | grep "^| list"
+    done 2>&1 | tee "$OUT/listab.log" ;;
   spill)
     timeout 170 python benchmarks/spill_check.py --shape deepseekv3 --tokens 4096 --rounds 8 2>&1 \
       | tee "$OUT/spill.log" | tail -12 ;;
