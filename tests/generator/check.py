@@ -126,12 +126,14 @@ def run(r: Recipe, inner: str = "eager") -> Outcome:
         return outcome
     outcome.rewrites = {f: n for f, n in counters["moe_inductor"].items() if n}
     outcome.left_alone = {f: n for f, n in counters["moe_inductor_left_alone"].items() if n}
+    reference = eager
     if inner == "inductor" and draws_random_numbers(r):
         # Inductor's dropout draws its own masks (philox), never eager's: the promise for such a layer is the
-        # result plain backend="inductor" gives, so that is the reference
+        # result plain backend="inductor" gives, so that is the reference (the fp32 rule below still copies the
+        # plain module, not a compiled wrapper)
         torch._dynamo.reset()
-        eager = torch.compile(eager, backend="inductor")
-    ref, ref_grads = _step(eager, x)
+        reference = torch.compile(eager, backend="inductor")
+    ref, ref_grads = _step(reference, x)
     # top-1 renormalised weights are all 1 (a soft look-alike mixes by the full probabilities instead)
     zero = ("router.gate.weight",) if r.k == 1 and r.renorm and r.flaw != "soft" and r.form not in (
         "capacity", "memory_slots", "expert_choice") else ()
