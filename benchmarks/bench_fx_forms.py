@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -48,6 +48,7 @@ from benchmarks.bench_cpu import interleaved_ms  # noqa: E402
 from benchmarks.bench_list_train import LoopMoE  # noqa: E402
 from benchmarks.hf_profile import Profiler  # noqa: E402
 from moe_inductor import config  # noqa: E402
+from moe_inductor.speed_rule import DECODE_MAX_TOKENS, PREFILL_MIN_TOKENS, TRAIN_LONG  # noqa: E402
 
 #: the speed rule's route each form's values are for
 ROUTES = {"list": "fx_list", "stacked_loop": "fx_loop", "gathered": "fx_gathered", "capacity": "fx_capacity",
@@ -56,7 +57,6 @@ ROUTES = {"list": "fx_list", "stacked_loop": "fx_loop", "gathered": "fx_gathered
 MAX_TOKENS = {"gathered": 64}
 #: forms whose code takes one dtype whatever the device (torch._grouped_mm traces bf16 only)
 BF16_ONLY = {"sorted": torch.bfloat16}
-DECODE_MAX_TOKENS, PREFILL_MIN_TOKENS = 16, 512
 
 
 class _Stacked(nn.Module):
@@ -168,12 +168,12 @@ def _timer(device: str) -> Callable[[Callable], float]:
     return median_ms
 
 
-def rule_mode(mode: str, tokens: int) -> Optional[str]:
-    """The speed rule's mode a row measures: "train", "decode" (forward, at most 16 tokens), "prefill" (forward,
-    from 512), else None (a size the rule does not key on)."""
+def rule_modes(mode: str, tokens: int) -> tuple[str, ...]:
+    """The speed rule's modes a row measures: "train" (every size), and "train_long" too from 512 tokens;
+    "decode" (forward, at most 16 tokens), "prefill" (forward, from 512); none for a size the rule does not key on."""
     if mode == "train":
-        return "train"
-    return "decode" if tokens <= DECODE_MAX_TOKENS else "prefill" if tokens >= PREFILL_MIN_TOKENS else None
+        return ("train", TRAIN_LONG) if tokens >= PREFILL_MIN_TOKENS else ("train",)
+    return ("decode",) if tokens <= DECODE_MAX_TOKENS else ("prefill",) if tokens >= PREFILL_MIN_TOKENS else ()
 
 
 def main(argv=None) -> list[dict]:
@@ -284,11 +284,11 @@ def rule_entries(rows: list[dict], widths: list[int]) -> list[dict]:
                 continue
             base = next((b for b in rows if b["form"] == form and b["mode"] == r["mode"] and b["T"] == r["T"]
                          and b["column"] == "inductor"), None)
-            mode = rule_mode(r["mode"], r["T"])
-            if base is None or mode is None:
+            if base is None:
                 continue
             value = round(base["ms"] / r["ms"], 2)
-            values[mode] = min(values.get(mode, value), value)
+            for mode in rule_modes(r["mode"], r["T"]):
+                values[mode] = min(values.get(mode, value), value)
         if values:
             out.append({"name": f"{form} (bench_fx_forms.py)", "route": ROUTES[form], "activation": "silu_glu",
                         "gate_up": "separate", "bias": False, "shape": list(widths), **values})

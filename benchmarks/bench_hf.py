@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import hf_rounds  # noqa: E402
 from hf_columns import column_options, moe_backend, speed_rule_off  # noqa: E402,F401 (mem_peak.py etc. use them here)
 from hf_families import (COLUMNS, DEFAULT_COLUMNS, EXPERTS_KEPT, FAMILIES, MODES, MOE_COLUMNS,  # noqa: E402,F401
-                         RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF, FUSED)
+                         RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF, FUSED, ENGINE)
 from hf_processes import cpu_list, lanes_of, merge_repeats, process_groups  # noqa: E402
 from hf_profile import GcClock, Profiler, sync  # noqa: E402
 from hf_tables import markdown, rule_markdown, variants_markdown  # noqa: E402

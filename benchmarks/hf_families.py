@@ -19,7 +19,11 @@ TMA_OFF = "moe_inductor_tma_off"
 #: where "auto" would give the large ones to ``torch._grouped_mm`` (Mixtral at T >= 4096). Against "moe_inductor" it
 #: measures what the engine rule buys in the model
 FUSED = "moe_inductor_fused"
-MOE_COLUMNS = ("moe_inductor", RULE_OFF, EXPERTS_KEPT, TAIL_OFF, TMA_AUTO, TMA_OFF, FUSED)
+#: backend="moe_inductor" with ``config.gemm_engine = "grouped_mm"``: every rewritten layer's GEMMs on
+#: ``torch._grouped_mm`` wherever the layout allows, with our routing, activation and combine around them, where "auto"
+#: keeps the smaller experts (Qwen1.5-MoE's, about 273 rows each at T = 4096) on our fused kernels
+ENGINE = "moe_inductor_grouped_mm"
+MOE_COLUMNS = ("moe_inductor", RULE_OFF, EXPERTS_KEPT, TAIL_OFF, TMA_AUTO, TMA_OFF, FUSED, ENGINE)
 COLUMNS = ("eager", "inductor", "max-autotune-no-cudagraphs", *MOE_COLUMNS)
 DEFAULT_COLUMNS = ("eager", "inductor", "moe_inductor")
 

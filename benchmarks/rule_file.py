@@ -12,14 +12,15 @@ decides from the mode, not the size. A GPU without a file is judged by the other
 Entries of the file that the runs do not measure are kept as they are. Without ``--write`` the merged file is only
 printed.
 
-``--fx-logs`` takes bench_fx_forms.py's logs instead (or as well): their ``RULE {...}`` lines are the FX routes'
-entries, already one value per mode; each replaces the modes of the file's entry with the same route and shape,
+``--fx-logs`` takes bench_fx_forms.py's logs instead (or as well): their timed rows make the FX routes' entries
+again (their ``RULE {...}`` lines where a log has no rows), one value per mode; each replaces the modes of the file's entry with the same route and shape,
 or is added. The GPU is the one each log's first line names.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Iterable, Optional
@@ -79,18 +80,45 @@ def merged(existing: Optional[dict], worst: dict, sources: list[str]) -> dict:
     return doc
 
 
+def _fx_row(line: str) -> Optional[dict]:
+    """One timed row of a bench_fx_forms.py table (``| form | mode | T | column | ms | ... | rewrites |``), or None."""
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if len(cells) != 10 or not cells[2].isdigit():
+        return None
+    return dict(form=cells[0], mode=cells[1], T=int(cells[2]), column=cells[3], ms=float(cells[4]),
+                rewrites=int(cells[9]))
+
+
 def fx_log_entries(text: str) -> tuple[Optional[str], list[dict]]:
-    """(the GPU a bench_fx_forms.py log measured, its RULE entries). The log's first line is
-    ``torch <version>, <GPU>, H=..``."""
+    """(the GPU a bench_fx_forms.py log measured, its entries): its ``RULE {...}`` lines, with any mode they lack
+    made from the timed rows of their section (``bench_fx_forms.rule_entries``), so a log written before a mode was
+    filed (``speed_rule.TRAIN_LONG``) still gives it; a log without RULE lines gives the entries its rows make.
+    Each section of the log starts with a line ``torch <version>, <GPU>, H=.. I=.. E=.. k=..``."""
     gpu = None
-    entries = []
+    ruled: list[dict] = []
+    sections: list[tuple[list[int], list[dict]]] = []
     for line in text.splitlines():
-        if line.startswith("torch ") and gpu is None:
+        if line.startswith("torch "):
             parts = [p.strip() for p in line.split(",")]
-            gpu = parts[1] if len(parts) > 2 else None
+            gpu = gpu or (parts[1] if len(parts) > 2 else None)
+            widths = [re.search(rf"\b{name}=(\d+)", line) for name in ("H", "I", "E", "k")]
+            if all(widths):
+                sections.append(([int(m.group(1)) for m in widths], []))
         elif line.startswith("RULE "):
-            entries.append(json.loads(line[len("RULE "):]))
-    return gpu, entries
+            ruled.append(json.loads(line[len("RULE "):]))
+        elif line.startswith("| ") and sections and (row := _fx_row(line)) is not None:
+            sections[-1][1].append(row)
+    from benchmarks.bench_fx_forms import rule_entries
+
+    remade = [e for widths, rows in sections for e in rule_entries(rows, widths)]
+    for entry in ruled:  # the RULE line's values (from unrounded times) stand; the rows add what it lacks
+        same = next((e for e in remade if (e["route"], e["shape"]) == (entry["route"], entry["shape"])), {})
+        entry.update({mode: value for mode, value in same.items() if mode in FX_MODES and mode not in entry})
+    return gpu, ruled or remade
+
+
+#: the modes an FX entry files (speed_rule.TRAIN_LONG: a training step from prefill's sizes)
+FX_MODES = (*MODES, "train_long")
 
 
 def merged_fx(doc: dict, entries: list[dict]) -> dict:
@@ -102,7 +130,7 @@ def merged_fx(doc: dict, entries: list[dict]) -> dict:
         if entry is None:
             layers.append(dict(new))
             continue
-        entry.update({mode: new[mode] for mode in MODES if mode in new})
+        entry.update({mode: new[mode] for mode in FX_MODES if mode in new})
     return doc
 
 

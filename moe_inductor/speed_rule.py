@@ -9,8 +9,9 @@ rule reads shapes, dtypes and modes only (nothing on the device), so it costs no
 - A layer kind with a measured value below 1.0 in the current mode is left to Inductor. Where this GPU did not
   measure the mode itself, another GPU's value for the mode below ``UNMEASURED_GPU_MARGIN`` keeps it too; else the
   worst value this GPU measured for that layer kind decides. The mode (``mode_of``) is "train" for a call that
-  makes a gradient, "decode" or "prefill" by a static token count of the sizes those were measured at, else
-  "inference", the worse of the two.
+  makes a gradient ("train_long" where its static token count is one of prefill's sizes: then an entry's value for
+  training at those sizes decides, where it has one), "decode" or "prefill" by a static token count of the sizes
+  those were measured at, else "inference", the worse of the two.
 - On a GPU with no file, the rule is conservative: it uses the worst of the measurements of the GPUs that have one,
   and leaves a layer kind to Inductor unless it won there by ``UNMEASURED_GPU_MARGIN``.
 - Layer kinds never measured are rewritten (the op benchmark, ``bench_experts.py``, shows the op ahead of
@@ -100,10 +101,13 @@ def _nearest(layers: list[dict], kind: LayerKind, route: str) -> Optional[dict]:
 
 
 def _exact(entry: dict, mode: str) -> Optional[float]:
-    """The entry's value for ``mode`` itself ("inference": the worse of prefill and decode), None if unmeasured."""
+    """The entry's value for ``mode`` itself ("inference": the worse of prefill and decode; ``TRAIN_LONG``: its own
+    value where the entry has one, else "train", the worst over every measured size), None if unmeasured."""
     if mode == "inference":
         measured = [float(entry[m]) for m in ("prefill", "decode") if entry.get(m) is not None]
         return min(measured) if measured else None
+    if mode == TRAIN_LONG and entry.get(TRAIN_LONG) is None:
+        mode = "train"
     return float(entry[mode]) if entry.get(mode) is not None else None
 
 
@@ -182,9 +186,11 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
         return "speed rule: off (moe_inductor.config.speed_rule = False)"
     if inner != "inductor":
         return f"speed rule: not applied (inner compiler {inner!r}, no Inductor path to compare with)"
-    on_cpu = cpu_measured().get((mode, kind.dtype)) if device.type == "cpu" and route_of(form) == "hf" else None
+    # the CPU measured its training step at one size (bench_cpu.py's quickstart model): it judges every size
+    cpu_mode = "train" if mode == TRAIN_LONG else mode
+    on_cpu = cpu_measured().get((cpu_mode, kind.dtype)) if device.type == "cpu" and route_of(form) == "hf" else None
     if on_cpu is not None and on_cpu < 1.0:
-        return (f"{KEPT}: transformers' experts in a {str(kind.dtype).removeprefix('torch.')} {mode} step on the "
+        return (f"{KEPT}: transformers' experts in a {str(kind.dtype).removeprefix('torch.')} {cpu_mode} step on the "
                 f"CPU ran at {on_cpu:.2f}x Inductor's speed on the quickstart model "
                 f"(benchmarks/bench_cpu.py, RESULTS.md)")
     if device.type != "cuda":
@@ -209,11 +215,12 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
         if not found:
             continue
         worst, gpu, entry = min(found, key=lambda f: f[0])
-        measured = mode if exact else "the worst measured " + mode + " mode"
+        named = _MODE_WORDS.get(mode, mode)
+        measured = named if exact else "the worst measured " + named + " mode"
         if gpu == tag or tag not in tables:
             note = where
         else:
-            note = f" ({tag} has no {mode} value for this kind; at least {threshold}x asked)"
+            note = f" ({tag} has no {named} value for this kind; at least {threshold}x asked)"
         if worst < threshold:
             return (f"kept Inductor's path: {entry['name']}-style layers ran at {worst:.2f}x Inductor's speed in "
                     f"{measured} on {gpu}{note} (benchmarks/RESULTS.md)")
@@ -239,24 +246,31 @@ KEPT = "kept Inductor's path"
 #: the sizes the modes were measured at (benchmarks/bench_hf.py): decode at batch 1 and 16, prefill from 512 tokens
 DECODE_MAX_TOKENS = 16
 PREFILL_MIN_TOKENS = 512
+#: a training step of a static ``PREFILL_MIN_TOKENS`` tokens or more. An entry's "train" value is the worst over
+#: every size measured, small steps included, where a graph of small launches can lose to Inductor's few while the
+#: same layer wins at the sizes people train at; an entry's "train_long" value (bench_fx_forms.py: the worst over
+#: its training rows from ``PREFILL_MIN_TOKENS`` tokens) judges these steps, and "train" where it has none
+TRAIN_LONG = "train_long"
+#: how explain() names a mode that is not a plain word
+_MODE_WORDS = {TRAIN_LONG: f"training at {PREFILL_MIN_TOKENS}+ tokens"}
 
 
 def mode_of(x: torch.Tensor, weights: tuple) -> str:
-    """"train" where the call builds a graph for the backward. Otherwise, where the token count is static (the graph
-    is specialised on it already), "decode" up to ``DECODE_MAX_TOKENS`` tokens and "prefill" from
-    ``PREFILL_MIN_TOKENS``: the sizes those modes were measured at. Between them, and wherever the count is symbolic
-    (never read, ``capture.static_token_count``: a comparison would add a guard and a recompile), "inference": the
-    worse of the two."""
-    if torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in (x, *weights)):
-        return "train"
-    return mode_from(False, static_token_count(x))
+    """"train" where the call builds a graph for the backward (``TRAIN_LONG`` where its token count is static and
+    at least ``PREFILL_MIN_TOKENS``). Otherwise, where the token count is static (the graph is specialised on it
+    already), "decode" up to ``DECODE_MAX_TOKENS`` tokens and "prefill" from ``PREFILL_MIN_TOKENS``: the sizes those
+    modes were measured at. Between them, and wherever the count is symbolic (never read,
+    ``capture.static_token_count``: a comparison would add a guard and a recompile), "inference": the worse of the
+    two."""
+    train = torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in (x, *weights))
+    return mode_from(train, static_token_count(x))
 
 
 def mode_from(train: bool, tokens: Optional[int]) -> str:
     """``mode_of``'s rule on what it reads: whether the call makes a gradient, and its static token count (None
     where symbolic). The FX passes judge a traced region with it."""
     if train:
-        return "train"
+        return TRAIN_LONG if tokens is not None and tokens >= PREFILL_MIN_TOKENS else "train"
     if tokens is not None and tokens <= DECODE_MAX_TOKENS:
         return "decode"
     if tokens is not None and tokens >= PREFILL_MIN_TOKENS:

@@ -1,0 +1,123 @@
+"""The speed rule keys training by token count: a static step of prefill's sizes is judged by the entry's value
+measured at those sizes ("train_long"), where it has one; a small or symbolic step by the worst over every size."""
+from unittest import mock
+
+import torch
+
+from moe_inductor import speed_rule
+from moe_inductor.speed_rule import TRAIN_LONG, LayerKind
+
+CUDA = torch.device("cuda")
+SHAPE = (2048, 1408, 64, 6)
+#: a sort + grouped_mm layer as the H100 measured one: behind Inductor in a 16-token step, ahead at 4096 tokens
+SORTED = {"name": "sort + grouped_mm, test-sized", "route": "fx_sorted", "activation": "silu_glu",
+          "gate_up": "separate", "bias": False, "shape": list(SHAPE), "train": 0.73, TRAIN_LONG: 1.16,
+          "prefill": 1.59, "decode": 1.62}
+
+
+def _judged(entry, form="sorted_grouped_mm", shape=SHAPE, gpu="TEST_GPU"):
+    """``backend._speed_rule`` of a layer, on a GPU whose file holds ``entry`` alone: tokens -> (kept, said)."""
+    from moe_inductor.backend import _speed_rule
+    from moe_inductor.passes.driver import Layer
+
+    def judge(tokens, train=True):
+        with mock.patch.object(speed_rule, "_tables", return_value={gpu: [entry]}), \
+                mock.patch.object(speed_rule, "_gpu_tag", return_value=gpu):
+            return _speed_rule("inductor", Layer(form, "silu_glu", "separate", False, shape, CUDA, train, False,
+                                                 tokens))
+    return judge
+
+
+def test_mode_from_keys_training_by_a_static_token_count():
+    assert speed_rule.mode_from(True, 4096) == TRAIN_LONG
+    assert speed_rule.mode_from(True, speed_rule.PREFILL_MIN_TOKENS) == TRAIN_LONG
+    assert speed_rule.mode_from(True, speed_rule.PREFILL_MIN_TOKENS - 1) == "train"
+    assert speed_rule.mode_from(True, 16) == "train"
+    assert speed_rule.mode_from(True, None) == "train"  # symbolic: never read, the worst over every size
+    w = torch.zeros(2, 2, requires_grad=True)
+    assert speed_rule.mode_of(torch.zeros(4096, 4), (w,)) == TRAIN_LONG
+    assert speed_rule.mode_of(torch.zeros(2, 8, 4), (w,)) == "train"
+    with torch.no_grad():
+        assert speed_rule.mode_of(torch.zeros(4096, 4), (w,)) == "prefill"
+
+
+def test_a_long_training_step_is_judged_by_its_own_value():
+    """Rewritten at 4096 tokens (1.16x there), kept at 16 and where the count is symbolic (0.73x, the worst)."""
+    judge = _judged(SORTED)
+    kept, said = judge(4096)
+    assert not kept and "1.16x" in said and "training at 512+ tokens" in said, said
+    kept, said = judge(16)
+    assert kept and "0.73x" in said and "in train on" in said, said
+    kept, said = judge(None)
+    assert kept and "0.73x" in said, said
+    assert not judge(4096, train=False)[0]  # inference is untouched: prefill 1.59x
+
+
+def test_an_entry_without_a_long_value_judges_every_training_step_by_its_worst():
+    """Files measured before training was keyed by size hold "train" alone: it still judges long steps."""
+    entry = {k: v for k, v in SORTED.items() if k != TRAIN_LONG}
+    kept, said = _judged(entry)(4096)
+    assert kept and "0.73x" in said, said
+    entry[TRAIN_LONG] = 0.95  # measured slower at the long sizes too: kept there as well
+    kept, said = _judged(entry)(4096)
+    assert kept and "0.95x" in said and "training at 512+ tokens" in said, said
+
+
+def test_another_gpus_long_value_asks_the_margin():
+    """A GPU with no file judges a long step by the other GPUs' long values, with ``UNMEASURED_GPU_MARGIN``: 1.16x
+    clears it; 1.05x does on the GPU that measured it, not on another."""
+    from moe_inductor.backend import _speed_rule
+    from moe_inductor.passes.driver import Layer
+
+    layer = Layer("sorted_grouped_mm", "silu_glu", "separate", False, SHAPE, CUDA, True, False, 4096)
+    for value, kept_elsewhere in ((1.16, False), (1.05, True)):
+        entry = {**SORTED, TRAIN_LONG: value}
+        with mock.patch.object(speed_rule, "_tables", return_value={"TEST_GPU": [entry]}), \
+                mock.patch.object(speed_rule, "_gpu_tag", return_value="OTHER_GPU"):
+            kept, said = _speed_rule("inductor", layer)
+        assert kept == kept_elsewhere and f"{value:.2f}x" in said, said
+        if kept:
+            assert "no measurements for OTHER_GPU" in said, said
+        assert not _judged(entry)(4096)[0]
+
+
+def test_the_cpu_judges_a_long_training_step_by_its_one_training_value():
+    """bench_cpu.py measured the CPU's training step at one size: a bf16 step of any size stays Inductor's."""
+    bf16 = LayerKind("silu_glu", "concat", False, (64, 32, 8, 2), torch.bfloat16)
+    said = speed_rule.keeps_inductor(bf16, torch.device("cpu"), TRAIN_LONG, "inductor")
+    assert said is not None and "bfloat16 train step" in said, said
+
+
+def test_bench_fx_forms_files_the_long_training_value():
+    """The benchmark's RULE entries: "train" the worst over every size, "train_long" over the sizes from 512."""
+    from benchmarks.bench_fx_forms import rule_entries
+
+    def pair(T, ours, theirs):
+        return [dict(form="sorted", mode="train", T=T, column="inductor", ms=theirs, rewrites=0),
+                dict(form="sorted", mode="train", T=T, column="moe_inductor", ms=ours, rewrites=1)]
+
+    (entry,) = rule_entries(pair(4096, 10.0, 11.6) + pair(16, 1.0, 0.73) + pair(512, 2.0, 2.4), list(SHAPE))
+    assert entry["train"] == 0.73 and entry[TRAIN_LONG] == 1.16
+    (entry,) = rule_entries(pair(16, 1.0, 0.73), list(SHAPE))
+    assert entry["train"] == 0.73 and TRAIN_LONG not in entry  # no long step measured: no long value
+
+
+def test_hf_experts_in_a_long_static_training_step_are_judged_long():
+    """The HF route hands the rule the step's size too: 600 static tokens "train_long", dynamic shapes "train"."""
+    from hf_models import tiny
+
+    torch.manual_seed(0)
+    model = tiny("qwen3_moe").train()
+    modes = []
+
+    def record(kind, device, mode, inner, form):
+        modes.append(mode)
+        return "speed rule: recorded"
+
+    with mock.patch.object(speed_rule, "verdict", side_effect=record):
+        for tokens, dynamic, want in ((600, False, TRAIN_LONG), (8, False, "train"), (600, True, "train")):
+            torch._dynamo.reset()
+            modes.clear()
+            torch.compile(model, backend="moe_inductor", dynamic=dynamic, options={"inner": "eager"})(
+                torch.randint(0, 64, (1, tokens))).logits.sum().backward()
+            assert modes and set(modes) == {want}, (tokens, dynamic, modes)
