@@ -131,6 +131,22 @@ case "${1:-suite}" in
   fxforms2)
     timeout 560 python benchmarks/bench_fx_forms.py --tokens 4096 16 --widths 2048 1408 64 6 --columns inductor moe_inductor 2>&1 \
       | grep -v "torch.__trace\|Warning\|warn\|cfg = " | tee "$OUT/bench_fx_forms_dsv2lite.log" | grep "^|\|^torch\|^RULE" ;;
+  fxrule)  # a GPU's FX-form rule data in one call: sort + grouped_mm, the stacked loop and dense layers at both
+    # widths, then the Mixtral-sized ModuleList layer (list op); each log feeds rule_file.py --fx-logs
+    F="--forms sorted stacked_loop dense --tokens 4096 16 --columns inductor moe_inductor"
+    timeout 240 python benchmarks/bench_fx_forms.py $F --widths 4096 14336 8 2 2>&1 \
+      | grep -v "torch.__trace\|Warning\|warn\|cfg = " | tee "$OUT/bench_fx_forms_mixtral.log" | grep "^RULE\|^torch"
+    timeout 200 python benchmarks/bench_fx_forms.py $F --widths 2048 1408 64 6 2>&1 \
+      | grep -v "torch.__trace\|Warning\|warn\|cfg = " | tee "$OUT/bench_fx_forms_dsv2lite.log" | grep "^RULE\|^torch"
+    timeout 140 python benchmarks/bench_list_train.py --tokens 4096 16 --modes train forward 2>&1 \
+      | grep -v "torch.__trace\|Warning\|warn\|cfg = " | tee "$OUT/bench_list_train.log" | grep "^|\|^torch\|^RULE" ;;
+  engine)  # issue 14's gap cells whose experts "auto" keeps on our fused kernels (Qwen1.5-MoE, about 273 rows per
+    # expert at T=4096; OLMoE, 512): every GEMM on torch._grouped_mm instead, with our routing and combine around it
+    C=inductor+moe_inductor+moe_inductor_grouped_mm
+    timeout 560 python benchmarks/bench_hf.py --deadline-s 550 --interleave 3 --clocks --profile \
+      --budget qwen2_moe=270 olmoe=260 --cells qwen2_moe:prefill:4096:$C olmoe:prefill:4096:$C \
+      --json "$OUT/bench_hf_engine.json" --markdown "$OUT/bench_hf_engine.md" \
+      2>&1 | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror\|^|" | cut -c1-300 ;;
   listab)  # the thirty-sixth session's run read 8.77 ms where the thirty-third's read 5.11, with Inductor's column
     # 3x slower too: whether the backward's engine or the host moved it, in one call
     for engine in triton auto triton auto; do
