@@ -121,6 +121,21 @@ def fx_log_entries(text: str) -> tuple[Optional[str], list[dict]]:
 FX_MODES = (*MODES, "train_long")
 
 
+def worst_of_runs(entries: list[dict]) -> list[dict]:
+    """One entry per (route, shape): where several logs measured the same layer, each mode's worst value (a layer
+    at about 1.0x is judged by its slower run, not by whichever log came last)."""
+    out: dict[tuple, dict] = {}
+    for entry in entries:
+        key = (entry["route"], tuple(entry["shape"]))
+        if key not in out:
+            out[key] = dict(entry)
+            continue
+        for mode in FX_MODES:
+            if mode in entry:
+                out[key][mode] = min(out[key].get(mode, entry[mode]), entry[mode])
+    return list(out.values())
+
+
 def merged_fx(doc: dict, entries: list[dict]) -> dict:
     """``doc`` (``merged``'s) with bench_fx_forms.py's entries put in: an entry of the same route and shape has its
     measured modes replaced (its name and other modes kept), else the entry is added."""
@@ -153,7 +168,7 @@ def main(argv: Optional[list] = None) -> Path:
     gpu = args.gpu or (gpus.pop() if gpus else None)
     if not gpu or gpu == "cpu":
         raise SystemExit("rule_file.py: the runs name no GPU (pass --gpu); the CPU's rule is whole_model/cpu.json")
-    entries = [e for _, found in fx for e in found]
+    entries = worst_of_runs([e for _, found in fx for e in found])
     if args.runs and not worst:
         raise SystemExit("rule_file.py: no cell ran both moe_inductor_experts_kept and moe_inductor_rule_off")
     if args.fx_logs and not entries:

@@ -121,3 +121,25 @@ def test_hf_experts_in_a_long_static_training_step_are_judged_long():
             torch.compile(model, backend="moe_inductor", dynamic=dynamic, options={"inner": "eager"})(
                 torch.randint(0, 64, (1, tokens))).logits.sum().backward()
             assert modes and set(modes) == {want}, (tokens, dynamic, modes)
+
+
+def test_rule_file_takes_the_worst_of_two_runs_and_the_long_value_from_old_rows(tmp_path):
+    """rule_file.py --fx-logs over the H100's two runs of sort + grouped_mm at DeepSeek-V2-Lite's widths: each mode
+    its worse run (the 16-token step 0.73x then 0.54x), and "train_long" made from the rows of the first log, which
+    was written before the mode was filed (1.16x, then 1.15x from the second's RULE line)."""
+    import json
+    from pathlib import Path
+
+    from benchmarks import rule_file
+
+    data = Path(__file__).resolve().parent.parent / "benchmarks" / "data"
+    old, new = (data / f"bench_fx_forms_h100_2026-12-06_{s}_dsv2lite.log" for s in ("thirtysixth", "thirtyseventh"))
+    assert TRAIN_LONG not in old.read_text() and TRAIN_LONG in new.read_text()
+    (_, first), (_, second) = rule_file.fx_log_entries(old.read_text()), rule_file.fx_log_entries(new.read_text())
+    by_route = {e["route"]: e for e in first}
+    assert by_route["fx_sorted"]["train"] == 0.73 and by_route["fx_sorted"][TRAIN_LONG] == 1.16
+    (tmp_path / "NVIDIA_H100_80GB_HBM3.json").write_text(json.dumps({"layers": []}))
+    for logs in ((old, new), (new, old)):  # the order of the logs does not matter
+        path = rule_file.main(["--fx-logs", *map(str, logs), "--out-dir", str(tmp_path), "--write"])
+        entry = next(e for e in json.loads(path.read_text())["layers"] if e["route"] == "fx_sorted")
+        assert (entry["train"], entry[TRAIN_LONG], entry["prefill"], entry["decode"]) == (0.54, 1.15, 1.59, 1.62)
