@@ -420,12 +420,17 @@ PY
       2>&1 | grep -v "torch.__trace\|^DEBUG" | grep "rounds\|rror\|^|" | cut -c1-300
     head -40 "$OUT/bench_hf_profile15.profile.txt" ;;
   tunehere)  # a tuned table for a GPU that ships none (the H100's kernels ran heuristic configs): the forward GEMM
-    # keys, with their TMA and tail keys, of the HF families' prefill and decode sizes; the table is saved as it goes
+    # keys, with their TMA and tail keys, of the shapes named after the mode (default: two families; four at 16, 512
+    # and 4096 tokens did not finish in 470 s on the H100). The tuner keeps each key in the user's cache as it goes,
+    # and the shipped table only at its end, so both are copied back: a run cut short still returns what it tuned
     TAG=$(python -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
-    timeout 470 python benchmarks/tune_gemm.py --shapes olmoe qwen2moe qwen3 deepseekv3 --tokens 16 512 4096 \
+    SHAPES="${*:2}"
+    timeout 470 python benchmarks/tune_gemm.py --shapes ${SHAPES:-olmoe qwen2moe} --tokens 16 512 4096 \
       --workers 14 --json "$OUT/tuned_gemm_here.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_gemm_here.log"
     grep -v "autotuning gemm" "$OUT/tune_gemm_here.log" | cut -c1-200 | tail -30
-    cp "moe_inductor/kernels/tuned/$TAG.json" "$OUT/" ;;
+    cp "moe_inductor/kernels/tuned/$TAG.json" "$OUT/" 2>/dev/null
+    cp "${MOE_INDUCTOR_CACHE_DIR:-$HOME/.cache/moe_inductor}/tuned/$TAG.json" "$OUT/user_cache_$TAG.json" 2>/dev/null
+    ls "$OUT" ;;
   tunegemm)
     timeout 420 python benchmarks/tune_gemm.py --shapes gptoss olmoe qwen2moe deepseekv3 qwen3 --tokens 16 512 4096 16384 \
       --workers 14 --json "$OUT/tuned_gemm.json" --merge 2>&1 | grep -v "torch.__trace" > "$OUT/tune_gemm.log"
