@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -49,18 +50,24 @@ def _inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs: list[Any
 
 @functools.lru_cache(maxsize=None)
 def cache_tag() -> str:
-    """The tag our Inductor compiles add to torch's compile-cache keys: a hash of this package's source. AOTAutograd's
-    cache keys a compiled graph by the graph Dynamo traced, not by what our ops' autograd formulas trace it into, so
-    after an upgrade that changes them (a backward op, its arguments) a cached graph would run the old ones."""
+    """The tag our Inductor compiles add to torch's compile-cache keys: a hash of this package's source and of the
+    data it ships (the tuned kernel tables, the speed rule's measurements). AOTAutograd's cache keys a compiled graph
+    by the graph Dynamo traced, not by what our ops' autograd formulas trace it into, so after an upgrade that
+    changes them (a backward op, its arguments) a cached graph would run the old ones; and the visible kernels'
+    launch configs are read from the tuned table while Inductor traces them, so a cached graph would keep launching
+    the tiles of the table it was compiled with."""
+    return f"moe_inductor-{_package_digest(Path(__file__).parent)}"
+
+
+def _package_digest(root: Path) -> str:
+    """A hash of the ``.py`` and ``.json`` files under ``root``, by path and content."""
     import hashlib
-    from pathlib import Path
 
     digest = hashlib.sha256()
-    root = Path(__file__).parent
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*root.rglob("*.py"), *root.rglob("*.json")]):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
-    return f"moe_inductor-{digest.hexdigest()[:16]}"
+    return digest.hexdigest()[:16]
 
 
 def _inductor_wrapper(mode: Optional[str], inductor_options: Optional[dict]) -> Any:

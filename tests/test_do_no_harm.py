@@ -9,6 +9,8 @@ same errors.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -558,3 +560,23 @@ def test_inductor_compiles_tag_the_cache_with_this_packages_source(monkeypatch):
     tag = backend.cache_tag()
     assert seen == [tag] and tag.startswith("moe_inductor-") and len(tag) == len("moe_inductor-") + 16
     assert torch.compiler.config.cache_key_tag != tag  # restored after the compile
+
+
+def test_the_cache_tag_covers_the_shipped_tables(tmp_path):
+    """The visible kernels' launch configs come from the tuned table while Inductor traces them: a table changed by
+    an upgrade must reach graphs compiled before it, so the tag hashes the package's JSON data as well as its
+    source (and changes with either)."""
+    import shutil
+
+    from moe_inductor import backend
+
+    root = tmp_path / "pkg"
+    shutil.copytree(Path(backend.__file__).parent, root, ignore=shutil.ignore_patterns("__pycache__"))
+    table = root / "kernels" / "tuned" / "NVIDIA_H200.json"
+    source = root / "speed_rule.py"
+    before = backend._package_digest(root)
+    assert backend.cache_tag() == f"moe_inductor-{before}"  # the copy is the package as it is
+    table.write_text(table.read_text().replace('"num_warps": 4', '"num_warps": 8', 1))
+    after_table = backend._package_digest(root)
+    source.write_text(source.read_text() + "\n")
+    assert len({before, after_table, backend._package_digest(root)}) == 3
