@@ -12,9 +12,11 @@ decides from the mode, not the size. A GPU without a file is judged by the other
 Entries of the file that the runs do not measure are kept as they are. Without ``--write`` the merged file is only
 printed.
 
-``--fx-logs`` takes bench_fx_forms.py's logs instead (or as well): their timed rows make the FX routes' entries
-again (their ``RULE {...}`` lines where a log has no rows), one value per mode; each replaces the modes of the file's entry with the same route and shape,
-or is added. The GPU is the one each log's first line names.
+``--fx-logs`` takes bench_fx_forms.py's logs instead (or as well): their ``RULE {...}`` lines are the FX routes'
+entries, one value per mode, with any mode a line lacks made from its section's timed rows (a log written before
+"train_long" was filed); where several logs measured the same layer, each mode takes the worst of them. Each entry
+replaces the modes of the file's entry with the same route and shape, or is added. The GPU is the one each log's
+first line names.
 """
 from __future__ import annotations
 

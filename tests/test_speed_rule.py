@@ -359,8 +359,8 @@ DSV2_LITE_LIST = LayerKind("silu_glu", "separate", False, (2048, 1408, 64, 6))
 def test_per_expert_fx_layers_follow_the_list_ops_measurements():
     """bench_list_train.py on the H100 (thirty-sixth session, the backward on the engine): a ModuleList layer of
     Mixtral's widths is a little slower through the list op than under Inductor in training (0.99x) and at T=4096
-    (0.99x), so it is kept; one of DeepSeek-V2-Lite's widths is 8 to 13x faster and rewritten. On the H200 (bench_fx_forms.py) the Mixtral-sized one is kept in training
-    (0.73x) and rewritten for inference (1.13x at T=4096, 2.79x at T=16). An FX layer on no route of its own
+    (0.99x; the worse of two runs), so it is kept; one of DeepSeek-V2-Lite's widths is 8 to 13x faster and
+    rewritten. On the H200 (bench_fx_forms.py) the Mixtral-sized one is kept in training (0.73x) and rewritten for inference (1.13x at T=4096, 2.79x at T=16). An FX layer on no route of its own
     ("fx") says it was never measured."""
     for gpu, verdicts in (("NVIDIA_H100_80GB_HBM3", (("train", "0.99x", True), ("inference", "0.99x", True))),
                           ("NVIDIA_H200", (("train", "0.73x", True), ("inference", "1.13x", False)))):
@@ -511,8 +511,8 @@ def test_the_h100s_measured_fx_forms():
 def test_the_h200s_measured_fx_forms():
     """bench_fx_forms.py on the H200 (RESULTS.md, thirty-fifth session): GShard capacity and gathered weights, first
     rewritten at real widths there, are ahead in every mode measured (capacity 1.02-2.11x, gathered 1.27-11.79x);
-    sort + grouped_mm is kept in training at both widths (0.73x, 0.67x; at 4096 tokens 0.73x, 0.96x) and rewritten at prefill and decode; the
-    Mixtral-sized loop over stacked weights is rewritten in every mode (1.10x at prefill)."""
+    sort + grouped_mm is kept in training at both widths (0.73x, 0.67x; at 4096 tokens 0.73x, 0.96x) and rewritten
+    at prefill and decode; the Mixtral-sized loop over stacked weights is rewritten in every mode (1.10x at prefill)."""
     from moe_inductor.backend import _speed_rule
     from moe_inductor.passes.driver import Layer
 
