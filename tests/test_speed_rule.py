@@ -360,8 +360,9 @@ def test_per_expert_fx_layers_follow_the_list_ops_measurements():
     """bench_list_train.py on the H100 (thirty-sixth session, the backward on the engine): a ModuleList layer of
     Mixtral's widths is a little slower through the list op than under Inductor in training (0.99x) and at T=4096
     (0.99x; the worse of two runs), so it is kept; one of DeepSeek-V2-Lite's widths is 8 to 13x faster and
-    rewritten. On the H200 (bench_fx_forms.py) the Mixtral-sized one is kept in training (0.73x) and rewritten for inference (1.13x at T=4096, 2.79x at T=16). An FX layer on no route of its own
-    ("fx") says it was never measured."""
+    rewritten. On the H200 (bench_fx_forms.py) the Mixtral-sized one is kept in training (0.73x) and rewritten for
+    inference (1.13x at T=4096, 2.79x at T=16). An FX layer on no route of its own ("fx") says it was never
+    measured."""
     for gpu, verdicts in (("NVIDIA_H100_80GB_HBM3", (("train", "0.99x", True), ("inference", "0.99x", True))),
                           ("NVIDIA_H200", (("train", "0.73x", True), ("inference", "1.13x", False)))):
         with _on(gpu):
