@@ -12,8 +12,8 @@ from hf_families import ENGINE, EXPERTS_KEPT, FUSED, RULE_OFF, TAIL_OFF, TMA_AUT
 def moe_backend(column: str):
     """The backend a moe_inductor column compiles with: by name, with no MoE form rewritten (``EXPERTS_KEPT``), or,
     for the columns that differ only in a setting read while tracing (``RULE_OFF``, ``TAIL_OFF``, ``TMA_AUTO``,
-    ``TMA_OFF``, ``FUSED``, ``ENGINE``), a backend object of their own: Dynamo keeps one compiled entry per backend, so in the
-    interleaved rounds a column sharing "moe_inductor" would run the other column's compile."""
+    ``TMA_OFF``, ``FUSED``, ``ENGINE``), a backend object of their own: Dynamo keeps one compiled entry per
+    backend, so in the interleaved rounds a column sharing "moe_inductor" would run the other column's compile."""
     import moe_inductor
 
     if column == EXPERTS_KEPT:

@@ -7,7 +7,8 @@ and every proven layer rewritten (``bash benchmarks/device_run.sh rule`` on that
 
 Each family measured becomes one layer kind (its activation, gate/up layout, biases and (H, I, E, k) at the real
 widths bench_hf.py builds), with one value per mode measured: the worst over the sizes measured, since the rule
-decides from the mode, not the size. A GPU without a file is judged by the other GPUs' files with a margin
+decides from the mode (and, in training, whether the step is long: ``speed_rule.TRAIN_LONG``), not the
+size. A GPU without a file is judged by the other GPUs' files with a margin
 (``speed_rule.UNMEASURED_GPU_MARGIN``); with one, a layer kind below 1.0 in a mode keeps Inductor's path there.
 Entries of the file that the runs do not measure are kept as they are. Without ``--write`` the merged file is only
 printed.
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.hf_families import FAMILIES, MODES  # noqa: E402
 from benchmarks.hf_tables import rule_values  # noqa: E402
+from moe_inductor.speed_rule import TRAIN_LONG  # noqa: E402
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "moe_inductor" / "kernels" / "tuned" / "whole_model"
 
@@ -65,7 +67,7 @@ def measured(runs: Iterable[dict]) -> tuple[Optional[str], dict]:
 
 def merged(existing: Optional[dict], worst: dict, sources: list[str]) -> dict:
     """The file's document with ``worst``'s values put in: a family's layer kind is updated in place (its other
-    modes kept) or added; ``sources`` joins the file's ``_source``."""
+    modes kept) or added; ``sources`` the file's ``_source`` lacks join it."""
     doc = existing or {"_what": "what rewriting the experts buys over leaving them to Inductor, per layer kind and "
                                 "mode, measured on this GPU by benchmarks/bench_hf.py: the model's time with the "
                                 "experts left to Inductor over its time with every proven layer rewritten (>= 1.0: "
@@ -78,7 +80,8 @@ def merged(existing: Optional[dict], worst: dict, sources: list[str]) -> dict:
             entry = dict(kind)
             layers.append(entry)
         entry.update({mode: round(value, 2) for mode, value in modes.items()})
-    doc["_source"] = "; ".join(s for s in (doc.get("_source"), *sources) if s)
+    before = doc.get("_source") or ""
+    doc["_source"] = "; ".join(s for s in (before, *(s for s in sources if s not in before)) if s)
     return doc
 
 
@@ -92,12 +95,15 @@ def _fx_row(line: str) -> Optional[dict]:
 
 
 def fx_log_entries(text: str) -> tuple[Optional[str], list[dict]]:
-    """(the GPU a bench_fx_forms.py log measured, its entries): its ``RULE {...}`` lines, with any mode they lack
-    made from the timed rows of their section (``bench_fx_forms.rule_entries``), so a log written before a mode was
-    filed (``speed_rule.TRAIN_LONG``) still gives it; a log without RULE lines gives the entries its rows make.
+    """(the GPU a bench_fx_forms.py log measured, its entries): its ``RULE {...}`` lines, with any mode a line
+    lacks made from the timed rows of its section (``bench_fx_forms.rule_entries``), so a log written before a mode
+    was filed (``speed_rule.TRAIN_LONG``) still gives it; a log without RULE lines gives the entries its rows make.
+    A form with rows but no RULE line in a log that has RULE lines was cut off before its line, so it gives nothing.
     Each section of the log starts with a line ``torch <version>, <GPU>, H=.. I=.. E=.. k=..``."""
+    from benchmarks.bench_fx_forms import rule_entries
+
     gpu = None
-    ruled: list[dict] = []
+    ruled: list[tuple[int, dict]] = []  # (the section it was printed in, the entry)
     sections: list[tuple[list[int], list[dict]]] = []
     for line in text.splitlines():
         if line.startswith("torch "):
@@ -107,25 +113,26 @@ def fx_log_entries(text: str) -> tuple[Optional[str], list[dict]]:
             if all(widths):
                 sections.append(([int(m.group(1)) for m in widths], []))
         elif line.startswith("RULE "):
-            ruled.append(json.loads(line[len("RULE "):]))
+            ruled.append((len(sections) - 1, json.loads(line[len("RULE "):])))
         elif line.startswith("| ") and sections and (row := _fx_row(line)) is not None:
             sections[-1][1].append(row)
-    from benchmarks.bench_fx_forms import rule_entries
-
-    remade = [e for widths, rows in sections for e in rule_entries(rows, widths)]
-    for entry in ruled:  # the RULE line's values (from unrounded times) stand; the rows add what it lacks
-        same = next((e for e in remade if (e["route"], e["shape"]) == (entry["route"], entry["shape"])), {})
+    remade = [rule_entries(rows, widths) for widths, rows in sections]
+    for section, entry in ruled:  # the RULE line's values (from unrounded times) stand; the rows add what it lacks
+        same = next((e for e in (remade[section] if section >= 0 else [])
+                     if (e["route"], e["shape"]) == (entry["route"], entry["shape"])), {})
         entry.update({mode: value for mode, value in same.items() if mode in FX_MODES and mode not in entry})
-    return gpu, ruled or remade
+    return gpu, [entry for _, entry in ruled] or [e for entries in remade for e in entries]
 
 
-#: the modes an FX entry files (speed_rule.TRAIN_LONG: a training step from prefill's sizes)
-FX_MODES = (*MODES, "train_long")
+#: the modes an FX entry files
+FX_MODES = (*MODES, TRAIN_LONG)
 
 
 def worst_of_runs(entries: list[dict]) -> list[dict]:
     """One entry per (route, shape): where several logs measured the same layer, each mode's worst value (a layer
-    at about 1.0x is judged by its slower run, not by whichever log came last)."""
+    at about 1.0x is judged by its slower run, not by whichever log came last). "train", the worst over every
+    training size, is never above "train_long" (the two can differ in the last digit: one from unrounded times,
+    the other from a log's rows)."""
     out: dict[tuple, dict] = {}
     for entry in entries:
         key = (entry["route"], tuple(entry["shape"]))
@@ -135,6 +142,9 @@ def worst_of_runs(entries: list[dict]) -> list[dict]:
         for mode in FX_MODES:
             if mode in entry:
                 out[key][mode] = min(out[key].get(mode, entry[mode]), entry[mode])
+    for entry in out.values():
+        if "train" in entry and TRAIN_LONG in entry:
+            entry["train"] = min(entry["train"], entry[TRAIN_LONG])
     return list(out.values())
 
 
@@ -155,7 +165,8 @@ def main(argv: Optional[list] = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="*", help="bench_hf.py --json outputs with both moe_inductor_experts_kept and "
                                             "moe_inductor_rule_off columns")
-    ap.add_argument("--fx-logs", nargs="*", default=[], help="bench_fx_forms.py logs (their RULE lines)")
+    ap.add_argument("--fx-logs", nargs="*", default=[],
+                    help="bench_fx_forms.py / bench_list_train.py logs (their RULE lines and rows)")
     ap.add_argument("--gpu", default=None, help="the GPU's name, where the runs' meta does not say it")
     ap.add_argument("--out-dir", default=str(DATA_DIR))
     ap.add_argument("--write", action="store_true", help="write the merged file (else print it only)")
@@ -174,7 +185,7 @@ def main(argv: Optional[list] = None) -> Path:
     if args.runs and not worst:
         raise SystemExit("rule_file.py: no cell ran both moe_inductor_experts_kept and moe_inductor_rule_off")
     if args.fx_logs and not entries:
-        raise SystemExit("rule_file.py: the bench_fx_forms.py logs hold no RULE line (no form was rewritten)")
+        raise SystemExit("rule_file.py: the bench_fx_forms.py logs hold no entry (no form was rewritten)")
     path = Path(args.out_dir) / f"{gpu.replace(' ', '_')}.json"
     existing = json.loads(path.read_text()) if path.exists() else None
     sources = [f"benchmarks/rule_file.py {' '.join(Path(p).name for p in args.runs)}"] if args.runs else []

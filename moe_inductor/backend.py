@@ -9,6 +9,7 @@ works without importing this package. Options come through ``torch.compile(..., 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -48,26 +49,47 @@ def _inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs: list[Any
         return inductor(gm, example_inputs)
 
 
-@functools.lru_cache(maxsize=None)
 def cache_tag() -> str:
-    """The tag our Inductor compiles add to torch's compile-cache keys: a hash of this package's source and of the
-    data it ships (the tuned kernel tables, the speed rule's measurements). AOTAutograd's cache keys a compiled graph
-    by the graph Dynamo traced, not by what our ops' autograd formulas trace it into, so after an upgrade that
-    changes them (a backward op, its arguments) a cached graph would run the old ones; and the visible kernels'
-    launch configs are read from the tuned table while Inductor traces them, so a cached graph would keep launching
-    the tiles of the table it was compiled with."""
-    return f"moe_inductor-{_package_digest(Path(__file__).parent)}"
+    """The tag our Inductor compiles add to torch's compile-cache keys: what decides the compiled code beyond the
+    graph the caches key on. AOTAutograd's cache keys a compiled graph by the graph Dynamo traced, not by what our
+    ops' autograd formulas trace it into, so after an upgrade that changes them (a backward op, its arguments) a
+    cached graph would run the old ones: the package's source. The visible kernels' launches are chosen while
+    Inductor traces them, from the tuned tables (shipped, and the user's, which autotune adds to) and from the
+    settings in ``config`` (the engine, TMA, tail split), so a cached graph would keep the choices it was compiled
+    with: the package's data, the user's table and the settings."""
+    return f"moe_inductor-{_source_digest()}-{_settings_digest()}"
+
+
+@functools.lru_cache(maxsize=None)
+def _source_digest() -> str:
+    return _package_digest(Path(__file__).parent)
 
 
 def _package_digest(root: Path) -> str:
     """A hash of the ``.py`` and ``.json`` files under ``root``, by path and content."""
-    import hashlib
-
     digest = hashlib.sha256()
     for path in sorted([*root.rglob("*.py"), *root.rglob("*.json")]):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def _settings_digest() -> str:
+    """A hash of ``config``'s settings and of this GPU's tuned table in the user's cache, read at each compile: a
+    setting may change between compiles, and the table grows as autotune runs."""
+    from . import config
+    from .kernels import configs
+
+    digest = hashlib.sha256()
+    for name in sorted(vars(config)):
+        value = getattr(config, name)
+        if not name.startswith("_") and isinstance(value, (bool, int, float, str, tuple, type(None))):
+            digest.update(f"{name}={value!r};".encode())
+    try:
+        digest.update(configs.TABLE.user_path().read_bytes())
+    except OSError:  # no table tuned here yet
+        pass
+    return digest.hexdigest()[:8]
 
 
 def _inductor_wrapper(mode: Optional[str], inductor_options: Optional[dict]) -> Any:

@@ -9,9 +9,9 @@ rule reads shapes, dtypes and modes only (nothing on the device), so it costs no
 - A layer kind with a measured value below 1.0 in the current mode is left to Inductor. Where this GPU did not
   measure the mode itself, another GPU's value for the mode below ``UNMEASURED_GPU_MARGIN`` keeps it too; else the
   worst value this GPU measured for that layer kind decides. The mode (``mode_of``) is "train" for a call that
-  makes a gradient ("train_long" where its static token count is one of prefill's sizes: then an entry's value for
-  training at those sizes decides, where it has one), "decode" or "prefill" by a static token count of the sizes
-  those were measured at, else "inference", the worse of the two.
+  makes a gradient ("train_long" where its static token count is at least the long size training was measured
+  at: then an entry's value for that size decides, where it has one), "decode" or "prefill" by a static token count
+  of the sizes those were measured at, else "inference", the worse of the two.
 - On a GPU with no file, the rule is conservative: it uses the worst of the measurements of the GPUs that have one,
   and leaves a layer kind to Inductor unless it won there by ``UNMEASURED_GPU_MARGIN``.
 - Layer kinds never measured are rewritten (the op benchmark, ``bench_experts.py``, shows the op ahead of
@@ -111,6 +111,14 @@ def _exact(entry: dict, mode: str) -> Optional[float]:
     return float(entry[mode]) if entry.get(mode) is not None else None
 
 
+def _mode_words(entry: dict, mode: str) -> str:
+    """How explain() names the value ``_exact`` read for ``mode``: a long training step's own value, or "train"
+    (an entry without one, whose training value then judges every size)."""
+    if mode == TRAIN_LONG:
+        return f"training at {TRAIN_LONG_MIN_TOKENS}+ tokens" if entry.get(TRAIN_LONG) is not None else "train"
+    return mode
+
+
 def _worst(entry: dict, mode: str) -> Optional[float]:
     """The entry's value for ``mode`` (``_exact``), else the worst value it measured in any mode."""
     exact = _exact(entry, mode)
@@ -179,14 +187,15 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
             route: Optional[str] = None) -> str:
     """The rule's word on one layer, for explain(): "kept Inductor's path: ..." (the measurement that says our
     rewrite would be slower) or "speed rule: ..." (why the rewrite is taken). ``mode`` is "train" (a
-    differentiable call), "prefill" or "decode" (``mode_of``), or "inference" (the worse of those two). ``route``
-    overrides the form's (``route_of``): "fx_list" for an FX layer over per-expert weights (the list op)."""
+    differentiable call; ``TRAIN_LONG`` one of a static long size), "prefill" or "decode" (``mode_of``), or
+    "inference" (the worse of those two). ``route`` overrides the form's (``route_of``): "fx_list" for an FX layer
+    over per-expert weights (the list op)."""
     inner = _judged_inner or inner
     if not config.speed_rule:
         return "speed rule: off (moe_inductor.config.speed_rule = False)"
     if inner != "inductor":
         return f"speed rule: not applied (inner compiler {inner!r}, no Inductor path to compare with)"
-    # the CPU measured its training step at one size (bench_cpu.py's quickstart model): it judges every size
+    # the CPU's training value (bench_cpu.py's quickstart model, the worse of its sizes) judges every size
     cpu_mode = "train" if mode == TRAIN_LONG else mode
     on_cpu = cpu_measured().get((cpu_mode, kind.dtype)) if device.type == "cpu" and route_of(form) == "hf" else None
     if on_cpu is not None and on_cpu < 1.0:
@@ -215,8 +224,8 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
         if not found:
             continue
         worst, gpu, entry = min(found, key=lambda f: f[0])
-        named = _MODE_WORDS.get(mode, mode)
-        measured = named if exact else "the worst measured " + named + " mode"
+        named = _mode_words(entry, mode)
+        measured = named if exact else f"its worst measured mode (no {named} value)"
         if gpu == tag or tag not in tables:
             note = where
         else:
@@ -246,18 +255,19 @@ KEPT = "kept Inductor's path"
 #: the sizes the modes were measured at (benchmarks/bench_hf.py): decode at batch 1 and 16, prefill from 512 tokens
 DECODE_MAX_TOKENS = 16
 PREFILL_MIN_TOKENS = 512
-#: a training step of a static ``PREFILL_MIN_TOKENS`` tokens or more. An entry's "train" value is the worst over
-#: every size measured, small steps included, where a graph of small launches can lose to Inductor's few while the
-#: same layer wins at the sizes people train at; an entry's "train_long" value (bench_fx_forms.py: the worst over
-#: its training rows from ``PREFILL_MIN_TOKENS`` tokens) judges these steps, and "train" where it has none
+#: a training step of a static ``TRAIN_LONG_MIN_TOKENS`` tokens or more, the size bench_fx_forms.py and
+#: bench_list_train.py train at besides 16 tokens. Their "train" value is the worse of the two sizes, and the
+#: 16-token step is a graph of small launches where ours can lose to Inductor's few while the same layer wins at
+#: the sizes people train at; their "train_long" value (the worst over the training rows from this size) judges
+#: these steps where an entry has one, else "train" does (bench_hf.py's "train" is its one size, 4096 tokens).
+#: A step between 16 and this size was measured at neither, so "train" judges it
 TRAIN_LONG = "train_long"
-#: how explain() names a mode that is not a plain word
-_MODE_WORDS = {TRAIN_LONG: f"training at {PREFILL_MIN_TOKENS}+ tokens"}
+TRAIN_LONG_MIN_TOKENS = 4096
 
 
 def mode_of(x: torch.Tensor, weights: tuple) -> str:
     """"train" where the call builds a graph for the backward (``TRAIN_LONG`` where its token count is static and
-    at least ``PREFILL_MIN_TOKENS``). Otherwise, where the token count is static (the graph is specialised on it
+    at least ``TRAIN_LONG_MIN_TOKENS``). Otherwise, where the token count is static (the graph is specialised on it
     already), "decode" up to ``DECODE_MAX_TOKENS`` tokens and "prefill" from ``PREFILL_MIN_TOKENS``: the sizes those
     modes were measured at. Between them, and wherever the count is symbolic (never read,
     ``capture.static_token_count``: a comparison would add a guard and a recompile), "inference": the worse of the
@@ -270,7 +280,7 @@ def mode_from(train: bool, tokens: Optional[int]) -> str:
     """``mode_of``'s rule on what it reads: whether the call makes a gradient, and its static token count (None
     where symbolic). The FX passes judge a traced region with it."""
     if train:
-        return TRAIN_LONG if tokens is not None and tokens >= PREFILL_MIN_TOKENS else "train"
+        return TRAIN_LONG if tokens is not None and tokens >= TRAIN_LONG_MIN_TOKENS else "train"
     if tokens is not None and tokens <= DECODE_MAX_TOKENS:
         return "decode"
     if tokens is not None and tokens >= PREFILL_MIN_TOKENS:

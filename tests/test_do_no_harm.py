@@ -9,6 +9,7 @@ same errors.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -558,7 +559,7 @@ def test_inductor_compiles_tag_the_cache_with_this_packages_source(monkeypatch):
                         lambda mode, options: lambda gm, inputs: seen.append(torch.compiler.config.cache_key_tag))
     backend._inner_compile("inductor", None, [], None)
     tag = backend.cache_tag()
-    assert seen == [tag] and tag.startswith("moe_inductor-") and len(tag) == len("moe_inductor-") + 16
+    assert seen == [tag] and re.fullmatch(r"moe_inductor-[0-9a-f]{16}-[0-9a-f]{8}", tag), tag
     assert torch.compiler.config.cache_key_tag != tag  # restored after the compile
 
 
@@ -575,8 +576,27 @@ def test_the_cache_tag_covers_the_shipped_tables(tmp_path):
     table = root / "kernels" / "tuned" / "NVIDIA_H200.json"
     source = root / "speed_rule.py"
     before = backend._package_digest(root)
-    assert backend.cache_tag() == f"moe_inductor-{before}"  # the copy is the package as it is
+    assert backend.cache_tag().startswith(f"moe_inductor-{before}-")  # the copy is the package as it is
     table.write_text(table.read_text().replace('"num_warps": 4', '"num_warps": 8', 1))
     after_table = backend._package_digest(root)
     source.write_text(source.read_text() + "\n")
     assert len({before, after_table, backend._package_digest(root)}) == 3
+
+
+def test_the_cache_tag_follows_the_settings_and_the_users_tuned_table(monkeypatch, tmp_path):
+    """Settings read while Inductor traces our ops (the engine, TMA, the tail split) and the user's tuned table
+    decide the visible kernels' launches: a change to either gives another tag, and changing it back the same."""
+    from moe_inductor import backend, config
+    from moe_inductor.kernels import configs
+
+    monkeypatch.setenv("MOE_INDUCTOR_CACHE_DIR", str(tmp_path))
+    tag = backend.cache_tag()
+    monkeypatch.setattr(config, "gemm_tail_split", not config.gemm_tail_split)
+    split = backend.cache_tag()
+    monkeypatch.setattr(config, "gemm_tail_split", not config.gemm_tail_split)
+    assert split != tag and backend.cache_tag() == tag
+    path = configs.TABLE.user_path()
+    path.parent.mkdir(parents=True)
+    path.write_text('{"gemm|key": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}}')
+    tuned = backend.cache_tag()
+    assert tuned not in (tag, split) and tuned.rsplit("-", 1)[0] == tag.rsplit("-", 1)[0]

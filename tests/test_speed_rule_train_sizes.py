@@ -1,11 +1,12 @@
-"""The speed rule keys training by token count: a static step of prefill's sizes is judged by the entry's value
-measured at those sizes ("train_long"), where it has one; a small or symbolic step by the worst over every size."""
+"""The speed rule keys training by token count: a static step of at least the long size training is measured at
+(4096 tokens) is judged by the entry's value measured there ("train_long"), where it has one; a smaller or
+symbolic step by the worst over every size."""
 from unittest import mock
 
 import torch
 
 from moe_inductor import speed_rule
-from moe_inductor.speed_rule import TRAIN_LONG, LayerKind
+from moe_inductor.speed_rule import TRAIN_LONG, TRAIN_LONG_MIN_TOKENS, LayerKind
 
 CUDA = torch.device("cuda")
 SHAPE = (2048, 1408, 64, 6)
@@ -29,9 +30,11 @@ def _judged(entry, form="sorted_grouped_mm", shape=SHAPE, gpu="TEST_GPU"):
 
 
 def test_mode_from_keys_training_by_a_static_token_count():
+    assert TRAIN_LONG_MIN_TOKENS == 4096  # the size bench_fx_forms.py and bench_list_train.py train at
     assert speed_rule.mode_from(True, 4096) == TRAIN_LONG
-    assert speed_rule.mode_from(True, speed_rule.PREFILL_MIN_TOKENS) == TRAIN_LONG
-    assert speed_rule.mode_from(True, speed_rule.PREFILL_MIN_TOKENS - 1) == "train"
+    assert speed_rule.mode_from(True, 16384) == TRAIN_LONG
+    assert speed_rule.mode_from(True, 4095) == "train"  # measured at neither 16 nor 4096 tokens: the worst
+    assert speed_rule.mode_from(True, 512) == "train"
     assert speed_rule.mode_from(True, 16) == "train"
     assert speed_rule.mode_from(True, None) == "train"  # symbolic: never read, the worst over every size
     w = torch.zeros(2, 2, requires_grad=True)
@@ -45,7 +48,7 @@ def test_a_long_training_step_is_judged_by_its_own_value():
     """Rewritten at 4096 tokens (1.16x there), kept at 16 and where the count is symbolic (0.73x, the worst)."""
     judge = _judged(SORTED)
     kept, said = judge(4096)
-    assert not kept and "1.16x" in said and "training at 512+ tokens" in said, said
+    assert not kept and "1.16x" in said and "training at 4096+ tokens" in said, said
     kept, said = judge(16)
     assert kept and "0.73x" in said and "in train on" in said, said
     kept, said = judge(None)
@@ -54,13 +57,17 @@ def test_a_long_training_step_is_judged_by_its_own_value():
 
 
 def test_an_entry_without_a_long_value_judges_every_training_step_by_its_worst():
-    """Files measured before training was keyed by size hold "train" alone: it still judges long steps."""
+    """Files measured before training was keyed by size hold "train" alone: it still judges long steps, and
+    explain() names the value it read ("train"), not a long step's."""
     entry = {k: v for k, v in SORTED.items() if k != TRAIN_LONG}
     kept, said = _judged(entry)(4096)
-    assert kept and "0.73x" in said, said
+    assert kept and "0.73x" in said and "in train on" in said and "4096+" not in said, said
+    entry["train"] = 1.3
+    kept, said = _judged(entry)(4096)
+    assert not kept and "1.30x" in said and "in train on" in said, said
     entry[TRAIN_LONG] = 0.95  # measured slower at the long sizes too: kept there as well
     kept, said = _judged(entry)(4096)
-    assert kept and "0.95x" in said and "training at 512+ tokens" in said, said
+    assert kept and "0.95x" in said and "training at 4096+ tokens" in said, said
 
 
 def test_another_gpus_long_value_asks_the_margin():
@@ -89,21 +96,24 @@ def test_the_cpu_judges_a_long_training_step_by_its_one_training_value():
 
 
 def test_bench_fx_forms_files_the_long_training_value():
-    """The benchmark's RULE entries: "train" the worst over every size, "train_long" over the sizes from 512."""
+    """The benchmark's RULE entries: "train" the worst over every size, "train_long" over the sizes from 4096."""
     from benchmarks.bench_fx_forms import rule_entries
 
     def pair(T, ours, theirs):
         return [dict(form="sorted", mode="train", T=T, column="inductor", ms=theirs, rewrites=0),
                 dict(form="sorted", mode="train", T=T, column="moe_inductor", ms=ours, rewrites=1)]
 
-    (entry,) = rule_entries(pair(4096, 10.0, 11.6) + pair(16, 1.0, 0.73) + pair(512, 2.0, 2.4), list(SHAPE))
-    assert entry["train"] == 0.73 and entry[TRAIN_LONG] == 1.16
+    (entry,) = rule_entries(pair(4096, 10.0, 11.6) + pair(16, 1.0, 0.73) + pair(512, 2.0, 1.8), list(SHAPE))
+    assert entry["train"] == 0.73 and entry[TRAIN_LONG] == 1.16  # (512 tokens: 0.9x, below the long size)
+    (entry,) = rule_entries(pair(4096, 10.0, 9.99), list(SHAPE))
+    assert entry[TRAIN_LONG] == 0.99  # rounded down: 0.999x is a loss, not a tie
     (entry,) = rule_entries(pair(16, 1.0, 0.73), list(SHAPE))
     assert entry["train"] == 0.73 and TRAIN_LONG not in entry  # no long step measured: no long value
 
 
 def test_hf_experts_in_a_long_static_training_step_are_judged_long():
-    """The HF route hands the rule the step's size too: 600 static tokens "train_long", dynamic shapes "train"."""
+    """The HF route hands the rule the step's size too: 4096 static tokens "train_long", 8 or dynamic shapes
+    "train"."""
     from hf_models import tiny
 
     torch.manual_seed(0)
@@ -115,7 +125,7 @@ def test_hf_experts_in_a_long_static_training_step_are_judged_long():
         return "speed rule: recorded"
 
     with mock.patch.object(speed_rule, "verdict", side_effect=record):
-        for tokens, dynamic, want in ((600, False, TRAIN_LONG), (8, False, "train"), (600, True, "train")):
+        for tokens, dynamic, want in ((4096, False, TRAIN_LONG), (8, False, "train"), (4096, True, "train")):
             torch._dynamo.reset()
             modes.clear()
             torch.compile(model, backend="moe_inductor", dynamic=dynamic, options={"inner": "eager"})(
@@ -126,7 +136,7 @@ def test_hf_experts_in_a_long_static_training_step_are_judged_long():
 def test_rule_file_takes_the_worst_of_two_runs_and_the_long_value_from_old_rows(tmp_path):
     """rule_file.py --fx-logs over the H100's two runs of sort + grouped_mm at DeepSeek-V2-Lite's widths: each mode
     its worse run (the 16-token step 0.73x then 0.54x), and "train_long" made from the rows of the first log, which
-    was written before the mode was filed (1.16x, then 1.15x from the second's RULE line)."""
+    was written before the mode was filed (1.1599x, rounded down to 1.15; the second's RULE line says 1.15)."""
     import json
     from pathlib import Path
 
@@ -137,7 +147,7 @@ def test_rule_file_takes_the_worst_of_two_runs_and_the_long_value_from_old_rows(
     assert TRAIN_LONG not in old.read_text() and TRAIN_LONG in new.read_text()
     (_, first), (_, second) = rule_file.fx_log_entries(old.read_text()), rule_file.fx_log_entries(new.read_text())
     by_route = {e["route"]: e for e in first}
-    assert by_route["fx_sorted"]["train"] == 0.73 and by_route["fx_sorted"][TRAIN_LONG] == 1.16
+    assert by_route["fx_sorted"]["train"] == 0.73 and by_route["fx_sorted"][TRAIN_LONG] == 1.15
     (tmp_path / "NVIDIA_H100_80GB_HBM3.json").write_text(json.dumps({"layers": []}))
     for logs in ((old, new), (new, old)):  # the order of the logs does not matter
         path = rule_file.main(["--fx-logs", *map(str, logs), "--out-dir", str(tmp_path), "--write"])
