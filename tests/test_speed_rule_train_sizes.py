@@ -153,3 +153,14 @@ def test_rule_file_takes_the_worst_of_two_runs_and_the_long_value_from_old_rows(
         path = rule_file.main(["--fx-logs", *map(str, logs), "--out-dir", str(tmp_path), "--write"])
         entry = next(e for e in json.loads(path.read_text())["layers"] if e["route"] == "fx_sorted")
         assert (entry["train"], entry[TRAIN_LONG], entry["prefill"], entry["decode"]) == (0.54, 1.15, 1.59, 1.62)
+
+
+def test_rule_file_rounds_the_hf_routes_values_down():
+    """bench_hf.py's values are rounded down as bench_fx_forms.py's are: 0.996x is filed 0.99 (kept), not 1.00 (a
+    tie, rewritten)."""
+    from benchmarks import rule_file
+
+    doc = rule_file.merged(None, {"qwen3_moe": {"prefill": 0.996, "train": 1.2349}}, ["a run"])
+    (entry,) = doc["layers"]
+    assert (entry["prefill"], entry["train"]) == (0.99, 1.23) and doc["_source"] == "a run"
+    assert rule_file.merged(doc, {}, ["a run"])["_source"] == "a run"  # a source is filed once
