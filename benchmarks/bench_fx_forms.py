@@ -49,8 +49,7 @@ from benchmarks.bench_cpu import interleaved_ms  # noqa: E402
 from benchmarks.bench_list_train import LoopMoE  # noqa: E402
 from benchmarks.hf_profile import Profiler  # noqa: E402
 from moe_inductor import config  # noqa: E402
-from moe_inductor.speed_rule import (DECODE_MAX_TOKENS, PREFILL_MIN_TOKENS, TRAIN_LONG,  # noqa: E402
-                                    TRAIN_LONG_MIN_TOKENS)
+from moe_inductor.speed_rule import TRAIN_LONG, mode_from  # noqa: E402
 
 #: the speed rule's route each form's values are for
 ROUTES = {"list": "fx_list", "stacked_loop": "fx_loop", "gathered": "fx_gathered", "capacity": "fx_capacity",
@@ -171,11 +170,13 @@ def _timer(device: str) -> Callable[[Callable], float]:
 
 
 def rule_modes(mode: str, tokens: int) -> tuple[str, ...]:
-    """The speed rule's modes a row measures: "train" (every size), and "train_long" too from 4096 tokens;
-    "decode" (forward, at most 16 tokens), "prefill" (forward, from 512); none for a size the rule does not key on."""
-    if mode == "train":
-        return ("train", TRAIN_LONG) if tokens >= TRAIN_LONG_MIN_TOKENS else ("train",)
-    return ("decode",) if tokens <= DECODE_MAX_TOKENS else ("prefill",) if tokens >= PREFILL_MIN_TOKENS else ()
+    """The speed rule's modes a row measures, by the rule's own sizes (``speed_rule.mode_from``): "train" (every
+    size), and "train_long" too for a long step; "decode" or "prefill" for a forward; none for a forward between
+    them ("inference" is the worse of the two, never filed itself)."""
+    judged = mode_from(mode == "train", tokens)
+    if judged == TRAIN_LONG:
+        return ("train", TRAIN_LONG)
+    return () if judged == "inference" else (judged,)
 
 
 def main(argv=None) -> list[dict]:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.hf_families import FAMILIES, MODES  # noqa: E402
 from benchmarks.hf_tables import rule_values  # noqa: E402
-from benchmarks.bench_fx_forms import floor2  # noqa: E402
+from benchmarks.bench_fx_forms import floor2, rule_entries  # noqa: E402
 from moe_inductor.speed_rule import TRAIN_LONG  # noqa: E402
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "moe_inductor" / "kernels" / "tuned" / "whole_model"
@@ -101,8 +101,6 @@ def fx_log_entries(text: str) -> tuple[Optional[str], list[dict]]:
     was filed (``speed_rule.TRAIN_LONG``) still gives it; a log without RULE lines gives the entries its rows make.
     A form with rows but no RULE line in a log that has RULE lines was cut off before its line, so it gives nothing.
     Each section of the log starts with a line ``torch <version>, <GPU>, H=.. I=.. E=.. k=..``."""
-    from benchmarks.bench_fx_forms import rule_entries
-
     gpu = None
     ruled: list[tuple[int, dict]] = []  # (the section it was printed in, the entry)
     sections: list[tuple[list[int], list[dict]]] = []

@@ -522,3 +522,33 @@ def rule_off_where_unmeasured(monkeypatch) -> None:
 
     if speed_rule._gpu_tag(torch.device("cuda")) not in speed_rule._tables():
         monkeypatch.setattr(moe_inductor.config, "speed_rule", False)
+
+
+def hf_modes_judged(train: bool, cases) -> list[set]:
+    """The modes the speed rule is asked to judge transformers' experts in, one set per (tokens, dynamic) compile of
+    a tiny Qwen3-MoE (``inner="eager"``): a training step (forward and backward) where ``train``, else inference
+    under no_grad."""
+    from unittest import mock
+
+    from hf_models import tiny
+    from moe_inductor import speed_rule
+
+    torch.manual_seed(0)
+    model = tiny("qwen3_moe").train(train)
+    modes: list[str] = []
+
+    def record(kind, device, mode, inner, form):
+        modes.append(mode)
+        return "speed rule: recorded"
+
+    seen = []
+    with mock.patch.object(speed_rule, "verdict", side_effect=record), torch.set_grad_enabled(train):
+        for tokens, dynamic in cases:
+            torch._dynamo.reset()
+            modes.clear()
+            out = torch.compile(model, backend="moe_inductor", dynamic=dynamic, options={"inner": "eager"})(
+                torch.randint(0, 64, (1, tokens)))
+            if train:
+                out.logits.sum().backward()
+            seen.append(set(modes))
+    return seen

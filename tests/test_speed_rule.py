@@ -209,24 +209,9 @@ def test_mode_of_never_reads_a_symbolic_token_count():
 def test_hf_experts_are_judged_in_the_mode_of_their_static_size():
     """The HF route hands the rule the mode of the traced call: a one-token step is "decode", a long prompt
     "prefill", and the same model traced with dynamic shapes "inference"."""
-    from hf_models import tiny
+    from helpers import hf_modes_judged
 
-    torch.manual_seed(0)
-    model = tiny("qwen3_moe").eval()
-    modes = []
-
-    def record(kind, device, mode, inner, form):
-        modes.append(mode)
-        return "speed rule: recorded"
-
-    with mock.patch.object(speed_rule, "verdict", side_effect=record), torch.no_grad():
-        for tokens, dynamic in ((1, False), (600, False), (600, True)):
-            torch._dynamo.reset()
-            modes.clear()
-            torch.compile(model, backend="moe_inductor", dynamic=dynamic, options={"inner": "eager"})(
-                torch.randint(0, 64, (1, tokens)))
-            want = "inference" if dynamic else ("decode" if tokens == 1 else "prefill")
-            assert modes and set(modes) == {want}, (tokens, dynamic, modes)
+    assert hf_modes_judged(False, ((1, False), (600, False), (600, True))) == [{"decode"}, {"prefill"}, {"inference"}]
 
 
 def test_with_the_rule_off_every_proven_layer_is_rewritten(monkeypatch):

@@ -114,23 +114,9 @@ def test_bench_fx_forms_files_the_long_training_value():
 def test_hf_experts_in_a_long_static_training_step_are_judged_long():
     """The HF route hands the rule the step's size too: 4096 static tokens "train_long", 8 or dynamic shapes
     "train"."""
-    from hf_models import tiny
+    from helpers import hf_modes_judged
 
-    torch.manual_seed(0)
-    model = tiny("qwen3_moe").train()
-    modes = []
-
-    def record(kind, device, mode, inner, form):
-        modes.append(mode)
-        return "speed rule: recorded"
-
-    with mock.patch.object(speed_rule, "verdict", side_effect=record):
-        for tokens, dynamic, want in ((4096, False, TRAIN_LONG), (8, False, "train"), (4096, True, "train")):
-            torch._dynamo.reset()
-            modes.clear()
-            torch.compile(model, backend="moe_inductor", dynamic=dynamic, options={"inner": "eager"})(
-                torch.randint(0, 64, (1, tokens))).logits.sum().backward()
-            assert modes and set(modes) == {want}, (tokens, dynamic, modes)
+    assert hf_modes_judged(True, ((4096, False), (8, False), (4096, True))) == [{TRAIN_LONG}, {"train"}, {"train"}]
 
 
 def test_rule_file_takes_the_worst_of_two_runs_and_the_long_value_from_old_rows(tmp_path):
@@ -148,6 +134,7 @@ def test_rule_file_takes_the_worst_of_two_runs_and_the_long_value_from_old_rows(
     (_, first), (_, second) = rule_file.fx_log_entries(old.read_text()), rule_file.fx_log_entries(new.read_text())
     by_route = {e["route"]: e for e in first}
     assert by_route["fx_sorted"]["train"] == 0.73 and by_route["fx_sorted"][TRAIN_LONG] == 1.15
+    assert next(e for e in second if e["route"] == "fx_sorted")[TRAIN_LONG] == 1.15
     (tmp_path / "NVIDIA_H100_80GB_HBM3.json").write_text(json.dumps({"layers": []}))
     for logs in ((old, new), (new, old)):  # the order of the logs does not matter
         path = rule_file.main(["--fx-logs", *map(str, logs), "--out-dir", str(tmp_path), "--write"])
