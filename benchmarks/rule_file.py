@@ -8,7 +8,9 @@ and every proven layer rewritten (``bash benchmarks/device_run.sh rule`` on that
 Each family measured becomes one layer kind (its activation, gate/up layout, biases and (H, I, E, k) at the real
 widths bench_hf.py builds), with one value per mode measured: the worst over the sizes measured, since the rule
 decides from the mode (and, in training, whether the step is long: ``speed_rule.TRAIN_LONG``), not the
-size. A GPU without a file is judged by the other GPUs' files with a margin
+size. A training step of ``speed_rule.TRAIN_LONG_MIN_TOKENS`` tokens or more also files its value as "train_long",
+the value such steps are judged by; "train" stays the worst over every training size. A GPU without a file is
+judged by the other GPUs' files with a margin
 (``speed_rule.UNMEASURED_GPU_MARGIN``); with one, a layer kind below 1.0 in a mode keeps Inductor's path there.
 Entries of the file that the runs do not measure are kept as they are. Without ``--write`` the merged file is only
 printed.
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.hf_families import FAMILIES, MODES  # noqa: E402
 from benchmarks.hf_tables import rule_values  # noqa: E402
 from benchmarks.bench_fx_forms import floor2, rule_entries  # noqa: E402
-from moe_inductor.speed_rule import TRAIN_LONG  # noqa: E402
+from moe_inductor.speed_rule import TRAIN_LONG, TRAIN_LONG_MIN_TOKENS  # noqa: E402
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "moe_inductor" / "kernels" / "tuned" / "whole_model"
 
@@ -59,11 +61,19 @@ def measured(runs: Iterable[dict]) -> tuple[Optional[str], dict]:
         gpus.add(run.get("meta", {}).get("device"))
         for v in rule_values(run["rows"]):
             modes = worst.setdefault(v["family"], {})
-            modes[v["mode"]] = min(modes.get(v["mode"], float("inf")), v["value"])
+            for mode in _modes_of(v["mode"], v["size"]):
+                modes[mode] = min(modes.get(mode, float("inf")), v["value"])
     gpus.discard(None)
     if len(gpus) > 1:
         raise ValueError(f"the runs measured different GPUs: {sorted(gpus)}")
     return (gpus.pop() if gpus else None), worst
+
+
+def _modes_of(mode: str, size: int) -> tuple[str, ...]:
+    """The rule's modes a bench_hf cell's value counts toward: its own, and for a training step of at least
+    ``TRAIN_LONG_MIN_TOKENS`` tokens also ``TRAIN_LONG`` (the value that judges such steps; "train" stays the worst
+    over every size, which judges the shorter ones)."""
+    return (mode, TRAIN_LONG) if mode == "train" and size >= TRAIN_LONG_MIN_TOKENS else (mode,)
 
 
 def merged(existing: Optional[dict], worst: dict, sources: list[str]) -> dict:

@@ -538,6 +538,8 @@ def test_rule_file_writes_what_the_speed_rule_reads(tmp_path, monkeypatch):
         row("qwen3_moe", "prefill", 4096, kept, 4.8), row("qwen3_moe", "prefill", 4096, off, 3.2),  # 1.50
         row("qwen3_moe", "prefill", 512, kept, 1.0), row("qwen3_moe", "prefill", 512, off, 1.25),  # 0.80: the worst
         row("gpt_oss", "train", 4096, kept, 54.0), row("gpt_oss", "train", 4096, off, 45.0),  # 1.20
+        row("qwen3_moe", "train", 1024, kept, 6.0), row("qwen3_moe", "train", 1024, off, 10.0),  # 0.60
+        row("qwen3_moe", "train", 4096, kept, 14.4), row("qwen3_moe", "train", 4096, off, 13.5),  # 1.067: long
         row("gpt_oss", "prefill", 4096, "moe_inductor", 8.0)]}  # no experts-kept column: no value
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "run.json").write_text(json.dumps(run))
@@ -550,6 +552,9 @@ def test_rule_file_writes_what_the_speed_rule_reads(tmp_path, monkeypatch):
     layers = {e["name"]: e for e in json.loads(path.read_text())["layers"]}
     assert layers["Qwen3-30B-A3B"]["prefill"] == 0.8 and layers["Qwen3-30B-A3B"]["shape"] == [2048, 768, 128, 8]
     assert (layers["GPT-OSS-20B"]["train"], layers["GPT-OSS-20B"]["decode"]) == (1.2, 1.3)  # decode kept
+    # training: "train" the worst over sizes, "train_long" the 4096-token step's, each rounded down
+    assert (layers["Qwen3-30B-A3B"]["train"], layers["Qwen3-30B-A3B"][speed_rule.TRAIN_LONG]) == (0.6, 1.06)
+    assert layers["GPT-OSS-20B"][speed_rule.TRAIN_LONG] == 1.2
     assert "prefill" not in layers["GPT-OSS-20B"] and layers["Mixtral-8x7B"]["prefill"] == 0.9
 
     monkeypatch.setattr(speed_rule, "_DATA_DIR", tmp_path)
@@ -562,6 +567,8 @@ def test_rule_file_writes_what_the_speed_rule_reads(tmp_path, monkeypatch):
         assert speed_rule.keeps_inductor(qwen3, cuda, "prefill", "inductor")  # 0.80 at T = 512
         assert speed_rule.keeps_inductor(gptoss, cuda, "train", "inductor") is None  # 1.20
         assert speed_rule.keeps_inductor(gptoss, cuda, "decode", "inductor") is None  # 1.3, kept from the file
+        assert "0.60x" in speed_rule.keeps_inductor(qwen3, cuda, "train", "inductor")  # a 1024-token step lost
+        assert speed_rule.keeps_inductor(qwen3, cuda, speed_rule.TRAIN_LONG, "inductor") is None
     finally:
         speed_rule._tables.cache_clear()
 
