@@ -8,7 +8,8 @@ rule reads shapes, dtypes and modes only (nothing on the device), so it costs no
 
 - A layer kind with a measured value below 1.0 in the current mode is left to Inductor. Where this GPU did not
   measure the mode itself, another GPU's value for the mode below ``UNMEASURED_GPU_MARGIN`` keeps it too; else the
-  worst value this GPU measured for that layer kind decides. The mode (``mode_of``) is "train" for a call that
+  worst value this GPU measured for that layer kind decides (for prefill or decode, the worst of its inference
+  values where it has one). The mode (``mode_of``) is "train" for a call that
   makes a gradient ("train_long" where its static token count is at least the long size training was measured
   at: then an entry's value for that size decides, where it has one), "decode" or "prefill" by a static token count
   of the sizes those were measured at, else "inference", the worse of the two.
@@ -111,6 +112,11 @@ def _exact(entry: dict, mode: str) -> Optional[float]:
     return float(entry[mode]) if entry.get(mode) is not None else None
 
 
+def _among_inference(entry: dict, mode: str) -> bool:
+    """Whether ``_worst`` reads only the entry's inference values for ``mode``: an inference mode, measured in one."""
+    return mode in ("prefill", "decode", "inference") and any(entry.get(m) is not None for m in ("prefill", "decode"))
+
+
 def _mode_words(entry: dict, mode: str) -> str:
     """How explain() names the value ``_exact`` read for ``mode``: a long training step's own value, or "train"
     (an entry without one, whose training value then judges every size)."""
@@ -120,11 +126,16 @@ def _mode_words(entry: dict, mode: str) -> str:
 
 
 def _worst(entry: dict, mode: str) -> Optional[float]:
-    """The entry's value for ``mode`` (``_exact``), else the worst value it measured in any mode."""
+    """The entry's value for ``mode`` (``_exact``), else the worst value it measured: for an inference mode, the
+    worst of its inference values where it has one (a training step's loss is its backward's, which inference does
+    not run), else the worst in any mode."""
     exact = _exact(entry, mode)
     if exact is not None:
         return exact
-    measured = [float(entry[m]) for m in ("prefill", "decode", "train", TRAIN_LONG) if entry.get(m) is not None]
+    inference = [float(entry[m]) for m in ("prefill", "decode") if entry.get(m) is not None]
+    if _among_inference(entry, mode):
+        return min(inference)
+    measured = inference + [float(entry[m]) for m in ("train", TRAIN_LONG) if entry.get(m) is not None]
     return min(measured) if measured else None
 
 
@@ -225,7 +236,8 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
             continue
         worst, gpu, entry = min(found, key=lambda f: f[0])
         named = _mode_words(entry, mode)
-        measured = named if exact else f"its worst measured mode (no {named} value)"
+        among = "inference " if _among_inference(entry, mode) else ""
+        measured = named if exact else f"its worst measured {among}mode (no {named} value)"
         if gpu == tag or tag not in tables:
             note = where
         else:

@@ -57,10 +57,24 @@ def test_a_gpu_without_a_value_for_the_mode_defers_to_another_gpus_with_the_marg
         assert "0.71x" in keeps_inductor(GPT_OSS, CUDA, "train", "inductor")
         assert keeps_inductor(GPT_OSS, CUDA, speed_rule.TRAIN_LONG, "inductor") is None
         # decode: no GPU's GPT-OSS decode value is below the margin (H200's 1.16), so the H100's worst measured
-        # mode decides: its 1024-token training step
-        assert "0.71x" in keeps_inductor(GPT_OSS, CUDA, "decode", "inductor")
+        # inference mode decides (prefill, 1.01), not its 1024-token training step's loss (0.71)
+        said = speed_rule.verdict(GPT_OSS, CUDA, "decode", "inductor")
+        assert said.startswith("speed rule:") and "1.01x" in said and "worst measured inference mode" in said, said
+        assert keeps_inductor(GPT_OSS, CUDA, "decode", "inductor") is None
     with _on("NVIDIA_A100-SXM4-80GB"):  # no file: the worst of every GPU's value for the mode, with the margin
         assert "0.71x" in keeps_inductor(GPT_OSS, CUDA, "train", "inductor")  # the H100's, below the H200's 0.88
+
+
+def test_an_unmeasured_inference_mode_takes_the_worst_inference_value():
+    """A training step's loss is its backward's (host time of the backward ops, RESULTS.md, thirty-eighth session),
+    which inference does not run: an unmeasured inference mode takes the worst of the kind's inference values; a
+    kind with none, or an unmeasured training mode, the worst of every mode."""
+    entry = {"prefill": 1.2, "train": 0.6, "train_long": 1.05}
+    assert speed_rule._worst(entry, "decode") == 1.2
+    assert speed_rule._worst(entry, "inference") == 1.2
+    assert speed_rule._worst({"train": 0.6}, "decode") == 0.6  # no inference value: every mode's worst
+    assert speed_rule._worst({"prefill": 1.2, "decode": 0.9}, "train") == 0.9
+    assert speed_rule._worst({"prefill": 1.2, "train_long": 0.8}, "train") == 0.8
 
 
 @pytest.mark.parametrize("inner", ["aot_eager", "eager"])
