@@ -114,7 +114,7 @@ def _exact(entry: dict, mode: str) -> Optional[float]:
 
 def _among_inference(entry: dict, mode: str) -> bool:
     """Whether ``_worst`` reads only the entry's inference values for ``mode``: an inference mode, measured in one."""
-    return mode in ("prefill", "decode", "inference") and any(entry.get(m) is not None for m in ("prefill", "decode"))
+    return mode in ("prefill", "decode", "inference") and _exact(entry, "inference") is not None
 
 
 def _mode_words(entry: dict, mode: str) -> str:
@@ -132,10 +132,9 @@ def _worst(entry: dict, mode: str) -> Optional[float]:
     exact = _exact(entry, mode)
     if exact is not None:
         return exact
-    inference = [float(entry[m]) for m in ("prefill", "decode") if entry.get(m) is not None]
     if _among_inference(entry, mode):
-        return min(inference)
-    measured = inference + [float(entry[m]) for m in ("train", TRAIN_LONG) if entry.get(m) is not None]
+        return _exact(entry, "inference")
+    measured = [float(entry[m]) for m in ("prefill", "decode", "train", TRAIN_LONG) if entry.get(m) is not None]
     return min(measured) if measured else None
 
 
