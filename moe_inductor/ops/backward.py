@@ -341,8 +341,7 @@ def _empty_or(t: Optional[Tensor], like: Tensor) -> Tensor:
     return t if t is not None else like.new_empty(0)
 
 
-@torch.library.custom_op("moe_inductor::experts_backward_middle", mutates_args=())
-def experts_backward_middle(
+def experts_backward_middle_impl(
     dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tensor,
     b1: Optional[Tensor], b1_up: Optional[Tensor], b2: Optional[Tensor], pre: Tensor, order: Tensor,
     sorted_expert: Tensor, offsets: Tensor, activation: str, weight_position: str, alpha: float, limit: float,
@@ -359,6 +358,12 @@ def experts_backward_middle(
             _empty_or(db1_up, x), _empty_or(db2, x))
 
 
+# The ops are the implementations themselves, registered under their typed signatures; lowerings/visible_backward.py
+# registers the same bodies as Inductor-visible ops.
+experts_backward_middle = torch.library.custom_op("moe_inductor::experts_backward_middle",
+                                                  mutates_args=())(experts_backward_middle_impl)
+
+
 @experts_backward_middle.register_fake
 def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets, activation,
       weight_position, alpha, limit, dropped, needs):
@@ -369,8 +374,7 @@ def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, s
     return (x.new_empty(M, n_pre), d_scale, *_fake_middle_grads(need, x, w2, b1, b1_up, b2))
 
 
-@torch.library.custom_op("moe_inductor::experts_backward_up", mutates_args=())
-def experts_backward_up(
+def experts_backward_up_impl(
     d_pre: Tensor, d_scale_sorted: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor,
     w1_up: Optional[Tensor], w2: Tensor, b1: Optional[Tensor], b1_up: Optional[Tensor], b2: Optional[Tensor],
     order: Tensor, sorted_expert: Tensor, offsets: Tensor, activation: str, weight_position: str, alpha: float,
@@ -383,6 +387,10 @@ def experts_backward_up(
     need = Needs(*needs)
     grads = up_grads(call, routed, d_pre, d_scale_sorted if need.topk_weights else None, need)
     return tuple(_empty_or(t, x) for t in grads)
+
+
+experts_backward_up = torch.library.custom_op("moe_inductor::experts_backward_up",
+                                              mutates_args=())(experts_backward_up_impl)
 
 
 @experts_backward_up.register_fake

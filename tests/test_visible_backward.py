@@ -1,0 +1,172 @@
+"""The experts backward visible to Inductor (lowerings/visible_backward.py, ``config.visible_backward``).
+
+On the CPU: the choice of ops (static row counts the engine cannot take), the ops' eager results under the
+interpreter against the opaque ops', and a fake-tensor trace of a training step (which ops the backward calls). AOT
+autograd's trace into the ops needs Triton's GPU driver to read which arguments each kernel writes (without it every
+argument counts as written, the saved inputs included), so the compiled step is tested on the GPU.
+"""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from moe_inductor import config
+from moe_inductor.lowerings import visible_backward
+from moe_inductor.ops import grouped_mm_engine
+from moe_inductor.ops.backward import experts_backward_middle, experts_backward_up
+from tests.helpers import make_problem, run_without_interpreter
+from tests.test_backward_split import _args
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _fake(shape, dtype):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("engine,dtype,rows_per_expert,biased,traced", [
+    ("auto", torch.bfloat16, 64, False, True),  # Qwen3-MoE at 1024 tokens: below the backward's 128 rows
+    ("auto", torch.bfloat16, 128, False, False),  # the engine's backward rule: the opaque ops keep it
+    ("auto", torch.float32, 4096, False, True),  # the engine takes bf16 only
+    ("auto", torch.bfloat16, 128, True, True),  # biased experts this small (H * I < 4M): never the engine
+    ("triton", torch.bfloat16, 4096, False, True),
+    ("grouped_mm", torch.float32, 1, False, False),  # forced: wherever the layout allows, so never traced
+])
+def test_the_backward_is_traced_only_where_the_engine_cannot_take_it(engine, dtype, rows_per_expert, biased,
+                                                                     traced, monkeypatch):
+    monkeypatch.setattr(config, "gemm_engine", engine)
+    monkeypatch.setattr(config, "gemm_engine_backward", None)
+    E, H, I = 8, 64, 32
+    x, w2 = _fake((16, H), dtype), _fake((E, I, H), dtype)
+    rows = rows_per_expert * E
+    assert grouped_mm_engine.may_take_backward_of(x, w2, biased, rows) is not traced
+    assert visible_backward.backward_traceable(x, w2, biased, rows) is traced
+    monkeypatch.setattr(config, "gemm_tma_descriptors", "host")  # a traced launch cannot take those
+    assert visible_backward.backward_traceable(x, w2, biased, rows) is False
+
+
+def test_a_symbolic_row_count_keeps_the_opaque_ops():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    rows = ShapeEnv().create_unbacked_symint()
+    assert not visible_backward.backward_traceable(_fake((4, 64), torch.float32), _fake((8, 32, 64), torch.float32),
+                                                   False, rows)
+
+
+def test_the_rule_agrees_with_the_engines_own_decision(monkeypatch):
+    """Wherever ``may_take_backward_of`` says no, ``grouped_mm_weights(backward=True)`` (which reads real tensors)
+    says no as well: a traced backward never loses a call the engine would have taken."""
+    monkeypatch.setattr(config, "gemm_engine", "auto")
+    monkeypatch.setattr(config, "gemm_engine_backward", None)
+    for dtype in (torch.float32, torch.bfloat16):
+        for T, E in ((3, 4), (64, 4), (300, 4), (2048, 8)):
+            p = make_problem(T, 16, 8, E, 2, dtype=dtype, requires_grad=False)
+            w1 = p.w1.transpose(1, 2)[:, :, :8] if p.layout == "nk" else p.w1[:, :, :8]
+            w2 = p.w2.transpose(1, 2) if p.layout == "nk" else p.w2
+            rows = T * 2
+            if not grouped_mm_engine.may_take_backward_of(p.x, w2, False, rows):
+                assert grouped_mm_engine.grouped_mm_weights(p.x, w1, None, w2, None, None, "output", False, rows,
+                                                            backward=True) is None
+
+
+def _visible_ops_take_triton():
+    from tests.test_visible_kernels import _wrap_triton_takes_our_kernels
+
+    return _wrap_triton_takes_our_kernels()
+
+
+@pytest.mark.skipif(not _visible_ops_take_triton(), reason="this torch's wrap_triton refuses interpreted kernels")
+@pytest.mark.parametrize("activation,bias,gate_up", [
+    ("silu_glu", False, "concat"), ("silu_glu", True, "concat"), ("gptoss_glu", True, "interleaved")])
+@pytest.mark.parametrize("T", [0, 1, 7])
+def test_the_visible_ops_give_the_opaque_ops_gradients(activation, bias, gate_up, T, triton_kernels):
+    args = _args(activation, bias, gate_up, T=T)
+    dy, *shared, pre, order, sorted_expert, offsets, act, position, alpha, limit, dropped, needs = args
+    options = (order, sorted_expert, offsets, act, position, alpha, limit, dropped, needs)
+    middle = torch.ops.moe_inductor.experts_backward_middle_visible(dy, *shared, pre, *options)
+    ref_middle = experts_backward_middle(dy, *shared, pre, *options)
+    for a, b in zip(middle, ref_middle):
+        torch.testing.assert_close(a, b)
+    up = torch.ops.moe_inductor.experts_backward_up_visible(middle[0], middle[1], *shared, *options)
+    ref_up = experts_backward_up(ref_middle[0], ref_middle[1], *shared, *options)
+    for a, b in zip(up, ref_up):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_traced_training_step_calls_the_visible_backward_ops_where_static():
+    """make_fx (fake tensors, so nothing launches; in a process without the interpreter): with a static token count
+    the visible forward's backward calls the visible ops, with a symbolic one the opaque ops."""
+    import json
+
+    out = run_without_interpreter("import json; print(json.dumps([visible_backward_trace(False), "
+                                  "visible_backward_trace(True)]))", timeout=400)
+    static, dynamic = json.loads(out.strip().splitlines()[-1])
+    assert static["ops"] == ["experts_forward_visible", "experts_backward_middle_visible",
+                             "experts_backward_up_visible"], static
+    assert dynamic["ops"] == ["experts_forward_visible", "experts_backward_middle", "experts_backward_up"], dynamic
+
+
+def test_off_the_visible_forward_keeps_the_opaque_backward(monkeypatch):
+    monkeypatch.setattr(config, "visible_backward", False)
+    x, w2 = _fake((4, 64), torch.float32), _fake((8, 32, 64), torch.float32)
+    order = _fake((8,), torch.int32)
+    assert visible_backward.pick_backward_ops(x, w2, False, order) == (experts_backward_middle, experts_backward_up)
+    monkeypatch.setattr(config, "visible_backward", True)
+    counters.clear()
+    assert visible_backward.pick_backward_ops(x, w2, False, order)[0] is (
+        torch.ops.moe_inductor.experts_backward_middle_visible)
+    assert counters["moe_inductor_visible"]["backward"] == 1
+
+
+# On the GPU: Inductor traces the backward's kernels into its compiled backward graph.
+
+
+def _compiled_step(model, x):
+    out = model(x)
+    out.float().pow(2).sum().backward()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_gpu_a_compiled_training_step_launches_the_backward_from_inductors_wrapper(dtype, T, monkeypatch):
+    """A gathered-weights MoE's training step with a static token count: the compiled backward launches our
+    kernels itself (no opaque backward op left in its code), and the output and every gradient equal eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    from tests.test_pass_gathered_weights import GatheredMoE
+
+    monkeypatch.setattr(config, "visible_kernels", True)
+    monkeypatch.setattr(config, "visible_backward", True)
+    torch.manual_seed(0)
+    model = GatheredMoE("gptfast").to("cuda", dtype)
+    ref_model = GatheredMoE("gptfast").to("cuda", dtype)
+    ref_model.load_state_dict(model.state_dict())
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor", dynamic=False)
+    x = torch.randn(T, 16, device="cuda", dtype=dtype)
+    out, codes = run_and_get_code(_compiled_step, compiled, x.clone().requires_grad_())
+    ref = _compiled_step(ref_model, x.clone().requires_grad_())
+    text = "\n".join(codes)
+    assert counters["moe_inductor_visible"]["backward"] >= 1
+    assert "backward_middle_kernel" in text and "grouped_weight_grad_kernel" in text
+    assert "moe_inductor.experts_backward" not in text  # neither opaque half is called
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out, ref, **tol)
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert a.grad is not None and b.grad is not None, name
+        torch.testing.assert_close(a.grad, b.grad, **tol, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation,bias,gate_up", [("silu_glu", False, "concat"), ("gptoss_glu", True,
+                                                                                       "interleaved")])
+def test_gpu_opcheck_the_visible_backward_ops(activation, bias, gate_up):
+    args = _args(activation, bias, gate_up, dtype=torch.bfloat16)
+    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    dy, *shared, pre, order, sorted_expert, offsets, act, position, alpha, limit, dropped, needs = args
+    options = (order, sorted_expert, offsets, act, position, alpha, limit, dropped, needs)
+    torch.library.opcheck(visible_backward.experts_backward_middle_visible, (dy, *shared, pre, *options))
+    d_pre, d_scale, *_ = visible_backward.experts_backward_middle_visible(dy, *shared, pre, *options)
+    torch.library.opcheck(visible_backward.experts_backward_up_visible, (d_pre, d_scale, *shared, *options))
