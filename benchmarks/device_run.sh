@@ -123,13 +123,14 @@ case "${1:-suite}" in
     grep -E "FAILED|ERROR" "$OUT/gpu_tests.log"; tail -12 "$OUT/gpu_tests.log" ;;
   visbw)  # the visible backward (lowerings/visible_backward.py): its GPU tests, then the 1024-token training steps
           # that lost with the opaque backward ops (RESULTS.md, thirty-eighth session), experts kept against
-          # rewritten. OLMoE's step (128 rows per expert) takes the engine's backward, which stays opaque: a control
-    timeout -s INT 150 python -m pytest tests/test_visible_backward.py tests/test_visible_kernels.py -m gpu $WORKERS \
-      -q -p no:warnings -rfE 2>&1 | grep -v torch.__trace | tail -15
+          # rewritten (GPT-OSS: the gptoss_glu backward kernel traced)
+    timeout -s INT 200 python -m pytest tests/test_visible_backward.py tests/test_visible_kernels.py \
+      tests/test_backward_split.py tests/test_sm90_compile.py -m gpu $WORKERS -q -p no:warnings -rfE 2>&1 \
+      | grep -v torch.__trace | tail -15
     C=moe_inductor_experts_kept+moe_inductor_rule_off
-    timeout 420 python benchmarks/bench_hf.py --deadline-s 400 --layers qwen3_moe=2 \
-      --budget qwen3_moe=130 qwen2_moe=120 olmoe=120 \
-      --cells qwen3_moe:train:1024:$C qwen2_moe:train:1024:$C olmoe:train:1024:$C \
+    timeout 400 python benchmarks/bench_hf.py --deadline-s 380 --layers qwen3_moe=2 \
+      --budget qwen3_moe=130 qwen2_moe=120 gpt_oss=120 \
+      --cells qwen3_moe:train:1024:$C qwen2_moe:train:1024:$C gpt_oss:train:1024:$C \
       --json "$OUT/bench_hf_visbw.json" --markdown "$OUT/bench_hf_visbw.md" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_visbw.log"
     grep -A8 "speed rule's values" "$OUT/bench_hf_visbw.md" ;;

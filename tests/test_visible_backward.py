@@ -130,37 +130,51 @@ def _compiled_step(model, x):
     return out
 
 
+def _errors(model, ref_model, out, ref):
+    """Max abs error of the output and of every parameter's gradient against the reference model's."""
+    errs = {"out": (out.float() - ref.float()).abs().max().item()}
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert a.grad is not None and b.grad is not None, name
+        errs[name] = (a.grad.float() - b.grad.float()).abs().max().item()
+    return errs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 5, 33])
 def test_gpu_a_compiled_training_step_launches_the_backward_from_inductors_wrapper(dtype, T, monkeypatch):
     """A gathered-weights MoE's training step with a static token count: the compiled backward launches our
-    kernels itself (no opaque backward op left in its code), and the output and every gradient equal eager's."""
+    kernels itself (no opaque backward op left in its code), and the output and every gradient are as close to
+    eager's as the opaque ops' compiled step is. The model's unscaled weights make gradients of 1e4 to 1e5, where
+    one bf16 ulp is 64 to 512, so the opaque ops' own error is the measure."""
     from torch._inductor.utils import run_and_get_code
 
     from tests.test_pass_gathered_weights import GatheredMoE
 
     monkeypatch.setattr(config, "visible_kernels", True)
-    monkeypatch.setattr(config, "visible_backward", True)
     torch.manual_seed(0)
-    model = GatheredMoE("gptfast").to("cuda", dtype)
-    ref_model = GatheredMoE("gptfast").to("cuda", dtype)
-    ref_model.load_state_dict(model.state_dict())
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(model, backend="moe_inductor", dynamic=False)
     x = torch.randn(T, 16, device="cuda", dtype=dtype)
-    out, codes = run_and_get_code(_compiled_step, compiled, x.clone().requires_grad_())
+    ref_model = GatheredMoE("gptfast").to("cuda", dtype)
     ref = _compiled_step(ref_model, x.clone().requires_grad_())
-    text = "\n".join(codes)
-    assert counters["moe_inductor_visible"]["backward"] >= 1
-    assert "backward_middle_kernel" in text and "grouped_weight_grad_kernel" in text
-    assert "moe_inductor.experts_backward" not in text  # neither opaque half is called
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
-    torch.testing.assert_close(out, ref, **tol)
-    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
-        assert a.grad is not None and b.grad is not None, name
-        torch.testing.assert_close(a.grad, b.grad, **tol, msg=name)
+    errors, texts = {}, {}
+    for visible in (True, False):
+        monkeypatch.setattr(config, "visible_backward", visible)
+        model = GatheredMoE("gptfast").to("cuda", dtype)
+        model.load_state_dict(ref_model.state_dict())
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend="moe_inductor", dynamic=False)
+        out, codes = run_and_get_code(_compiled_step, compiled, x.clone().requires_grad_())
+        texts[visible] = "\n".join(codes)
+        errors[visible] = _errors(model, ref_model, out, ref)
+        assert counters["moe_inductor_visible"]["backward"] == (1 if visible else 0)
+    assert "backward_middle_kernel" in texts[True] and "grouped_weight_grad_kernel" in texts[True]
+    assert "moe_inductor.experts_backward" not in texts[True]  # neither opaque half is called
+    assert "moe_inductor.experts_backward_middle.default" in texts[False]  # the control did take the opaque ops
+    ulp = torch.finfo(dtype).eps
+    for name, err in errors[True].items():
+        scale = ref.abs().max().item() if name == "out" else ref_model.get_parameter(name).grad.abs().max().item()
+        assert err <= 2 * errors[False][name] + 4 * ulp * scale, (name, err, errors[False][name], scale)
 
 
 @pytest.mark.gpu

@@ -75,16 +75,18 @@ def backward_middle_kernel(
                 up += tl.load(p_b1_up + expert_c[:, None] * stride_b_e + o_i[None, :], mask=m_all,
                               other=0.0).to(tl.float32)
             if ACT == 5:  # GPT-OSS glu: (clamp(up) + 1) * gate_c * sigmoid(alpha * gate_c), gate_c = min(gate, limit)
-                alpha, limit = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)  # fp32, as in _activation
-                gate_c = tl.minimum(gate, limit)
-                up_c = tl.minimum(tl.maximum(up, -limit), limit)
-                sig = _sigmoid(gate_c * alpha)
+                # fp32, as in _activation; new names, since a traced launch may pass alpha and limit as constexprs,
+                # and a loop may not change a variable's type
+                alpha_f, limit_f = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)
+                gate_c = tl.minimum(gate, limit_f)
+                up_c = tl.minimum(tl.maximum(up, -limit_f), limit_f)
+                sig = _sigmoid(gate_c * alpha_f)
                 glu = gate_c * sig
                 h = (up_c + 1.0) * glu
-                d_glu = (sig + gate_c * alpha * sig * (1.0 - sig)) * (gate <= limit).to(tl.float32)
+                d_glu = (sig + gate_c * alpha_f * sig * (1.0 - sig)) * (gate <= limit_f).to(tl.float32)
                 dact = g * scale[:, None]
                 d_gate = dact * (up_c + 1.0) * d_glu
-                d_up = dact * glu * ((up >= -limit) & (up <= limit)).to(tl.float32)
+                d_up = dact * glu * ((up >= -limit_f) & (up <= limit_f)).to(tl.float32)
             else:
                 u = _unary_act(gate, ACT)
                 h = u * up
