@@ -49,7 +49,7 @@ from benchmarks.bench_cpu import interleaved_ms  # noqa: E402
 from benchmarks.bench_list_train import LoopMoE  # noqa: E402
 from benchmarks.hf_profile import Profiler  # noqa: E402
 from moe_inductor import config  # noqa: E402
-from moe_inductor.speed_rule import TRAIN_LONG, mode_from  # noqa: E402
+from moe_inductor.speed_rule import filed_modes, visible_backward_on  # noqa: E402
 
 #: the speed rule's route each form's values are for
 ROUTES = {"list": "fx_list", "stacked_loop": "fx_loop", "gathered": "fx_gathered", "capacity": "fx_capacity",
@@ -169,14 +169,12 @@ def _timer(device: str) -> Callable[[Callable], float]:
     return median_ms
 
 
-def rule_modes(mode: str, tokens: int) -> tuple[str, ...]:
-    """The speed rule's modes a row measures, by the rule's own sizes (``speed_rule.mode_from``): "train" (every
-    size), and "train_long" too for a long step; "decode" or "prefill" for a forward; none for a forward between
-    them ("inference" is the worse of the two, never filed itself)."""
-    judged = mode_from(mode == "train", tokens)
-    if judged == TRAIN_LONG:
-        return ("train", TRAIN_LONG)
-    return () if judged == "inference" else (judged,)
+def rule_modes(mode: str, tokens: int, visible: bool = False) -> tuple[str, ...]:
+    """The speed rule's modes a row measures, by the rule's own sizes (``speed_rule.filed_modes``): "train" (every
+    size) and "train_long" too for a long step, where the run had the visible backward off (``visible``), else
+    "train_static" for a shorter step and "train_long" for a long one; "decode" or "prefill" for a forward; none
+    for a forward between them ("inference" is the worse of the two, never filed itself)."""
+    return filed_modes(mode, tokens, visible)
 
 
 def main(argv=None) -> list[dict]:
@@ -200,7 +198,9 @@ def main(argv=None) -> list[dict]:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     bench = _timer(args.device)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"torch {torch.__version__}, {name}, H={hidden} I={inner} E={experts} k={top_k}, {dtype}")
+    visible = visible_backward_on()  # which training values the rows give (speed_rule.filed_modes)
+    print(f"torch {torch.__version__}, {name}, H={hidden} I={inner} E={experts} k={top_k}, {dtype}, "
+          f"visible backward {'on' if visible else 'off'}")
     print("| form | mode | T | column | ms | inductor / column | max abs err vs eager | peak MiB | first call s | "
           "rewrites |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -263,7 +263,7 @@ def main(argv=None) -> list[dict]:
                         print(f"LEFT {form} {mode} T={T}: {why_left(model, xg if mode == 'train' else x, mode)}",
                               flush=True)
         # each form's entry as soon as it is measured: a run cut by its time limit keeps what it finished
-        for entry in rule_entries([r for r in rows if r["form"] == form], args.widths):
+        for entry in rule_entries([r for r in rows if r["form"] == form], args.widths, visible):
             print("RULE " + json.dumps(entry), flush=True)
     return rows
 
@@ -282,9 +282,10 @@ def floor2(ratio: float) -> float:
     return math.floor(ratio * 100 + 1e-9) / 100
 
 
-def rule_entries(rows: list[dict], widths: list[int]) -> list[dict]:
+def rule_entries(rows: list[dict], widths: list[int], visible: bool = False) -> list[dict]:
     """Each form's values as the speed rule's file holds them: Inductor's time over moe_inductor's, the worst over
-    the sizes measured in each of the rule's modes, for rows where moe_inductor rewrote the layer."""
+    the sizes measured in each of the rule's modes, for rows where moe_inductor rewrote the layer; ``visible``:
+    the run had the visible backward on (``rule_modes``)."""
     out = []
     for form in dict.fromkeys(r["form"] for r in rows):
         values: dict[str, float] = {}
@@ -296,7 +297,7 @@ def rule_entries(rows: list[dict], widths: list[int]) -> list[dict]:
             if base is None:
                 continue
             value = floor2(base["ms"] / r["ms"])
-            for mode in rule_modes(r["mode"], r["T"]):
+            for mode in rule_modes(r["mode"], r["T"], visible):
                 values[mode] = min(values.get(mode, value), value)
         if values:
             out.append({"name": f"{form} (bench_fx_forms.py)", "route": ROUTES[form], "activation": "silu_glu",

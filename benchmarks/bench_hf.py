@@ -335,6 +335,8 @@ def cell_text(cell) -> str:
 def versions(device: str) -> dict:
     import transformers
 
+    from moe_inductor.speed_rule import visible_backward_on
+
     try:
         import triton
 
@@ -343,7 +345,8 @@ def versions(device: str) -> dict:
         triton_version = None
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "triton": triton_version, "transformers": transformers.__version__,
-            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "visible_backward": visible_backward_on()}  # which training values rule_file.py files from the rows
 
 
 def run_family(cells, args) -> list:

@@ -101,7 +101,7 @@ if [ -d .wheels ]; then python -m pip install --no-deps -q .wheels/*.whl >/dev/n
 # unmarked tests take the GPU there too), then every other file's `gpu` tests. The suite is mostly compile time,
 # which is CPU-bound, so four workers share the GPU (pytest-xdist and execnet come as wheels in .wheels/; without
 # them it runs serially, in about 15 minutes: split it with -k then).
-KERNEL_FILES="tests/test_kernels.py tests/test_routing.py tests/test_rewritten_graphs.py tests/test_grouped_mm_engine.py
+KERNEL_FILES="tests/test_kernels.py tests/test_routing.py tests/test_rewritten_graphs.py tests/test_grouped_mm_engine.py tests/test_visible_backward.py
   tests/test_visible_kernels.py tests/test_interleaved_gate_up_whole.py"
 WORKERS=$(python -c "import xdist" 2>/dev/null && echo "-n 4")
 # the GPU tests the GPT-OSS modes rest on: the engine, the whole interleaved weight, the backward middle, row sums
@@ -121,6 +121,19 @@ case "${1:-suite}" in
     timeout -s INT 380 python -m pytest tests -m gpu $(for f in $KERNEL_FILES; do echo "--ignore=$f"; done) $WORKERS \
       -v -p no:warnings -rfE --durations=8 2>&1 | grep -v torch.__trace > "$OUT/gpu_tests.log"
     grep -E "FAILED|ERROR" "$OUT/gpu_tests.log"; tail -12 "$OUT/gpu_tests.log" ;;
+  visbw)  # the visible backward (lowerings/visible_backward.py): its GPU tests, then the 1024-token training steps
+          # that lost with the opaque backward ops (RESULTS.md, thirty-eighth session), experts kept against
+          # rewritten (GPT-OSS: the gptoss_glu backward kernel traced)
+    timeout -s INT 170 python -m pytest tests/test_visible_backward.py tests/test_visible_kernels.py \
+      tests/test_backward_split.py -m gpu $WORKERS -q -p no:warnings -rfE 2>&1 \
+      | grep -v torch.__trace | tail -15
+    C=moe_inductor_experts_kept+moe_inductor_rule_off
+    timeout 350 python benchmarks/bench_hf.py --deadline-s 330 --layers qwen3_moe=2 \
+      --budget qwen3_moe=120 qwen2_moe=100 gpt_oss=105 \
+      --cells qwen3_moe:train:1024:$C qwen2_moe:train:1024:$C gpt_oss:train:1024:$C \
+      --json "$OUT/bench_hf_visbw.json" --markdown "$OUT/bench_hf_visbw.md" 2>&1 \
+      | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_visbw.log"
+    grep -A8 "speed rule's values" "$OUT/bench_hf_visbw.md" ;;
   listtrain)
     { timeout 200 python benchmarks/bench_list_train.py --tokens 4096 16 --modes train forward
       timeout 200 python benchmarks/bench_list_train.py --tokens 4096 16 --widths 2048 1408 64 6 --modes train forward

@@ -9,7 +9,9 @@ Each family measured becomes one layer kind (its activation, gate/up layout, bia
 widths bench_hf.py builds), with one value per mode measured: the worst over the sizes measured, since the rule
 decides from the mode (and, in training, whether the step is long: ``speed_rule.TRAIN_LONG``), not the
 size. A training step of ``speed_rule.TRAIN_LONG_MIN_TOKENS`` tokens or more also files its value as "train_long",
-the value such steps are judged by; "train" stays the worst over every training size. A GPU without a file is
+the value such steps are judged by; "train" stays the worst over every training size. A run with the visible
+backward on (its ``meta["visible_backward"]``; ``speed_rule.filed_modes``) files no "train", since a symbolic count
+still takes the opaque backward ops: its shorter steps file "train_static" instead. A GPU without a file is
 judged by the other GPUs' files with a margin
 (``speed_rule.UNMEASURED_GPU_MARGIN``); with one, a layer kind below 1.0 in a mode keeps Inductor's path there.
 Entries of the file that the runs do not measure are kept as they are. Without ``--write`` the merged file is only
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.hf_families import FAMILIES, MODES  # noqa: E402
 from benchmarks.hf_tables import rule_values  # noqa: E402
 from benchmarks.bench_fx_forms import floor2, rule_entries  # noqa: E402
-from moe_inductor.speed_rule import TRAIN_LONG, TRAIN_LONG_MIN_TOKENS  # noqa: E402
+from moe_inductor.speed_rule import TRAIN_LONG, TRAIN_STATIC, filed_modes  # noqa: E402
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "moe_inductor" / "kernels" / "tuned" / "whole_model"
 
@@ -61,19 +63,12 @@ def measured(runs: Iterable[dict]) -> tuple[Optional[str], dict]:
         gpus.add(run.get("meta", {}).get("device"))
         for v in rule_values(run["rows"]):
             modes = worst.setdefault(v["family"], {})
-            for mode in _modes_of(v["mode"], v["size"]):
+            for mode in filed_modes(v["mode"], v["size"], bool(run.get("meta", {}).get("visible_backward"))):
                 modes[mode] = min(modes.get(mode, float("inf")), v["value"])
     gpus.discard(None)
     if len(gpus) > 1:
         raise ValueError(f"the runs measured different GPUs: {sorted(gpus)}")
     return (gpus.pop() if gpus else None), worst
-
-
-def _modes_of(mode: str, size: int) -> tuple[str, ...]:
-    """The rule's modes a bench_hf cell's value counts toward: its own, and for a training step of at least
-    ``TRAIN_LONG_MIN_TOKENS`` tokens also ``TRAIN_LONG`` (the value that judges such steps; "train" stays the worst
-    over every size, which judges the shorter ones)."""
-    return (mode, TRAIN_LONG) if mode == "train" and size >= TRAIN_LONG_MIN_TOKENS else (mode,)
 
 
 def merged(existing: Optional[dict], worst: dict, sources: list[str]) -> dict:
@@ -113,19 +108,19 @@ def fx_log_entries(text: str) -> tuple[Optional[str], list[dict]]:
     Each section of the log starts with a line ``torch <version>, <GPU>, H=.. I=.. E=.. k=..``."""
     gpu = None
     ruled: list[tuple[int, dict]] = []  # (the section it was printed in, the entry)
-    sections: list[tuple[list[int], list[dict]]] = []
+    sections: list[tuple[list[int], list[dict], bool]] = []
     for line in text.splitlines():
         if line.startswith("torch "):
             parts = [p.strip() for p in line.split(",")]
             gpu = gpu or (parts[1] if len(parts) > 2 else None)
             widths = [re.search(rf"\b{name}=(\d+)", line) for name in ("H", "I", "E", "k")]
-            if all(widths):
-                sections.append(([int(m.group(1)) for m in widths], []))
+            if all(widths):  # a log written before the visible backward says nothing of it: it was off
+                sections.append(([int(m.group(1)) for m in widths], [], "visible backward on" in line))
         elif line.startswith("RULE "):
             ruled.append((len(sections) - 1, json.loads(line[len("RULE "):])))
         elif line.startswith("| ") and sections and (row := _fx_row(line)) is not None:
             sections[-1][1].append(row)
-    remade = [rule_entries(rows, widths) for widths, rows in sections]
+    remade = [rule_entries(rows, widths, visible) for widths, rows, visible in sections]
     for section, entry in ruled:  # the RULE line's values (from unrounded times) stand; the rows add what it lacks
         same = next((e for e in (remade[section] if section >= 0 else [])
                      if (e["route"], e["shape"]) == (entry["route"], entry["shape"])), {})
@@ -134,7 +129,7 @@ def fx_log_entries(text: str) -> tuple[Optional[str], list[dict]]:
 
 
 #: the modes an FX entry files
-FX_MODES = (*MODES, TRAIN_LONG)
+FX_MODES = (*MODES, TRAIN_LONG, TRAIN_STATIC)
 
 
 def worst_of_runs(entries: list[dict]) -> list[dict]:

@@ -21,6 +21,11 @@ strict_passes: bool = os.environ.get("MOE_INDUCTOR_STRICT_PASSES", "0") == "1"
 #: Inductor inner compiler in modes without CUDA graphs is affected (backend.py).
 visible_kernels: bool = os.environ.get("MOE_INDUCTOR_VISIBLE_KERNELS", "1") == "1"
 
+#: With ``visible_kernels``, the backward of a visible call as ``triton_op``\ s too, where the ``torch._grouped_mm``
+#: engine cannot take it and the row count is static (lowerings/visible_backward.py): a short training step is
+#: host-bound, and the opaque backward ops' Python is host time Inductor's own path does not spend.
+visible_backward: bool = os.environ.get("MOE_INDUCTOR_VISIBLE_BACKWARD", "1") == "1"
+
 #: Who runs the experts op's GEMMs: "auto" (our fused Triton kernels, except in the compute-bound regime below, where
 #: ``torch._grouped_mm`` does; ops/grouped_mm_engine.py), "triton" (always ours), "grouped_mm" (torch's wherever the
 #: layout allows).

@@ -11,8 +11,9 @@ rule reads shapes, dtypes and modes only (nothing on the device), so it costs no
   worst value this GPU measured for that layer kind decides (for prefill or decode, the worst of its inference
   values where it has one). The mode (``mode_of``) is "train" for a call that
   makes a gradient ("train_long" where its static token count is at least the long size training was measured
-  at: then an entry's value for that size decides, where it has one), "decode" or "prefill" by a static token count
-  of the sizes those were measured at, else "inference", the worse of the two.
+  at: then an entry's value for that size decides, where it has one; "train_static" for a shorter static count
+  whose backward Inductor launches itself, ``TRAIN_STATIC``), "decode" or "prefill" by a static token count of the
+  sizes those were measured at, else "inference", the worse of the two.
 - On a GPU with no file, the rule is conservative: it uses the worst of the measurements of the GPUs that have one,
   and leaves a layer kind to Inductor unless it won there by ``UNMEASURED_GPU_MARGIN``.
 - Layer kinds never measured are rewritten (the op benchmark, ``bench_experts.py``, shows the op ahead of
@@ -102,12 +103,13 @@ def _nearest(layers: list[dict], kind: LayerKind, route: str) -> Optional[dict]:
 
 
 def _exact(entry: dict, mode: str) -> Optional[float]:
-    """The entry's value for ``mode`` itself ("inference": the worse of prefill and decode; ``TRAIN_LONG``: its own
-    value where the entry has one, else "train", the worst over every measured size), None if unmeasured."""
+    """The entry's value for ``mode`` itself ("inference": the worse of prefill and decode; ``TRAIN_LONG`` and
+    ``TRAIN_STATIC``: its own value where the entry has one, else "train", the worst over every measured size of
+    the opaque backward's steps, the slower of the two backward paths), None if unmeasured."""
     if mode == "inference":
         measured = [float(entry[m]) for m in ("prefill", "decode") if entry.get(m) is not None]
         return min(measured) if measured else None
-    if mode == TRAIN_LONG and entry.get(TRAIN_LONG) is None:
+    if mode in (TRAIN_LONG, TRAIN_STATIC) and entry.get(mode) is None:
         mode = "train"
     return float(entry[mode]) if entry.get(mode) is not None else None
 
@@ -122,6 +124,9 @@ def _mode_words(entry: dict, mode: str) -> str:
     (an entry without one, whose training value then judges every size)."""
     if mode == TRAIN_LONG:
         return f"training at {TRAIN_LONG_MIN_TOKENS}+ tokens" if entry.get(TRAIN_LONG) is not None else "train"
+    if mode == TRAIN_STATIC:
+        return (f"training at a static count under {TRAIN_LONG_MIN_TOKENS} tokens" if entry.get(TRAIN_STATIC)
+                is not None else "train")
     return mode
 
 
@@ -134,7 +139,8 @@ def _worst(entry: dict, mode: str) -> Optional[float]:
         return exact
     if _among_inference(entry, mode):
         return _exact(entry, "inference")
-    measured = [float(entry[m]) for m in ("prefill", "decode", "train", TRAIN_LONG) if entry.get(m) is not None]
+    measured = [float(entry[m]) for m in ("prefill", "decode", "train", TRAIN_LONG, TRAIN_STATIC)
+                if entry.get(m) is not None]
     return min(measured) if measured else None
 
 
@@ -197,7 +203,8 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
             route: Optional[str] = None) -> str:
     """The rule's word on one layer, for explain(): "kept Inductor's path: ..." (the measurement that says our
     rewrite would be slower) or "speed rule: ..." (why the rewrite is taken). ``mode`` is "train" (a
-    differentiable call; ``TRAIN_LONG`` one of a static long size), "prefill" or "decode" (``mode_of``), or
+    differentiable call; ``TRAIN_LONG`` one of a static long size, ``TRAIN_STATIC`` a shorter static one with the
+    visible backward), "prefill" or "decode" (``mode_of``), or
     "inference" (the worse of those two). ``route`` overrides the form's (``route_of``): "fx_list" for an FX layer
     over per-expert weights (the list op)."""
     inner = _judged_inner or inner
@@ -206,7 +213,7 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
     if inner != "inductor":
         return f"speed rule: not applied (inner compiler {inner!r}, no Inductor path to compare with)"
     # the CPU's training value (bench_cpu.py's quickstart model, the worse of its sizes) judges every size
-    cpu_mode = "train" if mode == TRAIN_LONG else mode
+    cpu_mode = "train" if mode in (TRAIN_LONG, TRAIN_STATIC) else mode
     on_cpu = cpu_measured().get((cpu_mode, kind.dtype)) if device.type == "cpu" and route_of(form) == "hf" else None
     if on_cpu is not None and on_cpu < 1.0:
         return (f"{KEPT}: transformers' experts in a {str(kind.dtype).removeprefix('torch.')} {cpu_mode} step on the "
@@ -276,11 +283,44 @@ PREFILL_MIN_TOKENS = 512
 #: at neither long size, so "train" judges it
 TRAIN_LONG = "train_long"
 TRAIN_LONG_MIN_TOKENS = 4096
+#: a training step of a static count from ``TRAIN_STATIC_MIN_TOKENS`` (the shorter size bench_hf.py trains at) to
+#: under ``TRAIN_LONG_MIN_TOKENS`` whose backward Inductor launches itself (``config.visible_backward``,
+#: lowerings/visible_backward.py). Such a step spends less host time than one through the opaque backward ops,
+#: which a symbolic count takes; so its value is filed apart (rule_file.py files a run's training rows of these
+#: sizes here when the run had the visible backward on), and "train" stays the opaque ops' value, which judges a
+#: symbolic count. An entry without this value judges such steps by "train", the slower path's. A shorter static
+#: step was measured at no such size with the visible backward, so "train" judges it too
+TRAIN_STATIC = "train_static"
+TRAIN_STATIC_MIN_TOKENS = 1024
+
+
+def filed_modes(mode: str, tokens: int, visible: bool) -> tuple[str, ...]:
+    """The modes a benchmark row of a static ``tokens`` count is filed under (benchmarks/rule_file.py,
+    bench_fx_forms.py), the inverse of ``mode_from``: a forward row its own mode ("inference" is never filed), a
+    training row "train" (the worst over every size) and ``TRAIN_LONG`` from ``TRAIN_LONG_MIN_TOKENS`` tokens. A
+    training row of a run with the visible backward on (``visible``) never files "train", the value that judges a
+    symbolic count, whose backward still takes the opaque ops: from ``TRAIN_STATIC_MIN_TOKENS`` to the long size
+    it files ``TRAIN_STATIC`` instead, and below that nothing (such steps are judged by "train")."""
+    if mode != "train":
+        judged = mode_from(False, tokens)
+        return () if judged == "inference" else (judged,)
+    if tokens >= TRAIN_LONG_MIN_TOKENS:
+        return (TRAIN_LONG,) if visible else ("train", TRAIN_LONG)
+    if visible:
+        return (TRAIN_STATIC,) if tokens >= TRAIN_STATIC_MIN_TOKENS else ()
+    return ("train",)
+
+
+def visible_backward_on() -> bool:
+    """Whether the settings let a static count's backward be launched by Inductor (the visible forward, the visible
+    backward, and no host-made TMA descriptors, which only the opaque ops take: ``visible_backward``)."""
+    return config.visible_kernels and config.visible_backward and config.gemm_tma_descriptors != "host"
 
 
 def mode_of(x: torch.Tensor, weights: tuple) -> str:
     """"train" where the call builds a graph for the backward (``TRAIN_LONG`` where its token count is static and
-    at least ``TRAIN_LONG_MIN_TOKENS``). Otherwise, where the token count is static (the graph is specialised on it
+    at least ``TRAIN_LONG_MIN_TOKENS``, ``TRAIN_STATIC`` where it is static, shorter, at least
+    ``TRAIN_STATIC_MIN_TOKENS`` and ``visible_backward_on``). Otherwise, where the token count is static (the graph is specialised on it
     already), "decode" up to ``DECODE_MAX_TOKENS`` tokens and "prefill" from ``PREFILL_MIN_TOKENS``: the sizes those
     modes were measured at. Between them, and wherever the count is symbolic (never read,
     ``capture.static_token_count``: a comparison would add a guard and a recompile), "inference": the worse of the
@@ -293,7 +333,11 @@ def mode_from(train: bool, tokens: Optional[int]) -> str:
     """``mode_of``'s rule on what it reads: whether the call makes a gradient, and its static token count (None
     where symbolic). The FX passes judge a traced region with it."""
     if train:
-        return TRAIN_LONG if tokens is not None and tokens >= TRAIN_LONG_MIN_TOKENS else "train"
+        if tokens is None:
+            return "train"
+        if tokens >= TRAIN_LONG_MIN_TOKENS:
+            return TRAIN_LONG
+        return TRAIN_STATIC if tokens >= TRAIN_STATIC_MIN_TOKENS and visible_backward_on() else "train"
     if tokens is not None and tokens <= DECODE_MAX_TOKENS:
         return "decode"
     if tokens is not None and tokens >= PREFILL_MIN_TOKENS:

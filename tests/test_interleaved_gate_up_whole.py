@@ -210,18 +210,18 @@ def test_the_benchmarks_eager_whole_weight_switch_takes_the_pairs_backward(path,
                                        b2=leaves[5], activation=ACT, layout="kn", gate_up="interleaved")
         return torch.autograd.grad(y, leaves, torch.ones_like(y))
 
-    strides = []
+    layouts = []
     real = grouped.launch_backward_middle
 
-    def spy(pre, g, routing, biases, outs, act, scale_h=False):
-        strides.append(outs[1].stride(1))
-        return real(pre, g, routing, biases, outs, act, scale_h)
+    def spy(pre, g, routing, biases, outs, act, scale_h=False, whole=None):
+        layouts.append(whole)
+        return real(pre, g, routing, biases, outs, act, scale_h, whole=whole)
 
     monkeypatch.setattr(grouped, "launch_backward_middle", spy)
     halves = grads()
     monkeypatch.setattr(ops, "_whole_gate_up_eagerly", True)
     whole = grads()
-    assert strides == [1, 2]  # halves, then the (gate, up) pairs of the whole weight
+    assert layouts == ["halves", "pairs"]  # d_pre whole: halves, then the (gate, up) pairs of the whole weight
     for name, a, b in zip(("dx", "dtw", "dw1", "dw2", "db1", "db2"), halves, whole):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
 

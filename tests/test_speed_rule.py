@@ -189,7 +189,8 @@ def test_hf_experts_the_rule_keeps_are_left_to_inductor_with_the_reason():
 def test_mode_of_reads_grad_and_a_static_token_count():
     """decode and prefill where the token count is one of the measured sizes, the worse of the two between."""
     w = torch.zeros(2, 2, requires_grad=True)
-    assert speed_rule.mode_of(torch.zeros(8, 4), (w,)) == "train"
+    assert speed_rule.mode_of(torch.zeros(8, 4), (w,)) == "train"  # shorter than any visible-backward value
+    assert speed_rule.mode_of(torch.zeros(1024, 4), (w,)) == speed_rule.TRAIN_STATIC
     with torch.no_grad():
         assert speed_rule.mode_of(torch.zeros(1, 1, 4), (w,)) == "decode"  # batch 1, one new token
         assert speed_rule.mode_of(torch.zeros(16, 4), (w,)) == "decode"

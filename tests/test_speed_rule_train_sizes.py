@@ -1,12 +1,14 @@
 """The speed rule keys training by token count: a static step of at least the long size training is measured at
 (4096 tokens) is judged by the entry's value measured there ("train_long"), where it has one; a smaller or
-symbolic step by the worst over every size."""
+symbolic step by the worst over every size; a smaller static step whose backward Inductor launches
+("train_static") by its own value where the entry has one, else by that worst."""
 from unittest import mock
 
+import pytest
 import torch
 
-from moe_inductor import speed_rule
-from moe_inductor.speed_rule import TRAIN_LONG, TRAIN_LONG_MIN_TOKENS, LayerKind
+from moe_inductor import config, speed_rule
+from moe_inductor.speed_rule import TRAIN_LONG, TRAIN_LONG_MIN_TOKENS, TRAIN_STATIC, LayerKind
 
 CUDA = torch.device("cuda")
 SHAPE = (2048, 1408, 64, 6)
@@ -29,19 +31,36 @@ def _judged(entry, form="sorted_grouped_mm", shape=SHAPE, gpu="TEST_GPU"):
     return judge
 
 
-def test_mode_from_keys_training_by_a_static_token_count():
+@pytest.mark.parametrize("visible", [True, False])
+def test_mode_from_keys_training_by_a_static_token_count(visible, monkeypatch):
+    """A shorter static step is "train_static" where its backward may be Inductor's to launch, else "train"; a
+    symbolic count is always "train" (its backward takes the opaque ops)."""
+    monkeypatch.setattr(config, "visible_backward", visible)
+    short = TRAIN_STATIC if visible else "train"
     assert TRAIN_LONG_MIN_TOKENS == 4096  # the size bench_fx_forms.py and bench_list_train.py train at
+    assert speed_rule.TRAIN_STATIC_MIN_TOKENS == 1024  # bench_hf.py's shorter training size
     assert speed_rule.mode_from(True, 4096) == TRAIN_LONG
     assert speed_rule.mode_from(True, 16384) == TRAIN_LONG
-    assert speed_rule.mode_from(True, 4095) == "train"  # measured at neither 16 nor 4096 tokens: the worst
-    assert speed_rule.mode_from(True, 512) == "train"
+    assert speed_rule.mode_from(True, 4095) == short
+    assert speed_rule.mode_from(True, 1024) == short
+    assert speed_rule.mode_from(True, 1023) == "train"  # never measured with the visible backward: the worst
     assert speed_rule.mode_from(True, 16) == "train"
     assert speed_rule.mode_from(True, None) == "train"  # symbolic: never read, the worst over every size
     w = torch.zeros(2, 2, requires_grad=True)
     assert speed_rule.mode_of(torch.zeros(4096, 4), (w,)) == TRAIN_LONG
+    assert speed_rule.mode_of(torch.zeros(2, 512, 4), (w,)) == short
     assert speed_rule.mode_of(torch.zeros(2, 8, 4), (w,)) == "train"
     with torch.no_grad():
         assert speed_rule.mode_of(torch.zeros(4096, 4), (w,)) == "prefill"
+
+
+def test_host_made_tma_descriptors_or_the_opaque_forward_keep_a_short_step_train(monkeypatch):
+    assert speed_rule.mode_from(True, 1024) == TRAIN_STATIC
+    monkeypatch.setattr(config, "gemm_tma_descriptors", "host")  # only the opaque backward takes those
+    assert speed_rule.mode_from(True, 1024) == "train"
+    monkeypatch.setattr(config, "gemm_tma_descriptors", "device")
+    monkeypatch.setattr(config, "visible_kernels", False)  # no visible forward, no visible backward
+    assert speed_rule.mode_from(True, 1024) == "train"
 
 
 def test_a_long_training_step_is_judged_by_its_own_value():
@@ -68,6 +87,64 @@ def test_an_entry_without_a_long_value_judges_every_training_step_by_its_worst()
     entry[TRAIN_LONG] = 0.95  # measured slower at the long sizes too: kept there as well
     kept, said = _judged(entry)(4096)
     assert kept and "0.95x" in said and "training at 4096+ tokens" in said, said
+
+
+def test_a_static_step_with_the_visible_backward_is_judged_by_its_own_value(monkeypatch):
+    """An entry measured faster with the visible backward at 1024 tokens (1.02x, as GPT-OSS on the H100) and slower
+    through the opaque ops (0.71x): a static step from 1024 tokens is rewritten; a shorter one, a symbolic one, and
+    any step with the visible backward off take "train" and stay Inductor's."""
+    entry = {**SORTED, "train": 0.71, TRAIN_STATIC: 1.02}
+    judge = _judged(entry)
+    kept, said = judge(1024)
+    assert not kept and "1.02x" in said and "static count under 4096 tokens" in said, said
+    assert not judge(4095)[0]
+    for tokens in (1023, 16, None):
+        kept, said = judge(tokens)
+        assert kept and "0.71x" in said and "in train on" in said, (tokens, said)
+    monkeypatch.setattr(config, "visible_backward", False)
+    assert judge(1024)[0]
+    monkeypatch.setattr(config, "visible_backward", True)
+    without = {k: v for k, v in entry.items() if k != TRAIN_STATIC}  # a file measured before the visible backward
+    kept, said = _judged(without)(1024)
+    assert kept and "0.71x" in said and "in train on" in said, said
+    kept, said = _judged({**entry, TRAIN_STATIC: 0.91})(2048)  # measured slower with it too: kept
+    assert kept and "0.91x" in said, said
+
+
+@pytest.mark.parametrize("visible", [False, True])
+def test_filed_modes_never_file_a_visible_runs_training_value_as_train(visible):
+    """"train" judges a symbolic count, which takes the opaque ops: a run with the visible backward files its
+    training rows as "train_static" (1024 to 4095 tokens) and "train_long" only."""
+    filed = {tokens: speed_rule.filed_modes("train", tokens, visible) for tokens in (16, 1023, 1024, 4095, 4096)}
+    if visible:
+        assert filed == {16: (), 1023: (), 1024: (TRAIN_STATIC,), 4095: (TRAIN_STATIC,), 4096: (TRAIN_LONG,)}
+    else:
+        assert filed == {16: ("train",), 1023: ("train",), 1024: ("train",), 4095: ("train",),
+                         4096: ("train", TRAIN_LONG)}
+    for tokens, mode in ((1, "decode"), (16, "decode"), (17, None), (512, "prefill"), (4096, "prefill")):
+        assert speed_rule.filed_modes("prefill", tokens, visible) == ((mode,) if mode else ())
+
+
+def test_rule_file_files_a_visible_runs_training_rows_apart(tmp_path):
+    """rule_file.py on two bench_hf runs of one family at 1024 tokens, one per backward: the opaque run's value
+    becomes "train", the visible run's (its meta says so) "train_static"; an existing "train_long" stays."""
+    import json
+
+    from benchmarks import rule_file
+
+    def run(visible, kept, rewritten):
+        rows = [dict(family="gpt_oss", layers=2, mode="train", size=1024, column=column, value=value, unit="ms")
+                for column, value in (("moe_inductor_experts_kept", kept), ("moe_inductor_rule_off", rewritten))]
+        meta = {"device": "TEST GPU", **({"visible_backward": True} if visible else {})}
+        path = tmp_path / f"run_{visible}.json"
+        path.write_text(json.dumps({"meta": meta, "rows": rows}))
+        return str(path)
+
+    kind = rule_file.layer_kind("gpt_oss")
+    (tmp_path / "TEST_GPU.json").write_text(json.dumps({"layers": [{**kind, TRAIN_LONG: 1.01}]}))
+    path = rule_file.main([run(False, 9.12, 12.77), run(True, 9.13, 8.91), "--out-dir", str(tmp_path), "--write"])
+    (entry,) = json.loads(path.read_text())["layers"]
+    assert (entry["train"], entry[TRAIN_STATIC], entry[TRAIN_LONG]) == (0.71, 1.02, 1.01), entry
 
 
 def test_another_gpus_long_value_asks_the_margin():
@@ -112,11 +189,12 @@ def test_bench_fx_forms_files_the_long_training_value():
 
 
 def test_hf_experts_in_a_long_static_training_step_are_judged_long():
-    """The HF route hands the rule the step's size too: 4096 static tokens "train_long", 8 or dynamic shapes
-    "train"."""
+    """The HF route hands the rule the step's size too: 4096 static tokens "train_long", 8 "train_static" (its
+    backward visible to Inductor), dynamic shapes "train"."""
     from helpers import hf_modes_judged
 
-    assert hf_modes_judged(True, ((4096, False), (8, False), (4096, True))) == [{TRAIN_LONG}, {"train"}, {"train"}]
+    assert hf_modes_judged(True, ((4096, False), (1024, False), (8, False), (4096, True))) == [
+        {TRAIN_LONG}, {TRAIN_STATIC}, {"train"}, {"train"}]
 
 
 def test_rule_file_takes_the_worst_of_two_runs_and_the_long_value_from_old_rows(tmp_path):

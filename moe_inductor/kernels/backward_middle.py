@@ -7,9 +7,10 @@ Between the two GEMMs of the backward, per sorted row r and column j of the inte
   d_gate, d_up = act'(p) * (g * scale[r])      the gradients of the raw projections
 (with SCALE_H, h is stored as h * scale[r]: d_scale is summed before that.)
 Done in torch this is some twenty passes over (M, I) fp32 tensors; here it is one read of pre and g and one write
-of h, d_gate and d_up in the input dtype. d_gate and d_up are two tensors of one stride, or (PAIRS) the even and odd
-columns of one (M, 2I) tensor, an interleaved weight's layout: then each tile is stored as one contiguous run of
-(gate, up) pairs, not as two stride-2 stores. Rows past the experts (dropped by a capacity) get zero gradients.
+of h, d_gate and d_up in the input dtype. d_gate and d_up are two tensors of one stride, the halves of one (M, 2I)
+tensor given whole (UP_AFTER_GATE), or (PAIRS) its even and odd columns, an interleaved weight's layout: then each
+tile is stored as one contiguous run of (gate, up) pairs, not as two stride-2 stores. (A launch Inductor traces must
+be given whole tensors to write: it clones a written view without the rest of its storage.) Rows past the experts (dropped by a capacity) get zero gradients.
 The arithmetic is ops/activations.py's, in fp32.
 """
 from __future__ import annotations
@@ -48,6 +49,7 @@ def backward_middle_kernel(
     alpha, limit,
     NUM_EXPERTS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, SCALE_H: tl.constexpr = False, PAIRS: tl.constexpr = False,
+    UP_AFTER_GATE: tl.constexpr = False,
 ):
     o_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = o_m < M
@@ -73,16 +75,18 @@ def backward_middle_kernel(
                 up += tl.load(p_b1_up + expert_c[:, None] * stride_b_e + o_i[None, :], mask=m_all,
                               other=0.0).to(tl.float32)
             if ACT == 5:  # GPT-OSS glu: (clamp(up) + 1) * gate_c * sigmoid(alpha * gate_c), gate_c = min(gate, limit)
-                alpha, limit = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)  # fp32, as in _activation
-                gate_c = tl.minimum(gate, limit)
-                up_c = tl.minimum(tl.maximum(up, -limit), limit)
-                sig = _sigmoid(gate_c * alpha)
+                # fp32, as in _activation; new names, since a traced launch may pass alpha and limit as constexprs,
+                # and a loop may not change a variable's type
+                alpha_f, limit_f = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)
+                gate_c = tl.minimum(gate, limit_f)
+                up_c = tl.minimum(tl.maximum(up, -limit_f), limit_f)
+                sig = _sigmoid(gate_c * alpha_f)
                 glu = gate_c * sig
                 h = (up_c + 1.0) * glu
-                d_glu = (sig + gate_c * alpha * sig * (1.0 - sig)) * (gate <= limit).to(tl.float32)
+                d_glu = (sig + gate_c * alpha_f * sig * (1.0 - sig)) * (gate <= limit_f).to(tl.float32)
                 dact = g * scale[:, None]
                 d_gate = dact * (up_c + 1.0) * d_glu
-                d_up = dact * glu * ((up >= -limit) & (up <= limit)).to(tl.float32)
+                d_up = dact * glu * ((up >= -limit_f) & (up <= limit_f)).to(tl.float32)
             else:
                 u = _unary_act(gate, ACT)
                 h = u * up
@@ -90,7 +94,10 @@ def backward_middle_kernel(
                 d_gate = dact * up * _unary_grad(gate, ACT)
                 d_up = dact * u
             d_up = tl.where(m_valid, d_up, 0.0)
-            if not PAIRS:
+            if UP_AFTER_GATE:  # one (M, 2I) tensor through p_d_gate, its up half from column I
+                tl.store(p_d_gate + rows[:, None] * stride_d_m + I + o_i[None, :],
+                         d_up.to(p_d_gate.dtype.element_ty), mask=m_all)
+            elif not PAIRS:
                 tl.store(p_d_up + rows[:, None] * stride_d_m + o_i[None, :], d_up.to(p_d_up.dtype.element_ty),
                          mask=m_all)
         else:

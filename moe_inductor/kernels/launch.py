@@ -499,16 +499,22 @@ def launch_combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
 
 def launch_backward_middle(pre: torch.Tensor, g: torch.Tensor, routing: SortedRouting,
                            biases: tuple[Optional[torch.Tensor], Optional[torch.Tensor]], outs: tuple,
-                           act: KernelActivation, scale_h: bool = False) -> None:
+                           act: KernelActivation, scale_h: bool = False, whole: Optional[str] = None) -> None:
     """backward_middle.py's kernel: writes ``outs`` = (h, d_gate, d_up or None, d_scale) from the raw up projection
     ``pre`` and ``g`` = dy @ W2^T; ``biases`` = (b1, b1_up), both None without biases. d_up, where given, has
-    d_gate's strides: dense columns, or the odd columns of one (M, 2I) tensor whose even columns are d_gate."""
+    d_gate's strides: dense columns, or the odd columns of one (M, 2I) tensor whose even columns are d_gate.
+    ``whole``: d_gate is one (M, 2I) tensor holding both, as "halves" or "pairs" (d_up then None): what a traced
+    launch needs, since Inductor clones a view it writes without the rest of its storage."""
     h, d_gate, d_up, d_scale = outs
+    if whole is not None and (whole not in ("halves", "pairs") or d_up is not None or not act.gated
+                              or d_gate.shape[1] != 2 * g.shape[1] or d_gate.stride(1) != 1):
+        raise ValueError(f"moe_inductor: a whole d_pre ({whole!r}) must be one dense (M, 2I) tensor of a gated "
+                         f"activation, got {tuple(d_gate.shape)} with strides {d_gate.stride()}")
     if d_up is not None and d_up.stride() != d_gate.stride():
         raise ValueError(f"moe_inductor: d_gate and d_up must share strides; got {d_gate.stride()} and {d_up.stride()}")
-    pairs = (d_up is not None and d_gate.stride(1) == 2
-             and d_up.storage_offset() == d_gate.storage_offset() + 1)
-    if d_gate.shape[1] > 1 and d_gate.stride(1) != 1 and not pairs:
+    pairs = whole == "pairs" or (d_up is not None and d_gate.stride(1) == 2
+                                 and d_up.storage_offset() == d_gate.storage_offset() + 1)
+    if whole is None and d_gate.shape[1] > 1 and d_gate.stride(1) != 1 and not pairs:
         raise ValueError("moe_inductor: d_gate's columns must be dense, or with d_up the even and odd columns of one "
                          f"tensor; got strides {d_gate.stride()}, storage offsets {d_gate.storage_offset()} and "
                          f"{d_up.storage_offset() if d_up is not None else None}")
@@ -528,12 +534,13 @@ def launch_backward_middle(pre: torch.Tensor, g: torch.Tensor, routing: SortedRo
             launch_kernel(
                 backward_middle_kernel, (cdiv(M, block_m),),
                 (pre, g, routing.scale, routing.order, routing.sorted_expert, b1c, b1_upc, h, d_gate,
-                 d_up if act.gated else d_gate, d_scale,
+                 d_up if act.gated and whole is None else pre, d_scale,  # (pre: never written there)
                  M, I, pre.stride(0), g.stride(0), h.stride(0), d_gate.stride(0),
                  b1c.stride(0) if has_bias else 0,
                  float(act.alpha), float(act.limit)),
                 dict(NUM_EXPERTS=num_experts, GATED=act.gated, ACT=act.act_id, HAS_BIAS=has_bias, BLOCK_M=block_m,
-                     BLOCK_I=block_i, SCALE_H=scale_h, PAIRS=pairs, num_warps=4),
+                     BLOCK_I=block_i, SCALE_H=scale_h, PAIRS=pairs, UP_AFTER_GATE=whole == "halves",
+                     num_warps=4),
             )
 
 

@@ -13,8 +13,9 @@ per call from the token count, which a traced graph cannot, and at their size th
 time. Layers with biases stay opaque only where their row count is unknown or reaches the engine's rule for them, so
 their decode keeps the visible launches. Calls whose static row count takes the TMA weight loads
 (``config.gemm_tma_weights``) through host-made descriptors (``config.gemm_tma_descriptors = "host"``) stay opaque as
-well: those cannot be traced on torch 2.11. Descriptors the kernel makes itself can. The backward stays the opaque
-``experts_backward``.
+well: those cannot be traced on torch 2.11. Descriptors the kernel makes itself can. The backward of a visible call
+is visible too where the engine cannot take it and its row count is static (lowerings/visible_backward.py); else
+it runs the opaque backward ops.
 
 What changes under tracing (``kernels.launch.traceable_launches``): launches go through ``wrap_triton``; with a
 symbolic token count (a dynamic graph), routing takes its two-launch path (right for every token count, no guard on
@@ -34,7 +35,8 @@ from ..kernels.launch import traceable_launches
 from ..kernels.tma import tma_weights_apply
 from ..ops import grouped_mm_engine
 from ..ops.call import from_op_args
-from ..ops.experts import EXPERTS_AUTOGRAD, experts_forward_call
+from ..ops.experts import EXPERTS_AUTOGRAD, backward_through, experts_forward_call
+from .visible_backward import pick_backward_ops
 from ..ops.grouped import use_triton
 
 
@@ -65,7 +67,13 @@ def experts_forward_visible(
         return experts_forward_call(call)
 
 
-experts_forward_visible.register_autograd(EXPERTS_AUTOGRAD[0], setup_context=EXPERTS_AUTOGRAD[1])
+def _visible_backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
+    """The opaque op's gradients, through the visible backward ops where they can be traced
+    (lowerings/visible_backward.py)."""
+    return backward_through(ctx, dy, pick=pick_backward_ops)
+
+
+experts_forward_visible.register_autograd(_visible_backward, setup_context=EXPERTS_AUTOGRAD[1])
 
 
 def _example(node: object) -> Optional[Tensor]:

@@ -20,6 +20,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from ..kernels.launch import tracing_launches
 from ..kernels.weight_views import interleaved_pairs
 from . import grouped_mm_engine
 from .activations import NO_ACTIVATION, Activation, activation_backward, apply_activation
@@ -67,8 +68,9 @@ def _grad_buffer(w: Tensor) -> Tensor:
     weights (``expert_lists.PerExpert``) give one laid out as each expert's weight is."""
     if not isinstance(w, Tensor):
         return w.grad_buffer()
-    if is_dense_transpose(w):
-        return w.new_empty(w.shape[0], w.shape[2], w.shape[1]).transpose(1, 2)
+    if is_dense_transpose(w):  # one tensor of those strides, not a view: a traced launch writes it whole
+        E, K, N = w.shape
+        return torch.empty_strided((E, K, N), (K * N, 1, K), dtype=w.dtype, device=w.device)
     return w.new_empty(w.shape)
 
 
@@ -76,18 +78,25 @@ def _combined_grad_buffer(w1: Tensor) -> Tensor:
     """An empty (E, H, 2I) gradient for a gate/up pair held as one tensor, laid out as such a tensor is: the transpose
     of a dense (E, 2I, H) when ``w1`` is column-major (nn.Linear style), dense (E, H, 2I) otherwise."""
     E, H, I = w1.shape
-    if w1.stride(1) == 1:
-        return w1.new_empty(E, 2 * I, H).transpose(1, 2)
+    if w1.stride(1) == 1:  # one tensor of those strides, not a view (see _grad_buffer)
+        return torch.empty_strided((E, H, 2 * I), (2 * I * H, 1, H), dtype=w1.dtype, device=w1.device)
     return w1.new_empty(E, H, 2 * I)
 
 
 def _pairs_grad_buffer(w1: Tensor) -> Tensor:
     """An empty (E, H, I, 2) gradient for an interleaved gate/up pair whose gate is ``w1`` (E, H, I), laid out as
-    the whole weight's ``pairs_view`` is: of a dense (E, 2I, H) when ``w1`` is column-major, of (E, H, 2I) else."""
+    the whole weight's ``pairs_view`` is: of a dense (E, 2I, H) when ``w1`` is column-major, of (E, H, 2I) else.
+    A view of ``_pairs_whole`` (E, H, 2I), which the weight-gradient kernel writes."""
+    E, H, I = w1.shape
+    return _pairs_whole(w1).view(E, H, I, 2)
+
+
+def _pairs_whole(w1: Tensor) -> Tensor:
+    """The (E, H, 2I) tensor under ``_pairs_grad_buffer``'s view: one tensor, not a view (see _grad_buffer)."""
     E, H, I = w1.shape
     if w1.stride(1) == 1:
-        return w1.new_empty(E, I, 2, H).permute(0, 3, 1, 2)
-    return w1.new_empty(E, H, I, 2)
+        return torch.empty_strided((E, H, 2 * I), (2 * I * H, 1, H), dtype=w1.dtype, device=w1.device)
+    return w1.new_empty(E, H, 2 * I)
 
 
 class _SortedRows(NamedTuple):
@@ -181,7 +190,7 @@ def _backward_middle_fused(dy: Tensor, call: ExpertsCall, routed: Routed, pre: T
     paired = _paired(w.w1, w.w1_up, needs)
     d_pre = x.new_empty(M, 2 * I if gated else I)
     h, d_gate, d_up, d_scale_sorted = backward_middle(pre, g, routed.sorted, (w.b1, w.b1_up), call.activation,
-                                                      x.dtype, out=gate_up_columns(d_pre, gated, paired))
+                                                      x.dtype, out=d_pre, paired=paired)
     del g
     if w.b2 is not None and needs.topk_weights:  # only the routing weights' gradient reads d_scale
         d_scale_sorted = d_scale_sorted + down_bias_scale_grad(dy, w.b2, rows.token, rows.expert_c)
@@ -298,8 +307,14 @@ def _up_grads(call: ExpertsCall, routed: Routed, d_pre: Tensor, d_scale_sorted: 
     if needs.combined_gate_up and needs.gate_up_pairs:  # one GEMM for the whole interleaved weight
         if d_pairs is None:
             d_pairs = torch.stack((d_gate, d_up), -1).view(M, 2 * w1.shape[2])
-        dw1 = _pairs_grad_buffer(w1)
-        grouped_weight_grad(x, d_pairs, rows, dw1.flatten(2), a_rows=ROWS_TOKEN, g_rows=ROWS_SORTED)
+        whole = _pairs_whole(w1)
+        grouped_weight_grad(x, d_pairs, rows, whole, a_rows=ROWS_TOKEN, g_rows=ROWS_SORTED)
+        dw1 = whole.view(w1.shape[0], w1.shape[1], w1.shape[2], 2)
+    elif needs.combined_gate_up and tracing_launches() and not paired:
+        # one (E, H, 2I) gradient from the [gate | up] halves of d_pre in one launch: a traced launch must write a
+        # whole tensor (Inductor clones a written view without the rest of its storage)
+        dw1 = _combined_grad_buffer(w1)
+        grouped_weight_grad(x, d_pre, rows, dw1, a_rows=ROWS_TOKEN, g_rows=ROWS_SORTED)
     elif needs.combined_gate_up:  # one (E, H, 2I) gradient for the gate/up pair, written as its two halves
         I = w1.shape[2]
         dw1 = _combined_grad_buffer(w1)
@@ -341,8 +356,7 @@ def _empty_or(t: Optional[Tensor], like: Tensor) -> Tensor:
     return t if t is not None else like.new_empty(0)
 
 
-@torch.library.custom_op("moe_inductor::experts_backward_middle", mutates_args=())
-def experts_backward_middle(
+def experts_backward_middle_impl(
     dy: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tensor,
     b1: Optional[Tensor], b1_up: Optional[Tensor], b2: Optional[Tensor], pre: Tensor, order: Tensor,
     sorted_expert: Tensor, offsets: Tensor, activation: str, weight_position: str, alpha: float, limit: float,
@@ -359,6 +373,12 @@ def experts_backward_middle(
             _empty_or(db1_up, x), _empty_or(db2, x))
 
 
+# The ops are the implementations themselves, registered under their typed signatures; lowerings/visible_backward.py
+# registers the same bodies as Inductor-visible ops.
+experts_backward_middle = torch.library.custom_op("moe_inductor::experts_backward_middle",
+                                                  mutates_args=())(experts_backward_middle_impl)
+
+
 @experts_backward_middle.register_fake
 def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets, activation,
       weight_position, alpha, limit, dropped, needs):
@@ -369,8 +389,7 @@ def _(dy, x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, s
     return (x.new_empty(M, n_pre), d_scale, *_fake_middle_grads(need, x, w2, b1, b1_up, b2))
 
 
-@torch.library.custom_op("moe_inductor::experts_backward_up", mutates_args=())
-def experts_backward_up(
+def experts_backward_up_impl(
     d_pre: Tensor, d_scale_sorted: Tensor, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, w1: Tensor,
     w1_up: Optional[Tensor], w2: Tensor, b1: Optional[Tensor], b1_up: Optional[Tensor], b2: Optional[Tensor],
     order: Tensor, sorted_expert: Tensor, offsets: Tensor, activation: str, weight_position: str, alpha: float,
@@ -383,6 +402,10 @@ def experts_backward_up(
     need = Needs(*needs)
     grads = up_grads(call, routed, d_pre, d_scale_sorted if need.topk_weights else None, need)
     return tuple(_empty_or(t, x) for t in grads)
+
+
+experts_backward_up = torch.library.custom_op("moe_inductor::experts_backward_up",
+                                              mutates_args=())(experts_backward_up_impl)
 
 
 @experts_backward_up.register_fake

@@ -14,7 +14,7 @@ copied per call.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -154,7 +154,16 @@ def _setup_context(ctx, inputs, output):
 
 
 def _autograd_backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
+    return backward_through(ctx, dy)
+
+
+def backward_through(ctx, dy, pick: Optional[Callable] = None) -> tuple:
+    """The gradients of an ``experts_forward``-schema op from its saved context, through the backward's two ops:
+    ``experts_backward_middle`` and ``experts_backward_up``, or the pair ``pick(x, w2, biased, order)`` returns
+    (lowerings/visible_backward.py picks Inductor-visible ones where it can trace them)."""
     x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets = ctx.saved_tensors
+    middle_op, up_op = (experts_backward_middle, experts_backward_up) if pick is None else pick(
+        x, w2, any(b is not None for b in (b1, b1_up, b2)), order)
     activation, alpha, limit, weight_position, dropped = ctx.options
     ni = ctx.needs_input_grad
     pairs = ctx.gate_up_pairs
@@ -169,8 +178,8 @@ def _autograd_backward(ctx, dy, _dpre, _dorder, _dsorted, _doffsets):
     # Two ops, not one: the compiled backward frees ``pre`` between them (ops/backward.py)
     shared = (x, topk_ids, topk_weights, w1, w1_up, w2, b1, b1_up, b2)
     options = (order, sorted_expert, offsets, activation, weight_position, alpha, limit, dropped, list(needs))
-    d_pre, d_scale, dw2, db1, db1_up, db2 = experts_backward_middle(dy.contiguous(), *shared, pre, *options)
-    dx, dtw, dw1, dw1_up = experts_backward_up(d_pre, d_scale, *shared, *options)
+    d_pre, d_scale, dw2, db1, db1_up, db2 = middle_op(dy.contiguous(), *shared, pre, *options)
+    dx, dtw, dw1, dw1_up = up_op(d_pre, d_scale, *shared, *options)
     grads = (dx, dtw, dw1, dw1_up, dw2, db1, db1_up, db2)
     dx, dtw, dw1, dw1_up, dw2, db1, db1_up, db2 = (g if need else None for g, need in zip(grads, needs))
     if whole:  # the gate/up weight came as one input: its gradient is the combined one

@@ -350,23 +350,33 @@ def combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, row_of
 
 def backward_middle(pre: torch.Tensor, g: torch.Tensor, routing: SortedRouting,
                     biases: tuple[Optional[torch.Tensor], Optional[torch.Tensor]], act: Activation,
-                    dtype: torch.dtype, out: Optional[tuple] = None, scale_h: bool = False) -> tuple:
+                    dtype: torch.dtype, out: Optional[tuple | torch.Tensor] = None, scale_h: bool = False,
+                    paired: bool = False) -> tuple:
     """(h, d_gate, d_up, d_scale) of the fused middle (kernels/backward_middle.py); h and the gradients in ``dtype``,
     d_up None when the activation is not gated; ``biases`` = (b1, b1_up), both None without biases.
 
     Args:
         out: (d_gate, d_up) buffers to write into, of one shape and strides (two column halves of one (M, 2I)
-            tensor, or its even and odd columns).
+            tensor, or its even and odd columns); or that one tensor d_pre whole ((M, I) when not gated), written
+            as its halves, or as (gate, up) pairs where ``paired``: d_gate and d_up are then its views.
         scale_h: store h multiplied by its routing weight.
     """
     M, I = g.shape
     kact = kernel_activation(act)
     h = g.new_empty(M, I, dtype=dtype)
-    if out is not None:
+    whole = None
+    if isinstance(out, torch.Tensor):
+        d_pre = out
+        if kact.gated:
+            whole = "pairs" if paired else "halves"
+        d_gate, d_up = d_pre, None
+    elif out is not None:
         d_gate, d_up = out
     else:
         d_gate = g.new_empty(M, I, dtype=dtype)
         d_up = g.new_empty(M, I, dtype=dtype) if kact.gated else None
     d_scale = g.new_empty(M, dtype=torch.float32)
-    launch_backward_middle(pre, g, routing, biases, (h, d_gate, d_up, d_scale), kact, scale_h)
+    launch_backward_middle(pre, g, routing, biases, (h, d_gate, d_up, d_scale), kact, scale_h, whole=whole)
+    if isinstance(out, torch.Tensor) and kact.gated:
+        d_gate, d_up = (out[:, 0::2], out[:, 1::2]) if paired else (out[:, :I], out[:, I:])
     return h, d_gate, d_up, d_scale

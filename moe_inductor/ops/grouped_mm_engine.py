@@ -99,6 +99,22 @@ def may_take_experts_of(w2: Tensor, biased: bool = False, num_rows: Optional[int
     return _large_experts(H, I)
 
 
+def may_take_backward_of(x: Tensor, w2: Tensor, biased: bool, num_rows: int) -> bool:
+    """Whether the engine may take the backward of a call with ``num_rows`` rows (its mode, dtype and row rules:
+    shapes and settings only, so it answers for fake tensors too). False only where ``grouped_mm_weights(...,
+    backward=True)`` is sure to return None."""
+    mode = engine_mode(backward=True)
+    if mode == "grouped_mm":
+        return True
+    if mode == "triton" or x.dtype != torch.bfloat16:
+        return False
+    E, I, H = w2.shape
+    if biased:
+        return (num_rows >= config.grouped_mm_biased_backward_min_rows_per_expert * E
+                and H * I >= config.grouped_mm_biased_min_expert_weights)
+    return num_rows >= config.grouped_mm_backward_min_rows_per_expert * E
+
+
 def engine_mode(backward: bool = False) -> str:
     """The engine setting in force for the forward or the backward: ``config.gemm_engine``, which
     ``config.gemm_engine_backward`` overrides for the backward when set."""

@@ -1,0 +1,190 @@
+"""The experts backward visible to Inductor (lowerings/visible_backward.py, ``config.visible_backward``).
+
+On the CPU: the choice of ops (static row counts the engine cannot take), the ops' eager results under the
+interpreter against the opaque ops', and a fake-tensor trace of a training step (which ops the backward calls). AOT
+autograd's trace into the ops needs Triton's GPU driver to read which arguments each kernel writes (without it every
+argument counts as written, the saved inputs included), so the compiled step is tested on the GPU.
+"""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from moe_inductor import config
+from moe_inductor.lowerings import visible_backward
+from moe_inductor.ops import grouped_mm_engine
+from moe_inductor.ops.backward import experts_backward_middle, experts_backward_up
+from tests.helpers import make_problem, run_without_interpreter
+from tests.test_backward_split import _args
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _fake(shape, dtype):
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+@pytest.mark.parametrize("engine,dtype,rows_per_expert,biased,traced", [
+    ("auto", torch.bfloat16, 64, False, True),  # Qwen3-MoE at 1024 tokens: below the backward's 128 rows
+    ("auto", torch.bfloat16, 128, False, False),  # the engine's backward rule: the opaque ops keep it
+    ("auto", torch.float32, 4096, False, True),  # the engine takes bf16 only
+    ("auto", torch.bfloat16, 128, True, True),  # biased experts this small (H * I < 4M): never the engine
+    ("triton", torch.bfloat16, 4096, False, True),
+    ("grouped_mm", torch.float32, 1, False, False),  # forced: wherever the layout allows, so never traced
+])
+def test_the_backward_is_traced_only_where_the_engine_cannot_take_it(engine, dtype, rows_per_expert, biased,
+                                                                     traced, monkeypatch):
+    monkeypatch.setattr(config, "gemm_engine", engine)
+    monkeypatch.setattr(config, "gemm_engine_backward", None)
+    E, H, I = 8, 64, 32
+    x, w2 = _fake((16, H), dtype), _fake((E, I, H), dtype)
+    rows = rows_per_expert * E
+    assert grouped_mm_engine.may_take_backward_of(x, w2, biased, rows) is not traced
+    assert visible_backward.backward_traceable(x, w2, biased, rows) is traced
+    monkeypatch.setattr(config, "gemm_tma_descriptors", "host")  # a traced launch cannot take those
+    assert visible_backward.backward_traceable(x, w2, biased, rows) is False
+
+
+def test_a_symbolic_row_count_keeps_the_opaque_ops():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    rows = ShapeEnv().create_unbacked_symint()
+    assert not visible_backward.backward_traceable(_fake((4, 64), torch.float32), _fake((8, 32, 64), torch.float32),
+                                                   False, rows)
+
+
+def test_the_rule_agrees_with_the_engines_own_decision(monkeypatch):
+    """Wherever ``may_take_backward_of`` says no, ``grouped_mm_weights(backward=True)`` (which reads real tensors)
+    says no as well: a traced backward never loses a call the engine would have taken."""
+    monkeypatch.setattr(config, "gemm_engine", "auto")
+    monkeypatch.setattr(config, "gemm_engine_backward", None)
+    for dtype in (torch.float32, torch.bfloat16):
+        for T, E in ((3, 4), (64, 4), (300, 4), (2048, 8)):
+            p = make_problem(T, 16, 8, E, 2, dtype=dtype, requires_grad=False)
+            w1 = p.w1.transpose(1, 2)[:, :, :8] if p.layout == "nk" else p.w1[:, :, :8]
+            w2 = p.w2.transpose(1, 2) if p.layout == "nk" else p.w2
+            rows = T * 2
+            if not grouped_mm_engine.may_take_backward_of(p.x, w2, False, rows):
+                assert grouped_mm_engine.grouped_mm_weights(p.x, w1, None, w2, None, None, "output", False, rows,
+                                                            backward=True) is None
+
+
+def _visible_ops_take_triton():
+    from tests.test_visible_kernels import _wrap_triton_takes_our_kernels
+
+    return _wrap_triton_takes_our_kernels()
+
+
+@pytest.mark.skipif(not _visible_ops_take_triton(), reason="this torch's wrap_triton refuses interpreted kernels")
+@pytest.mark.parametrize("activation,bias,gate_up,whole", [
+    ("silu_glu", False, "concat", (False, False)), ("silu_glu", True, "concat", (False, False)),
+    ("silu_glu", False, "concat", (True, False)),  # one gate/up gradient: one weight-gradient launch when traced
+    ("gptoss_glu", True, "interleaved", (False, False)), ("gptoss_glu", True, "interleaved", (True, True))])
+@pytest.mark.parametrize("T", [0, 1, 7])
+def test_the_visible_ops_give_the_opaque_ops_gradients(activation, bias, gate_up, whole, T, triton_kernels):
+    gated = True
+    needs = [True, True, True, gated, True, bias, bias and gated, bias, *whole]
+    args = _args(activation, bias, gate_up, T=T, needs=needs)
+    dy, *shared, pre, order, sorted_expert, offsets, act, position, alpha, limit, dropped, needs = args
+    options = (order, sorted_expert, offsets, act, position, alpha, limit, dropped, needs)
+    middle = torch.ops.moe_inductor.experts_backward_middle_visible(dy, *shared, pre, *options)
+    ref_middle = experts_backward_middle(dy, *shared, pre, *options)
+    for a, b in zip(middle, ref_middle):
+        torch.testing.assert_close(a, b)
+    up = torch.ops.moe_inductor.experts_backward_up_visible(middle[0], middle[1], *shared, *options)
+    ref_up = experts_backward_up(ref_middle[0], ref_middle[1], *shared, *options)
+    for a, b in zip(up, ref_up):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_traced_training_step_calls_the_visible_backward_ops_where_static():
+    """make_fx (fake tensors, so nothing launches; in a process without the interpreter): with a static token count
+    the visible forward's backward calls the visible ops, with a symbolic one the opaque ops."""
+    import json
+
+    out = run_without_interpreter("import json; print(json.dumps([visible_backward_trace(False), "
+                                  "visible_backward_trace(True)]))", timeout=400)
+    static, dynamic = json.loads(out.strip().splitlines()[-1])
+    assert static["ops"] == ["experts_forward_visible", "experts_backward_middle_visible",
+                             "experts_backward_up_visible"], static
+    assert dynamic["ops"] == ["experts_forward_visible", "experts_backward_middle", "experts_backward_up"], dynamic
+
+
+def test_off_the_visible_forward_keeps_the_opaque_backward(monkeypatch):
+    monkeypatch.setattr(config, "visible_backward", False)
+    x, w2 = _fake((4, 64), torch.float32), _fake((8, 32, 64), torch.float32)
+    order = _fake((8,), torch.int32)
+    assert visible_backward.pick_backward_ops(x, w2, False, order) == (experts_backward_middle, experts_backward_up)
+    monkeypatch.setattr(config, "visible_backward", True)
+    counters.clear()
+    assert visible_backward.pick_backward_ops(x, w2, False, order)[0] is (
+        torch.ops.moe_inductor.experts_backward_middle_visible)
+    assert counters["moe_inductor_visible"]["backward"] == 1
+
+
+# On the GPU: Inductor traces the backward's kernels into its compiled backward graph.
+
+
+def _compiled_step(model, x):
+    out = model(x)
+    out.float().pow(2).sum().backward()
+    return out
+
+
+def _errors(model, ref_model, out, ref):
+    """Max abs error of the output and of every parameter's gradient against the reference model's."""
+    errs = {"out": (out.float() - ref.float()).abs().max().item()}
+    for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+        assert a.grad is not None and b.grad is not None, name
+        errs[name] = (a.grad.float() - b.grad.float()).abs().max().item()
+    return errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_gpu_a_compiled_training_step_launches_the_backward_from_inductors_wrapper(dtype, T, monkeypatch):
+    """A gathered-weights MoE's training step with a static token count: the compiled backward launches our
+    kernels itself (no opaque backward op left in its code), and the output and every gradient are as close to
+    eager's as the opaque ops' compiled step is. The model's unscaled weights make gradients of 1e4 to 1e5, where
+    one bf16 ulp is 64 to 512, so the opaque ops' own error is the measure."""
+    from torch._inductor.utils import run_and_get_code
+
+    from tests.test_pass_gathered_weights import GatheredMoE
+
+    monkeypatch.setattr(config, "visible_kernels", True)
+    torch.manual_seed(0)
+    x = torch.randn(T, 16, device="cuda", dtype=dtype)
+    ref_model = GatheredMoE("gptfast").to("cuda", dtype)
+    ref = _compiled_step(ref_model, x.clone().requires_grad_())
+    errors, texts = {}, {}
+    for visible in (True, False):
+        monkeypatch.setattr(config, "visible_backward", visible)
+        model = GatheredMoE("gptfast").to("cuda", dtype)
+        model.load_state_dict(ref_model.state_dict())
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend="moe_inductor", dynamic=False)
+        out, codes = run_and_get_code(_compiled_step, compiled, x.clone().requires_grad_())
+        texts[visible] = "\n".join(codes)
+        errors[visible] = _errors(model, ref_model, out, ref)
+        assert counters["moe_inductor_visible"]["backward"] == (1 if visible else 0)
+    assert "backward_middle_kernel" in texts[True] and "grouped_weight_grad_kernel" in texts[True]
+    assert "moe_inductor.experts_backward" not in texts[True]  # neither opaque half is called
+    assert "moe_inductor.experts_backward_middle.default" in texts[False]  # the control did take the opaque ops
+    ulp = torch.finfo(dtype).eps
+    for name, err in errors[True].items():
+        scale = ref.abs().max().item() if name == "out" else ref_model.get_parameter(name).grad.abs().max().item()
+        assert err <= 2 * errors[False][name] + 4 * ulp * scale, (name, err, errors[False][name], scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation,bias,gate_up", [("silu_glu", False, "concat"), ("gptoss_glu", True,
+                                                                                       "interleaved")])
+def test_gpu_opcheck_the_visible_backward_ops(activation, bias, gate_up):
+    args = _args(activation, bias, gate_up, dtype=torch.bfloat16)
+    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    dy, *shared, pre, order, sorted_expert, offsets, act, position, alpha, limit, dropped, needs = args
+    options = (order, sorted_expert, offsets, act, position, alpha, limit, dropped, needs)
+    torch.library.opcheck(visible_backward.experts_backward_middle_visible, (dy, *shared, pre, *options))
+    d_pre, d_scale, *_ = visible_backward.experts_backward_middle_visible(dy, *shared, pre, *options)
+    torch.library.opcheck(visible_backward.experts_backward_up_visible, (d_pre, d_scale, *shared, *options))
