@@ -125,8 +125,8 @@ def _mode_words(entry: dict, mode: str) -> str:
     if mode == TRAIN_LONG:
         return f"training at {TRAIN_LONG_MIN_TOKENS}+ tokens" if entry.get(TRAIN_LONG) is not None else "train"
     if mode == TRAIN_STATIC:
-        return (f"training at a static count under {TRAIN_LONG_MIN_TOKENS} tokens" if entry.get(TRAIN_STATIC)
-                is not None else "train")
+        return (f"training at a static {TRAIN_STATIC_MIN_TOKENS}-{TRAIN_LONG_MIN_TOKENS - 1} tokens"
+                if entry.get(TRAIN_STATIC) is not None else "train")
     return mode
 
 
@@ -320,11 +320,11 @@ def visible_backward_on() -> bool:
 def mode_of(x: torch.Tensor, weights: tuple) -> str:
     """"train" where the call builds a graph for the backward (``TRAIN_LONG`` where its token count is static and
     at least ``TRAIN_LONG_MIN_TOKENS``, ``TRAIN_STATIC`` where it is static, shorter, at least
-    ``TRAIN_STATIC_MIN_TOKENS`` and ``visible_backward_on``). Otherwise, where the token count is static (the graph is specialised on it
-    already), "decode" up to ``DECODE_MAX_TOKENS`` tokens and "prefill" from ``PREFILL_MIN_TOKENS``: the sizes those
-    modes were measured at. Between them, and wherever the count is symbolic (never read,
-    ``capture.static_token_count``: a comparison would add a guard and a recompile), "inference": the worse of the
-    two."""
+    ``TRAIN_STATIC_MIN_TOKENS`` and ``visible_backward_on``). Otherwise, where the token count is static (the graph
+    is specialised on it already), "decode" up to ``DECODE_MAX_TOKENS`` tokens and "prefill" from
+    ``PREFILL_MIN_TOKENS``: the sizes those modes were measured at. Between them, and wherever the count is
+    symbolic (never read, ``capture.static_token_count``: a comparison would add a guard and a recompile),
+    "inference": the worse of the two."""
     train = torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in (x, *weights))
     return mode_from(train, static_token_count(x))
 

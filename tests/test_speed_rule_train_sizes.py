@@ -96,7 +96,7 @@ def test_a_static_step_with_the_visible_backward_is_judged_by_its_own_value(monk
     entry = {**SORTED, "train": 0.71, TRAIN_STATIC: 1.02}
     judge = _judged(entry)
     kept, said = judge(1024)
-    assert not kept and "1.02x" in said and "static count under 4096 tokens" in said, said
+    assert not kept and "1.02x" in said and "training at a static 1024-4095 tokens" in said, said
     assert not judge(4095)[0]
     for tokens in (1023, 16, None):
         kept, said = judge(tokens)

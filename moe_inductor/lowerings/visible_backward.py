@@ -72,5 +72,6 @@ def pick_backward_ops(x: Tensor, w2: Tensor, biased: bool, order: Tensor) -> tup
         from torch._dynamo.utils import counters
 
         counters["moe_inductor_visible"]["backward"] += 1
-        return torch.ops.moe_inductor.experts_backward_middle_visible, torch.ops.moe_inductor.experts_backward_up_visible
+        ops = torch.ops.moe_inductor
+        return ops.experts_backward_middle_visible, ops.experts_backward_up_visible
     return experts_backward_middle, experts_backward_up
