@@ -24,6 +24,8 @@
 #   bash benchmarks/device_run.sh rule       # the speed rule's values: each family's prefill and GPT-OSS's training,
 #                                            # experts kept against every layer rewritten (bench_hf), merged
 #                                            # into this GPU's whole_model file (rule_file.py)            (~9 min)
+#   bash benchmarks/device_run.sh ruletrain  # the 1024-token training values of five families (train_static; "train"
+#                                            # under MOE_INDUCTOR_VISIBLE_BACKWARD=0)                      (~9 min)
 #   bash benchmarks/device_run.sh gptoss     # GPT-OSS's experts on both engines: the op alone (fused against
 #                                            # torch._grouped_mm, fwd and fwd+bwd) at T 512..16384, then the whole
 #                                            # model's training step and prefill 2048/512/4096, experts kept
@@ -237,7 +239,7 @@ case "${1:-suite}" in
   rule)  # the speed rule's values (kernels/tuned/whole_model/): every family's prefill T=4096 and GPT-OSS's training
          # step with the experts left to Inductor against every proven layer rewritten, the rest compiled alike. With
          # the visible backward on (the default) training rows file "train_long" (4096) or "train_static" (1024-4095)
-         # only; "train", which judges symbolic counts, comes from a run under MOE_INDUCTOR_VISIBLE_BACKWARD=0
+         # only; "train", which judges symbolic counts, comes from a run under MOE_INDUCTOR_VISIBLE_BACKWARD=0 (ruletrain)
     C=moe_inductor_experts_kept+moe_inductor_rule_off
     timeout 580 python benchmarks/bench_hf.py --deadline-s 565 --profile --layers qwen3_moe=2 \
       --budget gpt_oss=200 qwen3_moe=75 mixtral=75 olmoe=60 qwen2_moe=60 deepseek_v3=80 \
@@ -249,6 +251,16 @@ case "${1:-suite}" in
     # this GPU's whole_model file, the values merged in (rule_file.py), brought back to be committed
     python benchmarks/rule_file.py "$OUT/bench_hf_rule.json" --write > "$OUT/rule_file.log" 2>&1; tail -1 "$OUT/rule_file.log"
     cp moe_inductor/kernels/tuned/whole_model/*.json "$OUT/" ;;
+  ruletrain)  # the 1024-token training values of the speed rule, experts kept against rewritten, in five families:
+              # "train_static" as it is, "train" (which judges symbolic counts) under MOE_INDUCTOR_VISIBLE_BACKWARD=0
+              # (the opaque backward ops); rule_file.py reads which from the JSON's meta
+    C=moe_inductor_experts_kept+moe_inductor_rule_off
+    timeout 580 python benchmarks/bench_hf.py --deadline-s 565 --layers qwen3_moe=2 \
+      --budget qwen3_moe=110 qwen2_moe=100 olmoe=100 gpt_oss=110 deepseek_v3=120 \
+      --cells qwen3_moe:train:1024:$C qwen2_moe:train:1024:$C olmoe:train:1024:$C gpt_oss:train:1024:$C \
+      deepseek_v3:train:1024:$C --json "$OUT/bench_hf_ruletrain.json" --markdown "$OUT/bench_hf_ruletrain.md" 2>&1 \
+      | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_ruletrain.log"
+    grep -A9 "speed rule's values" "$OUT/bench_hf_ruletrain.md" ;;
   hfall)  # every family, mode and size in one run: one family per GPU, side by side (--gpus 6), so it needs a
           # machine of 8 GPUs (kind nvidia-h200-x8); each family's cells, most wanted first, under a 540 s budget.
           # Qwen3 also gets the max-autotune-no-cudagraphs column in prefill.
