@@ -251,9 +251,17 @@ def test_gptoss_epilogue_casts_its_scalars_to_fp32_before_use():
 
     from moe_inductor.kernels import backward_middle, grouped_gemm
 
+    import re
+
     for fn in (grouped_gemm._activation, backward_middle.backward_middle_kernel):
         src = inspect.getsource(fn.fn)
         branch = src[src.index("ACT == 5"):]
         cast = branch.index("tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)")
-        first_use = min(branch.index("tl.minimum(gate, limit)"), branch.index("* alpha"))
+        # the names the cast values take (backward_middle's differ from the arguments': it casts inside a loop)
+        alpha, limit = (name.strip() for name in branch[:cast].splitlines()[-1].split("=")[0].split(","))
+        first_use = min(branch.index(f"tl.minimum(gate, {limit})"), branch.index(f"* {alpha}"))
         assert cast < first_use, fn.fn.__name__
+        if alpha != "alpha":  # renamed: the arguments themselves are read by the cast alone
+            code = re.sub(r"#.*", "", branch)
+            assert len(re.findall(r"\balpha\b", code)) == 1 and len(re.findall(r"\blimit\b", code)) == 1, (
+                fn.fn.__name__)
