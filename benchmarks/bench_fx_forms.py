@@ -169,14 +169,6 @@ def _timer(device: str) -> Callable[[Callable], float]:
     return median_ms
 
 
-def rule_modes(mode: str, tokens: int, visible: bool = False) -> tuple[str, ...]:
-    """The speed rule's modes a row measures, by the rule's own sizes (``speed_rule.filed_modes``): "train" (every
-    size) and "train_long" too for a long step, where the run had the visible backward off (``visible``), else
-    "train_static" for a shorter step and "train_long" for a long one; "decode" or "prefill" for a forward; none
-    for a forward between them ("inference" is the worse of the two, never filed itself)."""
-    return filed_modes(mode, tokens, visible)
-
-
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--forms", nargs="*", default=list(FORMS), choices=list(FORMS))
@@ -285,7 +277,7 @@ def floor2(ratio: float) -> float:
 def rule_entries(rows: list[dict], widths: list[int], visible: bool = False) -> list[dict]:
     """Each form's values as the speed rule's file holds them: Inductor's time over moe_inductor's, the worst over
     the sizes measured in each of the rule's modes, for rows where moe_inductor rewrote the layer; ``visible``:
-    the run had the visible backward on (``rule_modes``)."""
+    the run had the visible backward on (``speed_rule.filed_modes``, which files each row's modes)."""
     out = []
     for form in dict.fromkeys(r["form"] for r in rows):
         values: dict[str, float] = {}
@@ -297,7 +289,7 @@ def rule_entries(rows: list[dict], widths: list[int], visible: bool = False) -> 
             if base is None:
                 continue
             value = floor2(base["ms"] / r["ms"])
-            for mode in rule_modes(r["mode"], r["T"], visible):
+            for mode in filed_modes(r["mode"], r["T"], visible):
                 values[mode] = min(values.get(mode, value), value)
         if values:
             out.append({"name": f"{form} (bench_fx_forms.py)", "route": ROUTES[form], "activation": "silu_glu",

@@ -10,7 +10,8 @@ Done in torch this is some twenty passes over (M, I) fp32 tensors; here it is on
 of h, d_gate and d_up in the input dtype. d_gate and d_up are two tensors of one stride, the halves of one (M, 2I)
 tensor given whole (UP_AFTER_GATE), or (PAIRS) its even and odd columns, an interleaved weight's layout: then each
 tile is stored as one contiguous run of (gate, up) pairs, not as two stride-2 stores. (A launch Inductor traces must
-be given whole tensors to write: it clones a written view without the rest of its storage.) Rows past the experts (dropped by a capacity) get zero gradients.
+be given whole tensors to write: it clones a written view without the rest of its storage.) Rows past the experts
+(dropped by a capacity) get zero gradients.
 The arithmetic is ops/activations.py's, in fp32.
 """
 from __future__ import annotations

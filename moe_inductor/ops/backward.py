@@ -86,17 +86,9 @@ def _combined_grad_buffer(w1: Tensor) -> Tensor:
 def _pairs_grad_buffer(w1: Tensor) -> Tensor:
     """An empty (E, H, I, 2) gradient for an interleaved gate/up pair whose gate is ``w1`` (E, H, I), laid out as
     the whole weight's ``pairs_view`` is: of a dense (E, 2I, H) when ``w1`` is column-major, of (E, H, 2I) else.
-    A view of ``_pairs_whole`` (E, H, 2I), which the weight-gradient kernel writes."""
+    A view of ``_combined_grad_buffer``'s (E, H, 2I) tensor, which the weight-gradient kernel writes whole."""
     E, H, I = w1.shape
-    return _pairs_whole(w1).view(E, H, I, 2)
-
-
-def _pairs_whole(w1: Tensor) -> Tensor:
-    """The (E, H, 2I) tensor under ``_pairs_grad_buffer``'s view: one tensor, not a view (see _grad_buffer)."""
-    E, H, I = w1.shape
-    if w1.stride(1) == 1:
-        return torch.empty_strided((E, H, 2 * I), (2 * I * H, 1, H), dtype=w1.dtype, device=w1.device)
-    return w1.new_empty(E, H, 2 * I)
+    return _combined_grad_buffer(w1).view(E, H, I, 2)
 
 
 class _SortedRows(NamedTuple):
@@ -307,7 +299,7 @@ def _up_grads(call: ExpertsCall, routed: Routed, d_pre: Tensor, d_scale_sorted: 
     if needs.combined_gate_up and needs.gate_up_pairs:  # one GEMM for the whole interleaved weight
         if d_pairs is None:
             d_pairs = torch.stack((d_gate, d_up), -1).view(M, 2 * w1.shape[2])
-        whole = _pairs_whole(w1)
+        whole = _combined_grad_buffer(w1)  # the (E, H, 2I) tensor under the pairs' view
         grouped_weight_grad(x, d_pairs, rows, whole, a_rows=ROWS_TOKEN, g_rows=ROWS_SORTED)
         dw1 = whole.view(w1.shape[0], w1.shape[1], w1.shape[2], 2)
     elif needs.combined_gate_up and tracing_launches() and not paired:

@@ -377,6 +377,6 @@ def backward_middle(pre: torch.Tensor, g: torch.Tensor, routing: SortedRouting,
         d_up = g.new_empty(M, I, dtype=dtype) if kact.gated else None
     d_scale = g.new_empty(M, dtype=torch.float32)
     launch_backward_middle(pre, g, routing, biases, (h, d_gate, d_up, d_scale), kact, scale_h, whole=whole)
-    if isinstance(out, torch.Tensor) and kact.gated:
+    if whole is not None:
         d_gate, d_up = (out[:, 0::2], out[:, 1::2]) if paired else (out[:, :I], out[:, I:])
     return h, d_gate, d_up, d_scale

@@ -109,10 +109,20 @@ def may_take_backward_of(x: Tensor, w2: Tensor, biased: bool, num_rows: int) -> 
     if mode == "triton" or x.dtype != torch.bfloat16:
         return False
     E, I, H = w2.shape
+    return _auto_rules_pass(E, H, I, biased, num_rows, backward=True)
+
+
+def _auto_rules_pass(E: int, H: int, I: int, biased: bool, num_rows: int, backward: bool) -> bool:
+    """"auto"'s row and size rules, where it was measured to win: with biases, enough rows per expert (the
+    backward's own count) and large enough experts; the backward's weight gradients, enough rows per expert at any
+    expert size measured; else enough rows per expert and large experts (``_large_experts``)."""
     if biased:
-        return (num_rows >= config.grouped_mm_biased_backward_min_rows_per_expert * E
-                and H * I >= config.grouped_mm_biased_min_expert_weights)
-    return num_rows >= config.grouped_mm_backward_min_rows_per_expert * E
+        per_expert = (config.grouped_mm_biased_backward_min_rows_per_expert if backward
+                      else config.grouped_mm_biased_min_rows_per_expert)
+        return num_rows >= per_expert * E and H * I >= config.grouped_mm_biased_min_expert_weights
+    if backward:
+        return num_rows >= config.grouped_mm_backward_min_rows_per_expert * E
+    return num_rows >= config.grouped_mm_min_rows_per_expert * E and _large_experts(H, I)
 
 
 def engine_mode(backward: bool = False) -> str:
@@ -143,15 +153,7 @@ def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tenso
     E, H, I = w1.shape
     biased = b1 is not None or b2 is not None
     # the size rule first: it is the cheapest test, and most calls (decode, small experts) stop here
-    if mode == "auto" and biased:
-        per_expert = (config.grouped_mm_biased_backward_min_rows_per_expert if backward
-                      else config.grouped_mm_biased_min_rows_per_expert)
-        if num_rows < per_expert * E or H * I < config.grouped_mm_biased_min_expert_weights:
-            return None
-    elif mode == "auto" and backward:  # the backward's weight gradients favour CUTLASS at any expert size measured
-        if num_rows < config.grouped_mm_backward_min_rows_per_expert * E:
-            return None
-    elif mode == "auto" and (num_rows < config.grouped_mm_min_rows_per_expert * E or not _large_experts(H, I)):
+    if mode == "auto" and not _auto_rules_pass(E, H, I, biased, num_rows, backward):
         return None
     if weight_position != "output" or dropped:
         return None
