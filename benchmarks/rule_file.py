@@ -60,10 +60,12 @@ def measured(runs: Iterable[dict]) -> tuple[Optional[str], dict]:
     of different GPUs are refused: one file holds one GPU's measurements."""
     gpus, worst = set(), {}
     for run in runs:
-        gpus.add(run.get("meta", {}).get("device"))
+        meta = run.get("meta", {})
+        gpus.add(meta.get("device"))
+        visible = bool(meta.get("visible_backward"))  # the run's training rows file as speed_rule.filed_modes says
         for v in rule_values(run["rows"]):
             modes = worst.setdefault(v["family"], {})
-            for mode in filed_modes(v["mode"], v["size"], bool(run.get("meta", {}).get("visible_backward"))):
+            for mode in filed_modes(v["mode"], v["size"], visible):
                 modes[mode] = min(modes.get(mode, float("inf")), v["value"])
     gpus.discard(None)
     if len(gpus) > 1:

@@ -558,7 +558,6 @@ def visible_backward_trace(dynamic_tokens: bool) -> dict:
     """What a make_fx trace (fake tensors) of the visible op's forward and backward over 9 tokens holds: the Triton
     kernels launched through ``wrap_triton`` ("kernels", in order) and the moe_inductor ops called as ops ("ops").
     ``dynamic_tokens`` traces with symbolic shapes. Nothing launches."""
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
     p, weights, visible = _visible_problem(9)
@@ -570,30 +569,33 @@ def visible_backward_trace(dynamic_tokens: bool) -> dict:
 
     gm = make_fx(step, tracing_mode="symbolic" if dynamic_tokens else "fake")(
         leaves[0], p.topk_ids, p.topk_weights, *leaves[1:])
-    kernels, ops = [], []
-    for n in gm.graph.nodes:
-        if "triton_kernel_wrapper" in str(n.target):
-            kernels.append(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__)
-        elif getattr(n.target, "namespace", None) == "moe_inductor":
-            ops.append(n.target._opname)
+    kernels, ops = _kernels_and_ops(gm.graph)
     return {"kernels": kernels, "ops": ops}
+
+
+def _kernels_and_ops(graph) -> tuple[list, list]:
+    """A traced graph's Triton kernels launched through ``wrap_triton`` and its moe_inductor ops, each by name, in
+    graph order."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    kernels = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in graph.nodes
+               if "triton_kernel_wrapper" in str(n.target)]
+    ops = [n.target._opname for n in graph.nodes if getattr(n.target, "namespace", None) == "moe_inductor"]
+    return kernels, ops
 
 
 def visible_backward_launches() -> list:
     """The Triton kernels of the visible op's backward graph (9 tokens, static), once AOT autograd has traced into
     it: what Inductor's wrapper would launch. Nothing launches (the compile stops at the backward compiler)."""
     from torch._dynamo.backends.common import aot_autograd
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
     p, weights, visible = _visible_problem(9)
     leaves = [t.detach().clone().requires_grad_() for t in (p.x, *weights)]
     names = []
 
     def read_backward(gm, example_inputs):
-        names.extend(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in gm.graph.nodes
-                     if "triton_kernel_wrapper" in str(n.target))
-        names.extend(f"op:{n.target._opname}" for n in gm.graph.nodes
-                     if getattr(n.target, "namespace", None) == "moe_inductor")
+        kernels, ops = _kernels_and_ops(gm.graph)
+        names.extend([*kernels, *(f"op:{op}" for op in ops)])
         raise _Captured
 
     try:
