@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import hf_rounds  # noqa: E402
 from hf_columns import column_options, moe_backend, speed_rule_off  # noqa: E402,F401 (mem_peak.py etc. use them here)
 from hf_families import (COLUMNS, DEFAULT_COLUMNS, EXPERTS_KEPT, FAMILIES, MODES, MOE_COLUMNS,  # noqa: E402,F401
-                         RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF, FUSED, ENGINE)
+                         RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF, FUSED, ENGINE, BW_FUSED)
 from hf_processes import cpu_list, lanes_of, merge_repeats, process_groups  # noqa: E402
 from hf_profile import GcClock, Profiler, sync  # noqa: E402
 from hf_tables import markdown, rule_markdown, variants_markdown  # noqa: E402
@@ -370,11 +370,14 @@ def run_family(cells, args) -> list:
             else:
                 try:
                     counters["stats"].clear()
+                    counters["moe_inductor_visible"].clear()
                     extra = {"graph_time": True} if mode == "prefill" and args.graph_time else {}
                     with column_options(column):
                         row |= RUNNERS[mode](model, cfg, size, column, args.device, reference,
                                              profile if column != "eager" else None, **extra)
                     row["graphs"] = counters["stats"]["unique_graphs"]  # > 1 per compile: breaks or recompiles
+                    if counters["moe_inductor_visible"]:  # which path ran: calls swapped in, backwards traced
+                        row["visible"] = dict(counters["moe_inductor_visible"])
                 except Exception as e:  # one broken column must not cost the family's other cells
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     if args.strict:

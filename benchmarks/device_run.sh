@@ -24,6 +24,8 @@
 #   bash benchmarks/device_run.sh rule       # the speed rule's values: each family's prefill and GPT-OSS's training,
 #                                            # experts kept against every layer rewritten (bench_hf), merged
 #                                            # into this GPU's whole_model file (rule_file.py)            (~9 min)
+#   bash benchmarks/device_run.sh bwpath     # 128 rows per expert in training (OLMoE, GPT-OSS 1024; Qwen3 2048): the
+#                                            # backward on the engine (opaque) against ours, launched by Inductor (~9 min)
 #   bash benchmarks/device_run.sh ruletrain  # the 1024-token training values of five families (train_static; "train"
 #                                            # under MOE_INDUCTOR_VISIBLE_BACKWARD=0)                      (~9 min)
 #   bash benchmarks/device_run.sh gptoss     # GPT-OSS's experts on both engines: the op alone (fused against
@@ -143,6 +145,16 @@ case "${1:-suite}" in
       --json "$OUT/bench_hf_visbw.json" --markdown "$OUT/bench_hf_visbw.md" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_visbw.log"
     grep -A8 "speed rule's values" "$OUT/bench_hf_visbw.md" ;;
+  bwpath)  # which backward a static training step of 128 rows per expert should take: the opaque ops with the
+           # backward GEMMs on torch._grouped_mm ("auto" from 128 rows) or our fused kernels launched from Inductor's
+           # wrapper (moe_inductor_bw_fused); each row's "visible" says which ran. Experts kept is the baseline
+    C=moe_inductor_experts_kept+moe_inductor_rule_off+moe_inductor_bw_fused
+    timeout 580 python benchmarks/bench_hf.py --deadline-s 565 --layers qwen3_moe=2 \
+      --budget olmoe=170 gpt_oss=190 qwen3_moe=190 \
+      --cells olmoe:train:1024:$C gpt_oss:train:1024:$C qwen3_moe:train:2048:$C \
+      --json "$OUT/bench_hf_bwpath.json" --markdown "$OUT/bench_hf_bwpath.md" 2>&1 \
+      | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_bwpath.log"
+    grep "train" "$OUT/bench_hf_bwpath.log" | cut -c1-400 ;;
   listtrain)
     { timeout 200 python benchmarks/bench_list_train.py --tokens 4096 16 --modes train forward
       timeout 200 python benchmarks/bench_list_train.py --tokens 4096 16 --widths 2048 1408 64 6 --modes train forward

@@ -6,19 +6,19 @@ import contextlib
 
 import torch
 
-from hf_families import ENGINE, EXPERTS_KEPT, FUSED, RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF
+from hf_families import BW_FUSED, ENGINE, EXPERTS_KEPT, FUSED, RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF
 
 
 def moe_backend(column: str):
     """The backend a moe_inductor column compiles with: by name, with no MoE form rewritten (``EXPERTS_KEPT``), or,
     for the columns that differ only in a setting read while tracing (``RULE_OFF``, ``TAIL_OFF``, ``TMA_AUTO``,
-    ``TMA_OFF``, ``FUSED``, ``ENGINE``), a backend object of their own: Dynamo keeps one compiled entry per
+    ``TMA_OFF``, ``FUSED``, ``ENGINE``, ``BW_FUSED``), a backend object of their own: Dynamo keeps one compiled entry per
     backend, so in the interleaved rounds a column sharing "moe_inductor" would run the other column's compile."""
     import moe_inductor
 
     if column == EXPERTS_KEPT:
         return moe_inductor.with_options(forms=())
-    if column in (RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF, FUSED, ENGINE):
+    if column in (RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF, FUSED, ENGINE, BW_FUSED):
         return moe_inductor.with_options()
     return "moe_inductor"
 
@@ -39,36 +39,38 @@ def speed_rule_off(off: bool):
         config.speed_rule = before
 
 
+#: the moe_inductor setting each column changes (read inside our op while Inductor traces it)
+_SETTINGS = {TAIL_OFF: ("gemm_tail_split", False), TMA_AUTO: ("gemm_tma_weights", "auto"),
+             TMA_OFF: ("gemm_tma_weights", "off"), FUSED: ("gemm_engine", "triton"),
+             ENGINE: ("gemm_engine", "grouped_mm"), BW_FUSED: ("gemm_engine_backward", "triton")}
+
+
 @contextlib.contextmanager
 def column_options(column: str):
-    """The settings a column compiles and runs under: the speed rule off for ``RULE_OFF``; for ``TAIL_OFF`` the tail
-    split off, for ``TMA_AUTO`` the TMA weight loads under "auto" (``TMA_OFF``: "off"), for ``FUSED`` the fused
-    kernels for every GEMM (``config.gemm_engine = "triton"``; ``ENGINE``: "grouped_mm"), each with the compile caches
-    off too: these settings are read inside our op while Inductor traces it, so the graph handed to the caches is the
-    same as the "moe_inductor" column's, whose cache entries would answer."""
-    if column == RULE_OFF:
-        with speed_rule_off(True):
+    """The settings a column compiles and runs under: the speed rule off for ``RULE_OFF`` and ``BW_FUSED``; for
+    ``TAIL_OFF`` the tail split off, for ``TMA_AUTO`` the TMA weight loads under "auto" (``TMA_OFF``: "off"), for
+    ``FUSED`` the fused kernels for every GEMM (``config.gemm_engine = "triton"``; ``ENGINE``: "grouped_mm"), for
+    ``BW_FUSED`` for the backward's (``config.gemm_engine_backward``), each with the compile caches off too: these
+    settings are read inside our op while Inductor traces it, so the graph handed to the caches is the same as the
+    "moe_inductor" column's, whose cache entries would answer."""
+    with speed_rule_off(column in (RULE_OFF, BW_FUSED)):
+        settings = _SETTINGS.get(column)
+        if settings is None:
             yield
-        return
-    settings = {TAIL_OFF: ("gemm_tail_split", False), TMA_AUTO: ("gemm_tma_weights", "auto"),
-                TMA_OFF: ("gemm_tma_weights", "off"), FUSED: ("gemm_engine", "triton"),
-                ENGINE: ("gemm_engine", "grouped_mm")}.get(column)
-    if settings is None:
-        yield
-        return
-    from moe_inductor import config
+            return
+        from moe_inductor import config
 
-    name, value = settings
-    saved = (getattr(config, name), torch._inductor.config.fx_graph_cache,
-             getattr(torch._functorch.config, "enable_autograd_cache", None))
-    setattr(config, name, value)
-    torch._inductor.config.fx_graph_cache = False
-    if saved[2] is not None:
-        torch._functorch.config.enable_autograd_cache = False
-    try:
-        yield
-    finally:
-        setattr(config, name, saved[0])
-        torch._inductor.config.fx_graph_cache = saved[1]
+        name, value = settings
+        saved = (getattr(config, name), torch._inductor.config.fx_graph_cache,
+                 getattr(torch._functorch.config, "enable_autograd_cache", None))
+        setattr(config, name, value)
+        torch._inductor.config.fx_graph_cache = False
         if saved[2] is not None:
-            torch._functorch.config.enable_autograd_cache = saved[2]
+            torch._functorch.config.enable_autograd_cache = False
+        try:
+            yield
+        finally:
+            setattr(config, name, saved[0])
+            torch._inductor.config.fx_graph_cache = saved[1]
+            if saved[2] is not None:
+                torch._functorch.config.enable_autograd_cache = saved[2]

@@ -23,7 +23,12 @@ FUSED = "moe_inductor_fused"
 #: ``torch._grouped_mm`` wherever the layout allows, with our routing, activation and combine around them, where "auto"
 #: keeps the smaller experts (Qwen1.5-MoE's, about 273 rows each at T = 4096) on our fused kernels
 ENGINE = "moe_inductor_grouped_mm"
-MOE_COLUMNS = ("moe_inductor", RULE_OFF, EXPERTS_KEPT, TAIL_OFF, TMA_AUTO, TMA_OFF, FUSED, ENGINE)
+#: ``RULE_OFF`` with ``config.gemm_engine_backward = "triton"``: every rewritten layer's backward on our fused kernels,
+#: where "auto" gives the backward GEMMs to ``torch._grouped_mm`` from 128 rows per expert. A static count's backward
+#: is then launched from Inductor's wrapper (lowerings/visible_backward.py) where the engine would run it in the
+#: opaque ops. Against ``RULE_OFF`` it measures which of the two a whole training step should take
+BW_FUSED = "moe_inductor_bw_fused"
+MOE_COLUMNS = ("moe_inductor", RULE_OFF, EXPERTS_KEPT, TAIL_OFF, TMA_AUTO, TMA_OFF, FUSED, ENGINE, BW_FUSED)
 COLUMNS = ("eager", "inductor", "max-autotune-no-cudagraphs", *MOE_COLUMNS)
 DEFAULT_COLUMNS = ("eager", "inductor", "moe_inductor")
 

@@ -273,7 +273,8 @@ def test_bench_hf_setting_columns_hold_their_setting_and_a_backend_of_their_own(
 
     wanted = {bench_hf.TAIL_OFF: ("gemm_tail_split", False), bench_hf.TMA_AUTO: ("gemm_tma_weights", "auto"),
               bench_hf.TMA_OFF: ("gemm_tma_weights", "off"), bench_hf.FUSED: ("gemm_engine", "triton"),
-              bench_hf.RULE_OFF: ("speed_rule", False), bench_hf.ENGINE: ("gemm_engine", "grouped_mm")}
+              bench_hf.RULE_OFF: ("speed_rule", False), bench_hf.ENGINE: ("gemm_engine", "grouped_mm"),
+              bench_hf.BW_FUSED: ("gemm_engine_backward", "triton")}
     for column, (name, value) in wanted.items():
         before = getattr(config, name)
         assert before != value
@@ -281,7 +282,8 @@ def test_bench_hf_setting_columns_hold_their_setting_and_a_backend_of_their_own(
             assert getattr(config, name) == value, column
             if column != bench_hf.RULE_OFF:
                 assert torch._inductor.config.fx_graph_cache is False
-        assert getattr(config, name) == before
+            assert config.speed_rule is (column not in (bench_hf.RULE_OFF, bench_hf.BW_FUSED))
+        assert getattr(config, name) == before and config.speed_rule
         assert hf_columns.moe_backend(column) != "moe_inductor"
     assert hf_columns.moe_backend("moe_inductor") == "moe_inductor"
 
