@@ -49,7 +49,7 @@ from benchmarks.bench_cpu import interleaved_ms  # noqa: E402
 from benchmarks.bench_list_train import LoopMoE  # noqa: E402
 from benchmarks.hf_profile import Profiler  # noqa: E402
 from moe_inductor import config  # noqa: E402
-from moe_inductor.speed_rule import filed_modes, visible_backward_on  # noqa: E402
+from moe_inductor.speed_rule import backward_traced, filed_modes, visible_backward_on  # noqa: E402
 
 #: the speed rule's route each form's values are for
 ROUTES = {"list": "fx_list", "stacked_loop": "fx_loop", "gathered": "fx_gathered", "capacity": "fx_capacity",
@@ -277,7 +277,8 @@ def floor2(ratio: float) -> float:
 def rule_entries(rows: list[dict], widths: list[int], visible: bool = False) -> list[dict]:
     """Each form's values as the speed rule's file holds them: Inductor's time over moe_inductor's, the worst over
     the sizes measured in each of the rule's modes, for rows where moe_inductor rewrote the layer; ``visible``:
-    the run had the visible backward on (``speed_rule.filed_modes``, which files each row's modes)."""
+    the run had the visible backward on, so a training row whose layer and size take it files as such
+    (``speed_rule.filed_modes``)."""
     out = []
     for form in dict.fromkeys(r["form"] for r in rows):
         values: dict[str, float] = {}
@@ -289,7 +290,9 @@ def rule_entries(rows: list[dict], widths: list[int], visible: bool = False) -> 
             if base is None:
                 continue
             value = floor2(base["ms"] / r["ms"])
-            for mode in filed_modes(r["mode"], r["T"], visible):
+            # whether this row's own backward was the visible one (the list op has none)
+            row_visible = visible and form != "list" and backward_traced(r["T"], widths, False)
+            for mode in filed_modes(r["mode"], r["T"], row_visible):
                 values[mode] = min(values.get(mode, value), value)
         if values:
             out.append({"name": f"{form} (bench_fx_forms.py)", "route": ROUTES[form], "activation": "silu_glu",

@@ -9,9 +9,10 @@ Each family measured becomes one layer kind (its activation, gate/up layout, bia
 widths bench_hf.py builds), with one value per mode measured: the worst over the sizes measured, since the rule
 decides from the mode (and, in training, whether the step is long: ``speed_rule.TRAIN_LONG``), not the
 size. A training step of ``speed_rule.TRAIN_LONG_MIN_TOKENS`` tokens or more also files its value as "train_long",
-the value such steps are judged by; "train" stays the worst over every training size. A run with the visible
-backward on (its ``meta["visible_backward"]``; ``speed_rule.filed_modes``) files no "train", since a symbolic count
-still takes the opaque backward ops: its shorter steps file "train_static" instead. A GPU without a file is
+the value such steps are judged by; "train" stays the worst over every training size. A training row whose own
+backward was the visible one (a run with it on, ``meta["visible_backward"]``, and a layer and size it takes:
+``speed_rule.backward_traced``) files no "train", the opaque ops' value: a shorter step files "train_static"
+instead (``speed_rule.filed_modes``). A GPU without a file is
 judged by the other GPUs' files with a margin
 (``speed_rule.UNMEASURED_GPU_MARGIN``); with one, a layer kind below 1.0 in a mode keeps Inductor's path there.
 Entries of the file that the runs do not measure are kept as they are. Without ``--write`` the merged file is only
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.hf_families import FAMILIES, MODES  # noqa: E402
 from benchmarks.hf_tables import rule_values  # noqa: E402
 from benchmarks.bench_fx_forms import floor2, rule_entries  # noqa: E402
-from moe_inductor.speed_rule import TRAIN_LONG, TRAIN_STATIC, filed_modes  # noqa: E402
+from moe_inductor.speed_rule import TRAIN_LONG, TRAIN_STATIC, backward_traced, filed_modes  # noqa: E402
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "moe_inductor" / "kernels" / "tuned" / "whole_model"
 
@@ -65,7 +66,9 @@ def measured(runs: Iterable[dict]) -> tuple[Optional[str], dict]:
         visible = bool(meta.get("visible_backward"))  # the run's training rows file as speed_rule.filed_modes says
         for v in rule_values(run["rows"]):
             modes = worst.setdefault(v["family"], {})
-            for mode in filed_modes(v["mode"], v["size"], visible):
+            kind = layer_kind(v["family"])  # whether this row's own backward was the visible one
+            row_visible = visible and backward_traced(v["size"], kind["shape"], kind["bias"])
+            for mode in filed_modes(v["mode"], v["size"], row_visible):
                 modes[mode] = min(modes.get(mode, float("inf")), v["value"])
     gpus.discard(None)
     if len(gpus) > 1:

@@ -42,11 +42,25 @@ def _inner_compile(name: str, gm: torch.fx.GraphModule, example_inputs: list[Any
         from torch._dynamo.backends.registry import lookup_backend
 
         return lookup_backend("aot_eager")(gm, example_inputs)
-    inductor = _inductor_wrapper(mode, inductor_options)
+    inductor = _inductor_wrapper(mode, _with_our_passes(inductor_options))
     if inductor not in _state.wrappers:  # one per distinct setting (the wrappers compare by their config)
         _state.wrappers.append(inductor)
     with torch.compiler.config.patch(cache_key_tag=cache_tag()):
         return inductor(gm, example_inputs)
+
+
+def _with_our_passes(inductor_options: Optional[dict]) -> Optional[dict]:
+    """The Inductor options with our post-grad pass (``config.unshared_buffers``) added, where the user's options
+    and Inductor's config name no such pass of their own (theirs is left as it is)."""
+    from . import config
+
+    options = dict(inductor_options or {})
+    if (config.unshared_buffers and options.get("post_grad_custom_pre_pass") is None
+            and torch._inductor.config.post_grad_custom_pre_pass is None):
+        from .lowerings.unshared_buffers import UNSHARED_BUFFERS
+
+        options["post_grad_custom_pre_pass"] = UNSHARED_BUFFERS
+    return options or None
 
 
 def cache_tag() -> str:
@@ -162,9 +176,11 @@ def moe_inductor_backend(
 
 def _speed_rule(inner: str, layer: Layer) -> tuple[bool, str]:
     """The speed rule (speed_rule.py) on a region an FX pass proved: keep Inductor's path, and what to say."""
-    from .speed_rule import KEPT, LayerKind, fx_route, mode_from, verdict
+    from .speed_rule import KEPT, LayerKind, backward_visible, fx_route, mode_from, verdict
 
-    mode = mode_from(layer.train, layer.tokens)
+    # the list op (per-expert weights) has no visible backward
+    visible = not layer.per_expert and backward_visible(layer.tokens, layer.shape, layer.bias, layer.dtype)
+    mode = mode_from(layer.train, layer.tokens, visible)
     route, note = fx_route(layer.form, layer.per_expert)
     said = verdict(LayerKind(layer.activation, layer.gate_up, layer.bias, layer.shape), layer.device, mode, inner,
                    layer.form, route=route)

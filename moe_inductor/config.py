@@ -26,6 +26,11 @@ visible_kernels: bool = os.environ.get("MOE_INDUCTOR_VISIBLE_KERNELS", "1") == "
 #: host-bound, and the opaque backward ops' Python is host time Inductor's own path does not spend.
 visible_backward: bool = os.environ.get("MOE_INDUCTOR_VISIBLE_BACKWARD", "1") == "1"
 
+#: Our Inductor compiles give each traced kernel write its own empty buffer again where AOT autograd's CSE merged
+#: identical allocations (lowerings/unshared_buffers.py): else Inductor copies the shared one before every write but
+#: the last. Only where the user set no ``post_grad_custom_pre_pass`` of their own.
+unshared_buffers: bool = os.environ.get("MOE_INDUCTOR_UNSHARED_BUFFERS", "1") == "1"
+
 #: Who runs the experts op's GEMMs: "auto" (our fused Triton kernels, except in the compute-bound regime below, where
 #: ``torch._grouped_mm`` does; ops/grouped_mm_engine.py), "triton" (always ours), "grouped_mm" (torch's wherever the
 #: layout allows).

@@ -156,10 +156,10 @@ def _speed_rule_verdict(form: str, kw: dict, hidden_states: torch.Tensor, top_k:
     gated = kw["activation"].endswith("_glu")
     gate_up = kw.get("gate_up", "concat") if gated else "separate"
     bias = kw.get("b1") is not None or kw.get("b2") is not None
-    mode = mode_of(hidden_states, (kw["w1"], kw["w2"]))
     E, *inner = kw["w2"].shape
     H, I = inner if kw["layout"] == "nk" else inner[::-1]
     shape = (int(H), int(I), int(E), int(top_k))
+    mode = mode_of(hidden_states, (kw["w1"], kw["w2"]), shape, bias)
     return capture.speed_rule_verdict(form, kw["activation"], gate_up, bias, shape, str(hidden_states.device), mode,
                                       hidden_states.dtype)
 

@@ -284,12 +284,12 @@ PREFILL_MIN_TOKENS = 512
 TRAIN_LONG = "train_long"
 TRAIN_LONG_MIN_TOKENS = 4096
 #: a training step of a static count from ``TRAIN_STATIC_MIN_TOKENS`` (the shorter size bench_hf.py trains at) to
-#: under ``TRAIN_LONG_MIN_TOKENS`` whose backward Inductor launches itself (``config.visible_backward``,
+#: under ``TRAIN_LONG_MIN_TOKENS`` whose backward Inductor launches itself (``backward_visible``:
 #: lowerings/visible_backward.py). Such a step spends less host time than one through the opaque backward ops,
-#: which a symbolic count takes; so its value is filed apart (rule_file.py files a run's training rows of these
-#: sizes here when the run had the visible backward on), and "train" stays the opaque ops' value, which judges a
-#: symbolic count. An entry without this value judges such steps by "train", the slower path's. A shorter static
-#: step was measured at no such size with the visible backward, so "train" judges it too
+#: which a symbolic count takes, and so does a static count the ``torch._grouped_mm`` engine may take. So its value
+#: is filed apart (rule_file.py files a training row here when its own backward was the visible one), and "train"
+#: stays the opaque ops' value. An entry without this value judges such steps by "train", the slower path's. A
+#: shorter static step was measured at no such size with the visible backward, so "train" judges it too
 TRAIN_STATIC = "train_static"
 TRAIN_STATIC_MIN_TOKENS = 1024
 
@@ -298,9 +298,10 @@ def filed_modes(mode: str, tokens: int, visible: bool) -> tuple[str, ...]:
     """The modes a benchmark row of a static ``tokens`` count is filed under (benchmarks/rule_file.py,
     bench_fx_forms.py), the inverse of ``mode_from``: a forward row its own mode ("inference" is never filed), a
     training row "train" (the worst over every size) and ``TRAIN_LONG`` from ``TRAIN_LONG_MIN_TOKENS`` tokens. A
-    training row of a run with the visible backward on (``visible``) never files "train", the value that judges a
-    symbolic count, whose backward still takes the opaque ops: from ``TRAIN_STATIC_MIN_TOKENS`` to the long size
-    it files ``TRAIN_STATIC`` instead, and below that nothing (such steps are judged by "train")."""
+    training row whose backward was the visible one (``visible``: ``backward_visible`` of its layer, in a run with
+    the visible backward on) never files "train", the value that judges the opaque ops: from
+    ``TRAIN_STATIC_MIN_TOKENS`` to the long size it files ``TRAIN_STATIC`` instead, and below that nothing (such
+    steps are judged by "train")."""
     if mode != "train":
         judged = mode_from(False, tokens)
         return () if judged == "inference" else (judged,)
@@ -317,27 +318,56 @@ def visible_backward_on() -> bool:
     return config.visible_kernels and config.visible_backward and config.gemm_tma_descriptors != "host"
 
 
-def mode_of(x: torch.Tensor, weights: tuple) -> str:
+def backward_visible(tokens: Optional[int], shape: tuple, bias: bool, dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether a static training step of ``tokens`` tokens through a stacked-weights layer of ``shape`` (H, I, E, k)
+    runs the backward Inductor launches, by the same functions that decide it while compiling: the settings
+    (``visible_backward_on``), the forward swapped in (``grouped_mm_engine.may_take_experts_of`` says no) and its
+    backward traceable (``visible_backward.backward_traceable``: no engine for it either). Shapes only, through meta
+    tensors. ``dtype`` None reads as bf16, the engine's dtype: the answer that keeps a step on "train"."""
+    return visible_backward_on() and backward_traced(tokens, shape, bias, dtype)
+
+
+def backward_traced(tokens: Optional[int], shape: tuple, bias: bool, dtype: Optional[torch.dtype] = None) -> bool:
+    """``backward_visible`` but for the settings that switch the visible backward on (the benchmarks' filers ask it
+    of a run that had them on)."""
+    if tokens is None or len(shape) != 4:
+        return False
+    from .lowerings.visible_backward import backward_traceable
+    from .ops import grouped_mm_engine
+
+    H, I, E, k = (int(n) for n in shape)
+    dtype = dtype or torch.bfloat16
+    w2 = torch.empty((E, I, H), dtype=dtype, device="meta")
+    rows = tokens * k
+    if grouped_mm_engine.may_take_experts_of(w2, bias, rows):
+        return False
+    return backward_traceable(torch.empty((tokens, H), dtype=dtype, device="meta"), w2, bias, rows)
+
+
+def mode_of(x: torch.Tensor, weights: tuple, shape: tuple = (), bias: bool = False) -> str:
     """"train" where the call builds a graph for the backward (``TRAIN_LONG`` where its token count is static and
     at least ``TRAIN_LONG_MIN_TOKENS``, ``TRAIN_STATIC`` where it is static, shorter, at least
-    ``TRAIN_STATIC_MIN_TOKENS`` and ``visible_backward_on``). Otherwise, where the token count is static (the graph
-    is specialised on it already), "decode" up to ``DECODE_MAX_TOKENS`` tokens and "prefill" from
-    ``PREFILL_MIN_TOKENS``: the sizes those modes were measured at. Between them, and wherever the count is
-    symbolic (never read, ``capture.static_token_count``: a comparison would add a guard and a recompile),
-    "inference": the worse of the two."""
+    ``TRAIN_STATIC_MIN_TOKENS`` and its backward the visible one: ``backward_visible`` of the layer's ``shape``
+    (H, I, E, k) and ``bias``). Otherwise, where the token count is static (the graph is specialised on it
+    already), "decode" up to ``DECODE_MAX_TOKENS`` tokens and "prefill" from ``PREFILL_MIN_TOKENS``: the sizes
+    those modes were measured at. Between them, and wherever the count is symbolic (never read,
+    ``capture.static_token_count``: a comparison would add a guard and a recompile), "inference": the worse of
+    the two."""
     train = torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in (x, *weights))
-    return mode_from(train, static_token_count(x))
+    tokens = static_token_count(x)
+    return mode_from(train, tokens, train and backward_visible(tokens, shape, bias, x.dtype))
 
 
-def mode_from(train: bool, tokens: Optional[int]) -> str:
-    """``mode_of``'s rule on what it reads: whether the call makes a gradient, and its static token count (None
-    where symbolic). The FX passes judge a traced region with it."""
+def mode_from(train: bool, tokens: Optional[int], visible: bool = False) -> str:
+    """``mode_of``'s rule on what it reads: whether the call makes a gradient, its static token count (None where
+    symbolic), and whether its backward is the visible one (``backward_visible``). The FX passes judge a traced
+    region with it."""
     if train:
         if tokens is None:
             return "train"
         if tokens >= TRAIN_LONG_MIN_TOKENS:
             return TRAIN_LONG
-        return TRAIN_STATIC if tokens >= TRAIN_STATIC_MIN_TOKENS and visible_backward_on() else "train"
+        return TRAIN_STATIC if tokens >= TRAIN_STATIC_MIN_TOKENS and visible else "train"
     if tokens is not None and tokens <= DECODE_MAX_TOKENS:
         return "decode"
     if tokens is not None and tokens >= PREFILL_MIN_TOKENS:

@@ -56,6 +56,9 @@ def test_a_gpu_without_a_value_for_the_mode_defers_to_another_gpus_with_the_marg
         assert keeps_inductor(QWEN3, CUDA, speed_rule.TRAIN_LONG, "inductor") is None
         assert "0.71x" in keeps_inductor(GPT_OSS, CUDA, "train", "inductor")
         assert keeps_inductor(GPT_OSS, CUDA, speed_rule.TRAIN_LONG, "inductor") is None
+        # GPT-OSS's static 1024-token step: 128 rows per expert, the engine's backward in the opaque ops, so "train"
+        visible = speed_rule.backward_visible(1024, GPT_OSS.shape, GPT_OSS.bias, torch.bfloat16)
+        assert speed_rule.mode_from(True, 1024, visible) == "train"
         # decode: no GPU's GPT-OSS decode value is below the margin (H200's 1.16), so the H100's worst measured
         # inference mode decides (prefill, 1.01), not its 1024-token training step's loss (0.71)
         said = speed_rule.verdict(GPT_OSS, CUDA, "decode", "inductor")
@@ -190,7 +193,8 @@ def test_mode_of_reads_grad_and_a_static_token_count():
     """decode and prefill where the token count is one of the measured sizes, the worse of the two between."""
     w = torch.zeros(2, 2, requires_grad=True)
     assert speed_rule.mode_of(torch.zeros(8, 4), (w,)) == "train"  # shorter than any visible-backward value
-    assert speed_rule.mode_of(torch.zeros(1024, 4), (w,)) == speed_rule.TRAIN_STATIC
+    assert speed_rule.mode_of(torch.zeros(1024, 4), (w,), (4, 4, 64, 4), False) == speed_rule.TRAIN_STATIC
+    assert speed_rule.mode_of(torch.zeros(1024, 4), (w,)) == "train"  # no layer shape: its backward not known
     with torch.no_grad():
         assert speed_rule.mode_of(torch.zeros(1, 1, 4), (w,)) == "decode"  # batch 1, one new token
         assert speed_rule.mode_of(torch.zeros(16, 4), (w,)) == "decode"

@@ -18,7 +18,7 @@ SORTED = {"name": "sort + grouped_mm, test-sized", "route": "fx_sorted", "activa
           "prefill": 1.59, "decode": 1.62}
 
 
-def _judged(entry, form="sorted_grouped_mm", shape=SHAPE, gpu="TEST_GPU"):
+def _judged(entry, form="sorted_grouped_mm", shape=SHAPE, gpu="TEST_GPU", per_expert=False):
     """``backend._speed_rule`` of a layer, on a GPU whose file holds ``entry`` alone: tokens -> (kept, said)."""
     from moe_inductor.backend import _speed_rule
     from moe_inductor.passes.driver import Layer
@@ -26,41 +26,74 @@ def _judged(entry, form="sorted_grouped_mm", shape=SHAPE, gpu="TEST_GPU"):
     def judge(tokens, train=True):
         with mock.patch.object(speed_rule, "_tables", return_value={gpu: [entry]}), \
                 mock.patch.object(speed_rule, "_gpu_tag", return_value=gpu):
-            return _speed_rule("inductor", Layer(form, "silu_glu", "separate", False, shape, CUDA, train, False,
-                                                 tokens))
+            return _speed_rule("inductor", Layer(form, "silu_glu", "separate", False, shape, CUDA, train,
+                                                 per_expert, tokens))
     return judge
 
 
 @pytest.mark.parametrize("visible", [True, False])
-def test_mode_from_keys_training_by_a_static_token_count(visible, monkeypatch):
-    """A shorter static step is "train_static" where its backward may be Inductor's to launch, else "train"; a
+def test_mode_from_keys_training_by_a_static_token_count(visible):
+    """A shorter static step is "train_static" where its backward is Inductor's to launch, else "train"; a
     symbolic count is always "train" (its backward takes the opaque ops)."""
-    monkeypatch.setattr(config, "visible_backward", visible)
     short = TRAIN_STATIC if visible else "train"
     assert TRAIN_LONG_MIN_TOKENS == 4096  # the size bench_fx_forms.py and bench_list_train.py train at
     assert speed_rule.TRAIN_STATIC_MIN_TOKENS == 1024  # bench_hf.py's shorter training size
-    assert speed_rule.mode_from(True, 4096) == TRAIN_LONG
-    assert speed_rule.mode_from(True, 16384) == TRAIN_LONG
-    assert speed_rule.mode_from(True, 4095) == short
-    assert speed_rule.mode_from(True, 1024) == short
-    assert speed_rule.mode_from(True, 1023) == "train"  # never measured with the visible backward: the worst
-    assert speed_rule.mode_from(True, 16) == "train"
-    assert speed_rule.mode_from(True, None) == "train"  # symbolic: never read, the worst over every size
+    assert speed_rule.mode_from(True, 4096, visible) == TRAIN_LONG
+    assert speed_rule.mode_from(True, 16384, visible) == TRAIN_LONG
+    assert speed_rule.mode_from(True, 4095, visible) == short
+    assert speed_rule.mode_from(True, 1024, visible) == short
+    assert speed_rule.mode_from(True, 1023, visible) == "train"  # never measured with the visible backward
+    assert speed_rule.mode_from(True, 16, visible) == "train"
+    assert speed_rule.mode_from(True, None, visible) == "train"  # symbolic: never read, the worst over every size
+
+
+#: (H, I, E, k) of Qwen3-30B-A3B's, OLMoE's and GPT-OSS-20B's experts
+QWEN3, OLMOE, GPTOSS = (2048, 768, 128, 8), (2048, 1024, 64, 8), (2880, 2880, 32, 4)
+
+
+def test_the_visible_backward_is_read_from_the_layers_shapes_as_the_compile_decides(monkeypatch):
+    """``backward_visible`` asks the functions the compile asks: a static step of under 128 rows per expert
+    (the engine's backward rule in bf16) runs the visible backward, one of more the opaque ops; so does any step
+    of experts the engine may take in the forward (Mixtral's), or with biases at 128 rows per expert (GPT-OSS)."""
+    assert speed_rule.backward_visible(1024, QWEN3, False)  # 64 rows per expert
+    assert not speed_rule.backward_visible(2048, QWEN3, False)  # 128: the engine may take the backward
+    assert speed_rule.backward_visible(2048, QWEN3, False, torch.float16)  # the engine is bf16 only
+    assert not speed_rule.backward_visible(1024, OLMOE, False)  # 128
+    assert speed_rule.backward_visible(1023, OLMOE, False)
+    assert not speed_rule.backward_visible(1024, GPTOSS, True)  # 128, biased, 2880 x 2880
+    assert speed_rule.backward_visible(1024, GPTOSS, False, torch.bfloat16) is False  # unbiased: 128 rows too
+    assert not speed_rule.backward_visible(64, (4096, 14336, 8, 2), False)  # Mixtral: the engine's forward
+    assert not speed_rule.backward_visible(None, QWEN3, False)  # symbolic
+    assert not speed_rule.backward_visible(1024, (), False)  # no shape said
+    monkeypatch.setattr(config, "gemm_engine_backward", "triton")  # no engine in the backward
+    assert speed_rule.backward_visible(2048, QWEN3, False) and speed_rule.backward_visible(1024, GPTOSS, True)
+    monkeypatch.setattr(config, "gemm_engine_backward", None)
     w = torch.zeros(2, 2, requires_grad=True)
-    assert speed_rule.mode_of(torch.zeros(4096, 4), (w,)) == TRAIN_LONG
-    assert speed_rule.mode_of(torch.zeros(2, 512, 4), (w,)) == short
-    assert speed_rule.mode_of(torch.zeros(2, 8, 4), (w,)) == "train"
+
+    def x(*shape, dtype=torch.bfloat16):
+        return torch.zeros(*shape, dtype=dtype)
+
+    assert speed_rule.mode_of(x(1024, 2048), (w,), QWEN3, False) == TRAIN_STATIC
+    assert speed_rule.mode_of(x(2, 1024, 2048), (w,), QWEN3, False) == "train"  # 2048 tokens: the engine's
+    assert speed_rule.mode_of(x(2, 1024, 2048, dtype=torch.float32), (w,), QWEN3, False) == TRAIN_STATIC
+    assert speed_rule.mode_of(x(2, 2048, 2048), (w,), QWEN3, False) == TRAIN_LONG
+    assert speed_rule.mode_of(x(2, 512, 2048), (w,), OLMOE, False) == "train"
+    assert speed_rule.mode_of(x(1024, 2048), (w,)) == "train"  # no shape: not known to be visible
     with torch.no_grad():
-        assert speed_rule.mode_of(torch.zeros(4096, 4), (w,)) == "prefill"
+        assert speed_rule.mode_of(x(4096, 2048), (w,), QWEN3, False) == "prefill"
 
 
-def test_host_made_tma_descriptors_or_the_opaque_forward_keep_a_short_step_train(monkeypatch):
-    assert speed_rule.mode_from(True, 1024) == TRAIN_STATIC
+def test_settings_without_the_visible_backward_keep_a_short_step_train(monkeypatch):
+    assert speed_rule.backward_visible(1024, QWEN3, False)
     monkeypatch.setattr(config, "gemm_tma_descriptors", "host")  # only the opaque backward takes those
-    assert speed_rule.mode_from(True, 1024) == "train"
+    assert not speed_rule.backward_visible(1024, QWEN3, False)
     monkeypatch.setattr(config, "gemm_tma_descriptors", "device")
     monkeypatch.setattr(config, "visible_kernels", False)  # no visible forward, no visible backward
-    assert speed_rule.mode_from(True, 1024) == "train"
+    assert not speed_rule.backward_visible(1024, QWEN3, False)
+    monkeypatch.setattr(config, "visible_kernels", True)
+    monkeypatch.setattr(config, "visible_backward", False)
+    assert not speed_rule.backward_visible(1024, QWEN3, False)
+    assert speed_rule.backward_traced(1024, QWEN3, False)  # the filers' question: the settings aside
 
 
 def test_a_long_training_step_is_judged_by_its_own_value():
@@ -90,25 +123,31 @@ def test_an_entry_without_a_long_value_judges_every_training_step_by_its_worst()
 
 
 def test_a_static_step_with_the_visible_backward_is_judged_by_its_own_value(monkeypatch):
-    """An entry measured faster with the visible backward at 1024 tokens (1.02x, as GPT-OSS on the H100) and slower
-    through the opaque ops (0.71x): a static step from 1024 tokens is rewritten; a shorter one, a symbolic one, and
-    any step with the visible backward off take "train" and stay Inductor's."""
+    """An entry measured faster with the visible backward at 1024 tokens (1.02x) and slower through the opaque ops
+    (0.71x): a static 1024-token step (96 rows per expert) is rewritten; a 2048-token one (192 rows per expert,
+    which the engine may take in the opaque ops), a shorter one, a symbolic one, and any step with the visible
+    backward off take "train" and stay Inductor's; so does the list op, which has no visible backward."""
     entry = {**SORTED, "train": 0.71, TRAIN_STATIC: 1.02}
     judge = _judged(entry)
     kept, said = judge(1024)
     assert not kept and "1.02x" in said and "training at a static 1024-4095 tokens" in said, said
-    assert not judge(4095)[0]
-    for tokens in (1023, 16, None):
+    for tokens in (2048, 4095, 1023, 16, None):
         kept, said = judge(tokens)
         assert kept and "0.71x" in said and "in train on" in said, (tokens, said)
+    monkeypatch.setattr(config, "gemm_engine_backward", "triton")  # no engine: 2048 tokens' backward is visible
+    assert not judge(2048)[0]
+    monkeypatch.setattr(config, "gemm_engine_backward", None)
     monkeypatch.setattr(config, "visible_backward", False)
     assert judge(1024)[0]
     monkeypatch.setattr(config, "visible_backward", True)
     without = {k: v for k, v in entry.items() if k != TRAIN_STATIC}  # a file measured before the visible backward
     kept, said = _judged(without)(1024)
     assert kept and "0.71x" in said and "in train on" in said, said
-    kept, said = _judged({**entry, TRAIN_STATIC: 0.91})(2048)  # measured slower with it too: kept
+    kept, said = _judged({**entry, TRAIN_STATIC: 0.91})(1024)  # measured slower with it too: kept
     assert kept and "0.91x" in said, said
+    listed = {**entry, "route": "fx_list"}
+    kept, said = _judged(listed, form="stacked_loop", per_expert=True)(1024)
+    assert kept and "0.71x" in said, said
 
 
 @pytest.mark.parametrize("visible", [False, True])
@@ -126,25 +165,31 @@ def test_filed_modes_never_file_a_visible_runs_training_value_as_train(visible):
 
 
 def test_rule_file_files_a_visible_runs_training_rows_apart(tmp_path):
-    """rule_file.py on two bench_hf runs of one family at 1024 tokens, one per backward: the opaque run's value
-    becomes "train", the visible run's (its meta says so) "train_static"; an existing "train_long" stays."""
+    """rule_file.py on two bench_hf runs at 1024 tokens, one per backward: the opaque run's value becomes "train",
+    the visible run's (its meta says so) "train_static" where the family's 1024-token backward is the visible one
+    (Qwen3-MoE, 64 rows per expert), and "train" where it is not (GPT-OSS: 128 rows per expert, the engine's, in
+    the opaque ops, whatever the run's settings); an existing "train_long" stays."""
     import json
 
     from benchmarks import rule_file
 
-    def run(visible, kept, rewritten):
-        rows = [dict(family="gpt_oss", layers=2, mode="train", size=1024, column=column, value=value, unit="ms")
+    def run(visible, kept, rewritten, family, name):
+        rows = [dict(family=family, layers=2, mode="train", size=1024, column=column, value=value, unit="ms")
                 for column, value in (("moe_inductor_experts_kept", kept), ("moe_inductor_rule_off", rewritten))]
         meta = {"device": "TEST GPU", **({"visible_backward": True} if visible else {})}
-        path = tmp_path / f"run_{visible}.json"
+        path = tmp_path / f"run_{name}.json"
         path.write_text(json.dumps({"meta": meta, "rows": rows}))
         return str(path)
 
-    kind = rule_file.layer_kind("gpt_oss")
+    kind = rule_file.layer_kind("qwen3_moe")
     (tmp_path / "TEST_GPU.json").write_text(json.dumps({"layers": [{**kind, TRAIN_LONG: 1.01}]}))
-    path = rule_file.main([run(False, 9.12, 12.77), run(True, 9.13, 8.91), "--out-dir", str(tmp_path), "--write"])
+    path = rule_file.main([run(False, 9.12, 12.77, "qwen3_moe", "a"), run(True, 9.13, 8.91, "qwen3_moe", "b"),
+                           "--out-dir", str(tmp_path), "--write"])
     (entry,) = json.loads(path.read_text())["layers"]
     assert (entry["train"], entry[TRAIN_STATIC], entry[TRAIN_LONG]) == (0.71, 1.02, 1.01), entry
+    path = rule_file.main([run(True, 9.13, 8.91, "gpt_oss", "c"), "--out-dir", str(tmp_path), "--write"])
+    gptoss = next(e for e in json.loads(path.read_text())["layers"] if e["name"] == rule_file.layer_kind("gpt_oss")["name"])
+    assert gptoss["train"] == 1.02 and TRAIN_STATIC not in gptoss, gptoss
 
 
 def test_another_gpus_long_value_asks_the_margin():

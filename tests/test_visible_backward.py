@@ -83,7 +83,7 @@ def _visible_ops_take_triton():
 def test_the_visible_ops_give_the_opaque_ops_gradients(activation, bias, gate_up, whole, T, triton_kernels):
     gated = True
     needs = [True, True, True, gated, True, bias, bias and gated, bias, *whole]
-    args = _args(activation, bias, gate_up, T=T, needs=needs)
+    args = _args(activation, bias, gate_up, T=T, needs=needs, device=DEVICE)  # the interpreter's, or the GPU's
     dy, *shared, pre, order, sorted_expert, offsets, act, position, alpha, limit, dropped, needs = args
     options = (order, sorted_expert, offsets, act, position, alpha, limit, dropped, needs)
     middle = torch.ops.moe_inductor.experts_backward_middle_visible(dy, *shared, pre, *options)

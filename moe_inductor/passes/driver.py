@@ -200,6 +200,7 @@ class Layer:
     train: bool
     per_expert: bool = False  # separate per-expert weights (a ModuleList), which the list op reads where they lie
     tokens: Optional[int] = None  # the static token count (every dimension of x but the last an int), else None
+    dtype: Optional[torch.dtype] = None  # the tokens'
 
 
 def layer_of(form: str, m: Match) -> Layer:
@@ -217,7 +218,7 @@ def layer_of(form: str, m: Match) -> Layer:
     tokens = _count_of(val(spec.x).shape[:-1])  # -1 where symbolic (a SymInt is never compared)
     return Layer(form, spec.activation, spec.gate_up or "separate",
                  any(b is not None for b in (spec.b1, spec.b1_up, spec.b2)), (H, I, num_experts(spec), k),
-                 val(spec.x).device, train, per_expert, tokens if tokens >= 0 else None)
+                 val(spec.x).device, train, per_expert, tokens if tokens >= 0 else None, val(spec.x).dtype)
 
 
 def _speed_verdict(form: str, m: Match) -> tuple[bool, str]:
