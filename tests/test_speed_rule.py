@@ -59,6 +59,12 @@ def test_a_gpu_without_a_value_for_the_mode_defers_to_another_gpus_with_the_marg
         # GPT-OSS's static 1024-token step: 128 rows per expert, the engine's backward in the opaque ops, so "train"
         visible = speed_rule.backward_visible(1024, GPT_OSS.shape, GPT_OSS.bias, torch.bfloat16)
         assert speed_rule.mode_from(True, 1024, visible) == "train"
+        # Qwen3's static 1024-token step (64 rows per expert, the visible backward) measured 1.07x: rewritten; at
+        # 2048 tokens the engine takes its backward in the opaque ops, so "train" (0.59x) keeps it
+        assert speed_rule.mode_from(True, 1024, speed_rule.backward_visible(1024, QWEN3.shape, False)) == \
+            speed_rule.TRAIN_STATIC
+        assert keeps_inductor(QWEN3, CUDA, speed_rule.TRAIN_STATIC, "inductor") is None
+        assert speed_rule.mode_from(True, 2048, speed_rule.backward_visible(2048, QWEN3.shape, False)) == "train"
         # decode: no GPU's GPT-OSS decode value is below the margin (H200's 1.16), so the H100's worst measured
         # inference mode decides (prefill, 1.01), not its 1024-token training step's loss (0.71)
         said = speed_rule.verdict(GPT_OSS, CUDA, "decode", "inductor")
