@@ -56,6 +56,9 @@ class _CompileState:
     lists: dict = dataclasses.field(default_factory=dict)
     #: whether moe_inductor's backend saw every graph of this compile that such a variable reached (list_indices)
     lists_checked: bool = False
+    #: whether Inductor may launch our kernels itself in this compile (``config.visible_kernels``' ops): the inner
+    #: compiler is Inductor and the mode and options replay no CUDA graphs (``backend._uses_cuda_graphs``)
+    visible_ops: bool = True
 
 
 _local = threading.local()
@@ -110,16 +113,18 @@ def _cell_is_set(cell: types.CellType) -> bool:
     return True
 
 
-def _unwrap_backend(fn: Any) -> tuple[bool, dict]:
-    """(whether ``fn`` is our backend or wraps it, the options torch.compile passed to it)."""
+def _unwrap_backend(fn: Any) -> tuple[bool, dict, Optional[str]]:
+    """(whether ``fn`` is our backend or wraps it, the options and the mode torch.compile passed to it)."""
     options: dict = {}
+    mode: Optional[str] = None
     for _ in range(16):
         if getattr(fn, BACKEND_MARKER, False):
-            return True, options
+            return True, options, mode
         if hasattr(fn, "_torchdynamo_orig_backend"):
             fn = fn._torchdynamo_orig_backend
         elif hasattr(fn, "compiler_fn"):  # torch.compile's _TorchCompileWrapper holds the options in .kwargs
             options = dict(getattr(fn, "kwargs", {}).get("options") or {})
+            mode = getattr(fn, "kwargs", {}).get("mode") or mode
             fn = fn.compiler_fn
         elif isinstance(fn, functools.partial):
             options = dict(fn.keywords.get("options") or options)
@@ -128,12 +133,12 @@ def _unwrap_backend(fn: Any) -> tuple[bool, dict]:
             # CompileCounterWithBackend and the like keep the backend (or its name) as .backend
             fn = fn.backend
             if fn == BACKEND_NAME:
-                return True, options
+                return True, options, mode
         elif isinstance(fn, types.FunctionType):
-            return _names_our_backend(fn), options
+            return _names_our_backend(fn), options, mode
         else:
-            return False, options
-    return False, options
+            return False, options, mode
+    return False, options, mode
 
 
 #: frames whose compiled code failed on its first call, by code object and ``closure_key``: their next compile is
@@ -255,7 +260,7 @@ def _wrap_compile(original: Callable) -> Callable:
     @functools.wraps(original)
     def _compile(*args: Any, **kwargs: Any) -> Any:
         compiler_fn = args[index] if len(args) > index else kwargs.get("compiler_fn")
-        ours, options = _unwrap_backend(compiler_fn)
+        ours, options, mode = _unwrap_backend(compiler_fn)
         code = args[0] if args else kwargs.get("code")
         closure = closure_key(args[closure_at] if closure_at is not None and len(args) > closure_at
                               else kwargs.get("closure"))
@@ -264,27 +269,33 @@ def _wrap_compile(original: Callable) -> Callable:
                 return original(*args, **kwargs)
         if getattr(_quiet, "on", False):  # explain()'s rewrites-off pass: an aid, never a cause of later skips
             try:
-                return _unsticky(_ours(args, kwargs, options, code, closure))
+                return _unsticky(_ours(args, kwargs, options, code, closure, mode))
             except Exception:  # noqa: BLE001  (Dynamo gave up on the frame: run it as it is, this once)
                 once = _run_once()
                 if once is None:
                     raise
                 return once
-        return _ours(args, kwargs, options, code, closure)
+        return _ours(args, kwargs, options, code, closure, mode)
 
-    def _ours(args: tuple, kwargs: dict, options: Any, code: Any, closure: tuple) -> Any:
+    def _ours(args: tuple, kwargs: dict, options: Any, code: Any, closure: tuple, mode: Optional[str]) -> Any:
+        from .backend import _uses_cuda_graphs
         from .options import BackendOptions
 
         try:
             parsed = BackendOptions.parse(options)
             forms, inner = parsed.forms, parsed.inner
-        except ValueError:
-            forms, inner = frozenset(), "inductor"  # the backend raises the error itself, once tracing is done
+        except ValueError:  # the backend raises the error itself, once tracing is done
+            forms, inner, parsed = frozenset(), "inductor", None
+        try:
+            visible_ops = parsed is not None and inner == "inductor" and not _uses_cuda_graphs(mode, parsed.inductor)
+        except Exception:  # noqa: BLE001  (options Inductor refuses: the backend's compile raises them itself)
+            visible_ops = False
         if code is not None and closure in _plain_frames.get(code, ()):
             with _compiling(_CompileState(ours=True, plain=True, code=code, closure=closure)):
                 return original(*args, **kwargs)
         before = report.checkpoint()
-        attempt = _CompileState(ours=True, forms=forms, code=code, inner=inner, closure=closure)
+        attempt = _CompileState(ours=True, forms=forms, code=code, inner=inner, closure=closure,
+                                visible_ops=visible_ops)
         try:
             with _compiling(attempt):
                 result = original(*args, **kwargs)

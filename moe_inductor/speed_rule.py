@@ -321,9 +321,15 @@ def visible_backward_on() -> bool:
 def backward_visible(tokens: Optional[int], shape: tuple, bias: bool, dtype: Optional[torch.dtype] = None) -> bool:
     """Whether a static training step of ``tokens`` tokens through a stacked-weights layer of ``shape`` (H, I, E, k)
     runs the backward Inductor launches, by the same functions that decide it while compiling: the settings
-    (``visible_backward_on``), the forward swapped in (``grouped_mm_engine.may_take_experts_of`` says no) and its
+    (``visible_backward_on``), the compile being traced (Inductor without CUDA graphs: ``capture``'s
+    ``visible_ops``), the forward swapped in (``grouped_mm_engine.may_take_experts_of`` says no) and its
     backward traceable (``visible_backward.backward_traceable``: no engine for it either). Shapes only, through meta
     tensors. ``dtype`` None reads as bf16, the engine's dtype: the answer that keeps a step on "train"."""
+    from .capture import current
+
+    state = current()  # a compile whose Inductor replays CUDA graphs (or is no Inductor) keeps the opaque ops
+    if state is not None and state.ours and not state.visible_ops:
+        return False
     return visible_backward_on() and backward_traced(tokens, shape, bias, dtype)
 
 

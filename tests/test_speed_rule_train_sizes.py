@@ -2,6 +2,7 @@
 (4096 tokens) is judged by the entry's value measured there ("train_long"), where it has one; a smaller or
 symbolic step by the worst over every size; a smaller static step whose backward Inductor launches
 ("train_static") by its own value where the entry has one, else by that worst."""
+import contextlib
 from unittest import mock
 
 import pytest
@@ -274,3 +275,35 @@ def test_rule_file_rounds_the_hf_routes_values_down():
     (entry,) = doc["layers"]
     assert (entry["prefill"], entry["train"]) == (0.99, 1.23) and doc["_source"] == "a run"
     assert rule_file.merged(doc, {}, ["a run"])["_source"] == "a run"  # a source is filed once
+
+
+@pytest.mark.parametrize("mode,options,visible", [(None, None, True), ("reduce-overhead", None, False),
+                                                  (None, {"triton.cudagraphs": True}, False),
+                                                  ("max-autotune-no-cudagraphs", None, True),
+                                                  (None, {"inner": "aot_eager"}, False)])
+def test_a_compile_that_replays_cuda_graphs_keeps_the_opaque_backward_in_the_rule(mode, options, visible,
+                                                                                monkeypatch):
+    """Under CUDA graphs (or another inner compiler) no op of ours is swapped for its visible twin, so a static
+    1024-token step runs the opaque backward: the compile's state says so, from torch.compile's mode and options,
+    and ``backward_visible`` answers False inside it."""
+    from moe_inductor import capture
+
+    seen = []
+    real = capture._compiling
+
+    @contextlib.contextmanager
+    def record(state):
+        with real(state) as inside:
+            if state.ours and not state.plain:
+                seen.append((state.visible_ops, speed_rule.backward_visible(1024, QWEN3, False)))
+            yield inside
+
+    monkeypatch.setattr(capture, "_compiling", record)
+    torch._dynamo.reset()
+    kwargs = {"mode": mode} if mode else {}
+    if options:
+        kwargs["options"] = options
+    torch.compile(lambda x: x + 1, backend="moe_inductor", **kwargs)(torch.ones(3))
+    torch._dynamo.reset()
+    assert seen == [(visible, visible)], seen
+    assert speed_rule.backward_visible(1024, QWEN3, False)  # outside a compile: the settings and shapes alone
