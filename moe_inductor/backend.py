@@ -179,7 +179,8 @@ def _speed_rule(inner: str, layer: Layer) -> tuple[bool, str]:
     from .speed_rule import KEPT, LayerKind, backward_visible, fx_route, mode_from, verdict
 
     # the list op (per-expert weights) has no visible backward
-    visible = not layer.per_expert and backward_visible(layer.tokens, layer.shape, layer.bias, layer.dtype)
+    visible = not layer.per_expert and backward_visible(layer.tokens, layer.shape, layer.bias, layer.dtype,
+                                                        layer.device)
     mode = mode_from(layer.train, layer.tokens, visible)
     route, note = fx_route(layer.form, layer.per_expert)
     said = verdict(LayerKind(layer.activation, layer.gate_up, layer.bias, layer.shape), layer.device, mode, inner,

@@ -318,14 +318,19 @@ def visible_backward_on() -> bool:
     return config.visible_kernels and config.visible_backward and config.gemm_tma_descriptors != "host"
 
 
-def backward_visible(tokens: Optional[int], shape: tuple, bias: bool, dtype: Optional[torch.dtype] = None) -> bool:
+def backward_visible(tokens: Optional[int], shape: tuple, bias: bool, dtype: Optional[torch.dtype] = None,
+                     device: Optional[torch.device] = None) -> bool:
     """Whether a static training step of ``tokens`` tokens through a stacked-weights layer of ``shape`` (H, I, E, k)
     runs the backward Inductor launches, by the same functions that decide it while compiling: the settings
     (``visible_backward_on``), the compile being traced (Inductor without CUDA graphs: ``capture``'s
     ``visible_ops``), the forward swapped in (``grouped_mm_engine.may_take_experts_of`` says no) and its
     backward traceable (``visible_backward.backward_traceable``: no engine for it either). Shapes only, through meta
-    tensors. ``dtype`` None reads as bf16, the engine's dtype: the answer that keeps a step on "train"."""
+    tensors. ``dtype`` None reads as bf16, the engine's dtype: the answer that keeps a step on "train". ``device``:
+    the tokens' (our kernels run on CUDA tensors, or on CPU ones under ``config.triton_on_cpu``); None: a GPU's."""
     from .capture import current
+
+    if device is not None and torch.device(device).type != "cuda" and not config.triton_on_cpu:
+        return False
 
     state = current()  # a compile whose Inductor replays CUDA graphs (or is no Inductor) keeps the opaque ops
     if state is not None and state.ours and not state.visible_ops:
@@ -361,7 +366,7 @@ def mode_of(x: torch.Tensor, weights: tuple, shape: tuple = (), bias: bool = Fal
     the two."""
     train = torch.is_grad_enabled() and any(w is not None and w.requires_grad for w in (x, *weights))
     tokens = static_token_count(x)
-    return mode_from(train, tokens, train and backward_visible(tokens, shape, bias, x.dtype))
+    return mode_from(train, tokens, train and backward_visible(tokens, shape, bias, x.dtype, x.device))
 
 
 def mode_from(train: bool, tokens: Optional[int], visible: bool = False) -> str:

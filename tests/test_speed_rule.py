@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from moe_inductor import speed_rule
+from moe_inductor import config, speed_rule
 from moe_inductor.speed_rule import LayerKind, keeps_inductor
 
 GPT_OSS = LayerKind("gptoss_glu", "interleaved", True, (2880, 2880, 32, 4))
@@ -199,7 +199,9 @@ def test_mode_of_reads_grad_and_a_static_token_count():
     """decode and prefill where the token count is one of the measured sizes, the worse of the two between."""
     w = torch.zeros(2, 2, requires_grad=True)
     assert speed_rule.mode_of(torch.zeros(8, 4), (w,)) == "train"  # shorter than any visible-backward value
-    assert speed_rule.mode_of(torch.zeros(1024, 4), (w,), (4, 4, 64, 4), False) == speed_rule.TRAIN_STATIC
+    assert speed_rule.mode_of(torch.zeros(1024, 4), (w,), (4, 4, 64, 4), False) == "train"  # CPU: no kernel of ours
+    with mock.patch.object(config, "triton_on_cpu", True):  # our kernels on CPU tensors too (the interpreter's)
+        assert speed_rule.mode_of(torch.zeros(1024, 4), (w,), (4, 4, 64, 4), False) == speed_rule.TRAIN_STATIC
     assert speed_rule.mode_of(torch.zeros(1024, 4), (w,)) == "train"  # no layer shape: its backward not known
     with torch.no_grad():
         assert speed_rule.mode_of(torch.zeros(1, 1, 4), (w,)) == "decode"  # batch 1, one new token

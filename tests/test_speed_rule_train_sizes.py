@@ -70,6 +70,8 @@ def test_the_visible_backward_is_read_from_the_layers_shapes_as_the_compile_deci
     assert speed_rule.backward_visible(2048, QWEN3, False) and speed_rule.backward_visible(1024, GPTOSS, True)
     monkeypatch.setattr(config, "gemm_engine_backward", None)
     w = torch.zeros(2, 2, requires_grad=True)
+    assert speed_rule.mode_of(torch.zeros(1024, 2048), (w,), QWEN3, False) == "train"  # CPU: no kernel of ours
+    monkeypatch.setattr(config, "triton_on_cpu", True)  # our kernels on CPU tensors too (the interpreter's)
 
     def x(*shape, dtype=torch.bfloat16):
         return torch.zeros(*shape, dtype=dtype)
@@ -235,12 +237,13 @@ def test_bench_fx_forms_files_the_long_training_value():
 
 
 def test_hf_experts_in_a_long_static_training_step_are_judged_long():
-    """The HF route hands the rule the step's size too: 4096 static tokens "train_long", 8 "train_static" (its
-    backward visible to Inductor), dynamic shapes "train"."""
+    """The HF route hands the rule the step's size too: 4096 static tokens "train_long"; 1024 "train", since this
+    compile's backward is not the visible one (the eager inner compiler, and CPU tensors, swap in no visible op);
+    8 and dynamic shapes "train"."""
     from helpers import hf_modes_judged
 
     assert hf_modes_judged(True, ((4096, False), (1024, False), (8, False), (4096, True))) == [
-        {TRAIN_LONG}, {TRAIN_STATIC}, {"train"}, {"train"}]
+        {TRAIN_LONG}, {"train"}, {"train"}, {"train"}]
 
 
 def test_rule_file_takes_the_worst_of_two_runs_and_the_long_value_from_old_rows(tmp_path):
