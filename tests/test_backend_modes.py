@@ -6,12 +6,32 @@ from torch._inductor import compile_fx, list_mode_options
 
 
 def _patches_seen(monkeypatch) -> list:
-    """Stand in for compile_fx: record the config patches each compile gets, run the graph as traced."""
-    seen = []
-    monkeypatch.setattr(compile_fx, "compile_fx",
-                        lambda gm, inputs, config_patches=None, **_: seen.append(dict(config_patches or {}))
-                        or gm.forward)
+    """Stand in for compile_fx: record the config patches each compile gets, run the graph as traced. Our own
+    post-grad pass (``config.unshared_buffers``, which only ever adds to Inductor's settings) is checked and taken
+    out of a record, so what is left is the mode's and the options' settings."""
+    from moe_inductor.lowerings.unshared_buffers import UNSHARED_BUFFERS
+
+    seen = _Seen()
+
+    def record(gm, inputs, config_patches=None, **_):
+        patches = dict(config_patches or {})
+        ours = patches.get("post_grad_custom_pre_pass") is UNSHARED_BUFFERS
+        if ours:
+            del patches["post_grad_custom_pre_pass"]
+        seen.append(patches)
+        seen.ours.append(ours)
+        return gm.forward
+
+    monkeypatch.setattr(compile_fx, "compile_fx", record)
     return seen
+
+
+class _Seen(list):
+    """The config patches of each compile, and (``ours``) whether each carried our post-grad pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ours: list[bool] = []
 
 
 def _mlp():
@@ -30,6 +50,7 @@ def test_every_mode_means_what_it_means_for_inductor(mode, monkeypatch):
         out = torch.compile(_mlp(), backend=backend, mode=mode)(x)
         torch.testing.assert_close(out, _mlp()(x))
     assert len(seen) == 2 and seen[0] == seen[1], seen
+    assert seen.ours == [False, True]  # Inductor's compile has no pass of ours, ours has
     assert seen[1] == {k: v for k, v in list_mode_options(mode or "default").items()} or mode is None
 
 
@@ -41,6 +62,7 @@ def test_options_go_on_top_of_the_mode_as_for_inductor(monkeypatch):
     backend = moe_inductor.with_options(epilogue_fusion=False)
     torch.compile(_mlp(), backend=backend, mode="max-autotune-no-cudagraphs")(torch.randn(3, 8))
     assert seen == [{**list_mode_options("max-autotune-no-cudagraphs"), "epilogue_fusion": False}]
+    assert seen.ours == [True]
 
 
 @pytest.mark.parametrize("mode,resets", [("reduce-overhead", True), ("max-autotune", True), (None, False)])
