@@ -345,9 +345,17 @@ def test_inductor_options_pass_through_and_mode_works_with_them(monkeypatch):
     import moe_inductor
     from torch._inductor import compile_fx
 
+    from moe_inductor.lowerings.unshared_buffers import UNSHARED_BUFFERS
+
     seen = []
-    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, inputs, config_patches=None, **_: seen.append(config_patches)
-                        or gm.forward)
+
+    def record(gm, inputs, config_patches=None, **_):
+        patches = dict(config_patches)
+        assert patches.pop("post_grad_custom_pre_pass") is UNSHARED_BUFFERS  # ours rides along (unshared_buffers)
+        seen.append(patches)
+        return gm.forward
+
+    monkeypatch.setattr(compile_fx, "compile_fx", record)
     model, x = _loop_moe()(), torch.randn(6, 16)
     torch._dynamo.reset()
     counters.clear()
