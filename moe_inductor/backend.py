@@ -151,7 +151,7 @@ def moe_inductor_backend(
     record = report.file_graph(gm.code, _moe_ops_in(gm), traced.rewrites + rewrites, traced.left_alone + left_alone)
     from . import config
 
-    if config.visible_kernels and opts.inner == "inductor" and not _uses_cuda_graphs(mode, opts.inductor):
+    if config.visible_kernels and visible_ops_run(opts.inner, mode, opts.inductor):
         from .lowerings.visible import swap_in_visible_ops
 
         record.visible_ops = swap_in_visible_ops(gm)
@@ -230,6 +230,12 @@ def _warn_unseen_wrapper() -> None:
                 "moe_inductor.mark_backend(your_backend), or call torch.compile(..., backend='moe_inductor') directly.")
     report.record_note("moe_inductor was reached through a backend wrapper it cannot see into: traced without "
                        "its capture settings (fix: moe_inductor.mark_backend(your_backend))")
+
+
+def visible_ops_run(inner: str, mode: Optional[str], inductor_options: Optional[dict] = None) -> bool:
+    """Whether a compile with this inner compiler, mode and Inductor options may swap in the visible ops (the
+    experts forward and backward launched from Inductor's wrapper): Inductor, replaying no CUDA graphs."""
+    return inner == "inductor" and not _uses_cuda_graphs(mode, inductor_options)
 
 
 def _uses_cuda_graphs(mode: Optional[str], inductor_options: Optional[dict] = None) -> bool:

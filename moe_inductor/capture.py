@@ -57,7 +57,7 @@ class _CompileState:
     #: whether moe_inductor's backend saw every graph of this compile that such a variable reached (list_indices)
     lists_checked: bool = False
     #: whether Inductor may launch our kernels itself in this compile (``config.visible_kernels``' ops): the inner
-    #: compiler is Inductor and the mode and options replay no CUDA graphs (``backend._uses_cuda_graphs``)
+    #: compiler is Inductor and the mode and options replay no CUDA graphs (``backend.visible_ops_run``)
     visible_ops: bool = True
 
 
@@ -278,7 +278,7 @@ def _wrap_compile(original: Callable) -> Callable:
         return _ours(args, kwargs, options, code, closure, mode)
 
     def _ours(args: tuple, kwargs: dict, options: Any, code: Any, closure: tuple, mode: Optional[str]) -> Any:
-        from .backend import _uses_cuda_graphs
+        from .backend import visible_ops_run
         from .options import BackendOptions
 
         try:
@@ -287,7 +287,7 @@ def _wrap_compile(original: Callable) -> Callable:
         except ValueError:  # the backend raises the error itself, once tracing is done
             forms, inner, parsed = frozenset(), "inductor", None
         try:
-            visible_ops = parsed is not None and inner == "inductor" and not _uses_cuda_graphs(mode, parsed.inductor)
+            visible_ops = parsed is not None and visible_ops_run(inner, mode, parsed.inductor)
         except Exception:  # noqa: BLE001  (options Inductor refuses: the backend's compile raises them itself)
             visible_ops = False
         if code is not None and closure in _plain_frames.get(code, ()):

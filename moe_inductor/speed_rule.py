@@ -328,8 +328,9 @@ def backward_visible(tokens: Optional[int], shape: tuple, bias: bool, dtype: Opt
     tensors. ``dtype`` None reads as bf16, the engine's dtype: the answer that keeps a step on "train". ``device``:
     the tokens' (our kernels run on CUDA tensors, or on CPU ones under ``config.triton_on_cpu``); None: a GPU's."""
     from .capture import current
+    from .ops.grouped import triton_device
 
-    if device is not None and torch.device(device).type != "cuda" and not config.triton_on_cpu:
+    if device is not None and not triton_device(device):
         return False
 
     state = current()  # a compile whose Inductor replays CUDA graphs (or is no Inductor) keeps the opaque ops

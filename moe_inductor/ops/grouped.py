@@ -81,7 +81,13 @@ def is_dense_transpose(w: torch.Tensor) -> bool:
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or (t.device.type == "cpu" and config.triton_on_cpu)
+    return triton_device(t.device)
+
+
+def triton_device(device: torch.device) -> bool:
+    """Whether our Triton kernels run on tensors of ``device``: CUDA, or the CPU under ``config.triton_on_cpu``."""
+    device = torch.device(device)
+    return device.type == "cuda" or (device.type == "cpu" and config.triton_on_cpu)
 
 
 def _rows(mode: int, positions: torch.Tensor, assignment: torch.Tensor, topk: int) -> torch.Tensor:
