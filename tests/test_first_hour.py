@@ -343,19 +343,9 @@ def test_inductor_options_pass_through_and_mode_works_with_them(monkeypatch):
     from torch._dynamo.utils import counters
 
     import moe_inductor
-    from torch._inductor import compile_fx
+    from tests.test_backend_modes import _patches_seen
 
-    from moe_inductor.lowerings.unshared_buffers import UNSHARED_BUFFERS
-
-    seen = []
-
-    def record(gm, inputs, config_patches=None, **_):
-        patches = dict(config_patches)
-        assert patches.pop("post_grad_custom_pre_pass") is UNSHARED_BUFFERS  # ours rides along (unshared_buffers)
-        seen.append(patches)
-        return gm.forward
-
-    monkeypatch.setattr(compile_fx, "compile_fx", record)
+    seen = _patches_seen(monkeypatch)  # our post-grad pass taken out of each record, and checked apart
     model, x = _loop_moe()(), torch.randn(6, 16)
     torch._dynamo.reset()
     counters.clear()
@@ -366,6 +356,7 @@ def test_inductor_options_pass_through_and_mode_works_with_them(monkeypatch):
     torch.compile(model, backend=moe_inductor.with_options(coordinate_descent_tuning=True), mode="max-autotune")(x)
     assert seen[-1] == {"triton.cudagraphs": True, "max_autotune": True, "coordinate_descent_tuning": True}
     assert counters["moe_inductor"]["unrolled_loop"] == 2  # the capture knows both compiles as ours
+    assert seen.ours == [True, True]  # ours rides along (unshared_buffers)
     with pytest.raises(ValueError, match="unknown moe_inductor options"):
         moe_inductor.with_options(max_autotune_typo=True)
 

@@ -95,10 +95,9 @@ def test_gpu_a_compiled_step_with_the_pass_gives_the_same_gradients_with_fewer_c
     compiled training step, with the pass on and off: the same output and gradients to the bit, the pass made its
     twins, and the step's backward code has fewer Inductor kernels (the copies gone)."""
     from torch._dynamo.utils import counters
-    from torch._inductor.utils import run_and_get_code
 
     from tests.test_pass_gathered_weights import GatheredMoE
-    from tests.test_visible_backward import _compiled_step
+    from tests.test_visible_backward import _compiled_copy_step
 
     torch.manual_seed(0)
     x = torch.randn(33, 16, device="cuda", dtype=dtype)
@@ -106,12 +105,7 @@ def test_gpu_a_compiled_step_with_the_pass_gives_the_same_gradients_with_fewer_c
     results, kernels = {}, {}
     for on in (True, False):
         monkeypatch.setattr(config, "unshared_buffers", on)
-        model = GatheredMoE("gptfast").to("cuda", dtype)
-        model.load_state_dict(ref_model.state_dict())
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = torch.compile(model, backend="moe_inductor", dynamic=False)
-        out, codes = run_and_get_code(_compiled_step, compiled, x.clone().requires_grad_())
+        model, out, codes = _compiled_copy_step(ref_model, x)
         assert counters["moe_inductor_visible"]["backward"] == 1
         assert (counters["moe_inductor_visible"]["unshared_buffers"] > 0) == on
         results[on] = [out, *(p.grad for p in model.parameters())]

@@ -130,6 +130,22 @@ def _compiled_step(model, x):
     return out
 
 
+def _compiled_copy_step(ref_model, x):
+    """A copy of the gathered-weights ``ref_model`` compiled with backend="moe_inductor" (static shapes, after a
+    Dynamo reset and a clear of the counters), one training step on ``x``: (model, output, generated code)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from tests.test_pass_gathered_weights import GatheredMoE
+
+    model = GatheredMoE("gptfast").to(x.device, x.dtype)
+    model.load_state_dict(ref_model.state_dict())
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="moe_inductor", dynamic=False)
+    out, codes = run_and_get_code(_compiled_step, compiled, x.clone().requires_grad_())
+    return model, out, codes
+
+
 def _errors(model, ref_model, out, ref):
     """Max abs error of the output and of every parameter's gradient against the reference model's."""
     errs = {"out": (out.float() - ref.float()).abs().max().item()}
@@ -147,8 +163,6 @@ def test_gpu_a_compiled_training_step_launches_the_backward_from_inductors_wrapp
     kernels itself (no opaque backward op left in its code), and the output and every gradient are as close to
     eager's as the opaque ops' compiled step is. The model's unscaled weights make gradients of 1e4 to 1e5, where
     one bf16 ulp is 64 to 512, so the opaque ops' own error is the measure."""
-    from torch._inductor.utils import run_and_get_code
-
     from tests.test_pass_gathered_weights import GatheredMoE
 
     monkeypatch.setattr(config, "visible_kernels", True)
@@ -159,12 +173,7 @@ def test_gpu_a_compiled_training_step_launches_the_backward_from_inductors_wrapp
     errors, texts = {}, {}
     for visible in (True, False):
         monkeypatch.setattr(config, "visible_backward", visible)
-        model = GatheredMoE("gptfast").to("cuda", dtype)
-        model.load_state_dict(ref_model.state_dict())
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = torch.compile(model, backend="moe_inductor", dynamic=False)
-        out, codes = run_and_get_code(_compiled_step, compiled, x.clone().requires_grad_())
+        model, out, codes = _compiled_copy_step(ref_model, x)
         texts[visible] = "\n".join(codes)
         errors[visible] = _errors(model, ref_model, out, ref)
         assert counters["moe_inductor_visible"]["backward"] == (1 if visible else 0)
