@@ -318,6 +318,7 @@ def visible_backward_on() -> bool:
     return config.visible_kernels and config.visible_backward and config.gemm_tma_descriptors != "host"
 
 
+@torch._dynamo.assume_constant_result
 def backward_visible(tokens: Optional[int], shape: tuple, bias: bool, dtype: Optional[torch.dtype] = None,
                      device: Optional[torch.device] = None) -> bool:
     """Whether a static training step of ``tokens`` tokens through a stacked-weights layer of ``shape`` (H, I, E, k)
@@ -326,7 +327,11 @@ def backward_visible(tokens: Optional[int], shape: tuple, bias: bool, dtype: Opt
     ``visible_ops``), the forward swapped in (``grouped_mm_engine.may_take_experts_of`` says no) and its
     backward traceable (``visible_backward.backward_traceable``: no engine for it either). Shapes only, through meta
     tensors. ``dtype`` None reads as bf16, the engine's dtype: the answer that keeps a step on "train". ``device``:
-    the tokens' (our kernels run on CUDA tensors, or on CPU ones under ``config.triton_on_cpu``); None: a GPU's."""
+    the tokens' (our kernels run on CUDA tensors, or on CPU ones under ``config.triton_on_cpu``); None: a GPU's.
+
+    ``mode_of`` asks it inside the polyfills Dynamo traces, so it is a constant of the graph: traced, its read of
+    ``capture``'s thread-local compile stack would become a guard that fails on every call (the stack is empty at
+    run time), and the frame would be compiled again at each step."""
     from .capture import current
     from .ops.grouped import triton_device
 

@@ -310,3 +310,28 @@ def test_a_compile_that_replays_cuda_graphs_keeps_the_opaque_backward_in_the_rul
     torch._dynamo.reset()
     assert seen == [(visible, visible)], seen
     assert speed_rule.backward_visible(1024, QWEN3, False)  # outside a compile: the settings and shapes alone
+
+
+def test_the_rule_asked_while_dynamo_traces_a_training_call_costs_no_recompile(monkeypatch):
+    """The HF polyfills ask ``mode_of`` while Dynamo traces them, on tensors our kernels would run on. Its answer
+    reads the compile being traced (``capture``'s thread-local stack), which is empty at run time: were that read
+    traced, it would become a guard failing on every call, and each training step would compile the frame again
+    (the H100's 1024-token steps took 3 s each so). Three calls of one shape: one graph."""
+    import moe_inductor
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(config, "triton_on_cpu", True)  # CPU tensors count as ours: the read is reached
+
+    def step(x, w):
+        mode = speed_rule.mode_of(x, (w,), QWEN3, False)
+        return (x @ w) * (2.0 if mode == "train" else 3.0)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, backend=moe_inductor.with_options(inner="aot_eager"), dynamic=False)
+    x, w = torch.randn(1024, 8), torch.randn(8, 8, requires_grad=True)
+    for _ in range(3):
+        out = compiled(x, w)
+    torch.testing.assert_close(out, (x @ w) * 2.0)  # "train": under aot_eager no visible op is swapped in
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()
