@@ -89,3 +89,30 @@ def test_gpu_bucketed_prefill_under_cuda_graphs(monkeypatch):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert counters["stats"]["unique_graphs"] == 2
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_an_hf_models_training_steps_compile_once(device, monkeypatch):
+    """transformers' experts rewritten in a training step, three steps of one shape: one graph, and the gradients
+    eager's. The speed rule asks, while Dynamo traces the experts, which backward the step will take; that answer
+    must not become a guard (it once read the thread-local compile stack, and every step compiled again). On the
+    CPU our kernels run under the interpreter (``config.triton_on_cpu``), so the rule reaches the same question."""
+    if device == "cpu":
+        monkeypatch.setattr(moe_inductor.config, "triton_on_cpu", True)
+    else:
+        rule_off_where_unmeasured(monkeypatch)
+    model = tiny("qwen3_moe").to(device)
+    ref_model = tiny("qwen3_moe").to(device)
+    torch._dynamo.reset()
+    counters.clear()
+    options = {"inner": "aot_eager"} if device == "cpu" else None
+    compiled = torch.compile(model, backend="moe_inductor", dynamic=False, options=options)
+    ids = torch.randint(0, 64, (2, 16), device=device)
+    for _ in range(3):
+        model.zero_grad()
+        compiled(ids, labels=ids).loss.backward()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert counters["moe_inductor"]["hf_grouped_mm"] >= 1, dict(counters["moe_inductor"])
+    ref_model(ids, labels=ids).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
