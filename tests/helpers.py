@@ -582,27 +582,3 @@ def _kernels_and_ops(graph) -> tuple[list, list]:
                if "triton_kernel_wrapper" in str(n.target)]
     ops = [n.target._opname for n in graph.nodes if getattr(n.target, "namespace", None) == "moe_inductor"]
     return kernels, ops
-
-
-def visible_backward_launches() -> list:
-    """The Triton kernels of the visible op's backward graph (9 tokens, static), once AOT autograd has traced into
-    it: what Inductor's wrapper would launch. Nothing launches (the compile stops at the backward compiler)."""
-    from torch._dynamo.backends.common import aot_autograd
-
-    p, weights, visible = _visible_problem(9)
-    leaves = [t.detach().clone().requires_grad_() for t in (p.x, *weights)]
-    names = []
-
-    def read_backward(gm, example_inputs):
-        kernels, ops = _kernels_and_ops(gm.graph)
-        names.extend([*kernels, *(f"op:{op}" for op in ops)])
-        raise _Captured
-
-    try:
-        torch.compile(lambda x, ids, tw, g, u, d: visible(x, ids, tw, g, u, d),
-                      backend=aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=read_backward),
-                      dynamic=False)(leaves[0], p.topk_ids, p.topk_weights, *leaves[1:])
-    except Exception as e:  # stopped on purpose once the graph was read
-        if not isinstance(e, _Captured) and "_Captured" not in repr(e):
-            raise
-    return names
