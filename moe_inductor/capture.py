@@ -286,8 +286,10 @@ def _wrap_compile(original: Callable) -> Callable:
             forms, inner = parsed.forms, parsed.inner
         except ValueError:  # the backend raises the error itself, once tracing is done
             forms, inner, parsed = frozenset(), "inductor", None
-        try:
-            visible_ops = parsed is not None and visible_ops_run(inner, mode, parsed.inductor)
+        from .speed_rule import judged_inner
+
+        try:  # as the rule judges it: explain() compiles with a light inner compiler but judges as Inductor would
+            visible_ops = parsed is not None and visible_ops_run(judged_inner(inner), mode, parsed.inductor)
         except Exception:  # noqa: BLE001  (options Inductor refuses: the backend's compile raises them itself)
             visible_ops = False
         if code is not None and closure in _plain_frames.get(code, ()):

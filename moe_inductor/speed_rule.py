@@ -199,6 +199,11 @@ def judging_as(inner: Optional[str]) -> Iterator[None]:
         _judged_inner = before
 
 
+def judged_inner(inner: str) -> str:
+    """The inner compiler the rule judges a compile by: ``judging_as``'s inside its block, else the compile's own."""
+    return _judged_inner or inner
+
+
 def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: str = "hf_grouped_mm",
             route: Optional[str] = None) -> str:
     """The rule's word on one layer, for explain(): "kept Inductor's path: ..." (the measurement that says our
@@ -207,7 +212,7 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
     visible backward), "prefill" or "decode" (``mode_of``), or
     "inference" (the worse of those two). ``route`` overrides the form's (``route_of``): "fx_list" for an FX layer
     over per-expert weights (the list op)."""
-    inner = _judged_inner or inner
+    inner = judged_inner(inner)
     if not config.speed_rule:
         return "speed rule: off (moe_inductor.config.speed_rule = False)"
     if inner != "inductor":

@@ -335,3 +335,40 @@ def test_the_rule_asked_while_dynamo_traces_a_training_call_costs_no_recompile(m
     torch.testing.assert_close(out, (x @ w) * 2.0)  # "train": under aot_eager no visible op is swapped in
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch._dynamo.reset()
+
+
+def test_explain_judges_a_short_static_training_step_as_the_users_compile_does(monkeypatch):
+    """explain() compiles with a light inner compiler but judges as Inductor would (``judging_as``): its answer
+    on which backward a static 1024-token training step takes must be the user's compile's, or explain() would
+    say "kept" of a layer the user's compile rewrites. Our kernels are taken to run on CPU tensors here
+    (``config.triton_on_cpu``), so the question is asked as on a GPU."""
+    import moe_inductor
+    from moe_inductor import capture, hf
+
+    monkeypatch.setattr(config, "triton_on_cpu", True)
+    modes = []
+    real = speed_rule.verdict
+
+    def recorded(kind, device, mode, inner, form="hf_grouped_mm", route=None):
+        modes.append(mode)
+        return real(kind, device, mode, inner, form, route=route)
+
+    monkeypatch.setattr(speed_rule, "verdict", recorded)
+
+    def step(x, w1, w2):
+        kw = dict(activation="silu_glu", layout="nk", gate_up="concat", w1=w1, w2=w2, b1=None, b2=None)
+        if capture.rewriting_enabled("hf_grouped_mm"):  # as the polyfills ask: not in explain()'s rewrites-off pass
+            hf._speed_rule_verdict("hf_grouped_mm", kw, x, 2)
+        return x * 2
+
+    x = torch.randn(1024, 8)
+    w1, w2 = torch.randn(4, 16, 8, requires_grad=True), torch.randn(4, 8, 8, requires_grad=True)
+    torch._dynamo.reset()
+    torch.compile(step, backend="moe_inductor", dynamic=False)(x, w1, w2)
+    compiled = set(modes)
+    modes.clear()
+    torch._dynamo.reset()
+    moe_inductor.explain(step, x, w1, w2)
+    torch._dynamo.reset()
+    assert compiled == {TRAIN_STATIC}, compiled
+    assert set(modes) == {TRAIN_STATIC}, modes
