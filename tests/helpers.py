@@ -514,9 +514,9 @@ def visible_interleaved_launches(spelling: str) -> list:
 
 
 def rule_off_where_unmeasured(monkeypatch) -> None:
-    """Turn the speed rule off on a GPU it has no measurements for (an H100): there it keeps every layer that did
-    not win by a margin elsewhere, and a test of the rewritten path on the GPU needs the rewrite. On a measured GPU
-    (the H200) the rule stays on, as a user runs it."""
+    """Turn the speed rule off on a GPU it has no measurements for: there it keeps every layer that did not win by a
+    margin elsewhere, and a test of the rewritten path on the GPU needs the rewrite. On a measured GPU (the H200,
+    the H100) the rule stays on, as a user runs it."""
     import moe_inductor
     from moe_inductor import speed_rule
 

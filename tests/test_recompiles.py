@@ -97,10 +97,11 @@ def test_an_hf_models_training_steps_compile_once(device, monkeypatch):
     eager's. The speed rule asks, while Dynamo traces the experts, which backward the step will take; that answer
     must not become a guard (it once read the thread-local compile stack, and every step compiled again). On the
     CPU our kernels run under the interpreter (``config.triton_on_cpu``), so the rule reaches the same question."""
+    # the rewritten path's graphs are the subject, so the rule is off: on a measured GPU (the H100's file) it keeps
+    # a short training step of these widths on Inductor's path, yet still asks the question while tracing
+    monkeypatch.setattr(moe_inductor.config, "speed_rule", False)
     if device == "cpu":
         monkeypatch.setattr(moe_inductor.config, "triton_on_cpu", True)
-    else:
-        rule_off_where_unmeasured(monkeypatch)
     model = tiny("qwen3_moe").to(device)
     ref_model = tiny("qwen3_moe").to(device)
     torch._dynamo.reset()
@@ -115,4 +116,4 @@ def test_an_hf_models_training_steps_compile_once(device, monkeypatch):
     assert counters["moe_inductor"]["hf_grouped_mm"] >= 1, dict(counters["moe_inductor"])
     ref_model(ids, labels=ids).loss.backward()
     for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+        assert_close(p.grad, q.grad, torch.float32, name)
