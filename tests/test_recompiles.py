@@ -91,8 +91,9 @@ def test_gpu_bucketed_prefill_under_cuda_graphs(monkeypatch):
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])  # GPT-OSS: biases, interleaved gate/up, clamped glu
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_an_hf_models_training_steps_compile_once(device, monkeypatch):
+def test_an_hf_models_training_steps_compile_once(device, family, monkeypatch):
     """transformers' experts rewritten in a training step, three steps of one shape: one graph, and the gradients
     eager's. The speed rule asks, while Dynamo traces the experts, which backward the step will take; that answer
     must not become a guard (it once read the thread-local compile stack, and every step compiled again). On the
@@ -102,8 +103,8 @@ def test_an_hf_models_training_steps_compile_once(device, monkeypatch):
     monkeypatch.setattr(moe_inductor.config, "speed_rule", False)
     if device == "cpu":
         monkeypatch.setattr(moe_inductor.config, "triton_on_cpu", True)
-    model = tiny("qwen3_moe").to(device)
-    ref_model = tiny("qwen3_moe").to(device)
+    model = tiny(family).to(device)
+    ref_model = tiny(family).to(device)
     torch._dynamo.reset()
     counters.clear()
     options = {"inner": "aot_eager"} if device == "cpu" else None
