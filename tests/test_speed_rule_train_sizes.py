@@ -372,3 +372,31 @@ def test_explain_judges_a_short_static_training_step_as_the_users_compile_does(m
     torch._dynamo.reset()
     assert compiled == {TRAIN_STATIC}, compiled
     assert set(modes) == {TRAIN_STATIC}, modes
+
+
+def test_rule_file_refuses_a_run_that_timed_recompiles(tmp_path):
+    """A cell whose rewritten column compiled more graphs than its kept column timed recompiles (or graph breaks),
+    not the rewrite: the H100's Qwen1.5-MoE row at bd2181e read 3143 ms against 9.20 (27 graphs against 1). The
+    filer refuses it, and the table says so; the same run with one graph each files."""
+    import json
+
+    from benchmarks import hf_tables, rule_file
+
+    def run(graphs, rewritten):
+        rows = [dict(family="qwen2_moe", layers=2, mode="train", size=1024, column="moe_inductor_experts_kept",
+                     value=9.2024, unit="ms", graphs=1),
+                dict(family="qwen2_moe", layers=2, mode="train", size=1024, column="moe_inductor_rule_off",
+                     value=rewritten, unit="ms", graphs=graphs)]
+        path = tmp_path / f"run_{graphs}.json"
+        path.write_text(json.dumps({"meta": {"device": "TEST GPU"}, "rows": rows}))
+        return str(path), rows
+
+    storm, rows = run(27, 3143.25)
+    with pytest.raises(ValueError, match="26 more graph"):
+        rule_file.main([storm, "--out-dir", str(tmp_path), "--write"])
+    assert not (tmp_path / "TEST_GPU.json").exists()
+    assert "26 more graphs rewritten" in hf_tables.rule_markdown(rows)
+    fine, rows = run(1, 9.49)
+    (entry,) = json.loads(rule_file.main([fine, "--out-dir", str(tmp_path), "--write"]).read_text())["layers"]
+    assert entry["train"] == 0.96, entry
+    assert "more graphs" not in hf_tables.rule_markdown(rows)
