@@ -3,6 +3,8 @@
 #   bash benchmarks/device_run.sh suite      # the whole GPU suite: the kernel-layer test files whole, then every
 #                                            # `gpu` test, four xdist workers on the one GPU               (~9 min)
 #   bash benchmarks/device_run.sh suite1     # its first part alone, then suite2 the second: two calls with room
+#   bash benchmarks/device_run.sh smoke      # the compile-once GPU tests and two whole-model cells, each compiled
+#                                            # column one graph (graphs_check.py): before a stop       (~4 min)
 #   bash benchmarks/device_run.sh spill      # the shipped TMA entries of DeepSeek-V3's T=4096 forward (one spills under
 #                                            # triton 3.6) against POINTERS, 8 ABBA rounds (spill_check.py) (~2 min)
 #   bash benchmarks/device_run.sh moeinfer   # DeepSeek-V2's moe_infer layer: the list op's GPU tests, then
@@ -132,6 +134,17 @@ case "${1:-suite}" in
   suite) suite_kernels 200; suite_rest 380 ;;
   suite1) suite_kernels 560 ;;  # the suite in two calls, each with room: the second part took 371 of its 380 s
   suite2) suite_rest 590 ;;
+  smoke)  # before a stop, after any change to code Dynamo traces: the compile-once GPU tests, then one whole-model
+          # training and one prefill cell, experts kept against rewritten; every compiled column must compile one
+          # graph (a recompile storm once landed that only this shows: RESULTS.md, forty-first session)  (~4 min)
+    timeout -s INT 120 python -m pytest tests/test_recompiles.py -m gpu -q -p no:warnings -rfE 2>&1 \
+      | grep -v torch.__trace | tail -4
+    C=moe_inductor_experts_kept+moe_inductor_rule_off
+    timeout 200 python benchmarks/bench_hf.py --deadline-s 185 --budget-s 180 \
+      --cells qwen2_moe:train:1024:$C qwen2_moe:prefill:512:$C \
+      --json "$OUT/bench_hf_smoke.json" --markdown "$OUT/bench_hf_smoke.md" 2>&1 \
+      | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_smoke.log"
+    python benchmarks/graphs_check.py "$OUT/bench_hf_smoke.json" ;;
   visbw)  # the visible backward (lowerings/visible_backward.py): its GPU tests, then the 1024-token training steps
           # that lost with the opaque backward ops (RESULTS.md, thirty-eighth session), experts kept against
           # rewritten (GPT-OSS: the gptoss_glu backward kernel traced)

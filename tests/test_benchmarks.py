@@ -672,3 +672,28 @@ def test_bench_fx_forms_rule_entries_take_each_modes_worst_ratio():
     (entry,) = rule_entries(rows, [16, 8, 4, 2])
     assert entry["route"] == "fx_loop" and entry["shape"] == [16, 8, 4, 2]
     assert entry["prefill"] == 0.9 and entry["decode"] == 2.0 and "train" not in entry  # not rewritten: no value
+
+
+def test_graphs_check_flags_a_compiled_column_that_compiled_again(tmp_path):
+    """graphs_check.py over bench_hf rows: the recompile storm's row (27 graphs) fails the check; one graph per
+    compiled column, eager's zero, a decode cell's several and a skipped row pass."""
+    import json
+
+    from benchmarks import graphs_check
+
+    rows = [dict(family="qwen2_moe", mode="train", size=1024, column="moe_inductor_experts_kept", value=9.2,
+                 unit="ms", graphs=1),
+            dict(family="qwen2_moe", mode="train", size=1024, column="eager", value=20.0, unit="ms", graphs=0),
+            dict(family="qwen2_moe", mode="decode", size=1, column="inductor", value=500.0, unit="new tok/s",
+                 graphs=3),
+            dict(family="qwen2_moe", mode="prefill", size=512, column="inductor", skipped="time budget")]
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"rows": rows}))
+    assert graphs_check.main([str(good)]) == 0
+    storm = tmp_path / "storm.json"
+    storm.write_text(json.dumps({"rows": rows + [dict(family="qwen2_moe", mode="train", size=1024,
+                                                      column="moe_inductor_rule_off", value=3143.25, unit="ms",
+                                                      graphs=27)]}))
+    assert graphs_check.main([str(good), str(storm)]) == 1
+    assert graphs_check.offending(json.loads(storm.read_text())["rows"]) == [
+        "qwen2_moe train 1024 moe_inductor_rule_off: 27 graphs (3143.25 ms)"]
