@@ -137,14 +137,16 @@ case "${1:-suite}" in
   smoke)  # before a stop, after any change to code Dynamo traces: the compile-once GPU tests, then one whole-model
           # training and one prefill cell, experts kept against rewritten; every compiled column must compile one
           # graph (a recompile storm once landed that only this shows: RESULTS.md, forty-first session)  (~4 min)
-    timeout -s INT 120 python -m pytest tests/test_recompiles.py -m gpu -q -p no:warnings -rfE 2>&1 \
-      | grep -v torch.__trace | tail -4
+    timeout -s INT 120 python -m pytest tests/test_recompiles.py -m gpu -q -p no:warnings -rfE \
+      > "$OUT/smoke_tests.log" 2>&1; tests_rc=$?
+    grep -v torch.__trace "$OUT/smoke_tests.log" | tail -4
     C=moe_inductor_experts_kept+moe_inductor_rule_off
     timeout 200 python benchmarks/bench_hf.py --deadline-s 185 --budget-s 180 \
       --cells qwen2_moe:train:1024:$C qwen2_moe:prefill:512:$C \
       --json "$OUT/bench_hf_smoke.json" --markdown "$OUT/bench_hf_smoke.md" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_smoke.log"
-    python benchmarks/graphs_check.py "$OUT/bench_hf_smoke.json" ;;
+    python benchmarks/graphs_check.py "$OUT/bench_hf_smoke.json"; graphs_rc=$?
+    [ "$tests_rc" -eq 0 ] && [ "$graphs_rc" -eq 0 ] || { echo "smoke: FAILED (tests $tests_rc, graphs $graphs_rc)"; exit 1; } ;;
   visbw)  # the visible backward (lowerings/visible_backward.py): its GPU tests, then the 1024-token training steps
           # that lost with the opaque backward ops (RESULTS.md, thirty-eighth session), experts kept against
           # rewritten (GPT-OSS: the gptoss_glu backward kernel traced)

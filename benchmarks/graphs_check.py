@@ -6,7 +6,9 @@ A prefill or training cell has one static shape, so each compiled column (every 
 one graph. More means recompiles or graph breaks, and the column's time measured those. A regression of that kind
 once landed unseen, because the CPU suite never reached the GPU-only code that caused it (RESULTS.md, forty-first
 session). Decode cells run ``generate``, whose prefill and decode steps are graphs of their own, so they are not
-checked. Exits 1, listing the offending rows, where any row fails; 0 otherwise.
+checked. A compiled row of a checked mode that ran nothing (skipped for time, or an error) fails too, as does a
+run in which no row was checked: a check of nothing must not read as a pass. Exits 1, listing the offending rows;
+0 otherwise.
 """
 from __future__ import annotations
 
@@ -21,16 +23,19 @@ CHECKED_MODES = ("prefill", "train")
 
 
 def offending(rows: list) -> list[str]:
-    """The rows of compiled columns in static-shape modes that compiled other than one graph, one line each. A row
-    that ran nothing (skipped, or an error: reported by bench_hf.py itself) is not judged."""
+    """The rows of compiled columns in static-shape modes that compiled other than one graph, or ran nothing
+    (skipped, or an error), one line each."""
     out = []
     for row in rows:
-        if row.get("column") == "eager" or row.get("mode") not in CHECKED_MODES or "value" not in row:
+        if row.get("column") == "eager" or row.get("mode") not in CHECKED_MODES:
+            continue
+        where = f"{row.get('family')} {row['mode']} {row.get('size')} {row.get('column')}"
+        if "value" not in row:
+            out.append(f"{where}: ran nothing ({row.get('error') or row.get('skipped') or 'no value'})")
             continue
         graphs = row.get("graphs")
         if graphs != 1:
-            out.append(f"{row.get('family')} {row['mode']} {row.get('size')} {row.get('column')}: {graphs} graphs "
-                       f"({row['value']:.2f} {row.get('unit', '')})")
+            out.append(f"{where}: {graphs} graphs ({row['value']:.2f} {row.get('unit', '')})")
     return out
 
 
@@ -45,9 +50,9 @@ def main(argv: Optional[list] = None) -> int:
                        and "value" in r)
         bad += [f"{path}: {line}" for line in offending(rows)]
     for line in bad:
-        print("MORE THAN ONE GRAPH:", line)
-    print(f"graphs_check: {checked} compiled rows checked, {len(bad)} with other than one graph")
-    return 1 if bad else 0
+        print("FAILED:", line)
+    print(f"graphs_check: {checked} compiled rows timed, {len(bad)} failing")
+    return 1 if bad or not checked else 0
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ def _cells(rows) -> dict:
 def rule_values(rows) -> list[dict]:
     """Per (family, mode, size) with both ``EXPERTS_KEPT`` and ``RULE_OFF``: the speed rule's value, the model's time
     with the experts left to Inductor over its time with every proven layer rewritten (> 1: rewriting is faster),
-    everything else compiled alike. ``extra_graphs``: how many more graphs the rewritten column compiled than the
-    kept one (recompiles or graph breaks of ours: then the value measured those, not the rewrite)."""
+    everything else compiled alike. ``graphs``: (kept, rewritten), the graphs each column compiled; where they
+    differ, one column timed recompiles or graph breaks the other did not, and the value measured those, not the
+    rewrite."""
     cells = _cells([r for r in rows if "value" in r])
     out = []
     for (family, layers, mode, size), c in cells.items():
@@ -30,9 +31,9 @@ def rule_values(rows) -> list[dict]:
             continue
         ratio = kept["value"] / rewritten["value"]
         value = ratio if kept["unit"] == "ms" else 1.0 / ratio
-        extra = max(0, int(rewritten.get("graphs", 1)) - int(kept.get("graphs", 1)))
+        graphs = (int(kept.get("graphs", 1)), int(rewritten.get("graphs", 1)))
         out.append(dict(family=family, layers=layers, mode=mode, size=size, unit=kept["unit"], kept=kept["value"],
-                        rewritten=rewritten["value"], value=value, extra_graphs=extra))
+                        rewritten=rewritten["value"], value=value, graphs=graphs))
     return out
 
 
@@ -45,7 +46,9 @@ def rule_markdown(rows) -> str:
              "|---|---|---|---|---|---|"]
     for v in values:
         fmt = "{:.0f}" if v["unit"] != "ms" else "{:.2f}"
-        flag = f" ({v['extra_graphs']} more graphs rewritten: not a measure of the rewrite)" if v["extra_graphs"] else ""
+        kept_graphs, rewritten_graphs = v["graphs"]
+        flag = (f" (graphs: {kept_graphs} kept, {rewritten_graphs} rewritten: not a measure of the rewrite)"
+                if kept_graphs != rewritten_graphs else "")
         lines.append(f"| {FAMILIES[v['family']][1]} ({v['layers']}) | {v['mode']} {v['size']} | {v['unit']} | "
                      f"{fmt.format(v['kept'])} | {fmt.format(v['rewritten'])} | {v['value']:.2f}{flag} |")
     return "\n".join(lines)

@@ -16,8 +16,9 @@ instead (``speed_rule.filed_modes``). A GPU without a file is
 judged by the other GPUs' files with a margin
 (``speed_rule.UNMEASURED_GPU_MARGIN``); with one, a layer kind below 1.0 in a mode keeps Inductor's path there.
 Entries of the file that the runs do not measure are kept as they are. Without ``--write`` the merged file is only
-printed. A cell whose rewritten column compiled more graphs than its kept column (``graphs`` in the rows:
-recompiles or graph breaks of ours) is refused: its value measured those, not the rewrite.
+printed. Runs with a cell whose two columns compiled different numbers of graphs (``graphs`` in the rows:
+recompiles or graph breaks in one of them) are refused whole, nothing filed: that value measured those, not the
+rewrite.
 
 ``--fx-logs`` takes bench_fx_forms.py's logs instead (or as well): their ``RULE {...}`` lines are the FX routes'
 entries, one value per mode, with any mode a line lacks made from its section's timed rows (a log written before
@@ -66,10 +67,11 @@ def measured(runs: Iterable[dict]) -> tuple[Optional[str], dict]:
         gpus.add(meta.get("device"))
         visible = bool(meta.get("visible_backward"))  # the run's training rows file as speed_rule.filed_modes says
         for v in rule_values(run["rows"]):
-            if v["extra_graphs"]:  # a recompile or graph break of ours was timed: filing it would mislead the rule
-                raise ValueError(f"{v['family']} {v['mode']} {v['size']}: the rewritten column compiled "
-                                 f"{v['extra_graphs']} more graph(s) than the kept one; that run measured "
-                                 "recompiles or graph breaks, not the rewrite: fix them and measure again")
+            kept_graphs, rewritten_graphs = v["graphs"]
+            if kept_graphs != rewritten_graphs:  # one column timed recompiles or graph breaks: it would mislead
+                raise ValueError(f"{v['family']} {v['mode']} {v['size']}: the kept column compiled {kept_graphs} "
+                                 f"graph(s), the rewritten one {rewritten_graphs}; that cell measured recompiles or "
+                                 "graph breaks, not the rewrite: nothing is filed (fix them and measure again)")
             modes = worst.setdefault(v["family"], {})
             kind = layer_kind(v["family"])  # whether this row's own backward was the visible one
             row_visible = visible and backward_traced(v["size"], kind["shape"], kind["bias"])

@@ -336,7 +336,8 @@ def backward_visible(tokens: Optional[int], shape: tuple, bias: bool, dtype: Opt
 
     ``mode_of`` asks it inside the polyfills Dynamo traces, so it is a constant of the graph: traced, its read of
     ``capture``'s thread-local compile stack would become a guard that fails on every call (the stack is empty at
-    run time), and the frame would be compiled again at each step."""
+    run time), and the frame would be compiled again at each step. So, as with the verdict, a setting changed after
+    a compile does not re-judge a layer already compiled."""
     from .capture import current
     from .ops.grouped import triton_device
 

@@ -675,8 +675,9 @@ def test_bench_fx_forms_rule_entries_take_each_modes_worst_ratio():
 
 
 def test_graphs_check_flags_a_compiled_column_that_compiled_again(tmp_path):
-    """graphs_check.py over bench_hf rows: the recompile storm's row (27 graphs) fails the check; one graph per
-    compiled column, eager's zero, a decode cell's several and a skipped row pass."""
+    """graphs_check.py over bench_hf rows: the recompile storm's row (27 graphs) fails the check, and so do a
+    compiled row that ran nothing and a run with no row timed; one graph per compiled column, eager's zero and a
+    decode cell's several pass."""
     import json
 
     from benchmarks import graphs_check
@@ -686,10 +687,17 @@ def test_graphs_check_flags_a_compiled_column_that_compiled_again(tmp_path):
             dict(family="qwen2_moe", mode="train", size=1024, column="eager", value=20.0, unit="ms", graphs=0),
             dict(family="qwen2_moe", mode="decode", size=1, column="inductor", value=500.0, unit="new tok/s",
                  graphs=3),
-            dict(family="qwen2_moe", mode="prefill", size=512, column="inductor", skipped="time budget")]
+            dict(family="qwen2_moe", mode="decode", size=16, column="inductor", skipped="time budget")]
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"rows": rows}))
     assert graphs_check.main([str(good)]) == 0
+    skipped = tmp_path / "skipped.json"
+    skipped.write_text(json.dumps({"rows": rows + [dict(family="qwen2_moe", mode="prefill", size=512,
+                                                        column="moe_inductor_rule_off", skipped="time budget")]}))
+    assert graphs_check.main([str(skipped)]) == 1
+    nothing = tmp_path / "nothing.json"
+    nothing.write_text(json.dumps({"rows": rows[1:]}))  # eager and decode only: nothing checked
+    assert graphs_check.main([str(nothing)]) == 1
     storm = tmp_path / "storm.json"
     storm.write_text(json.dumps({"rows": rows + [dict(family="qwen2_moe", mode="train", size=1024,
                                                       column="moe_inductor_rule_off", value=3143.25, unit="ms",

@@ -92,7 +92,8 @@ def test_gpu_bucketed_prefill_under_cuda_graphs(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])  # GPT-OSS: biases, interleaved gate/up, clamped glu
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow),  # the interpreter: ~15 s a family
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_an_hf_models_training_steps_compile_once(device, family, monkeypatch):
     """transformers' experts rewritten in a training step, three steps of one shape: one graph, and the gradients
     eager's. The speed rule asks, while Dynamo traces the experts, which backward the step will take; that answer
