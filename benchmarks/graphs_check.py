@@ -22,13 +22,16 @@ from typing import Optional
 CHECKED_MODES = ("prefill", "train")
 
 
+def _checked(row: dict) -> bool:
+    """Whether ``row`` is a compiled column's, in a static-shape mode."""
+    return row.get("column") != "eager" and row.get("mode") in CHECKED_MODES
+
+
 def offending(rows: list) -> list[str]:
     """The rows of compiled columns in static-shape modes that compiled other than one graph, or ran nothing
     (skipped, or an error), one line each."""
     out = []
-    for row in rows:
-        if row.get("column") == "eager" or row.get("mode") not in CHECKED_MODES:
-            continue
+    for row in filter(_checked, rows):
         where = f"{row.get('family')} {row['mode']} {row.get('size')} {row.get('column')}"
         if "value" not in row:
             out.append(f"{where}: ran nothing ({row.get('error') or row.get('skipped') or 'no value'})")
@@ -46,8 +49,7 @@ def main(argv: Optional[list] = None) -> int:
     bad, checked = [], 0
     for path in args.runs:
         rows = json.loads(Path(path).read_text())["rows"]
-        checked += sum(1 for r in rows if r.get("mode") in CHECKED_MODES and r.get("column") != "eager"
-                       and "value" in r)
+        checked += sum(1 for r in rows if _checked(r) and "value" in r)
         bad += [f"{path}: {line}" for line in offending(rows)]
     for line in bad:
         print("FAILED:", line)

@@ -280,14 +280,13 @@ def _wrap_compile(original: Callable) -> Callable:
     def _ours(args: tuple, kwargs: dict, options: Any, code: Any, closure: tuple, mode: Optional[str]) -> Any:
         from .backend import visible_ops_run
         from .options import BackendOptions
+        from .speed_rule import judged_inner
 
         try:
             parsed = BackendOptions.parse(options)
             forms, inner = parsed.forms, parsed.inner
         except ValueError:  # the backend raises the error itself, once tracing is done
             forms, inner, parsed = frozenset(), "inductor", None
-        from .speed_rule import judged_inner
-
         try:  # as the rule judges it: explain() compiles with a light inner compiler but judges as Inductor would
             visible_ops = parsed is not None and visible_ops_run(judged_inner(inner), mode, parsed.inductor)
         except Exception:  # noqa: BLE001  (options Inductor refuses: the backend's compile raises them itself)
