@@ -41,6 +41,7 @@ import contextlib
 import functools
 import json
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -184,24 +185,28 @@ def fx_route(form: str, per_expert: bool) -> tuple[Optional[str], str]:
 
 
 #: The inner compiler the rule judges for, where it is not the one the graph is handed to: explain() compiles with a
-#: light one, but says (and does) what the user's ``backend="moe_inductor"`` compile, Inductor's, would.
-_judged_inner: Optional[str] = None
+#: light one, but says (and does) what the user's ``backend="moe_inductor"`` compile, Inductor's, would. Per thread:
+#: Dynamo compiles in the calling thread, so an explain() in one thread must not change how another thread's compile
+#: is judged.
+_judging = threading.local()
 
 
 @contextlib.contextmanager
 def judging_as(inner: Optional[str]) -> Iterator[None]:
-    """Inside the block, the rule judges as if the inner compiler were ``inner`` (None: the real one)."""
-    global _judged_inner
-    before, _judged_inner = _judged_inner, inner
+    """Inside the block (in this thread), the rule judges as if the inner compiler were ``inner`` (None: the real
+    one)."""
+    before = getattr(_judging, "inner", None)
+    _judging.inner = inner
     try:
         yield
     finally:
-        _judged_inner = before
+        _judging.inner = before
 
 
 def judged_inner(inner: str) -> str:
-    """The inner compiler the rule judges a compile by: ``judging_as``'s inside its block, else the compile's own."""
-    return _judged_inner or inner
+    """The inner compiler the rule judges a compile by: ``judging_as``'s inside its block in this thread, else the
+    compile's own."""
+    return getattr(_judging, "inner", None) or inner
 
 
 def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: str = "hf_grouped_mm",

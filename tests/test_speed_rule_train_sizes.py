@@ -374,6 +374,33 @@ def test_explain_judges_a_short_static_training_step_as_the_users_compile_does(m
     assert set(modes) == {TRAIN_STATIC}, modes
 
 
+def test_judging_as_in_one_thread_leaves_another_threads_compile_judged_by_its_own_inner():
+    """explain() judges as Inductor inside ``judging_as``; a compile running meanwhile in another thread (Dynamo
+    compiles in the calling thread) must still be judged by its own inner compiler, or explain() would change
+    which layers another thread's compile rewrites."""
+    import threading
+
+    inside, seen = threading.Event(), []
+    release = threading.Event()
+
+    def explaining():
+        with speed_rule.judging_as("inductor"):
+            seen.append(("explain", speed_rule.judged_inner("eager")))
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=explaining)
+    t.start()
+    try:
+        assert inside.wait(10)
+        seen.append(("other", speed_rule.judged_inner("aot_eager")))
+    finally:
+        release.set()
+        t.join(10)
+    seen.append(("after", speed_rule.judged_inner("eager")))
+    assert seen == [("explain", "inductor"), ("other", "aot_eager"), ("after", "eager")], seen
+
+
 def test_rule_file_refuses_a_run_that_timed_recompiles(tmp_path):
     """A cell whose two columns compiled different numbers of graphs timed recompiles (or graph breaks), not the
     rewrite: the H100's Qwen1.5-MoE row at bd2181e read 3143 ms against 9.20 (27 graphs against 1). The filer
