@@ -6,19 +6,20 @@ import contextlib
 
 import torch
 
-from hf_families import BW_FUSED, ENGINE, EXPERTS_KEPT, FUSED, RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF
+from hf_families import BW_FUSED, BW_TRACED, ENGINE, EXPERTS_KEPT, FUSED, RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF
 
 
 def moe_backend(column: str):
     """The backend a moe_inductor column compiles with: by name, with no MoE form rewritten (``EXPERTS_KEPT``), or,
     for the columns that differ only in a setting read while tracing (``RULE_OFF``, ``TAIL_OFF``, ``TMA_AUTO``,
-    ``TMA_OFF``, ``FUSED``, ``ENGINE``, ``BW_FUSED``), a backend object of their own: Dynamo keeps one compiled entry per
-    backend, so in the interleaved rounds a column sharing "moe_inductor" would run the other column's compile."""
+    ``TMA_OFF``, ``FUSED``, ``ENGINE``, ``BW_FUSED``, ``BW_TRACED``), a backend object of their own: Dynamo keeps
+    one compiled entry per backend, so in the interleaved rounds a column sharing "moe_inductor" would run the other
+    column's compile."""
     import moe_inductor
 
     if column == EXPERTS_KEPT:
         return moe_inductor.with_options(forms=())
-    if column in (RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF, FUSED, ENGINE, BW_FUSED):
+    if column in (RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF, FUSED, ENGINE, BW_FUSED, BW_TRACED):
         return moe_inductor.with_options()
     return "moe_inductor"
 
@@ -42,18 +43,20 @@ def speed_rule_off(off: bool):
 #: the moe_inductor setting each column changes (read inside our op while Inductor traces it)
 _SETTINGS = {TAIL_OFF: ("gemm_tail_split", False), TMA_AUTO: ("gemm_tma_weights", "auto"),
              TMA_OFF: ("gemm_tma_weights", "off"), FUSED: ("gemm_engine", "triton"),
-             ENGINE: ("gemm_engine", "grouped_mm"), BW_FUSED: ("gemm_engine_backward", "triton")}
+             ENGINE: ("gemm_engine", "grouped_mm"), BW_FUSED: ("gemm_engine_backward", "triton"),
+             BW_TRACED: ("visible_engine_backward", True)}
 
 
 @contextlib.contextmanager
 def column_options(column: str):
-    """The settings a column compiles and runs under: the speed rule off for ``RULE_OFF`` and ``BW_FUSED``; for
-    ``TAIL_OFF`` the tail split off, for ``TMA_AUTO`` the TMA weight loads under "auto" (``TMA_OFF``: "off"), for
-    ``FUSED`` the fused kernels for every GEMM (``config.gemm_engine = "triton"``; ``ENGINE``: "grouped_mm"), for
-    ``BW_FUSED`` for the backward's (``config.gemm_engine_backward``), each with the compile caches off too: these
-    settings are read inside our op while Inductor traces it, so the graph handed to the caches is the same as the
-    "moe_inductor" column's, whose cache entries would answer."""
-    with speed_rule_off(column in (RULE_OFF, BW_FUSED)):
+    """The settings a column compiles and runs under: the speed rule off for ``RULE_OFF``, ``BW_FUSED`` and
+    ``BW_TRACED``; for ``TAIL_OFF`` the tail split off, for ``TMA_AUTO`` the TMA weight loads under "auto"
+    (``TMA_OFF``: "off"), for ``FUSED`` the fused kernels for every GEMM (``config.gemm_engine = "triton"``;
+    ``ENGINE``: "grouped_mm"), for ``BW_FUSED`` for the backward's (``config.gemm_engine_backward``), for
+    ``BW_TRACED`` the engine's backward traced (``config.visible_engine_backward``), each with the compile caches
+    off too: these settings are read inside our op while Inductor traces it, so the graph handed to the caches is the
+    same as the "moe_inductor" column's, whose cache entries would answer."""
+    with speed_rule_off(column in (RULE_OFF, BW_FUSED, BW_TRACED)):
         settings = _SETTINGS.get(column)
         if settings is None:
             yield

@@ -26,6 +26,12 @@ visible_kernels: bool = os.environ.get("MOE_INDUCTOR_VISIBLE_KERNELS", "1") == "
 #: host-bound, and the opaque backward ops' Python is host time Inductor's own path does not spend.
 visible_backward: bool = os.environ.get("MOE_INDUCTOR_VISIBLE_BACKWARD", "1") == "1"
 
+#: With ``visible_backward``, a backward the ``torch._grouped_mm`` engine takes is traced too where its row count is
+#: static: the engine's GEMMs become ``aten._grouped_mm`` nodes of the compiled backward and our kernels around them
+#: launch from Inductor's wrapper, without the opaque ops' Python per call (which made OLMoE's 1024-token step
+#: host-bound: RESULTS.md, fortieth session). Off until measured on the GPU against the opaque ops.
+visible_engine_backward: bool = os.environ.get("MOE_INDUCTOR_VISIBLE_ENGINE_BACKWARD", "0") == "1"
+
 #: Our Inductor compiles give each traced kernel write its own empty buffer again where AOT autograd's CSE merged
 #: identical allocations (lowerings/unshared_buffers.py): else Inductor copies the shared one before every write but
 #: the last. Only where the user set no ``post_grad_custom_pre_pass`` of their own.

@@ -384,7 +384,7 @@ class _Captured(Exception):
     """Raised by a compiler callback once it has read the traced graph: the compile stops there."""
 
 
-def _visible_problem(T: int):
+def _visible_problem(T: int, dtype=torch.float32):
     """T tokens, H 16, I 8, E 5, k 2, on the CPU with ``config.triton_on_cpu``: the problem, its (gate, up, down)
     weight views, and the visible op over them."""
     from moe_inductor import config
@@ -392,7 +392,7 @@ def _visible_problem(T: int):
     config.triton_on_cpu = True
     import moe_inductor.lowerings.visible  # noqa: F401  (registers the op)
 
-    p = make_problem(T, 16, 8, 5, 2, requires_grad=False)
+    p = make_problem(T, 16, 8, 5, 2, dtype=dtype, requires_grad=False)
     g, u, d, _, _ = expert_weight_views(p.w1, p.w2, None, activation="silu_glu", layout="nk", gate_up="concat")
 
     def visible(x, ids, tw, g, u, d):
@@ -571,6 +571,40 @@ def visible_backward_trace(dynamic_tokens: bool) -> dict:
         leaves[0], p.topk_ids, p.topk_weights, *leaves[1:])
     kernels, ops = _kernels_and_ops(gm.graph)
     return {"kernels": kernels, "ops": ops}
+
+
+def visible_engine_backward_joint(traced_engine: bool) -> dict:
+    """What AOT autograd's joint graph of the visible op's forward and backward holds for a bf16 call whose backward
+    the ``torch._grouped_mm`` engine takes (``gemm_engine_backward = "grouped_mm"``; 9 tokens, 18 rows, static),
+    with ``config.visible_engine_backward`` = ``traced_engine``: the Triton kernels launched through ``wrap_triton``
+    ("kernels"), the moe_inductor ops called as ops ("ops"), and how many ``aten._grouped_mm`` nodes
+    ("grouped_mm"). Read at the partitioner, so nothing is compiled or launches."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from moe_inductor import config
+
+    config.visible_engine_backward = traced_engine
+    config.gemm_engine, config.gemm_engine_backward = "triton", "grouped_mm"
+    p, weights, visible = _visible_problem(9, torch.bfloat16)
+    leaves = [t.detach().clone().requires_grad_() for t in (p.x, *weights)]
+    seen = {}
+
+    def read_joint(joint, *args, **kwargs):
+        kernels, ops = _kernels_and_ops(joint.graph)
+        grouped = sum(1 for n in joint.graph.nodes if n.target is torch.ops.aten._grouped_mm.default)
+        seen.update(kernels=kernels, ops=ops, grouped_mm=grouped)
+        raise _Captured
+
+    def step(x, ids, tw, g, u, d):
+        return visible(x, ids, tw, g, u, d)
+
+    try:
+        torch.compile(step, backend=aot_autograd(fw_compiler=lambda gm, _: gm, partition_fn=read_joint),
+                      dynamic=False)(leaves[0], p.topk_ids, p.topk_weights, *leaves[1:])
+    except Exception as e:  # stopped on purpose once the graph was read
+        if not isinstance(e, _Captured) and "_Captured" not in repr(e):
+            raise
+    return seen
 
 
 def _kernels_and_ops(graph) -> tuple[list, list]:

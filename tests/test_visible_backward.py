@@ -197,3 +197,114 @@ def test_gpu_opcheck_the_visible_backward_ops(activation, bias, gate_up):
     torch.library.opcheck(visible_backward.experts_backward_middle_visible, (dy, *shared, pre, *options))
     d_pre, d_scale, *_ = visible_backward.experts_backward_middle_visible(dy, *shared, pre, *options)
     torch.library.opcheck(visible_backward.experts_backward_up_visible, (d_pre, d_scale, *shared, *options))
+
+
+# The engine's backward traced (``config.visible_engine_backward``): its GEMMs as aten._grouped_mm nodes.
+
+
+@pytest.mark.parametrize("flag,engine,dtype,rows_per_expert,traced", [
+    (True, "auto", torch.bfloat16, 128, True),  # the engine's backward rule holds: traced with its GEMMs
+    (True, "auto", torch.bfloat16, 64, False),  # below it the fused kernels' visible ops take it
+    (True, "auto", torch.float32, 4096, False),  # the engine takes bf16 only
+    (False, "auto", torch.bfloat16, 128, False),  # off: the opaque ops keep the engine's calls
+])
+def test_the_engines_backward_is_traced_only_under_its_setting(flag, engine, dtype, rows_per_expert, traced,
+                                                               monkeypatch):
+    monkeypatch.setattr(config, "visible_engine_backward", flag)
+    monkeypatch.setattr(config, "gemm_engine", engine)
+    monkeypatch.setattr(config, "gemm_engine_backward", None)
+    E, H, I = 8, 64, 32
+    x, w2 = _fake((16, H), dtype), _fake((E, I, H), dtype)
+    rows = rows_per_expert * E
+    assert visible_backward.engine_backward_traceable(x, w2, False, rows) is traced
+    # never both: the fused visible ops are for calls the engine cannot take
+    assert not (traced and visible_backward.backward_traceable(x, w2, False, rows))
+    counters.clear()
+    middle, _ = visible_backward.pick_backward_ops(x, w2, False, _fake((rows,), torch.int32))
+    if traced:
+        assert middle is torch.ops.moe_inductor.experts_backward_middle_visible
+        assert counters["moe_inductor_visible"]["engine_backward"] == 1
+    else:
+        assert counters["moe_inductor_visible"]["engine_backward"] == 0
+    monkeypatch.setattr(config, "gemm_tma_descriptors", "host")  # a traced launch cannot take those
+    assert not visible_backward.engine_backward_traceable(x, w2, False, rows)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    assert not visible_backward.engine_backward_traceable(x, w2, False, ShapeEnv().create_unbacked_symint())
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is missing")
+@pytest.mark.skipif(not _visible_ops_take_triton(), reason="this torch's wrap_triton refuses interpreted kernels")
+@pytest.mark.parametrize("activation,bias,gate_up,whole", [
+    ("silu_glu", False, "concat", (False, False)), ("silu_glu", False, "concat", (True, False)),
+    ("silu_glu", True, "concat", (False, False)), ("silu", False, "concat", (False, False))])
+@pytest.mark.parametrize("T", [1, 7])
+def test_the_visible_ops_run_the_engine_where_it_is_traced(activation, bias, gate_up, whole, T, triton_kernels,
+                                                          monkeypatch):
+    """bf16 with the engine forced for the backward: the visible ops' bodies (what Inductor traces) run the
+    engine's two halves and give the opaque ops' gradients (which run the engine too)."""
+    monkeypatch.setattr(config, "visible_engine_backward", True)
+    monkeypatch.setattr(config, "gemm_engine", "triton")
+    monkeypatch.setattr(config, "gemm_engine_backward", "grouped_mm")
+    calls = []
+    for name in ("middle_grads", "up_grads"):
+        real = getattr(grouped_mm_engine, name)
+        monkeypatch.setattr(grouped_mm_engine, name,
+                            lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    gated = activation != "silu"
+    needs = [True, True, True, gated, True, bias, bias and gated, bias, *whole]
+    args = _args(activation, bias, gate_up, T=T, needs=needs, dtype=torch.bfloat16, device=DEVICE)
+    dy, *shared, pre, order, sorted_expert, offsets, act, position, alpha, limit, dropped, needs = args
+    options = (order, sorted_expert, offsets, act, position, alpha, limit, dropped, needs)
+    middle = torch.ops.moe_inductor.experts_backward_middle_visible(dy, *shared, pre, *options)
+    up = torch.ops.moe_inductor.experts_backward_up_visible(middle[0], middle[1], *shared, *options)
+    assert calls == ["middle_grads", "up_grads"], calls
+    ref_middle = experts_backward_middle(dy, *shared, pre, *options)
+    ref_up = experts_backward_up(ref_middle[0], ref_middle[1], *shared, *options)
+    for a, b in zip((*middle, *up), (*ref_middle, *ref_up)):
+        torch.testing.assert_close(a, b)
+
+
+def test_the_engines_traced_backward_puts_its_gemms_in_the_graph():
+    """AOT autograd's joint graph (fake tensors, read at the partitioner; in a process without the interpreter):
+    with the setting on, the backward the engine takes holds aten._grouped_mm nodes and our kernels, and no opaque
+    backward op; off, the opaque ops and no aten._grouped_mm."""
+    import json
+
+    out = run_without_interpreter("import json; print(json.dumps([visible_engine_backward_joint(True), "
+                                  "visible_engine_backward_joint(False)]))", timeout=400)
+    traced, opaque = json.loads(out.strip().splitlines()[-1])
+    assert traced["ops"] == [] and traced["grouped_mm"] >= 4, traced
+    assert "backward_middle_kernel" in traced["kernels"], traced
+    assert opaque["ops"] == ["experts_backward_middle", "experts_backward_up"] and opaque["grouped_mm"] == 0, opaque
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [5, 300])
+def test_gpu_a_compiled_step_traces_the_engines_backward(T, monkeypatch):
+    """bf16, the engine forced for the backward: with the setting on, the compiled backward calls no opaque op
+    (aten._grouped_mm sits in Inductor's code), and the output and gradients are as close to eager's as the
+    opaque ops' compiled step is."""
+    monkeypatch.setattr(config, "visible_kernels", True)
+    monkeypatch.setattr(config, "gemm_engine", "triton")
+    monkeypatch.setattr(config, "gemm_engine_backward", "grouped_mm")
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    x = torch.randn(T, 16, device="cuda", dtype=dtype)
+    from tests.test_pass_gathered_weights import GatheredMoE
+
+    ref_model = GatheredMoE("gptfast").to("cuda", dtype)
+    ref = _compiled_step(ref_model, x.clone().requires_grad_())
+    errors, texts = {}, {}
+    for traced in (True, False):
+        monkeypatch.setattr(config, "visible_engine_backward", traced)
+        model, out, codes = _compiled_copy_step(ref_model, x)
+        texts[traced] = "\n".join(codes)
+        errors[traced] = _errors(model, ref_model, out, ref)
+        assert counters["moe_inductor_visible"]["engine_backward"] == (1 if traced else 0)
+    assert "moe_inductor.experts_backward" not in texts[True] and "_grouped_mm" in texts[True]
+    assert "moe_inductor.experts_backward_middle.default" in texts[False]
+    ulp = torch.finfo(dtype).eps
+    for name, err in errors[True].items():
+        scale = ref.abs().max().item() if name == "out" else ref_model.get_parameter(name).grad.abs().max().item()
+        assert err <= 2 * errors[False][name] + 4 * ulp * scale, (name, err, errors[False][name], scale)

@@ -12,7 +12,9 @@ weights' scatter) become Inductor's kernels.
 Which calls: the backward of an ``experts_forward_visible`` call (only Inductor compiles without CUDA graphs swap
 that op in), with a static row count, and only where the ``torch._grouped_mm`` engine cannot take the backward
 (``grouped_mm_engine.may_take_backward_of``): the engine decides per call, and a traced launch never takes it, so
-where it may run the opaque ops keep it. With a symbolic row count the opaque ops run as well.
+where it may run the opaque ops keep it. With a symbolic row count the opaque ops run as well. Under
+``config.visible_engine_backward`` a static backward the engine takes is traced as well: its GEMMs become
+``aten._grouped_mm`` nodes of the graph.
 """
 from __future__ import annotations
 
@@ -66,12 +68,27 @@ def backward_traceable(x: Tensor, w2: Tensor, biased: bool, num_rows) -> bool:
     return not grouped_mm_engine.may_take_backward_of(x, w2, biased, num_rows)
 
 
+def engine_backward_traceable(x: Tensor, w2: Tensor, biased: bool, num_rows) -> bool:
+    """Whether a visible forward's backward, which the engine may take, is traced with the engine's GEMMs as graph
+    nodes (``config.visible_engine_backward``): a static row count and no host-made TMA descriptors. The engine's
+    own checks on the real layout still run while tracing; where they refuse, the traced body runs our kernels."""
+    if not config.visible_engine_backward or not isinstance(num_rows, int):
+        return False
+    if config.gemm_tma_descriptors == "host":
+        return False
+    return grouped_mm_engine.may_take_backward_of(x, w2, biased, num_rows)
+
+
 def pick_backward_ops(x: Tensor, w2: Tensor, biased: bool, order: Tensor) -> tuple[Callable, Callable]:
     """The backward's (middle, up) op pair for a visible forward's saved context (``ops.experts.backward_through``)."""
-    if config.visible_backward and backward_traceable(x, w2, biased, order.shape[0]):
+    if not config.visible_backward:
+        return experts_backward_middle, experts_backward_up
+    rows = order.shape[0]
+    fused = backward_traceable(x, w2, biased, rows)
+    if fused or engine_backward_traceable(x, w2, biased, rows):
         from torch._dynamo.utils import counters
 
-        counters["moe_inductor_visible"]["backward"] += 1
+        counters["moe_inductor_visible"]["backward" if fused else "engine_backward"] += 1
         ops = torch.ops.moe_inductor
         return ops.experts_backward_middle_visible, ops.experts_backward_up_visible
     return experts_backward_middle, experts_backward_up

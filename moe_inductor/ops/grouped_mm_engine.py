@@ -59,7 +59,15 @@ def _dense_enough(w: Tensor) -> bool:
     E, K, N = w.shape
     s0, s1, s2 = w.stride()
     inner_ok = (s2 == 1 and s1 >= N and s1 % 8 == 0) or (s1 == 1 and s2 >= K and s2 % 8 == 0)
-    return inner_ok and s0 >= K * N and s0 % 8 == 0 and w.data_ptr() % 16 == 0
+    return inner_ok and s0 >= K * N and s0 % 8 == 0 and _aligned(w)
+
+
+def _aligned(w: Tensor) -> bool:
+    """Whether ``w`` starts on a 16-byte boundary. A traced call's tensors (fake while AOT autograd traces) have no
+    address: there its offset into its storage decides, storages being allocated 16-byte aligned."""
+    if tracing_launches():
+        return w.storage_offset() * w.element_size() % 16 == 0
+    return w.data_ptr() % 16 == 0
 
 
 def combined_up_weights(w1: Tensor, w1_up: Optional[Tensor]) -> Optional[Tensor]:
@@ -146,7 +154,11 @@ def grouped_mm_weights(x: Tensor, w1: Tensor, w1_up: Optional[Tensor], w2: Tenso
     ``config.grouped_mm_min_expert_weights`` weights per projection (H * I).
     """
     mode = engine_mode(backward)
-    if mode == "triton" or tracing_launches() or isinstance(num_rows, torch.SymInt) or num_rows == 0:
+    if mode == "triton" or isinstance(num_rows, torch.SymInt) or num_rows == 0:
+        return None
+    # a traced call decides once, for the graph: only a backward whose ops were picked for it
+    # (``visible_backward.engine_backward_traceable``) takes the engine there
+    if tracing_launches() and not (backward and config.visible_engine_backward):
         return None
     if not isinstance(w1, Tensor):  # per-expert weights read through a table (kernels/weight_table.py): no one tensor
         return None
@@ -249,7 +261,6 @@ def middle_grads(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: UpWeights,
     sorted_expert = routed.sorted_expert
     M = order.shape[0]
     E, _, I = w.w1.shape
-    gated = w.w1_up is not None
     interleaved = is_interleaved(w_up, w.w1)
     group_ends = offsets[1:]
     token = order.long() // topk
@@ -262,10 +273,12 @@ def middle_grads(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: UpWeights,
     # Where the interleaved weight came whole, d_pre's columns are written as its (gate, up) pairs, which the whole
     # weight's gradient and dx's GEMM read as they are. Else they are [gate | up] halves: two gradients want dense
     # operands, and one stack for dx costs less than stride-2 stores.
+    # d_pre goes to the kernel whole (it writes the halves or pairs itself): a traced launch that wrote two views
+    # would have Inductor clone each without the rest of its storage
     d_pre = x.new_empty(M, pre.shape[1])
-    d_gate, d_up = gate_up_columns(d_pre, gated, interleaved and needs.gate_up_pairs)
-    h_scaled, _, _, d_scale_sorted = backward_middle(pre, g, routed.sorted, (w.b1, w.b1_up), act, x.dtype,
-                                                     out=(d_gate, d_up), scale_h=True)
+    h_scaled, d_gate, d_up, d_scale_sorted = backward_middle(pre, g, routed.sorted, (w.b1, w.b1_up), act, x.dtype,
+                                                             out=d_pre, scale_h=True,
+                                                             paired=interleaved and needs.gate_up_pairs)
     del g, pre
     if w.b2 is not None and needs.topk_weights:  # the routing weight also scales the down bias
         expert_c = sorted_expert.long().clamp(max=E - 1)
