@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import threading
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -98,23 +99,26 @@ def device_guard(t: torch.Tensor):
 
 # Set while the Inductor-visible op's body runs (lowerings/visible.py): every launch then goes through
 # ``torch.library.wrap_triton`` so that Inductor can trace it, and decisions that would read a (symbolic) token count
-# read its hint instead, or take the path that is right for every count.
-_traceable = False
+# read its hint instead, or take the path that is right for every count. Per thread: the body runs in the thread
+# that traces it, and an opaque op running meanwhile in another thread launches as it always does.
+_state = threading.local()
 
 
 @contextlib.contextmanager
 def traceable_launches():
-    """Launch through ``wrap_triton`` and decide from size hints, for the duration (see ``_traceable``)."""
-    global _traceable
-    previous, _traceable = _traceable, True
+    """Launch through ``wrap_triton`` and decide from size hints, for the duration, in this thread (see
+    ``tracing_launches``)."""
+    previous = getattr(_state, "traceable", False)
+    _state.traceable = True
     try:
         yield
     finally:
-        _traceable = previous
+        _state.traceable = previous
 
 
 def tracing_launches() -> bool:
-    return _traceable
+    """Whether this thread is inside ``traceable_launches``."""
+    return getattr(_state, "traceable", False)
 
 
 def static_dim(n) -> int:
@@ -145,7 +149,7 @@ def _pick(key: str, default: configs.LaunchConfig, candidates, run, autotune: bo
     if cfg is not None:
         return cfg
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    if autotune and not capturing and not configs.interpreting() and not _traceable:
+    if autotune and not capturing and not configs.interpreting() and not tracing_launches():
         return configs.tune(key, candidates, run, first_margin=first_margin)
     return default
 
@@ -162,7 +166,7 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
     b2, bias, bias2, scale, scale_mode, act_id, alpha, limit, pre, accumulate = epilogue
     num_rows = order.shape[0]
     num_experts, k_dim, n_dim = b.shape
-    if _traceable:  # (eager shapes are ints already: this stays off the hot path)
+    if tracing_launches():  # (eager shapes are ints already: this stays off the hot path)
         num_experts, k_dim, n_dim = static_dim(num_experts), static_dim(k_dim), static_dim(n_dim)
     gated = b2 is not None
     tabled = isinstance(b, WeightTable)  # per-expert tensors read through their addresses (pointer loads only)
@@ -178,7 +182,8 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
     # can take it (below); "auto" and "on" check every call here.
     by_table = tma_weights == "tuned" and not tabled
     tma_ok = not by_table and not tabled and pairs is None and isinstance(num_rows, int) and tma_weights_apply(
-        a, b, b2, num_rows, num_experts, tma_weights, tma_min_rows_per_expert, tma_descriptors, traced=_traceable)
+        a, b, b2, num_rows, num_experts, tma_weights, tma_min_rows_per_expert, tma_descriptors,
+        traced=tracing_launches())
     fixed_desc = (2 if tma_descriptors == "device" else 1) if tma_ok else 0
     b_nk = b.stride(1) == 1  # an (E, K, N) view of HF's (E, N, K) weight: the layout the TMA descriptor reads
     def rows_through_descriptor() -> bool:
@@ -243,7 +248,7 @@ def launch_grouped_gemm(a: torch.Tensor, b: torch.Tensor, rows: Rows, out: torch
     def table_tma_ok() -> bool:
         """Whether this call can take a "tuned" TMA entry (hardware, dtype, weight strides; a static row count)."""
         return pairs is None and isinstance(num_rows, int) and tma_weights_apply(
-            a, b, b2, num_rows, num_experts, "tuned", tma_min_rows_per_expert, "device", traced=_traceable)
+            a, b, b2, num_rows, num_experts, "tuned", tma_min_rows_per_expert, "device", traced=tracing_launches())
 
     if decided is None:
         def meta_for(cfg: configs.LaunchConfig, split: int = 0, full_m: int = 1, b_desc: int = fixed_desc,
@@ -343,11 +348,11 @@ _GEMM_DECISIONS: dict[tuple, tuple[tuple[tuple[configs.LaunchConfig, dict], ...]
 
 
 def launch_kernel(kernel, grid: tuple, args: tuple, meta: dict) -> None:
-    """``kernel[grid](*args, **meta)``, or through ``wrap_triton`` while traced (see ``_traceable``): every launch of
-    ours (routing, GEMMs, combine) goes through here."""
+    """``kernel[grid](*args, **meta)``, or through ``wrap_triton`` while traced (see ``tracing_launches``): every
+    launch of ours (routing, GEMMs, combine) goes through here."""
     if isinstance(kernel, LazyKernel):
         kernel = kernel.resolve()
-    if _traceable:
+    if tracing_launches():
         from torch.library import wrap_triton
 
         wrap_triton(kernel)[grid](*args, **meta)
@@ -361,7 +366,7 @@ def launch_grouped_weight_grad(a: torch.Tensor, g: torch.Tensor, rows: Rows, dw:
     ``autotune`` as in ``launch_grouped_gemm``."""
     order, offsets, topk = rows
     num_experts, k_dim, n_dim = dw.shape
-    if _traceable:
+    if tracing_launches():
         num_experts, k_dim, n_dim = static_dim(num_experts), static_dim(k_dim), static_dim(n_dim)
     # rows per expert is the kernel's reduction length: a few hundred rows want other tiles than thousands
     bucket = configs.rows_bucket(size_hint(order.shape[0]) / max(num_experts, 1))
@@ -395,7 +400,7 @@ def launch_expert_row_sums(g: torch.Tensor, rows: Rows, out: torch.Tensor, *, g_
     num_experts, n_dim = out.shape
     if out.shape[1] > 1 and out.stride(1) != 1:
         raise ValueError(f"moe_inductor: expert row sums are written to dense rows; got strides {out.stride()}")
-    if _traceable:
+    if tracing_launches():
         num_experts, n_dim = static_dim(num_experts), static_dim(n_dim)
     block_m, block_n = (16, 32) if configs.interpreting() else (32, 128)
     with device_guard(g):
@@ -440,7 +445,7 @@ def launch_route(topk_ids: torch.Tensor, num_experts: int, capacity: Optional[in
     a symbolic row count (a dynamic graph) does, and a known one picks one launch when it fits in one chunk.
     """
     T, k = topk_ids.shape
-    if _traceable:
+    if tracing_launches():
         k, num_experts = static_dim(k), static_dim(num_experts)
     M = T * k
     ids = topk_ids.contiguous()
@@ -449,7 +454,7 @@ def launch_route(topk_ids: torch.Tensor, num_experts: int, capacity: Optional[in
     offsets = ids.new_empty(num_experts + 1, dtype=torch.int32)
     bins = next_pow2(num_experts + 1)
     if chunked is None:
-        chunked = _traceable and not isinstance(M, int)  # deciding on a symbolic M would guard on it
+        chunked = tracing_launches() and not isinstance(M, int)  # deciding on a symbolic M would guard on it
     if chunked:
         chunk = 16 if configs.interpreting() else CHUNK_ROWS
         num_chunks, single, t_rows = torch.sym_max(cdiv(M, chunk), 1), False, torch.sym_max(T, 1)
@@ -482,7 +487,7 @@ def launch_combine(rows: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
     T, k = topk_ids.shape
     H = rows.shape[1]
     y = rows.new_empty(T, H)
-    if _traceable:
+    if tracing_launches():
         k, H, num_experts = static_dim(k), static_dim(H), static_dim(num_experts)
     bias_c = bias.contiguous() if bias is not None else None
     if T > 0:
@@ -520,7 +525,7 @@ def launch_backward_middle(pre: torch.Tensor, g: torch.Tensor, routing: SortedRo
                          f"{d_up.storage_offset() if d_up is not None else None}")
     M, I = g.shape
     num_experts = routing.num_experts
-    if _traceable:
+    if tracing_launches():
         I, num_experts = static_dim(I), static_dim(num_experts)
     b1, b1_up = biases
     has_bias = b1 is not None
