@@ -29,7 +29,8 @@
 #   bash benchmarks/device_run.sh bwpath     # 128 rows per expert in training (OLMoE, GPT-OSS 1024; Qwen3 2048): the
 #                                            # backward on the engine (opaque) against ours, launched by Inductor (~9 min)
 #   bash benchmarks/device_run.sh bwtraced   # the engine's backward traced (config.visible_engine_backward): GPU tests,
-#                                            # then OLMoE/GPT-OSS 1024 and Qwen3 2048 training, kept / opaque / traced (~9 min)
+#                                            # then OLMoE's and GPT-OSS's 1024-token training step (Qwen3's 2048 with
+#                                            # "bwtraced qwen3"), experts kept / opaque ops / traced      (~10 min)
 #   bash benchmarks/device_run.sh ruletrain  # the 1024-token training values of five families (train_static; "train"
 #                                            # under MOE_INDUCTOR_VISIBLE_BACKWARD=0)                      (~9 min)
 #   bash benchmarks/device_run.sh gptoss     # GPT-OSS's experts on both engines: the op alone (fused against
@@ -172,15 +173,19 @@ case "${1:-suite}" in
       --json "$OUT/bench_hf_bwpath.json" --markdown "$OUT/bench_hf_bwpath.md" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_bwpath.log"
     grep "train" "$OUT/bench_hf_bwpath.log" | cut -c1-400 ;;
-  bwtraced)  # the engine's backward traced into Inductor's graph (config.visible_engine_backward): its GPU tests and
-             # the compile-once ones, then the static training steps whose backward the engine takes (128 rows per
-             # expert), experts kept against the opaque ops (rule off) against traced (moe_inductor_bw_traced)
-    timeout -s INT 150 python -m pytest tests/test_visible_backward.py tests/test_recompiles.py -m gpu -q \
+  bwtraced)  # the engine's backward traced into Inductor's graph (config.visible_engine_backward): its GPU tests, the
+             # engine's (whose middle now writes d_pre whole) and the compile-once ones, then the static training
+             # steps whose backward the engine takes (128 rows per expert), experts kept against the opaque ops (rule
+             # off) against traced (moe_inductor_bw_traced); Qwen3's 2048-token step as well with "bwtraced qwen3"
+    timeout -s INT 120 python -m pytest tests/test_visible_backward.py tests/test_recompiles.py -m gpu $WORKERS -q \
       -p no:warnings -rfE 2>&1 | grep -v torch.__trace | tail -6
+    timeout -s INT 90 python -m pytest tests/test_grouped_mm_engine.py $WORKERS -q -p no:warnings -rfE 2>&1 \
+      | grep -v torch.__trace | tail -4
     C=moe_inductor_experts_kept+moe_inductor_rule_off+moe_inductor_bw_traced
-    timeout 420 python benchmarks/bench_hf.py --deadline-s 405 --layers qwen3_moe=2 \
-      --budget olmoe=130 gpt_oss=140 qwen3_moe=130 \
-      --cells olmoe:train:1024:$C gpt_oss:train:1024:$C qwen3_moe:train:2048:$C \
+    CELLS="olmoe:train:1024:$C gpt_oss:train:1024:$C"
+    [ "${2:-}" = qwen3 ] && CELLS="qwen3_moe:train:2048:$C"
+    timeout 370 python benchmarks/bench_hf.py --deadline-s 355 --layers qwen3_moe=2 \
+      --budget olmoe=165 gpt_oss=185 qwen3_moe=300 --cells $CELLS \
       --json "$OUT/bench_hf_bwtraced.json" --markdown "$OUT/bench_hf_bwtraced.md" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_bwtraced.log"
     grep "train" "$OUT/bench_hf_bwtraced.log" | cut -c1-400
