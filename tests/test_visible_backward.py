@@ -231,6 +231,12 @@ def test_the_engines_backward_is_traced_only_under_its_setting(flag, engine, dty
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     assert not visible_backward.engine_backward_traceable(x, w2, False, ShapeEnv().create_unbacked_symint())
+    # biased layers (GPT-OSS's kind) keep the opaque ops: traced, its step asserted inside torch._grouped_mm
+    monkeypatch.setattr(config, "gemm_tma_descriptors", "device")
+    monkeypatch.setattr(config, "gemm_engine_backward", "grouped_mm")
+    assert grouped_mm_engine.may_take_backward_of(x, w2, True, rows)
+    assert visible_backward.engine_backward_traceable(x, w2, False, rows) is flag
+    assert not visible_backward.engine_backward_traceable(x, w2, True, rows)
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is missing")

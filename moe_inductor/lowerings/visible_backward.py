@@ -70,9 +70,15 @@ def backward_traceable(x: Tensor, w2: Tensor, biased: bool, num_rows) -> bool:
 
 def engine_backward_traceable(x: Tensor, w2: Tensor, biased: bool, num_rows) -> bool:
     """Whether a visible forward's backward, which the engine may take, is traced with the engine's GEMMs as graph
-    nodes (``config.visible_engine_backward``): a static row count and no host-made TMA descriptors. The engine's
-    own checks on the real layout still run while tracing; where they refuse, the traced body runs our kernels."""
-    if not config.visible_engine_backward or not isinstance(num_rows, int):
+    nodes (``config.visible_engine_backward``): a static row count, no host-made TMA descriptors, and no biases.
+    The engine's own checks on the real layout still run while tracing; where they refuse, the traced body runs our
+    kernels.
+
+    Layers with biases (GPT-OSS's kind, whose gate/up pairs are interleaved too) keep the opaque ops: traced, GPT-OSS's
+    1024-token step stopped on a device-side assert in ``torch._grouped_mm``'s group checks (a group's size along a
+    contiguous dynamic dimension not a multiple of 16 bytes) on the H100, where the opaque ops run the same GEMMs
+    (RESULTS.md, forty-second session)."""
+    if not config.visible_engine_backward or not isinstance(num_rows, int) or biased:
         return False
     if config.gemm_tma_descriptors == "host":
         return False
