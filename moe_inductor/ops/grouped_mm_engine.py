@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from .. import config
+from ..kernels.gather import gather_sorted_rows
 from ..kernels.launch import launch_activation, tracing_launches
 from ..kernels.weight_views import interleaved_pairs, same_storage
 from .activations import Activation
@@ -202,6 +203,15 @@ def _up_projection(rows: Tensor, w_up: UpWeights, group_ends: Tensor) -> Tensor:
     return torch.cat([torch._grouped_mm(rows, w, offs=group_ends) for w in w_up], 1)
 
 
+def _sorted_rows(x: Tensor, order: Tensor, topk: int) -> Tensor:
+    """The rows of ``x`` (T, H) in expert-sorted order, (M, H) row-major. Traced, our gather kernel writes them
+    (kernels/gather.py): Inductor's own gather, read through a transpose by a weight gradient's GEMM, would be laid
+    out with the grouped dimension contiguous, which ``torch._grouped_mm`` refuses on the device."""
+    if tracing_launches():
+        return gather_sorted_rows(x, order, topk)
+    return x.index_select(0, order.long() // topk)
+
+
 def _row_of(order: Tensor) -> Tensor:
     """The inverse permutation of ``order``: the sorted row of each assignment."""
     M = order.shape[0]
@@ -265,10 +275,10 @@ def middle_grads(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: UpWeights,
     group_ends = offsets[1:]
     token = order.long() // topk
     if pre.shape[0] != M:  # the forward did not keep it: the raw up projection again, as [gate | up] halves
-        pre = _up_projection(x.index_select(0, token), w_up, group_ends)
+        pre = _up_projection(_sorted_rows(x, order, topk), w_up, group_ends)
         if interleaved:
             pre = pre.view(M, I, 2).transpose(1, 2).reshape(M, 2 * I)
-    dy_sorted = dy.index_select(0, token)
+    dy_sorted = _sorted_rows(dy, order, topk)
     g = torch._grouped_mm(dy_sorted, w.w2.transpose(1, 2), offs=group_ends)  # d h, before the routing weight
     # Where the interleaved weight came whole, d_pre's columns are written as its (gate, up) pairs, which the whole
     # weight's gradient and dx's GEMM read as they are. Else they are [gate | up] halves: two gradients want dense
@@ -312,7 +322,7 @@ def up_grads(call: ExpertsCall, routed: Routed, w_up: UpWeights, d_pre: Tensor, 
     group_ends = offsets[1:]
     dw1 = dw1_up = None
     if needs.combined_gate_up or needs.w1 or needs.w1_up:
-        x_sorted = x.index_select(0, order.long() // topk)
+        x_sorted = _sorted_rows(x, order, topk)
         if needs.combined_gate_up and isinstance(w_up, Tensor):  # one GEMM over d_pre, its columns in d_pre's order (pairs seen as (E, H, I, 2))
             dw1 = _weight_grad(x_sorted, d_pre, group_ends, w_up)
             if paired:
