@@ -211,6 +211,30 @@ def assert_gpu_bf16_rewrite(model: torch.nn.Module, form: str, width: int = 16) 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def read_beside(context, read):
+    """(what ``read()`` returns inside ``context`` in a second thread, what it returns in this thread meanwhile):
+    whether a context's state leaks across threads."""
+    import threading
+
+    inside, release, seen = threading.Event(), threading.Event(), {}
+
+    def holding():
+        with context:
+            seen["inside"] = read()
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=holding)
+    t.start()
+    try:
+        assert inside.wait(10), "the second thread never entered the context"
+        seen["beside"] = read()
+    finally:
+        release.set()
+        t.join(10)
+    return seen["inside"], seen["beside"]
+
+
 def run_without_interpreter(call: str, timeout: int) -> str:
     """Run ``call``, a Python expression over this module's names (``"sm90_kernel_report()"``), in a fresh
     interpreter without TRITON_INTERPRET; its standard output. A failure raises with the process's stderr."""

@@ -378,27 +378,11 @@ def test_judging_as_in_one_thread_leaves_another_threads_compile_judged_by_its_o
     """explain() judges as Inductor inside ``judging_as``; a compile running meanwhile in another thread (Dynamo
     compiles in the calling thread) must still be judged by its own inner compiler, or explain() would change
     which layers another thread's compile rewrites."""
-    import threading
+    from tests.helpers import read_beside
 
-    inside, seen = threading.Event(), []
-    release = threading.Event()
-
-    def explaining():
-        with speed_rule.judging_as("inductor"):
-            seen.append(("explain", speed_rule.judged_inner("eager")))
-            inside.set()
-            release.wait(10)
-
-    t = threading.Thread(target=explaining)
-    t.start()
-    try:
-        assert inside.wait(10)
-        seen.append(("other", speed_rule.judged_inner("aot_eager")))
-    finally:
-        release.set()
-        t.join(10)
-    seen.append(("after", speed_rule.judged_inner("eager")))
-    assert seen == [("explain", "inductor"), ("other", "aot_eager"), ("after", "eager")], seen
+    inside, beside = read_beside(speed_rule.judging_as("inductor"), lambda: speed_rule.judged_inner("aot_eager"))
+    assert (inside, beside) == ("inductor", "aot_eager")
+    assert speed_rule.judged_inner("eager") == "eager"
 
 
 def test_rule_file_refuses_a_run_that_timed_recompiles(tmp_path):

@@ -372,25 +372,8 @@ def test_every_launch_passes_every_kernel_parameter(tma, triton_kernels, monkeyp
 def test_traceable_launches_in_one_thread_leave_another_threads_launches_as_they_are():
     """The visible op's body sets ``traceable_launches`` in the thread tracing it; an opaque op running meanwhile in
     another thread must keep its own launches and decisions (its engine, its autotuning)."""
-    import threading
-
     from moe_inductor.kernels.launch import traceable_launches, tracing_launches
+    from tests.helpers import read_beside
 
-    inside, release, seen = threading.Event(), threading.Event(), []
-
-    def tracing():
-        with traceable_launches():
-            seen.append(("tracing", tracing_launches()))
-            inside.set()
-            release.wait(10)
-
-    t = threading.Thread(target=tracing)
-    t.start()
-    try:
-        assert inside.wait(10)
-        seen.append(("other", tracing_launches()))
-    finally:
-        release.set()
-        t.join(10)
-    assert seen == [("tracing", True), ("other", False)], seen
+    assert read_beside(traceable_launches(), tracing_launches) == (True, False)
     assert not tracing_launches()
