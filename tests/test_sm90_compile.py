@@ -23,7 +23,7 @@ def test_every_kernel_compiles_and_fits(compiled):
     names = [k["name"] for k in compiled]
     for expected in ("gemm default bf16 m4096 gated=True", "wgrad default bf16", "backward middle act=5 gated=True",
                      "backward middle act=5 pairs", "expert row sums rows=1", "route place single=False", "route count", "combine",
-                     "combine indexed scaled", "activation act=5"):
+                     "combine indexed scaled", "activation act=5", "gather rows"):
         assert expected in names
     assert sum(name.startswith("gemm tuned") for name in names) >= 10  # the shipped H200 table, every entry
     too_big = [k for k in compiled if k["shared"] > H200_SHARED_MEMORY]
