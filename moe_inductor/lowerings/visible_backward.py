@@ -74,10 +74,10 @@ def engine_backward_traceable(x: Tensor, w2: Tensor, biased: bool, num_rows) -> 
     The engine's own checks on the real layout still run while tracing; where they refuse, the traced body runs our
     kernels.
 
-    Layers with biases (GPT-OSS's kind, whose gate/up pairs are interleaved too) keep the opaque ops: traced, GPT-OSS's
-    1024-token step stopped on a device-side assert in ``torch._grouped_mm``'s group checks (a group's size along a
-    contiguous dynamic dimension not a multiple of 16 bytes) on the H100, where the opaque ops run the same GEMMs
-    (RESULTS.md, forty-second session)."""
+    Layers with biases (GPT-OSS's kind) keep the opaque ops until their traced step has run on a GPU again: it
+    stopped on a device-side assert in ``torch._grouped_mm``'s group checks on the H100, because Inductor laid out
+    its own gather of the tokens with the grouped dimension contiguous for dW1's transposed read. The gathers are
+    ours now (``kernels/gather.py``), which keeps them row-major (RESULTS.md, forty-second session)."""
     if not config.visible_engine_backward or not isinstance(num_rows, int) or biased:
         return False
     if config.gemm_tma_descriptors == "host":
