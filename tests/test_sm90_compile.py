@@ -14,16 +14,18 @@ H200_SHARED_MEMORY = 232448  # bytes a block may use (227 KiB)
 
 @pytest.fixture(scope="module")
 def compiled():
-    """One line per kernel from tests/helpers.py's sm90_kernel_report, compiled in a process without the interpreter."""
-    out = run_without_interpreter("sm90_kernel_report()", timeout=900)
+    """One line per kernel from tests/sm90_report.py's sm90_kernel_report, compiled in a process without the
+    interpreter."""
+    out = run_without_interpreter("from tests.sm90_report import sm90_kernel_report; sm90_kernel_report()",
+                                  timeout=900)
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 def test_every_kernel_compiles_and_fits(compiled):
     names = [k["name"] for k in compiled]
     for expected in ("gemm default bf16 m4096 gated=True", "wgrad default bf16", "backward middle act=5 gated=True",
-                     "backward middle act=5 pairs", "expert row sums rows=1", "route place single=False", "route count", "combine",
-                     "combine indexed scaled", "activation act=5", "gather rows"):
+                     "backward middle act=5 pairs", "expert row sums rows=1", "route place single=False", "route count",
+                     "combine", "combine indexed scaled", "activation act=5", "gather rows"):
         assert expected in names
     assert sum(name.startswith("gemm tuned") for name in names) >= 10  # the shipped H200 table, every entry
     too_big = [k for k in compiled if k["shared"] > H200_SHARED_MEMORY]
