@@ -35,7 +35,6 @@ import torch
 from torch import Tensor
 
 from .. import config
-from ..kernels.gather import gather_sorted_rows
 from ..kernels.launch import launch_activation, tracing_launches
 from ..kernels.weight_views import interleaved_pairs, same_storage
 from .activations import Activation
@@ -208,6 +207,8 @@ def _sorted_rows(x: Tensor, order: Tensor, topk: int) -> Tensor:
     (kernels/gather.py): Inductor's own gather, read through a transpose by a weight gradient's GEMM, would be laid
     out with the grouped dimension contiguous, which ``torch._grouped_mm`` refuses on the device."""
     if tracing_launches():
+        from ..kernels.gather import gather_sorted_rows  # (imports triton: installs without it never trace)
+
         return gather_sorted_rows(x, order, topk)
     return x.index_select(0, order.long() // topk)
 
