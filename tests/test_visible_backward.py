@@ -161,29 +161,38 @@ def _errors(model, ref_model, out, ref):
 def test_gpu_a_compiled_training_step_launches_the_backward_from_inductors_wrapper(dtype, T, monkeypatch):
     """A gathered-weights MoE's training step with a static token count: the compiled backward launches our
     kernels itself (no opaque backward op left in its code), and the output and every gradient are as close to
-    eager's as the opaque ops' compiled step is. The model's unscaled weights make gradients of 1e4 to 1e5, where
-    one bf16 ulp is 64 to 512, so the opaque ops' own error is the measure."""
+    eager's as the opaque ops' compiled step is (``_compiled_on_against_off``)."""
+    monkeypatch.setattr(config, "visible_kernels", True)
+    texts = _compiled_on_against_off(monkeypatch, dtype, T, "visible_backward", "backward")
+    assert "backward_middle_kernel" in texts[True] and "grouped_weight_grad_kernel" in texts[True]
+    assert "moe_inductor.experts_backward" not in texts[True]  # neither opaque half is called
+    assert "moe_inductor.experts_backward_middle.default" in texts[False]  # the control did take the opaque ops
+
+
+def _compiled_on_against_off(monkeypatch, dtype, T: int, setting: str, counter: str) -> dict:
+    """A gathered-weights MoE's compiled training step over T tokens with ``config.<setting>`` on and off: each
+    compile counts ``counter`` (moe_inductor_visible) once when on and never when off, and the output and every
+    gradient of the step with it on are as close to eager's as the step with it off (the opaque ops) is. The
+    model's unscaled weights make gradients of 1e4 to 1e5, where one bf16 ulp is 64 to 512, so the opaque ops' own
+    error is the measure. Returns each step's generated code, by the setting's value."""
     from tests.test_pass_gathered_weights import GatheredMoE
 
-    monkeypatch.setattr(config, "visible_kernels", True)
     torch.manual_seed(0)
     x = torch.randn(T, 16, device="cuda", dtype=dtype)
     ref_model = GatheredMoE("gptfast").to("cuda", dtype)
     ref = _compiled_step(ref_model, x.clone().requires_grad_())
     errors, texts = {}, {}
-    for visible in (True, False):
-        monkeypatch.setattr(config, "visible_backward", visible)
+    for on in (True, False):
+        monkeypatch.setattr(config, setting, on)
         model, out, codes = _compiled_copy_step(ref_model, x)
-        texts[visible] = "\n".join(codes)
-        errors[visible] = _errors(model, ref_model, out, ref)
-        assert counters["moe_inductor_visible"]["backward"] == (1 if visible else 0)
-    assert "backward_middle_kernel" in texts[True] and "grouped_weight_grad_kernel" in texts[True]
-    assert "moe_inductor.experts_backward" not in texts[True]  # neither opaque half is called
-    assert "moe_inductor.experts_backward_middle.default" in texts[False]  # the control did take the opaque ops
+        texts[on] = "\n".join(codes)
+        errors[on] = _errors(model, ref_model, out, ref)
+        assert counters["moe_inductor_visible"][counter] == (1 if on else 0)
     ulp = torch.finfo(dtype).eps
     for name, err in errors[True].items():
         scale = ref.abs().max().item() if name == "out" else ref_model.get_parameter(name).grad.abs().max().item()
         assert err <= 2 * errors[False][name] + 4 * ulp * scale, (name, err, errors[False][name], scale)
+    return texts
 
 
 @pytest.mark.gpu
@@ -297,23 +306,6 @@ def test_gpu_a_compiled_step_traces_the_engines_backward(T, monkeypatch):
     monkeypatch.setattr(config, "visible_kernels", True)
     monkeypatch.setattr(config, "gemm_engine", "triton")
     monkeypatch.setattr(config, "gemm_engine_backward", "grouped_mm")
-    dtype = torch.bfloat16
-    torch.manual_seed(0)
-    x = torch.randn(T, 16, device="cuda", dtype=dtype)
-    from tests.test_pass_gathered_weights import GatheredMoE
-
-    ref_model = GatheredMoE("gptfast").to("cuda", dtype)
-    ref = _compiled_step(ref_model, x.clone().requires_grad_())
-    errors, texts = {}, {}
-    for traced in (True, False):
-        monkeypatch.setattr(config, "visible_engine_backward", traced)
-        model, out, codes = _compiled_copy_step(ref_model, x)
-        texts[traced] = "\n".join(codes)
-        errors[traced] = _errors(model, ref_model, out, ref)
-        assert counters["moe_inductor_visible"]["engine_backward"] == (1 if traced else 0)
+    texts = _compiled_on_against_off(monkeypatch, torch.bfloat16, T, "visible_engine_backward", "engine_backward")
     assert "moe_inductor.experts_backward" not in texts[True] and "_grouped_mm" in texts[True]
     assert "moe_inductor.experts_backward_middle.default" in texts[False]
-    ulp = torch.finfo(dtype).eps
-    for name, err in errors[True].items():
-        scale = ref.abs().max().item() if name == "out" else ref_model.get_parameter(name).grad.abs().max().item()
-        assert err <= 2 * errors[False][name] + 4 * ulp * scale, (name, err, errors[False][name], scale)
