@@ -164,7 +164,7 @@ def sm90_kernel_report() -> None:
                           dict(GATED=True, ACT=act, BLOCK_M=8, BLOCK_I=512), floats=("alpha", "limit"))
     from moe_inductor.kernels.gather import gather_rows_kernel
 
-    _compile_for_sm90("gather rows", gather_rows_kernel, {"p_x": "*bf16", "p_out": "*bf16"},
+    _compile_for_sm90("gather rows", gather_rows_kernel, {"p_x": "*bf16", "p_out": "*bf16", "p_rows": "*i64"},
                       dict(BLOCK_M=32, BLOCK_N=128))
     _compile_for_sm90("activation separate up", activation_kernel,
                       {"p_pre": "*bf16", "p_h": "*bf16", "p_up_in": "*bf16", "p_pre_out": "*bf16"},

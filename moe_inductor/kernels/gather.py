@@ -1,4 +1,4 @@
-"""Rows of a token-major tensor in expert-sorted order: out[i, :] = x[order[i] // topk, :].
+"""Rows of a tensor by index, in a fresh row-major tensor: out[i, :] = x[rows[i], :].
 
 The engine's traced backward (``config.visible_engine_backward``) gathers its GEMM operands with this kernel rather
 than ``index_select``. Inductor lays out its own gather for its consumer: read only through a transpose by a weight
@@ -17,21 +17,21 @@ from .launch import cdiv, device_guard, launch_kernel, static_dim, tracing_launc
 
 
 @triton.jit
-def gather_rows_kernel(p_x, p_out, p_order, M, N, topk, stride_xm, stride_xn, stride_om,
+def gather_rows_kernel(p_x, p_out, p_rows, M, N, stride_xm, stride_xn, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     o_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_m = o_m < M
     mask = m_m[:, None] & (o_n < N)[None, :]
-    token = (tl.load(p_order + o_m, mask=m_m, other=0) // topk).to(tl.int64)
-    v = tl.load(p_x + token[:, None] * stride_xm + o_n[None, :] * stride_xn, mask=mask)
+    row = tl.load(p_rows + o_m, mask=m_m, other=0).to(tl.int64)
+    v = tl.load(p_x + row[:, None] * stride_xm + o_n[None, :] * stride_xn, mask=mask)
     tl.store(p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :], v, mask=mask)
 
 
-def gather_sorted_rows(x: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
-    """(M, H): the row of ``x`` (T, H) each expert-sorted assignment of ``order`` (M,) reads, in a fresh row-major
-    tensor."""
-    M, H = order.shape[0], x.shape[1]
+def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """(M, H): ``x.index_select(0, rows)`` for ``x`` (T, H) and ``rows`` (M,), written by our kernel into a fresh
+    row-major tensor."""
+    M, H = rows.shape[0], x.shape[1]
     out = x.new_empty(M, H)
     if tracing_launches():
         H = static_dim(H)
@@ -39,6 +39,6 @@ def gather_sorted_rows(x: torch.Tensor, order: torch.Tensor, topk: int) -> torch
     if M:
         with device_guard(x):
             launch_kernel(gather_rows_kernel, (cdiv(M, block_m), cdiv(H, block_n)),
-                          (x, out, order, M, H, topk, x.stride(0), x.stride(1), out.stride(0)),
+                          (x, out, rows, M, H, x.stride(0), x.stride(1), out.stride(0)),
                           dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4))
     return out

@@ -202,15 +202,16 @@ def _up_projection(rows: Tensor, w_up: UpWeights, group_ends: Tensor) -> Tensor:
     return torch.cat([torch._grouped_mm(rows, w, offs=group_ends) for w in w_up], 1)
 
 
-def _sorted_rows(x: Tensor, order: Tensor, topk: int) -> Tensor:
-    """The rows of ``x`` (T, H) in expert-sorted order, (M, H) row-major. Traced, our gather kernel writes them
-    (kernels/gather.py): Inductor's own gather, read through a transpose by a weight gradient's GEMM, would be laid
-    out with the grouped dimension contiguous, which ``torch._grouped_mm`` refuses on the device."""
+def _sorted_rows(x: Tensor, token: Tensor) -> Tensor:
+    """The rows of ``x`` (T, H) in expert-sorted order (``token``: each sorted row's token), (M, H) row-major.
+    Traced, our gather kernel writes them (kernels/gather.py): Inductor's own gather, read through a transpose by a
+    weight gradient's GEMM, would be laid out with the grouped dimension contiguous, which ``torch._grouped_mm``
+    refuses on the device."""
     if tracing_launches():
-        from ..kernels.gather import gather_sorted_rows  # (imports triton: installs without it never trace)
+        from ..kernels.gather import gather_rows  # (imports triton: installs without it never trace)
 
-        return gather_sorted_rows(x, order, topk)
-    return x.index_select(0, order.long() // topk)
+        return gather_rows(x, token)
+    return x.index_select(0, token)
 
 
 def _row_of(order: Tensor) -> Tensor:
@@ -276,10 +277,10 @@ def middle_grads(dy: Tensor, call: ExpertsCall, routed: Routed, w_up: UpWeights,
     group_ends = offsets[1:]
     token = order.long() // topk
     if pre.shape[0] != M:  # the forward did not keep it: the raw up projection again, as [gate | up] halves
-        pre = _up_projection(_sorted_rows(x, order, topk), w_up, group_ends)
+        pre = _up_projection(_sorted_rows(x, token), w_up, group_ends)
         if interleaved:
             pre = pre.view(M, I, 2).transpose(1, 2).reshape(M, 2 * I)
-    dy_sorted = _sorted_rows(dy, order, topk)
+    dy_sorted = _sorted_rows(dy, token)
     g = torch._grouped_mm(dy_sorted, w.w2.transpose(1, 2), offs=group_ends)  # d h, before the routing weight
     # Where the interleaved weight came whole, d_pre's columns are written as its (gate, up) pairs, which the whole
     # weight's gradient and dx's GEMM read as they are. Else they are [gate | up] halves: two gradients want dense
@@ -323,7 +324,7 @@ def up_grads(call: ExpertsCall, routed: Routed, w_up: UpWeights, d_pre: Tensor, 
     group_ends = offsets[1:]
     dw1 = dw1_up = None
     if needs.combined_gate_up or needs.w1 or needs.w1_up:
-        x_sorted = _sorted_rows(x, order, topk)
+        x_sorted = _sorted_rows(x, order.long() // topk)
         if needs.combined_gate_up and isinstance(w_up, Tensor):  # one GEMM over d_pre, its columns in d_pre's order (pairs seen as (E, H, I, 2))
             dw1 = _weight_grad(x_sorted, d_pre, group_ends, w_up)
             if paired:
