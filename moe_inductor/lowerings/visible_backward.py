@@ -78,11 +78,10 @@ def engine_backward_traceable(x: Tensor, w2: Tensor, biased: bool, num_rows) -> 
     stopped on a device-side assert in ``torch._grouped_mm``'s group checks on the H100, because Inductor laid out
     its own gather of the tokens with the grouped dimension contiguous for dW1's transposed read. The gathers are
     ours now (``kernels/gather.py``), which keeps them row-major (RESULTS.md, forty-second session)."""
-    if not config.visible_engine_backward or not isinstance(num_rows, int) or biased:
+    if (not config.visible_engine_backward or not isinstance(num_rows, int) or biased
+            or config.gemm_tma_descriptors == "host"):
         return False
-    if config.gemm_tma_descriptors == "host":
-        return False
-    return grouped_mm_engine.may_take_backward_of(x, w2, biased, num_rows)
+    return grouped_mm_engine.may_take_backward_of(x, w2, False, num_rows)
 
 
 def pick_backward_ops(x: Tensor, w2: Tensor, biased: bool, order: Tensor) -> tuple[Callable, Callable]:
