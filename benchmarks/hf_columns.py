@@ -11,15 +11,14 @@ from hf_families import BW_FUSED, BW_TRACED, ENGINE, EXPERTS_KEPT, FUSED, RULE_O
 
 def moe_backend(column: str):
     """The backend a moe_inductor column compiles with: by name, with no MoE form rewritten (``EXPERTS_KEPT``), or,
-    for the columns that differ only in a setting read while tracing (``RULE_OFF``, ``TAIL_OFF``, ``TMA_AUTO``,
-    ``TMA_OFF``, ``FUSED``, ``ENGINE``, ``BW_FUSED``, ``BW_TRACED``), a backend object of their own: Dynamo keeps
-    one compiled entry per backend, so in the interleaved rounds a column sharing "moe_inductor" would run the other
-    column's compile."""
+    for the columns that differ only in a setting read while tracing (``RULE_OFF`` and every column of
+    ``_SETTINGS``), a backend object of their own: Dynamo keeps one compiled entry per backend, so in the
+    interleaved rounds a column sharing "moe_inductor" would run the other column's compile."""
     import moe_inductor
 
     if column == EXPERTS_KEPT:
         return moe_inductor.with_options(forms=())
-    if column in (RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF, FUSED, ENGINE, BW_FUSED, BW_TRACED):
+    if column == RULE_OFF or column in _SETTINGS:
         return moe_inductor.with_options()
     return "moe_inductor"
 
