@@ -240,12 +240,15 @@ def test_the_engines_backward_is_traced_only_under_its_setting(flag, engine, dty
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     assert not visible_backward.engine_backward_traceable(x, w2, False, ShapeEnv().create_unbacked_symint())
-    # biased layers (GPT-OSS's kind) keep the opaque ops: traced, its step asserted inside torch._grouped_mm
+    # biased layers (GPT-OSS's kind) follow the engine's biased rule: traced wherever it may take them
     monkeypatch.setattr(config, "gemm_tma_descriptors", "device")
-    monkeypatch.setattr(config, "gemm_engine_backward", "grouped_mm")
-    assert grouped_mm_engine.may_take_backward_of(x, w2, True, rows)
-    assert visible_backward.engine_backward_traceable(x, w2, False, rows) is flag
-    assert not visible_backward.engine_backward_traceable(x, w2, True, rows)
+    monkeypatch.setattr(config, "gemm_engine_backward", None)
+    big_w2 = _fake((E, 2880, 2880), dtype)
+    per = config.grouped_mm_biased_backward_min_rows_per_expert
+    if dtype == torch.bfloat16:
+        assert visible_backward.engine_backward_traceable(x, big_w2, True, per * E) is flag
+    assert not visible_backward.engine_backward_traceable(x, big_w2, True, per * E // 2)
+    assert not visible_backward.engine_backward_traceable(x, w2, True, rows)  # experts too small for the biased rule
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is missing")
@@ -309,3 +312,39 @@ def test_gpu_a_compiled_step_traces_the_engines_backward(T, monkeypatch):
     texts = _compiled_on_against_off(monkeypatch, torch.bfloat16, T, "visible_engine_backward", "engine_backward")
     assert "moe_inductor.experts_backward" not in texts[True] and "_grouped_mm" in texts[True]
     assert "moe_inductor.experts_backward_middle.default" in texts[False]
+
+
+@pytest.mark.gpu
+def test_gpu_gptoss_traced_engine_backward_takes_groups_of_any_size(monkeypatch):
+    """A tiny HF GPT-OSS (biases, its (E, H, 2I) interleaved gate/up weight read transposed for dW1), bf16, the
+    engine forced, compiled with the engine's backward traced: groups of sizes that are not multiples of 8 run (the
+    gathers' layout is ours), no opaque backward op is called, and every experts gradient is as
+    close to eager's as the opaque ops' compiled step is."""
+    from torch._inductor.utils import run_and_get_code
+
+    from tests.hf_models import tiny
+
+    monkeypatch.setattr(config, "speed_rule", False)
+    monkeypatch.setattr(config, "gemm_engine", "grouped_mm")
+    model = tiny("gpt_oss").to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1)).to("cuda")
+    ref = model(ids, labels=ids).loss
+    ref.backward()
+    want = {n: p.grad.float().clone() for n, p in model.named_parameters() if "experts" in n}
+    errors, texts = {}, {}
+    for on in (True, False):
+        monkeypatch.setattr(config, "visible_engine_backward", on)
+        model.zero_grad()
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend="moe_inductor", dynamic=False)
+        _, codes = run_and_get_code(lambda: compiled(ids, labels=ids).loss.backward())
+        texts[on] = "\n".join(codes)
+        assert counters["moe_inductor_visible"]["engine_backward"] == (2 if on else 0)
+        errors[on] = {n: (p.grad.float() - want[n]).abs().max().item()
+                      for n, p in model.named_parameters() if "experts" in n}
+    assert len(errors[True]) == 8  # gate_up_proj, its bias, down_proj, its bias, in each of 2 layers
+    assert "moe_inductor.experts_backward" not in texts[True] and "_grouped_mm" in texts[True]
+    ulp = torch.finfo(torch.bfloat16).eps
+    for name, err in errors[True].items():
+        assert err <= 2 * errors[False][name] + 4 * ulp * want[name].abs().max().item(), (name, err, errors[False])

@@ -70,18 +70,15 @@ def backward_traceable(x: Tensor, w2: Tensor, biased: bool, num_rows) -> bool:
 
 def engine_backward_traceable(x: Tensor, w2: Tensor, biased: bool, num_rows) -> bool:
     """Whether a visible forward's backward, which the engine may take, is traced with the engine's GEMMs as graph
-    nodes (``config.visible_engine_backward``): a static row count, no host-made TMA descriptors, and no biases.
-    The engine's own checks on the real layout still run while tracing; where they refuse, the traced body runs our
-    kernels.
+    nodes (``config.visible_engine_backward``): a static row count and no host-made TMA descriptors. The engine's
+    own checks on the real layout still run while tracing; where they refuse, the traced body runs our kernels.
 
-    Layers with biases (GPT-OSS's kind) keep the opaque ops until their traced step has run on a GPU again: it
-    stopped on a device-side assert in ``torch._grouped_mm``'s group checks on the H100, because Inductor laid out
-    its own gather of the tokens with the grouped dimension contiguous for dW1's transposed read. The gathers are
-    ours now (``kernels/gather.py``), which keeps them row-major (RESULTS.md, forty-second session)."""
-    if (not config.visible_engine_backward or not isinstance(num_rows, int) or biased
-            or config.gemm_tma_descriptors == "host"):
+    The gathers of the tokens that the weight gradients read are our kernel (``kernels/gather.py``), not
+    Inductor's: Inductor lays out its own gather, read through dW1's transpose (GPT-OSS's (E, H, 2I) weight), with
+    the grouped dimension contiguous, and ``torch._grouped_mm`` then asserts on any group not a multiple of 8."""
+    if not config.visible_engine_backward or not isinstance(num_rows, int) or config.gemm_tma_descriptors == "host":
         return False
-    return grouped_mm_engine.may_take_backward_of(x, w2, False, num_rows)
+    return grouped_mm_engine.may_take_backward_of(x, w2, biased, num_rows)
 
 
 def pick_backward_ops(x: Tensor, w2: Tensor, biased: bool, order: Tensor) -> tuple[Callable, Callable]:
