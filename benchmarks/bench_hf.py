@@ -335,6 +335,7 @@ def cell_text(cell) -> str:
 def versions(device: str) -> dict:
     import transformers
 
+    from moe_inductor import config
     from moe_inductor.speed_rule import visible_backward_on
 
     try:
@@ -346,7 +347,8 @@ def versions(device: str) -> dict:
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "triton": triton_version, "transformers": transformers.__version__,
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "visible_backward": visible_backward_on()}  # which training values rule_file.py files from the rows
+            # which training values rule_file.py files from the rows
+            "visible_backward": visible_backward_on(), "visible_engine_backward": config.visible_engine_backward}
 
 
 def run_family(cells, args) -> list:

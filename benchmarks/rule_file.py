@@ -11,7 +11,7 @@ decides from the mode (and, in training, whether the step is long: ``speed_rule.
 size. A training step of ``speed_rule.TRAIN_LONG_MIN_TOKENS`` tokens or more also files its value as "train_long",
 the value such steps are judged by; "train" stays the worst over every training size. A training row whose own
 backward was the visible one (a run with it on, ``meta["visible_backward"]``, and a layer and size it takes:
-``speed_rule.backward_traced``) files no "train", the opaque ops' value: a shorter step files "train_static"
+``speed_rule.backward_traced``, the engine's traced backward counted where ``meta["visible_engine_backward"]``) files no "train", the opaque ops' value: a shorter step files "train_static"
 instead (``speed_rule.filed_modes``). A GPU without a file is
 judged by the other GPUs' files with a margin
 (``speed_rule.UNMEASURED_GPU_MARGIN``); with one, a layer kind below 1.0 in a mode keeps Inductor's path there.
@@ -58,6 +58,20 @@ def layer_kind(family: str) -> dict:
             "shape": [widths["hidden_size"], inner, experts, widths["num_experts_per_tok"]]}
 
 
+def traced_in(meta: dict, tokens: int, kind: dict) -> bool:
+    """Whether a training row of ``tokens`` tokens of a run with the visible backward on (its ``meta``) had its
+    backward traced into Inductor's graph (``speed_rule.backward_traced``), under the run's own
+    ``visible_engine_backward`` (which the run's meta records; a run without it had it off), not this process's."""
+    from moe_inductor import config
+
+    saved = config.visible_engine_backward
+    config.visible_engine_backward = bool(meta.get("visible_engine_backward"))
+    try:
+        return backward_traced(tokens, kind["shape"], kind["bias"])
+    finally:
+        config.visible_engine_backward = saved
+
+
 def measured(runs: Iterable[dict]) -> tuple[Optional[str], dict]:
     """(the GPU the runs measured, {family: {mode: worst value over its sizes}}) from bench_hf JSON documents. Runs
     of different GPUs are refused: one file holds one GPU's measurements."""
@@ -74,7 +88,7 @@ def measured(runs: Iterable[dict]) -> tuple[Optional[str], dict]:
                                  "graph breaks, not the rewrite: nothing is filed (fix them and measure again)")
             modes = worst.setdefault(v["family"], {})
             kind = layer_kind(v["family"])  # whether this row's own backward was the visible one
-            row_visible = visible and backward_traced(v["size"], kind["shape"], kind["bias"])
+            row_visible = visible and traced_in(meta, v["size"], kind)
             for mode in filed_modes(v["mode"], v["size"], row_visible):
                 modes[mode] = min(modes.get(mode, float("inf")), v["value"])
     gpus.discard(None)

@@ -357,10 +357,11 @@ def backward_visible(tokens: Optional[int], shape: tuple, bias: bool, dtype: Opt
 
 def backward_traced(tokens: Optional[int], shape: tuple, bias: bool, dtype: Optional[torch.dtype] = None) -> bool:
     """``backward_visible`` but for the settings that switch the visible backward on (the benchmarks' filers ask it
-    of a run that had them on)."""
+    of a run that had them on). A backward the ``torch._grouped_mm`` engine takes counts where
+    ``config.visible_engine_backward`` traces it too (``visible_backward.engine_backward_traceable``)."""
     if tokens is None or len(shape) != 4:
         return False
-    from .lowerings.visible_backward import backward_traceable
+    from .lowerings.visible_backward import backward_traceable, engine_backward_traceable
     from .ops import grouped_mm_engine
 
     H, I, E, k = (int(n) for n in shape)
@@ -369,7 +370,8 @@ def backward_traced(tokens: Optional[int], shape: tuple, bias: bool, dtype: Opti
     rows = tokens * k
     if grouped_mm_engine.may_take_experts_of(w2, bias, rows):
         return False
-    return backward_traceable(torch.empty((tokens, H), dtype=dtype, device="meta"), w2, bias, rows)
+    x = torch.empty((tokens, H), dtype=dtype, device="meta")
+    return backward_traceable(x, w2, bias, rows) or engine_backward_traceable(x, w2, bias, rows)
 
 
 def mode_of(x: torch.Tensor, weights: tuple, shape: tuple = (), bias: bool = False) -> str:

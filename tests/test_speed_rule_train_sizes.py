@@ -176,10 +176,11 @@ def test_rule_file_files_a_visible_runs_training_rows_apart(tmp_path):
 
     from benchmarks import rule_file
 
-    def run(visible, kept, rewritten, family, name):
+    def run(visible, kept, rewritten, family, name, engine=False):
         rows = [dict(family=family, layers=2, mode="train", size=1024, column=column, value=value, unit="ms")
                 for column, value in (("moe_inductor_experts_kept", kept), ("moe_inductor_rule_off", rewritten))]
-        meta = {"device": "TEST GPU", **({"visible_backward": True} if visible else {})}
+        meta = {"device": "TEST GPU", **({"visible_backward": True} if visible else {}),
+                **({"visible_engine_backward": True} if engine else {})}
         path = tmp_path / f"run_{name}.json"
         path.write_text(json.dumps({"meta": meta, "rows": rows}))
         return str(path)
@@ -193,6 +194,28 @@ def test_rule_file_files_a_visible_runs_training_rows_apart(tmp_path):
     path = rule_file.main([run(True, 9.13, 8.91, "gpt_oss", "c"), "--out-dir", str(tmp_path), "--write"])
     gptoss = next(e for e in json.loads(path.read_text())["layers"] if e["name"] == rule_file.layer_kind("gpt_oss")["name"])
     assert gptoss["train"] == 1.02 and TRAIN_STATIC not in gptoss, gptoss
+    # a run that traced the engine's backward (config.visible_engine_backward, in its meta) files GPT-OSS's
+    # 1024-token step apart, whatever this process's setting
+    path = rule_file.main([run(True, 9.03, 8.12, "gpt_oss", "d", engine=True), "--out-dir", str(tmp_path),
+                           "--write"])
+    gptoss = next(e for e in json.loads(path.read_text())["layers"] if e["name"] == rule_file.layer_kind("gpt_oss")["name"])
+    assert gptoss["train"] == 1.02 and gptoss[TRAIN_STATIC] == 1.11, gptoss
+    assert config.visible_engine_backward is False
+
+
+def test_the_engines_traced_backward_counts_as_visible_under_its_setting(monkeypatch):
+    """GPT-OSS's 1024-token step (128 rows per expert: the engine's backward) is "train" with the engine's
+    backward opaque and "train_static" where ``config.visible_engine_backward`` traces it."""
+    gptoss = (2880, 2880, 32, 4)
+    assert not speed_rule.backward_traced(1024, gptoss, True)
+    assert not speed_rule.backward_visible(1024, gptoss, True)
+    monkeypatch.setattr(config, "visible_engine_backward", True)
+    assert speed_rule.backward_traced(1024, gptoss, True)
+    assert speed_rule.backward_visible(1024, gptoss, True)
+    monkeypatch.setattr(config, "gemm_tma_descriptors", "host")  # a traced launch cannot take those
+    assert not speed_rule.backward_traced(1024, gptoss, True)
+    monkeypatch.setattr(config, "gemm_tma_descriptors", "device")
+    assert speed_rule.mode_from(True, 1024, speed_rule.backward_visible(1024, gptoss, True)) == TRAIN_STATIC
 
 
 def test_another_gpus_long_value_asks_the_margin():
