@@ -31,6 +31,8 @@
 #   bash benchmarks/device_run.sh bwtraced   # the engine's backward traced (config.visible_engine_backward): GPU tests,
 #                                            # then OLMoE's and GPT-OSS's 1024-token training step (Qwen3's 2048 with
 #                                            # "bwtraced qwen3"), experts kept / opaque ops / traced      (~10 min)
+#   bash benchmarks/device_run.sh bwtracedab [family:T ...] # the engine's backward opaque against traced in those
+#                                            # training steps (default gpt_oss:1024 mixtral:1024), after its GPU tests
 #   bash benchmarks/device_run.sh ruletrain  # the 1024-token training values of five families (train_static; "train"
 #                                            # under MOE_INDUCTOR_VISIBLE_BACKWARD=0)                      (~9 min)
 #   bash benchmarks/device_run.sh gptoss     # GPT-OSS's experts on both engines: the op alone (fused against
@@ -190,6 +192,19 @@ case "${1:-suite}" in
       | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_bwtraced.log"
     grep "train" "$OUT/bench_hf_bwtraced.log" | cut -c1-400
     python benchmarks/graphs_check.py "$OUT/bench_hf_bwtraced.json" ;;
+  bwtracedab)  # the engine's backward opaque (rule off) against traced (moe_inductor_bw_traced) in the training
+               # steps given as family:T arguments (default GPT-OSS's and Mixtral's 1024, biased and not), after the
+               # traced path's GPU tests; every column one graph (graphs_check.py)                    (~9 min)
+    shift
+    timeout -s INT 150 python -m pytest tests/test_visible_backward.py -m gpu $WORKERS -q -p no:warnings -rfE 2>&1 \
+      | grep -v torch.__trace | tail -6
+    C=moe_inductor_rule_off+moe_inductor_bw_traced
+    CELLS=""; for c in ${@:-gpt_oss:1024 mixtral:1024}; do CELLS="$CELLS ${c%%:*}:train:${c##*:}:$C"; done
+    timeout 420 python benchmarks/bench_hf.py --deadline-s 405 --budget-s 200 --cells $CELLS \
+      --json "$OUT/bench_hf_bwtracedab.json" --markdown "$OUT/bench_hf_bwtracedab.md" 2>&1 \
+      | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_bwtracedab.log"
+    grep "train\|Error" "$OUT/bench_hf_bwtracedab.log" | cut -c1-400
+    python benchmarks/graphs_check.py "$OUT/bench_hf_bwtracedab.json" ;;
   listtrain)
     { timeout 200 python benchmarks/bench_list_train.py --tokens 4096 16 --modes train forward
       timeout 200 python benchmarks/bench_list_train.py --tokens 4096 16 --widths 2048 1408 64 6 --modes train forward
