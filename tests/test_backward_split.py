@@ -13,10 +13,11 @@ from helpers import make_problem
 
 
 def _args(activation: str = "silu_glu", bias: bool = True, gate_up: str = "concat", T: int = 7, E: int = 5,
-          dtype: torch.dtype = torch.float32, needs=None, device: str = "cpu"):
-    """Forward outputs and the backward's arguments of one call, as ``experts_backward`` takes them."""
+          dtype: torch.dtype = torch.float32, needs=None, device: str = "cpu", layout: str = "nk"):
+    """Forward outputs and the backward's arguments of one call, as ``experts_backward`` takes them (``layout``:
+    the weights as held, ``make_problem``'s)."""
     p = make_problem(T, 16, 8, E, 2, dtype=dtype, activation=activation, bias=bias, gate_up=gate_up,
-                     requires_grad=False, device=device)
+                     requires_grad=False, device=device, layout=layout)
     views = expert_weight_views(p.w1, p.w2, p.b1, activation=activation, layout=p.layout, gate_up=gate_up)
     w1, w1_up, w2, b1, b1_up = views
     b2 = p.b2 if bias else None

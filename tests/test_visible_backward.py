@@ -255,7 +255,8 @@ def test_the_engines_backward_is_traced_only_under_its_setting(flag, engine, dty
 @pytest.mark.skipif(not _visible_ops_take_triton(), reason="this torch's wrap_triton refuses interpreted kernels")
 @pytest.mark.parametrize("activation,bias,gate_up,whole", [
     ("silu_glu", False, "concat", (False, False)), ("silu_glu", False, "concat", (True, False)),
-    ("silu_glu", True, "concat", (False, False)), ("silu", False, "concat", (False, False))])
+    ("silu_glu", True, "concat", (False, False)), ("silu", False, "concat", (False, False)),
+    ("gptoss_glu", True, "interleaved", (False, False))])
 @pytest.mark.parametrize("T", [1, 7])
 def test_the_visible_ops_run_the_engine_where_it_is_traced(activation, bias, gate_up, whole, T, triton_kernels,
                                                           monkeypatch):
@@ -271,7 +272,9 @@ def test_the_visible_ops_run_the_engine_where_it_is_traced(activation, bias, gat
                             lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
     gated = activation != "silu"
     needs = [True, True, True, gated, True, bias, bias and gated, bias, *whole]
-    args = _args(activation, bias, gate_up, T=T, needs=needs, dtype=torch.bfloat16, device=DEVICE)
+    # GPT-OSS's weight as it lies: (E, H, 2I), the pairs interleaved along its columns, read in place by the engine
+    layout = "kn" if gate_up == "interleaved" else "nk"
+    args = _args(activation, bias, gate_up, T=T, needs=needs, dtype=torch.bfloat16, device=DEVICE, layout=layout)
     dy, *shared, pre, order, sorted_expert, offsets, act, position, alpha, limit, dropped, needs = args
     options = (order, sorted_expert, offsets, act, position, alpha, limit, dropped, needs)
     middle = torch.ops.moe_inductor.experts_backward_middle_visible(dy, *shared, pre, *options)
