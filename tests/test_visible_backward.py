@@ -328,7 +328,8 @@ def test_gpu_gptoss_traced_engine_backward_takes_groups_of_any_size(monkeypatch)
     from tests.hf_models import tiny
 
     monkeypatch.setattr(config, "speed_rule", False)
-    monkeypatch.setattr(config, "gemm_engine", "grouped_mm")
+    monkeypatch.setattr(config, "gemm_engine", "triton")  # the forward swapped in: its backward ops are picked
+    monkeypatch.setattr(config, "gemm_engine_backward", "grouped_mm")
     model = tiny("gpt_oss").to("cuda", torch.bfloat16)
     ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1)).to("cuda")
     ref = model(ids, labels=ids).loss
