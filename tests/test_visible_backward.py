@@ -169,6 +169,12 @@ def test_gpu_a_compiled_training_step_launches_the_backward_from_inductors_wrapp
     assert "moe_inductor.experts_backward_middle.default" in texts[False]  # the control did take the opaque ops
 
 
+def _traced_afresh(monkeypatch) -> None:
+    """Compiles that AOT autograd traces every time: a graph served from the compile caches (an earlier run on the
+    machine, with the same settings and source) is never traced, so the choices counted while tracing read 0."""
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+
+
 def _compiled_on_against_off(monkeypatch, dtype, T: int, setting: str, counter: str) -> dict:
     """A gathered-weights MoE's compiled training step over T tokens with ``config.<setting>`` on and off: each
     compile counts ``counter`` (moe_inductor_visible) once when on and never when off, and the output and every
@@ -177,6 +183,7 @@ def _compiled_on_against_off(monkeypatch, dtype, T: int, setting: str, counter: 
     error is the measure. Returns each step's generated code, by the setting's value."""
     from tests.test_pass_gathered_weights import GatheredMoE
 
+    _traced_afresh(monkeypatch)
     torch.manual_seed(0)
     x = torch.randn(T, 16, device="cuda", dtype=dtype)
     ref_model = GatheredMoE("gptfast").to("cuda", dtype)
@@ -330,6 +337,7 @@ def test_gpu_gptoss_traced_engine_backward_takes_groups_of_any_size(monkeypatch)
     monkeypatch.setattr(config, "speed_rule", False)
     monkeypatch.setattr(config, "gemm_engine", "triton")  # the forward swapped in: its backward ops are picked
     monkeypatch.setattr(config, "gemm_engine_backward", "grouped_mm")
+    _traced_afresh(monkeypatch)
     model = tiny("gpt_oss").to("cuda", torch.bfloat16)
     ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1)).to("cuda")
     ref = model(ids, labels=ids).loss
