@@ -360,3 +360,47 @@ def test_gpu_gptoss_traced_engine_backward_takes_groups_of_any_size(monkeypatch)
     ulp = torch.finfo(torch.bfloat16).eps
     for name, err in errors[True].items():
         assert err <= 2 * errors[False][name] + 4 * ulp * want[name].abs().max().item(), (name, err, errors[False])
+
+
+_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def hf_joints() -> dict:
+    """Every family's tiny HF training step traced to its joint graph with the engine's backward traced and, for
+    Qwen3-MoE and GPT-OSS, opaque (``tests/hf_trace.py``: an sm_90 target stands in for the GPU), in one process
+    without the interpreter."""
+    pytest.importorskip("transformers")
+    import json
+
+    calls = [f"hf_training_joint({f!r}, True)" for f in _FAMILIES]
+    calls += [f"hf_training_joint({f!r}, False)" for f in ("qwen3_moe", "gpt_oss")]
+    code = ("import json; from tests.hf_trace import hf_training_joint; "
+            f"print(json.dumps([{', '.join(calls)}]))")
+    out = json.loads(run_without_interpreter(code, timeout=900).strip().splitlines()[-1])
+    return {"traced": dict(zip(_FAMILIES, out[:len(_FAMILIES)])),
+            "opaque": dict(zip(("qwen3_moe", "gpt_oss"), out[len(_FAMILIES):]))}
+
+
+@pytest.mark.parametrize("family", _FAMILIES)
+def test_every_familys_training_step_traces_the_engines_backward(family, hf_joints):
+    """transformers' experts of each family (GPT-OSS's biased, interleaved (E, H, 2I) weight; Qwen1.5-MoE's and
+    DeepSeek-V3's shared experts beside them) in a whole compiled training step: both layers swapped for the
+    visible op and their backward picked for the traced engine, with no fallback; the joint graph calls no opaque
+    moe_inductor op, holds the engine's GEMMs (4 per layer: dW2, dh, dW1, dx) and gathers with our kernel."""
+    joint = hf_joints["traced"][family]
+    assert joint["counters"]["moe_inductor_visible"] == {"swapped": 2, "engine_backward": 2}, joint["counters"]
+    assert not joint["counters"].get("moe_inductor_fallback"), joint["counters"]
+    assert joint["ops"] == [], joint["ops"]
+    assert joint["grouped_mm"] == 8, joint
+    assert {"gather_rows_kernel", "backward_middle_kernel", "grouped_gemm_kernel"} <= set(joint["kernels"]), joint
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_off_a_familys_engine_backward_stays_in_the_opaque_ops(family, hf_joints):
+    """The control: with ``config.visible_engine_backward`` off, the same steps call the opaque backward halves
+    (each layer's middle and up) and hold no ``aten._grouped_mm``."""
+    joint = hf_joints["opaque"][family]
+    assert joint["counters"]["moe_inductor_visible"] == {"swapped": 2}, joint["counters"]
+    assert joint["ops"] == ["experts_backward_middle", "experts_backward_up"] * 2, joint["ops"]
+    assert joint["grouped_mm"] == 0, joint
