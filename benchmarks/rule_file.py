@@ -11,10 +11,10 @@ decides from the mode (and, in training, whether the step is long: ``speed_rule.
 size. A training step of ``speed_rule.TRAIN_LONG_MIN_TOKENS`` tokens or more also files its value as "train_long",
 the value such steps are judged by; "train" stays the worst over every training size. A training row whose own
 backward was the visible one (a run with it on, ``meta["visible_backward"]``, and a layer and size it takes:
-``speed_rule.backward_traced``, the engine's traced backward counted where ``meta["visible_engine_backward"]``) files no "train", the opaque ops' value: a shorter step files "train_static"
-instead (``speed_rule.filed_modes``). A GPU without a file is
-judged by the other GPUs' files with a margin
-(``speed_rule.UNMEASURED_GPU_MARGIN``); with one, a layer kind below 1.0 in a mode keeps Inductor's path there.
+``speed_rule.backward_traced``, the engine's traced backward counted where ``meta["visible_engine_backward"]``)
+files no "train", the opaque ops' value: a shorter step files "train_static" instead (``speed_rule.filed_modes``).
+A GPU without a file is judged by the other GPUs' files with a margin (``speed_rule.UNMEASURED_GPU_MARGIN``);
+with one, a layer kind below 1.0 in a mode keeps Inductor's path there.
 Entries of the file that the runs do not measure are kept as they are. Without ``--write`` the merged file is only
 printed. Runs with a cell whose two columns compiled different numbers of graphs (``graphs`` in the rows:
 recompiles or graph breaks in one of them) are refused whole, nothing filed: that value measured those, not the

@@ -12,12 +12,15 @@ the active one for the whole process.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Callable, Iterator, Optional
+
 import torch
 
 
-class _Stop(BaseException):
-    """Raised at the partitioner once the joint graph is read. A BaseException, so that the backend's do-no-harm
-    fallback (which catches Exception and compiles the frame again without rewrites) lets it through."""
+class StopTrace(BaseException):
+    """Raised once AOT autograd has traced (``stopped_at_the_partitioner``). A BaseException, so that the backend's
+    do-no-harm fallback (which catches Exception and compiles the frame again without rewrites) lets it through."""
 
 
 class _StandInSm90Driver:
@@ -41,16 +44,43 @@ def stand_in_sm90_driver() -> None:
     triton.runtime.driver.set_active(_StandInSm90Driver())
 
 
+@contextlib.contextmanager
+def stopped_at_the_partitioner(read_joint: Optional[Callable[[torch.fx.Graph], None]] = None) -> Iterator[None]:
+    """Inside, moe_inductor's Inductor compiles run AOT autograd alone and stop once it has traced: a training
+    graph at the partitioner (after ``read_joint`` of its joint graph), a forward-only one at its compiler. The
+    compiled call raises ``StopTrace``; catch it around the call."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from moe_inductor import backend
+
+    def partition(joint, *_args, **_kwargs):
+        if read_joint is not None:
+            read_joint(joint.graph)
+        raise StopTrace
+
+    def forward_only(*_args, **_kwargs):
+        raise StopTrace
+
+    def inner(name, gm, example_inputs, mode, inductor_options=None):
+        assert name == "inductor", name
+        return aot_autograd(fw_compiler=forward_only, partition_fn=partition)(gm, example_inputs)
+
+    original, backend._inner_compile = backend._inner_compile, inner
+    try:
+        yield
+    finally:
+        backend._inner_compile = original
+
+
 def hf_training_joint(family: str, traced_engine: bool) -> dict:
     """The joint graph of a tiny HF ``family`` model's bf16 training step compiled by moe_inductor with the
     Inductor inner compiler (so its experts take the visible ops), the engine forced for the backward alone and
     ``config.visible_engine_backward`` = ``traced_engine``: the Triton kernels it launches ("kernels", by name),
     the moe_inductor ops it calls ("ops"), its ``aten._grouped_mm`` nodes ("grouped_mm") and the moe_inductor
     counters ("counters")."""
-    from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.utils import counters
 
-    from moe_inductor import backend, config
+    from moe_inductor import config
     from tests.helpers import _kernels_and_ops
     from tests.hf_models import tiny
 
@@ -60,26 +90,19 @@ def hf_training_joint(family: str, traced_engine: bool) -> dict:
     config.visible_engine_backward = traced_engine
     seen: dict = {}
 
-    def read_joint(joint, *args, **kwargs):
-        kernels, ops = _kernels_and_ops(joint.graph)
-        grouped = sum(1 for n in joint.graph.nodes if n.target is torch.ops.aten._grouped_mm.default)
+    def read_joint(graph):
+        kernels, ops = _kernels_and_ops(graph)
+        grouped = sum(1 for n in graph.nodes if n.target is torch.ops.aten._grouped_mm.default)
         seen.update(kernels=sorted(set(kernels)), ops=ops, grouped_mm=grouped)
-        raise _Stop
 
-    def inner(name, gm, example_inputs, mode, inductor_options=None):
-        assert name == "inductor", name
-        return aot_autograd(fw_compiler=lambda g, _: g, partition_fn=read_joint)(gm, example_inputs)
-
-    original, backend._inner_compile = backend._inner_compile, inner
     torch._dynamo.reset()
     counters.clear()
-    try:
+    with stopped_at_the_partitioner(read_joint):
         model = tiny(family).to(torch.bfloat16)
         ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
-        torch.compile(model, backend="moe_inductor", dynamic=False)(ids, labels=ids).loss.backward()
-    except _Stop:
-        pass
-    finally:
-        backend._inner_compile = original
+        try:
+            torch.compile(model, backend="moe_inductor", dynamic=False)(ids, labels=ids).loss.backward()
+        except StopTrace:
+            pass
     seen["counters"] = {k: dict(v) for k, v in counters.items() if k.startswith("moe_inductor")}
     return seen

@@ -167,6 +167,13 @@ def test_filed_modes_never_file_a_visible_runs_training_value_as_train(visible):
         assert speed_rule.filed_modes("prefill", tokens, visible) == ((mode,) if mode else ())
 
 
+def _entry(path, kind: dict) -> dict:
+    """The layer entry of ``kind`` in the rule file at ``path``."""
+    import json
+
+    return next(e for e in json.loads(path.read_text())["layers"] if e["name"] == kind["name"])
+
+
 def test_rule_file_files_a_visible_runs_training_rows_apart(tmp_path):
     """rule_file.py on two bench_hf runs at 1024 tokens, one per backward: the opaque run's value becomes "train",
     the visible run's (its meta says so) "train_static" where the family's 1024-token backward is the visible one
@@ -192,13 +199,13 @@ def test_rule_file_files_a_visible_runs_training_rows_apart(tmp_path):
     (entry,) = json.loads(path.read_text())["layers"]
     assert (entry["train"], entry[TRAIN_STATIC], entry[TRAIN_LONG]) == (0.71, 1.02, 1.01), entry
     path = rule_file.main([run(True, 9.13, 8.91, "gpt_oss", "c"), "--out-dir", str(tmp_path), "--write"])
-    gptoss = next(e for e in json.loads(path.read_text())["layers"] if e["name"] == rule_file.layer_kind("gpt_oss")["name"])
+    gptoss = _entry(path, rule_file.layer_kind("gpt_oss"))
     assert gptoss["train"] == 1.02 and TRAIN_STATIC not in gptoss, gptoss
     # a run that traced the engine's backward (config.visible_engine_backward, in its meta) files GPT-OSS's
     # 1024-token step apart, whatever this process's setting
     path = rule_file.main([run(True, 9.03, 8.12, "gpt_oss", "d", engine=True), "--out-dir", str(tmp_path),
                            "--write"])
-    gptoss = next(e for e in json.loads(path.read_text())["layers"] if e["name"] == rule_file.layer_kind("gpt_oss")["name"])
+    gptoss = _entry(path, rule_file.layer_kind("gpt_oss"))
     assert gptoss["train"] == 1.02 and gptoss[TRAIN_STATIC] == 1.11, gptoss
     assert config.visible_engine_backward is False
 

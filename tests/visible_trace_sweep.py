@@ -51,29 +51,21 @@ def main(argv=None) -> int:
                         help="the engine forced for the backward alone, traced (config.visible_engine_backward)")
     args = parser.parse_args(argv)
 
-    from tests.hf_trace import _Stop, stand_in_sm90_driver
+    from tests.hf_trace import StopTrace, stand_in_sm90_driver, stopped_at_the_partitioner
 
     stand_in_sm90_driver()
-    from torch._dynamo.backends.common import aot_autograd
-
-    from moe_inductor import backend, config
+    from moe_inductor import config
     from tests.corpus.test_corpus import CASES
 
     config.triton_on_cpu, config.speed_rule = True, False
     if args.traced_engine:
         config.gemm_engine, config.gemm_engine_backward, config.visible_engine_backward = "triton", "grouped_mm", True
 
-    def inner(name, gm, example_inputs, mode, inductor_options=None):
-        def stop(*_args, **_kwargs):
-            raise _Stop
-        return aot_autograd(fw_compiler=stop, partition_fn=stop)(gm, example_inputs)
-
-    backend._inner_compile = inner
     jobs = []
     for case in CASES:
         if case.expected() == ("rewritten",):
-            jobs.append((case.name, case.build, lambda c=case: c.make_input(args.tokens, torch.Generator().manual_seed(0)),
-                         case.dtype))
+            jobs.append((case.name, case.build,
+                         lambda c=case: c.make_input(args.tokens, torch.Generator().manual_seed(0)), case.dtype))
     try:
         from tests.hf_models import tiny
     except Exception:  # transformers missing: the corpus alone
@@ -89,7 +81,8 @@ def main(argv=None) -> int:
         if args.only and not any(o in name for o in args.only):
             continue
         for train in (False, True):
-            seen, error = _trace(build, make_input, dtype, train, _Stop)
+            with stopped_at_the_partitioner():
+                seen, error = _trace(build, make_input, dtype, train, StopTrace)
             bad = bool(error) or "fallback" in seen
             failed += bad
             print(f"{'FAIL' if bad else 'ok  '} {name:40s} {'train' if train else 'infer':5s} {seen} {error}",
