@@ -97,8 +97,9 @@ def test_gpu_a_compiled_step_with_the_pass_gives_the_same_gradients_with_fewer_c
     from torch._dynamo.utils import counters
 
     from tests.test_pass_gathered_weights import GatheredMoE
-    from tests.test_visible_backward import _compiled_copy_step
+    from tests.test_visible_backward import _compiled_copy_step, _traced_afresh
 
+    _traced_afresh(monkeypatch)  # the counts below are made while AOT autograd and Inductor trace
     torch.manual_seed(0)
     x = torch.randn(33, 16, device="cuda", dtype=dtype)
     ref_model = GatheredMoE("gptfast").to("cuda", dtype)
