@@ -135,10 +135,29 @@ def test_every_script_device_run_calls_exists_and_parses_its_arguments():
     subprocess.run(["bash", "-n", str(script)], check=True)
     scripts = set(re.findall(r"benchmarks/([a-z_]+)\.py", script.read_text()))
     assert {"bench_backward_engine", "tune_weight_grad", "profile_experts", "bench_hf"} <= scripts
-    for name in sorted(scripts):
-        out = subprocess.run([sys.executable, str(root / "benchmarks" / f"{name}.py"), "--help"], capture_output=True,
-                             text=True, cwd=root, timeout=120)
-        assert out.returncode == 0 and "usage:" in out.stdout, (name, out.stderr[-2000:])
+    # one process runs every script's `--help` as its __main__ (torch imported once, not once a script): each must
+    # exit 0 having printed its usage, and a script that fails is named with its traceback
+    check = """
+import contextlib, io, runpy, sys, traceback
+failed = []
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(path, run_name="__main__")
+        failed.append((path, "returned without exiting"))
+    except SystemExit as e:
+        if e.code not in (0, None) or "usage:" not in out.getvalue():
+            failed.append((path, f"exit {e.code}: {out.getvalue()[-500:]}"))
+    except BaseException:
+        failed.append((path, traceback.format_exc()[-2000:]))
+print(repr(failed))
+"""
+    paths = [str(root / "benchmarks" / f"{name}.py") for name in sorted(scripts)]
+    out = subprocess.run([sys.executable, "-c", check, *paths], capture_output=True, text=True, cwd=root, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-4000:]
 
 
 @pytest.mark.slow  # a fresh process compiles a model
