@@ -51,7 +51,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch.fx import Graph, Node
 
-from . import count_totals, report, speculation
+from . import count_totals, report, speculation, unproven_loops
 from .loop_bytecode import _body_refusal, _loop_of, _next
 
 #: on a ``torch.full((1,), e)`` node that stands for the e-th row of a hit loop's nonzero: e
@@ -194,6 +194,8 @@ class _Loop:
     #: ``counts_of(loop, e)``, what iteration e counts, where the loop is not over a hit vector's nonzero rows
     #: (hit_lists.py's loops over a list of kept experts); None: ``_counts_of``
     counts_of: Optional[Callable] = None
+    #: ``unproven_loops.key_of`` the loop, where it is one to remember (each iteration's Speculation carries it)
+    key: Optional[tuple] = None
 
 
 def _unroll(tx, inst) -> bool:
@@ -225,6 +227,9 @@ def _unroll(tx, inst) -> bool:
             "its loop body was not found")
     if reason is None and any(s.tx is tx and not s.closed for s in trace.speculations):
         reason = "it is inside a body already assumed to have rows"
+    key = unproven_loops.key_of(tx, head.offset) if reason is None else None
+    if unproven_loops.known_unproven(key):
+        reason = unproven_loops.REFUSAL
     if reason is not None:
         text = f"{where}: the loop over a nonzero() was not unrolled over the experts: {reason}"
         trace.refusals.append(text)
@@ -241,7 +246,7 @@ def _unroll(tx, inst) -> bool:
     tx.pop()
     iterator = ListIteratorVariable(items, mutation_type=ValueMutationNew())
     tx.push(iterator)
-    trace.loops[id(iterator)] = (iterator, _Loop(node.name, E, where))
+    trace.loops[id(iterator)] = (iterator, _Loop(node.name, E, where, key=key))
     return True
 
 
@@ -261,7 +266,7 @@ def _iteration(tx, inst, handler: Callable) -> None:
         return
     graph = tx.output.graph
     s = speculation.Speculation(next(speculation._ids), None, loop.where, graph, speculation._last_node(graph),
-                                tx.f_code, inst.offset, tx, trace.mark())
+                                tx.f_code, inst.offset, tx, trace.mark(), loop_key=loop.key)
     s.counts = (loop.counts_of or _counts_of)(loop, before)
     loop.iterations.append(s)
     trace.speculations.append(s)

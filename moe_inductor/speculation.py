@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.fx import Node
 
-from . import count_totals, host_counts, host_cumsum, mask_guards, skipped_state
+from . import count_totals, host_counts, host_cumsum, mask_guards, skipped_state, unproven_loops
 from .loop_bytecode import _body_refusal, _loop_of, _next, _resolve, through_constant_test
 
 TAG = "moe_inductor_speculation"
@@ -100,6 +100,8 @@ class Speculation:
     #: the offset of the branch instruction, and the mutation count when the iteration ended (host_cumsum.py)
     branch: Optional[int] = None
     closed_at: Optional[int] = None
+    #: the loop's ``unproven_loops.key_of`` where it is one to remember: filed if no rewrite takes the body
+    loop_key: Optional[tuple] = None
 
 
 @dataclass
@@ -270,10 +272,13 @@ def _speculate(tx, inst, jumps_when: bool) -> bool:
     hit_iteration = (open_here[0] if guard is None and len(open_here) == 1 and open_here[0].counts is not None
                      and not open_here[0].mask and open_here[0].symbol is None and head is not None
                      and open_here[0].loop_head == head.offset else None)
+    key = unproven_loops.key_of(tx, head.offset) if head is not None and hit_iteration is None else None
     if loop is None or _resolve(tx, zero_side) is not head or _resolve(tx, rows_side) is head:
         reason = "its no-tokens side does not go straight to the next iteration (continue)"
     elif open_here and hit_iteration is None:
         reason = "it is inside another skipped body"
+    elif unproven_loops.known_unproven(key):
+        reason = unproven_loops.REFUSAL
     else:
         names: list = []
         reason = _body_refusal(tx, inst, *loop, rebinds=names)
@@ -289,11 +294,12 @@ def _speculate(tx, inst, jumps_when: bool) -> bool:
     elif guard is not None:
         trace.speculations.append(Speculation(next(_ids), None, where, graph, _last_node(graph), tx.f_code,
                                               head.offset, tx, trace.mark(),
-                                              counts=mask_guards.counted_by(guard.name), mask=True, rebinds=held))
+                                              counts=mask_guards.counted_by(guard.name), mask=True, rebinds=held,
+                                              loop_key=key))
     else:
         trace.speculations.append(Speculation(next(_ids), symbol, where, graph, _last_node(graph), tx.f_code,
                                               head.offset, tx, trace.mark(), rebinds=held,
-                                              lists=skipped_state.lists_of(tx), branch=inst.offset))
+                                              lists=skipped_state.lists_of(tx), branch=inst.offset, loop_key=key))
     tx.pop()
     if not zero_jumps:  # the rows side is the jump target
         tx.jump(inst)

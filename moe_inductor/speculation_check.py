@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from . import host_cumsum, mask_guards
+from . import host_cumsum, mask_guards, unproven_loops
 from .speculation import LENGTH, TAG, Speculation, SpeculationNotDischarged, _fail, _trace
 
 
@@ -216,6 +216,7 @@ def discharge(gm: GraphModule, speculations: list[Speculation], left_alone: Iter
             continue
         left = [n for n in gm.graph.nodes if n.meta.get(TAG) == s.id and n.op not in ("placeholder", "get_attr")]
         if left:
+            unproven_loops.remember(s.loop_key, left_alone)  # later frames around the break: not unrolled again
             said = "; ".join(f"{m.form} left {m.where} alone: {m.reason}" for m in left_alone)
             raise _fail(s, f"no rewrite took its body ({said or left[0].name + ' is still in the graph'})")
     if speculations and _drop_proven_lengths(gm.graph):
