@@ -2,12 +2,17 @@
 
     python benchmarks/bench_compile_time.py                                  # this checkout, every family
     python benchmarks/bench_compile_time.py --trees . /tmp/old_checkout      # two checkouts, runs interleaved
+    python benchmarks/bench_compile_time.py --families longcat_flash --plain # against plain capture (backend=inner)
 
 Each measurement is one fresh process that builds a tiny random model of the family (tests/hf_models.py), compiles it
 with ``backend="moe_inductor"`` and takes the CPU time of the first call (trace, passes, inner compile and one run):
 the process's own CPU seconds, which another busy process on the machine disturbs far less than wall time. With several
 ``--trees`` the processes alternate between the checkouts (``PYTHONPATH`` points at each), so that a busy machine
 slows both alike; the table gives the median of ``--repeats`` per (tree, family) and the ratio to the first tree.
+``--plain`` adds a column for ``torch.compile(backend=<inner>)`` itself: what the first call costs without moe_inductor.
+
+``longcat_flash`` (not in the default list) is transformers' LongCat-Flash at tests/test_hf_families.py's sizes: its
+zero experts make a loop no rewrite takes, so its frames fall back, the case ``moe_inductor/unproven_loops.py`` is for.
 """
 from __future__ import annotations
 
@@ -19,14 +24,23 @@ import subprocess
 import sys
 
 FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "olmoe", "qwen2_moe", "deepseek_v3")
+EXTRA = ("longcat_flash",)
+PLAIN = "plain"  # the column of torch.compile(backend=<inner>), without moe_inductor
 
 _ONE = """
 import sys, time, torch
 sys.path.insert(0, {tests!r})
-from hf_models import tiny
-model = tiny({family!r}).eval()
+if {family!r} == "longcat_flash":
+    from test_hf_families import _build
+    model = _build("LongcatFlashForCausalLM").eval()
+else:
+    from hf_models import tiny
+    model = tiny({family!r}).eval()
 ids = torch.randint(0, 64, (1, 9))
-compiled = torch.compile(model, backend="moe_inductor", options={{"inner": {inner!r}}})
+if {plain!r}:
+    compiled = torch.compile(model, backend={inner!r})
+else:
+    compiled = torch.compile(model, backend="moe_inductor", options={{"inner": {inner!r}}})
 start = time.process_time()
 with torch.no_grad():
     compiled(ids)
@@ -34,9 +48,12 @@ print("SECONDS", time.process_time() - start)
 """
 
 
-def one(tree: str, family: str, inner: str, tests: str) -> float:
+def one(tree: str, family: str, inner: str, tests: str, plain: bool = False) -> float:
+    """The first call's CPU seconds in a fresh process: ``tree``'s moe_inductor, or ``torch.compile(backend=inner)``
+    where ``plain``."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-    done = subprocess.run([sys.executable, "-c", _ONE.format(tests=tests, family=family, inner=inner)],
+    code = _ONE.format(tests=tests, family=family, inner=inner, plain=plain)
+    done = subprocess.run([sys.executable, "-c", code],
                           capture_output=True, text=True, env=env, timeout=900)
     for line in done.stdout.splitlines():
         if line.startswith("SECONDS"):
@@ -47,25 +64,28 @@ def one(tree: str, family: str, inner: str, tests: str) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trees", nargs="*", default=["."], help="checkouts to compare (the first is the baseline)")
-    ap.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES)
+    ap.add_argument("--families", nargs="*", default=list(FAMILIES), choices=FAMILIES + EXTRA)
     ap.add_argument("--inner", default="aot_eager", choices=["aot_eager", "inductor"],
                     help="the inner compiler (aot_eager: Dynamo, the passes and AOTAutograd, where our code runs)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--plain", action="store_true", help="also time torch.compile(backend=<inner>) itself")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     tests = os.path.join(os.path.abspath(os.path.dirname(__file__)), "..", "tests")
-    times: dict = {t: {f: [] for f in args.families} for t in args.trees}
+    columns = list(args.trees) + ([PLAIN] if args.plain else [])
+    times: dict = {t: {f: [] for f in args.families} for t in columns}
     for r in range(args.repeats):
         for family in args.families:
-            for tree in args.trees:
-                times[tree][family].append(one(tree, family, args.inner, tests))
+            for tree in columns:
+                plain = tree == PLAIN
+                times[tree][family].append(one(args.trees[0] if plain else tree, family, args.inner, tests, plain))
                 print(f"[{r + 1}/{args.repeats}] {family:<12} {tree}: {times[tree][family][-1]:.2f} CPU s", flush=True)
-    base = args.trees[0]
-    print("\n| family | " + " | ".join(f"{t} (CPU s)" for t in args.trees) + " | " +
-          " | ".join(f"{t} / {base}" for t in args.trees[1:]) + " |")
-    print("|---" * (1 + 2 * len(args.trees) - 1) + "|")
+    base = columns[0]
+    print("\n| family | " + " | ".join(f"{t} (CPU s)" for t in columns) + " | " +
+          " | ".join(f"{t} / {base}" for t in columns[1:]) + " |")
+    print("|---" * (1 + 2 * len(columns) - 1) + "|")
     for family in args.families:
-        med = [statistics.median(times[t][family]) for t in args.trees]
+        med = [statistics.median(times[t][family]) for t in columns]
         print(f"| {family} | " + " | ".join(f"{m:.2f}" for m in med) + " | " +
               " | ".join(f"{m / med[0]:.3f}" for m in med[1:]) + " |")
     if args.json:

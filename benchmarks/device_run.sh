@@ -33,6 +33,8 @@
 #                                            # "bwtraced qwen3"), experts kept / opaque ops / traced      (~10 min)
 #   bash benchmarks/device_run.sh bwtracedab [family:T ...] # the engine's backward opaque against traced in those
 #                                            # training steps (default gpt_oss:1024 mixtral:1024), after its GPU tests
+#   bash benchmarks/device_run.sh olmoe1024  # OLMoE's 1024-token training step, experts kept / engine backward opaque /
+#                                            # traced, 3 interleaved rounds, profiled                      (~4 min)
 #   bash benchmarks/device_run.sh ruletrain  # the 1024-token training values of five families (train_static; "train"
 #                                            # under MOE_INDUCTOR_VISIBLE_BACKWARD=0)                      (~9 min)
 #   bash benchmarks/device_run.sh gptoss     # GPT-OSS's experts on both engines: the op alone (fused against
@@ -205,6 +207,14 @@ case "${1:-suite}" in
       | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_bwtracedab.log"
     grep "train\|Error" "$OUT/bench_hf_bwtracedab.log" | cut -c1-400
     python benchmarks/graphs_check.py "$OUT/bench_hf_bwtracedab.json" ;;
+  olmoe1024)  # OLMoE's 1024-token training step: the experts kept, the engine's backward opaque, and traced, in 3
+              # interleaved rounds with a profile of each column. The traced column read 4.69 ms in the forty-second
+              # session and 6.15 in the forty-fourth (the kept column 5.24 and 5.25): which kernels moved (~4 min)
+    timeout 300 python benchmarks/bench_hf.py --deadline-s 285 --interleave 3 --profile --budget olmoe=280 \
+      --cells olmoe:train:1024:moe_inductor_experts_kept+moe_inductor_rule_off+moe_inductor_bw_traced \
+      --json "$OUT/bench_hf_olmoe1024.json" --markdown "$OUT/bench_hf_olmoe1024.md" 2>&1 \
+      | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_olmoe1024.log"
+    grep "olmoe train\|rounds" "$OUT/bench_hf_olmoe1024.log" | cut -c1-330 ;;
   listtrain)
     { timeout 200 python benchmarks/bench_list_train.py --tokens 4096 16 --modes train forward
       timeout 200 python benchmarks/bench_list_train.py --tokens 4096 16 --widths 2048 1408 64 6 --modes train forward
