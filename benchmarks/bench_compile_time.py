@@ -48,13 +48,25 @@ print("SECONDS", time.process_time() - start)
 """
 
 
+_WHICH = """
+import moe_inductor
+print("MOE_INDUCTOR_AT", moe_inductor.__file__)
+"""
+
+
 def one(tree: str, family: str, inner: str, tests: str, plain: bool = False) -> float:
     """The first call's CPU seconds in a fresh process: ``tree``'s moe_inductor, or ``torch.compile(backend=inner)``
     where ``plain``."""
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    root = os.path.abspath(tree)
+    env = dict(os.environ, PYTHONPATH=root)
     code = _ONE.format(tests=tests, family=family, inner=inner, plain=plain)
-    done = subprocess.run([sys.executable, "-c", code],
+    # run in the tree: ``python -c`` puts its working directory first on sys.path, ahead of PYTHONPATH, so from
+    # another checkout's root every tree would import that checkout's moe_inductor
+    done = subprocess.run([sys.executable, "-c", code + _WHICH], cwd=root,
                           capture_output=True, text=True, env=env, timeout=900)
+    which = [line.split(" ", 1)[1] for line in done.stdout.splitlines() if line.startswith("MOE_INDUCTOR_AT ")]
+    if which and not plain and not which[0].startswith(root + os.sep):
+        raise RuntimeError(f"{tree}: the process imported moe_inductor from {which[0]}, not from the tree")
     for line in done.stdout.splitlines():
         if line.startswith("SECONDS"):
             return float(line.split()[1])
