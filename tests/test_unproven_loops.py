@@ -94,16 +94,19 @@ def _x(T: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(T, H, generator=torch.Generator().manual_seed(seed))
 
 
+def _with_and_without(zeros: tuple, monkeypatch) -> tuple:
+    """A model of layers with these numbers of zero experts, on one input: eager's output, then ``_run`` with the
+    memory and without it."""
+    torch.manual_seed(0)
+    model = Model(zeros).eval()
+    xs = [_x(9)]
+    return _eager(model, xs)[0], _run(model, xs, monkeypatch), _run(model, xs, monkeypatch, remember=False)
+
+
 @pytest.mark.slow
 def test_a_loop_no_rewrite_took_is_unrolled_once_per_module(monkeypatch):
-    torch.manual_seed(0)
-    model = Model((2, 2)).eval()
-    xs = [_x(9)]
-    want = _eager(model, xs)
-    outs, got, traced = _run(model, xs, monkeypatch)
-    outs_before, got_before, traced_before = _run(model, xs, monkeypatch, remember=False)
-    for out, before, ref in zip(outs, outs_before, want):
-        assert rel_err(out, ref) < 1e-5 and rel_err(before, ref) < 1e-5
+    want, (outs, got, traced), (outs_before, got_before, traced_before) = _with_and_without((2, 2), monkeypatch)
+    assert rel_err(outs[0], want) < 1e-5 and rel_err(outs_before[0], want) < 1e-5
     assert got["moe_inductor"] == {} and got_before["moe_inductor"] == {}
     # remembered, the frames around the break go to plain capture at once instead of failing the same proof again
     assert got["moe_inductor_fallback"]["compile"] < got_before["moe_inductor_fallback"]["compile"], (got, got_before)
@@ -128,13 +131,8 @@ def test_explain_says_why_a_remembered_loop_was_not_unrolled():
 def test_the_same_class_without_zero_experts_is_still_rewritten(monkeypatch):
     """Look-alike: the first layer's loop fails the proof (zero experts), the second layer is the same class and
     code with none; it is rewritten in its own frame, as without the memory."""
-    torch.manual_seed(0)
-    model = Model((2, 0)).eval()
-    xs = [_x(9)]
-    want = _eager(model, xs)
-    outs, got, _ = _run(model, xs, monkeypatch)
-    _, got_before, _ = _run(model, xs, monkeypatch, remember=False)
-    assert rel_err(outs[0], want[0]) < 1e-5
+    want, (outs, got, _), (_, got_before, _) = _with_and_without((2, 0), monkeypatch)
+    assert rel_err(outs[0], want) < 1e-5
     assert got["moe_inductor"] == got_before["moe_inductor"] == {"unrolled_loop": 1}, (got, got_before)
 
 
