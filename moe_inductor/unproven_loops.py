@@ -82,6 +82,10 @@ def key_of(tx, loop_head: int) -> Optional[tuple[torch.nn.Module, tuple]]:
     module, arguments, state = _self_module(tx), _arguments(tx), capture.current()
     if module is None or arguments is None or state is None:
         return None
+    try:  # a module class that defines __eq__ without __hash__ cannot key the memory: never remembered
+        hash(module)
+    except TypeError:
+        return None
     return module, (tx.f_code, loop_head, arguments, state.forms, torch.is_grad_enabled(), module.training,
                     _settings())
 

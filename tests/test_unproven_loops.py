@@ -157,3 +157,29 @@ def test_another_token_count_is_tried_afresh(monkeypatch):
         reasons = " | ".join(f.reason for f in report.fallbacks)
         assert "no rewrite took its body" in reasons, reasons
         assert not any(unproven_loops.REFUSAL in note for note in report.notes), report.notes
+
+
+def test_a_module_that_cannot_be_hashed_is_never_remembered(monkeypatch):
+    """A module class with ``__eq__`` and no ``__hash__`` keys nothing (and so is tried afresh each time), rather than
+    failing the trace."""
+
+    class Unhashable(ZeroExperts):
+        def __eq__(self, other):
+            return self is other
+
+    assert Unhashable.__hash__ is None
+    monkeypatch.setattr(unproven_loops, "_self_module", lambda tx: Unhashable(0))
+    monkeypatch.setattr(unproven_loops, "_arguments", lambda tx: ())
+
+    class State:
+        forms = frozenset()
+
+    from moe_inductor import capture
+
+    monkeypatch.setattr(capture, "current", lambda: State())
+
+    class Tx:
+        f_code = ZeroExperts.forward.__code__
+
+    assert unproven_loops.key_of(Tx(), 0) is None
+    assert not unproven_loops.known_unproven(None)
