@@ -95,10 +95,8 @@ def _settings_digest() -> str:
     from .kernels import configs
 
     digest = hashlib.sha256()
-    for name in sorted(vars(config)):
-        value = getattr(config, name)
-        if not name.startswith("_") and isinstance(value, (bool, int, float, str, tuple, type(None))):
-            digest.update(f"{name}={value!r};".encode())
+    for name, value in config.settings():
+        digest.update(f"{name}={value!r};".encode())
     try:
         digest.update(configs.TABLE.user_path().read_bytes())
     except OSError:  # no table tuned here yet

@@ -123,3 +123,10 @@ speed_rule: bool = os.environ.get("MOE_INDUCTOR_SPEED_RULE", "1") == "1"
 #: faster than Inductor's fusion of the eager function (the H200: 2.51x prefill, 1.65x training step at T = 4096,
 #: RESULTS.md). The CPU has no such measurement, so it keeps the eager function unless "cpu" is added here.
 sink_attention_devices: tuple = ("cuda",)
+
+
+def settings() -> tuple[tuple[str, object], ...]:
+    """Every setting above as (name, value), by name: what a compile's choices depend on (the compile-cache tag,
+    ``backend.cache_tag``; the loops remembered as unproven, ``unproven_loops.key_of``)."""
+    return tuple((name, value) for name, value in sorted(globals().items())
+                 if not name.startswith("_") and isinstance(value, (bool, int, float, str, tuple, type(None))))

@@ -67,17 +67,10 @@ def _arguments(tx) -> Optional[tuple]:
     return tuple(out)
 
 
-def _settings() -> tuple:
-    from . import config
-
-    return tuple((name, value) for name, value in sorted(vars(config).items())
-                 if not name.startswith("_") and isinstance(value, (bool, int, float, str, type(None))))
-
-
 def key_of(tx, loop_head: int) -> Optional[tuple[torch.nn.Module, tuple]]:
     """(the module, the key) of the loop whose FOR_ITER is at ``loop_head`` in the frame ``tx`` traces, as traced
     now; None where the loop is not to be remembered."""
-    from . import capture
+    from . import capture, config
 
     module, arguments, state = _self_module(tx), _arguments(tx), capture.current()
     if module is None or arguments is None or state is None:
@@ -87,7 +80,7 @@ def key_of(tx, loop_head: int) -> Optional[tuple[torch.nn.Module, tuple]]:
     except TypeError:
         return None
     return module, (tx.f_code, loop_head, arguments, state.forms, torch.is_grad_enabled(), module.training,
-                    _settings())
+                    config.settings())
 
 
 def remember(key: Optional[tuple[torch.nn.Module, tuple]], left_alone: Iterable) -> None:
