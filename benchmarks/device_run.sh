@@ -179,13 +179,13 @@ case "${1:-suite}" in
     grep "train" "$OUT/bench_hf_bwpath.log" | cut -c1-400 ;;
   bwtraced)  # the engine's backward traced into Inductor's graph (config.visible_engine_backward): its GPU tests, the
              # engine's (whose middle now writes d_pre whole) and the compile-once ones, then the static training
-             # steps whose backward the engine takes (128 rows per expert), experts kept against the opaque ops (rule
-             # off) against traced (moe_inductor_bw_traced); Qwen3's 2048-token step as well with "bwtraced qwen3"
+             # steps whose backward the engine takes (128 rows per expert), experts kept against the opaque ops
+             # (moe_inductor_bw_opaque) against traced (moe_inductor_bw_traced); Qwen3's 2048-token step as well with "bwtraced qwen3"
     timeout -s INT 120 python -m pytest tests/test_visible_backward.py tests/test_recompiles.py -m gpu $WORKERS -q \
       -p no:warnings -rfE 2>&1 | grep -v torch.__trace | tail -6
     timeout -s INT 90 python -m pytest tests/test_grouped_mm_engine.py $WORKERS -q -p no:warnings -rfE 2>&1 \
       | grep -v torch.__trace | tail -4
-    C=moe_inductor_experts_kept+moe_inductor_rule_off+moe_inductor_bw_traced
+    C=moe_inductor_experts_kept+moe_inductor_bw_opaque+moe_inductor_bw_traced
     CELLS="olmoe:train:1024:$C gpt_oss:train:1024:$C"
     [ "${2:-}" = qwen3 ] && CELLS="qwen3_moe:train:2048:$C"
     timeout 370 python benchmarks/bench_hf.py --deadline-s 355 --layers qwen3_moe=2 \
@@ -194,13 +194,13 @@ case "${1:-suite}" in
       | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_bwtraced.log"
     grep "train" "$OUT/bench_hf_bwtraced.log" | cut -c1-400
     python benchmarks/graphs_check.py "$OUT/bench_hf_bwtraced.json" ;;
-  bwtracedab)  # the engine's backward opaque (rule off) against traced (moe_inductor_bw_traced) in the training
-               # steps given as family:T arguments (default GPT-OSS's and Mixtral's 1024, biased and not), after the
+  bwtracedab)  # the engine's backward opaque (moe_inductor_bw_opaque) against traced (moe_inductor_bw_traced), the
+               # rule off in both, in the training steps given as family:T arguments (default GPT-OSS's and Mixtral's 1024, biased and not), after the
                # traced path's GPU tests (SKIP_TESTS=1: none); every column one graph (graphs_check.py) (~9 min)
     shift
     [ -n "${SKIP_TESTS:-}" ] || timeout -s INT 150 python -m pytest tests/test_visible_backward.py -m gpu $WORKERS \
       -q -p no:warnings -rfE 2>&1 | grep -v torch.__trace | tail -6
-    C=moe_inductor_rule_off+moe_inductor_bw_traced
+    C=moe_inductor_bw_opaque+moe_inductor_bw_traced
     CELLS=""; for c in ${@:-gpt_oss:1024 mixtral:1024}; do CELLS="$CELLS ${c%%:*}:train:${c##*:}:$C"; done
     timeout 420 python benchmarks/bench_hf.py --deadline-s 405 --budget-s 200 --cells $CELLS \
       --json "$OUT/bench_hf_bwtracedab.json" --markdown "$OUT/bench_hf_bwtracedab.md" 2>&1 \
@@ -208,10 +208,10 @@ case "${1:-suite}" in
     grep "train\|Error" "$OUT/bench_hf_bwtracedab.log" | cut -c1-400
     python benchmarks/graphs_check.py "$OUT/bench_hf_bwtracedab.json" ;;
   olmoe1024)  # OLMoE's 1024-token training step: the experts kept, the engine's backward opaque, and traced, in 3
-              # interleaved rounds with a profile of each column. The traced column read 4.69 ms in the forty-second
-              # session and 6.15 in the forty-fourth (the kept column 5.24 and 5.25): which kernels moved (~4 min)
+              # interleaved rounds with a profile of each column. The step is host-bound: single runs swing with the
+              # machine's host (RESULTS.md, forty-fifth session), interleaved rounds compare columns (~4 min)
     timeout 300 python benchmarks/bench_hf.py --deadline-s 285 --interleave 3 --profile --budget olmoe=280 \
-      --cells olmoe:train:1024:moe_inductor_experts_kept+moe_inductor_rule_off+moe_inductor_bw_traced \
+      --cells olmoe:train:1024:moe_inductor_experts_kept+moe_inductor_bw_opaque+moe_inductor_bw_traced \
       --json "$OUT/bench_hf_olmoe1024.json" --markdown "$OUT/bench_hf_olmoe1024.md" 2>&1 \
       | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_olmoe1024.log"
     grep "olmoe train\|rounds" "$OUT/bench_hf_olmoe1024.log" | cut -c1-330 ;;

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from hf_families import BW_FUSED, BW_TRACED, ENGINE, EXPERTS_KEPT, FUSED, RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF
+from hf_families import BW_FUSED, BW_OPAQUE, BW_TRACED, ENGINE, EXPERTS_KEPT, FUSED, RULE_OFF, TAIL_OFF, TMA_AUTO, TMA_OFF
 
 
 def moe_backend(column: str):
@@ -43,19 +43,20 @@ def speed_rule_off(off: bool):
 _SETTINGS = {TAIL_OFF: ("gemm_tail_split", False), TMA_AUTO: ("gemm_tma_weights", "auto"),
              TMA_OFF: ("gemm_tma_weights", "off"), FUSED: ("gemm_engine", "triton"),
              ENGINE: ("gemm_engine", "grouped_mm"), BW_FUSED: ("gemm_engine_backward", "triton"),
-             BW_TRACED: ("visible_engine_backward", True)}
+             BW_TRACED: ("visible_engine_backward", True),
+             BW_OPAQUE: ("visible_engine_backward", False)}
 
 
 @contextlib.contextmanager
 def column_options(column: str):
-    """The settings a column compiles and runs under: the speed rule off for ``RULE_OFF``, ``BW_FUSED`` and
-    ``BW_TRACED``; for ``TAIL_OFF`` the tail split off, for ``TMA_AUTO`` the TMA weight loads under "auto"
+    """The settings a column compiles and runs under: the speed rule off for ``RULE_OFF``, ``BW_FUSED``,
+    ``BW_TRACED`` and ``BW_OPAQUE``; for ``TAIL_OFF`` the tail split off, for ``TMA_AUTO`` the TMA weight loads under "auto"
     (``TMA_OFF``: "off"), for ``FUSED`` the fused kernels for every GEMM (``config.gemm_engine = "triton"``;
     ``ENGINE``: "grouped_mm"), for ``BW_FUSED`` for the backward's (``config.gemm_engine_backward``), for
-    ``BW_TRACED`` the engine's backward traced (``config.visible_engine_backward``), each with the compile caches
+    ``BW_TRACED`` the engine's backward traced (``config.visible_engine_backward``; ``BW_OPAQUE``: not), each with the compile caches
     off too: these settings are read inside our op while Inductor traces it, so the graph handed to the caches is the
     same as the "moe_inductor" column's, whose cache entries would answer."""
-    with speed_rule_off(column in (RULE_OFF, BW_FUSED, BW_TRACED)):
+    with speed_rule_off(column in (RULE_OFF, BW_FUSED, BW_TRACED, BW_OPAQUE)):
         settings = _SETTINGS.get(column)
         if settings is None:
             yield

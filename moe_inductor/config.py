@@ -29,9 +29,10 @@ visible_backward: bool = os.environ.get("MOE_INDUCTOR_VISIBLE_BACKWARD", "1") ==
 #: With ``visible_backward``, a backward the ``torch._grouped_mm`` engine takes is traced too where its row count is
 #: static: the engine's GEMMs become ``aten._grouped_mm`` nodes of the compiled backward and our kernels around them
 #: launch from Inductor's wrapper, without the opaque ops' Python per call (which made OLMoE's 1024-token step
-#: host-bound: RESULTS.md, fortieth session). Off until every family's training steps have run on it on both GPUs
-#: (the H100's so far: RESULTS.md, forty-third session).
-visible_engine_backward: bool = os.environ.get("MOE_INDUCTOR_VISIBLE_ENGINE_BACKWARD", "0") == "1"
+#: host-bound: RESULTS.md, fortieth session). The GEMMs are the same ``torch._grouped_mm`` calls either way, so what
+#: it changes is host time; the H100 measured it level or ahead in every family and size it ran (RESULTS.md,
+#: forty-second to forty-fifth sessions). Off (env ``MOE_INDUCTOR_VISIBLE_ENGINE_BACKWARD=0``): the opaque ops.
+visible_engine_backward: bool = os.environ.get("MOE_INDUCTOR_VISIBLE_ENGINE_BACKWARD", "1") == "1"
 
 #: Our Inductor compiles give each traced kernel write its own empty buffer again where AOT autograd's CSE merged
 #: identical allocations (lowerings/unshared_buffers.py): else Inductor copies the shared one before every write but

@@ -43,11 +43,13 @@ def test_the_nearest_measured_shape_of_a_kind_decides():
         assert keeps_inductor(QWEN3, CUDA, "prefill", "inductor") is None  # Qwen3 won by 1.13x
 
 
-def test_a_gpu_without_a_value_for_the_mode_defers_to_another_gpus_with_the_margin():
+def test_a_gpu_without_a_value_for_the_mode_defers_to_another_gpus_with_the_margin(monkeypatch):
     """The H100's file has no decode values: a Qwen3 decode step there is judged by the H200's decode value (1.06,
     short of the 1.1x margin) and kept, not by the H100's prefill win. Its training values are its own: a 1024-token
     step lost (Qwen3 0.59x, GPT-OSS 0.71x) and a 4096-token one won (1.06x, 1.01x), though the H200 measured GPT-OSS
-    at 0.88x."""
+    at 0.88x. With the engine's backward traced (the default), GPT-OSS's 1024-token step and Qwen3's 2048-token
+    one are judged by their traced values ("train_static"); with it off, by the opaque ops' "train"."""
+    monkeypatch.setattr(config, "visible_engine_backward", False)
     with _on("NVIDIA_H100_80GB_HBM3"):
         reason = keeps_inductor(QWEN3, CUDA, "decode", "inductor")
         assert reason and "NVIDIA_H200" in reason and "1.06x" in reason and "no decode value" in reason, reason
@@ -70,6 +72,14 @@ def test_a_gpu_without_a_value_for_the_mode_defers_to_another_gpus_with_the_marg
         said = speed_rule.verdict(GPT_OSS, CUDA, "decode", "inductor")
         assert said.startswith("speed rule:") and "1.01x" in said and "worst measured inference mode" in said, said
         assert keeps_inductor(GPT_OSS, CUDA, "decode", "inductor") is None
+        monkeypatch.setattr(config, "visible_engine_backward", True)
+        for shape, bias, tokens in ((GPT_OSS.shape, GPT_OSS.bias, 1024), (QWEN3.shape, False, 2048)):
+            visible = speed_rule.backward_visible(tokens, shape, bias, torch.bfloat16)
+            assert speed_rule.mode_from(True, tokens, visible) == speed_rule.TRAIN_STATIC, (shape, tokens)
+        said = speed_rule.verdict(GPT_OSS, CUDA, speed_rule.TRAIN_STATIC, "inductor")
+        assert said.startswith("speed rule:") and "1.03x" in said, said
+    with _on("NVIDIA_H200"):  # no traced value on the H200: its opaque "train" value judges, and keeps it
+        assert "0.88x" in keeps_inductor(GPT_OSS, CUDA, speed_rule.TRAIN_STATIC, "inductor")
     with _on("NVIDIA_A100-SXM4-80GB"):  # no file: the worst of every GPU's value for the mode, with the margin
         assert "0.71x" in keeps_inductor(GPT_OSS, CUDA, "train", "inductor")  # the H100's, below the H200's 0.88
 

@@ -55,7 +55,9 @@ QWEN3, OLMOE, GPTOSS = (2048, 768, 128, 8), (2048, 1024, 64, 8), (2880, 2880, 32
 def test_the_visible_backward_is_read_from_the_layers_shapes_as_the_compile_decides(monkeypatch):
     """``backward_visible`` asks the functions the compile asks: a static step of under 128 rows per expert
     (the engine's backward rule in bf16) runs the visible backward, one of more the opaque ops; so does any step
-    of experts the engine may take in the forward (Mixtral's), or with biases at 128 rows per expert (GPT-OSS)."""
+    of experts the engine may take in the forward (Mixtral's), or with biases at 128 rows per expert (GPT-OSS), where
+    the engine's backward is not traced (``config.visible_engine_backward``, the end of the test)."""
+    monkeypatch.setattr(config, "visible_engine_backward", False)
     assert speed_rule.backward_visible(1024, QWEN3, False)  # 64 rows per expert
     assert not speed_rule.backward_visible(2048, QWEN3, False)  # 128: the engine may take the backward
     assert speed_rule.backward_visible(2048, QWEN3, False, torch.float16)  # the engine is bf16 only
@@ -84,6 +86,12 @@ def test_the_visible_backward_is_read_from_the_layers_shapes_as_the_compile_deci
     assert speed_rule.mode_of(x(1024, 2048), (w,)) == "train"  # no shape: not known to be visible
     with torch.no_grad():
         assert speed_rule.mode_of(x(4096, 2048), (w,), QWEN3, False) == "prefill"
+    # the engine's backward traced: its static steps are visible too, but where the engine takes the forward
+    monkeypatch.setattr(config, "visible_engine_backward", True)
+    assert speed_rule.backward_visible(2048, QWEN3, False) and speed_rule.backward_visible(1024, OLMOE, False)
+    assert speed_rule.backward_visible(1024, GPTOSS, True)
+    assert not speed_rule.backward_visible(64, (4096, 14336, 8, 2), False)  # Mixtral: the forward is the engine's
+    assert speed_rule.mode_of(x(2, 1024, 2048), (w,), QWEN3, False) == TRAIN_STATIC
 
 
 def test_settings_without_the_visible_backward_keep_a_short_step_train(monkeypatch):
@@ -129,7 +137,9 @@ def test_a_static_step_with_the_visible_backward_is_judged_by_its_own_value(monk
     """An entry measured faster with the visible backward at 1024 tokens (1.02x) and slower through the opaque ops
     (0.71x): a static 1024-token step (96 rows per expert) is rewritten; a 2048-token one (192 rows per expert,
     which the engine may take in the opaque ops), a shorter one, a symbolic one, and any step with the visible
-    backward off take "train" and stay Inductor's; so does the list op, which has no visible backward."""
+    backward off take "train" and stay Inductor's; so does the list op, which has no visible backward. With the
+    engine's backward traced, the 2048-token step is visible too, and rewritten."""
+    monkeypatch.setattr(config, "visible_engine_backward", False)
     entry = {**SORTED, "train": 0.71, TRAIN_STATIC: 1.02}
     judge = _judged(entry)
     kept, said = judge(1024)
@@ -140,6 +150,9 @@ def test_a_static_step_with_the_visible_backward_is_judged_by_its_own_value(monk
     monkeypatch.setattr(config, "gemm_engine_backward", "triton")  # no engine: 2048 tokens' backward is visible
     assert not judge(2048)[0]
     monkeypatch.setattr(config, "gemm_engine_backward", None)
+    monkeypatch.setattr(config, "visible_engine_backward", True)  # the engine's, traced: visible
+    assert not judge(2048)[0] and judge(1023)[0]
+    monkeypatch.setattr(config, "visible_engine_backward", False)
     monkeypatch.setattr(config, "visible_backward", False)
     assert judge(1024)[0]
     monkeypatch.setattr(config, "visible_backward", True)
@@ -192,6 +205,7 @@ def test_rule_file_files_a_visible_runs_training_rows_apart(tmp_path):
         path.write_text(json.dumps({"meta": meta, "rows": rows}))
         return str(path)
 
+    setting = config.visible_engine_backward
     kind = rule_file.layer_kind("qwen3_moe")
     (tmp_path / "TEST_GPU.json").write_text(json.dumps({"layers": [{**kind, TRAIN_LONG: 1.01}]}))
     path = rule_file.main([run(False, 9.12, 12.77, "qwen3_moe", "a"), run(True, 9.13, 8.91, "qwen3_moe", "b"),
@@ -207,13 +221,14 @@ def test_rule_file_files_a_visible_runs_training_rows_apart(tmp_path):
                            "--write"])
     gptoss = _entry(path, rule_file.layer_kind("gpt_oss"))
     assert gptoss["train"] == 1.02 and gptoss[TRAIN_STATIC] == 1.11, gptoss
-    assert config.visible_engine_backward is False
+    assert config.visible_engine_backward is setting  # the run's setting was read, this process's kept
 
 
 def test_the_engines_traced_backward_counts_as_visible_under_its_setting(monkeypatch):
     """GPT-OSS's 1024-token step (128 rows per expert: the engine's backward) is "train" with the engine's
     backward opaque and "train_static" where ``config.visible_engine_backward`` traces it."""
     gptoss = (2880, 2880, 32, 4)
+    monkeypatch.setattr(config, "visible_engine_backward", False)
     assert not speed_rule.backward_traced(1024, gptoss, True)
     assert not speed_rule.backward_visible(1024, gptoss, True)
     monkeypatch.setattr(config, "visible_engine_backward", True)
