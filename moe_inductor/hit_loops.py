@@ -21,10 +21,11 @@ So, during a moe_inductor compile only:
   the loop iterates E (1,) int64 tensors holding 0..E-1 instead (``torch.full``: eager's rows of the nonzero output
   have that dtype, shape and device), provided the loop body neither leaves the loop nor sets a local read after it;
   a loop over the nonzero's one column (``.squeeze(-1)``, ``.flatten()``, ``.view(-1)``, ``[:, 0]``) iterates E 0-d
-  ones;
+  ones, and a loop over its whole view ``[:]`` (transformers v4.55+'s GPT-OSS) iterates the nonzero's rows;
 - ``ModuleList[t]`` (or a list's) at such a tensor is element e, as ``operator.index`` of it is in eager; so is
   any indexing at its one element ``t[0]`` (transformers v5's ``expert_idx = expert_idx[0]``), a tensor's too
-  (``w[t[0]]`` is the view ``w[e]``), and ``t.item()`` is the int e;
+  (``w[t[0]]`` is the view ``w[e]``, and ``table[tok, t[0], None]`` is ``table[tok, e, None]``), and ``t.item()``
+  is the int e;
 - a no-tokens skip inside the loop (``if len(top_x) == 0: continue``, as copies of the loop add) is part of the
   iteration: an expert with no rows computes nothing either way, and check_traced proves the count is of that
   iteration's own expert;
@@ -52,7 +53,7 @@ import torch
 from torch.fx import Graph, Node
 
 from . import count_totals, report, speculation, unproven_loops
-from .loop_bytecode import _body_refusal, _loop_of, _next
+from .loop_bytecode import _body_refusal, _loop_of, _next, _resolve
 
 #: on a ``torch.full((1,), e)`` node that stands for the e-th row of a hit loop's nonzero: e
 INDEX = "moe_inductor_hit_index"
@@ -329,16 +330,86 @@ def _held(node: Node) -> tuple[Optional[int], bool]:
 def _subscript(tx, inst, handler: Callable) -> None:
     """BINARY_SUBSCR at a hit loop's index: element e of a ModuleList (or list, tuple) at the index tensor or its
     element; a tensor at the 0-d element is ``tensor[e]`` (eager indexes by a 0-d integer tensor as by the int,
-    and returns the same view)."""
-    from torch._dynamo.variables import ConstantVariable, TensorVariable
+    and returns the same view); so is a tensor at a tuple holding the 0-d element beside other tensor indices
+    (``weights[tok, e, None]``, ``_tuple_index``)."""
+    from torch._dynamo.variables import ConstantVariable, TensorVariable, TupleVariable
 
+    if _whole_nonzero(tx, inst, tx.stack[-2:-1], tx.stack[-1:]):  # ``for t in hit.nonzero()[:]``: the nonzero
+        tx.pop()
+        return
     if speculation._trace() is not None and len(tx.stack) >= 2 and isinstance(tx.stack[-1], TensorVariable):
         e, scalar = _held(tx.stack[-1].as_proxy().node)
         container = tx.stack[-2]
         if e is not None and (_indexable_by_int(container) or scalar and isinstance(container, TensorVariable)):
             tx.pop()
             tx.push(ConstantVariable.create(e))
+    elif (speculation._trace() is not None and len(tx.stack) >= 2 and type(tx.stack[-1]) is TupleVariable
+          and isinstance(tx.stack[-2], TensorVariable)):
+        items = _tuple_index(tx.stack[-1].items)
+        if items is not None:
+            tx.pop()
+            tx.push(TupleVariable(items))
     handler(tx, inst)
+
+
+def _whole_nonzero(tx, inst, container: list, bounds: list) -> bool:
+    """Whether ``inst`` takes the whole of a nonzero() of unbacked length (``n[:]``: BINARY_SUBSCR at the slice
+    ``bounds[0]``, or Python 3.12's BINARY_SLICE between ``bounds`` None and None) right before GET_ITER. The view
+    iterates the same rows as the nonzero, and GET_ITER then decides on the nonzero itself (``_unroll``), where
+    Dynamo cannot slice a tensor of unbacked length."""
+    from torch._dynamo.variables import TensorVariable
+
+    if speculation._trace() is None or len(container) != 1 or not isinstance(container[0], TensorVariable):
+        return False
+    following = _resolve(tx, _next(tx, inst))  # through a jump: ``for t in (n[:] if c else n)``
+    if following is None or following.opname != "GET_ITER":
+        return False
+    try:
+        values = [b.as_python_constant() for b in bounds]
+    except Exception:  # noqa: BLE001  (bounds that are not constants: Dynamo's own subscript)
+        return False
+    if values not in ([slice(None)], [None, None]):
+        return False
+    node = container[0].as_proxy().node
+    value = node.meta.get("example_value")
+    return _is_nonzero(node) and isinstance(value, torch.Tensor) and not isinstance(value.shape[0], int)
+
+
+def _slice(tx, inst, handler: Callable) -> None:
+    """BINARY_SLICE (Python 3.12+): ``n[:]`` of a nonzero before GET_ITER is the nonzero (``_whole_nonzero``)."""
+    if len(tx.stack) >= 3 and _whole_nonzero(tx, inst, tx.stack[-3:-2], tx.stack[-2:]):
+        tx.pop()
+        tx.pop()
+        return
+    handler(tx, inst)
+
+
+def _tuple_index(items: list) -> Optional[list]:
+    """A tensor's tuple index with a hit loop's 0-d index ``t`` (or ``t[0]`` of a (1,) one) in it, that element
+    as the int e; None where nothing is held or the swap could change the result. A 0-d integer tensor in a tuple
+    index is an advanced index, broadcast with the other tensors in it, and an int is a select: the two agree on
+    values and on the result's dims where the advanced indices (the tensors and that element) stand side by side
+    (``weights[tok, e, None]``), and where every other index is a tensor each advanced dim lands where the first
+    advanced index stood either way. Separated by a slice or None, torch moves broadcast dims to the front for
+    the tensor and not for the int, so such an index is left as it is."""
+    from torch._dynamo.variables import ConstantVariable, TensorVariable
+
+    held, tensors = [], []
+    for i, item in enumerate(items):
+        if isinstance(item, TensorVariable):
+            e, scalar = _held(item.as_proxy().node)
+            if e is not None and scalar:
+                held.append((i, e))
+            else:
+                tensors.append(i)
+    if len(held) != 1:
+        return None
+    advanced = sorted([held[0][0], *tensors])
+    if advanced != list(range(advanced[0], advanced[-1] + 1)):
+        return None
+    out = list(items)
+    out[held[0][0]] = ConstantVariable.create(held[0][1])
+    return out
 
 
 _COMPARISONS = {
@@ -435,7 +506,8 @@ def _hook_item() -> None:
 
 
 def hook_table(table: list, opmap: dict) -> None:
-    """Wrap the GET_ITER, FOR_ITER, BINARY_SUBSCR and POP_JUMP_IF_* handlers of one Dynamo dispatch table in place."""
+    """Wrap the GET_ITER, FOR_ITER, BINARY_SUBSCR, BINARY_SLICE and POP_JUMP_IF_* handlers of one Dynamo dispatch
+    table in place."""
     def hooked(handler: Callable, hook: Callable) -> Callable:
         return lambda tx, inst: hook(tx, inst, handler)
 
@@ -443,7 +515,7 @@ def hook_table(table: list, opmap: dict) -> None:
         if not _unroll(tx, inst):
             handler(tx, inst)
 
-    hooks = {"GET_ITER": get_iter, "FOR_ITER": _iteration, "BINARY_SUBSCR": _subscript}
+    hooks = {"GET_ITER": get_iter, "FOR_ITER": _iteration, "BINARY_SUBSCR": _subscript, "BINARY_SLICE": _slice}
     hooks.update({name: _branch for name in opmap if speculation.is_bool_branch(name)})
     for opname, hook in hooks.items():
         op = opmap.get(opname)

@@ -8,7 +8,8 @@ The user code this reads:
     tok = (ids == e).nonzero(as_tuple=True)[0]           # a top-1 router's (T,) ids
     tok = (ids == e).any(-1).nonzero().squeeze(-1)       # the tokens that chose e at all
 
-and each row's weight ``weights[tok, pos, None]`` (or ``weights[tok, pos].unsqueeze(-1)``), or, for the last, ``(weights * (ids == e)).sum(-1)[tok, None]``.
+and each row's weight ``weights[tok, pos, None]`` (or ``weights[tok, pos].unsqueeze(-1)``), or, for the last, ``(weights * (ids == e)).sum(-1)[tok, None]``; or ``table[tok, e, None]`` of a (T, E) table scattered from the
+choices' weights (``scattered_weights``).
 """
 from __future__ import annotations
 
@@ -232,7 +233,42 @@ def routing_scaled(node: Node, tok: Node, sel: Rows) -> Optional[tuple[Node, Nod
             weights = weights_at_hit(scale.args[0], sel)
             if weights is not None:
                 return value, weights
+        # table[tok, e, None] of a dense (T, E) table of the choices' weights (transformers v4's GPT-OSS, Qwen3-VL)
+        if isinstance(index, tuple) and len(index) == 3 and index[0] is tok and index[1] == sel.e and (
+                type(index[1]) is int and index[2] is None):
+            weights = scattered_weights(scale.args[0], sel)
+            if weights is not None:
+                return value, weights
     return None
+
+
+def scattered_weights(table: Node, sel: Rows) -> Optional[Node]:
+    """``w`` for a (T, E) table ``torch.zeros_like(logits).scatter_(1, ids, w)`` of this body's own ids: entry (t, e)
+    is t's weight of its choice e, which is ``w[t, pos]`` for the (token, choice) rows the selection picks, where
+    no token chooses e twice: ids from topk (distinct in each row; with repeats the table keeps one write where
+    ``w`` has two). The table is refused if anything else writes to it."""
+    if not (is_call(table, "call_method", "scatter_", "scatter") and len(table.args) == 4 and not table.kwargs):
+        return None
+    base, dim, ids, w = table.args
+    if ids is not sel.ids or dim not in (1, -1) or not _from_topk(ids) or not isinstance(w, Node):
+        return None
+    if not (is_call(base, "call_function", torch.zeros_like) and list(base.users) == [table]):
+        return None
+    if any(u.op == "call_method" and str(u.target).endswith("_") and u.args and u.args[0] is table
+           or u.op == "call_function" and u.target is operator.setitem for u in table.users):
+        return None
+    tv, wv, iv = val(table), val(w), val(ids)
+    if tv is None or wv is None or iv is None or tv.dim() != 2 or tuple(wv.shape) != tuple(iv.shape) or (
+            wv.dtype != tv.dtype):
+        return None
+    return w
+
+
+def _from_topk(ids: Node) -> bool:
+    """``ids`` are ``topk(...).indices``: distinct within each row."""
+    if not (is_call(ids, "call_function", operator.getitem) and ids.args[1] == 1):
+        return False
+    return is_call(ids.args[0], "call_function", torch.topk) or is_call(ids.args[0], "call_method", "topk")
 
 
 def _own_choice(pos, sel: Rows) -> bool:
