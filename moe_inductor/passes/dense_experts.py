@@ -26,6 +26,10 @@ Two more spellings of the same computation (``match_token_replicated``, ``match_
     # vLLM's torch-native loop: every expert on every token, each scaled by its column of the routing
     for e in range(E):
         y = y + expert_e(x) * (weights * (ids == e)).sum(-1, keepdim=True)
+
+    # transformers v4.55-4.57's GPT-OSS and Qwen3-VL-MoE: tokens repeated per expert, bmm, summed over E
+    out = torch.bmm(act(torch.bmm(x.repeat(E, 1).view(E, -1, H), w_gate_up)), w_down)
+    y = (out.view(E, B, -1, H) * routing.transpose(0, 1).view(E, B, -1)[..., None]).sum(0)
 """
 from __future__ import annotations
 
@@ -546,7 +550,15 @@ def match_dense_loop(y: Node) -> Union[Match, str, None]:
     return Match(spec, y, note=_fewer_flops(spec))
 
 
+def _match_repeated(y: Node) -> Union[Match, str, None]:
+    """The expert-major spelling (passes/dense_repeated.py: tokens repeated per expert, bmm, summed over E)."""
+    from .dense_repeated import match_repeated
+
+    return match_repeated(y)
+
+
 rewrite = Form(FORM, (Anchor(every_node, match_or_reason),
                      Anchor(lambda n: is_call(n, "call_method", "scatter_add_"), match_token_replicated),
-                     Anchor(every_node, match_dense_loop)))
+                     Anchor(every_node, match_dense_loop),
+                     Anchor(lambda n: is_call(n, "call_method", "sum"), _match_repeated)))
 """Replace every provable dense all-experts MoE in a GraphModule; returns what was rewritten."""

@@ -83,6 +83,9 @@ class Match:
     #: B, where the region is B independent MoEs (its queues and capacity per group): spec.x, ids and weights are
     #: (B, T, .), the op runs once per group and the (B, T, H) result is their stack
     groups: Optional[int] = None
+    #: without ``acc``: the sizes the op's (T, H) result is reshaped to, ``end``'s shape (one size may be -1), where
+    #: the region's result splits the tokens over more dims than one
+    result_shape: Optional[tuple] = None
 
 
 Proof = Callable[[Node], Union[Match, str, None]]
@@ -260,6 +263,11 @@ def _replace(graph: Graph, form: str, m: Match) -> Rewrite:
         with graph.inserting_before(m.end):
             y = graph.call_function(torch.stack, (ys,))
     if m.acc is None:
+        if m.result_shape is not None:
+            with graph.inserting_before(m.end):
+                y = graph.call_method("reshape", (y, *m.result_shape))
+            if val(m.end) is not None:
+                y.meta["example_value"] = val(m.end)
         if m.onto is not None:
             with graph.inserting_before(m.end):
                 y = graph.call_function(operator.add, (m.onto, y))
