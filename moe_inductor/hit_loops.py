@@ -330,7 +330,9 @@ def _held(node: Node) -> tuple[Optional[int], bool]:
 def _subscript(tx, inst, handler: Callable) -> None:
     """BINARY_SUBSCR at a hit loop's index: element e of a ModuleList (or list, tuple) at the index tensor or its
     element; a tensor at the 0-d element is ``tensor[e]`` (eager indexes by a 0-d integer tensor as by the int,
-    and returns the same view); so is a tensor at a tuple holding the 0-d element beside other tensor indices
+    and returns the same view); a graph input (a weight, a bias) at the (1,) index tensor itself is ``w[e:e+1]``, the values of
+    eager's copy (transformers v4.55's GPT-OSS: ``gate_up_proj[expert_idx]``; passes/leading_ones.py reads the one-expert
+    batch it makes); a tensor at a tuple holding the index beside other tensor indices is read at e
     (``weights[tok, e, None]``, ``_tuple_index``)."""
     from torch._dynamo.variables import ConstantVariable, TensorVariable, TupleVariable
 
@@ -343,6 +345,10 @@ def _subscript(tx, inst, handler: Callable) -> None:
         if e is not None and (_indexable_by_int(container) or scalar and isinstance(container, TensorVariable)):
             tx.pop()
             tx.push(ConstantVariable.create(e))
+        elif e is not None and isinstance(container, TensorVariable) and container.as_proxy().node.op in (
+                "placeholder", "get_attr"):  # a weight's w[t]: eager's copy of w[e:e+1] (other tensors: as traced)
+            tx.pop()
+            tx.push(ConstantVariable.create(slice(e, e + 1)))
     elif (speculation._trace() is not None and len(tx.stack) >= 2 and type(tx.stack[-1]) is TupleVariable
           and isinstance(tx.stack[-2], TensorVariable)):
         items = _tuple_index(tx.stack[-1].items)
@@ -385,24 +391,27 @@ def _slice(tx, inst, handler: Callable) -> None:
 
 
 def _tuple_index(items: list) -> Optional[list]:
-    """A tensor's tuple index with a hit loop's 0-d index ``t`` (or ``t[0]`` of a (1,) one) in it, that element
-    as the int e; None where nothing is held or the swap could change the result. A 0-d integer tensor in a tuple
-    index is an advanced index, broadcast with the other tensors in it, and an int is a select: the two agree on
+    """A tensor's tuple index with a hit loop's 0-d index ``t`` (or ``t[0]`` of a (1,) one, or the (1,) one itself
+    beside another tensor index of at least one dim, which it broadcasts to without adding a dim) in it, that
+    element as the int e; None where nothing is held or the swap could change the result. A 0-d integer tensor in a
+    tuple index is an advanced index, broadcast with the other tensors in it, and an int is a select: the two agree on
     values and on the result's dims where the advanced indices (the tensors and that element) stand side by side
     (``weights[tok, e, None]``), and where every other index is a tensor each advanced dim lands where the first
     advanced index stood either way. Separated by a slice or None, torch moves broadcast dims to the front for
     the tensor and not for the int, so such an index is left as it is."""
     from torch._dynamo.variables import ConstantVariable, TensorVariable
 
-    held, tensors = [], []
+    held, tensors, wide = [], [], False
     for i, item in enumerate(items):
         if isinstance(item, TensorVariable):
             e, scalar = _held(item.as_proxy().node)
-            if e is not None and scalar:
-                held.append((i, e))
+            if e is not None:
+                held.append((i, e, scalar))
             else:
                 tensors.append(i)
-    if len(held) != 1:
+                value = item.as_proxy().node.meta.get("example_value")
+                wide = wide or isinstance(value, torch.Tensor) and value.dim() >= 1
+    if len(held) != 1 or not (held[0][2] or wide):  # a (1,) index broadcasts away only beside a wider one
         return None
     advanced = sorted([held[0][0], *tensors])
     if advanced != list(range(advanced[0], advanced[-1] + 1)):

@@ -64,9 +64,15 @@ def _body_refusal(tx, inst, head: int, exit_: int, rebinds: Optional[list] = Non
     check what they are set to."""
     instructions = tx.instructions
     start = instructions.index(inst) + 1
-    written = set()
+    written, handlers = set(), set()
+    reached = _reached(instructions, start - 1, exit_)  # from the branch itself: both of its ways
     for i in range(start, exit_):
         ins = instructions[i]
+        if i not in reached:  # a handler only an exception enters (a ``with`` block's exit on an error)
+            continue
+        if ins.opname in ("BEFORE_WITH", "SETUP_WITH") and _index_only_no_grad(instructions, i, exit_):
+            handlers |= _handlers_of_block(instructions, i, exit_)
+            continue
         if ins.opname in _FORBIDDEN:
             return f"the rest of the iteration runs {ins.opname}"
         if ins.opcode in _JUMPS and ins.opname != "FOR_ITER" and ins.target is not None and not (
@@ -74,7 +80,7 @@ def _body_refusal(tx, inst, head: int, exit_: int, rebinds: Optional[list] = Non
             return "the rest of the iteration can leave the loop (break or return)"
         if ins.opcode in dis.haslocal and ("STORE" in ins.opname or "DELETE" in ins.opname):
             written.update(_local_names(ins))
-    outlives = sorted(v for v in written if _read_before_written(instructions, head, v))
+    outlives = sorted(v for v in written if _read_before_written(instructions, head, v, handlers))
     if outlives and rebinds is None:
         return f"the rest of the iteration sets {', '.join(outlives)}, read after it"
     if rebinds is not None:
@@ -85,9 +91,77 @@ def _body_refusal(tx, inst, head: int, exit_: int, rebinds: Optional[list] = Non
 _ENDS = {"RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE"} | _UNCONDITIONAL - {"NOP"}
 
 
-def _read_before_written(instructions: list, start: int, name: str) -> bool:
+def _reached(instructions: list, start: int, stop: int) -> set:
+    """The indices in [start, stop) that control reaches from ``start`` without an exception: fall-through and jumps,
+    not the exception table's edges."""
+    index_of = {id(ins): i for i, ins in enumerate(instructions)}
+    seen, stack = set(), [start]
+    while stack:
+        i = stack.pop()
+        if i in seen or not start <= i < stop:
+            continue
+        seen.add(i)
+        ins = instructions[i]
+        if ins.opname not in _ENDS:
+            stack.append(i + 1)
+        if ins.opcode in _JUMPS and ins.target is not None:
+            stack.append(index_of[id(ins.target)])
+    return seen
+
+
+#: what the body of an allowed ``with torch.no_grad():`` may do: index locals, call torch.where / nonzero on them
+#: and store the (integer) results
+_INDEX_ONLY = {"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_LOAD_FAST", "LOAD_CONST", "BINARY_SUBSCR", "PRECALL",
+               "CALL", "KW_NAMES", "UNPACK_SEQUENCE", "STORE_FAST", "STORE_FAST_STORE_FAST", "POP_TOP", "PUSH_NULL",
+               "CACHE", "NOP", "LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "RESUME"}
+_INDEX_CALLS = {"where", "nonzero"}
+
+
+def _index_only_no_grad(instructions: list, at: int, stop: int) -> bool:
+    """Whether the ``with`` entered at ``instructions[at]`` is ``with torch.no_grad():`` around code that only
+    finds rows (``tok = torch.where(mask[e])`` and the like): its results are integer tensors, which no gradient
+    reaches with or without it, so the block changes nothing a rewrite of the loop could depend on."""
+    before = [ins for ins in instructions[max(0, at - 8):at] if ins.opname not in NO_OPS and ins.opname != "CACHE"]
+    if len(before) < 3 or before[-1].opname != "CALL" or before[-1].argval not in (0, None):
+        return False
+    if not (before[-2].opname in ("LOAD_ATTR", "LOAD_METHOD") and before[-2].argval == "no_grad"
+            and before[-3].opname == "LOAD_GLOBAL" and before[-3].argval == "torch"):
+        return False
+    for ins in instructions[at + 1:stop]:
+        if ins.opname == "LOAD_CONST" and ins.argval is None and _exits_with(instructions, instructions.index(ins)):
+            return True  # the block's normal exit: __exit__(None, None, None)
+        if ins.opname not in _INDEX_ONLY:
+            return False
+        if ins.opname == "LOAD_GLOBAL" and ins.argval != "torch":
+            return False
+        if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval not in _INDEX_CALLS:
+            return False
+    return False
+
+
+def _handlers_of_block(instructions: list, at: int, stop: int) -> set:
+    """The ids of the exception handlers of the instructions in the ``with`` block entered at ``at``, to its exit."""
+    found = set()
+    for ins in instructions[at:stop]:
+        entry = getattr(ins, "exn_tab_entry", None)
+        if entry is not None:
+            found.add(id(entry.target))
+        if ins.opname == "LOAD_CONST" and ins.argval is None and _exits_with(instructions, instructions.index(ins)):
+            break
+    return found
+
+
+def _exits_with(instructions: list, i: int) -> bool:
+    """``instructions[i:]`` start the normal exit of a ``with``: three ``LOAD_CONST None`` and a call of two."""
+    rest = [ins for ins in instructions[i:i + 8] if ins.opname not in NO_OPS and ins.opname != "CACHE"]
+    return len(rest) >= 4 and all(r.opname == "LOAD_CONST" and r.argval is None for r in rest[:3]) and (
+        rest[3].opname == "CALL")
+
+
+def _read_before_written(instructions: list, start: int, name: str, unraised: frozenset = frozenset()) -> bool:
     """Whether some path of the code from ``instructions[start]`` reads the local ``name`` before it writes it (the
-    value it holds at ``start`` is used)."""
+    value it holds at ``start`` is used). ``unraised``: the ids of exception handlers not to follow (an allowed
+    ``with torch.no_grad():``'s, whose ``__exit__`` never swallows the error: the handler re-raises it)."""
     index_of = {id(ins): i for i, ins in enumerate(instructions)}
     seen, stack = set(), [start]
     while stack:
@@ -106,7 +180,7 @@ def _read_before_written(instructions: list, start: int, name: str) -> bool:
         if ins.opcode in _JUMPS and ins.target is not None:
             stack.append(index_of[id(ins.target)])
         entry = getattr(ins, "exn_tab_entry", None)
-        if entry is not None:
+        if entry is not None and id(entry.target) not in unraised:
             stack.append(index_of[id(entry.target)])
     return False
 

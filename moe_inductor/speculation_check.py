@@ -199,6 +199,19 @@ def _computes_nothing(body: list[Node]) -> bool:
     return all(is_index_arithmetic(n) for n in body)
 
 
+def _drop_empty_grad_modes(gm: GraphModule, tag: int) -> None:
+    """Erase an iteration's ``_set_grad_enabled(False)`` / ``(True)`` pairs (its ``with torch.no_grad():``, which
+    the loop's bytecode check allows around row-finding code only: loop_bytecode._index_only_no_grad) that enclose
+    no node any more: the rewrite that took the body took what they enclosed. A pair around anything left stays."""
+    toggles = [n for n in gm.graph.nodes if n.meta.get(TAG) == tag and n.op == "call_function"
+               and n.target is torch._C._set_grad_enabled and not n.users]
+    for off, on in zip(toggles, toggles[1:]):
+        if off.args != (False,) or on.args != (True,) or off.next is not on:
+            continue
+        gm.graph.erase_node(on)
+        gm.graph.erase_node(off)
+
+
 def discharge(gm: GraphModule, speculations: list[Speculation], left_alone: Iterable = ()) -> None:
     """After the passes: every speculated body went with a rewrite (no node of it is left but inputs); then the
     counts' proven size checks go. Raises SpeculationNotDischarged, saying what the passes said (``left_alone``,
@@ -214,6 +227,7 @@ def discharge(gm: GraphModule, speculations: list[Speculation], left_alone: Iter
     for s in speculations:
         if s.vacuous:
             continue
+        _drop_empty_grad_modes(gm, s.id)
         left = [n for n in gm.graph.nodes if n.meta.get(TAG) == s.id and n.op not in ("placeholder", "get_attr")]
         if left:
             unproven_loops.remember(s.loop_key, left_alone)  # later frames around the break: not unrolled again
