@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch.fx import Node
@@ -45,7 +45,7 @@ from ..spec import MoESpec
 from .driver import Anchor, Form, Match, every_node, num_experts
 from .fx_utils import (ONE_HOT, alias_mutations, comes_before, einsum_parts, is_call, single_use, unsqueezed_last,
                        val, weighted_sum)
-from .gated_reads import read_gated
+from .gated_reads import GatedRead, read_gated
 
 FORM = "dense_experts"
 
@@ -409,14 +409,10 @@ def match_token_replicated(add: Node) -> Union[Match, str, None]:
     rows = _token_rows(index, av.shape[0], num_experts)
     if rows is None:
         return None
-    gated = read_gated(h, _bmm_projection)
-    if gated is None:
-        return "the hidden state is not a known activation of bmm projections over every expert"
+    gated = read_bmm_experts(h, _bmm_projection, layout)
+    if isinstance(gated, str):
+        return gated
     gate, up = gated.gate, gated.up
-    if up is not None and up[0] is not gate[0]:
-        return "the gate and up projections read different inputs"
-    if any(p[2] != layout for p in (gate, up) if p is not None):
-        return "the projections mix weight layouts"
     xs = gate[0]
     if not (is_call(xs, "call_method", "view", "reshape") and xs.args[1:] in ((num_experts, -1, av.shape[1]),)):
         return "the experts' input is not the replicated tokens viewed (E, T, H)"
@@ -449,6 +445,20 @@ def match_token_replicated(add: Node) -> Union[Match, str, None]:
         return Match(spec, add, note=_fewer_flops(spec) + "; routing weight on the input", acc=acc, accumulate=True,
                      writes=(add,), derive=scores if sigmoid else None)
     return "the replicated tokens are not scaled by scores that are zero off the top-k"
+
+
+def read_bmm_experts(h: Node, read: Callable, layout: str) -> Union[GatedRead, str]:
+    """The gated activation over every expert's bmm projections under ``h`` (``read`` reads one projection as
+    (input, weight, layout, ...)): gate and up on one input, in the down projection's ``layout``; or why not."""
+    gated = read_gated(h, read)
+    if gated is None:
+        return "the hidden state is not a known activation of bmm projections over every expert"
+    gate, up = gated.gate, gated.up
+    if up is not None and up[0] is not gate[0]:
+        return "the gate and up projections read different inputs"
+    if any(p[2] != layout for p in (gate, up) if p is not None):
+        return "the projections mix weight layouts"
+    return gated
 
 
 def _bmm_projection(node: Node) -> Optional[tuple[Node, Node, str]]:

@@ -25,7 +25,6 @@ from torch.fx import Node
 from ..spec import MoESpec
 from .driver import Match
 from .fx_utils import column_of, is_call, known_equal, single_use, val
-from .gated_reads import read_gated
 
 
 def _summed_over_experts(y: Node) -> Optional[Node]:
@@ -147,7 +146,7 @@ def _result_shape(y: Node) -> Union[tuple, str]:
 def match_repeated(y: Node) -> Union[Match, str, None]:
     """The expert-major dense MoE ending at ``y`` (module docstring); or why not where ``y`` sums every expert's
     bmm output scaled by a transposed routing matrix (the form's mark); None otherwise."""
-    from .dense_experts import _fewer_flops, _topk_scatter
+    from .dense_experts import _fewer_flops, _topk_scatter, read_bmm_experts
 
     prod = _summed_over_experts(y)
     if prod is None:
@@ -176,14 +175,10 @@ def match_repeated(y: Node) -> Union[Match, str, None]:
     if routed is None:
         return ("the (T, E) mixing matrix is not zeros scattered with topk ids (a soft mixture of every expert is "
                 "not sparse: nothing to skip)")
-    gated = read_gated(h, _biased_bmm)
-    if gated is None:
-        return "the hidden state is not a known activation of bmm projections over every expert"
+    gated = read_bmm_experts(h, _biased_bmm, layout)
+    if isinstance(gated, str):
+        return gated
     gate, up = gated.gate, gated.up
-    if up is not None and up[0] is not gate[0]:
-        return "the gate and up projections read different inputs"
-    if any(p[2] != layout for p in (gate, up) if p is not None):
-        return "the projections mix weight layouts"
     x = _repeated_tokens(gate[0], num_experts, hidden)
     if x is None:
         return "the experts' input is not the tokens repeated once per expert (x.repeat(E, 1).view(E, -1, H))"
