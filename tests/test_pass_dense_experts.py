@@ -37,6 +37,11 @@ class DenseMoE(nn.Module):
         if self.style == "soft":  # every expert weighted by the full softmax: not sparse, must stay dense
             h = F.silu(torch.einsum("th,eih->tei", x, self.w1)) * torch.einsum("th,eih->tei", x, self.w3)
             return torch.einsum("teh,te->th", torch.einsum("tei,ehi->teh", h, self.w2), probs)
+        if self.style == "edited_inplace_scatter":  # the in-place scatter's result written again: not the top-k
+            routing = torch.zeros_like(probs).scatter_(1, ids, values)
+            routing[:, :] = 0.0
+            h = F.silu(torch.einsum("th,eih->tei", x, self.w1)) * torch.einsum("th,eih->tei", x, self.w3)
+            return torch.einsum("teh,te->th", torch.einsum("tei,ehi->teh", h, self.w2), routing)
         if self.style == "ones_base":  # scattered into ones, not zeros: unselected experts still count
             routing = torch.ones_like(probs).scatter(1, ids, values)
             h = F.silu(torch.einsum("th,eih->tei", x, self.w1)) * torch.einsum("th,eih->tei", x, self.w3)
@@ -96,7 +101,7 @@ def test_gradients_match_eager(style):
 
 
 @pytest.mark.parametrize("style", ["soft", "ones_base", "mutated_base", "view_mutated_base", "view_mutated_routing",
-                                   "topk_over_tokens", "second_scatter"])
+                                   "topk_over_tokens", "second_scatter", "edited_inplace_scatter"])
 def test_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = DenseMoE(style)

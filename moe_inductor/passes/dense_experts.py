@@ -168,7 +168,7 @@ def _topk_scatter(routing: Node) -> Optional[tuple[Node, Node]]:
     mutations = alias_mutations(base)  # through any view of it, too
     if mutations != ([routing] if routing.target == "scatter_" else []):  # zeros stay zeros until the scatter
         return None
-    if routing.target == "scatter" and alias_mutations(routing):  # and the routing matrix stays as made
+    if alias_mutations(routing):  # and the routing matrix stays as made (``zeros.scatter_(...)[:, 0] = 0`` too)
         return None
     if routing.target == "scatter_" and _inplace_scatter_of(base) is not routing:  # and it runs before any read
         return None

@@ -243,32 +243,17 @@ def routing_scaled(node: Node, tok: Node, sel: Rows) -> Optional[tuple[Node, Nod
 
 
 def scattered_weights(table: Node, sel: Rows) -> Optional[Node]:
-    """``w`` for a (T, E) table ``torch.zeros_like(logits).scatter_(1, ids, w)`` of this body's own ids: entry (t, e)
-    is t's weight of its choice e, which is ``w[t, pos]`` for the (token, choice) rows the selection picks, where
-    no token chooses e twice: ids from topk (distinct in each row; with repeats the table keeps one write where
-    ``w`` has two). The table is refused if anything else writes to it."""
-    if not (is_call(table, "call_method", "scatter_", "scatter") and len(table.args) == 4 and not table.kwargs):
-        return None
-    base, dim, ids, w = table.args
-    if ids is not sel.ids or dim not in (1, -1) or not _from_topk(ids) or not isinstance(w, Node):
-        return None
-    if not (is_call(base, "call_function", torch.zeros_like) and list(base.users) == [table]):
-        return None
-    if any(u.op == "call_method" and str(u.target).endswith("_") and u.args and u.args[0] is table
-           or u.op == "call_function" and u.target is operator.setitem for u in table.users):
-        return None
-    tv, wv, iv = val(table), val(w), val(ids)
-    if tv is None or wv is None or iv is None or tv.dim() != 2 or tuple(wv.shape) != tuple(iv.shape) or (
-            wv.dtype != tv.dtype):
-        return None
-    return w
+    """``w`` for a (T, E) table of this body's own ids' weights, zeros scattered with them and left as made
+    (``dense_experts._topk_scatter``, the dense form's proof of the same table): entry (t, e) is t's weight of its
+    choice e, which is ``w[t, pos]`` for the (token, choice) rows the selection picks, where no token chooses e twice
+    (``unrolled_loop._topk_ids``; with repeats the table holds one write, or their sum, where the rows are two)."""
+    from .dense_experts import _topk_scatter
+    from .unrolled_loop import _topk_ids
 
-
-def _from_topk(ids: Node) -> bool:
-    """``ids`` are ``topk(...).indices``: distinct within each row."""
-    if not (is_call(ids, "call_function", operator.getitem) and ids.args[1] == 1):
-        return False
-    return is_call(ids.args[0], "call_function", torch.topk) or is_call(ids.args[0], "call_method", "topk")
+    routed = _topk_scatter(table)
+    if routed is None or routed[0] is not sel.ids or not _topk_ids(sel.ids):
+        return None
+    return routed[1]
 
 
 def _own_choice(pos, sel: Rows) -> bool:
