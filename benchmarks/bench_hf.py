@@ -64,7 +64,7 @@ def build(family: str, layers: int, tiny: bool, device: str, dtype: torch.dtype)
     prefix, _, _, real, small = FAMILIES[family]
     widths = dict(small if tiny else real, vocab_size=128 if tiny else 32768, num_hidden_layers=layers,
                   max_position_embeddings=4096 if tiny else 32768, eos_token_id=None)  # decode runs its full length
-    if family == "gpt_oss":
+    if family in ("gpt_oss", "gpt_oss_v4"):
         widths["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     cfg = getattr(transformers, f"{prefix}Config")(**widths)
     torch.manual_seed(0)
@@ -79,6 +79,10 @@ def build(family: str, layers: int, tiny: bool, device: str, dtype: torch.dtype)
         for name, p in model.named_parameters():
             if p.dim() >= 2 or name.endswith("bias"):
                 p.normal_(0, 0.02)
+    if family == "gpt_oss_v4":
+        from hf_v4_code import use_v4_moe_code
+
+        use_v4_moe_code(model)
     return model.to(dtype).eval(), cfg
 
 

@@ -35,6 +35,10 @@
 #                                            # training steps (default gpt_oss:1024 mixtral:1024), after its GPU tests
 #   bash benchmarks/device_run.sh olmoe1024  # OLMoE's 1024-token training step, experts kept / engine backward opaque /
 #                                            # traced, 3 interleaved rounds, profiled                      (~4 min)
+#   bash benchmarks/device_run.sh ruledecode [family ...] # this GPU's decode values (B 1 and 16, experts kept
+#                                            # against rewritten), merged into its whole_model file      (~8 min)
+#   bash benchmarks/device_run.sh gptossv4   # GPT-OSS with transformers v4.55's MoE block code: eager / inductor /
+#                                            # moe_inductor, prefill 4096 and 512, training 4096, decode B=1 (~9 min)
 #   bash benchmarks/device_run.sh ruletrain  # the 1024-token training values of five families (train_static; "train"
 #                                            # under MOE_INDUCTOR_VISIBLE_BACKWARD=0)                      (~9 min)
 #   bash benchmarks/device_run.sh gptoss     # GPT-OSS's experts on both engines: the op alone (fused against
@@ -323,6 +327,26 @@ case "${1:-suite}" in
     # this GPU's whole_model file, the values merged in (rule_file.py), brought back to be committed
     python benchmarks/rule_file.py "$OUT/bench_hf_rule.json" --write > "$OUT/rule_file.log" 2>&1; tail -1 "$OUT/rule_file.log"
     cp moe_inductor/kernels/tuned/whole_model/*.json "$OUT/" ;;
+  ruledecode)  # this GPU's decode values of the speed rule: B=1 and B=16, experts kept against every proven layer
+              # rewritten, each column in a process of its own, merged into this GPU's whole_model file. Families
+              # as arguments (default: the four whose decode the H100 file lacks and a run fits) (~8 min)
+    C=moe_inductor_experts_kept+moe_inductor_rule_off
+    FAMS="${*:2}"; FAMS=${FAMS:-"qwen3_moe olmoe qwen2_moe mixtral"}
+    CELLS=""; for f in $FAMS; do CELLS="$CELLS $f:decode:1:$C $f:decode:16:$C"; done
+    timeout 575 python benchmarks/bench_hf.py --deadline-s 560 --budget-s 140 --layers qwen3_moe=2 --cells $CELLS \
+      --json "$OUT/bench_hf_ruledecode.json" --markdown "$OUT/bench_hf_ruledecode.md" 2>&1 \
+      | grep -v "torch.__trace\|^DEBUG" > "$OUT/bench_hf_ruledecode.log"
+    grep -A12 "speed rule's values" "$OUT/bench_hf_ruledecode.md"
+    python benchmarks/graphs_check.py "$OUT/bench_hf_ruledecode.json"
+    python benchmarks/rule_file.py "$OUT/bench_hf_ruledecode.json" --write > "$OUT/rule_file.log" 2>&1; tail -1 "$OUT/rule_file.log"
+    cp moe_inductor/kernels/tuned/whole_model/*.json "$OUT/" ;;
+  gptossv4)  # GPT-OSS with transformers v4.55-4.57's MoE block code (family gpt_oss_v4, hf_v4_code.py): what the
+             # expert-major dense rewrite (eval) and the hit-loop rewrite (training) buy against eager and Inductor
+             # on the same code, every compiled column one graph or its breaks counted (~9 min)
+    timeout 580 python benchmarks/bench_hf.py --deadline-s 565 --budget gpt_oss_v4=560 --profile \
+      --cells gpt_oss_v4:prefill:4096 gpt_oss_v4:train:4096 gpt_oss_v4:decode:1 gpt_oss_v4:prefill:512 \
+      --json "$OUT/bench_hf_gptossv4.json" --markdown "$OUT/bench_hf_gptossv4.md" 2>&1 \
+      | grep -v "torch.__trace\|^DEBUG" | tee "$OUT/bench_hf_gptossv4.log" | grep -v "^  " | grep -v Warning ;;
   ruletrain)  # the 1024-token training values of the speed rule, experts kept against rewritten, in five families:
               # "train_static" as it is, "train" (which judges symbolic counts) under MOE_INDUCTOR_VISIBLE_BACKWARD=0
               # (the opaque backward ops); rule_file.py reads which from the JSON's meta

@@ -57,6 +57,13 @@ FAMILIES = {
         num_key_value_heads=8, head_dim=64, sliding_window=128), dict(
         hidden_size=64, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, sliding_window=8)),
+    # GPT-OSS with transformers v4.55-4.57's MoE block code (hf_v4_code.py): the same model and weights, the experts
+    # spelled as those releases did (dense over every expert in eval, a loop over the hit experts in training)
+    "gpt_oss_v4": ("GptOss", "GPT-OSS-20B, v4.55 MoE code", 2, dict(
+        hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, sliding_window=128), dict(
+        hidden_size=64, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8)),
     "olmoe": ("Olmoe", "OLMoE-1B-7B", 2, dict(
         hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8, num_attention_heads=16,
         num_key_value_heads=16), dict(

@@ -52,6 +52,33 @@ def test_bench_hf_every_family_and_mode_runs_eagerly(tmp_path):
         assert model(input_ids=ids, logits_to_keep=1).logits.shape == (1, 1, cfg.vocab_size), family
 
 
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_bench_hf_gpt_oss_v4_family_is_v5_gpt_oss_spelled_as_v4_and_rewritten(train):
+    """``gpt_oss_v4`` (transformers v4.55's MoE block code in the v5 model, hf_v4_code.py) computes what v5's GPT-OSS
+    computes with the same weights, and moe_inductor rewrites its blocks by the FX passes: the dense expert-major
+    form in eval, the hit-experts loop in training. Its values never file under the "hf" route (rule_file.py)."""
+    from torch._dynamo.utils import counters
+
+    from benchmarks import bench_hf, rule_file
+
+    v5, cfg = bench_hf.build("gpt_oss", 1, True, "cpu", torch.float32)
+    v4, _ = bench_hf.build("gpt_oss_v4", 1, True, "cpu", torch.float32)
+    ids = bench_hf.tokens(cfg, (2, 8), "cpu")
+    v5.train(train), v4.train(train)
+    with torch.set_grad_enabled(train):
+        want = v5(input_ids=ids, labels=ids).loss if train else v5(input_ids=ids).logits
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(v4, backend="moe_inductor", options={"inner": "eager"})
+        got = compiled(input_ids=ids, labels=ids).loss if train else compiled(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert dict(counters["moe_inductor"]) == ({"unrolled_loop": 1} if train else {"dense_experts": 1})
+    if train:
+        got.backward()
+        assert v4.model.layers[0].mlp.experts.down_proj.grad is not None
+    assert "gpt_oss_v4" in rule_file.NOT_HF_ROUTE
+
+
 def test_bench_hf_cells_and_table():
     from benchmarks import bench_hf, hf_processes, hf_profile, hf_tables
 
