@@ -127,28 +127,34 @@ def _index_only_no_grad(instructions: list, at: int, stop: int) -> bool:
     if not (before[-2].opname in ("LOAD_ATTR", "LOAD_METHOD") and before[-2].argval == "no_grad"
             and before[-3].opname == "LOAD_GLOBAL" and before[-3].argval == "torch"):
         return False
-    for ins in instructions[at + 1:stop]:
-        if ins.opname == "LOAD_CONST" and ins.argval is None and _exits_with(instructions, instructions.index(ins)):
-            return True  # the block's normal exit: __exit__(None, None, None)
+    end = _with_exit(instructions, at, stop)
+    if end is None:
+        return False
+    for ins in instructions[at + 1:end]:
         if ins.opname not in _INDEX_ONLY:
             return False
         if ins.opname == "LOAD_GLOBAL" and ins.argval != "torch":
             return False
         if ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and ins.argval not in _INDEX_CALLS:
             return False
-    return False
+    return True
 
 
 def _handlers_of_block(instructions: list, at: int, stop: int) -> set:
     """The ids of the exception handlers of the instructions in the ``with`` block entered at ``at``, to its exit."""
-    found = set()
-    for ins in instructions[at:stop]:
-        entry = getattr(ins, "exn_tab_entry", None)
-        if entry is not None:
-            found.add(id(entry.target))
-        if ins.opname == "LOAD_CONST" and ins.argval is None and _exits_with(instructions, instructions.index(ins)):
-            break
-    return found
+    end = _with_exit(instructions, at, stop)
+    block = instructions[at:stop if end is None else end + 1]
+    return {id(entry.target) for ins in block for entry in [getattr(ins, "exn_tab_entry", None)] if entry is not None}
+
+
+def _with_exit(instructions: list, at: int, stop: int) -> Optional[int]:
+    """The index of the first instruction of the normal exit (``__exit__(None, None, None)``) of the ``with`` block
+    entered at ``at``, before ``stop``; None where there is none. A nested ``with`` would end first: the callers
+    allow no ``with`` inside the block."""
+    for i in range(at + 1, stop):
+        if instructions[i].opname == "LOAD_CONST" and instructions[i].argval is None and _exits_with(instructions, i):
+            return i
+    return None
 
 
 def _exits_with(instructions: list, i: int) -> bool:
