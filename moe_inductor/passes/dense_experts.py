@@ -30,10 +30,14 @@ Two more spellings of the same computation (``match_token_replicated``, ``match_
     # transformers v4.55-4.57's GPT-OSS and Qwen3-VL-MoE: tokens repeated per expert, bmm, summed over E
     out = torch.bmm(act(torch.bmm(x.repeat(E, 1).view(E, -1, H), w_gate_up)), w_down)
     y = (out.view(E, B, -1, H) * routing.transpose(0, 1).view(E, B, -1)[..., None]).sum(0)
+
+    # transformers v4.52-4.57's Llama 4: the same with the score on the repeated input (v4.51: gathered as above)
+    xs = x.repeat(E, 1) * torch.sigmoid(table.float()).to(dtype).transpose(0, 1).reshape(-1, 1)
+
+The (E, T) score tables of the two Llama 4 spellings, casts included, are read by passes/score_tables.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -46,6 +50,7 @@ from .driver import Anchor, Form, Match, every_node, num_experts
 from .fx_utils import (ONE_HOT, alias_mutations, comes_before, einsum_parts, is_call, single_use, unsqueezed_last,
                        val, weighted_sum)
 from .gated_reads import GatedRead, read_gated
+from .score_tables import expert_major_scores
 
 FORM = "dense_experts"
 
@@ -343,42 +348,6 @@ def _token_rows(index: Node, num_tokens, num_experts) -> Optional[Node]:
     return rows
 
 
-def _expert_major_scores(scale: Node) -> Optional[tuple[Node, Node, bool]]:
-    """(ids, values, sigmoid?) for Llama4's (E, T) scores: ``sigmoid(full_like(s, -inf).scatter_(1, ids, v).T)``
-    (zero off the top-k, as sigmoid(-inf) is) or ``zeros(T, E).scatter(1, ids, v).T``, flattened by
-    ``.reshape(-1, 1)``; ids from topk over the experts."""
-    if not (is_call(scale, "call_method", "reshape", "view") and scale.args[1:] == (-1, 1)):
-        return None
-    scores = scale.args[0]
-    sigmoid = is_call(scores, "call_function", torch.sigmoid) and len(scores.args) == 1
-    te = scores.args[0] if sigmoid else scores
-    if not (is_call(te, "call_method", "transpose") and set(te.args[1:]) == {0, 1}) or len(te.users) != 1:
-        return None
-    routing = te.args[0]
-    if sigmoid and is_call(routing, "call_method", "scatter_") and len(routing.args) == 4 and not routing.kwargs:
-        base, dim, ids, values = routing.args
-        if not (is_call(base, "call_function", torch.full_like) and len(base.args) == 2 and base.args[1] == float(
-                "-inf") and not base.kwargs):
-            return None
-        if dim not in (1, -1) or alias_mutations(base) != [routing] or set(base.users) != {routing}:
-            return None
-        if not (is_call(ids, "call_function", operator.getitem) and ids.args[1] == 1):
-            return None
-        top = ids.args[0]
-        if not (is_call(top, "call_function", torch.topk) or is_call(top, "call_method", "topk")):
-            return None
-        if top.kwargs.get("dim", top.args[2] if len(top.args) > 2 else -1) not in (-1, 1):
-            return None
-        iv, vv = val(ids), val(values)
-        if iv is None or vv is None or iv.shape != vv.shape or iv.dim() != 2:
-            return None
-        return ids, values, True
-    if not sigmoid:
-        got = _topk_scatter(routing)
-        return (got[0], got[1], False) if got is not None else None
-    return None
-
-
 def match_token_replicated(add: Node) -> Union[Match, str, None]:
     """Llama 4's reference MoE: every token copied once per expert, scaled by its (zero off the top-k) score before
     the experts, bmm over (E, T, H), ``scatter_add_`` back by token::
@@ -419,8 +388,12 @@ def match_token_replicated(add: Node) -> Union[Match, str, None]:
     xs = xs.args[0]
     if not (is_call(xs, "call_function", operator.mul) and len(xs.args) == 2):
         return "the replicated tokens are not scaled by their scores before the experts"
+    refused = None
     for gathered, scale in (xs.args, xs.args[::-1]):
-        routed = _expert_major_scores(scale) if isinstance(scale, Node) else None
+        routed = expert_major_scores(scale) if isinstance(scale, Node) else None
+        if isinstance(routed, str):
+            refused = routed
+            continue
         if routed is None or not is_call(gathered, "call_function", torch.gather):
             continue
         g_args = list(gathered.args) + [gathered.kwargs.get(k) for k in ("input", "dim", "index")[len(
@@ -428,23 +401,19 @@ def match_token_replicated(add: Node) -> Union[Match, str, None]:
         x, g_dim, g_index = g_args[:3]
         if g_dim != 0 or _token_rows(g_index, av.shape[0], num_experts) is not rows:
             return "the tokens are gathered in another order than they are scattered back"
-        ids, values, sigmoid = routed
+        ids, values = routed.ids, routed.values
         xv, iv = val(x), val(ids)
         if xv is None or tuple(xv.shape) != tuple(av.shape) or iv.shape[0] != xv.shape[0]:
             return "the tokens, scores and output do not agree in T and H"
-        if val(scale.args[0] if not sigmoid else scale.args[0].args[0]).shape[0] != num_experts:
+        if val(routed.expert_major).shape[0] != num_experts:
             return "the score matrix is not (E, T)"
         spec = MoESpec(x, ids, values, gate[1], up[1] if up else None, w_down, layout, gated.activation,
                        weight_position="input", **gated.spec_fields())
         if alias_mutations(acc) != [add] or any(comes_before(u, add) for u in acc.users if u is not add):
             return "the output buffer is changed or read around the scatter"
-
-        def scores(graph, spec: MoESpec) -> MoESpec:  # the (T, k) scores the routing matrix holds
-            return dataclasses.replace(spec, weights=graph.call_function(torch.sigmoid, (spec.weights,)))
-
         return Match(spec, add, note=_fewer_flops(spec) + "; routing weight on the input", acc=acc, accumulate=True,
-                     writes=(add,), derive=scores if sigmoid else None)
-    return "the replicated tokens are not scaled by scores that are zero off the top-k"
+                     writes=(add,), derive=routed.derive())
+    return refused or "the replicated tokens are not scaled by scores that are zero off the top-k"
 
 
 def read_bmm_experts(h: Node, read: Callable, layout: str) -> Union[GatedRead, str]:

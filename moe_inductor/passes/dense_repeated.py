@@ -20,6 +20,7 @@ from __future__ import annotations
 import operator
 from typing import Optional, Union
 
+import torch
 from torch.fx import Node
 
 from ..spec import MoESpec
@@ -143,14 +144,101 @@ def _result_shape(y: Node) -> Union[tuple, str]:
     return tuple(-1 if i in symbolic else s for i, s in enumerate(sizes))
 
 
+def _summed_outputs(y: Node) -> Optional[Node]:
+    """The bmm whose (E, T, H) output ``y = out.sum(dim=0)`` sums, through views that give it back its own shape
+    (``bmm(...).view(-1, H).reshape(E, -1, H)``), each used once; else None."""
+    if not (is_call(y, "call_method", "sum") and isinstance(y.args[0], Node)):
+        return None
+    dim = y.args[1] if len(y.args) > 1 else y.kwargs.get("dim")
+    if len(y.args) > 2 or set(y.kwargs) - {"dim", "keepdim"} or y.kwargs.get("keepdim", False) or dim not in (0, (0,)):
+        return None
+    out = y.args[0]
+    shaped = val(out)
+    while is_call(out, "call_method", "view", "reshape") and isinstance(out.args[0], Node) and single_use(out):
+        out = out.args[0]
+    ov = val(out)
+    if shaped is None or ov is None or ov.dim() != 3 or shaped.dim() != 3:
+        return None
+    if not all(known_equal(a, b) for a, b in zip(ov.shape, shaped.shape)):
+        return None
+    return out if is_call(out, "call_function", torch.bmm) and single_use(out) else None
+
+
+def _scaled_repeat(xs: Node, num_experts, hidden) -> Optional[tuple[Node, Node]]:
+    """(x (T, H), the scale) for ``(x.repeat(E, 1) * scale).view(E, -1, H)``, the scale in either operand."""
+    if not (is_call(xs, "call_method", "view", "reshape") and isinstance(xs.args[0], Node)):
+        return None
+    prod = xs.args[0]
+    if not (is_call(prod, "call_function", operator.mul) and len(prod.args) == 2 and not prod.kwargs
+            and single_use(prod)):
+        return None
+    for rep, scale in (prod.args, prod.args[::-1]):
+        if not (is_call(rep, "call_method", "repeat") and len(rep.args) == 3 and not rep.kwargs
+                and isinstance(scale, Node)):
+            continue
+        x = rep.args[0]
+        xv, sv = (val(x), val(xs)) if isinstance(x, Node) else (None, None)
+        if xv is None or xv.dim() != 2 or sv is None or sv.dim() != 3 or rep.args[2] != 1:
+            continue
+        if not known_equal(rep.args[1], num_experts):
+            continue
+        if all(known_equal(a, b) for a, b in zip(sv.shape, (num_experts, xv.shape[0], hidden))):
+            return x, scale
+    return None
+
+
+def match_input_scaled(y: Node) -> Union[Match, str, None]:
+    """transformers v4.52-4.57's Llama 4 experts: every token repeated once per expert and scaled by its (E, T)
+    score, zero off the top-k, BEFORE the experts; bmm over the experts; summed over E::
+
+        xs = x.repeat(E, 1) * table.transpose(0, 1).reshape(-1, 1)        # table: sigmoid of a -inf scatter
+        gate, up = torch.bmm(xs.view(E, -1, H), gate_up_proj).chunk(2, dim=-1)
+        y = torch.bmm(up * act(gate), down_proj).view(-1, H).reshape(E, -1, H).sum(dim=0)
+
+    A zero score gives a zero input, and every expert read here maps zero to zero (no bias; every activation the
+    reads take has act(0) = 0), so only the top-k contribute: the op with the weight on the input."""
+    from .dense_experts import _bmm_projection, _fewer_flops, read_bmm_experts
+    from .score_tables import expert_major_scores
+
+    bmm = _summed_outputs(y)
+    down = _bmm_projection(bmm) if bmm is not None else None
+    if down is None:
+        return None
+    h, w_down, layout = down
+    bv = val(bmm)
+    num_experts, hidden = bv.shape[0], bv.shape[2]
+    gated = read_bmm_experts(h, _bmm_projection, layout)
+    if isinstance(gated, str):
+        return gated
+    gate, up = gated.gate, gated.up
+    found = _scaled_repeat(gate[0], num_experts, hidden)
+    if found is None:
+        return None  # not tokens repeated per expert: another spelling's, or no MoE
+    x, scale = found
+    routed = expert_major_scores(scale)
+    if routed is None:
+        return "the repeated tokens are not scaled by a flattened (E, T) table of scores"
+    if isinstance(routed, str):
+        return routed
+    ids = routed.ids
+    if not (known_equal(val(routed.expert_major).shape[0], num_experts)
+            and known_equal(val(routed.expert_major).shape[1], val(x).shape[0])
+            and known_equal(val(ids).shape[0], val(x).shape[0])):
+        return "the score table is not (E, T) for the experts' (E, T, H) tokens"
+    spec = MoESpec(x, ids, routed.values, gate[1], up[1] if up else None, w_down, layout, gated.activation,
+                   weight_position="input", **gated.spec_fields())
+    return Match(spec, y, note=_fewer_flops(spec) + "; routing weight on the input", derive=routed.derive())
+
+
 def match_repeated(y: Node) -> Union[Match, str, None]:
     """The expert-major dense MoE ending at ``y`` (module docstring); or why not where ``y`` sums every expert's
-    bmm output scaled by a transposed routing matrix (the form's mark); None otherwise."""
+    bmm output scaled by a transposed routing matrix (the form's mark); None otherwise. Llama 4's spelling, the
+    weight on the repeated input, is ``match_input_scaled``."""
     from .dense_experts import _fewer_flops, _topk_scatter, read_bmm_experts
 
     prod = _summed_over_experts(y)
     if prod is None:
-        return None
+        return match_input_scaled(y)
     for out_view, scale in (prod.args, prod.args[::-1]):
         if not isinstance(out_view, Node) or not isinstance(scale, Node):
             continue
