@@ -35,6 +35,7 @@ from ..report import LeftAlone, Rewrite
 from ..spec import MoESpec
 from .emit import emit_experts
 from .leading_ones import peel_leading_ones
+from .scatter_sums import scatter_sums_as_adds
 from .fx_utils import (canonicalize_operators, drop_identity_casts, eliminate_dead_code, mutated_alias, reach,
                        read_receivers_of_inplace_results, source_function, source_line, val)
 from .kept_errors import index_bounds, keep_removed_checks
@@ -345,6 +346,7 @@ def run_pass(name: str, rewrite: Callable[[GraphModule], list[Rewrite]],
         with report.recording() as records:
             canonicalize_operators(candidate.graph)
             drop_identity_casts(candidate.graph)
+            scatter_sums_as_adds(candidate.graph)
             peel_leading_ones(candidate.graph)
             read_receivers_of_inplace_results(candidate.graph)
             bounds = index_bounds(candidate.graph)
