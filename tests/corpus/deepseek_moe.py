@@ -18,6 +18,9 @@ attached by ``AddAuxiliaryLoss``. Shared experts are one ``DeepseekMLP`` of widt
   H), out, reduce='sum')`` into ``zeros_like(x)`` (not V2's ``cat`` and ``new_x[idxs] = outs``).
 - training (``deepseek_moe_train``): the tokens ``repeat_interleave``d k times, ``y[flat_ids == i] =
   expert(x[flat_ids == i])`` into ``empty_like``, ``(y.view(T, k, H) * w.unsqueeze(-1)).sum(dim=1)``.
+
+Both are rewritten: inference as MiniMind's walk of host end offsets (split_loop; its ``scatter_reduce_`` "sum" is
+read as the ``scatter_add_`` it equals, passes/scatter_sums.py), training as an unrolled loop.
 """
 import torch
 import torch.nn as nn
