@@ -14,8 +14,19 @@ from tests.helpers import compile_moe
 E, H, I, K = 4, 8, 6, 2
 
 
-def _graph(fn, *args):
+class _Traced(torch.fx.Interpreter):
+    """Runs the graph once, keeping each node's value where Dynamo's graphs keep theirs (``meta["val"]``)."""
+
+    def run_node(self, n):
+        out = super().run_node(n)
+        n.meta["val"] = out
+        return out
+
+
+def _graph(fn, needs_grad=False):
     gm = torch.fx.symbolic_trace(fn)
+    src = torch.randn(3, 2, requires_grad=needs_grad)
+    _Traced(gm).run(torch.ones(3, 2), torch.tensor([[0, 1], [0, 1], [2, 0]]), src.clone() if not needs_grad else src)
     return gm, scatter_sums_as_adds(gm.graph)
 
 
@@ -36,6 +47,17 @@ def test_a_sum_reduction_is_respelled_as_scatter_add(spelling):
     idx = torch.tensor([[0, 1], [0, 1], [2, 0]])
     src = torch.randn(3, 2)
     torch.testing.assert_close(gm(torch.ones(3, 2), idx, src), fn(torch.ones(3, 2), idx, src))
+
+
+def test_a_sum_reduction_a_backward_runs_through_stays():
+    """``scatter_reduce`` saves its result for its backward, so a buffer reduced into twice makes eager's backward
+    raise where ``scatter_add_`` would not: with a gradient, the user's spelling (and error) stays."""
+    def fn(acc, idx, src):
+        return acc.scatter_reduce(0, idx, src, reduce="sum")
+
+    gm, done = _graph(fn, needs_grad=True)
+    assert done == 0
+    assert [n.target for n in gm.graph.nodes if n.op == "call_method"] == ["scatter_reduce"]
 
 
 @pytest.mark.parametrize("kwargs", [dict(reduce="sum", include_self=False), dict(reduce="amax"), dict(reduce="prod"),
@@ -105,3 +127,13 @@ def _summed(model: HostWalked, x: torch.Tensor) -> torch.Tensor:
         return model(x)
     finally:
         model.include_self = False
+
+
+def test_a_differentiable_walk_keeps_its_reduction():
+    """With a gradient through the combine (eager's backward raises on the buffer reduced into twice), the
+    reduction is not respelled, so the loop is not rewritten: the forward equals eager's."""
+    torch.manual_seed(0)
+    model = HostWalked()
+    x = torch.randn(10, H)
+    torch.testing.assert_close(compile_moe(model, x), model(x), rtol=1e-6, atol=1e-6)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])

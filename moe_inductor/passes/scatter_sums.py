@@ -4,7 +4,8 @@ DeepSeek-MoE's ``moe_infer`` combines each expert's rows by ``cache.scatter_redu
 where MiniMind and most others write ``cache.scatter_add_(0, idx, out)``. With ``include_self`` True (the default)
 the two are the same sums, forward and backward, so the graph is respelled before the passes match and every
 combine the passes prove through ``scatter_add`` covers the other spelling too. ``include_self=False`` and the other
-reductions are left as they are.
+reductions are left as they are, and so is every reduction a backward runs through (``_needs_grad``): DeepSeek-MoE
+runs its ``moe_infer`` under ``torch.no_grad()``.
 """
 from __future__ import annotations
 
@@ -12,6 +13,16 @@ from torch.fx import Graph, Node
 
 _RESPELLED = {"scatter_reduce_": "scatter_add_", "scatter_reduce": "scatter_add"}
 _PARAMS = ("dim", "index", "src", "reduce")
+
+
+def _needs_grad(node: Node) -> bool:
+    """Whether the reduction's result takes part in a backward (or is not known not to). There the two spellings
+    differ: ``scatter_reduce`` saves its result for its backward, so a second in-place write to the same buffer
+    makes eager's backward raise where ``scatter_add_``'s would run, and the error must stay the user's."""
+    from .fx_utils import val
+
+    out = val(node)
+    return out is None or out.requires_grad
 
 
 def scatter_sums_as_adds(graph: Graph) -> int:
@@ -29,7 +40,7 @@ def scatter_sums_as_adds(graph: Graph) -> int:
             continue
         if params["reduce"] != "sum" or params.get("include_self", True) is not True:
             continue
-        if not isinstance(node.args[0], Node):
+        if not isinstance(node.args[0], Node) or _needs_grad(node):
             continue
         with graph.inserting_before(node):
             new = graph.call_method(_RESPELLED[node.target],
