@@ -127,7 +127,7 @@ def _repeated_tokens(xs: Node, num_experts, hidden) -> Optional[Node]:
     xv, sv = val(x), val(xs)
     if not isinstance(x, Node) or xv is None or xv.dim() != 2 or sv is None or sv.dim() != 3:
         return None
-    if rep.args[1:] != (num_experts, 1) and not (known_equal(rep.args[1], num_experts) and rep.args[2] == 1):
+    if not (known_equal(rep.args[1], num_experts) and rep.args[2] == 1):
         return None
     if not all(known_equal(a, b) for a, b in zip(sv.shape, (num_experts, xv.shape[0], hidden))):
         return None

@@ -57,12 +57,16 @@ class _Peeler:
         self.graph, self.before, self.memo = graph, before, {}
 
     def _new(self, op: str, target, args, kwargs, like: Node) -> Node:
+        """A node before the chain's end with ``like``'s meta, its traced value (or each of a tuple's) without the
+        leading 1."""
         with self.graph.inserting_before(self.before):
             node = self.graph.create_node(op, target, args, kwargs)
         node.meta = {k: v for k, v in like.meta.items() if k != "example_value"}
-        value = val(like)
-        if value is not None:
-            node.meta["example_value"] = value[0]
+        value = like.meta.get("example_value")
+        if isinstance(value, (tuple, list)):
+            node.meta["example_value"] = tuple(p[0] for p in value)
+        elif val(like) is not None:
+            node.meta["example_value"] = val(like)[0]
         return node
 
     def peel(self, node) -> Optional[Node]:
@@ -136,14 +140,8 @@ class _Peeler:
         if chunk in self.memo:
             return self.memo[chunk]
         base = self.peel(chunk.args[0])
-        got = None
-        if base is not None:
-            with self.graph.inserting_before(self.before):
-                got = self.graph.create_node("call_method", "chunk", (base, *chunk.args[1:]), dict(chunk.kwargs))
-            got.meta = {k: v for k, v in chunk.meta.items() if k != "example_value"}
-            value = chunk.meta.get("example_value")
-            if isinstance(value, (tuple, list)):
-                got.meta["example_value"] = tuple(p[0] for p in value)
+        got = None if base is None else self._new("call_method", "chunk", (base, *chunk.args[1:]), dict(chunk.kwargs),
+                                                  chunk)
         self.memo[chunk] = got
         return got
 
