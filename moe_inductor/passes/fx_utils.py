@@ -170,30 +170,42 @@ def _advanced_index(index) -> bool:
     return any(isinstance(p, Node) and isinstance(val(p), torch.Tensor) for p in parts)
 
 
+def alias_source(node: Node) -> Optional[Node]:
+    """The tensor whose memory ``node``'s result is, or views, else None (a tensor of its own): the input of a view op
+    or of a cast that returns it (``_is_view``), or the tensor an in-place op writes (``written_in_place``), which
+    the op returns: ``r = x.scatter_(1, i, v)``, ``x += y``, ``torch.relu_(x)``, ``torch.mul(a, b, out=x)`` are all
+    ``x``, so a write through ``r`` writes ``x`` and a write to ``x`` changes what ``r``'s readers see."""
+    if _is_view(node):
+        first = node.args[0] if node.args else None
+        return first if isinstance(first, Node) else None
+    return written_in_place(node)
+
+
 def base_of(node: Node) -> Node:
-    """The tensor ``node`` is a view of, through view ops (``node`` itself when it is no view)."""
+    """The tensor ``node`` shares its memory with at the root: through views, casts that return their input and
+    in-place ops' results (``alias_source``); ``node`` itself when it is none of those."""
     base = node
-    while _is_view(base) and base.args and isinstance(base.args[0], Node):
-        base = base.args[0]
+    while (source := alias_source(base)) is not None:
+        base = source
     return base
 
 
 def view_family(node: Node) -> list[Node]:
-    """Every node that may share ``node``'s memory through view ops: its base, then every view of that base, in the
-    order they are reached (base first)."""
+    """Every node that may share ``node``'s memory: its base, then every view of that base and every in-place op's
+    result on one (``alias_source``), in the order they are reached (base first)."""
     seen, stack = {}, [base_of(node)]
     while stack:
         n = stack.pop()
         if n not in seen:
             seen[n] = None
-            stack.extend(u for u in n.users if _is_view(u) and u.args and u.args[0] is n)
+            stack.extend(u for u in n.users if alias_source(u) is n)
     return list(seen)
 
 
 def is_view_of(node: Node, base: Node) -> bool:
-    """``node`` is ``base`` or a view of it, through view ops."""
-    while node is not base and _is_view(node) and node.args and isinstance(node.args[0], Node):
-        node = node.args[0]
+    """``node`` is ``base``, a view of it, or an in-place op's result on one (``alias_source``)."""
+    while node is not base and (source := alias_source(node)) is not None:
+        node = source
     return node is base
 
 
@@ -208,13 +220,20 @@ def comes_before(node: Node, other: Node) -> bool:
 
 
 def alias_mutations(node: Node) -> list[Node]:
-    """Every in-place change (an ``x.op_(...)`` method or ``x[i] = v``) of ``node`` or of any tensor that may share
-    its memory through view ops (``view_family``). Conservative: getitem counts as a view."""
+    """Every in-place change (an ``x.op_(...)`` method or function, ``x += y``, ``out=x``, or ``x[i] = v``) of
+    ``node`` or of any tensor that may share its memory (``view_family``: views, and in-place results, so a write
+    through ``r = x.scatter_(...)`` is a change of ``x``). Conservative: getitem counts as a view. The in-place ops
+    ``node`` itself is made by (``s.masked_fill_(m, v).flatten(1)``: the ``masked_fill_``) are left out: ``node``'s
+    readers see the values they made."""
+    made_by, n = set(), node
+    while n is not None:
+        made_by.add(n)
+        n = alias_source(n)
     found = []
     for n in view_family(node):
         found += inplace_users(n)
         found += [u for u in n.users if is_call(u, "call_function", operator.setitem) and u.args[0] is n]
-    return list(dict.fromkeys(found))
+    return [m for m in dict.fromkeys(found) if m not in made_by]
 
 
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
@@ -232,9 +251,9 @@ def _registers_hook(node: Node) -> bool:
 def is_impure(node: Node) -> bool:
     """FX's purity, plus what it misses in Dynamo graphs: an in-place write (``written_in_place``: ``buf.add_(c)``,
     ``m.scatter_(...)``, ``t += u``, ``torch.relu_(t)``, ``out=t``) whose result nobody reads is still a write. It
-    must stay when it changes the user's state (an input, parameter or buffer, or a view of one) or a tensor read
-    after it (directly or through a view); a write to a tensor of the graph's own that nothing reads any more may go
-    with it."""
+    must stay when it changes the user's state (an input, parameter or buffer, or a view of one, or an in-place
+    result on one: ``self.load.mul_(d).add_(c)``) or a tensor read after it (through any ``view_family`` name); a
+    write to a tensor of the graph's own that nothing reads any more may go with it."""
     if node.is_impure() or _registers_hook(node):
         return True
     target = written_in_place(node)

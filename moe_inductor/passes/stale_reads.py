@@ -11,7 +11,8 @@ input) is changed in place, through any view, and the region reads that node, or
 after the write: its reads saw two values where the dataflow shows one. The region's own writes into its
 accumulator (``Match.writes``) are its proof's business, and so is a write before every read (``zeros_like`` then
 ``scatter_``: the proofs that accept one read it). A write whose node is rebound (``weights /= s`` makes a new node
-that later reads use) is not read stale, and does not count.
+that later reads use) is not read stale, and does not count: a read through the write's result (which aliases the
+written tensor, ``fx_utils.alias_source``) sees the written value in the dataflow too.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from typing import Iterable, Optional
 
 from torch.fx import Node
 
-from .fx_utils import alias_mutations, reach, view_family
+from .fx_utils import alias_mutations, is_view_of, reach, view_family
 
 STALE = "a tensor the region computes from its inputs is changed in place between its reads"
 
@@ -40,11 +41,12 @@ def stale_read(inputs: Iterable[Node], ends: Iterable[Node], own_writes: Iterabl
         writes = [w for w in alias_mutations(node) if w not in own]
         if not writes:
             continue
-        reads = sorted((u for a in view_family(node) for u in a.users if u in derived and u not in own
-                        and u not in writes), key=position.__getitem__)
+        reads = sorted(((u, a) for a in view_family(node) for u in a.users if u in derived and u not in own
+                        and u not in writes), key=lambda read: position[read[0]])
         for w in writes:  # read on both sides of the write: the reads saw two values, the proof one
-            before = [r for r in reads if position[r] < position[w]]
-            after = [r for r in reads if position[r] > position[w]]
+            before = [r for r, _ in reads if position[r] < position[w]]
+            # a read through the write's own result (or a view of it) sees the written value in the dataflow too
+            after = [r for r, a in reads if position[r] > position[w] and not is_view_of(a, w)]
             if before and after:
                 return f"{STALE} ({node.name}: read by {before[0].name}, written by {w.name}, read by {after[0].name})"
     return None
