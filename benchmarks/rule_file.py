@@ -13,6 +13,8 @@ the value such steps are judged by; "train" stays the worst over every training 
 backward was the visible one (a run with it on, ``meta["visible_backward"]``, and a layer and size it takes:
 ``speed_rule.backward_traced``, the engine's traced backward counted where ``meta["visible_engine_backward"]``)
 files no "train", the opaque ops' value: a shorter step files "train_static" instead (``speed_rule.filed_modes``).
+A batched decode row (8 to 16 tokens: B=16) also files its value as "decode_batch", the value such steps are judged
+by; "decode" stays the worst over every batch (``speed_rule.DECODE_BATCH``).
 A GPU without a file is judged by the other GPUs' files with a margin (``speed_rule.UNMEASURED_GPU_MARGIN``);
 with one, a layer kind below 1.0 in a mode keeps Inductor's path there.
 Entries of the file that the runs do not measure are kept as they are. Without ``--write`` the merged file is only
@@ -40,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.hf_families import FAMILIES, MODES  # noqa: E402
 from benchmarks.hf_tables import rule_values  # noqa: E402
 from benchmarks.bench_fx_forms import floor2, rule_entries  # noqa: E402
-from moe_inductor.speed_rule import TRAIN_LONG, TRAIN_STATIC, backward_traced, filed_modes  # noqa: E402
+from moe_inductor.speed_rule import (DECODE_BATCH, TRAIN_LONG, TRAIN_STATIC, backward_traced,  # noqa: E402
+                                     filed_modes)
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "moe_inductor" / "kernels" / "tuned" / "whole_model"
 
@@ -160,7 +163,7 @@ def fx_log_entries(text: str) -> tuple[Optional[str], list[dict]]:
 
 
 #: the modes an FX entry files
-FX_MODES = (*MODES, TRAIN_LONG, TRAIN_STATIC)
+FX_MODES = (*MODES, TRAIN_LONG, TRAIN_STATIC, DECODE_BATCH)
 
 
 def worst_of_runs(entries: list[dict]) -> list[dict]:

@@ -13,7 +13,8 @@ rule reads shapes, dtypes and modes only (nothing on the device), so it costs no
   makes a gradient ("train_long" where its static token count is at least the long size training was measured
   at: then an entry's value for that size decides, where it has one; "train_static" for a shorter static count
   whose backward Inductor launches itself, ``TRAIN_STATIC``), "decode" or "prefill" by a static token count of the
-  sizes those were measured at, else "inference", the worse of the two.
+  sizes those were measured at ("decode_batch" for a batched decode step, ``DECODE_BATCH``, judged by its own
+  value where the entry has one, else by "decode"), else "inference", the worse of the two.
 - On a GPU with no file, the rule is conservative: it uses the worst of the measurements of the GPUs that have one,
   and leaves a layer kind to Inductor unless it won there by ``UNMEASURED_GPU_MARGIN``.
 - Layer kinds never measured are rewritten (the op benchmark, ``bench_experts.py``, shows the op ahead of
@@ -112,12 +113,14 @@ def _exact(entry: dict, mode: str) -> Optional[float]:
         return min(measured) if measured else None
     if mode in (TRAIN_LONG, TRAIN_STATIC) and entry.get(mode) is None:
         mode = "train"
+    if mode == DECODE_BATCH and entry.get(mode) is None:
+        mode = "decode"
     return float(entry[mode]) if entry.get(mode) is not None else None
 
 
 def _among_inference(entry: dict, mode: str) -> bool:
     """Whether ``_worst`` reads only the entry's inference values for ``mode``: an inference mode, measured in one."""
-    return mode in ("prefill", "decode", "inference") and _exact(entry, "inference") is not None
+    return mode in ("prefill", "decode", DECODE_BATCH, "inference") and _exact(entry, "inference") is not None
 
 
 def _mode_words(entry: dict, mode: str) -> str:
@@ -128,6 +131,9 @@ def _mode_words(entry: dict, mode: str) -> str:
     if mode == TRAIN_STATIC:
         return (f"training at a static {TRAIN_STATIC_MIN_TOKENS}-{TRAIN_LONG_MIN_TOKENS - 1} tokens"
                 if entry.get(TRAIN_STATIC) is not None else "train")
+    if mode == DECODE_BATCH:
+        return (f"decode at a batch of {DECODE_BATCH_MIN_TOKENS}-{DECODE_MAX_TOKENS} tokens"
+                if entry.get(DECODE_BATCH) is not None else "decode")
     return mode
 
 
@@ -140,7 +146,7 @@ def _worst(entry: dict, mode: str) -> Optional[float]:
         return exact
     if _among_inference(entry, mode):
         return _exact(entry, "inference")
-    measured = [float(entry[m]) for m in ("prefill", "decode", "train", TRAIN_LONG, TRAIN_STATIC)
+    measured = [float(entry[m]) for m in ("prefill", "decode", DECODE_BATCH, "train", TRAIN_LONG, TRAIN_STATIC)
                 if entry.get(m) is not None]
     return min(measured) if measured else None
 
@@ -223,7 +229,7 @@ def verdict(kind: LayerKind, device: torch.device, mode: str, inner: str, form: 
     if inner != "inductor":
         return f"speed rule: not applied (inner compiler {inner!r}, no Inductor path to compare with)"
     # the CPU's training value (bench_cpu.py's quickstart model, the worse of its sizes) judges every size
-    cpu_mode = "train" if mode in (TRAIN_LONG, TRAIN_STATIC) else mode
+    cpu_mode = "train" if mode in (TRAIN_LONG, TRAIN_STATIC) else "decode" if mode == DECODE_BATCH else mode
     on_cpu = cpu_measured().get((cpu_mode, kind.dtype)) if device.type == "cpu" and route_of(form) == "hf" else None
     if on_cpu is not None and on_cpu < 1.0:
         return (f"{KEPT}: transformers' experts in a {str(kind.dtype).removeprefix('torch.')} {cpu_mode} step on the "
@@ -283,6 +289,13 @@ KEPT = "kept Inductor's path"
 #: the sizes the modes were measured at (benchmarks/bench_hf.py): decode at batch 1 and 16, prefill from 512 tokens
 DECODE_MAX_TOKENS = 16
 PREFILL_MIN_TOKENS = 512
+#: a decode step of a static ``DECODE_BATCH_MIN_TOKENS`` to ``DECODE_MAX_TOKENS`` tokens (a batch of sequences,
+#: one new token each). Its value is filed apart (bench_hf.py's B=16 rows, rule_file.py), as a long training
+#: step's is: at batch 1 the step is host-bound and our rewrite ties Inductor, at 16 it skips the untouched
+#: experts' weights and wins by far more, and "decode", the worse of the two, would hold B=16 back. An entry
+#: without the value judges these steps by "decode"
+DECODE_BATCH = "decode_batch"
+DECODE_BATCH_MIN_TOKENS = 8
 #: a training step of a static ``TRAIN_LONG_MIN_TOKENS`` tokens or more, the size bench_fx_forms.py and
 #: bench_list_train.py train at besides 16 tokens. Their "train" value is the worse of the two sizes, and the
 #: 16-token step is a graph of small launches where ours can lose to Inductor's few while the same layer wins at
@@ -314,6 +327,8 @@ def filed_modes(mode: str, tokens: int, visible: bool) -> tuple[str, ...]:
     steps are judged by "train")."""
     if mode != "train":
         judged = mode_from(False, tokens)
+        if judged == DECODE_BATCH:  # "decode" is the worst over every batch, as "train" is over every size
+            return ("decode", DECODE_BATCH)
         return () if judged == "inference" else (judged,)
     if tokens >= TRAIN_LONG_MIN_TOKENS:
         return (TRAIN_LONG,) if visible else ("train", TRAIN_LONG)
@@ -399,7 +414,7 @@ def mode_from(train: bool, tokens: Optional[int], visible: bool = False) -> str:
             return TRAIN_LONG
         return TRAIN_STATIC if tokens >= TRAIN_STATIC_MIN_TOKENS and visible else "train"
     if tokens is not None and tokens <= DECODE_MAX_TOKENS:
-        return "decode"
+        return DECODE_BATCH if tokens >= DECODE_BATCH_MIN_TOKENS else "decode"
     if tokens is not None and tokens >= PREFILL_MIN_TOKENS:
         return "prefill"
     return "inference"

@@ -215,14 +215,15 @@ def test_mode_of_reads_grad_and_a_static_token_count():
     assert speed_rule.mode_of(torch.zeros(1024, 4), (w,)) == "train"  # no layer shape: its backward not known
     with torch.no_grad():
         assert speed_rule.mode_of(torch.zeros(1, 1, 4), (w,)) == "decode"  # batch 1, one new token
-        assert speed_rule.mode_of(torch.zeros(16, 4), (w,)) == "decode"
+        assert speed_rule.mode_of(torch.zeros(7, 4), (w,)) == "decode"
+        assert speed_rule.mode_of(torch.zeros(16, 4), (w,)) == speed_rule.DECODE_BATCH  # a batch of 16 sequences
         assert speed_rule.mode_of(torch.zeros(17, 4), (w,)) == "inference"  # between the measured sizes
         assert speed_rule.mode_of(torch.zeros(1, 511, 4), (w,)) == "inference"
         assert speed_rule.mode_of(torch.zeros(2, 256, 4), (w,)) == "prefill"
         assert speed_rule.mode_of(torch.zeros(4096, 4), (w,)) == "prefill"
 
 
-_MODES = ("decode", "prefill", "inference", "train")
+_MODES = ("decode", "prefill", "inference", "train", speed_rule.DECODE_BATCH)
 
 
 def _reads_mode(x):
@@ -243,7 +244,7 @@ def _modes_traced(dynamic, sizes):
 
 def test_mode_of_reads_a_static_count_while_traced():
     torch._dynamo.reset()
-    assert _modes_traced(False, (8, 4096, 100)) == (["decode", "prefill", "inference"], 3)
+    assert _modes_traced(False, (1, 8, 4096, 100)) == (["decode", speed_rule.DECODE_BATCH, "prefill", "inference"], 4)
 
 
 def test_mode_of_never_reads_a_symbolic_token_count():

@@ -176,8 +176,9 @@ def test_filed_modes_never_file_a_visible_runs_training_value_as_train(visible):
     else:
         assert filed == {16: ("train",), 1023: ("train",), 1024: ("train",), 4095: ("train",),
                          4096: ("train", TRAIN_LONG)}
-    for tokens, mode in ((1, "decode"), (16, "decode"), (17, None), (512, "prefill"), (4096, "prefill")):
-        assert speed_rule.filed_modes("prefill", tokens, visible) == ((mode,) if mode else ())
+    for tokens, modes in ((1, ("decode",)), (16, ("decode", speed_rule.DECODE_BATCH)), (17, ()), (512, ("prefill",)),
+                          (4096, ("prefill",))):
+        assert speed_rule.filed_modes("prefill", tokens, visible) == modes
 
 
 def _entry(path, kind: dict) -> dict:
