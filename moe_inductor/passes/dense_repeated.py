@@ -28,14 +28,21 @@ from .driver import Match
 from .fx_utils import column_of, is_call, known_equal, single_use, val
 
 
-def _summed_over_experts(y: Node) -> Optional[Node]:
-    """The product summed by ``y = prod.sum(dim=0)`` (or ``.sum(0)``), used once; else None."""
+def _summed_dim0(y: Node) -> Optional[Node]:
+    """What ``y = t.sum(dim=0)`` (or ``.sum(0)``, no keepdim) sums; else None."""
     if not (is_call(y, "call_method", "sum") and isinstance(y.args[0], Node)):
         return None
     dim = y.args[1] if len(y.args) > 1 else y.kwargs.get("dim")
     if len(y.args) > 2 or set(y.kwargs) - {"dim", "keepdim"} or y.kwargs.get("keepdim", False) or dim not in (0, (0,)):
         return None
-    prod = y.args[0]
+    return y.args[0]
+
+
+def _summed_over_experts(y: Node) -> Optional[Node]:
+    """The product summed by ``y = prod.sum(dim=0)`` (or ``.sum(0)``), used once; else None."""
+    prod = _summed_dim0(y)
+    if prod is None:
+        return None
     if not (is_call(prod, "call_function", operator.mul) and len(prod.args) == 2 and not prod.kwargs
             and single_use(prod)):
         return None
@@ -147,12 +154,9 @@ def _result_shape(y: Node) -> Union[tuple, str]:
 def _summed_outputs(y: Node) -> Optional[Node]:
     """The bmm whose (E, T, H) output ``y = out.sum(dim=0)`` sums, through views that give it back its own shape
     (``bmm(...).view(-1, H).reshape(E, -1, H)``), each used once; else None."""
-    if not (is_call(y, "call_method", "sum") and isinstance(y.args[0], Node)):
+    out = _summed_dim0(y)
+    if out is None:
         return None
-    dim = y.args[1] if len(y.args) > 1 else y.kwargs.get("dim")
-    if len(y.args) > 2 or set(y.kwargs) - {"dim", "keepdim"} or y.kwargs.get("keepdim", False) or dim not in (0, (0,)):
-        return None
-    out = y.args[0]
     shaped = val(out)
     while is_call(out, "call_method", "view", "reshape") and isinstance(out.args[0], Node) and single_use(out):
         out = out.args[0]
