@@ -123,12 +123,10 @@ def _transposed_routing(scale: Node) -> Optional[tuple[Node, Node]]:
     return routing, viewed
 
 
-def _repeated_tokens(xs: Node, num_experts, hidden) -> Optional[Node]:
-    """x (T, H) for ``x.repeat(E, 1).view(E, -1, H)`` (or ``.reshape``, or ``(E, T, H)`` said whole)."""
-    if not (is_call(xs, "call_method", "view", "reshape") and isinstance(xs.args[0], Node)):
-        return None
-    rep = xs.args[0]
-    if not (is_call(rep, "call_method", "repeat") and len(rep.args) == 3 and not rep.kwargs):
+def _repeat_of(rep, xs: Node, num_experts, hidden) -> Optional[Node]:
+    """x (T, H) where ``rep`` is ``x.repeat(E, 1)`` and ``xs``, what the experts read of it, is (E, T, H)."""
+    if not (isinstance(rep, Node) and is_call(rep, "call_method", "repeat") and len(rep.args) == 3
+            and not rep.kwargs):
         return None
     x = rep.args[0]
     xv, sv = val(x), val(xs)
@@ -139,6 +137,13 @@ def _repeated_tokens(xs: Node, num_experts, hidden) -> Optional[Node]:
     if not all(known_equal(a, b) for a, b in zip(sv.shape, (num_experts, xv.shape[0], hidden))):
         return None
     return x
+
+
+def _repeated_tokens(xs: Node, num_experts, hidden) -> Optional[Node]:
+    """x (T, H) for ``x.repeat(E, 1).view(E, -1, H)`` (or ``.reshape``, or ``(E, T, H)`` said whole)."""
+    if not (is_call(xs, "call_method", "view", "reshape") and isinstance(xs.args[0], Node)):
+        return None
+    return _repeat_of(xs.args[0], xs, num_experts, hidden)
 
 
 def _result_shape(y: Node) -> Union[tuple, str]:
@@ -177,16 +182,8 @@ def _scaled_repeat(xs: Node, num_experts, hidden) -> Optional[tuple[Node, Node]]
             and single_use(prod)):
         return None
     for rep, scale in (prod.args, prod.args[::-1]):
-        if not (is_call(rep, "call_method", "repeat") and len(rep.args) == 3 and not rep.kwargs
-                and isinstance(scale, Node)):
-            continue
-        x = rep.args[0]
-        xv, sv = (val(x), val(xs)) if isinstance(x, Node) else (None, None)
-        if xv is None or xv.dim() != 2 or sv is None or sv.dim() != 3 or rep.args[2] != 1:
-            continue
-        if not known_equal(rep.args[1], num_experts):
-            continue
-        if all(known_equal(a, b) for a, b in zip(sv.shape, (num_experts, xv.shape[0], hidden))):
+        x = _repeat_of(rep, xs, num_experts, hidden) if isinstance(scale, Node) else None
+        if x is not None:
             return x, scale
     return None
 

@@ -14,6 +14,7 @@ gives the table's nonzero entries: ``derive`` replays it for the op's routing we
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -66,8 +67,6 @@ class ExpertMajorScores:
         steps = self.steps
 
         def replay(graph: Graph, spec: MoESpec) -> MoESpec:
-            import dataclasses
-
             w = spec.weights
             for step in steps:
                 w = (graph.call_function(torch.sigmoid, (w,)) if step == "sigmoid"
@@ -121,8 +120,8 @@ def expert_major_scores(scale: Node) -> Union[ExpertMajorScores, str, None]:
             if "sigmoid" in chain:
                 return None
             chain.append("sigmoid")
-        elif float_cast(node) is not None:
-            chain.append(float_cast(node))
+        elif (dtype := float_cast(node)) is not None:
+            chain.append(dtype)
         else:
             break
         node = node.args[0]
