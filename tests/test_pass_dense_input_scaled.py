@@ -62,7 +62,7 @@ class InputScaled(nn.Module):
         out = self.shared(flat)
         if self.variant == "gathered":  # v4.51: gather by an arange, scatter_add_ back
             scores = table.transpose(0, 1)
-            rows = torch.arange(flat.shape[0]).view(1, -1).expand(E, -1).reshape(-1, 1).expand(-1, H)
+            rows = torch.arange(flat.shape[0], device=flat.device).view(1, -1).expand(E, -1).reshape(-1, 1).expand(-1, H)
             routed_in = torch.gather(flat, 0, rows) * scores.reshape(-1, 1)
             out.scatter_add_(0, rows, self._experts(routed_in))
             return x + out.view(x.shape)

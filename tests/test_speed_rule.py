@@ -44,15 +44,26 @@ def test_the_nearest_measured_shape_of_a_kind_decides():
 
 
 def test_a_gpu_without_a_value_for_the_mode_defers_to_another_gpus_with_the_margin(monkeypatch):
-    """The H100's file has no decode values: a Qwen3 decode step there is judged by the H200's decode value (1.06,
-    short of the 1.1x margin) and kept, not by the H100's prefill win. Its training values are its own: a 1024-token
-    step lost (Qwen3 0.59x, GPT-OSS 0.71x) and a 4096-token one won (1.06x, 1.01x), though the H200 measured GPT-OSS
-    at 0.88x. With the engine's backward traced (the default), GPT-OSS's 1024-token step and Qwen3's 2048-token
-    one are judged by their traced values ("train_static"); with it off, by the opaque ops' "train"."""
+    """Where the H100's file has no decode values for Qwen3 (its values taken out here), a Qwen3 decode step there is
+    judged by the H200's decode value (1.06, short of the 1.1x margin) and kept, not by the H100's prefill win; with
+    the H100's own values (the shipped file) they decide. Its training values are its own: a 1024-token step lost
+    (Qwen3 0.59x, GPT-OSS 0.71x) and a 4096-token one won (1.06x, 1.01x), though the H200 measured GPT-OSS at
+    0.88x. With the engine's backward traced (the default), GPT-OSS's 1024-token step and Qwen3's 2048-token one are
+    judged by their traced values ("train_static"); with it off, by the opaque ops' "train"."""
     monkeypatch.setattr(config, "visible_engine_backward", False)
-    with _on("NVIDIA_H100_80GB_HBM3"):
+    shipped = speed_rule._tables()
+    without = {gpu: [{k: v for k, v in e.items() if not (gpu.startswith("NVIDIA_H100") and e["name"] == "Qwen3-30B-A3B"
+                                                         and k.startswith("decode"))} for e in layers]
+               for gpu, layers in shipped.items()}
+    with _on("NVIDIA_H100_80GB_HBM3"), mock.patch.object(speed_rule, "_tables", return_value=without):
         reason = keeps_inductor(QWEN3, CUDA, "decode", "inductor")
         assert reason and "NVIDIA_H200" in reason and "1.06x" in reason and "no decode value" in reason, reason
+        assert keeps_inductor(QWEN3, CUDA, speed_rule.DECODE_BATCH, "inductor") == reason
+    with _on("NVIDIA_H100_80GB_HBM3"):  # the H100's own decode values: a tie at batch 1, 2.07x at batch 16
+        said = speed_rule.verdict(QWEN3, CUDA, "decode", "inductor")
+        assert said.startswith("speed rule:") and "NVIDIA_H100" in said, said
+        said = speed_rule.verdict(QWEN3, CUDA, speed_rule.DECODE_BATCH, "inductor")
+        assert said.startswith("speed rule:") and "2.07x" in said, said
         assert keeps_inductor(QWEN3, CUDA, "prefill", "inductor") is None
         assert "0.59x" in keeps_inductor(QWEN3, CUDA, "train", "inductor")
         assert keeps_inductor(QWEN3, CUDA, speed_rule.TRAIN_LONG, "inductor") is None
