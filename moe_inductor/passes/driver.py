@@ -36,8 +36,9 @@ from ..spec import MoESpec
 from .emit import emit_experts
 from .leading_ones import peel_leading_ones
 from .scatter_sums import scatter_sums_as_adds
-from .fx_utils import (canonicalize_operators, drop_identity_casts, eliminate_dead_code, mutated_alias, reach,
-                       read_receivers_of_inplace_results, source_function, source_line, val)
+from .aliases import eliminate_dead_code, mutated_alias
+from .fx_utils import (canonicalize_operators, drop_identity_casts, reach, read_receivers_of_inplace_results,
+                       source_function, source_line, val)
 from .kept_errors import index_bounds, keep_removed_checks
 from .stale_reads import stale_read
 

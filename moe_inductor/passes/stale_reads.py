@@ -20,7 +20,8 @@ from typing import Iterable, Optional
 
 from torch.fx import Node
 
-from .fx_utils import alias_mutations, is_view_of, reach, view_family
+from .aliases import alias_mutations, is_view_of, view_family
+from .fx_utils import reach
 
 STALE = "a tensor the region computes from its inputs is changed in place between its reads"
 
