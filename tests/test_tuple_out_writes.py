@@ -169,3 +169,36 @@ def test_every_tensor_of_a_foreach_write_is_written():
     assert tensors_written(write) == (a, b)
     assert alias_mutations(a) == [write] and alias_mutations(b) == [write]
     assert is_impure(write)  # a and b are read after it
+
+
+class MaskWrittenByOut(nn.Module):
+    """A loop over experts whose rows come from a (T, k, E) hit mask that ``torch.eq(..., out=hit)`` writes from
+    the router's ids: no form proves it, and the ids reach the experts only through that write, so explain() names
+    the region (``unrecognised.py`` follows every tensor a write changes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w1 = nn.Parameter(torch.randn(E, I, H) * H ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
+        hit = torch.zeros(x.shape[0], K, E, dtype=torch.bool)
+        torch.eq(ids[..., None], torch.arange(E), out=hit)
+        y = torch.zeros_like(x)
+        for e in range(E):
+            w_e = (weights * hit[..., e]).sum(-1, keepdim=True)  # 0 where the token did not choose e
+            y = y + w_e * (F.silu(x @ self.w1[e].T) @ self.w2[e].T)
+        return y
+
+
+def test_ids_that_reach_the_experts_through_an_out_write_are_named():
+    torch.manual_seed(0)
+    model, x = MaskWrittenByOut(), torch.randn(9, H)
+    with torch.no_grad():
+        out, ref = compile_moe(model, x), model(x)
+        report = moe_inductor.explain(model, x)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    assert_close(out, ref, torch.float32, "mask written by out=")
+    assert [m.form for m in report.left_alone] == ["moe_region"], report.left_alone
