@@ -412,6 +412,8 @@ SUM_REDUCTIONS = {
     "form": ("loop",),
     "flaw": ("include_self_false",),
     "combine": ("scatter_reduce",),
+    # the selections whose bodies combine by it (boolean masks and top-1 writes have combines of their own)
+    "selection": ("where", "nonzero", "onehot", "any", "hit_v5", "arange_mask", "onehot_etk"),
 }
 
 
