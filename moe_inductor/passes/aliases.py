@@ -184,9 +184,10 @@ def is_view_of(node: Node, base: Node) -> bool:
 def alias_mutations(node: Node) -> list[Node]:
     """Every in-place change (an ``x.op_(...)`` method or function, ``x += y``, ``out=x``, ``out=(v, x)``, or
     ``x[i] = v``) of ``node`` or of any tensor that may share its memory (``view_family``: views, and in-place
-    results, so a write through ``r = x.scatter_(...)`` is a change of ``x``). Conservative: getitem counts as a view. The in-place ops
-    ``node`` itself is made by (``s.masked_fill_(m, v).flatten(1)``: the ``masked_fill_``) are left out: ``node``'s
-    readers see the values they made."""
+    results, so a write through ``r = x.scatter_(...)`` is a change of ``x``). Conservative: a getitem without a
+    tensor index counts as a view. The in-place ops ``node`` itself is made by (``s.masked_fill_(m, v).flatten(1)``:
+    the ``masked_fill_``; the op whose result's part ``node`` is) are left out: ``node``'s readers see the values
+    they made."""
     made_by, n = set(), node
     while n is not None:
         made_by.add(n)
