@@ -20,7 +20,8 @@ from . import speculation
 def topk_ids_below(ids_flat: Node, E: int) -> bool:
     """``ids_flat`` is ``ids.flatten()`` (or ``view(-1)``/``reshape(-1)``, or ids itself) of ``topk(s, k)[1]`` over a
     last dim of size E, unchanged since: every value is below E."""
-    from .passes.fx_utils import is_call, mutated_alias, val
+    from .passes.aliases import mutated_alias
+    from .passes.fx_utils import is_call, val
 
     ids = ids_flat
     if is_call(ids, "call_method", "flatten") and len(ids.args) == 1 and not ids.kwargs or (

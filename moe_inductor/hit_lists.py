@@ -143,7 +143,7 @@ def _refusal(tx, get_iter) -> Optional[str]:
 
 def _counts_of(nonzero_name: str) -> Callable:
     """``_Loop.counts_of``: what iteration e counts, proven on check_traced's graph copy: (M, e, None)."""
-    from .passes.fx_utils import mutated_alias
+    from .passes.aliases import mutated_alias
 
     def counts_of(loop, e: int) -> Callable[[Graph], tuple]:
         def counts(graph: Graph) -> tuple:

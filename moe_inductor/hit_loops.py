@@ -141,7 +141,8 @@ def _counts(node: Node) -> Union[tuple[Node, int, tuple], str]:
 def hit_vector(nonzero: Node) -> Union[tuple[Node, int], str]:
     """(ids, E) when ``nonzero`` is ``hit.nonzero()`` of a (E,) bool vector ``hit`` that is True exactly at the
     experts some id equals ("expert e has rows"), none of it changed in place anywhere in the graph; else why not."""
-    from .passes.fx_utils import is_call, mutated_alias, val
+    from .passes.aliases import mutated_alias
+    from .passes.fx_utils import is_call, val
 
     hit = nonzero.args[0] if nonzero.args else None
     if not isinstance(hit, Node):

@@ -397,7 +397,7 @@ def _cast_aliases(node: Node) -> list[Node]:
 
 def written(nodes: list[Node]) -> bool:
     """Whether any of ``nodes``, or a view or cast of one, is written in place in its graph (so far)."""
-    from .passes.fx_utils import alias_mutations
+    from .passes.aliases import alias_mutations
 
     return any(alias_mutations(a) for n in nodes for a in _cast_aliases(n))
 

@@ -1,9 +1,10 @@
 """The randomised generator of genuine MoE variants and look-alikes (tests/generator/): every genuine variant is
 rewritten as its form and equal to eager (forward and gradients); every look-alike is left alone and equal to eager.
 
-CI runs 46 recipes, 6 of them drawn from the guarded loops, top-1 mask writes and capacity layers alone, 6 from the
-broadcast masks and transformers v5's experts code written out, 4 from DeepSeek-V2's host walk (the general draws
-reach them seldom), and 6 from the forms of their own family (MiniMind's cumulative walk, v4.36 Mixtral's row lists:
+CI runs 50 recipes, 6 of them drawn from the guarded loops, top-1 mask writes and capacity layers alone, 6 from the
+broadcast masks and transformers v5's experts code written out, 4 from DeepSeek-V2's host walk, 4 from the loops
+combined by ``scatter_reduce_(..., "sum")`` (checked in inference only: ``Recipe.inference``; the general draws reach
+these seldom), and 6 from the forms of their own family (MiniMind's cumulative walk, v4.36 Mixtral's row lists:
 ``draw_recipe(..., forms=WALKS_LISTS)``, which the general draws never reach); besides, every look-alike of that
 family is run once in a fixed recipe, against its genuine twin. ``MOE_GENERATOR_EXAMPLES=300`` runs that many in each
 test.
@@ -20,8 +21,8 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from tests.generator.check import run
-from tests.generator.recipe import (GUARDS_MASKS_SLOTS, HOST_WALKS, MASKS_AND_V5, Recipe, WALKS_LISTS, draw_recipe,
-                                    hypothesis_draw, narrowed)
+from tests.generator.recipe import (GUARDS_MASKS_SLOTS, HOST_WALKS, MASKS_AND_V5, SUM_REDUCTIONS, Recipe, WALKS_LISTS,
+                                    draw_recipe, hypothesis_draw, narrowed)
 
 EXAMPLES = int(os.environ.get("MOE_GENERATOR_EXAMPLES", 0))
 
@@ -103,6 +104,39 @@ def test_cumulative_walks_and_row_lists(data):
     lists; and their look-alikes (rows, weights or counts of others, a walk that counts, stops or misreads its start,
     a list read as a number or reversed in place)."""
     _check(draw_recipe(hypothesis_draw(data), forms=WALKS_LISTS))
+
+
+@settings(max_examples=EXAMPLES or 4, **_SETTINGS)
+@given(data=st.data())
+def test_sum_reductions_in_inference(data):
+    """DeepSeek-MoE's combine ``out.scatter_reduce_(0, index, y, "sum")``, checked in inference only (eager's
+    backward raises on a buffer reduced into twice): rewritten (``passes/scatter_sums.py`` reads it as the
+    ``scatter_add_`` it equals); and its look-alike without ``include_self``, left alone."""
+    r = draw_recipe(narrowed(hypothesis_draw(data), SUM_REDUCTIONS))
+    assert r.inference, r
+    _check(r)
+
+
+def _sum_reduction(flaw: Optional[str]) -> Recipe:
+    """The unrolled loop combined by ``scatter_reduce_(..., "sum")`` whose every other draw is its first option."""
+    only = {"form": ("loop",), "flaw": (flaw,), "combine": ("scatter_reduce",), "E": (4,), "k": (2,), "T": (8,)}
+    return draw_recipe(narrowed(lambda name, options: options[0], only), lookalike=flaw is not None)
+
+
+def test_a_sum_reduction_without_include_self_is_another_function_and_left_alone():
+    """Each expert's write replaces what the experts before it wrote at a token (k = 2): another function than
+    its genuine twin's sum in eager, left alone compiled; the twin is rewritten. Both in inference only."""
+    from tests.generator.check import build
+    from tests.helpers import rel_err
+
+    r, twin = _sum_reduction("include_self_false"), _sum_reduction(None)
+    assert r.inference and twin.inference and twin.idioms == r.idioms
+    x = torch.randn(r.T, 16, generator=torch.Generator().manual_seed(r.seed))
+    with torch.no_grad():
+        assert rel_err(build(r).eval()(x), build(twin).eval()(x)) > 1e-3, f"{r} computes what its genuine twin does"
+    o, t = run(r), run(twin)
+    assert o.verdict == "kept" and not o.errors.keys() - {"out"}, o.describe()
+    assert t.verdict == "rewritten", t.describe()
 
 
 def test_the_general_draws_keep_their_recipes_and_never_reach_the_own_family_forms():

@@ -1,6 +1,6 @@
 """An in-place op's result is its receiver: ``r = x.scatter_(1, ids, v)`` (``add_``, ``mul_``, ``masked_fill_``,
 ``torch.relu_``, ``out=``) returns ``x`` itself, so a write through ``r`` writes ``x`` and a write to ``x`` changes
-what ``r`` reads (``passes/fx_utils.py``: ``base_of``, ``view_family``, ``alias_mutations``, ``is_impure``).
+what ``r`` reads (``passes/aliases.py``: ``base_of``, ``view_family``, ``alias_mutations``, ``is_impure``).
 
 Each look-alike below writes a tensor a pass proves unchanged through such a second name, so the naive rewrite
 differs from eager; each is equal to eager and not rewritten. Beside each, the same code without the write is

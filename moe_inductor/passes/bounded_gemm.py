@@ -45,7 +45,8 @@ from torch.fx import Node
 from ..spec import MoESpec
 from .counts import count_item, per_expert_counts, topk_ids_over
 from .driver import Match
-from .fx_utils import ONE_HOT, alias_mutations, column_of, comes_before, flat_of, is_call, known_equal, val
+from .aliases import alias_mutations
+from .fx_utils import ONE_HOT, column_of, comes_before, flat_of, is_call, known_equal, val
 from .gated_reads import GatedRead, activation_of, fused_gate_up
 
 _ALL = slice(None, None, None)

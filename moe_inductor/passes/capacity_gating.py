@@ -34,6 +34,7 @@ import torch
 from torch.fx import Node
 
 from ..shape_tensors import shape_value
+from .aliases import alias_mutations
 from .fx_utils import ONE_HOT, einsum_parts, reach, same_traced, val
 
 _MUL = (operator.mul, torch.mul, operator.imul, "mul_")
@@ -41,12 +42,6 @@ _ADD = (operator.add, torch.add, operator.iadd, "add_")
 _SUB = (operator.sub, torch.sub, operator.isub, "sub_")
 _CASTS = ("float", "double", "half", "bfloat16", "long", "int", "bool")
 _ZEROS = (torch.zeros, torch.zeros_like)
-_ALIASING = {"view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "transpose", "permute", "t",
-             "flatten", "unflatten", "narrow", "select", "as_strided", "contiguous", "detach", "split", "chunk",
-             "unbind", "view_as", "to", "type_as", "float", "double", "half", "bfloat16", "long", "int", "bool",
-             "type"}
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul}
 
 
 def call(node: Any, *targets) -> bool:
@@ -403,46 +398,19 @@ def order_choices(choices: list[Choice]) -> Optional[list[Choice]]:
     return ordered
 
 
-def _aliases(node: Node) -> set[Node]:
-    """Every node that may share ``node``'s memory: views and same-dtype casts, in-place results (``a += b`` is
-    ``a``), up to the base and down to every alias of it."""
-    def up(n):
-        while isinstance(n, Node) and n.args and isinstance(n.args[0], Node) and (
-                (n.op == "call_method" and (n.target in _ALIASING or str(n.target).endswith("_")))
-                or (n.op == "call_function" and (n.target in _INPLACE_OPERATORS or n.target in (
-                    operator.getitem, torch.unsqueeze, torch.squeeze, torch.transpose, torch.permute,
-                    torch.reshape, torch.flatten, torch.narrow, torch.select)))):
-            n = n.args[0]
-        return n
-
-    seen, stack = set(), [up(node)]
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(u for u in n.users if u.args and u.args[0] is n and up(u) is not u)
-    return seen
-
-
-def _writes(aliases: set[Node]) -> list[Node]:
-    return [u for a in aliases for u in a.users if u.args and u.args[0] in aliases and (
-        (u.op == "call_method" and str(u.target).endswith("_"))
-        or (u.op == "call_function" and (u.target in _INPLACE_OPERATORS or u.target is operator.setitem)))]
-
-
 def versions_sound(end: Node, op_inputs: Iterable[Node], fills: Iterable[Node], from_inputs: bool = False) -> bool:
     """Every read in the region sees the value the proof reads (its node's functional value): no tensor the region
-    depends on is written in place between its definition and its last read; ``op_inputs`` are read once more, by
-    the op at ``end``. The one exception is a one-hot's buffer, whose one fill (in ``fills``) comes before every
-    read of it. ``from_inputs``: the region starts at ``op_inputs`` (the proof reads nothing above them, as where
+    depends on is written in place between its definition and its last read, under any name (``alias_mutations``:
+    through a view, an in-place function, an ``out=``, or an in-place op's result); ``op_inputs`` are read once
+    more, by the op at ``end``. The one exception is a one-hot's buffer, whose one fill (in ``fills``) comes before
+    every read of it. ``from_inputs``: the region starts at ``op_inputs`` (the proof reads nothing above them, as where
     a router fills its (T, E) probabilities by ``scatter_`` before the softmax that the op's weights are read from)."""
     position = {n: i for i, n in enumerate(end.graph.nodes)}
     inputs, fills = set(op_inputs), set(fills)
     for n in reach([end, *inputs], lambda n: [] if from_inputs and n in inputs else n.all_input_nodes):
         if n.op in ("output",):
             continue
-        writes = [m for m in _writes(_aliases(n)) if position[m] > position[n]]
+        writes = [m for m in alias_mutations(n) if position[m] > position[n]]
         fill = [m for m in writes if m in fills and m.args[0] is n]
         if fill:
             if any(position[u] < position[fill[0]] for u in n.users if u is not fill[0]):

@@ -22,7 +22,8 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from .fx_utils import ONE_HOT, alias_mutations, comes_before, flat_of, is_call, val
+from .aliases import alias_mutations
+from .fx_utils import ONE_HOT, comes_before, flat_of, is_call, val
 
 
 def host_copy_of(node) -> Node:

@@ -47,8 +47,8 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, every_node, num_experts
-from .fx_utils import (ONE_HOT, alias_mutations, comes_before, einsum_parts, is_call, single_use, unsqueezed_last,
-                       val, weighted_sum)
+from .aliases import alias_mutations
+from .fx_utils import ONE_HOT, comes_before, einsum_parts, is_call, single_use, unsqueezed_last, val, weighted_sum
 from .gated_reads import GatedRead, read_gated
 from .score_tables import expert_major_scores
 

@@ -11,7 +11,7 @@ A form (``Form``) lists, for each spelling it reads, an anchor (which nodes to t
 2. emits the op (``emit.emit_experts``) where the region's result was complete, and points the readers of that
    result at the op;
 3. erases the region's in-place writes, the size asserts Dynamo attached to its data-dependent nodes, and what is
-   dead (``fx_utils.eliminate_dead_code``, which keeps the user's own writes);
+   dead (``aliases.eliminate_dead_code``, which keeps the user's own writes);
 4. records the rewrite (``report.record_rewrite``: counters, log and explain() follow from it).
 
 Once a form's proofs have run, it recompiles the module, and notes each region still holding the form's marker
@@ -36,8 +36,9 @@ from ..spec import MoESpec
 from .emit import emit_experts
 from .leading_ones import peel_leading_ones
 from .scatter_sums import scatter_sums_as_adds
-from .fx_utils import (canonicalize_operators, drop_identity_casts, eliminate_dead_code, mutated_alias, reach,
-                       read_receivers_of_inplace_results, source_function, source_line, val)
+from .aliases import eliminate_dead_code, mutated_alias
+from .fx_utils import (canonicalize_operators, drop_identity_casts, reach, read_receivers_of_inplace_results,
+                       source_function, source_line, val)
 from .kept_errors import index_bounds, keep_removed_checks
 from .stale_reads import stale_read
 

@@ -1,5 +1,5 @@
-"""Helpers shared by the FX matchers: node values, views and mutations, einsum parsing, combines, source lines (how an
-expert's activation is read: gated_reads.py)."""
+"""Helpers shared by the FX matchers: node values, einsum parsing, combines, source lines (views and in-place writes:
+aliases.py; how an expert's activation is read: gated_reads.py)."""
 from __future__ import annotations
 
 import operator
@@ -104,111 +104,6 @@ def read_receivers_of_inplace_results(graph: torch.fx.Graph) -> int:
     return moved
 
 
-def inplace_users(node: Node) -> list[Node]:
-    """The users of ``node`` that write it in place (``written_in_place``)."""
-    return [u for u in node.users if written_in_place(u) is node]
-
-
-def written_in_place(user: Node) -> Optional[Node]:
-    """The tensor ``user`` writes in place, else None: the receiver of an in-place method (``x.index_add_(...)``),
-    the first argument of an in-place operator (``x += y``, which Dynamo keeps as ``operator.iadd`` when ``x`` is a
-    view it cannot rebind) or function (``torch.relu_(x)``, ``F.relu(x, inplace=True)``), or an ``out=``."""
-    out = user.kwargs.get("out")
-    if isinstance(out, Node):
-        return out
-    first = user.args[0] if user.args else None
-    if not isinstance(first, Node):
-        return None
-    if user.op == "call_method":
-        inplace = str(user.target).endswith("_") or user.kwargs.get("inplace") is True
-    elif user.op == "call_function":
-        name = getattr(user.target, "__name__", "")
-        inplace = (user.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
-                   or user.kwargs.get("inplace") is True)
-    else:
-        inplace = False
-    return first if inplace else None
-
-
-_VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "transpose", "permute", "t", "flatten",
-          "unflatten", "narrow", "select", "as_strided", "contiguous", "detach", "split", "chunk", "unbind", "view_as"}
-
-
-#: casts that return their input itself when its dtype and device already are the asked ones
-_CASTS = {"to", "type_as", "type", "float", "double", "half", "bfloat16", "long", "int", "short", "bool", "cpu",
-          "cuda"}
-
-
-def _returns_its_input(node: Node) -> bool:
-    """A cast (``x.float()``, ``x.to(dtype)``) whose traced result has its input's dtype and device: ``x`` itself,
-    so a write through it writes ``x``. Where either value is unknown it counts as ``x`` too."""
-    if not (node.op == "call_method" and node.target in _CASTS and node.args and isinstance(node.args[0], Node)):
-        return False
-    a, b = val(node.args[0]), val(node)
-    return a is None or b is None or (a.dtype == b.dtype and a.device == b.device)
-
-
-def _is_view(node: Node) -> bool:
-    if _returns_its_input(node):
-        return True
-    if is_call(node, "call_function", operator.getitem) and _advanced_index(node.args[1]):
-        return False  # ``x[idx]`` with a tensor index copies: ``x[idx] += y`` writes that copy, then x by setitem
-    if is_call(node, "call_function", operator.getitem) and isinstance(node.args[0], Node) and isinstance(
-            node.args[0].meta.get("example_value", node.args[0].meta.get("val")), (tuple, list)):
-        # an element of a multi-output op: a view of the op's input only for split/chunk/unbind (views
-        # themselves); topk's values and indices, say, are two tensors of their own
-        return _is_view(node.args[0])
-    return (node.op == "call_method" and node.target in _VIEWS) or (
-        node.op == "call_function" and node.target in (operator.getitem, torch.unsqueeze, torch.squeeze,
-                                                          torch.transpose, torch.permute, torch.reshape,
-                                                          torch.flatten, torch.narrow, torch.select))
-
-
-def _advanced_index(index) -> bool:
-    """An index with a tensor in it (torch's advanced indexing, which always returns a copy)."""
-    parts = index if isinstance(index, (tuple, list)) else (index,)
-    return any(isinstance(p, Node) and isinstance(val(p), torch.Tensor) for p in parts)
-
-
-def alias_source(node: Node) -> Optional[Node]:
-    """The tensor whose memory ``node``'s result is, or views, else None (a tensor of its own): the input of a view op
-    or of a cast that returns it (``_is_view``), or the tensor an in-place op writes (``written_in_place``), which
-    the op returns: ``r = x.scatter_(1, i, v)``, ``x += y``, ``torch.relu_(x)``, ``torch.mul(a, b, out=x)`` are all
-    ``x``, so a write through ``r`` writes ``x`` and a write to ``x`` changes what ``r``'s readers see."""
-    if _is_view(node):
-        first = node.args[0] if node.args else None
-        return first if isinstance(first, Node) else None
-    return written_in_place(node)
-
-
-def base_of(node: Node) -> Node:
-    """The tensor ``node`` shares its memory with at the root: through views, casts that return their input and
-    in-place ops' results (``alias_source``); ``node`` itself when it is none of those."""
-    base = node
-    while (source := alias_source(base)) is not None:
-        base = source
-    return base
-
-
-def view_family(node: Node) -> list[Node]:
-    """Every node that may share ``node``'s memory: its base, then every view of that base and every in-place op's
-    result on one (``alias_source``), in the order they are reached (base first)."""
-    seen, stack = {}, [base_of(node)]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen[n] = None
-            stack.extend(u for u in n.users if alias_source(u) is n)
-    return list(seen)
-
-
-def is_view_of(node: Node, base: Node) -> bool:
-    """``node`` is ``base``, a view of it, or an in-place op's result on one (``alias_source``)."""
-    while node is not base and (source := alias_source(node)) is not None:
-        node = source
-    return node is base
-
-
 def comes_before(node: Node, other: Node) -> bool:
     """``node`` comes before ``other`` in graph order (a walk forward from ``node``)."""
     cur = node.next
@@ -217,69 +112,6 @@ def comes_before(node: Node, other: Node) -> bool:
             return True
         cur = cur.next
     return False
-
-
-def alias_mutations(node: Node) -> list[Node]:
-    """Every in-place change (an ``x.op_(...)`` method or function, ``x += y``, ``out=x``, or ``x[i] = v``) of
-    ``node`` or of any tensor that may share its memory (``view_family``: views, and in-place results, so a write
-    through ``r = x.scatter_(...)`` is a change of ``x``). Conservative: getitem counts as a view. The in-place ops
-    ``node`` itself is made by (``s.masked_fill_(m, v).flatten(1)``: the ``masked_fill_``) are left out: ``node``'s
-    readers see the values they made."""
-    made_by, n = set(), node
-    while n is not None:
-        made_by.add(n)
-        n = alias_source(n)
-    found = []
-    for n in view_family(node):
-        found += inplace_users(n)
-        found += [u for u in n.users if is_call(u, "call_function", operator.setitem) and u.args[0] is n]
-    return [m for m in dict.fromkeys(found) if m not in made_by]
-
-
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul}
-
-
-def _registers_hook(node: Node) -> bool:
-    """``t.register_hook(fn)`` on an intermediate, as Dynamo records it from torch 2.13 (the ``register_hook``
-    higher-order op): its result is never read, but the hook changes ``t``'s gradient (ArcticTraining's
-    load-balancing hook on the router's probabilities)."""
-    target = node.target if node.op == "call_function" else None
-    return isinstance(target, torch._ops.HigherOrderOperator) and target.name() == "register_hook"
-
-
-def is_impure(node: Node) -> bool:
-    """FX's purity, plus what it misses in Dynamo graphs: an in-place write (``written_in_place``: ``buf.add_(c)``,
-    ``m.scatter_(...)``, ``t += u``, ``torch.relu_(t)``, ``out=t``) whose result nobody reads is still a write. It
-    must stay when it changes the user's state (an input, parameter or buffer, or a view of one, or an in-place
-    result on one: ``self.load.mul_(d).add_(c)``) or a tensor read after it (through any ``view_family`` name); a
-    write to a tensor of the graph's own that nothing reads any more may go with it."""
-    if node.is_impure() or _registers_hook(node):
-        return True
-    target = written_in_place(node)
-    if target is None:
-        return False
-    if base_of(target).op in ("placeholder", "get_attr"):
-        return True
-    readers = {u for a in view_family(target) for u in a.users if u is not node}
-    cur = node.next
-    while cur.op != "root":
-        if cur in readers:
-            return True
-        cur = cur.next
-    return False
-
-
-def eliminate_dead_code(graph: torch.fx.Graph) -> bool:
-    """``graph.eliminate_dead_code()`` that keeps the user's in-place writes (``is_impure``). FX's own takes every
-    ``call_method`` as pure, so after a rewrite it would drop, say, a ``self.counts.add_(...)`` buffer update or
-    the ``mask.scatter_(...)`` that a router's later reads depend on."""
-    return graph.eliminate_dead_code(is_impure_node=is_impure)
-
-
-def mutated_alias(node: Node) -> bool:
-    """Whether ``node`` or a view-alias of it is changed in place anywhere in the graph (see ``alias_mutations``)."""
-    return bool(alias_mutations(node))
 
 
 #: ops that give the same values from the same inputs, as routers' ids are recomputed in loop bodies
@@ -292,6 +124,8 @@ def same_value_key(node: Node, top: Optional[Node] = None) -> Any:
     """A key that two nodes share when they compute the same values: the same ops of ``_SAME_VALUE_*`` on the same
     inputs, none of which is changed in place anywhere in the graph (a changed input may give another value at each
     read, so a node reading one is keyed by itself alone). ``top``: the node the key is for, when recursing."""
+    from .aliases import alias_mutations  # aliases.py reads values and calls through this module
+
     top = node if top is None else top
     known = (node.op == "call_method" and node.target in _SAME_VALUE_METHODS) or (
         node.op == "call_function" and node.target in _SAME_VALUE_FUNCTIONS)

@@ -24,7 +24,8 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from .fx_utils import ONE_HOT, is_call, mutated_alias, val
+from .aliases import mutated_alias
+from .fx_utils import ONE_HOT, is_call, val
 
 _ALL = slice(None, None, None)
 

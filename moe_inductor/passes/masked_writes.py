@@ -27,7 +27,8 @@ from torch.fx import Node
 from ..spec import MoESpec
 from .driver import Match
 from .flat_slices import block_linear, blocks, sliced_spec, views
-from .fx_utils import alias_mutations, is_call, rounding_cast, val, weighted_sum
+from .aliases import alias_mutations
+from .fx_utils import is_call, rounding_cast, val, weighted_sum
 from .gated_reads import read_gated
 from .slot_layers import through_dropouts
 from .top1_masks import match_top1_masks, top1_buffer  # noqa: F401  (the top-1 spelling, read by unrolled_loop.py)

@@ -39,7 +39,8 @@ from torch.fx import Node
 from ..spec import MoESpec
 from .counts import _zeros_table, count_item, topk_ids_over
 from .driver import Match
-from .fx_utils import alias_mutations, column_of, comes_before, flat_of, inplace_users, is_call, known_equal, val
+from .aliases import alias_mutations, inplace_users
+from .fx_utils import column_of, comes_before, flat_of, is_call, known_equal, val
 from .slot_layers import through_dropouts
 from .slice_runs import size_after, slice_bounds
 from .sorted_grouped_mm import _counts_of

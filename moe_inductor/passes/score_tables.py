@@ -23,7 +23,8 @@ import torch
 from torch.fx import Graph, Node
 
 from ..spec import MoESpec
-from .fx_utils import alias_mutations, is_call, val
+from .aliases import alias_mutations
+from .fx_utils import is_call, val
 
 _FLOAT_CASTS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
 

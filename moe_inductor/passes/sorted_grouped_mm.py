@@ -44,8 +44,8 @@ from torch.fx import Node
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, Unmatched
 from .counts import bincount_of, host_copy_of, marked_counts
-from .fx_utils import (ONE_HOT, alias_mutations, arange_length, column_of, comes_before, flat_of, is_call,
-                       known_equal, size_is, val)
+from .aliases import alias_mutations
+from .fx_utils import ONE_HOT, arange_length, column_of, comes_before, flat_of, is_call, known_equal, size_is, val
 from .gated_reads import read_gated
 from .split_experts import split_loop_experts
 

@@ -38,8 +38,8 @@ from torch.fx import Node
 
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match
-from .fx_utils import (alias_mutations, base_of, comes_before, flat_of, is_call, is_view_of, known_equal, val,
-                       view_family)
+from .aliases import alias_mutations, base_of, is_view_of, view_family
+from .fx_utils import comes_before, flat_of, is_call, known_equal, val
 from . import bounded_gemm, scattered_slices
 from .counts import bincount_of
 from .gated_reads import read_gated

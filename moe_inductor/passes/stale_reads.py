@@ -12,7 +12,7 @@ after the write: its reads saw two values where the dataflow shows one. The regi
 accumulator (``Match.writes``) are its proof's business, and so is a write before every read (``zeros_like`` then
 ``scatter_``: the proofs that accept one read it). A write whose node is rebound (``weights /= s`` makes a new node
 that later reads use) is not read stale, and does not count: a read through the write's result (which aliases the
-written tensor, ``fx_utils.alias_source``) sees the written value in the dataflow too.
+written tensor, ``aliases.alias_source``) sees the written value in the dataflow too.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from typing import Iterable, Optional
 
 from torch.fx import Node
 
-from .fx_utils import alias_mutations, is_view_of, reach, view_family
+from .aliases import alias_mutations, is_view_of, view_family
+from .fx_utils import reach
 
 STALE = "a tensor the region computes from its inputs is changed in place between its reads"
 

@@ -45,7 +45,8 @@ from torch.fx import Graph, Node
 from ..spec import MoESpec
 from .driver import Match
 from .flat_slices import block_linear
-from .fx_utils import alias_mutations, column_of, is_call, mutated_alias, same_value_key, scale_of_rows, val
+from .aliases import alias_mutations, mutated_alias
+from .fx_utils import column_of, is_call, same_value_key, scale_of_rows, val
 from .kept_masks import choice_column, kept_column, kept_one_hot
 
 _ZEROS = ((torch.zeros_like, torch.zeros), ("new_zeros",))

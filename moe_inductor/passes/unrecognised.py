@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
+from .aliases import tensors_written, view_family
 from .driver import Explainer, region_of
 from .fx_utils import is_call, val
 
@@ -137,11 +138,14 @@ def _ancestors(node: Node) -> set:
     return found
 
 
-def _mutated(node: Node) -> Optional[Node]:
-    """The tensor an in-place method (``t.scatter_(...)``) or ``t[i] = v`` changes."""
-    inplace = (node.op == "call_method" and str(node.target).endswith("_")) or is_call(
-        node, "call_function", operator.setitem)
-    return node.args[0] if inplace and node.args and isinstance(node.args[0], Node) else None
+def _changed(node: Node) -> list[Node]:
+    """Every name of the tensors ``node`` changes in place (``t.scatter_(...)``, ``t[i] = v``, ``out=t``,
+    ``torch.topk(s, k, out=(v, i))``): the readers of any of them (``aliases.view_family``: views, in-place results)
+    read what the write carries."""
+    changed = list(tensors_written(node))
+    if is_call(node, "call_function", operator.setitem) and isinstance(node.args[0], Node):
+        changed.append(node.args[0])
+    return [a for t in changed for a in view_family(t)]
 
 
 def unexplained(gm: GraphModule) -> list[tuple[Node, str]]:
@@ -163,9 +167,7 @@ def unexplained(gm: GraphModule) -> list[tuple[Node, str]]:
                 rewritten = True
                 break
             stack.extend(n.users)
-            mutated = _mutated(n)
-            if mutated is not None:  # an in-place write carries the ids into the tensor it changes
-                stack.append(mutated)
+            stack.extend(_changed(n))  # an in-place write carries the ids into the tensor it changes
         if rewritten:
             continue
         # the ids reach per-expert work, or meet its output (a dense form scales every expert's output by them),

@@ -45,8 +45,8 @@ from ..ops.activations import GPTOSS_ALPHA, GPTOSS_LIMIT
 from ..spec import MoESpec
 from .driver import CHANGED_IN_PLACE, Anchor, Form, Match
 from .flat_slices import block_linear, blocks, sliced_spec, views
-from .fx_utils import (alias_mutations, is_call, known_equal, mutated_alias, reads_metadata_only, scale_of_rows,
-                       source_line, val)
+from .aliases import alias_mutations, mutated_alias
+from .fx_utils import is_call, known_equal, reads_metadata_only, scale_of_rows, source_line, val
 from .gated_reads import GatedRead, read_gated
 from .loop_rows import routing_scaled, rows_index, selection, token_rows_of
 from .masked_writes import match_masked_writes, match_top1_masks, top1_buffer

@@ -20,7 +20,7 @@ Outcome: one graph per shape, no graph break (the hook and the ``cumsum``-bounde
 split_loop form's bounded-slices proof (``passes/bounded_gemm.py``): each ``torch_group_gemm_fn`` buffer is proven
 the grouped GEMM of the expert-sorted rows over the counts' running sums, the slots the cat of one one-hot's
 ``where`` rows, and the interleaved gate/up, the scores and the ``index_add_`` read at those slots. The
-load-balancing hook stays in the graph (a rewrite must not drop it: ``fx_utils.is_impure``).
+load-balancing hook stays in the graph (a rewrite must not drop it: ``aliases.is_impure``).
 """
 from dataclasses import dataclass
 

@@ -1,5 +1,5 @@
 """Measure the generator: ``python -m tests.generator [--examples N] [--seed S] [--lookalikes] [--guards-masks-slots]
-[--masks-v5] [--host-walks] [--walks-lists] [--inner aot_eager]``.
+[--masks-v5] [--host-walks] [--sum-reductions] [--walks-lists] [--inner aot_eager]``.
 
 Runs N recipes from a seeded generator, prints every miss, wrong rewrite and crash as it happens, then the rewrite
 rate per form, per idiom and per router, and the look-alikes kept per flaw."""
@@ -16,8 +16,8 @@ os.environ.setdefault("MOE_INDUCTOR_STRICT_PASSES", "1")
 
 def main() -> None:
     from tests.generator.check import run
-    from tests.generator.recipe import (GUARDS_MASKS_SLOTS, HOST_WALKS, MASKS_AND_V5, WALKS_LISTS, draw_recipe,
-                                        narrowed, random_draw)
+    from tests.generator.recipe import (GUARDS_MASKS_SLOTS, HOST_WALKS, MASKS_AND_V5, SUM_REDUCTIONS, WALKS_LISTS,
+                                        draw_recipe, narrowed, random_draw)
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--examples", type=int, default=int(os.environ.get("MOE_GENERATOR_EXAMPLES", 200)))
@@ -30,6 +30,8 @@ def main() -> None:
                     help="draw only litgpt's broadcast masks and transformers v5's experts code written out")
     ap.add_argument("--host-walks", action="store_true",
                     help="draw only DeepSeek-V2's moe_infer: counts walked on the host, the weighted unsort")
+    ap.add_argument("--sum-reductions", action="store_true",
+                    help="draw only the loops combined by scatter_reduce_(..., 'sum'), checked in inference only")
     ap.add_argument("--walks-lists", action="store_true",
                     help="draw only the forms of their own family: MiniMind's walk of cumulative host counts with "
                          "a scatter per expert, and transformers v4.36 Mixtral's rows indexed by .tolist() lists")
@@ -38,7 +40,7 @@ def main() -> None:
                          "inductor compiles it, as users do: slow, a few seconds per draw)")
     args = ap.parse_args()
     only = (GUARDS_MASKS_SLOTS if args.guards_masks_slots else MASKS_AND_V5 if args.masks_v5
-            else HOST_WALKS if args.host_walks else None)
+            else HOST_WALKS if args.host_walks else SUM_REDUCTIONS if args.sum_reductions else None)
     rng = random.Random(args.seed)
     tally: dict[str, Counter] = defaultdict(Counter)
     done = 0

@@ -1,5 +1,6 @@
 """Build a recipe's module, compile it with moe_inductor (light inner compiler), run forward and backward next to
-eager, and say what happened: rewritten, missed, a wrong rewrite, or a crash."""
+eager (a forward in inference only, for the recipes checked that way: ``Recipe.inference``), and say what happened:
+rewritten, missed, a wrong rewrite, or a crash."""
 from __future__ import annotations
 
 import copy
@@ -86,6 +87,13 @@ def _step(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
     return out.detach(), grads
 
 
+def _forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The module's output in inference (eval mode, no gradient), for the recipes checked that way only."""
+    module.eval()
+    with torch.no_grad():
+        return module(x.detach().clone())
+
+
 def _errors(out, grads, ref, ref_grads, zero: tuple = ()) -> dict:
     """Relative L2 error of the output and of each gradient against a reference run; a gradient under 1% of the
     largest one is measured against 1% of the largest. The gradients named in ``zero`` are zero by construction
@@ -119,6 +127,8 @@ def run(r: Recipe, inner: str = "eager") -> Outcome:
     x = torch.randn(r.T, H, generator=torch.Generator().manual_seed(r.seed)).to(dtype_of(r))
     outcome = Outcome(r)
     compiled = torch.compile(model, backend="moe_inductor", options={"inner": inner})
+    if r.inference:
+        return _run_inference(outcome, compiled, eager, x)
     try:
         got, got_grads = _step(compiled, x)
     except Exception as exc:  # noqa: BLE001  (the outcome records it; the caller decides)
@@ -146,6 +156,19 @@ def run(r: Recipe, inner: str = "eager") -> Outcome:
         ours = _errors(got, got_grads, ref32, ref32_grads, zero)
         eagers = _errors(ref, ref_grads, ref32, ref32_grads, zero)
         outcome.errors = against_fp32(outcome.errors, ours, eagers, TOL[dtype_of(r)])
+    return outcome
+
+
+def _run_inference(outcome: Outcome, compiled: nn.Module, eager: nn.Module, x: torch.Tensor) -> Outcome:
+    """``run`` for a recipe checked in inference only (``Recipe.inference``): one forward of each, no backward."""
+    try:
+        got = _forward(compiled, x)
+    except Exception as exc:  # noqa: BLE001  (the outcome records it; the caller decides)
+        outcome.crash = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        return outcome
+    outcome.rewrites = {f: n for f, n in counters["moe_inductor"].items() if n}
+    outcome.left_alone = {f: n for f, n in counters["moe_inductor_left_alone"].items() if n}
+    outcome.errors = {"out": rel_err(got.float(), _forward(eager, x).float())}
     return outcome
 
 

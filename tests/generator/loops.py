@@ -165,6 +165,9 @@ class LoopMoE(nn.Module):
             out.index_put_((rows,), y, accumulate=True)
         elif combine == "setitem":
             out[rows] += y
+        elif combine == "scatter_reduce":  # DeepSeek-MoE's spelling; without include_self, a write replaces
+            out.scatter_reduce_(0, rows[:, None].expand(-1, x.shape[1]), y, "sum",
+                                include_self=r.flaw != "include_self_false")
         else:
             out.scatter_add_(0, rows[:, None].expand(-1, x.shape[1]), y)
         self._did_run(e, ran)

@@ -49,8 +49,10 @@ AXES: dict[str, dict[str, tuple]] = {
                       "onehot_etk"),
         "experts": ("modulelist", "moduledict", "stacked_nk", "stacked_kn", "slices") + FUSED,
         "position": ("output", "input", "between"),
-        # "index_add_oop": ``out = out.index_add(0, tok, y)``, each expert adding to the value before it
-        "combine": ("index_add", "index_put", "setitem", "scatter_add", "index_add_oop"),
+        # "index_add_oop": ``out = out.index_add(0, tok, y)``, each expert adding to the value before it;
+        # "scatter_reduce": DeepSeek-MoE's ``out.scatter_reduce_(0, index, y, "sum")``, drawn for inference only
+        # (``Recipe.inference``: eager's backward raises on a buffer reduced into twice)
+        "combine": ("index_add", "index_put", "setitem", "scatter_add", "index_add_oop", "scatter_reduce"),
         "matmul": ("linear", "matmul"),
         "rows": ("index", "index_select"),
         "guard": GUARDS,
@@ -111,11 +113,13 @@ AXES: dict[str, dict[str, tuple]] = {
 #: "empty_unproven" writes top-1 masks into ``torch.empty_like`` with ids not provably in range(E); the capacity
 #: flaws: (E, C, N) biases (one per slot), a dropout of p > 0 in training, nanoMoE's queues numbered token-major;
 #: "mask_shift" compares the ids with ``arange(1, E + 1)`` in litgpt's mask (expert e gets the rows of id e + 1);
-#: "tiled_rows" repeats v5's batched_mm rows ``x.repeat(k, 1)`` (choice-major) against token-major ids
+#: "tiled_rows" repeats v5's batched_mm rows ``x.repeat(k, 1)`` (choice-major) against token-major ids;
+#: "include_self_false" combines by ``scatter_reduce_(..., "sum", include_self=False)``: each expert's write replaces
+#: what the experts before it wrote at a token, where k > 1 (inference only, as the genuine reduction)
 GUARD_FLAWS = ("guard_other", "guard_count", "guard_more", "guard_list")
 FLAWS: dict[str, tuple] = {
     "loop": ("soft", "other_slot", "twice", "differs", "skipped", "other_rows", "empty_unproven", "mask_shift")
-    + GUARD_FLAWS,
+    + GUARD_FLAWS + ("include_self_false",),
     "sorted": ("twice", "other_rows"),
     "gathered": ("twice", "differs", "tiled_rows"),
     "dense": ("soft", "twice", "differs", "skipped"),
@@ -157,8 +161,9 @@ AXES.update({
         "rows": ("tok_slice", "sorted_rows", "index_select"),
         # ``y.mul_(column[idxs[s:e]])``, ``y * column[...]``, ``y.mul_(weights.view(-1)[idxs[s:e]].unsqueeze(-1))``
         "weight": ("mul_", "out_of_place", "flat"),
-        # ``scatter_add_`` of ``tok[s:e].view(-1, 1).repeat(1, H)`` or ``.unsqueeze(1).expand(-1, H)``, ``index_add_``
-        "combine": ("scatter_repeat", "scatter_expand", "index_add"),
+        # ``scatter_add_`` of ``tok[s:e].view(-1, 1).repeat(1, H)`` or ``.unsqueeze(1).expand(-1, H)``, ``index_add_``,
+        # or DeepSeek-MoE's ``scatter_reduce_(0, index, y, reduce="sum")`` of the repeated index (inference only)
+        "combine": ("scatter_repeat", "scatter_expand", "index_add", "scatter_reduce"),
     },
     "list_rows": {
         # ``torch.where`` of the (E, k, T) one-hot (transformers v4), of ``ids == e``, or of the (E, T, k) one-hot
@@ -205,6 +210,13 @@ class Recipe:
     @property
     def genuine(self) -> bool:
         return self.flaw is None
+
+    @property
+    def inference(self) -> bool:
+        """Whether the module is checked in inference only (eval mode, no gradient): its combine is a
+        ``scatter_reduce_``, whose backward eager raises on where a buffer is reduced into more than once, and
+        which moe_inductor reads as the ``scatter_add_`` it equals only where no gradient runs through it."""
+        return self.idioms.get("combine") == "scatter_reduce" or self.flaw == "include_self_false"
 
     def __str__(self) -> str:
         parts = [self.form, self.flaw or "genuine", f"E{self.E}k{self.k}T{self.T}s{self.seed}", self.act, self.router,
@@ -260,7 +272,7 @@ def draw_recipe(draw: Draw, lookalike: Optional[bool] = None, forms: Optional[Se
             k = min(2, E)
         elif flaw == "token_major" and k == 1:  # one choice per token has one queue order
             k = 2
-    if flaw == "other_slot" and k == 1:  # another slot needs two
+    if flaw in ("other_slot", "include_self_false") and k == 1:  # another slot, or a write replaced, needs two
         k, router = 2, "softmax_topk" if router == "argmax" else router
     if flaw == "soft":  # the full probabilities differ from the top-k weights only where some are off the top-k:
         if router == "topk_softmax":  # its probabilities are zero off the top-k (a genuine MoE, not a look-alike)
@@ -292,6 +304,9 @@ def _loop_idioms(draw: Draw, idioms: dict, flaw: Optional[str], k: int) -> int:
         selection = "arange_mask"
     if flaw in GUARD_FLAWS and selection not in ("where", "top1_mask"):  # the guards' top-k and top-1 spellings
         selection = "where"
+    if flaw == "include_self_false":  # a flaw of the (token, slot) bodies' reduction
+        selection = "where" if selection in ("boolmask", "top1_mask") else selection
+        idioms["combine"] = "scatter_reduce"
     idioms["selection"] = selection
     if selection == "hit_v5" and idioms["experts"] in ("moduledict", "slices"):
         idioms["experts"] = "stacked_nk"  # v5's 0-d index keys no dict and slices no flat weight, in eager either
@@ -387,6 +402,18 @@ MASKS_AND_V5 = {
     "selection": ("arange_mask", "onehot_etk"),
     "counts": ("histc_sorted",),
     "combine": ("unsort_inverse", "flat_bmm"),
+}
+
+
+#: the choices that narrow a draw to the combines by ``scatter_reduce_(..., "sum")`` (inference only): DeepSeek-MoE's
+#: spelling in the unrolled loop, and the look-alike that leaves ``include_self`` off
+SUM_REDUCTIONS = {
+    "lookalike": (False, True),
+    "form": ("loop",),
+    "flaw": ("include_self_false",),
+    "combine": ("scatter_reduce",),
+    # the selections whose bodies combine by it (boolean masks and top-1 writes have combines of their own)
+    "selection": ("where", "nonzero", "onehot", "any", "hit_v5", "arange_mask", "onehot_etk"),
 }
 
 

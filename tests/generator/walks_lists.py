@@ -21,7 +21,8 @@ class CumsumWalkMoE(nn.Module):
     or with ``minlength=E``), ``for i, end in enumerate(cum)`` with ``start = 0 if i == 0 else cum[i - 1]`` (or the
     start carried from the last end), ``if start == end: continue``, expert i on the rows of ``idxs[start:end] // k``,
     its output weighted by its rows' routing weights (``mul_`` in place, or out of place) and added into a zeros
-    buffer at those tokens (``scatter_add_`` of a repeated or expanded index, or ``index_add_``)."""
+    buffer at those tokens (``scatter_add_`` of a repeated or expanded index, ``index_add_``, or DeepSeek-MoE's
+    ``scatter_reduce_(..., reduce="sum")``)."""
 
     def __init__(self, r: Recipe):
         super().__init__()
@@ -142,6 +143,8 @@ class CumsumWalkMoE(nn.Module):
             out.index_add_(0, at, y)
         elif d["combine"] == "scatter_expand":
             out.scatter_add_(0, at.unsqueeze(1).expand(-1, H), y)
+        elif d["combine"] == "scatter_reduce":  # DeepSeek-MoE's moe_infer
+            out.scatter_reduce_(0, at.view(-1, 1).repeat(1, x.shape[-1]), y, reduce="sum")
         else:
             out.scatter_add_(0, at.view(-1, 1).repeat(1, x.shape[-1]), y)
 
