@@ -52,6 +52,7 @@ from .fx_utils import (alias_mutations, is_call, known_equal, mutated_alias, rea
 from .gated_reads import GatedRead, read_gated
 from .loop_rows import routing_scaled, rows_index, selection, token_rows_of
 from .masked_writes import match_masked_writes, match_top1_masks, top1_buffer
+from .table_writes import match_table_writes, table_buffer
 
 FORM = "unrolled_loop"
 
@@ -585,6 +586,7 @@ def match_loop(acc: Node) -> Union[Match, str, None]:
 
 rewrite = Form(FORM, (Anchor(_zeros_like_x, match_loop),
                      Anchor(lambda n: is_call(n, "call_method", "sum", "squeeze"), match_masked_writes),
+                     Anchor(table_buffer, match_table_writes),
                      # last: the buffers the DeepSeek proof rewrote are gone by then
                      Anchor(top1_buffer, match_top1_masks)))
 """Replace every provable unrolled per-expert loop in a GraphModule; returns what was rewritten."""
