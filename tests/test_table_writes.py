@@ -13,9 +13,10 @@ output back at its own slice and rows, and the slices are summed::
 
 Rewritten (``passes/table_writes.py``), forward and backward equal to eager, with tokens dropped and not, top-2 and
 top-1, each weight spelling. Look-alikes left alone (with their reason where a proof started), equal to eager: a table
-with a dense term or a term changed in place (more nonzeros a row than the op would pick), a float keep, a weight read from another table or
-another column, a read of another expert's slice, the written slices read beside their sum, the tokens or the table changed in place, the buffer written
-elsewhere, the experts scaled by different constants, a skipped expert, the slices averaged instead of summed."""
+with a dense term or a term changed in place (more nonzeros a row than the op would pick), a float keep, a weight
+read from another table or another column, a read of another expert's slice, the written slices read beside their
+sum, the tokens or the table changed in place, the buffer written elsewhere, the experts scaled by different
+constants, a skipped expert, the slices averaged instead of summed."""
 import logging
 
 import pytest
@@ -112,7 +113,8 @@ def test_a_token_with_no_expert_is_zero():
 @pytest.mark.parametrize("style,reason", [
     ("other_table", "is not its output scaled by its own column of the table"),
     ("other_column", "is not its output scaled by its own column of the table"),
-    ("other_slot", "read by something other than the loop's reads before its writes"),  # the last reads slice 0, written
+    # the last expert reads slice 0, already written
+    ("other_slot", "read by something other than the loop's reads before its writes"),
     ("tokens_changed", "changed in place"),
     ("table_changed", "changed in place"),
     ("written_elsewhere", "changed by something other than one write per expert"),

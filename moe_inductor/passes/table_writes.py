@@ -173,13 +173,13 @@ def match_table_writes(buf: Node) -> Union[Match, str, None]:
             len(sums[0].args) > 1 and sums[0].kwargs):
         return "the spread tokens are not summed over the experts once (buf.sum(dim=0))"
     end = sums[0]
+    write_of = {e: w for w, e in slots}
     # the loop's reads of its own slices (each x[rows]: they read no write), its writes and the sum: nothing else
     # may see the written buffer, which the rewrite removes
-    slices = [u for u in buf.users if is_call(u, "call_function", operator.getitem) and _slot(u.args[1], mask) is not None
-              and all(position[u] < position[w] for w in writes if _slot(w.args[1], mask) == _slot(u.args[1], mask))]
+    slices = [u for u in buf.users if is_call(u, "call_function", operator.getitem)
+              and _slot(u.args[1], mask) is not None and position[u] < position[write_of[_slot(u.args[1], mask)]]]
     if any(u not in writes and u is not end and u not in slices for u in buf.users):
         return "the spread tokens are read by something other than the loop's reads before its writes and the sum"
-    write_of = dict((e, w) for w, e in slots)
     bodies, reads, scales = [], [], set()
     for e in range(E):
         w = write_of[e]

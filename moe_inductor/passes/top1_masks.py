@@ -312,8 +312,9 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
     ``t.clone()``; so an empty or cloned buffer, and a weight applied to the whole buffer (eager's ``0 * w`` is NaN at
     a non-finite w), need ids provably in range(E): argmax, max or topk(1) indices over E scores. With a kept
     one-hot's masks the dropped rows are known (``M.any(-1)`` false): a clone of the tokens the experts read keeps
-    their token there, which ``torch.where`` on the op's result gives (a clone of anything else is left alone). Ids of a router over another number of experts than the loop
-    writes are left alone. The experts are the unrolled loop's (``_masked_body``), biases included.
+    their token there, which ``torch.where`` on the op's result gives (a clone of anything else is left alone). Ids
+    of a router over another number of experts than the loop writes are left alone. The experts are the unrolled
+    loop's (``_masked_body``), biases included.
 
     With (B, T) ids, x and the buffer must be (B, T, H), the masks then selecting rows of their leading two dims in
     one row-major order: the op runs on the flat views and its result is viewed back (``_viewed_back``)."""
