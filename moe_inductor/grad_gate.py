@@ -60,7 +60,7 @@ def add_hit_flags(gm: GraphModule, speculations: list) -> list[Gated]:
     (``Speculation.own``), whether its expert got rows (``(ids == e).any()``, or ``M[..., e].any()``). Returns the
     gated inputs; [] (and ``gm`` unchanged) where there are none. Raises LookupError where a named node is gone
     (the caller falls back)."""
-    from .passes.kept_masks import kept_one_hot
+    from .passes.kept_masks import kept_choices
 
     owning = [s for s in speculations if getattr(s, "own", None)]
     if not owning:
@@ -83,7 +83,7 @@ def add_hit_flags(gm: GraphModule, speculations: list) -> list[Gated]:
                 raise LookupError(f"the ids {ids_name} the count counts are gone from the rewritten graph")
             # expert e's rows: ``ids == e``, or the column e of a one-hot with the router's drops in it (whose count
             # is of the rows kept, passes/kept_masks.py)
-            rows = (graph.call_method("select", (ids, -1, e)) if kept_one_hot(ids) is not None
+            rows = (graph.call_method("select", (ids, -1, e)) if kept_choices(ids) is not None
                     else graph.call_function(operator.eq, (ids, e)))
             flags.append(graph.call_function(torch.any, (rows,)))
             for name in s.own:

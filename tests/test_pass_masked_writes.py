@@ -202,7 +202,7 @@ def test_top1_masked_writes_are_rewritten_and_equal(style, E, T):
     ("skipped_expert", "not each of range(4) once"),
     ("written_twice", "written twice"),
     ("mismatched_expert", "expert 1's output is not a projection on its own weights"),
-    ("clone_accumulate", "does not start as zeros or empty"),
+    ("clone_accumulate", "out[mask] += ... onto a buffer that does not start as zeros"),  # x + expert(x)
     ("read_between", "read before the loop's last write"),
     ("weight_of_other_rows", "expert 0's output is not a projection"),
     ("rows_of_other_ids", "does not read the tokens at its own mask"),
@@ -338,6 +338,7 @@ class BatchedTop1MoE(nn.Module):
     ("column_weight", 2, 5),  # w[..., None][m]: a (B, T) weight made a column, then masked
     ("broadcast_weight", 2, 5),  # a (1, T, 1) weight after the loop is the user's own product on the op's result
     ("dropout_eval", 2, 5),  # nn.Dropout(0.5) between the experts' layers, in eval mode: read as the identity
+    ("clone", 2, 5),  # x.clone() under ids provably in range(E): every row is written, the clone's values never show
 ])
 def test_batched_top1_masked_writes_are_rewritten_and_equal(style, B, T):
     torch.manual_seed(0)
@@ -368,11 +369,10 @@ def test_batched_top1_masked_writes_follow_new_shapes():
 
 @pytest.mark.parametrize("style,reason", [
     ("batch_mask", "expert 0's write is not whole rows"),  # (B,) masks select whole (T, H) sequences
-    ("slice_write", "does not start as zeros or empty"),  # the buffer is a slice of another tensor
+    ("slice_write", "does not start as zeros, empty"),  # the buffer is a slice of another tensor
     ("flat_buffer", "moe_region"),  # reads at (B, T) ids, writes at their flat view: no mark of this form
     ("mismatched_expert", "expert 1's output is not a projection on its own weights"),
     ("rows_of_other_ids", "does not read the tokens at its own mask"),
-    ("clone", "does not start as zeros or empty"),
     ("empty_unproven", "torch.empty_like and the ids are not provably in range(E)"),
     ("wider_router", "the router chooses among 5 experts and the loop writes 4"),
     ("wider_out", "the buffer and the tokens are not (B, T, H) of one dtype"),  # experts map H to H + 2

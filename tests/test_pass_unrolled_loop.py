@@ -417,17 +417,27 @@ class SwitchLoopMoE(nn.Module):
         return self.fc2[e](F.relu(self.fc1[e](xe)))
 
     def forward(self, x):
+        s = self.style
         probs = F.softmax(self.router(x), dim=-1)
-        out = x.new_zeros(x.shape)
-        if self.style in ("switch", "scaled_by_result", "read_unscaled"):  # (T,) top-1 ids, out[tok, :] = ...
+        out = x.new_ones(x.shape) if s == "ones_buffer" else x.new_zeros(x.shape)
+        if s in ("switch", "scaled_by_result", "read_unscaled", "unweighted", "hashed_ids", "torch_mul_scaled",
+                 "ones_buffer", "skipped_expert", "written_after"):  # (T,) top-1 ids, out[tok, :] = ...
             p, ids = torch.max(probs, dim=-1)
-            for e in range(self.E):
+            if s == "hashed_ids":  # ids of no router: -1 and E come up, rows no expert writes stay zero
+                ids = (x.detach().sum(-1) * 3).floor().long() % (self.E + 2) - 1
+            for e in range(1 if s == "skipped_expert" else 0, self.E):  # expert 0's rows left zero, or not
                 tok = torch.eq(ids, e).nonzero(as_tuple=True)[0]
                 out[tok, :] = self.expert(e, x[tok, :])
-            if self.style == "scaled_by_result":  # the factor reads the result itself: not a routing weight
+            if s == "written_after":  # a row of the result changed after the loop
+                out[0] = 0.0
+            if s == "scaled_by_result":  # the factor reads the result itself: the op's result, scaled by the user
                 return out * out.norm(dim=-1, keepdim=True)
-            if self.style == "read_unscaled":  # the unscaled result is read too
+            if s == "read_unscaled":  # the unscaled result is read too: both reads get the op's result
                 return out * p.view(-1, 1) + out
+            if s in ("unweighted", "hashed_ids", "ones_buffer", "skipped_expert"):
+                return out
+            if s == "torch_mul_scaled":  # LLaMA-MoE's SwitchDropTokenCalculator: the user's product stays
+                return torch.mul(out, p.reshape(-1, 1) * 1.0)
             return out * p.view(-1, 1)
         k = 1 if self.style == "keepdim_top1" else 2
         p, ids = torch.topk(probs, k, dim=-1)
@@ -440,10 +450,13 @@ class SwitchLoopMoE(nn.Module):
         return out * p[:, :1]
 
 
-@pytest.mark.parametrize("style", ["switch", "keepdim_top1"])
+@pytest.mark.parametrize("style", ["switch", "keepdim_top1", "unweighted", "hashed_ids", "torch_mul_scaled",
+                                   "scaled_by_result", "read_unscaled"])
 def test_switch_style_loops_are_rewritten_and_equal(style):
     """One choice per token: rows written once each, so acc[tok] = ... is the accumulation, and a (T, 1) factor on
-    the result is the routing weight; the biases are the experts' own."""
+    the result is the routing weight; the biases are the experts' own. Without a factor the op scales by 1 and every
+    reader of the result (a factor of any spelling, the result itself) reads the op's result: each row its one
+    expert's output, or zero for an id outside range(E), which the op skips as the loop does."""
     torch.manual_seed(0)
     assert_rewritten_like_eager(SwitchLoopMoE(style), torch.randn(9, H), "unrolled_loop", style)
     assert sum(counters["graph_break"].values()) == 0
@@ -451,9 +464,9 @@ def test_switch_style_loops_are_rewritten_and_equal(style):
 
 @pytest.mark.parametrize("style,reason", [
     ("top2_assigned", "keeps only the last write"),
-    ("top2_scaled_after", "no routing weight"),
-    ("scaled_by_result", "no routing weight"),
-    ("read_unscaled", "no routing weight"),
+    ("top2_scaled_after", "no routing weight"),  # two choices per token: a factor after the loop is no weight of 1
+    ("skipped_expert", "not one distinct weight per expert"),  # expert 0's rows stay zero: no op over 1..E-1 says it
+    ("written_after", "a write to the accumulator is neither"),
 ])
 def test_switch_style_look_alikes_are_left_alone(style, reason):
     torch.manual_seed(0)
@@ -462,6 +475,16 @@ def test_switch_style_look_alikes_are_left_alone(style, reason):
     assert not counters["moe_inductor"]
     (left,) = moe_inductor.explain(model, x).left_alone
     assert left.form == "unrolled_loop" and reason in left.reason, left
+
+
+def test_switch_style_loop_into_ones_is_left_alone():
+    """A top-1 loop writing into ones: a row of no expert keeps its 1, which the op does not give; the loop's proof
+    needs zeros, so nothing is rewritten, and the output is eager's."""
+    torch.manual_seed(0)
+    model = SwitchLoopMoE("ones_buffer")
+    x = torch.randn(9, H)
+    assert torch.allclose(compile_moe(model, x), model(x), rtol=1e-6, atol=1e-6)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
 
 
 class FlatBlocksMoE(nn.Module):

@@ -14,6 +14,9 @@ one test, and the masks of two experts never share a row: they are a top-1 route
 dropped rows have no expert at all, which the op gives as the out-of-range id E (it skips such a row, leaving it
 zero). A float ``keep`` is refused: NaN times one_hot's 0 is NaN, nonzero, which would put True off idx.
 
+transformers v4.2x-v4.3x casts each column instead of the whole product, ``router_mask[:, :, e].bool()`` of the
+integer ``one_hot(idx, E) * keep``: the same rows, read the same way (``kept_column``, ``kept_choices``).
+
 Shape legend: lead the ids' (T,) or (B, T), E experts.
 """
 from __future__ import annotations
@@ -64,22 +67,12 @@ def _one_hot(node) -> Optional[tuple[Node, int]]:
     return node.args[0], E
 
 
-def kept_one_hot(mask: Node) -> Optional[tuple[Node, int]]:
-    """(idx, E) when ``mask`` is a (*lead, E) bool tensor True at most at idx's position of each row:
-    ``(one_hot(idx, E) * keep).bool()`` (either order of the product, ``.to(torch.bool)`` too), keep a bool or
-    integer tensor that broadcasts to the one-hot's shape without widening it, and neither the one-hot, the product nor
-    the mask changed in place anywhere (``hot[..., 0] = 1`` puts a second 1 in a row: several experts' masks share
-    it); else None."""
-    mv = val(mask)
-    if mv is None or mv.dtype != torch.bool:
-        return None
-    if is_call(mask, "call_method", "bool") and len(mask.args) == 1 and not mask.kwargs:
-        product = mask.args[0]
-    elif is_call(mask, "call_method", "to") and len(mask.args) == 2 and mask.args[1] == torch.bool and not (
-            mask.kwargs):
-        product = mask.args[0]
-    else:
-        return None
+def kept_product(product: Node) -> Optional[tuple[Node, int]]:
+    """(idx, E) when ``product`` is ``one_hot(idx, E) * keep`` (either order), keep a bool or integer tensor that
+    broadcasts to the one-hot's shape without widening it, and neither the one-hot nor the product changed in place
+    anywhere (``hot[..., 0] = 1`` puts a second 1 in a row: several experts' masks share it); else None. Such a
+    product is nonzero at most at idx's position of each row: 1 * keep there, 0 * keep elsewhere (integers, so no
+    NaN)."""
     if not (is_call(product, "call_function", operator.mul, torch.mul) and len(product.args) == 2
             and not product.kwargs):
         return None
@@ -90,17 +83,53 @@ def kept_one_hot(mask: Node) -> Optional[tuple[Node, int]]:
             continue
         if kv.dtype.is_floating_point or kv.dtype.is_complex or tuple(pv.shape) != tuple(hv.shape):
             continue
-        if any(mutated_alias(n) for n in (hot, product, mask)):
+        if any(mutated_alias(n) for n in (hot, product)):
             return None
         return got
     return None
 
 
+def _cast_to_bool(mask: Node) -> Optional[Node]:
+    """t for ``t.bool()`` or ``t.to(torch.bool)``."""
+    if is_call(mask, "call_method", "bool") and len(mask.args) == 1 and not mask.kwargs:
+        return mask.args[0]
+    if is_call(mask, "call_method", "to") and len(mask.args) == 2 and mask.args[1] == torch.bool and not (
+            mask.kwargs):
+        return mask.args[0]
+    return None
+
+
+def kept_one_hot(mask: Node) -> Optional[tuple[Node, int]]:
+    """(idx, E) when ``mask`` is a (*lead, E) bool tensor True at most at idx's position of each row:
+    ``(one_hot(idx, E) * keep).bool()`` (``.to(torch.bool)`` too) of a ``kept_product``, the mask not changed in
+    place anywhere; else None."""
+    mv = val(mask)
+    if mv is None or mv.dtype != torch.bool:
+        return None
+    product = _cast_to_bool(mask)
+    got = kept_product(product) if isinstance(product, Node) else None
+    return None if got is None or mutated_alias(mask) else got
+
+
+def kept_choices(node: Node) -> Optional[tuple[Node, int]]:
+    """(idx, E) when column e of ``node`` is nonzero exactly at the rows expert e keeps: a ``kept_one_hot`` mask, or
+    the integer ``kept_product`` itself (transformers v4.2x-v4.3x Switch casts each column, ``M[:, :, e].bool()``).
+    Either way ``node.any(-1)`` is whether a row was kept and ``node.select(-1, e)`` is nonzero at expert e's rows."""
+    return kept_one_hot(node) or kept_product(node)
+
+
 def kept_column(mask: Node) -> Optional[tuple[Node, int]]:
     """(M, e) when ``mask`` is column e of a kept one-hot M (``kept_one_hot``) over E experts: the rows expert e
-    keeps."""
+    keeps; or (P, e) when it is column e of an integer ``kept_product`` P cast to bool (``P[..., e].bool()``), the
+    same rows, the column and its cast not changed in place."""
     got = choice_column(mask)
-    if got is None or kept_one_hot(got[0]) is None:
+    if got is not None:
+        return got if kept_one_hot(got[0]) is not None else None
+    column = _cast_to_bool(mask)
+    got = choice_column(column) if isinstance(column, Node) else None
+    mv = val(mask)
+    if got is None or mv is None or mv.dtype != torch.bool or kept_product(got[0]) is None or any(
+            mutated_alias(n) for n in (column, mask)):
         return None
     return got
 

@@ -22,7 +22,9 @@ Several such passes, one per choice j of a top-k router, adding into one zeros b
 
 The masks may also be the columns ``M[..., e]`` of a one-hot with the router's drops in it (transformers v4's
 Switch, ``kept_masks.py``): ``out[M[:, :, e]] = expert_e(x[M[:, :, e]])`` into zeros, a dropped row then the op's
-out-of-range id E (left zero), a weight on the whole buffer left to the graph.
+out-of-range id E (left zero), a weight on the whole buffer left to the graph. v4.2x-v4.3x's Switch starts the
+buffer as ``x.clone()`` and casts each column, ``out[P[:, :, e].bool()] = expert_e(x[P[:, :, e].bool()])``: a dropped
+row keeps its token, so the buffer's readers get ``torch.where(P.any(-1)[..., None], op, x)`` (``_kept_rows_or``).
 
 A boolean mask of x's leading dims picks its rows in row-major order, so the batched loop is the flat loop on
 ``x.reshape(-1, H)``, ``idx.reshape(-1)`` and ``out.view(-1, H)``: the op reads those views and its (B*T, H) result is
@@ -47,7 +49,7 @@ from .driver import Match
 from .flat_slices import block_linear
 from .aliases import alias_mutations, mutated_alias
 from .fx_utils import column_of, is_call, same_value_key, scale_of_rows, val
-from .kept_masks import choice_column, kept_column, kept_one_hot
+from .kept_masks import choice_column, kept_choices, kept_column
 
 _ZEROS = ((torch.zeros_like, torch.zeros), ("new_zeros",))
 _EMPTY = ((torch.empty_like, torch.empty), ("new_empty",))
@@ -273,6 +275,30 @@ def _viewed_back(graph: Graph, result: Node, after: Node, like: Node) -> None:
         reader.replace_input_with(result, back)
 
 
+def _cloned(buf: Node) -> Optional[Node]:
+    """t for ``t.clone()`` (``torch.clone(t)``; a memory format changes no value)."""
+    if (is_call(buf, "call_method", "clone") or is_call(buf, "call_function", torch.clone)) and len(
+            buf.args) == 1 and isinstance(buf.args[0], Node) and set(buf.kwargs) <= {"memory_format"}:
+        return buf.args[0]
+    return None
+
+
+def _kept_rows_or(graph: Graph, buf: Node, after: Node, kept_row: Node, base: Node) -> None:
+    """Point the readers of ``buf`` that come after ``after`` at ``torch.where(kept_row, buf, base)``, inserted right
+    after ``after``. The driver then reads the op's result in ``buf``'s place: a kept row is its expert's output, a
+    dropped row (the op's 0) is ``base``'s row, as the user's buffer, a clone of ``base``, held it."""
+    later, cur = set(), after.next
+    while cur.op != "root":
+        later.add(cur)
+        cur = cur.next
+    with graph.inserting_after(after):
+        chosen = graph.call_function(torch.where, (kept_row, buf, base))
+    if val(buf) is not None:
+        chosen.meta["example_value"] = val(buf)
+    for reader in [u for u in buf.users if u in later and u is not chosen]:
+        reader.replace_input_with(buf, chosen)
+
+
 def match_top1_masks(buf: Node) -> Union[Match, str, None]:
     """A top-1 router's loop of boolean-mask writes (``idx`` (T,) or (B, T) integer ids, one expert per token)::
 
@@ -283,10 +309,13 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
 
     Exact because the masks ``idx == e`` of distinct e never share a row, so each row is written by its one expert
     (or by none), as the op computes it. A row whose id is outside range(E) keeps the buffer's first value: zeros,
-    which is what the op gives for an out-of-range id, but garbage with ``empty_like``; so an empty buffer, and a
-    weight applied to the whole buffer (eager's ``0 * w`` is NaN at a non-finite w), need ids provably in range(E):
-    argmax, max or topk(1) indices over E scores. Ids of a router over another number of experts than the loop
-    writes are left alone. The experts are the unrolled loop's (``_masked_body``), biases included.
+    which is what the op gives for an out-of-range id, but garbage with ``empty_like`` and the clone's row with
+    ``t.clone()``; so an empty or cloned buffer, and a weight applied to the whole buffer (eager's ``0 * w`` is NaN at
+    a non-finite w), need ids provably in range(E): argmax, max or topk(1) indices over E scores. With a kept
+    one-hot's masks the dropped rows are known (``M.any(-1)`` false): a clone of the tokens the experts read keeps
+    their token there, which ``torch.where`` on the op's result gives (a clone of anything else is left alone). Ids
+    of a router over another number of experts than the loop writes are left alone. The experts are the unrolled
+    loop's (``_masked_body``), biases included.
 
     With (B, T) ids, x and the buffer must be (B, T, H), the masks then selecting rows of their leading two dims in
     one row-major order: the op runs on the flat views and its result is viewed back (``_viewed_back``)."""
@@ -307,13 +336,14 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
         return None
     zeros = is_call(buf, "call_function", *_ZEROS[0]) or is_call(buf, "call_method", *_ZEROS[1])
     empty = is_call(buf, "call_function", *_EMPTY[0]) or is_call(buf, "call_method", *_EMPTY[1])
-    if not (zeros or empty) or set(buf.kwargs) - {"dtype", "device", "layout", "memory_format"}:
-        return ("the buffer does not start as zeros or empty (zeros_like, new_zeros, empty_like): the rows no expert "
-                "writes would keep values the op does not give")
+    base = _cloned(buf)  # a row no expert writes keeps base's values
+    if not (zeros or empty or base is not None) or set(buf.kwargs) - {"dtype", "device", "layout", "memory_format"}:
+        return ("the buffer does not start as zeros, empty (zeros_like, new_zeros, empty_like) or a clone: the rows "
+                "no expert writes would keep values the op does not give")
     if len(marked) != len(writes):
         return "the buffer is also changed by something other than its masked writes"
-    kept = kept_one_hot(ids)  # (idx, E): the masks are the columns of a one-hot with the router's drops in it
-    if kept is not None and not zeros:
+    kept = kept_choices(ids)  # (idx, E): the masks are the columns of a one-hot with the router's drops in it
+    if kept is not None and empty:
         return "the buffer is torch.empty_like and the router drops rows: a dropped row would hold garbage"
     if kept is not None and mutated_alias(kept[0]):  # the op reads the one-hot's ids later, where the loop ends
         return CHANGED_IN_PLACE
@@ -401,6 +431,12 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
     if empty and width is None:
         return ("the buffer is torch.empty_like and the ids are not provably in range(E) (argmax, max or topk(1) "
                 "over E scores): a row no expert writes would hold garbage")
+    if base is not None and kept is None and width is None:
+        return ("the buffer is a clone and the ids are not provably in range(E) (argmax, max or topk(1) over E "
+                "scores): a row no expert writes would keep the clone's values, where the op gives 0")
+    if base is not None and kept is not None and same_value_key(base) != same_value_key(spec.x):
+        return ("the buffer is a clone of another tensor than the tokens the experts read: a row the router drops "
+                "would keep that tensor's values, not pass its token through")
     if product is not None and width is None:
         return ("the routing weight scales the whole buffer and the ids are not provably in range(E): a row no "
                 "expert writes is 0 * w in eager, NaN at a non-finite w, where the op gives 0")
@@ -419,6 +455,8 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
         spec = per_expert_for_op(graph, spec) if biased else sliced(graph, spec) if sliced is not None else spec
         if kept is not None:  # a row the router dropped gets the out-of-range id E: the op leaves it zero
             has_row = graph.call_method("any", (spec.ids, -1))
+            if base is not None:  # ... and the clone's token passes through it, as in the user's buffer
+                _kept_rows_or(graph, buf, end, graph.call_method("unsqueeze", (has_row, -1)), base)
             spec = dataclasses.replace(spec, ids=graph.call_function(torch.where, (has_row, kept[0], num_experts)))
         if batched:  # the flat loop on row-major views; the readers get the op's result viewed back as (B, T, H)
             _viewed_back(graph, product if product is not None else buf, end, spec.x)
@@ -441,6 +479,8 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
 
     note = (f"{len(bodies)} boolean-mask selections (host syncs) removed"
             + ("; the router's drops kept (a dropped row is the op's out-of-range id)" if kept is not None else "")
+            + ("; a dropped row passes its token through (the buffer was the tokens' clone)"
+               if kept is not None and base is not None else "")
             + ("; the (B, T) tokens read as one (B*T, H) view" if batched else "")
             + ("; the flat weights read as (E, n, m) views" if sliced is not None else
                "; per-expert weights read where they lie" if isinstance(spec.gate, tuple) else "")

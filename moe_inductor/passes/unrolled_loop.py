@@ -20,7 +20,9 @@ state before the down projection; the op takes it at the same place. The rows ma
 
 A Switch-style top-1 loop (one choice per token, so the experts' rows are disjoint) may write each expert's rows
 (``out[tok, :] = expert(x[tok, :])``, tok from ``(ids == e).nonzero(as_tuple=True)[0]`` of (T,) ids) and apply the
-routing weight to the whole result (``out * p.view(-1, 1)``); its nn.Linear experts may have biases.
+routing weight to the whole result (``out * p.view(-1, 1)``), or leave any scale of it to the code after the loop
+(LLaMA-MoE's ``torch.mul(out, scores.reshape(-1, 1) * factor)``): the op then scales by 1, and a row no expert
+writes stays zero, as the op leaves an out-of-range id; its nn.Linear experts may have biases.
 
 DeepSeek-V2's training loop is the same form with boolean masks and writes (``match_masked_writes``):
 ``buf[flat == e] = expert(x.repeat_interleave(k, 0)[flat == e])``, then ``(buf.view(T, k, H) * w[..., None]).sum(1)``;
@@ -50,6 +52,7 @@ from .fx_utils import is_call, known_equal, reads_metadata_only, scale_of_rows, 
 from .gated_reads import GatedRead, read_gated
 from .loop_rows import routing_scaled, rows_index, selection, token_rows_of
 from .masked_writes import match_masked_writes, match_top1_masks, top1_buffer
+from .table_writes import match_table_writes, table_buffer
 
 FORM = "unrolled_loop"
 
@@ -476,13 +479,17 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
                and not reads_metadata_only(u, result)}  # a template (``out.new_zeros(())``) reads no value
     iv = val(spec.ids)
     product = None
+    one_choice = iv.dim() == 1 or iv.shape[-1] == 1
+    if spec.weights is None and not one_choice:
+        return ("no routing weight weights[tok, pos, None] scales the output, the input or the hidden state "
+                "(nor, with one choice per token, the loop's result as acc * w[:, None])")
     if spec.weights is None:  # the routing weight on the result: only where each token has one choice
-        scaled = _scale_of_result(result, readers) if iv.dim() == 1 or iv.shape[-1] == 1 else None
-        if scaled is None:
-            return ("no routing weight weights[tok, pos, None] scales the output, the input or the hidden state "
-                    "(nor, with one choice per token, the loop's result as acc * w[:, None])")
-        product, weights = scaled
-        spec = dataclasses.replace(spec, weights=weights)
+        scaled = _scale_of_result(result, readers)
+        # else the result is each row's one expert output as it is (a row of no expert stays zero, as the op leaves
+        # an out-of-range id): the op scales by 1 and whatever reads the result reads the op's
+        if scaled is not None:
+            product, weights = scaled
+            spec = dataclasses.replace(spec, weights=weights)
     xv, av, wv = val(spec.x), val(acc), val(spec.weights)
     # an fp32 accumulator under half-precision experts (transformers v4's DeepSeek-V3: zeros_like(x, dtype=weights'
     # dtype)) holds their outputs widened: the op's result is cast to it
@@ -492,7 +499,8 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
             av.dtype != xv.dtype and not wider):
         return "the accumulator does not have x's (T, H) shape and dtype (or fp32 under half-precision experts)"
     # weights[tok, pos] must be the (T, k) routing weights; a top-1 router's (T,) ids take a (T, 1) factor
-    if wv is None or tuple(wv.shape) != (tuple(iv.shape) if iv.dim() == 2 else (iv.shape[0], 1)):
+    if spec.weights is not None and (wv is None or tuple(wv.shape) != (
+            tuple(iv.shape) if iv.dim() == 2 else (iv.shape[0], 1))):
         return "the routing weights are not (T, k) like the ids"
     # every read of the accumulator must come after the last index_add_
     last_add = max(position[b.add] for b in bodies)
@@ -550,15 +558,21 @@ def match_loop(acc: Node) -> Union[Match, str, None]:
             + ("; the flat weights read as (E, n, m) views" if sliced is not None else
                "; per-expert weights read where they lie" if isinstance(spec.gate, tuple) else "")
             + (f"; routing weight on the {spec.weight_position}" if spec.weight_position != "output" else "")
-            + ("; the routing weight scaled the combined result" if product is not None else ""))
+            + ("; the routing weight scaled the combined result" if product is not None else "")
+            + ("; no routing weight (the op scales by 1)" if spec.weights is None else ""))
 
     layouts = bodies[0].layouts
+    unweighted = spec.weights is None
 
     def derive(graph: Graph, spec: MoESpec) -> MoESpec:
         spec = per_expert_for_op(graph, spec) if biased else views(sliced)(graph, spec) if sliced is not None else spec
         if layouts is not None:
             spec = _as_nk(graph, spec, layouts)
-        return _column_ids(graph, spec) if one_id else spec
+        spec = _column_ids(graph, spec) if one_id else spec
+        if unweighted:  # a weight of exactly 1: the op's product leaves each expert output as it is
+            ones = graph.call_function(torch.ones_like, (spec.ids,), {"dtype": val(spec.x).dtype})
+            spec = dataclasses.replace(spec, weights=ones)
+        return spec
 
     # scaled after the loop, the result is the product (the accumulator goes with the region); else the accumulator.
     # Out of place (chained), the last link's value is the result, and the chain goes as dead code.
@@ -566,12 +580,13 @@ def match_loop(acc: Node) -> Union[Match, str, None]:
     in_place = not chained and product is None
     return Match(spec, end, note, where=bodies[0].add, acc=acc if in_place else None, writes=() if chained else adds,
                  transient=tuple(b.where for b in bodies),
-                 derive=derive if biased or one_id or sliced is not None or layouts is not None else None,
+                 derive=derive if biased or one_id or unweighted or sliced is not None or layouts is not None else None,
                  top_k=1 if one_id else None)
 
 
 rewrite = Form(FORM, (Anchor(_zeros_like_x, match_loop),
                      Anchor(lambda n: is_call(n, "call_method", "sum", "squeeze"), match_masked_writes),
+                     Anchor(table_buffer, match_table_writes),
                      # last: the buffers the DeepSeek proof rewrote are gone by then
                      Anchor(top1_buffer, match_top1_masks)))
 """Replace every provable unrolled per-expert loop in a GraphModule; returns what was rewritten."""
