@@ -20,8 +20,8 @@ Style, in-place throughout:
 MiniMax-M2 runs 256 experts, top-8, sigmoid with the routing bias; here E = 6, k = 2, a scaling factor of 1.5 (the
 in-place branch taken). The port is inference-only: ``scores.add_`` writes over the sigmoid's saved output, so a
 backward through the block raises in eager; the case runs the block under ``torch.no_grad()`` inside the decoder
-layer's residual add (the gradient is the residual's). Departures: the train-time jitter (``hidden_states.mul_(noise)``) and the grouped top-k
-branch (off in the config) are left out.
+layer's residual add (the gradient is the residual's). Departures: the train-time jitter
+(``hidden_states.mul_(noise)``) and the grouped top-k branch (off in the config) are left out.
 
 Outcome: fell back. ``expert_hit.tolist()`` of a top-k one-hot's hit vector is not the list hit_lists.py traces
 (Switch's ``nonzero(kept_counts, as_tuple=True)[0].tolist()``), so GET_ITER meets a list of unbacked length
