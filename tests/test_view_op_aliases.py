@@ -11,7 +11,10 @@ Each look-alike writes a tensor a rewrite reads later than the user's code did, 
   row keeps the old token, the op would pass the new one through;
 - a top-1 loop's ids (``passes/unrolled_loop.py``), moved by one after expert 0 read them: the op would route every
   row by the new ids.
-Each is equal to eager and not rewritten; the same code with a plain ``t.mul_`` write was already left alone."""
+Each is equal to eager and not rewritten; the same code with a plain ``t.mul_`` write was already left alone. So are
+writes by no view op at all that were missed the same way: an activation's ``inplace`` passed by position
+(``F.relu(t, True)``: ``aliases._inplace_by_position``) and ``t.data.mul_(2)``; and Switch's padded-capacity combine
+written through a view op after the proof reads it (``capacity_gating.versions_sound``)."""
 import pytest
 import torch
 import torch.nn as nn
@@ -211,3 +214,27 @@ def test_the_combine_unwritten_is_rewritten():
         out, ref = compile_moe(model, x), model(x)
     assert counters["moe_inductor"]["padded_capacity"] == 1, dict(counters["moe_inductor"])
     assert_close(out, ref, torch.float32, "unwritten")
+
+
+# writes no view op's name shows: an activation's ``inplace`` passed by position, and ``t.data``'s in-place change
+_POSITIONAL_TABLE_WRITES = {
+    "hardtanh-positional": lambda t: F.hardtanh(t, 0.0, 0.1, True),  # the weights clipped to 0.1
+    "data-mul_": lambda t: t.data.mul_(2.0),
+}
+_POSITIONAL_TOKEN_WRITES = {
+    "leaky_relu-positional": lambda t: F.leaky_relu(t, 0.1, True),
+    "relu-positional": lambda t: F.relu(t, True),
+    "data-mul_": lambda t: t.data.mul_(2.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_POSITIONAL_TABLE_WRITES))
+def test_table_written_in_place_without_a_view_op_is_left_alone(name):
+    torch.manual_seed(0)
+    _left_alone_like_eager(TableLoop(_POSITIONAL_TABLE_WRITES[name]), torch.randn(9, H), name)
+
+
+@pytest.mark.parametrize("name", sorted(_POSITIONAL_TOKEN_WRITES))
+def test_cloned_tokens_written_in_place_without_a_view_op_are_left_alone(name):
+    torch.manual_seed(0)
+    _left_alone_like_eager(ClonedTokens(_POSITIONAL_TOKEN_WRITES[name]), torch.randn(2, 9, H), name)

@@ -9,6 +9,8 @@ removal after a rewrite.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 from typing import Optional, Sequence
 
@@ -65,8 +67,29 @@ def _writes_its_first_argument(node: Node) -> bool:
     if node.op == "call_function":
         name = getattr(node.target, "__name__", "")
         return (node.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
-                or node.kwargs.get("inplace") is True)
+                or node.kwargs.get("inplace") is True or _inplace_by_position(node))
     return False
+
+
+def _inplace_by_position(node: Node) -> bool:
+    """``inplace=True`` passed by position (``F.relu(x, True)``, ``F.hardtanh(x, 0.0, 1.0, True)``,
+    ``F.dropout(x, p, training, True)``), read off the function's own signature."""
+    try:
+        params = _parameters(node.target)
+    except TypeError:  # an unhashable target: no signature cached
+        return False
+    if params is None or "inplace" not in params:
+        return False
+    at = params.index("inplace")
+    return len(node.args) > at and node.args[at] is True
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(target) -> Optional[list[str]]:
+    try:
+        return list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
 
 
 def _part_written(node: Node) -> Optional[Node]:
@@ -91,7 +114,9 @@ _VIEW_FUNCTIONS = {operator.getitem, torch.unsqueeze, torch.squeeze, torch.trans
                    torch.flatten, torch.narrow, torch.select, torch.swapaxes, torch.swapdims, torch.movedim,
                    torch.moveaxis, torch.t, torch.diagonal, torch.as_strided, torch.broadcast_to, torch.chunk,
                    torch.split, torch.unbind, torch.tensor_split, torch.hsplit, torch.vsplit, torch.dsplit,
-                   torch.unflatten}
+                   torch.unflatten, torch.detach}
+#: functions by name that return their argument's memory under a second name (``t.data``, as Dynamo records it)
+_VIEW_FUNCTION_NAMES = {"_get_data_attr"}
 #: attributes that are views (``x.T``, ``x.mT``: Dynamo records ``getattr(x, "T")``)
 _VIEW_ATTRIBUTES = {"T", "mT", "H", "mH", "real", "imag"}
 
@@ -123,7 +148,8 @@ def _is_view(node: Node) -> bool:
     if node.op == "call_function" and node.target is getattr:
         return len(node.args) == 2 and node.args[1] in _VIEW_ATTRIBUTES
     return (node.op == "call_method" and node.target in _VIEWS) or (
-        node.op == "call_function" and node.target in _VIEW_FUNCTIONS) or _traced_view_of(node) is not None
+        node.op == "call_function" and (node.target in _VIEW_FUNCTIONS or getattr(
+            node.target, "__name__", None) in _VIEW_FUNCTION_NAMES)) or _traced_view_of(node) is not None
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:
