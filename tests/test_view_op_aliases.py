@@ -216,10 +216,12 @@ def test_the_combine_unwritten_is_rewritten():
     assert_close(out, ref, torch.float32, "unwritten")
 
 
-# writes no view op's name shows: an activation's ``inplace`` passed by position, and ``t.data``'s in-place change
+# writes no view op's name shows: an activation's ``inplace`` passed by position, ``t.data``'s in-place change, and
+# an aten overload's
 _POSITIONAL_TABLE_WRITES = {
     "hardtanh-positional": lambda t: F.hardtanh(t, 0.0, 0.1, True),  # the weights clipped to 0.1
     "data-mul_": lambda t: t.data.mul_(2.0),
+    "aten-overload": lambda t: torch.ops.aten.mul_.Scalar(t, 2.0),  # named "mul_.Scalar"
 }
 _POSITIONAL_TOKEN_WRITES = {
     "leaky_relu-positional": lambda t: F.leaky_relu(t, 0.1, True),

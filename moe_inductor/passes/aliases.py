@@ -65,7 +65,7 @@ def _writes_its_first_argument(node: Node) -> bool:
     if node.op == "call_method":
         return str(node.target).endswith("_") or node.kwargs.get("inplace") is True
     if node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
+        name = getattr(node.target, "__name__", "").split(".")[0]  # an aten overload's "mul_.Scalar" is mul_'s
         return (node.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
                 or node.kwargs.get("inplace") is True or _inplace_by_position(node))
     return False
