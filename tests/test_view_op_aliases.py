@@ -13,8 +13,9 @@ Each look-alike writes a tensor a rewrite reads later than the user's code did, 
   row by the new ids.
 Each is equal to eager and not rewritten; the same code with a plain ``t.mul_`` write was already left alone. So are
 writes by no view op at all that were missed the same way: an activation's ``inplace`` passed by position
-(``F.relu(t, True)``: ``aliases._inplace_by_position``) and ``t.data.mul_(2)``; and Switch's padded-capacity combine
-written through a view op after the proof reads it (``capacity_gating.versions_sound``)."""
+(``F.relu(t, True)``: ``aliases._inplace_by_position``), ``t.data.mul_(2)`` and an aten overload
+(``torch.ops.aten.mul_.Scalar``); and Switch's padded-capacity combine written through a view op after the proof
+reads it (``capacity_gating.versions_sound``)."""
 import pytest
 import torch
 import torch.nn as nn
@@ -25,7 +26,7 @@ from tests.helpers import assert_close, compile_moe
 
 H, I, E, C = 16, 24, 4, 3
 
-# a view of a (T, E) table, (B, T, H) tokens or (T,) ids whose row/element 0 ... is column 0 of the table
+# views of the (T, E) table, each selecting its column 0; then of the (B, T, H) tokens and of the (T,) ids, whole
 _TABLE_VIEWS = {
     "T": lambda t: t.T[0],
     "mT": lambda t: t.mT[0],
