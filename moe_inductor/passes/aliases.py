@@ -9,6 +9,8 @@ removal after a rewrite.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 from typing import Optional, Sequence
 
@@ -63,10 +65,31 @@ def _writes_its_first_argument(node: Node) -> bool:
     if node.op == "call_method":
         return str(node.target).endswith("_") or node.kwargs.get("inplace") is True
     if node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
+        name = getattr(node.target, "__name__", "").split(".")[0]  # an aten overload's "mul_.Scalar" is mul_'s
         return (node.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
-                or node.kwargs.get("inplace") is True)
+                or node.kwargs.get("inplace") is True or _inplace_by_position(node))
     return False
+
+
+def _inplace_by_position(node: Node) -> bool:
+    """``inplace=True`` passed by position (``F.relu(x, True)``, ``F.hardtanh(x, 0.0, 1.0, True)``,
+    ``F.dropout(x, p, training, True)``), read off the function's own signature."""
+    try:
+        params = _parameters(node.target)
+    except TypeError:  # an unhashable target: no signature cached
+        return False
+    if params is None or "inplace" not in params:
+        return False
+    at = params.index("inplace")
+    return len(node.args) > at and node.args[at] is True
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(target) -> Optional[list[str]]:
+    try:
+        return list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
 
 
 def _part_written(node: Node) -> Optional[Node]:
@@ -83,7 +106,19 @@ def _part_written(node: Node) -> Optional[Node]:
 
 
 _VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "expand", "expand_as", "transpose", "permute", "t", "flatten",
-          "unflatten", "narrow", "select", "as_strided", "contiguous", "detach", "split", "chunk", "unbind", "view_as"}
+          "unflatten", "narrow", "select", "as_strided", "contiguous", "detach", "split", "chunk", "unbind", "view_as",
+          "swapaxes", "swapdims", "movedim", "moveaxis", "diagonal", "unfold", "tensor_split", "split_with_sizes",
+          "hsplit", "vsplit", "dsplit", "broadcast_to"}
+#: the same views as functions (Dynamo records ``torch.movedim(x, ...)``, ``torch.chunk(x, n)`` as such)
+_VIEW_FUNCTIONS = {operator.getitem, torch.unsqueeze, torch.squeeze, torch.transpose, torch.permute, torch.reshape,
+                   torch.flatten, torch.narrow, torch.select, torch.swapaxes, torch.swapdims, torch.movedim,
+                   torch.moveaxis, torch.t, torch.diagonal, torch.as_strided, torch.broadcast_to, torch.chunk,
+                   torch.split, torch.unbind, torch.tensor_split, torch.hsplit, torch.vsplit, torch.dsplit,
+                   torch.unflatten, torch.detach}
+#: functions by name that return their argument's memory under a second name (``t.data``, as Dynamo records it)
+_VIEW_FUNCTION_NAMES = {"_get_data_attr"}
+#: attributes that are views (``x.T``, ``x.mT``: Dynamo records ``getattr(x, "T")``)
+_VIEW_ATTRIBUTES = {"T", "mT", "H", "mH", "real", "imag"}
 
 
 #: casts that return their input itself when its dtype and device already are the asked ones
@@ -110,10 +145,31 @@ def _is_view(node: Node) -> bool:
         # an element of a multi-output op: a view of the op's input only for split/chunk/unbind (views
         # themselves); topk's values and indices, say, are two tensors of their own
         return _is_view(node.args[0])
+    if node.op == "call_function" and node.target is getattr:
+        return len(node.args) == 2 and node.args[1] in _VIEW_ATTRIBUTES
     return (node.op == "call_method" and node.target in _VIEWS) or (
-        node.op == "call_function" and node.target in (operator.getitem, torch.unsqueeze, torch.squeeze,
-                                                          torch.transpose, torch.permute, torch.reshape,
-                                                          torch.flatten, torch.narrow, torch.select))
+        node.op == "call_function" and (node.target in _VIEW_FUNCTIONS or getattr(
+            node.target, "__name__", None) in _VIEW_FUNCTION_NAMES)) or _traced_view_of(node) is not None
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    return t if t._base is None else t._base
+
+
+def _traced_view_of(node: Node) -> Optional[Node]:
+    """The argument whose memory ``node``'s traced value views, by the traced values themselves: for a view op no
+    name above lists (``torch.einsum("ij->ji", x)``, and whatever torch adds), every tensor the op returns is a view
+    whose base is that argument's base. None where that is not so or not known."""
+    if node.op not in ("call_function", "call_method"):
+        return None
+    got = node.meta.get("val", node.meta.get("example_value"))
+    parts = got if isinstance(got, (tuple, list)) else (got,)
+    if not parts or not all(isinstance(p, torch.Tensor) and p._is_view() for p in parts):
+        return None
+    roots = {id(_root(p)) for p in parts}
+    sources = [a for a in node.args if isinstance(a, Node) and isinstance(val(a), torch.Tensor)
+               and id(_root(val(a))) in roots]
+    return sources[0] if len(sources) == 1 else None
 
 
 def _advanced_index(index) -> bool:
@@ -134,7 +190,8 @@ def alias_source(node: Node) -> Optional[Node]:
         return part
     if _is_view(node):
         first = node.args[0] if node.args else None
-        return first if isinstance(first, Node) else None
+        traced = _traced_view_of(node)  # the traced values name the viewed argument where the op's name does not
+        return traced if traced is not None else first if isinstance(first, Node) else None
     written = tensors_written(node)
     return written[0] if len(written) == 1 else None  # an op that writes several returns them as parts
 

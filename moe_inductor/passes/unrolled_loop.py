@@ -20,8 +20,9 @@ state before the down projection; the op takes it at the same place. The rows ma
 
 A Switch-style top-1 loop (one choice per token, so the experts' rows are disjoint) may write each expert's rows
 (``out[tok, :] = expert(x[tok, :])``, tok from ``(ids == e).nonzero(as_tuple=True)[0]`` of (T,) ids) and apply the
-routing weight to the whole result (``out * p.view(-1, 1)``), or leave any scale of it to the code after the loop
-(LLaMA-MoE's ``torch.mul(out, scores.reshape(-1, 1) * factor)``): the op then scales by 1, and a row no expert
+routing weight to the whole result (``out * p.view(-1, 1)``, the op's weight where the ids are provably in range(E):
+else a row of no expert is eager's ``0 * p``, NaN at a non-finite p), or leave any scale of it to the code after the
+loop (LLaMA-MoE's ``torch.mul(out, scores.reshape(-1, 1) * factor)``): the op then scales by 1, and a row no expert
 writes stays zero, as the op leaves an out-of-range id; its nn.Linear experts may have biases.
 
 DeepSeek-V2's training loop is the same form with boolean masks and writes (``match_masked_writes``):
@@ -422,6 +423,14 @@ def _scale_of_result(acc: Node, users: set) -> Optional[tuple[Node, Node]]:
     return None if av is None else scale_of_rows(acc, users, (av.shape[0],))
 
 
+def _ids_width(ids: Node) -> Optional[int]:
+    """N where the (T,) or (T, 1) ids are provably in range(N) (argmax, max or topk(1) over N scores), else None."""
+    from .top1_masks import _router_width, _topk_width
+
+    iv = val(ids)
+    return None if iv is None else _router_width(ids) if iv.dim() == 1 else _topk_width(ids) if iv.shape[-1] == 1 else None
+
+
 def _zeros_like_x(acc: Node) -> bool:
     return (is_call(acc, "call_function", torch.zeros_like, torch.zeros) or is_call(acc, "call_method", "new_zeros")) and (
         "fill_value" not in acc.kwargs)
@@ -484,7 +493,8 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
         return ("no routing weight weights[tok, pos, None] scales the output, the input or the hidden state "
                 "(nor, with one choice per token, the loop's result as acc * w[:, None])")
     if spec.weights is None:  # the routing weight on the result: only where each token has one choice
-        scaled = _scale_of_result(result, readers)
+        # and only where every row has an expert: a row of none is 0 * w in eager (NaN at a non-finite w), 0 in the op
+        scaled = _scale_of_result(result, readers) if _ids_width(spec.ids) == len(bodies) else None
         # else the result is each row's one expert output as it is (a row of no expert stays zero, as the op leaves
         # an out-of-range id): the op scales by 1 and whatever reads the result reads the op's
         if scaled is not None:
