@@ -140,9 +140,9 @@ def test_a_failing_attempt_records_nothing():
 _DRIVER_STEPS = {"eliminate_dead_code", "recompile", "replace_all_uses_with", "erase_node", "emit_experts",
                  "record_left_alone", "record_rewrite", "inputs_unchanged", "note_unmatched"}
 _PASSES = Path(moe_inductor.__file__).parent / "passes"
-_NOT_FORMS = {"__init__.py", "aliases.py", "counts.py", "driver.py", "emit.py", "fx_utils.py", "gated_reads.py",
-              "kept_errors.py", "leading_ones.py", "scatter_sums.py", "score_tables.py", "slice_runs.py",
-              "stale_reads.py"}  # (shared helpers and canonical respellings, not forms)
+_NOT_FORMS = {"__init__.py", "aliases.py", "counts.py", "driver.py", "emit.py", "expert_projections.py", "fx_utils.py",
+              "gated_reads.py", "kept_errors.py", "leading_ones.py", "scatter_sums.py", "score_tables.py",
+              "slice_runs.py", "stale_reads.py"}  # (shared helpers and canonical respellings, not forms)
 
 
 @pytest.mark.parametrize("path", sorted(p.name for p in _PASSES.glob("*.py") if p.name not in _NOT_FORMS))

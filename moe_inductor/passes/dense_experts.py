@@ -212,9 +212,9 @@ class _Experts:
 
 def _every_expert(outs: list) -> Union[_Experts, str]:
     """The experts whose outputs are ``outs[e]`` for each e of range(E): each a bias-free MLP on the same input
-    (``unrolled_loop.expert_mlp``), alike in all but their weights, on ``w[e]`` of one stacked weight per projection
+    (``expert_projections.expert_mlp``), alike in all but their weights, on ``w[e]`` of one stacked weight per projection
     or one distinct per-expert weight per projection (nn.Linear modules, the e-th in expert e's place); or why not."""
-    from .unrolled_loop import expert_mlp
+    from .expert_projections import expert_mlp
 
     read = []
     for e, out in enumerate(outs):

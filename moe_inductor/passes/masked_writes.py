@@ -204,7 +204,8 @@ def match_masked_writes(y: Node) -> Union[Match, str, None]:
 
     Every row is written once: each flat id is one of range(E) (ids from topk over E columns) and each e is
     written once. The writes go with the region, and the masked reads take their size asserts with them."""
-    from .unrolled_loop import _Body, _linear, _topk_ids  # the loop's shared checks
+    from .expert_projections import _linear
+    from .unrolled_loop import _Body, _topk_ids  # the loop's shared checks
 
     combined = weighted_sum(y)
     if combined is not None:

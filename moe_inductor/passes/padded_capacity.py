@@ -53,7 +53,8 @@ from .fx_utils import einsum_parts, val
 from .gated_reads import read_gated, split_gated
 from .slot_layers import Bias, biased, dropout, op_bias, per_expert_bias, through_dropouts
 from .stacked_choices import StackedChoices, stacked_routing
-from .unrolled_loop import biased_linear, list_op_runs, per_expert_for_op
+from .expert_projections import biased_linear
+from .unrolled_loop import list_op_runs, per_expert_for_op
 
 FORM = "padded_capacity"
 

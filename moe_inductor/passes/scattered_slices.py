@@ -181,7 +181,7 @@ def _only_through(out: Node, y: Node) -> bool:
 
 def _body(write: Node, acc: Node, d, width) -> Union[_Body, str]:
     """Expert e's write, read back from the buffer to its rows, or why not."""
-    from .unrolled_loop import expert_mlp
+    from .expert_projections import expert_mlp
 
     got = _write(write, acc, width)
     if got is None:

@@ -45,7 +45,8 @@ from .counts import bincount_of
 from .gated_reads import read_gated
 from .slice_runs import SliceRun, slice_bounds, slice_run
 from .sorted_grouped_mm import _sort_order
-from .unrolled_loop import _linear, _topk_ids, expert_mlp
+from .expert_projections import _linear, expert_mlp
+from .unrolled_loop import _topk_ids
 
 FORM = "split_loop"
 

@@ -149,7 +149,8 @@ def _constant_scale(out: Node) -> tuple[Node, Optional[float]]:
 def match_table_writes(buf: Node) -> Union[Match, str, None]:
     """NLLB-MoE's loop (see the module docstring) ending in ``buf.sum(dim=0)``."""
     from .masked_writes import _masked_body, _one_spec
-    from .unrolled_loop import _Body, biased_linear, per_expert_for_op
+    from .expert_projections import biased_linear
+    from .unrolled_loop import _Body, per_expert_for_op
 
     _, _, (x, mask) = einsum_parts(buf)
     got = _table_mask(mask)

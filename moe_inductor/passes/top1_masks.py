@@ -321,7 +321,8 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
     one row-major order: the op runs on the flat views and its result is viewed back (``_viewed_back``)."""
     from .driver import CHANGED_IN_PLACE
     from .masked_writes import _flat_ids, _masked_body, _one_spec  # the checks shared with DeepSeek's spelling
-    from .unrolled_loop import _Body, biased_linear, per_expert_for_op
+    from .expert_projections import biased_linear
+    from .unrolled_loop import _Body, per_expert_for_op
 
     writes = alias_mutations(buf)
     marked = [(w, _mask_of(w.args[1])) for w in writes if is_call(w, "call_function", operator.setitem)
