@@ -38,7 +38,7 @@ from .leading_ones import peel_leading_ones
 from .scatter_sums import scatter_sums_as_adds
 from .aliases import eliminate_dead_code, mutated_alias
 from .fx_utils import (canonicalize_operators, drop_identity_casts, reach, read_receivers_of_inplace_results,
-                       source_function, source_line, val)
+                       redirect_later_readers, source_function, source_line, val)
 from .kept_errors import index_bounds, keep_removed_checks
 from .stale_reads import stale_read
 
@@ -279,12 +279,7 @@ def _replace(graph: Graph, form: str, m: Match) -> Rewrite:
         if m.accumulate:
             with graph.inserting_before(m.end):
                 y = graph.call_function(operator.add, (m.acc, y))
-        later, cur = set(), m.end.next
-        while cur.op != "root":
-            later.add(cur)
-            cur = cur.next
-        for reader in [u for u in m.acc.users if u in later]:
-            reader.replace_input_with(m.acc, y)
+        redirect_later_readers(m.acc, m.end, y)
     doomed = reach(m.transient, lambda n: n.users)
     for write in m.writes:
         graph.erase_node(write)

@@ -114,6 +114,17 @@ def comes_before(node: Node, other: Node) -> bool:
     return False
 
 
+def redirect_later_readers(node: Node, after: Node, new: Node) -> None:
+    """Point the readers of ``node`` that come after ``after`` in graph order at ``new`` (``new`` itself aside): a
+    rewrite's result, or a node made from it, takes ``node``'s place for what the graph does after ``after``."""
+    later, cur = set(), after.next
+    while cur.op != "root":
+        later.add(cur)
+        cur = cur.next
+    for reader in [u for u in node.users if u in later and u is not new]:
+        reader.replace_input_with(node, new)
+
+
 #: ops that give the same values from the same inputs, as routers' ids are recomputed in loop bodies
 #: (``logits.argmax(-1) == e`` in every iteration, or ``x[idx == e]`` and ``out[idx == e]`` as two masks)
 _SAME_VALUE_METHODS = {"argmax", "max", "topk", "squeeze", "view", "reshape", "flatten"}

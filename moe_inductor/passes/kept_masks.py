@@ -89,7 +89,7 @@ def kept_product(product: Node) -> Optional[tuple[Node, int]]:
     return None
 
 
-def _cast_to_bool(mask: Node) -> Optional[Node]:
+def bool_cast_of(mask: Node) -> Optional[Node]:
     """t for ``t.bool()`` or ``t.to(torch.bool)``."""
     if is_call(mask, "call_method", "bool") and len(mask.args) == 1 and not mask.kwargs:
         return mask.args[0]
@@ -106,7 +106,7 @@ def kept_one_hot(mask: Node) -> Optional[tuple[Node, int]]:
     mv = val(mask)
     if mv is None or mv.dtype != torch.bool:
         return None
-    product = _cast_to_bool(mask)
+    product = bool_cast_of(mask)
     got = kept_product(product) if isinstance(product, Node) else None
     return None if got is None or mutated_alias(mask) else got
 
@@ -125,7 +125,7 @@ def kept_column(mask: Node) -> Optional[tuple[Node, int]]:
     got = choice_column(mask)
     if got is not None:
         return got if kept_one_hot(got[0]) is not None else None
-    column = _cast_to_bool(mask)
+    column = bool_cast_of(mask)
     got = choice_column(column) if isinstance(column, Node) else None
     mv = val(mask)
     if got is None or mv is None or mv.dtype != torch.bool or kept_product(got[0]) is None or any(

@@ -35,8 +35,8 @@ from torch.fx import Graph, Node
 from ..spec import MoESpec
 from .driver import CHANGED_IN_PLACE, Match
 from .aliases import alias_mutations, mutated_alias
-from .fx_utils import einsum_parts, is_call, val
-from .kept_masks import _one_hot, choice_column, kept_product
+from .fx_utils import einsum_parts, is_call, redirect_later_readers, val
+from .kept_masks import _one_hot, bool_cast_of, choice_column, kept_product
 
 _ALL = slice(None, None, None)
 
@@ -75,13 +75,11 @@ def _table_mask(mask: Node) -> Optional[tuple[Node, int]]:
     """(R, K) when ``mask`` is ``R.bool()`` (``.to(torch.bool)``, ``R != 0``) of a float (T, E) table R whose rows
     have at most K nonzeros (a sum of K ``_one_per_row`` terms, as built; ``match_table_writes`` checks that neither
     is changed in place)."""
-    if is_call(mask, "call_method", "bool") and len(mask.args) == 1 and not mask.kwargs:
+    table = bool_cast_of(mask)
+    if table is None and is_call(mask, "call_function", operator.ne, torch.ne) and len(mask.args) == 2 and (
+            mask.args[1] == 0):
         table = mask.args[0]
-    elif is_call(mask, "call_method", "to") and len(mask.args) == 2 and mask.args[1] == torch.bool:
-        table = mask.args[0]
-    elif is_call(mask, "call_function", operator.ne, torch.ne) and len(mask.args) == 2 and mask.args[1] == 0:
-        table = mask.args[0]
-    else:
+    if table is None:
         return None
     tv = val(table) if isinstance(table, Node) else None
     if tv is None or tv.dim() != 2 or not tv.is_floating_point() or not isinstance(tv.shape[-1], int):
@@ -228,7 +226,7 @@ def match_table_writes(buf: Node) -> Union[Match, str, None]:
         return "the experts' fused gate/up projections have biases: the op splits a fused weight only when stacked"
     if any(mutated_alias(b) for b in biases) or mutated_alias(x):
         return CHANGED_IN_PLACE
-    if any(position[u] < position[max(writes, key=position.__getitem__)] for u in [end]):
+    if position[end] < max(position[w] for w in writes):
         return "the spread tokens are summed before the loop's last write"
     ev = val(end)
     if ev is None or tuple(ev.shape) != tuple(xv.shape) or ev.dtype != xv.dtype:
@@ -265,5 +263,4 @@ def _plus_zero_times(graph: Graph, end: Node, x: Node) -> None:
         total = graph.call_function(operator.add, (end, zero))
     if val(end) is not None:
         total.meta["example_value"] = val(end)
-    for reader in [u for u in end.users if u is not total]:
-        reader.replace_input_with(end, total)
+    redirect_later_readers(end, end, total)  # every reader of end comes after it

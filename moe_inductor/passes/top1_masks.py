@@ -48,7 +48,7 @@ from ..spec import MoESpec
 from .driver import Match
 from .flat_slices import block_linear
 from .aliases import alias_mutations, mutated_alias
-from .fx_utils import column_of, is_call, same_value_key, scale_of_rows, val
+from .fx_utils import column_of, is_call, redirect_later_readers, same_value_key, scale_of_rows, val
 from .kept_masks import choice_column, kept_choices, kept_column
 
 _ZEROS = ((torch.zeros_like, torch.zeros), ("new_zeros",))
@@ -265,14 +265,9 @@ def _viewed_back(graph: Graph, result: Node, after: Node, like: Node) -> None:
     """Point the readers of ``result`` that come after ``after`` at ``result.view_as(like)``, inserted right after
     ``after``. The driver then reads the op's flat (B*T, H) output in ``result``'s place: what the readers get is it
     viewed as the user's (B, T, H) buffer."""
-    later, cur = set(), after.next
-    while cur.op != "root":
-        later.add(cur)
-        cur = cur.next
     with graph.inserting_after(after):
         back = graph.call_method("view_as", (result, like))
-    for reader in [u for u in result.users if u in later and u is not back]:
-        reader.replace_input_with(result, back)
+    redirect_later_readers(result, after, back)
 
 
 def _cloned(buf: Node) -> Optional[Node]:
@@ -287,16 +282,11 @@ def _kept_rows_or(graph: Graph, buf: Node, after: Node, kept_row: Node, base: No
     """Point the readers of ``buf`` that come after ``after`` at ``torch.where(kept_row, buf, base)``, inserted right
     after ``after``. The driver then reads the op's result in ``buf``'s place: a kept row is its expert's output, a
     dropped row (the op's 0) is ``base``'s row, as the user's buffer, a clone of ``base``, held it."""
-    later, cur = set(), after.next
-    while cur.op != "root":
-        later.add(cur)
-        cur = cur.next
     with graph.inserting_after(after):
         chosen = graph.call_function(torch.where, (kept_row, buf, base))
     if val(buf) is not None:
         chosen.meta["example_value"] = val(buf)
-    for reader in [u for u in buf.users if u in later and u is not chosen]:
-        reader.replace_input_with(buf, chosen)
+    redirect_later_readers(buf, after, chosen)
 
 
 def match_top1_masks(buf: Node) -> Union[Match, str, None]:
