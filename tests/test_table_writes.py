@@ -31,16 +31,17 @@ H, FFN, E = 16, 24, 4
 
 
 class TableMoE(nn.Module):
-    def __init__(self, style: str = "eval", capacity: int = 3, top2: bool = True):
+    def __init__(self, style: str = "eval", capacity: int = 3, top2: bool = True, num_experts: int = E):
         super().__init__()
         self.style, self.capacity, self.top2 = style, capacity, top2
-        self.classifier = nn.Linear(H, E, bias=False)
+        self.classifier = nn.Linear(H, num_experts, bias=False)
         self.experts = nn.ModuleDict({f"expert_{e}": nn.Sequential(nn.Linear(H, FFN), nn.ReLU(), nn.Linear(FFN, H))
-                                      for e in range(E)})
+                                      for e in range(num_experts)})
 
     def forward(self, x):
-        s, C = self.style, self.capacity
-        logits = self.classifier(x)
+        s, C, E = self.style, self.capacity, len(self.experts)
+        # "finite_router": the router reads the tokens made finite, so a non-finite token may still be dropped
+        logits = self.classifier(torch.nan_to_num(x) if s == "finite_router" else x)
         probs = torch.softmax(logits, dim=-1)
         hot1 = F.one_hot(torch.argmax(probs, dim=-1), num_classes=E)
         hot2 = F.one_hot(torch.argmax(logits.masked_fill(hot1.bool(), float("-inf")), dim=-1), num_classes=E)
@@ -108,6 +109,31 @@ def test_a_token_with_no_expert_is_zero():
     ref = model(x)
     assert_close(out, ref, torch.float32, "forward")
     assert (ref == 0).all(-1).sum() >= 12 - 2 * E, "the case must drop whole tokens"
+
+
+def test_more_terms_than_experts():
+    """A top-2 table over one expert: two terms, but no row has more nonzeros than the one expert (the op picks
+    top-1 of the mask; top-2 of a one-column mask would raise)."""
+    torch.manual_seed(0)
+    model = TableMoE("train", num_experts=1)
+    for T in (1, 5):
+        assert_rewritten_like_eager(model, torch.randn(T, H), "unrolled_loop", f"E=1 T={T}")
+
+
+@pytest.mark.parametrize("num_experts", [2, 3], ids=["E=K", "E>K"])
+def test_a_dropped_non_finite_token_stays_non_finite(num_experts):
+    """Eager adds ``x * 0`` for every expert a row does not pick: NaN where the token is not finite. With as many
+    experts as the table's terms (E == K = 2) only a row that leaves one out has such a term, a token dropped by
+    capacity, say; a row that picks every expert has none."""
+    torch.manual_seed(0)
+    model = TableMoE("finite_router", capacity=1, num_experts=num_experts)
+    x = torch.randn(8, H)
+    x[6, 3] = float("inf")  # past the capacity of 1: dropped from every expert
+    out = compile_moe(model, x)
+    assert counters["moe_inductor"]["unrolled_loop"] == 1
+    ref = model(x)
+    assert ref[6, 3].isnan() and ref.isnan().sum() == 1, "the case must drop the non-finite token"
+    torch.testing.assert_close(out, ref, equal_nan=True)
 
 
 @pytest.mark.parametrize("style,reason", [

@@ -19,8 +19,8 @@ row does not pick (0, or NaN where x is not finite). Each term of R is a float c
 router's drops in it (``kept_masks.kept_product``) or a plain one-hot: nonzero at most at its own expert of a row
 (where its gate is finite; a non-finite gate makes the whole row non-finite in both). So a row has at most K
 nonzeros, and ``topk(mask, K)`` finds them all: the op runs over those ids (a picked zero the out-of-range id E,
-which the op skips) with weights ``R.gather(-1, ids) * c``, and ``x * 0`` is added where E > K, so that every row
-keeps at least one of eager's ``x * 0`` terms (NaN stays NaN). The constant c moves from the expert's output to its
+which the op skips) with weights ``R.gather(-1, ids) * c``, and ``x * 0`` is added to each row that leaves an expert
+out (every row where E > K), so that it keeps eager's ``x * 0`` terms (NaN stays NaN). The constant c moves from the expert's output to its
 weight: one rounding apart.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _one_per_row(term: Node, lead: int, E: int) -> bool:
 
 def _table_mask(mask: Node) -> Optional[tuple[Node, int]]:
     """(R, K) when ``mask`` is ``R.bool()`` (``.to(torch.bool)``, ``R != 0``) of a float (T, E) table R whose rows
-    have at most K nonzeros (a sum of K ``_one_per_row`` terms, as built; ``match_table_writes`` checks that neither
+    have at most K nonzeros (a sum of K ``_one_per_row`` terms, K no more than E; ``match_table_writes`` checks that neither
     is changed in place)."""
     table = bool_cast_of(mask)
     if table is None and is_call(mask, "call_function", operator.ne, torch.ne) and len(mask.args) == 2 and (
@@ -87,7 +87,7 @@ def _table_mask(mask: Node) -> Optional[tuple[Node, int]]:
     terms = _terms(table, top=True)
     if not terms or not all(_one_per_row(t, tv.shape[0], tv.shape[-1]) for t in terms):
         return None
-    return table, len(terms)
+    return table, min(len(terms), tv.shape[-1])  # no row has more nonzeros than experts either
 
 
 def table_buffer(node: Node) -> bool:
@@ -242,8 +242,9 @@ def match_table_writes(buf: Node) -> Union[Match, str, None]:
         weights = graph.call_method("gather", (table, -1, cols))
         if c is not None:  # c on the expert's output in eager: the same factor on its weight here
             weights = graph.call_function(operator.mul, (weights, c))
-        if num_experts > K:  # every row has an expert it does not pick: eager's x * 0 there (NaN stays NaN)
-            _plus_zero_times(graph, end, x)
+        # eager's x * 0 for each expert a row does not pick (NaN stays NaN): every row has one where E > K; where
+        # E == K only a row whose mask is not all set (a token capacity dropped)
+        _plus_zero_times(graph, end, x, unless_all=None if num_experts > K else mask)
         return dataclasses.replace(spec, ids=ids, weights=weights)
 
     note = (f"{E} boolean-mask selections (host syncs) and the (E, T, H) spread of the tokens removed; the (T, E) "
@@ -254,11 +255,16 @@ def match_table_writes(buf: Node) -> Union[Match, str, None]:
                  top_k=K)
 
 
-def _plus_zero_times(graph: Graph, end: Node, x: Node) -> None:
+def _plus_zero_times(graph: Graph, end: Node, x: Node, unless_all: Optional[Node] = None) -> None:
     """Point the readers of ``end`` at ``end + x * 0``, inserted right after it; the driver then puts the op's
-    result in ``end``'s place."""
+    result in ``end``'s place. ``unless_all``: a (T, E) mask; a row whose mask is all set adds 0 instead."""
     with graph.inserting_after(end):
         zero = graph.call_function(operator.mul, (x, 0.0))
+    if unless_all is not None:
+        with graph.inserting_after(zero):
+            every = graph.call_method("all", (unless_all, -1), {"keepdim": True})
+        with graph.inserting_after(every):
+            zero = graph.call_function(torch.where, (every, 0.0, zero))
     with graph.inserting_after(zero):
         total = graph.call_function(operator.add, (end, zero))
     if val(end) is not None:
