@@ -27,7 +27,9 @@ Departures: no padding mask (the encoder passes ``attention_mask=None`` when not
 Both rewritten (``passes/table_writes.py``): the (T, E) table is a sum of two gates times one-hots with the drops in
 them, so a row has at most 2 nonzeros, which ``topk`` of its mask finds; the op runs over those (a picked zero the
 out-of-range id), weighted by the table there times the eval scale, plus eager's ``x * 0`` of the experts a row does
-not pick.
+not pick. Under torch 2.11 both are left alone: its Dynamo breaks the graph at the router's
+``self.classifier.to(self.dtype)`` (an ``nn.Parameter`` made while tracing ``Module.to``), so the table reaches the
+experts' graph as an input whose making no proof sees (plain capture, eager's numbers).
 """
 import math
 
@@ -182,12 +184,14 @@ class Wrapped(nn.Module):
 _SRC = "huggingface/transformers models/nllb_moe/modeling_nllb_moe.py NllbMoeSparseMLP + NllbMoeTop2Router"
 CASES = [
     Case("hf_v4_nllb_moe", _SRC + " (eval, config defaults)", lambda: Wrapped().eval(),
-         lambda T, g: torch.randn(2, T, H, generator=g), form="unrolled_loop"),
+         lambda T, g: torch.randn(2, T, H, generator=g), form="unrolled_loop",
+         before_2_13=("left_alone", "moe_region", "no MoE form proves")),
     Case("hf_v4_nllb_moe_train_capacity", _SRC + " (training, expert_capacity=3, batch_prioritized_routing)",
          lambda: Wrapped(expert_capacity=3, batch_prioritized_routing=True, moe_token_dropout=0.0),
          lambda T, g: torch.randn(2, T, H, generator=g), form="unrolled_loop",
          # every step drops tokens and keeps both choices of some; from T=10 on (this seed) nearly every token keeps
          # at most one choice, whose weight p / p is 1: the router's gradient is then 0 (1e-16 in float64), and a
          # relative comparison of it measures float32 rounding only
-         token_counts=(4, 6, 7, 9)),
+         token_counts=(4, 6, 7, 9),
+         before_2_13=("left_alone", "moe_region", "no MoE form proves")),
 ]
