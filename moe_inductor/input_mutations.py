@@ -27,12 +27,8 @@ from typing import Any, Optional
 
 import torch
 
+from .passes.aliases import tensors_written
 from .passes.fx_utils import val
-
-#: in-place operators Dynamo records as functions (``y += z`` is ``operator.iadd``)
-_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                                operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
-                                operator.ilshift, operator.irshift, operator.setitem})
 
 
 @torch.library.custom_op("moe_inductor::own_copy", mutates_args=())
@@ -107,23 +103,15 @@ def _aliases_of(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Optional[set]:
 
 
 def _changes_in_place(node: torch.fx.Node, aliases: set) -> bool:
-    """Whether ``node`` writes into one of ``aliases``: an in-place method (``mul_``) or function (``torch.relu_``,
-    ``y += z``, ``y[i] = v``) on it, or ``inplace=True`` (``out=`` a tensor that records a gradient raises in eager,
-    so no traced graph holds one)."""
+    """Whether ``node`` writes into one of ``aliases``: ``y[i] = v``, or any tensor ``aliases.tensors_written``
+    names (an in-place method or function, ``y += z``, ``inplace=True`` by name or position, each tensor of a
+    ``torch._foreach_mul_`` list; ``out=`` a tensor that records a gradient raises in eager, so no traced graph
+    holds one)."""
     if node.op not in ("call_method", "call_function"):
         return False
-    target = node.args[0] if node.args else None
-    if not (isinstance(target, torch.fx.Node) and target in aliases):
-        return False
-    if node.kwargs.get("inplace") is True:
-        return True
-    if node.op == "call_method":
-        name = node.target
-    elif node.target in _INPLACE_OPERATORS:
-        return True
-    else:
-        name = getattr(node.target, "__name__", "")
-    return isinstance(name, str) and name.endswith("_") and not name.startswith("_")
+    if node.op == "call_function" and node.target is operator.setitem:
+        return node.args[0] in aliases
+    return any(t in aliases for t in tensors_written(node))
 
 
 def _may_be_saved(gm: torch.fx.GraphModule, aliases: set) -> bool:

@@ -110,7 +110,8 @@ def _grad_input():
     return nn.Linear(4, 4)(torch.randn(3, 4))
 
 
-@pytest.mark.parametrize("spelling", ["view", "iadd", "setitem", "relu_inplace"])
+@pytest.mark.parametrize("spelling", ["view", "iadd", "setitem", "relu_inplace", "relu_positional", "foreach",
+                                      "aten_overload"])
 def test_every_spelling_of_a_change_in_place_is_seen(spelling):
     def fn(a, b):
         s = (a * b).sum()  # a reader whose gradient needs a's value from before the change
@@ -121,6 +122,12 @@ def test_every_spelling_of_a_change_in_place_is_seen(spelling):
             v += b[0]
         elif spelling == "setitem":
             a[1] = b[1]
+        elif spelling == "relu_positional":
+            F.relu(a, True)
+        elif spelling == "foreach":  # a list of the tensors it writes
+            torch._foreach_mul_([b, a], 2.0)
+        elif spelling == "aten_overload":
+            torch.ops.aten.mul_.Scalar(a, 2.0)
         else:
             F.relu(a, inplace=True)
         return s

@@ -23,7 +23,8 @@ from .fx_utils import is_call, val
 #: in-place operators Dynamo records as functions (``x += y`` is ``operator.iadd`` when ``x`` is a view it cannot
 #: rebind)
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul}
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul,
+                      operator.ilshift, operator.irshift}
 
 
 def inplace_users(node: Node) -> list[Node]:
