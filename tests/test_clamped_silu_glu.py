@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import moe_inductor
 from moe_inductor.ops import experts_backward, experts_forward
 from moe_inductor.ops.activations import activation_backward, apply_activation
-from tests.helpers import assert_close, make_problem
+from tests.helpers import assert_close, assert_matches_rounded_reference, make_problem
 
 ACT = "clamped_silu_glu"
 LIMIT = 0.5
@@ -172,3 +172,34 @@ def test_the_list_op_runs_it_at_its_default_limit():
                        Activation(ACT, limit=LIMIT))
     with pytest.raises(ValueError, match="default alpha and limit only"):
         op_call(call)
+
+
+_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm") or (
+    torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0)),
+    reason="torch._grouped_mm is missing, or runs on Hopper only")
+@pytest.mark.parametrize("gate_up,layout,bias", [("concat", "nk", False), ("interleaved", "kn", True)],
+                         ids=["step3p7-concat", "interleaved-biases"])
+def test_the_grouped_mm_engine_runs_it(gate_up, layout, bias, triton_kernels, nan_empty, monkeypatch):
+    """The compute-bound engine (``torch._grouped_mm`` GEMMs, ops/grouped_mm_engine.py): the activation pass
+    (kernels/activation.py) and the backward middle apply the clamps, bf16, against the float64 reference. The
+    engine's own forward and backward are counted, so a fallback to the fused kernels cannot pass for it."""
+    from moe_inductor import config
+    from moe_inductor.ops import grouped_mm_engine
+
+    monkeypatch.setattr(config, "gemm_engine", "grouped_mm")
+    calls = []
+    for attr in ("forward", "middle_grads"):
+        real = getattr(grouped_mm_engine, attr)
+        monkeypatch.setattr(grouped_mm_engine, attr,
+                            lambda *a, _real=real, _attr=attr, **kw: calls.append(_attr) or _real(*a, **kw))
+    p = make_problem(6, 32, 16, 4, 2, dtype=torch.bfloat16, device=_DEVICE, activation=ACT, layout=layout,
+                     gate_up=gate_up, bias=bias, routing="skip_odd")
+    y = moe_inductor.fused_experts(p.x, p.topk_ids, p.topk_weights, p.w1, p.w2, b1=p.b1, b2=p.b2, activation=ACT,
+                                   layout=layout, gate_up=gate_up, limit=LIMIT)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(7)).to(y)
+    grads = torch.autograd.grad(y, p.leaves(), dy)
+    assert calls == ["forward", "middle_grads"], calls
+    assert_matches_rounded_reference(p, y, grads, dy, torch.bfloat16, limit=LIMIT)

@@ -9,7 +9,7 @@ import torch
 import moe_inductor
 from moe_inductor import config
 from moe_inductor.ops import expert_weight_views, grouped_mm, grouped_mm_reference, moe_reference
-from tests.helpers import assert_close, make_problem
+from tests.helpers import assert_close, assert_matches_rounded_reference, make_problem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -69,21 +69,14 @@ def test_fused_experts_triton_vs_reference(T, E, k, dtype, activation, bias, wei
 def test_clamped_silu_glu_triton_vs_reference(T, E, dtype, bias, layout, gate_up, routing, triton_kernels,
                                               nan_empty):
     """Step-3.7's clamped silu-glu through the fused gate/up epilogue and the backward middle, at a bound that
-    binds on both factors (the pre-activations are about N(0, 1)), against the float64 reference."""
-    limit = 0.5
+    binds on both factors (the pre-activations are about N(0, 1)), against the float64 reference (its raw
+    projections rounded as the kernels keep them: ``assert_matches_rounded_reference``)."""
     p = make_problem(T, 32, 16, E, 2, dtype=dtype, device=DEVICE, activation="clamped_silu_glu", bias=bias,
                      layout=layout, gate_up=gate_up, routing=routing)
-    y, dy, grads = _fwd_bwd(p, limit=limit)
-    names = ["x", "topk_weights", "w1", "w2"] + (["b1", "b2"] if bias else [])
-    leaves64 = {n: t.detach().double().requires_grad_() for n, t in zip(names, p.leaves())}
-    views = expert_weight_views(leaves64["w1"], leaves64["w2"], leaves64.get("b1"), activation=p.activation,
-                                layout=layout, gate_up=gate_up)
-    ref = moe_reference(leaves64["x"], p.topk_ids, leaves64["topk_weights"], *views, leaves64.get("b2"),
-                        p.activation, "output", 1.702, limit)
-    assert_close(y, ref, dtype, "y")
-    ref_grads = torch.autograd.grad(ref, list(leaves64.values()), dy.double())
-    for name, a, b in zip(names, grads, ref_grads):
-        assert_close(a, b.to(a.dtype), dtype, f"d{name}")
+    y, dy, grads = _fwd_bwd(p, limit=0.5)
+    # the interpreter's fp32 -> bf16 cast truncates: the kernel keeps the raw projections so
+    interpreted = DEVICE == "cpu" and dtype == torch.bfloat16
+    assert_matches_rounded_reference(p, y, grads, dy, dtype, limit=0.5, toward_zero=interpreted)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
