@@ -36,4 +36,4 @@ class MoESpec:
     b1_up: Optional[Node] = None  # (E, I) bias of a separate up projection
     b2: Optional[Node] = None  # (E, H) bias of the down projection, added before the routing weight
     alpha: float = GPTOSS_ALPHA  # gptoss_glu's parameters, as the user's code spells them
-    limit: float = GPTOSS_LIMIT
+    limit: float = GPTOSS_LIMIT  # gptoss_glu's and clamped_silu_glu's bound

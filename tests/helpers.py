@@ -82,6 +82,43 @@ def assert_matches_reference(p, y: torch.Tensor, grads, dy: torch.Tensor, dtype:
         assert_close(got, want.to(got.dtype), dtype, f"d{name}")
 
 
+def assert_matches_rounded_reference(p, y: torch.Tensor, grads, dy: torch.Tensor, dtype: torch.dtype, *,
+                                     limit: float, toward_zero: bool = False) -> None:
+    """``y`` and the gradients of ``p.leaves()`` under ``dy`` match the float64 reference of ``p``'s experts (a
+    clamped glu at ``limit``, its biases where ``p`` has them, the routing weight on the output) whose raw up
+    projections are rounded to ``dtype``, as the kernels keep them for the backward: to nearest, or ``toward_zero``
+    (the Triton interpreter's fp32 -> bf16 cast truncates, where our kernel stores them).
+
+    A clamp's gradient steps at its bound: a raw projection within rounding of the bound falls on the other side of
+    it in a reference that does not round as the kernel did, and in a tiny problem one such element is a large part
+    of a gradient. The rounding is straight-through (the gradient passes it unchanged, in float64)."""
+    from moe_inductor.ops.activations import apply_activation
+
+    leaves64 = [t.detach().double().requires_grad_() for t in p.leaves()]
+    x, tw, w1, w2 = leaves64[:4]
+    b1, b2 = leaves64[4:] if p.b1 is not None else (None, None)
+    g, u, d, bg, bu = expert_weight_views(w1, w2, b1, activation=p.activation, layout=p.layout, gate_up=p.gate_up)
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        if toward_zero:  # fp32's bits past bf16's 7-bit mantissa dropped
+            kept = (t.detach().float().view(torch.int32) & ~0xFFFF).view(torch.float32)
+        else:
+            kept = t.detach().to(dtype)
+        return t + (kept.double() - t).detach()
+
+    ref = torch.zeros_like(x)
+    for e in range(g.shape[0]):
+        tok, pos = torch.nonzero(p.topk_ids == e, as_tuple=True)
+        gate = rounded(x[tok] @ g[e]) + (bg[e] if bg is not None else 0)
+        up = rounded(x[tok] @ u[e]) + (bu[e] if bu is not None else 0)
+        h = apply_activation(p.activation, gate, up, 1.702, limit)
+        ref = ref.index_add(0, tok, (h @ d[e] + (b2[e] if b2 is not None else 0)) * tw[tok, pos, None])
+    assert_close(y, ref, dtype, "y")
+    names = ["x", "topk_weights", "w1", "w2", "b1", "b2"]
+    for name, got, want in zip(names, grads, torch.autograd.grad(ref, leaves64, dy.double())):
+        assert_close(got, want.to(got.dtype), dtype, f"d{name}")
+
+
 def record_launch_meta(monkeypatch, name: str) -> tuple[list, list]:
     """Record the constexpr ``name`` of every kernel launch of ours that passes one (``launch.launch_kernel``), for
     the duration of the test: returns (values of the launches made at run time, values of those Inductor traced)."""

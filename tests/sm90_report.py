@@ -62,14 +62,14 @@ def _resource_usage(cubin: bytes) -> dict:
 
 
 def _sm90_gemm(name, cfg, dtype, *, gated, a_rows, c_rows, save_pre=False, k_dim=4096, interleaved=False,
-               tma=False, table=False) -> None:
+               tma=False, table=False, act=4) -> None:
     from moe_inductor.kernels.grouped_gemm import grouped_gemm_kernel
 
     pointers = {n: f"*{dtype}" for n in ("p_a", "p_b", "p_b2", "p_bias", "p_bias2", "p_c", "p_pre", "p_scale")}
     pointers.update(p_b_table="*i64", p_b2_table="*i64")
     constexprs = dict(
         stride_ak=1, stride_cn=1, stride_pre_n=1, NUM_EXPERTS=8, E_POW2=8, A_ROWS=a_rows, C_ROWS=c_rows,
-        SCALE_MODE=2, GATED=gated, ACT=4, HAS_BIAS=False, SAVE_PRE=save_pre, ACCUMULATE=False, UPCAST=False,
+        SCALE_MODE=2, GATED=gated, ACT=act, HAS_BIAS=False, SAVE_PRE=save_pre, ACCUMULATE=False, UPCAST=False,
         DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
         BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M, EVEN_K=k_dim % cfg.BLOCK_K == 0, INTERLEAVED=interleaved)
     if interleaved:  # GPT-OSS's (E, K, 2N) gate_up: N contiguous, with biases and its clamped glu
@@ -117,6 +117,10 @@ def sm90_kernel_report() -> None:
             cfg = configs.default_gemm_config(bucket, 2880, 2880, torch_dtype, True)
             _sm90_gemm(f"gemm default {dtype} m{bucket} interleaved", cfg, dtype, gated=True, a_rows=1, c_rows=0,
                        save_pre=True, k_dim=2880, interleaved=True)
+        # Step-3.7's clamped silu-glu in the gate/up epilogue (nn.Linear-style concatenated weights)
+        cfg = configs.default_gemm_config(1024, 2048, 4096, torch_dtype, True)
+        _sm90_gemm(f"gemm default {dtype} m1024 clamped silu glu", cfg, dtype, gated=True, a_rows=1, c_rows=0,
+                   save_pre=True, act=6)
         _sm90_weight_grad(f"wgrad default {dtype}", configs.default_weight_grad_config(4096, 2048, torch_dtype), dtype)
     table = json.loads((configs._TUNED_DIR / "NVIDIA_H200.json").read_text())
     for key, fields in sorted(table.items()):
@@ -133,14 +137,14 @@ def sm90_kernel_report() -> None:
                    k_dim=int(parts["K"]), tma=key.endswith("|tma"))
     bf = {n: "*bf16" for n in ("p_pre", "p_h", "p_d_gate", "p_d_up", "p_b1", "p_b1_up", "p_scale")}
     bf.update(p_g="*fp32", p_d_scale="*fp32")
-    for act in range(6):
+    for act in range(7):
         for gated in (True, False):
-            if act == 5 and not gated:
+            if act >= 5 and not gated:  # the clamped glus are gated only
                 continue
             _compile_for_sm90(f"backward middle act={act} gated={gated}", backward_middle_kernel, bf,
                               dict(NUM_EXPERTS=128, GATED=gated, ACT=act, HAS_BIAS=True, BLOCK_M=16, BLOCK_I=256),
                               floats=("alpha", "limit"))
-    for act in (4, 5):  # d_gate and d_up as one tensor's (gate, up) column pairs, an interleaved weight's layout
+    for act in (4, 5, 6):  # d_gate and d_up as one tensor's (gate, up) column pairs, an interleaved weight's layout
         _compile_for_sm90(f"backward middle act={act} pairs", backward_middle_kernel, bf,
                           dict(NUM_EXPERTS=32, GATED=True, ACT=act, HAS_BIAS=True, BLOCK_M=16, BLOCK_I=128, PAIRS=True),
                           floats=("alpha", "limit"))
@@ -159,7 +163,7 @@ def sm90_kernel_report() -> None:
     _compile_for_sm90("combine indexed scaled", combine_kernel,
                       {"p_rows": "*bf16", "p_ids": "*i64", "p_y": "*bf16", "p_scale": "*bf16"},
                       dict(NUM_EXPERTS=8, TOPK=2, BLOCK_H=1024, INDEXED=True, SCALED=True))
-    for act in (4, 5):
+    for act in (4, 5, 6):
         _compile_for_sm90(f"activation act={act}", activation_kernel, {"p_pre": "*bf16", "p_h": "*bf16"},
                           dict(GATED=True, ACT=act, BLOCK_M=8, BLOCK_I=512), floats=("alpha", "limit"))
     from moe_inductor.kernels.gather import gather_rows_kernel

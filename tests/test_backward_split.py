@@ -13,15 +13,17 @@ from helpers import make_problem
 
 
 def _args(activation: str = "silu_glu", bias: bool = True, gate_up: str = "concat", T: int = 7, E: int = 5,
-          dtype: torch.dtype = torch.float32, needs=None, device: str = "cpu", layout: str = "nk"):
+          dtype: torch.dtype = torch.float32, needs=None, device: str = "cpu", layout: str = "nk",
+          limit: float = 7.0):
     """Forward outputs and the backward's arguments of one call, as ``experts_backward`` takes them (``layout``:
-    the weights as held, ``make_problem``'s)."""
+    the weights as held, ``make_problem``'s; ``limit``: the clamped glus' bound)."""
     p = make_problem(T, 16, 8, E, 2, dtype=dtype, activation=activation, bias=bias, gate_up=gate_up,
                      requires_grad=False, device=device, layout=layout)
     views = expert_weight_views(p.w1, p.w2, p.b1, activation=activation, layout=p.layout, gate_up=gate_up)
     w1, w1_up, w2, b1, b1_up = views
     b2 = p.b2 if bias else None
-    fw = (p.x, p.topk_ids, p.topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, "output", 1.702, 7.0, None, True)
+    fw = (p.x, p.topk_ids, p.topk_weights, w1, w1_up, w2, b1, b1_up, b2, activation, "output", 1.702, limit, None,
+          True)
     with torch.no_grad():
         y, pre, order, sorted_expert, offsets = experts_forward(*fw)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(y)
@@ -29,7 +31,7 @@ def _args(activation: str = "silu_glu", bias: bool = True, gate_up: str = "conca
     if needs is None:
         needs = [True, True, True, gated, True, bias, bias and gated, bias, False, False]
     return (dy, p.x, p.topk_ids, p.topk_weights, w1, w1_up, w2, b1, b1_up, b2, pre, order, sorted_expert, offsets,
-            activation, "output", 1.702, 7.0, False, needs)
+            activation, "output", 1.702, limit, False, needs)
 
 
 def _split(args):
@@ -41,9 +43,10 @@ def _split(args):
 
 
 @pytest.mark.parametrize("activation,bias,gate_up", [
-    ("silu_glu", True, "concat"), ("silu", False, "concat"), ("gptoss_glu", True, "interleaved")])
+    ("silu_glu", True, "concat"), ("silu", False, "concat"), ("gptoss_glu", True, "interleaved"),
+    ("clamped_silu_glu", False, "concat")])
 def test_opcheck_the_two_halves(activation, bias, gate_up):
-    args = _args(activation, bias, gate_up)
+    args = _args(activation, bias, gate_up, limit=0.5)  # a bound that binds (the projections are about N(0, 1))
     dy, *shared, pre, order, sorted_expert, offsets, act, position, alpha, limit, dropped, needs = args
     options = (order, sorted_expert, offsets, act, position, alpha, limit, dropped, needs)
     torch.library.opcheck(experts_backward_middle, (dy, *shared, pre, *options))

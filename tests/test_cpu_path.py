@@ -226,7 +226,8 @@ def test_inference_keeps_cpu_grouped_mm_where_aten_grouped_mm_does_not_serve(hid
     dict(capacity=2, bias=True, weight_position="between"),  # drops, biases, the scale between the projections
     dict(layout="kn", gate_up="interleaved", activation="gptoss_glu", bias=True),  # GPT-OSS's layout
     dict(weight_position="input", activation="gelu"),  # not gated, the scale on the expert's input
-], ids=["plain", "capacity-bias-between", "gptoss-interleaved", "input-gelu"])
+    dict(activation="clamped_silu_glu", limit=0.5),  # Step-3.7's, at a bound that binds on both factors
+], ids=["plain", "capacity-bias-between", "gptoss-interleaved", "input-gelu", "step3p7-clamped"])
 def test_compiled_training_under_inductor_matches_eager(case):
     """A training step through the Inductor inner compiler takes the lowering; y and every gradient (tokens,
     routing weights, weights, biases) equal eager's. Without biases (whose gradient sums rows per expert) the
@@ -236,6 +237,7 @@ def test_compiled_training_under_inductor_matches_eager(case):
 
     case = dict(case)
     capacity, position = case.pop("capacity", None), case.pop("weight_position", "output")
+    limit = case.pop("limit", 7.0)
     p = make_problem(9, 16, 8, 5, 2, requires_grad=False, **case)
     leaves = [t.clone().requires_grad_() for t in (p.x, p.topk_weights, p.w1, p.w2)]
     leaves += [t.clone().requires_grad_() for t in (p.b1, p.b2) if t is not None]
@@ -244,7 +246,7 @@ def test_compiled_training_under_inductor_matches_eager(case):
         b1, b2 = biases if biases else (None, None)
         return moe_inductor.fused_experts(x, p.topk_ids, w, w1, w2, b1=b1, b2=b2, activation=p.activation,
                                           layout=p.layout, gate_up=p.gate_up, weight_position=position,
-                                          capacity=capacity)
+                                          capacity=capacity, limit=limit)
 
     def step(fn):
         y = fn(*leaves)

@@ -5,8 +5,10 @@ CI runs 50 recipes, 6 of them drawn from the guarded loops, top-1 mask writes an
 broadcast masks and transformers v5's experts code written out, 4 from DeepSeek-V2's host walk, 4 from the loops
 combined by ``scatter_reduce_(..., "sum")`` (checked in inference only: ``Recipe.inference``; the general draws reach
 these seldom), and 6 from the forms of their own family (MiniMind's cumulative walk, v4.36 Mixtral's row lists:
-``draw_recipe(..., forms=WALKS_LISTS)``, which the general draws never reach); besides, every look-alike of that
-family is run once in a fixed recipe, against its genuine twin. ``MOE_GENERATOR_EXAMPLES=300`` runs that many in each
+``draw_recipe(..., forms=WALKS_LISTS)``, which the general draws never reach), and 6 with Step-3.7's clamped
+silu-glu or a look-alike of its clamps (``draw_recipe(..., clamped=True)``, likewise); besides, every look-alike of
+that family and of the clamps is run once in a fixed recipe, against its genuine twin, and the clamped silu-glu
+once in each form's plain recipe. ``MOE_GENERATOR_EXAMPLES=300`` runs that many in each
 test.
 ``python -m tests.generator --examples 300`` runs recipes without stopping at the first failure and prints the
 rewrite rate per form and per idiom (``--guards-masks-slots``: of those spellings alone).
@@ -21,8 +23,9 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from tests.generator.check import run
-from tests.generator.recipe import (GUARDS_MASKS_SLOTS, HOST_WALKS, MASKS_AND_V5, SUM_REDUCTIONS, Recipe, WALKS_LISTS,
-                                    draw_recipe, hypothesis_draw, narrowed)
+from tests.generator.recipe import (CLAMP_FLAWS, CLAMPED_ACT, FORM_COUNTER, GUARDS_MASKS_SLOTS, HOST_WALKS,
+                                    MASKS_AND_V5, SUM_REDUCTIONS, Recipe, WALKS_LISTS, draw_recipe, hypothesis_draw,
+                                    narrowed)
 
 EXAMPLES = int(os.environ.get("MOE_GENERATOR_EXAMPLES", 0))
 
@@ -230,3 +233,46 @@ def test_the_fp32_rule_accepts_a_bf16_error_closer_to_fp32_than_eagers():
     eagers = {"noise": 0.10, "far": 0.01, "fine": 0.0}
     got = against_fp32(errors, ours, eagers, 2e-2)
     assert got["noise"] < 2e-2 and got["far"] == 0.5 and got["fine"] == 0.004
+
+
+@settings(max_examples=EXAMPLES or 6, **_SETTINGS)
+@given(data=st.data())
+def test_clamped_silu_glu_in_the_general_forms(data):
+    """Step-3.7's clamped silu-glu, ``silu(g).clamp(max=limit) * u.clamp(-limit, limit)``, in any general form and
+    idiom, rewritten; and the look-alikes of its clamps (the clamp before the silu, one side only on up, a bound
+    below on the silu, up's bounds not the silu's), left alone."""
+    r = draw_recipe(hypothesis_draw(data), clamped=True)
+    assume(r.form != "sorted" or hasattr(torch, "_grouped_mm"))
+    _check(r)
+
+
+def _clamped(form: str, flaw: Optional[str]) -> Recipe:
+    """The clamped recipe of ``form`` (a look-alike of ``flaw``'s clamps, or genuine) whose every other draw is its
+    first option."""
+    only = {"form": (form,), "flaw": (flaw,), "E": (4,), "k": (2,), "T": (8,)}
+    return draw_recipe(narrowed(lambda name, options: options[0], only), lookalike=flaw is not None, clamped=True)
+
+
+@pytest.mark.parametrize("form", FORM_COUNTER)
+def test_the_clamped_silu_glu_is_rewritten_in_each_forms_plain_recipe(form):
+    if form == "sorted" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    r = _clamped(form, None)
+    assert r.act == CLAMPED_ACT
+    o = run(r)
+    assert o.verdict == "rewritten", o.describe()
+
+
+@pytest.mark.parametrize("flaw", CLAMP_FLAWS)
+def test_each_clamp_lookalike_is_another_function_and_left_alone(flaw):
+    """The look-alike differs from its genuine twin (the clamped silu-glu, the same idioms and weights) in eager;
+    compiled, it is left alone and equal to eager."""
+    from tests.generator.check import build
+    from tests.helpers import rel_err
+
+    r = _clamped("loop", flaw)
+    twin = Recipe(**{**r.__dict__, "flaw": None, "act": CLAMPED_ACT})
+    x = torch.randn(r.T, 16, generator=torch.Generator().manual_seed(r.seed))
+    assert rel_err(build(r)(x), build(twin)(x)) > 1e-3, f"{r} computes what its genuine twin does"
+    o = run(r)
+    assert o.verdict == "kept", o.describe()

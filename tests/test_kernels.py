@@ -9,7 +9,7 @@ import torch
 import moe_inductor
 from moe_inductor import config
 from moe_inductor.ops import expert_weight_views, grouped_mm, grouped_mm_reference, moe_reference
-from tests.helpers import assert_close, make_problem
+from tests.helpers import assert_close, assert_matches_rounded_reference, make_problem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -57,6 +57,28 @@ def test_fused_experts_triton_vs_reference(T, E, k, dtype, activation, bias, wei
         assert_close(a, b.to(a.dtype), dtype, f"d{name}")
 
 
+@pytest.mark.parametrize(
+    "T,E,dtype,bias,layout,gate_up,routing",
+    [
+        # Step-3.7's experts: (E, 2I, H) gate_up chunked into [gate | up], no biases
+        pytest.param(5, 3, torch.float32, False, "nk", "concat", "random", id="fp32-step3p7"),
+        pytest.param(6, 5, torch.bfloat16, True, "kn", "interleaved", "skip_odd", id="bf16-interleaved-empty-experts"),
+        pytest.param(1, 3, torch.float16, False, "nk", "concat", "random", id="fp16-T1"),
+    ],
+)
+def test_clamped_silu_glu_triton_vs_reference(T, E, dtype, bias, layout, gate_up, routing, triton_kernels,
+                                              nan_empty):
+    """Step-3.7's clamped silu-glu through the fused gate/up epilogue and the backward middle, at a bound that
+    binds on both factors (the pre-activations are about N(0, 1)), against the float64 reference (its raw
+    projections rounded as the kernels keep them: ``assert_matches_rounded_reference``)."""
+    p = make_problem(T, 32, 16, E, 2, dtype=dtype, device=DEVICE, activation="clamped_silu_glu", bias=bias,
+                     layout=layout, gate_up=gate_up, routing=routing)
+    y, dy, grads = _fwd_bwd(p, limit=0.5)
+    # the interpreter's fp32 -> bf16 cast truncates: the kernel keeps the raw projections so
+    interpreted = DEVICE == "cpu" and dtype == torch.bfloat16
+    assert_matches_rounded_reference(p, y, grads, dy, dtype, limit=0.5, toward_zero=interpreted)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_grouped_mm_triton_vs_reference(dtype, triton_kernels):
     gen = torch.Generator().manual_seed(0)
@@ -74,8 +96,8 @@ def test_grouped_mm_triton_vs_reference(dtype, triton_kernels):
     assert_close(db, rb, dtype, "db")
 
 
-@pytest.mark.parametrize("activation", ["silu_glu", "gelu_glu", "gelu_tanh_glu", "relu_glu", "gptoss_glu", "silu",
-                                        "gelu", "gelu_tanh", "relu", "none"])
+@pytest.mark.parametrize("activation", ["silu_glu", "gelu_glu", "gelu_tanh_glu", "relu_glu", "gptoss_glu",
+                                        "clamped_silu_glu", "silu", "gelu", "gelu_tanh", "relu", "none"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("layout", ["own", "pairs"])
 def test_fused_backward_middle_matches_the_torch_formulas(activation, bias, layout, triton_kernels):
@@ -242,26 +264,34 @@ def test_indexed_combine_matches_the_torch_path(scaled, monkeypatch):
         torch.testing.assert_close(got.float().cpu(), want, rtol=1e-2, atol=1e-2)
 
 
-def test_gptoss_epilogue_casts_its_scalars_to_fp32_before_use():
-    """Inductor's wrapper passes the clamped glu's ``alpha`` and ``limit`` as fp64 scalars (the JIT passes fp32),
+def test_clamped_epilogues_cast_their_scalars_to_fp32_before_use():
+    """Inductor's wrapper passes the clamped glus' ``alpha`` and ``limit`` as fp64 scalars (the JIT passes fp32),
     which made the compiled GPT-OSS epilogue, sigmoid included, fp64: its gate/up GEMM took 1.5x the eager launch's
-    time inside the model (RESULTS.md, twentieth session). Both kernels that compute the glu cast them first; this
-    reads their source, since the CPU cannot compile for the GPU to see the types."""
+    time inside the model (RESULTS.md, twentieth session). Every branch that computes a clamped glu (GPT-OSS's, id 5;
+    Step-3.7's, id 6) casts them first; this reads the kernels' source, since the CPU cannot compile for the GPU to
+    see the types."""
     import inspect
+    import re
 
     from moe_inductor.kernels import backward_middle, grouped_gemm
 
-    import re
+    def code(src: str) -> str:
+        return re.sub(r"#.*", "", src)
 
-    for fn in (grouped_gemm._activation, backward_middle.backward_middle_kernel):
-        src = inspect.getsource(fn.fn)
-        branch = src[src.index("ACT == 5"):]
-        cast = branch.index("tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)")
-        # the names the cast values take (backward_middle's differ from the arguments': it casts inside a loop)
-        alpha, limit = (name.strip() for name in branch[:cast].splitlines()[-1].split("=")[0].split(","))
-        first_use = min(branch.index(f"tl.minimum(gate, {limit})"), branch.index(f"* {alpha}"))
-        assert cast < first_use, fn.fn.__name__
-        if alpha != "alpha":  # renamed: the arguments themselves are read by the cast alone
-            code = re.sub(r"#.*", "", branch)
-            assert len(re.findall(r"\balpha\b", code)) == 1 and len(re.findall(r"\blimit\b", code)) == 1, (
-                fn.fn.__name__)
+    # the epilogue: each clamped branch casts before its first use of the scalars
+    src = code(inspect.getsource(grouped_gemm._activation.fn))
+    for act in (5, 6):
+        branch = src[src.index(f"ACT == {act}"):]
+        branch = branch[:re.search(r"\n\s*(elif|else)\b", branch).start()]
+        lines = [line for line in branch.splitlines() if re.search(r"\b(alpha|limit)\b", line)]
+        cast = set(re.findall(r"tl\.cast\((alpha|limit), tl\.float32\)", lines[0]))
+        # the first line to name them casts every one the branch reads
+        assert cast and cast >= set(re.findall(r"\b(alpha|limit)\b", branch)), (act, branch)
+    # the backward middle casts both once, before its loop, into new names, and reads the arguments nowhere else
+    src = code(inspect.getsource(backward_middle.backward_middle_kernel.fn))
+    body = src[src.index("):\n") + 3:]
+    cast = body.index("alpha_f, limit_f = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)")
+    assert cast < body.index("for i0 in range(")
+    assert len(re.findall(r"\balpha\b", body)) == 1 and len(re.findall(r"\blimit\b", body)) == 1
+    for act in (5, 6):
+        assert "limit_f" in body[body.index(f"ACT == {act}"):]

@@ -57,14 +57,16 @@ def test_skewed_routing(routing, nan_empty):
     check(make_problem(20, 16, 8, 6, 2, routing=routing), torch.float32)
 
 
-@pytest.mark.parametrize("activation", ["silu_glu", "gelu_glu", "gelu_tanh_glu", "gptoss_glu", "gelu", "relu", "silu"])
+@pytest.mark.parametrize("activation", ["silu_glu", "gelu_glu", "gelu_tanh_glu", "gptoss_glu", "clamped_silu_glu",
+                                        "gelu", "relu", "silu"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_activations(activation, bias):
     p = make_problem(11, 16, 8, 5, 2, activation=activation, bias=bias, seed=3)
-    if activation == "gptoss_glu":  # push values past the clamp so both sides of it are exercised
+    clamped = activation in ("gptoss_glu", "clamped_silu_glu")
+    if clamped:  # push values past the clamp so both sides of it are exercised
         with torch.no_grad():
             p.w1.mul_(8)
-    check(p, torch.float32, limit=2.0 if activation == "gptoss_glu" else 7.0)
+    check(p, torch.float32, limit=2.0 if clamped else 7.0)
 
 
 @pytest.mark.parametrize("layout,gate_up", [("nk", "concat"), ("kn", "concat"), ("kn", "interleaved"),

@@ -62,7 +62,7 @@ def test_generated_gathered_moe_compiles_to_the_same_function(E, k_frac, T, act,
 @settings(max_examples=25, deadline=None)
 @given(
     E=st.integers(1, 9), k_frac=st.floats(0, 1), T=st.integers(0, 20),
-    act=st.sampled_from(["silu_glu", "gelu_glu", "gptoss_glu", "relu", "gelu_tanh"]),
+    act=st.sampled_from(["silu_glu", "gelu_glu", "gptoss_glu", "relu", "gelu_tanh", "clamped_silu_glu"]),
     layout=st.sampled_from(["nk", "kn"]), gate_up=st.sampled_from(["concat", "interleaved"]),
     position=st.sampled_from(["output", "between", "input"]), bias=st.booleans(),
     capacity=st.one_of(st.none(), st.integers(0, 6)), seed=st.integers(0, 2**16),

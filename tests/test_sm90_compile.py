@@ -25,7 +25,9 @@ def test_every_kernel_compiles_and_fits(compiled):
     names = [k["name"] for k in compiled]
     for expected in ("gemm default bf16 m4096 gated=True", "wgrad default bf16", "backward middle act=5 gated=True",
                      "backward middle act=5 pairs", "expert row sums rows=1", "route place single=False", "route count",
-                     "combine", "combine indexed scaled", "activation act=5", "gather rows"):
+                     "combine", "combine indexed scaled", "activation act=5", "gather rows",
+                     "backward middle act=6 gated=True", "backward middle act=6 pairs", "activation act=6",
+                     "gemm default bf16 m1024 clamped silu glu"):
         assert expected in names
     assert sum(name.startswith("gemm tuned") for name in names) >= 10  # the shipped H200 table, every entry
     too_big = [k for k in compiled if k["shared"] > H200_SHARED_MEMORY]
@@ -53,7 +55,7 @@ def test_the_paired_backward_middle_spills_no_more_than_the_two_stores(compiled)
     """Storing (gate, up) pairs joins two (16, 128) tiles into one (16, 256) before its store (the launcher halves BLOCK_I for it); that must not cost
     registers the two separate stores did not."""
     by_name = {k["name"]: k for k in compiled}
-    for act in (4, 5):
+    for act in (4, 5, 6):
         pairs, halves = by_name[f"backward middle act={act} pairs"], by_name[f"backward middle act={act} gated=True"]
         if "stack" in pairs and "stack" in halves:
             assert pairs["stack"] <= max(halves["stack"], 8), (pairs, halves)

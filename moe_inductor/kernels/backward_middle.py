@@ -60,6 +60,10 @@ def backward_middle_kernel(
     scale = tl.load(p_scale + assignment, mask=valid, other=0.0).to(tl.float32)
     expert_c = tl.minimum(expert, NUM_EXPERTS - 1).to(tl.int64)
     rows = o_m.to(tl.int64)
+    # the clamped glus' parameters in fp32, as in _activation (Inductor's wrapper passes Python floats as fp64
+    # scalars); new names, since a traced launch may pass alpha and limit as constexprs, and a loop may not change
+    # a variable's type
+    alpha_f, limit_f = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)
     d_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for i0 in range(0, I, BLOCK_I):
         o_i = i0 + tl.arange(0, BLOCK_I)
@@ -76,9 +80,6 @@ def backward_middle_kernel(
                 up += tl.load(p_b1_up + expert_c[:, None] * stride_b_e + o_i[None, :], mask=m_all,
                               other=0.0).to(tl.float32)
             if ACT == 5:  # GPT-OSS glu: (clamp(up) + 1) * gate_c * sigmoid(alpha * gate_c), gate_c = min(gate, limit)
-                # fp32, as in _activation; new names, since a traced launch may pass alpha and limit as constexprs,
-                # and a loop may not change a variable's type
-                alpha_f, limit_f = tl.cast(alpha, tl.float32), tl.cast(limit, tl.float32)
                 gate_c = tl.minimum(gate, limit_f)
                 up_c = tl.minimum(tl.maximum(up, -limit_f), limit_f)
                 sig = _sigmoid(gate_c * alpha_f)
@@ -88,6 +89,17 @@ def backward_middle_kernel(
                 dact = g * scale[:, None]
                 d_gate = dact * (up_c + 1.0) * d_glu
                 d_up = dact * glu * ((up >= -limit_f) & (up <= limit_f)).to(tl.float32)
+            elif ACT == 6:  # Step-3.7: min(silu(gate), limit) * clamp(up, -limit, limit); a clamp that binds
+                # passes no gradient, one at its bound does (autograd's clamp), and a NaN stays a NaN forward
+                s = _sigmoid(gate)
+                silu = gate * s
+                silu_c = tl.minimum(silu, limit_f, propagate_nan=tl.PropagateNan.ALL)
+                up_c = tl.minimum(tl.maximum(up, -limit_f, propagate_nan=tl.PropagateNan.ALL), limit_f,
+                                  propagate_nan=tl.PropagateNan.ALL)
+                h = silu_c * up_c
+                dact = g * scale[:, None]
+                d_gate = tl.where(silu <= limit_f, dact * up_c, 0.0) * (s * (1.0 + gate * (1.0 - s)))
+                d_up = tl.where((up >= -limit_f) & (up <= limit_f), dact * silu_c, 0.0)
             else:
                 u = _unary_act(gate, ACT)
                 h = u * up

@@ -45,7 +45,8 @@ def _unary_act(x, ACT: tl.constexpr):
 @triton.jit
 def _activation(gate, up, GATED: tl.constexpr, ACT: tl.constexpr, alpha, limit):
     """act(gate, up) for a gated activation, act(gate) otherwise (``up`` unused), in fp32; ids as in
-    ops/activations.py, 5 being GPT-OSS's glu: clamp, gate * sigmoid(alpha * gate) * (up + 1)."""
+    ops/activations.py, 5 being GPT-OSS's glu: clamp, gate * sigmoid(alpha * gate) * (up + 1); 6 Step-3.7's
+    clamped silu-glu: min(silu(gate), limit) * clamp(up, -limit, limit)."""
     if GATED:
         if ACT == 5:
             # in fp32: Inductor's wrapper passes Python floats as fp64 scalars, which would make the epilogue fp64
@@ -53,6 +54,13 @@ def _activation(gate, up, GATED: tl.constexpr, ACT: tl.constexpr, alpha, limit):
             gate_c = tl.minimum(gate, limit)
             up_c = tl.minimum(tl.maximum(up, -limit), limit)
             out = (up_c + 1.0) * (gate_c * _sigmoid(gate_c * alpha))
+        elif ACT == 6:
+            # fp32, as above; the clamps keep a NaN a NaN, as torch.clamp does
+            limit = tl.cast(limit, tl.float32)
+            silu_c = tl.minimum(gate * _sigmoid(gate), limit, propagate_nan=tl.PropagateNan.ALL)
+            up_c = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                              propagate_nan=tl.PropagateNan.ALL)
+            out = silu_c * up_c
         else:
             out = _unary_act(gate, ACT) * up
     else:

@@ -136,7 +136,8 @@ def fused_experts(
             ``"interleaved"``; or a tuple (gate, up) of two such tensors of width I.
         w2: the down weights, (E, H, I) for "nk" or (E, I, H) for "kn".
         b1: optional up bias (E, N1) (or a (gate, up) tuple); b2: optional down bias (E, H).
-        activation: one of ``moe_inductor.ops.ACTIVATIONS``; ``alpha``/``limit`` parameterise "gptoss_glu".
+        activation: one of ``moe_inductor.ops.ACTIVATIONS``; ``alpha``/``limit`` parameterise "gptoss_glu",
+            ``limit`` "clamped_silu_glu" (Step-3.7's ``silu(gate).clamp(max=limit) * up.clamp(-limit, limit)``).
         weight_position: "output" (default), "between" the projections, or "input" (Llama4).
         capacity: optional per-expert capacity; assignments past it are dropped in GShard/Switch priority order.
         name: the layer, for error messages (``model.layers.3.mlp.experts``).

@@ -3,6 +3,12 @@
 One table serves the CPU path, the backward (through ``torch.autograd``) and the references in the tests, so the
 Triton epilogues have exactly one definition to agree with.  Gated activations take ``(gate, up)``; the others take
 ``gate`` alone and ignore ``up``.
+
+Two gated activations clamp, each its own way, with a bound ``limit``:
+  "gptoss_glu"        GPT-OSS: ``g = gate.clamp(max=limit)``, ``(up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g)``
+  "clamped_silu_glu"  Step-3.7: ``silu(gate).clamp(max=limit) * up.clamp(-limit, limit)`` (the clamp after the silu)
+A clamp passes the gradient where its input lies within the bounds, the bounds included, and nothing where it binds:
+autograd's rule for ``clamp``, which both backwards follow.
 """
 from __future__ import annotations
 
@@ -27,11 +33,13 @@ ACTIVATIONS: dict[str, tuple[bool, int]] = {
     "gelu_tanh_glu": (True, 3),
     "relu_glu": (True, 1),
     "gptoss_glu": (True, 5),
+    "clamped_silu_glu": (True, 6),
 }
 
 
 class Activation(NamedTuple):
-    """An expert activation and its parameters (``alpha``/``limit`` are read by "gptoss_glu" only)."""
+    """An expert activation and its parameters: ``alpha`` is read by "gptoss_glu" only, ``limit`` by "gptoss_glu"
+    and "clamped_silu_glu"."""
 
     name: str = "silu_glu"
     alpha: float = GPTOSS_ALPHA
@@ -89,6 +97,8 @@ def apply_activation_id(gated: bool, kind: int, gate: torch.Tensor, up: torch.Te
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    if kind == 6:  # Step-3.7: the silu's output clamped from above, up clamped both ways
+        return F.silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
     return _unary(kind, gate) * up
 
 
@@ -131,4 +141,10 @@ def activation_backward(
         glu = gate_c * sig
         d_glu = (sig + gate_c * alpha * sig * (1 - sig)) * (gate <= limit)
         return grad_out * (up_c + 1) * d_glu, grad_out * glu * ((up >= -limit) & (up <= limit))
+    if kind == 6:  # autograd's steps, in its order: the product, each clamp (``where``), then the silu
+        silu = F.silu(gate)
+        zero = grad_out.new_zeros(())
+        d_silu = torch.where(silu <= limit, grad_out * up.clamp(min=-limit, max=limit), zero)
+        d_up = torch.where((up >= -limit) & (up <= limit), grad_out * silu.clamp(max=limit), zero)
+        return _unary_backward(4, gate, d_silu), d_up
     return _unary_backward(kind, gate, grad_out * up), grad_out * _unary(kind, gate)

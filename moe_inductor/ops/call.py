@@ -80,7 +80,7 @@ def op_call(call: ExpertsCall, gate_up: Optional[Value] = None) -> tuple[Any, tu
         if any(b is not None and not isinstance(b, (tuple, list)) for b in (w.b1, w.b1_up, w.b2)):
             raise ValueError("the per-expert list op takes per-expert biases (one per expert), not a stacked one")
         if (act.alpha, act.limit) != (GPTOSS_ALPHA, GPTOSS_LIMIT):
-            raise ValueError("the per-expert list op runs gptoss_glu with its default alpha and limit only")
+            raise ValueError("the per-expert list op runs the clamped glus with the default alpha and limit only")
         return torch.ops.moe_inductor.experts_forward_list.default, (
             call.x, r.topk_ids, r.topk_weights, list(w.w1), list(w.w1_up or ()), list(w.w2), list(w.b1 or ()),
             list(w.b1_up or ()), list(w.b2 or ()), act.name, call.save_pre, call.weight_position, w.layout,

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
+from ..ops.activations import GPTOSS_ALPHA, GPTOSS_LIMIT
 from ..ops.call import Activation, ExpertsCall, ExpertWeights, Routing, op_call
 from ..spec import MoESpec
 from .fx_utils import val
@@ -36,6 +37,11 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
     if spec.gate_up is not None:
         with graph.inserting_before(before):
             spec = _split_fused(graph, spec)
+    if per_expert and not list_op_runs(spec):
+        with graph.inserting_before(before):
+            spec = stacked_weights(graph, spec)
+        per_expert = False
+
     def kn(w: Optional[Node]) -> Optional[Node]:
         """A stacked weight as the op's (E, K, N) view, with its traced value: the visible-kernel swap reads the
         down weight's shape for the engine's size rule (lowerings/visible.py)."""
@@ -63,6 +69,23 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
         if out_dtype != x_dtype:
             out = graph.call_method("to", (out, out_dtype))
     return out
+
+
+def list_op_runs(spec: MoESpec) -> bool:
+    """Whether the per-expert list op runs ``spec``'s activation: every one but a clamped glu (gptoss_glu,
+    clamped_silu_glu) of other than the default alpha and limit, which the list op's schema does not take."""
+    return (spec.alpha, spec.limit) == (GPTOSS_ALPHA, GPTOSS_LIMIT)
+
+
+def stacked_weights(graph: Graph, spec: MoESpec) -> MoESpec:
+    """A per-expert spec with its weights and biases stacked (``torch.stack``, at each call, inserted where the
+    graph inserts now) for the op with stacked weights, where the list op cannot run it (``list_op_runs``). The
+    stack of E (out, in) weights is (E, out, in) and of E (in, out) ones (E, in, out): the layout stays."""
+    def stack(t):
+        return None if t is None else graph.call_function(torch.stack, (list(t),))
+
+    return dataclasses.replace(spec, gate=stack(spec.gate), up=stack(spec.up), down=stack(spec.down),
+                               b1=stack(spec.b1), b1_up=stack(spec.b1_up), b2=stack(spec.b2))
 
 
 def _check_capacity(capacity) -> None:

@@ -1,7 +1,9 @@
 """How an expert's hidden activation is read off the graph: ``act(gate) [* up]`` (``split_gated``, ``read_gated``), the
-gate and up inputs as halves of one fused projection (``fused_gate_up``), and GPT-OSS's clamped glu (``gptoss_glu``)."""
+gate and up inputs as halves of one fused projection (``fused_gate_up``), GPT-OSS's clamped glu (``gptoss_glu``) and
+Step-3.7's clamped silu-glu (``clamped_silu_glu``)."""
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -188,6 +190,32 @@ def gptoss_glu(h: Node) -> Optional[tuple[Node, Node, Node, float, float]]:
     return None
 
 
+def clamped_silu_glu(h: Node) -> Optional[tuple[str, Node, Node, Node, float]]:
+    """(activation name, the clamped silu node, gate input, up input, limit) for Step-3.7's clamped silu-glu:
+
+        g = F.silu(g).clamp(max=limit); u = u.clamp(min=-limit, max=limit)
+        h = g * u                                              # factors in either order
+
+    with one bound ``limit > 0`` on both: the clamp after the silu, from above only, and up's from both sides. At
+    ``limit = inf`` both clamps return their input, every value (NaN and the infinities too), so the reading is
+    plain "silu_glu"; else "clamped_silu_glu". Any other clamp (bounds of their own, the clamp before the silu, a
+    bound below on the silu or one side only on up) is another function and is not read."""
+    if not (is_call(h, "call_function", operator.mul) and len(h.args) == 2):
+        return None
+    for g, u in (h.args, h.args[::-1]):
+        gate, up = _clamp(g, lo_needed=False), _clamp(u, lo_needed=True)
+        if gate is None or up is None:
+            continue
+        act = activation_of(gate[0])
+        limit = gate[2]
+        if act is None or act[0] != "silu" or not isinstance(act[1], Node) or not limit > 0:
+            continue
+        if up[1] != -limit or up[2] != limit:
+            continue
+        return ("silu_glu" if math.isinf(limit) else "clamped_silu_glu"), g, act[1], up[0], limit
+    return None
+
+
 def read_gated(h: Node, read: Callable[[Node], Any]) -> Optional[GatedRead]:
     """``split_gated(h)`` with the projection(s) under the activation read by the pass's own ``read`` (None when it
     does not recognise one). The checks between the readings (same input, same layout) stay with each pass.
@@ -195,10 +223,13 @@ def read_gated(h: Node, read: Callable[[Node], Any]) -> Optional[GatedRead]:
     When gate and up are the two halves of one projection (``fused_gate_up``), ``read`` reads that projection and
     the result says how the halves lie (``gate_up``); the pass hands it on to its MoESpec."""
     params = {}
-    glu = gptoss_glu(h)
+    glu, clamped = gptoss_glu(h), clamped_silu_glu(h)
     if glu is not None:
         act, gate_in, up_in, alpha, limit = glu
         activation, params = "gptoss_glu", {"alpha": alpha, "limit": limit}
+    elif clamped is not None:
+        activation, act, gate_in, up_in, limit = clamped
+        params = {"limit": limit} if activation == "clamped_silu_glu" else {}
     else:
         split = split_gated(h)
         if split is None:

@@ -50,7 +50,7 @@ from .capacity_gating import (Choice, call, choice, order_choices, same_traced, 
                               versions_sound)
 from .driver import Anchor, Form, Match, every_node
 from .fx_utils import einsum_parts, val
-from .gated_reads import read_gated, split_gated
+from .gated_reads import clamped_silu_glu, read_gated, split_gated
 from .slot_layers import Bias, biased, dropout, op_bias, per_expert_bias, through_dropouts
 from .stacked_choices import StackedChoices, stacked_routing
 from .expert_projections import biased_linear
@@ -165,11 +165,13 @@ def _stacked_experts(out: Node, E, biases: bool = False, reasons: Optional[list]
     found = []
     for down_in, down_w, layout, b2 in _projections(out, biases, reasons):
         hidden, why = through_dropouts(down_in)
-        split = split_gated(hidden) if why is None else None
+        clamped = clamped_silu_glu(hidden) if why is None else None
+        split = clamped[:4] if clamped is not None else split_gated(hidden) if why is None else None
         if split is None:
             reasons += [why] if why is not None else []
             continue
         activation, _, gate_in, up_node = split
+        fields = (("limit", clamped[4]),) if activation == "clamped_silu_glu" else ()
         ups = _projections(up_node, biases, reasons) if up_node is not None else [None]
         for g in _projections(gate_in, biases, reasons):
             for u in ups:
@@ -181,7 +183,7 @@ def _stacked_experts(out: Node, E, biases: bool = False, reasons: Optional[list]
                     reasons.append("one of the gate and up projections has a bias and the other has none")
                     continue
                 found.append(_Experts(g[0], g[1], u[1] if u is not None else None, down_w, layout, activation,
-                                      (g[3], u[3] if u is not None else None, b2)))
+                                      (g[3], u[3] if u is not None else None, b2), fields))
     return found
 
 

@@ -44,9 +44,9 @@ from typing import Optional, Union
 import torch
 from torch.fx import Graph, Node
 
-from ..ops.activations import GPTOSS_ALPHA, GPTOSS_LIMIT
 from ..spec import MoESpec
 from .driver import CHANGED_IN_PLACE, Anchor, Form, Match
+from .emit import list_op_runs, stacked_weights
 from .flat_slices import block_linear, blocks, sliced_spec, views
 from .aliases import alias_mutations, mutated_alias
 from .expert_projections import biased_linear
@@ -273,25 +273,12 @@ def _per_expert_spec(bodies: list[_Body]) -> Optional[MoESpec]:
                    b1=b1, b1_up=b1_up, b2=b2)
 
 
-def list_op_runs(spec: MoESpec) -> bool:
-    """Whether the per-expert list op runs ``spec``'s activation: every one but a gptoss_glu of other than its
-    default alpha and limit."""
-    return (spec.alpha, spec.limit) == (GPTOSS_ALPHA, GPTOSS_LIMIT)
-
-
 def per_expert_for_op(graph: Graph, spec: MoESpec) -> MoESpec:
     """A per-expert spec (weights and biases, capacity or not) for the op: as it is where the list op runs its
     activation (it takes each expert's weights and biases, and reads the weights where they lie); else its weights
-    and biases stacked (``torch.stack``, at each call) for the op with stacked weights. The layout stays the
-    per-expert one."""
-    if list_op_runs(spec):
-        return spec
-
-    def stack(t):
-        return None if t is None else graph.call_function(torch.stack, (list(t),))
-
-    return dataclasses.replace(spec, gate=stack(spec.gate), up=stack(spec.up), down=stack(spec.down),
-                               b1=stack(spec.b1), b1_up=stack(spec.b1_up), b2=stack(spec.b2))
+    and biases stacked (``emit.stacked_weights``) for the op with stacked weights. The layout stays the per-expert
+    one."""
+    return spec if list_op_runs(spec) else stacked_weights(graph, spec)
 
 
 def _column_ids(graph: Graph, spec: MoESpec) -> MoESpec:

@@ -18,11 +18,10 @@ lists a bound for the layer: Step-3.7-Flash bounds the routed experts of layers 
 
 E = 6, k = 2, the shared expert as wide as 2 routed ones; input (B, S, H).
 
-Outcome: both fell back. The loop over the hit experts is traced over every expert, and unrolled_loop finds the
-clamped silu-glu no known activation ("expert 0's hidden state is not a known activation of its own up
-projection(s)"), so the skip speculation is not discharged and the frame compiles as plain capture would. The clamp
-at ``inf`` is the identity, but is not proven so; with a bound it is no activation MoESpec has (GPT-OSS's glu
-clamps otherwise: ``gate.clamp(max)`` before the sigmoid, ``up + 1``).
+Outcome: both rewritten (unrolled_loop, one per compiled graph). The loop over the hit experts is traced over every
+expert, and each expert's hidden state reads as the clamped silu-glu (passes/gated_reads.py): with a bound, the op's
+"clamped_silu_glu" at limit 7; at ``inf`` both clamps return their input, and the reading is plain "silu_glu".
+The shared ``Step3p7MLP`` (its own clamps) stays in the graph for Inductor.
 """
 import torch
 import torch.nn as nn
@@ -121,12 +120,9 @@ def _input(T, g):
 
 
 _SRC = "huggingface/transformers v5.24 models/step3p7/modeling_step3p7.py Step3p7SparseMoeBlock"
-# both: the hit loop is traced over every expert, unrolled_loop finds a clamped silu-glu (no MoESpec activation),
-# the speculation is not discharged and the frame is compiled as plain capture would
+# both: the hit loop is traced over every expert and unrolled_loop reads the clamped silu-glu ("silu_glu" at inf)
 CASES = [
-    Case("hf_v5_step3p7", _SRC + " (no bound: clamp at inf)", Step3p7SparseMoeBlock, _input, form="unrolled_loop",
-         expect=("fell_back",)),
+    Case("hf_v5_step3p7", _SRC + " (no bound: clamp at inf)", Step3p7SparseMoeBlock, _input, form="unrolled_loop"),
     Case("hf_v5_step3p7_clamped", _SRC + " (layers 43-44: routed bound 7, shared 16)",
-         lambda: Step3p7SparseMoeBlock(swiglu_limit=7.0, shared_limit=16.0), _input, form="unrolled_loop",
-         expect=("fell_back",)),
+         lambda: Step3p7SparseMoeBlock(swiglu_limit=7.0, shared_limit=16.0), _input, form="unrolled_loop"),
 ]

@@ -1,5 +1,5 @@
 """Measure the generator: ``python -m tests.generator [--examples N] [--seed S] [--lookalikes] [--guards-masks-slots]
-[--masks-v5] [--host-walks] [--sum-reductions] [--walks-lists] [--inner aot_eager]``.
+[--masks-v5] [--host-walks] [--sum-reductions] [--walks-lists] [--clamped] [--inner aot_eager]``.
 
 Runs N recipes from a seeded generator, prints every miss, wrong rewrite and crash as it happens, then the rewrite
 rate per form, per idiom and per router, and the look-alikes kept per flaw."""
@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--walks-lists", action="store_true",
                     help="draw only the forms of their own family: MiniMind's walk of cumulative host counts with "
                          "a scatter per expert, and transformers v4.36 Mixtral's rows indexed by .tolist() lists")
+    ap.add_argument("--clamped", action="store_true",
+                    help="draw only Step-3.7's clamped silu-glu in the general forms, and its clamps' look-alikes")
     ap.add_argument("--inner", default="eager", choices=("eager", "aot_eager", "inductor"),
                     help="the compiler the rewritten graph goes to (aot_eager traces it again, as Inductor does; "
                          "inductor compiles it, as users do: slow, a few seconds per draw)")
@@ -47,7 +49,7 @@ def main() -> None:
     while done < args.examples:
         draw = random_draw(rng)
         r = draw_recipe(narrowed(draw, only) if only else draw, lookalike=True if args.lookalikes else None,
-                        forms=WALKS_LISTS if args.walks_lists else None)
+                        forms=WALKS_LISTS if args.walks_lists else None, clamped=args.clamped)
         if args.form and r.form != args.form:
             continue
         done += 1

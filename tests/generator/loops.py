@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.generator.parts import ACT, H, ExpertBank, Router
+from tests.generator.parts import H, ExpertBank, Router, hidden
 from tests.generator.recipe import Recipe
 
 
@@ -288,15 +288,15 @@ class SplitMoE(nn.Module):
 
     def _per_projection(self, pieces) -> list:
         """JetMoE's ParallelExperts: one ``F.linear`` per split and projection, ``cat``, split again."""
-        bank, act = self.bank, ACT[self.r.act]
+        bank = self.bank
         sizes = [p.shape[0] for p in pieces]
         w_up, w_gate, w_down, _ = bank.stacked()
         h = torch.cat([F.linear(p, w_up[e]) for e, p in enumerate(pieces)])
         if w_gate is None and self.r.gated:
             g, u = h.chunk(2, dim=-1)
-            h = act(g) * u
+            h = hidden(self.r.act, g, u)
         else:
-            h = act(h)
+            h = hidden(self.r.act, h)
         return [F.linear(p, w_down[e]) for e, p in enumerate(torch.split(h, sizes))]
 
 

@@ -14,6 +14,30 @@ H, I = 16, 8
 
 ACT = {"silu_glu": F.silu, "gelu_glu": F.gelu, "relu": F.relu, "gelu": F.gelu}
 
+#: the bound of Step-3.7's clamped silu-glu in generated modules: the projections are about N(0, 1), so it binds on
+#: both factors
+LIMIT = 0.5
+
+#: Step-3.7's clamped silu-glu (``silu(g).clamp(max=limit) * u.clamp(-limit, limit)``) and its look-alikes, each
+#: named for how its clamps differ (recipe.CLAMP_FLAWS: the flaw's name + "_glu"): (gate, up) -> the hidden state
+CLAMPED = {
+    "clamped_silu_glu": lambda g, u: F.silu(g).clamp(max=LIMIT) * u.clamp(min=-LIMIT, max=LIMIT),
+    "clamp_before_silu_glu": lambda g, u: F.silu(g.clamp(max=LIMIT)) * u.clamp(min=-LIMIT, max=LIMIT),
+    "clamp_up_max_only_glu": lambda g, u: F.silu(g).clamp(max=LIMIT) * u.clamp(max=LIMIT),
+    # a bound below on the silu too (silu's minimum is about -0.28, so -LIMIT / 4 binds)
+    "clamp_gate_min_glu": lambda g, u: F.silu(g).clamp(min=-LIMIT / 4, max=LIMIT) * u.clamp(min=-LIMIT, max=LIMIT),
+    "clamp_limits_differ_glu": lambda g, u: F.silu(g).clamp(max=LIMIT) * u.clamp(min=-2 * LIMIT, max=2 * LIMIT),
+}
+
+
+def hidden(act: str, gate: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """An expert's hidden state: ``act(gate) * up`` for a gated activation (``up`` given), ``act(gate)`` otherwise;
+    the clamped silu-glu and its look-alikes (``CLAMPED``) clamp their factors first."""
+    if act in CLAMPED:
+        return CLAMPED[act](gate, up)
+    h = ACT[act](gate)
+    return h if up is None else h * up
+
 
 class Router(nn.Module):
     """Softmax then top-k, top-k then softmax (Mixtral), sigmoid with a choice-only bias correction (DeepSeek-V3),
@@ -64,9 +88,7 @@ class Expert(nn.Module):
         self.w2 = nn.Linear(I, H, bias=False)
 
     def forward(self, x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        h = ACT[self.act](self.w1(x))
-        if self.w3 is not None:
-            h = h * self.w3(x)
+        h = hidden(self.act, self.w1(x), self.w3(x) if self.w3 is not None else None)
         if scale is not None:
             h = h * scale
         return self.w2(h)
@@ -133,23 +155,19 @@ class ExpertBank(nn.Module):
             return self.experts[e](xe, scale)
         if self.storage == "moduledict":
             return self.experts[str(e)](xe, scale)
-        act = ACT[self.act]
         if self.storage.startswith("fused"):
             g, u = self.split_gate_up(self._proj(xe, self.w13[e], False))
-            h = act(g) * u
+            h = hidden(self.act, g, u)
             h = h if scale is None else h * scale
             return self._proj(h, self.w2[e], False)
         if self.storage == "slices":
             rows = slice(e * I, (e + 1) * I)
-            h = act(self._proj(xe, self.w1[rows], False))
-            if self.gated:
-                h = h * self._proj(xe, self.w3[rows], False)
+            h = hidden(self.act, self._proj(xe, self.w1[rows], False),
+                       self._proj(xe, self.w3[rows], False) if self.gated else None)
             h = h if scale is None else h * scale
             return h @ self.w2[rows]
         kn = self.storage == "stacked_kn"
-        h = act(self._proj(xe, self.w1[e], kn))
-        if self.gated:
-            h = h * self._proj(xe, self.w3[e], kn)
+        h = hidden(self.act, self._proj(xe, self.w1[e], kn), self._proj(xe, self.w3[e], kn) if self.gated else None)
         h = h if scale is None else h * scale
         return self._proj(h, self.w2[e], kn)
 

@@ -20,6 +20,13 @@ FORM_COUNTER = {
 }
 
 ACTIVATIONS = ("silu_glu", "gelu_glu", "relu", "gelu")
+#: Step-3.7's clamped silu-glu (``parts.CLAMPED``) and the look-alikes of its clamps, drawn only when asked for
+#: (``draw_recipe(..., clamped=True)``, ``--clamped``), so each seed's general draws stay as they were: a genuine
+#: clamped recipe is any general form with this activation; a look-alike, any general form, genuine in its own
+#: code, with the activation of its flaw (the flaw's name + "_glu"): the clamp before the silu, one side only on
+#: up, a bound below on the silu too, up's bounds not the silu's
+CLAMPED_ACT = "clamped_silu_glu"
+CLAMP_FLAWS = ("clamp_before_silu", "clamp_up_max_only", "clamp_gate_min", "clamp_limits_differ")
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_bias", "group_limited", "argmax")
 FUSED = ("fused_chunk", "fused_split", "fused_slice", "fused_interleaved")
 #: how a loop's expert body is skipped when its mask is empty (``if mask.any():``, ``if torch.any(mask):``,
@@ -224,13 +231,18 @@ class Recipe:
         return " ".join(parts)
 
 
-def draw_recipe(draw: Draw, lookalike: Optional[bool] = None, forms: Optional[Sequence[str]] = None) -> Recipe:
+def draw_recipe(draw: Draw, lookalike: Optional[bool] = None, forms: Optional[Sequence[str]] = None,
+                clamped: bool = False) -> Recipe:
     """One recipe. ``lookalike`` None draws genuine variants and look-alikes alike (3 in 4 genuine). ``forms``: the
-    forms of a family of their own to draw from (OWN_FAMILY's), instead of the general ones."""
+    forms of a family of their own to draw from (OWN_FAMILY's), instead of the general ones. ``clamped``: a general
+    form with Step-3.7's clamped silu-glu, or (a look-alike) one of its clamps' look-alikes (``CLAMP_FLAWS``)."""
     if lookalike is None:
         lookalike = draw("lookalike", (False, False, False, True))
     flaws = FLAWS if forms is None else {f: OWN_FAMILY[f][1] for f in forms}
-    if lookalike:
+    if clamped:  # a look-alike's flaw is its activation's alone
+        form = draw("form", tuple(FORM_COUNTER))
+        flaw = draw("flaw", CLAMP_FLAWS) if lookalike else None
+    elif lookalike:
         form = draw("form", tuple(flaws))
         flaw = draw("flaw", flaws[form])
     else:
@@ -251,7 +263,7 @@ def draw_recipe(draw: Draw, lookalike: Optional[bool] = None, forms: Optional[Se
             idioms["combine"] = "unsort_weighted"
     if idioms.get("combine") == "flat_bmm" and form == "gathered":
         idioms["split"] = "product"  # v5's batched_mm splits the projection's output
-    act = draw("act", ACTIVATIONS)
+    act = (f"{flaw}_glu" if flaw else CLAMPED_ACT) if clamped else draw("act", ACTIVATIONS)
     if not act.endswith("_glu"):  # a fused gate/up weight exists only for gated experts
         for axis in ("experts",):
             if idioms.get(axis, "").startswith("fused"):

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.generator.parts import ACT, H, I, ExpertBank, Router
+from tests.generator.parts import H, I, ExpertBank, Router, hidden
 from tests.generator.recipe import Recipe
 
 
@@ -85,16 +85,14 @@ class SortedMoE(nn.Module):
     def _grouped(self, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """One ``torch._grouped_mm`` per projection over the sorted rows."""
         w_up, w_gate, w_down, kn = self.bank.stacked()
-        act = ACT[self.r.act]
 
         def gmm(a, w):
             return torch._grouped_mm(a, w if kn else w.transpose(-2, -1), offs=offs)
 
         if w_gate is None and self.r.gated:
             g, u = self.bank.split_gate_up(gmm(xs, w_up))
-            return gmm(act(g) * u, w_down)
-        h = act(gmm(xs, w_up))
-        return gmm(h * gmm(xs, w_gate) if self.r.gated else h, w_down)
+            return gmm(hidden(self.r.act, g, u), w_down)
+        return gmm(hidden(self.r.act, gmm(xs, w_up), gmm(xs, w_gate) if self.r.gated else None), w_down)
 
     def _walk(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """DeepSeek-V2's ``moe_infer`` loop: the counts walked on the host, each expert's running slice of the sorted
@@ -130,16 +128,14 @@ class GatheredMoE(nn.Module):
         xk = x
         if r.flaw == "twice":  # the weight on each slot's input as well as on its output
             xk, up = x[:, None, :] * weights[..., None], up.replace("th,", "tkh,")
-        act = ACT[r.act]
         if w_gate is None and r.gated and r.idioms["split"] == "gathered":
             g_w, u_w = self.bank.split_gathered(w_up[ids])
-            h = act(torch.einsum(up, xk, g_w)) * torch.einsum(up, xk, u_w)
+            h = hidden(r.act, torch.einsum(up, xk, g_w), torch.einsum(up, xk, u_w))
         elif w_gate is None and r.gated:
             g, u = self.bank.split_gate_up(torch.einsum(up, xk, w_up[ids]))
-            h = act(g) * u
+            h = hidden(r.act, g, u)
         else:
-            h = act(torch.einsum(up, xk, w_up[ids]))
-            h = h * torch.einsum(up, xk, w_gate[ids]) if r.gated else h
+            h = hidden(r.act, torch.einsum(up, xk, w_up[ids]), torch.einsum(up, xk, w_gate[ids]) if r.gated else None)
         down_ids = (ids + 1) % r.E if r.flaw == "differs" else ids
         out = torch.einsum(down, h, w_down[down_ids])
         if r.idioms["combine"] == "einsum":
@@ -163,13 +159,11 @@ class GatheredMoE(nn.Module):
 
         if r.flaw == "twice":
             rows = rows * flat_w.unsqueeze(-1)
-        act = ACT[r.act]
         if w_gate is None and r.gated:
             g, u = self.bank.split_gate_up(proj(w_up, rows, flat_ids))
-            h = act(g) * u
+            h = hidden(r.act, g, u)
         else:
-            h = act(proj(w_up, rows, flat_ids))
-            h = h * proj(w_gate, rows, flat_ids) if r.gated else h
+            h = hidden(r.act, proj(w_up, rows, flat_ids), proj(w_gate, rows, flat_ids) if r.gated else None)
         down_ids = (flat_ids + 1) % r.E if r.flaw == "differs" else flat_ids
         out = proj(w_down, h, down_ids) * flat_w.unsqueeze(-1)
         return out.view(T, k, H).sum(dim=1)
@@ -219,13 +213,11 @@ class DenseMoE(nn.Module):
         up, down = ("th,ehi->tei", "tei,eih->teh") if kn else ("th,eih->tei", "tei,ehi->teh")
         if xe.dim() == 3:
             up = up.replace("th,", "teh,")
-        act = ACT[self.r.act]
         if w_gate is None and self.r.gated:
             g, u = self.bank.split_gate_up(torch.einsum(up, xe, w_up))
-            h = act(g) * u
+            h = hidden(self.r.act, g, u)
         else:
-            h = act(torch.einsum(up, xe, w_up))
-            h = h * torch.einsum(up, xe, w_gate) if self.r.gated else h
+            h = hidden(self.r.act, torch.einsum(up, xe, w_up), torch.einsum(up, xe, w_gate) if self.r.gated else None)
         return torch.einsum(down, h, w_down)
 
 
@@ -301,7 +293,6 @@ class CapacityMoE(nn.Module):
         between the projections or after them."""
         r = self.r
         w_up, w_gate, w_down, _ = self.bank.stacked()
-        act = ACT[r.act]
         if r.idioms["experts"] == "einsum":
             def up(t, w):
                 return torch.einsum("ech,eih->eci", t, w)
@@ -312,9 +303,8 @@ class CapacityMoE(nn.Module):
             def up(t, w):
                 return torch.bmm(t, w.transpose(1, 2))
             down = up
-        h = act(self._biased(up(xin, w_up), self.b1, "b[:, None, :]"))
-        if r.gated:
-            h = h * self._biased(up(xin, w_gate), self.b3, "b[:, None, :]")
+        h = hidden(r.act, self._biased(up(xin, w_up), self.b1, "b[:, None, :]"),
+                   self._biased(up(xin, w_gate), self.b3, "b[:, None, :]") if r.gated else None)
         h = self._dropout(h, "between")
         out = self._biased(down(h, w_down), self.b2, "b.unsqueeze(1)")
         return self._dropout(out, "after")
