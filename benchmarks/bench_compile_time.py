@@ -12,7 +12,9 @@ slows both alike; the table gives the median of ``--repeats`` per (tree, family)
 ``--plain`` adds a column for ``torch.compile(backend=<inner>)`` itself: what the first call costs without moe_inductor.
 
 ``longcat_flash`` (not in the default list) is transformers' LongCat-Flash at tests/test_hf_families.py's sizes: its
-zero experts make a loop no rewrite takes, so its frames fall back, the case ``moe_inductor/unproven_loops.py`` is for.
+loop over the experts that got tokens is unrolled over every choice, its zero-computation experts included
+(``moe_inductor/passes/zero_experts.py``); a loop no rewrite took would fall back, the case
+``moe_inductor/unproven_loops.py`` is for.
 """
 from __future__ import annotations
 

@@ -10,6 +10,14 @@ The user code this is for (transformers v4.4x-v4.5x SwitchTransformersSparseMLP)
         next_states[router_mask[:, :, idx]] = getattr(self.experts, f"expert_{idx}")(
             hidden_states[router_mask[:, :, idx]])
 
+and a top-k router's hit vector as a list (GPTQModel's MiniMax-M2 port, and copies of transformers v4's loop):
+
+    expert_mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)
+    expert_hit = torch.nonzero(expert_mask.sum(dim=(-1, -2)) > 0, as_tuple=False).flatten()
+    for expert_idx in expert_hit.tolist():
+        idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+        final.index_add_(0, top_x, self.experts[expert_idx](x[top_x]) * weights[top_x, idx, None])
+
 Under the capture settings the list's length is an unbacked symbol, and Dynamo's ``tolist`` cannot make it: the
 frame fails and falls back to plain capture. Iterating the experts that kept rows equals iterating every expert in
 order when the body, run on an expert with no rows, does nothing: which holds when the body is an expert MLP on the
@@ -18,13 +26,17 @@ into the op). So, during a moe_inductor compile only, ``t.tolist()`` is traced a
 Python ints when all of this holds, and else runs as Dynamo's own (the frame falls back as before, saying why):
 
 - t is ``nonzero(counts, as_tuple=True)[0]`` of a (E,) count of each expert's rows of a one-hot with the router's
-  drops in it (``kept_masks.kept_counts``): zero exactly where expert e keeps no row;
+  drops in it (``kept_masks.kept_counts``): zero exactly where expert e keeps no row; or the nonzero of a (E,) hit
+  vector, "expert e got tokens" of the router's ids (``hit_loops.hit_vector``), as ``nonzero(hit, as_tuple=True)[0]``
+  or the one column of ``nonzero(hit)`` (``.flatten()``, ``.squeeze(-1)``, ``.view(-1)``, ``[:, 0]``): the rewrite
+  then is the unrolled loop's, as for hit_loops.py's loops over the nonzero itself;
 - the list, used in place or stored in a local, is read (every read that can see that store) only once, by the
   ``GET_ITER`` of a for loop, whose body neither leaves the loop nor sets a local read after it (the loop variable
   included: after the loop eager holds the last expert that kept rows, the trace E - 1);
 - each iteration is an ordinary ``Speculation`` (hit_loops' FOR_ITER hook): ``check_traced`` proves its body reads
-  the rows of that expert's column of that same one-hot only (``mask_guards.selected_by``), the counts proven again
-  on the final graph, unchanged in place anywhere, and ``discharge`` requires a rewrite to take every body.
+  the rows of that expert's column of that same one-hot only (``mask_guards.selected_by``; of a hit vector, the rows
+  that expert's selection of those same ids picks), the counts or the hit vector proven again on the final graph,
+  unchanged in place anywhere, and ``discharge`` requires a rewrite to take every body.
 """
 from __future__ import annotations
 
@@ -165,6 +177,26 @@ def _counts_of(nonzero_name: str) -> Callable:
     return counts_of
 
 
+def _hit_counts_of(nonzero_name: str) -> Callable:
+    """``_Loop.counts_of`` of a list of a hit vector's nonzero: (ids, e, None), the vector proven again on
+    check_traced's graph copy (``hit_loops.hit_vector``, unchanged in place anywhere)."""
+
+    def counts_of(loop, e: int) -> Callable[[Graph], tuple]:
+        def counts(graph: Graph) -> tuple:
+            s = loop.iterations[e]
+            if not loop.finished or len(loop.iterations) != loop.E:
+                raise speculation._fail(s, "the loop over the experts did not end in this graph")
+            nonzero = next((n for n in graph.nodes if n.name == nonzero_name), None)
+            found = hit_loops.hit_vector(nonzero) if nonzero is not None else "its nonzero() is gone"
+            if isinstance(found, str):
+                raise speculation._fail(s, found)
+            return found[0], e, None
+
+        return counts
+
+    return counts_of
+
+
 def as_expert_list(variable, tx):
     """The list ``[0, ..., E-1]`` (a Dynamo ListVariable of constants) to trace ``variable.tolist()`` as, where the
     module docstring's conditions hold at the call; else None (Dynamo's own tolist runs)."""
@@ -183,14 +215,20 @@ def as_expert_list(variable, tx):
         return None
     found = _kept_nonzero(node)
     where = speculation._user_line(tx)
-    if found is None:
-        if _nonzero_column(node) is not None:  # the mark of such a loop: say why it is not unrolled
-            trace.refusals.append(f"{where}: the list of nonzero(...).tolist() was not traced as every expert: its "
-                                  "vector is not each expert's count of a one-hot's rows, (one_hot(idx, E) * keep)"
-                                  ".bool() with an integer or bool keep")
-        return None
-    nonzero, M = found
-    E = M.meta["example_value"].shape[-1]
+    if found is not None:
+        nonzero, M = found
+        E, counts_of = M.meta["example_value"].shape[-1], _counts_of(nonzero.name)
+    else:  # a hit vector's nonzero, as_tuple or its one column: the hit loops' proof of it (hit_loops.hit_vector)
+        nonzero = _nonzero_column(node) or hit_loops._column_of(node)
+        hit = hit_loops.hit_vector(nonzero) if nonzero is not None else None
+        if not isinstance(hit, tuple):
+            if nonzero is not None:  # the mark of such a loop: say why it is not unrolled
+                trace.refusals.append(
+                    f"{where}: the list of nonzero(...).tolist() was not traced as every expert: its vector is neither "
+                    "each expert's count of a one-hot's rows, (one_hot(idx, E) * keep).bool() with an integer or bool "
+                    f"keep, nor 'expert e got tokens' ({hit.removeprefix('the loop runs over ')})")
+            return None
+        E, counts_of = hit[1], _hit_counts_of(nonzero.name)
     get_iter, why = _iterated_once(tx)
     if why is None:
         why = _refusal(tx, get_iter)
@@ -202,7 +240,7 @@ def as_expert_list(variable, tx):
         return None
     nonzero.meta[speculation.LENGTH] = E  # its size checks (0 <= n_hit <= E) are facts: they go if its loop does
     items = ListVariable([ConstantVariable.create(e) for e in range(E)], mutation_type=ValueMutationNew())
-    trace.loops[id(items)] = (items, _Listed(nonzero.name, E, where))
+    trace.loops[id(items)] = (items, _Listed(nonzero.name, E, where, counts_of))
     return items
 
 
@@ -213,6 +251,8 @@ class _Listed:
     nonzero: str
     E: int
     where: str
+    #: ``hit_loops._Loop.counts_of``: the kept counts' (``_counts_of``) or a hit vector's (``_hit_counts_of``)
+    counts_of: Optional[Callable] = None
 
 
 def _get_iter(tx, inst, handler: Callable) -> None:
@@ -230,7 +270,25 @@ def _get_iter(tx, inst, handler: Callable) -> None:
     if got is not None and isinstance(got[1], _Listed):
         listed, iterator = got[1], tx.stack[-1]
         trace.loops[id(iterator)] = (iterator, hit_loops._Loop(listed.nonzero, listed.E, listed.where,
-                                                               counts_of=_counts_of(listed.nonzero)))
+                                                               counts_of=listed.counts_of))
+
+
+def refuse_data_dependent_range(tx, args: list) -> None:
+    """At ``range(...)`` inside a body assumed to have rows: a bound of a data-dependent count (an expert's rows
+    walked in chunks, ``for i in range(0, top_x.size(0), 1024)``) is a loop Dynamo cannot iterate, and one iteration
+    over all the rows is not proven the same program; the frame falls back, saying so here rather than with
+    Dynamo's guard on a data-dependent size."""
+    from torch._dynamo.variables import SymNodeVariable
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    trace = speculation._trace()
+    if trace is None or not any(not s.closed for s in trace.speculations):
+        return
+    if any(isinstance(a, SymNodeVariable) and free_unbacked_symbols(a.sym_num) for a in args):
+        raise speculation.SpeculationNotDischarged(
+            f"{speculation._user_line(tx)}: range(...) over a data-dependent count inside a loop body assumed to have "
+            "rows (an expert's rows in chunks): its iterations cannot be traced, and one pass over all the rows is "
+            "not proven the same program")
 
 
 _installed = False
@@ -254,6 +312,16 @@ def install() -> None:
             return listed if listed is not None else real(self, tx, *args, **kwargs)
 
         TensorVariable.method_tolist = method_tolist
+        from torch._dynamo.variables import BuiltinVariable
+
+        call_builtin = BuiltinVariable.call_function
+
+        def builtin_call(self, tx, args, kwargs):
+            if getattr(self, "fn", None) is range:
+                refuse_data_dependent_range(tx, list(args))
+            return call_builtin(self, tx, args, kwargs)
+
+        BuiltinVariable.call_function = builtin_call
         op = dis.opmap["GET_ITER"]
         for table in speculation.dispatch_tables(symbolic_convert.InstructionTranslatorBase):
             if op < len(table) and table[op] is not None:

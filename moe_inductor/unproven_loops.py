@@ -6,8 +6,8 @@ rows unrolled over every expert, hit_loops.py) stays only where a rewrite takes 
 back to plain capture, which breaks the graph at the loop as ``backend="inductor"`` does. Dynamo then compiles the
 frames around that break on their own (the decoder layer's forward, the MoE block's, the experts' forward, their
 resume functions), and each of them would unroll the same loop again, run the passes, and fail alike: transformers'
-LongCat-Flash, whose zero experts are identities no rewrite takes, made 14 such attempts and compiled 4x slower than
-plain capture.
+LongCat-Flash, while no rewrite took its zero experts (passes/zero_experts.py does now), made 14 such attempts and
+compiled 4x slower than plain capture.
 
 So a loop whose body no rewrite took is remembered, by everything its proof depends on: the module whose forward
 holds it (its ``self``, held weakly), the loop's code and offset, the shapes, dtypes and devices of that forward's

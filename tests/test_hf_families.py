@@ -52,9 +52,10 @@ FAMILIES: dict[str, tuple[dict, dict]] = {
     # its mixture of attention heads is a split loop too, and is left alone: only the MLP experts are rewritten
     "JetMoeForCausalLM": ({}, {"split_loop": 2}),
     "Lfm2MoeForCausalLM": (dict(layer_types=["conv", "full_attention"], num_dense_layers=0), {"hf_grouped_mm": 2}),
-    # zero experts (identity outputs) in its own loop over .item() ids: the frames fall back, equal to eager
+    # its own loop over .item() ids, with zero experts (identity outputs): the routed ones on the op, the zero ones
+    # as the tokens times their weights beside it (passes/zero_experts.py)
     "LongcatFlashForCausalLM": (dict(num_layers=2, ffn_hidden_size=32, expert_ffn_hidden_size=16, zero_expert_num=2,
-                                     moe_topk=2, **MLA), {}),
+                                     moe_topk=2, **MLA), {"unrolled_loop": 2}),
     "MiniMaxForCausalLM": ({}, {"hf_grouped_mm": 2}),
     "Qwen3NextForCausalLM": (LINEAR_ATTENTION, {"hf_grouped_mm": 2}),
     "Qwen3_5MoeForCausalLM": (LINEAR_ATTENTION, {"hf_grouped_mm": 2}),

@@ -3,7 +3,8 @@ took a speculated loop's body, the frames Dynamo compiles around the graph break
 
 The model mirrors transformers' LongCat-Flash experts: a loop over the experts that got rows (``nonzero`` of the
 summed one-hot mask), ``.item()`` of each index, and "zero experts" past the routed ones whose output is their
-input, which no rewrite takes. Checked: the same outputs as eager, fewer attempts than without the memory (each
+input, here added without their routing weight beside weighted routed experts, which no rewrite takes (LongCat's
+own, weighted, are rewritten: tests/test_zero_experts.py). Checked: the same outputs as eager, fewer attempts than without the memory (each
 module's loop is unrolled once, not once per frame), and explain() saying why. Look-alikes that must still be
 rewritten: the same class without zero experts beside one with them (the memory is per module), and a module whose
 loop failed at one token count asked again at another (the memory is per shape).
@@ -22,7 +23,7 @@ H, I, E, K = 16, 8, 4, 2
 
 
 class ZeroExperts(nn.Module):
-    """LongCat-Flash's experts loop: ``zero`` identity experts after ``E`` routed ones."""
+    """LongCat-Flash's experts loop: ``zero`` identity experts after ``E`` routed ones, added unweighted."""
 
     def __init__(self, zero: int):
         super().__init__()
@@ -43,8 +44,8 @@ class ZeroExperts(nn.Module):
             if e >= self.routed:
                 h = rows
             else:
-                h = F.linear(F.silu(F.linear(rows, self.w1[e])), self.w2[e])
-            out.index_add_(0, tok, h * weights[tok, pos, None])
+                h = F.linear(F.silu(F.linear(rows, self.w1[e])), self.w2[e]) * weights[tok, pos, None]
+            out.index_add_(0, tok, h)
         return out
 
 

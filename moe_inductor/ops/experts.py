@@ -11,6 +11,12 @@ copied per call.
   "output"  y = sum_k w_k * down(act(up(x)))             (Mixtral, Qwen, DeepSeek, GPT-OSS)
   "between" y = sum_k down(w_k * act(up(x)))
   "input"   y = sum_k down(act(up(w_k * x)))             (Llama4)
+
+A choice whose id lies outside [0, E) is a choice of no expert: it adds nothing to y and its routing weight gets a
+zero gradient (ops/routing.py drops it and never reads its weights). The FX passes rely on it: a capacity router's
+dropped rows given the id E (passes/kept_masks.py), zero-computation experts' ids past the routed ones
+(passes/zero_experts.py); tests/test_zero_experts.py holds every CPU implementation to it. ``fused_experts``, the
+user's entry point, raises on such ids instead, as eager indexing does.
 """
 from __future__ import annotations
 

@@ -89,6 +89,12 @@ class Match:
     #: without ``acc``: the sizes the op's (T, H) result is reshaped to, ``end``'s shape (one size may be -1), where
     #: the region's result splits the tokens over more dims than one
     result_shape: Optional[tuple] = None
+    #: a term the region adds beside the experts' combined output, made before ``end`` from the derived spec
+    #: (``plus(graph, spec) -> node`` of the op's result dtype): zero-computation experts' tokens added back
+    plus: Optional[Callable[[Graph, MoESpec], Node]] = None
+    #: E, where ``derive`` hands the op fewer experts than the spec's stacked weights hold (the routed ones of a loop
+    #: that also has zero-computation experts)
+    experts: Optional[int] = None
 
 
 Proof = Callable[[Node], Union[Match, str, None]]
@@ -223,7 +229,7 @@ def layer_of(form: str, m: Match) -> Layer:
     train = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in map(val, weights))
     tokens = _count_of(val(spec.x).shape[:-1])  # -1 where symbolic (a SymInt is never compared)
     return Layer(form, spec.activation, spec.gate_up or "separate",
-                 any(b is not None for b in (spec.b1, spec.b1_up, spec.b2)), (H, I, num_experts(spec), k),
+                 any(b is not None for b in (spec.b1, spec.b1_up, spec.b2)), (H, I, m.experts or num_experts(spec), k),
                  val(spec.x).device, train, per_expert, tokens if tokens >= 0 else None, val(spec.x).dtype)
 
 
@@ -239,7 +245,7 @@ def num_experts(spec: MoESpec) -> int:
 def _describe(form: str, m: Match) -> Rewrite:
     spec = m.spec
     per_expert = isinstance(spec.gate, tuple)
-    E = num_experts(spec)
+    E = m.experts or num_experts(spec)
     shapes = tuple((E,) + tuple(val(w[0]).shape) if per_expert else tuple(val(w).shape) for w in (spec.gate, spec.down))
     k = m.top_k if m.top_k is not None else int(val(spec.ids).shape[-1])
     return Rewrite(form, source_line(m.where or m.end), E, k, spec.activation, shapes, note=m.note)
@@ -265,6 +271,9 @@ def _replace(graph: Graph, form: str, m: Match) -> Rewrite:
             ys.append(emit_experts(graph, dataclasses.replace(spec, **rows), m.end, out_dtype, traced_x=spec.x))
         with graph.inserting_before(m.end):
             y = graph.call_function(torch.stack, (ys,))
+    if m.plus is not None:
+        with graph.inserting_before(m.end):
+            y = graph.call_function(operator.add, (y, m.plus(graph, spec)))
     if m.acc is None:
         if m.result_shape is not None:
             with graph.inserting_before(m.end):

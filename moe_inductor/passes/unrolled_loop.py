@@ -55,6 +55,7 @@ from .gated_reads import read_gated
 from .loop_rows import routing_scaled, rows_index, selection, token_rows_of
 from .masked_writes import match_masked_writes, match_top1_masks, top1_buffer
 from .table_writes import match_table_writes, table_buffer
+from .zero_experts import Passthrough, identity_body, leading_rows, passthrough, proven, stacked_rows_cover
 
 FORM = "unrolled_loop"
 
@@ -144,9 +145,10 @@ def max_ids(ids: Node) -> bool:
     return keepdim is True and src is not None and src.dim() == 2 and dim in (-1, 1)
 
 
-def _body(add: Node, acc: Node) -> Union[_Body, str]:
-    """One expert's body, read backwards from ``acc.index_add_(0, tok, contribution)`` or ``acc[tok] += ...``; or,
-    when it is not one we can prove, why not (explain() reports it)."""
+def _body(add: Node, acc: Node) -> Union[_Body, Passthrough, str]:
+    """One expert's body, read backwards from ``acc.index_add_(0, tok, contribution)`` or ``acc[tok] += ...`` (an
+    expert MLP, or a zero-computation expert's rows added back: zero_experts.py); or, when it is not one we can
+    prove, why not (explain() reports it)."""
     accumulated = _accumulation(add, acc)
     assigned = accumulated is None and (accumulated := _assignment(add, acc)) is not None
     if accumulated is None:
@@ -181,6 +183,9 @@ def _body(add: Node, acc: Node) -> Union[_Body, str]:
         return got if block is None else (*block, None)
 
     down = projection(expert_out)
+    same = identity_body(contribution, tok, sel) if down is None else None
+    if same is not None:  # a zero-computation expert: its rows back, times numbers and its routing weight at most
+        return Passthrough(e, same[0], ids, same[1], same[2], sel.where, add, read)
     if down is None and is_call(expert_out, "call_function", operator.mul) and len(expert_out.args) == 2 and any(
             isinstance(a, Node) and projection(a) is not None for a in expert_out.args):
         return (f"expert {e}'s output is scaled by a factor that is not this body's own routing weight "
@@ -307,8 +312,9 @@ def _zeros_like_x(acc: Node) -> bool:
         "fill_value" not in acc.kwargs)
 
 
-def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Body], Optional[Node]], str, None]:
-    """(the MoE, its E loop bodies, the ``acc * s`` product that applies the routing weight when the bodies do not)
+def match(acc: Node, position: dict[Node, int]) -> Union[tuple, str, None]:
+    """(the MoE, its E expert bodies, the ``acc * s`` product that applies the routing weight when the bodies do
+    not, whether the adds are an out-of-place chain, the zero-computation experts' bodies and what they add or None)
     accumulating into ``acc``, when they form a complete, consistent MoE; else why not (a string) when ``acc``
     looked like a per-expert loop's accumulator, None when it never did.
 
@@ -331,8 +337,15 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
     if failed:  # the first failing body, at its own line (the write), which is where the user will look
         reason, add = failed[0]
         return f"{reason} (at {source_line(add).split(': ', 1)[0]})"
+    zero = [b for b in bodies if isinstance(b, Passthrough)]
+    routed = [b for b in bodies if not isinstance(b, Passthrough)]
+    if zero and not routed:
+        return proven(zero, routed, None)
+    bodies = routed
     spec = bodies[0].spec
     if any(b.blocks is not None for b in bodies):
+        if zero:
+            return "zero-computation experts beside row blocks of flat weights"
         if not all(b.blocks is not None for b in bodies):
             return "some bodies read row blocks of flat weights and others not"
         spec = sliced_spec([(b.e, b.blocks, b.spec) for b in bodies])
@@ -341,7 +354,9 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
     elif all(b.stacked for b in bodies):
         if any(b.spec != spec or b.layouts != bodies[0].layouts for b in bodies):  # the same region but for e
             return "the loop bodies differ in more than the expert index"
-        if sorted(b.e for b in bodies) != list(range(val(spec.gate).shape[0])):
+        if zero and not stacked_rows_cover(spec, len(bodies)):
+            return "the stacked weights hold fewer experts than the loop routes to them"
+        if not zero and sorted(b.e for b in bodies) != list(range(val(spec.gate).shape[0])):
             return f"the loop runs over experts {sorted(b.e for b in bodies)}, not each of range(E) once"
     elif not any(b.stacked for b in bodies):
         spec = _per_expert_spec(bodies)
@@ -349,12 +364,15 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
             return "the per-expert weights are not one distinct weight per expert and projection, of one shape"
     else:
         return "some bodies use stacked weights and others per-expert ones"
+    zeros = proven(zero, bodies, spec) if zero else None
+    if isinstance(zeros, str):
+        return zeros
     biases = [b for t in (spec.b1, spec.b1_up, spec.b2) if isinstance(t, tuple) for b in t]
     if biases and spec.gate_up is not None:
         return "the experts' fused gate/up projections have biases: the op splits a fused weight only when stacked"
     if any(mutated_alias(b) for b in biases):  # the op reads the biases later than the user's code did
         return CHANGED_IN_PLACE
-    own_reads = {b.read for b in bodies if b.read is not None}
+    own_reads = {b.read for b in (*bodies, *zero) if b.read is not None}
     readers = {u for u in result.users if u not in mutations and u not in own_reads
                and not reads_metadata_only(u, result)}  # a template (``out.new_zeros(())``) reads no value
     iv = val(spec.ids)
@@ -384,10 +402,10 @@ def match(acc: Node, position: dict[Node, int]) -> Union[tuple[MoESpec, list[_Bo
             tuple(iv.shape) if iv.dim() == 2 else (iv.shape[0], 1))):
         return "the routing weights are not (T, k) like the ids"
     # every read of the accumulator must come after the last index_add_
-    last_add = max(position[b.add] for b in bodies)
+    last_add = max(position[b.add] for b in (*bodies, *zero))
     if any(position[u] < last_add for u in readers):
         return "the accumulator is read before the loop ends"
-    return spec, bodies, product, chain is not None
+    return spec, bodies, product, chain is not None, zero, zeros
 
 
 def _chain(acc: Node) -> Optional[list[Node]]:
@@ -430,22 +448,25 @@ def match_loop(acc: Node) -> Union[Match, str, None]:
     got = match(acc, position)
     if not isinstance(got, tuple):
         return got
-    spec, bodies, product, chained = got
-    adds = tuple(b.add for b in bodies)
+    spec, bodies, product, chained, zero, zeros = got
+    adds = tuple(b.add for b in (*bodies, *zero))
     biased = isinstance(spec.gate, tuple) and any(b is not None for b in (spec.b1, spec.b1_up, spec.b2))
     one_id = val(spec.ids).dim() == 1
     sliced = bodies[0].blocks
-    note = (f"{len(bodies)} nonzero host syncs and data-dependent sizes removed"
+    note = (f"{len(bodies) + len(zero)} nonzero host syncs and data-dependent sizes removed"
             + ("; the flat weights read as (E, n, m) views" if sliced is not None else
                "; per-expert weights read where they lie" if isinstance(spec.gate, tuple) else "")
             + (f"; routing weight on the {spec.weight_position}" if spec.weight_position != "output" else "")
             + ("; the routing weight scaled the combined result" if product is not None else "")
-            + ("; no routing weight (the op scales by 1)" if spec.weights is None else ""))
+            + ("; no routing weight (the op scales by 1)" if spec.weights is None else "")
+            + (zeros.note() if zeros is not None else ""))
 
     layouts = bodies[0].layouts
     unweighted = spec.weights is None
 
     def derive(graph: Graph, spec: MoESpec) -> MoESpec:
+        if zeros is not None:  # the routed experts are the first ones of weights sized for every choice
+            spec = leading_rows(graph, spec, zeros.first)
         spec = per_expert_for_op(graph, spec) if biased else views(sliced)(graph, spec) if sliced is not None else spec
         if layouts is not None:
             spec = _as_nk(graph, spec, layouts)
@@ -459,10 +480,12 @@ def match_loop(acc: Node) -> Union[Match, str, None]:
     # Out of place (chained), the last link's value is the result, and the chain goes as dead code.
     end = product if product is not None else max(adds, key=position.__getitem__)
     in_place = not chained and product is None
+    plus = passthrough(zeros, val(acc).dtype) if zeros is not None else None
     return Match(spec, end, note, where=bodies[0].add, acc=acc if in_place else None, writes=() if chained else adds,
-                 transient=tuple(b.where for b in bodies),
-                 derive=derive if biased or one_id or unweighted or sliced is not None or layouts is not None else None,
-                 top_k=1 if one_id else None)
+                 transient=tuple(b.where for b in (*bodies, *zero)),
+                 derive=derive if biased or one_id or unweighted or sliced is not None or layouts is not None or (
+                     zeros is not None) else None,
+                 top_k=1 if one_id else None, plus=plus, experts=zeros.first if zeros is not None else None)
 
 
 rewrite = Form(FORM, (Anchor(_zeros_like_x, match_loop),

@@ -23,10 +23,13 @@ backward through the block raises in eager; the case runs the block under ``torc
 layer's residual add (the gradient is the residual's). Departures: the train-time jitter
 (``hidden_states.mul_(noise)``) and the grouped top-k branch (off in the config) are left out.
 
-Outcome: fell back. ``expert_hit.tolist()`` of a top-k one-hot's hit vector is not the list hit_lists.py traces
-(Switch's ``nonzero(kept_counts, as_tuple=True)[0].tolist()``), so GET_ITER meets a list of unbacked length
-(``GuardOnDataDependentSymNode``); the chunk loop ``range(0, rows, 1024)`` over an expert's unbacked row count would
-need the same treatment. The frames compile as plain capture would.
+Outcome: fell back. ``expert_hit.tolist()`` of the top-k one-hot's hit vector is traced as the list of every
+expert (``hit_lists.py``, with the hit loops' proof of the vector), but inside the body the chunk loop ``range(0,
+top_x_full.size(0), 1024)`` runs over an expert's data-dependent row count, which Dynamo cannot iterate and no proof
+reads as one pass over all the rows: the frame falls back at that line, saying so (``hit_lists.
+refuse_data_dependent_range``). Past it, the expert output weighted in place (``expert_output.mul_(weights)``) and
+the MLP's ``gate.mul_(up)`` are spellings unrolled_loop does not read either (a loop of this block without the chunk
+loop falls back with "no routing weight ... scales the output"). The frames compile as plain capture would.
 """
 import torch
 import torch.nn as nn
@@ -124,8 +127,8 @@ class Wrapped(nn.Module):
 
 
 CASES = [
-    # the hit list is `.tolist()` of a nonzero over a top-k one-hot (hit_lists.py takes Switch's kept counts only),
-    # so its length is unbacked where GET_ITER reads it; the frame is compiled as plain capture would
+    # the hit list is traced as every expert, but the body's chunk loop over an expert's rows is a range of a
+    # data-dependent count: the frame is compiled as plain capture would
     Case("gptqmodel_minimax_m2", "ModelCloud/GPTQModel gptqmodel/hf_minimax_m2/modeling_minimax_m2.py "
          "MiniMaxM2SparseMoeBlock (hit list, row chunks, in-place)", Wrapped,
          lambda T, g: torch.randn(2, T, H, generator=g), form="unrolled_loop", expect=("fell_back",)),

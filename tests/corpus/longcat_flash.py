@@ -17,9 +17,10 @@ scaled by ``top_k_weights[token_idx, selection_idx, None]`` and ``index_add_``ed
 - ``longcat_flash_zero_experts``: E = 5 routed and Z = 3 zero experts, k = 3 (the real config's 512 + 256, k = 12).
 - ``longcat_flash_routed_only``: ``zero_expert_num = 0``, every choice a routed expert.
 
-Outcome: with zero experts, fell back (the loop over the hit experts is traced over all E + Z, and unrolled_loop
-finds no weight read in an identity body, so the speculation is not discharged and the frame compiles as plain
-capture would); routed only, rewritten as an unrolled loop.
+Outcome: both rewritten as an unrolled loop. The loop over the hit experts is traced over all E + Z; with zero
+experts, the identity bodies (each adds its rows of the tokens times its own routing weight) are read as
+zero-computation experts (``passes/zero_experts.py``): the E routed experts go to the op, on the first E rows of
+``gate_up_proj``, and the identity ones are ``x * sum of the weights of the choices >= E`` beside it, in the graph.
 
 Departures: the bias buffer is seeded non-zero (the checkpoint's is trained), so choice and weight differ.
 """
@@ -109,10 +110,9 @@ def _input(T, g):
 
 _SRC = "huggingface/transformers v5.24 models/longcat_flash/modeling_longcat_flash.py LongcatFlashMoE"
 CASES = [
-    # the hit loop is traced over every choice, and the identity bodies (no weight read) are no expert MLP: the
-    # speculation that skipped nothing is not discharged, so the frame is compiled as plain capture would
+    # the hit loop is traced over every choice; the identity bodies are the zero-computation experts' pass-through
     Case("longcat_flash_zero_experts", _SRC + " (3 zero-computation experts)", lambda: LongcatFlashMoE(3), _input,
-         form="unrolled_loop", expect=("fell_back",)),
+         form="unrolled_loop"),
     Case("longcat_flash_routed_only", _SRC + " (zero_expert_num=0)", lambda: LongcatFlashMoE(0), _input,
          form="unrolled_loop"),
 ]
