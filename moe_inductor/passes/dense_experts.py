@@ -17,7 +17,7 @@ The experts may also be modules of their own, each run on every token and stacke
 
     out = torch.stack([expert(x) for expert in self.experts], dim=1)  # (T, E, H), then the same mix
 
-Two more spellings of the same computation (``match_token_replicated``, ``match_dense_loop`` have the details):
+More spellings of the same computation (``match_token_replicated``, ``match_dense_loop`` have the details):
 
     # Llama 4's reference: tokens replicated per expert, scaled by (E, T) scores zero off the top-k, bmm over E
     xs = torch.gather(x, 0, idx) * scores_ET.reshape(-1, 1)
@@ -26,6 +26,11 @@ Two more spellings of the same computation (``match_token_replicated``, ``match_
     # vLLM's torch-native loop: every expert on every token, each scaled by its column of the routing
     for e in range(E):
         y = y + expert_e(x) * (weights * (ids == e)).sum(-1, keepdim=True)
+
+    # vLLM's Gaudi loop: the columns of a scatter_-made (T, E) table, through views, += into a zeros buffer
+    # (passes/dense_tables.py)
+    for e in range(E):
+        y += expert_e(x) * table.reshape(-1, T, E).permute(2, 0, 1).unsqueeze(-1)[e]
 
     # transformers v4.55-4.57's GPT-OSS and Qwen3-VL-MoE: tokens repeated per expert, bmm, summed over E
     out = torch.bmm(act(torch.bmm(x.repeat(E, 1).view(E, -1, H), w_gate_up)), w_down)
@@ -48,6 +53,7 @@ from torch.fx import Node
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match, every_node, num_experts
 from .aliases import alias_mutations
+from .dense_tables import fresh_buffer, match_table_loop
 from .fx_utils import ONE_HOT, comes_before, einsum_parts, is_call, single_use, unsqueezed_last, val, weighted_sum
 from .gated_reads import GatedRead, read_gated
 from .score_tables import expert_major_scores
@@ -210,24 +216,27 @@ class _Experts:
                        **self.fields)
 
 
-def _every_expert(outs: list) -> Union[_Experts, str]:
+def _every_expert(outs: list, hidden: Optional[Callable[[Node], Union[Node, str]]] = None,
+                  tokens: Callable[[Node], Node] = lambda n: n) -> Union[_Experts, str]:
     """The experts whose outputs are ``outs[e]`` for each e of range(E): each a bias-free MLP on the same input
     (``expert_projections.expert_mlp``), alike in all but their weights, on ``w[e]`` of one stacked weight per projection
-    or one distinct per-expert weight per projection (nn.Linear modules, the e-th in expert e's place); or why not."""
+    or one distinct per-expert weight per projection (nn.Linear modules, the e-th in expert e's place); or why not.
+    ``hidden`` is handed to ``expert_mlp``; ``tokens`` maps each expert's input to the node whose values it is (a
+    proof that reads ``x.reshape(-1, H)`` per expert as ``x``: ``dense_tables.same_tokens``)."""
     from .expert_projections import expert_mlp
 
     read = []
     for e, out in enumerate(outs):
-        mlp = expert_mlp(out, e)
+        mlp = expert_mlp(out, e, hidden)
         if isinstance(mlp, str):
             return mlp
         w_down, layout, stacked, gated = mlp
         gate, up = gated.gate, gated.up
-        if up is not None and up[0] is not gate[0]:
+        if up is not None and tokens(up[0]) is not tokens(gate[0]):
             return f"expert {e}'s gate and up projections read different inputs"
         if any(p[2] != layout or p[3] != stacked for p in (gate, up) if p is not None):
             return "the projections mix weight layouts or stacked and per-expert weights"
-        read.append((e, gate[0], gate[1], up[1] if up else None, w_down, layout, stacked, gated.activation,
+        read.append((e, tokens(gate[0]), gate[1], up[1] if up else None, w_down, layout, stacked, gated.activation,
                      tuple(sorted(gated.spec_fields().items()))))
     first = read[0]
     if any(r[1] is not first[1] or r[5:] != first[5:] or (r[3] is None) != (first[3] is None) for r in read):
@@ -539,5 +548,6 @@ def _match_repeated(y: Node) -> Union[Match, str, None]:
 rewrite = Form(FORM, (Anchor(every_node, match_or_reason),
                      Anchor(lambda n: is_call(n, "call_method", "scatter_add_"), match_token_replicated),
                      Anchor(every_node, match_dense_loop),
-                     Anchor(lambda n: is_call(n, "call_method", "sum"), _match_repeated)))
+                     Anchor(lambda n: is_call(n, "call_method", "sum"), _match_repeated),
+                     Anchor(fresh_buffer, match_table_loop)))
 """Replace every provable dense all-experts MoE in a GraphModule; returns what was rewritten."""

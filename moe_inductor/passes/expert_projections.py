@@ -7,7 +7,7 @@ checks between the projections.
 from __future__ import annotations
 
 import operator
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch.fx import Node
@@ -76,13 +76,20 @@ def _linear(node: Node, e: int) -> Optional[tuple[Node, Node, str, bool]]:
     return None
 
 
-def expert_mlp(out: Node, e: int) -> Union[tuple[Node, str, bool, GatedRead], str]:
+def expert_mlp(out: Node, e: int, hidden: Optional[Callable[[Node], Union[Node, str]]] = None,
+               ) -> Union[tuple[Node, str, bool, GatedRead], str]:
     """Expert ``e``'s whole MLP ending at ``out``, bias-free, on its own weights: (w_down, layout, stacked, the gated
-    read of the hidden state), or why not. The checks between the projections stay with each proof."""
+    read of the hidden state), or why not. The checks between the projections stay with each proof. ``hidden`` maps
+    the down projection's input to the node whose value it holds (or why it cannot tell), where a proof reads the
+    hidden state through a buffer (``dense_tables.copied_value``)."""
     down = _linear(out, e)
     if down is None:
         return f"expert {e}'s output is not a bias-free projection on its own weights"
     h, w_down, layout, stacked = down
+    if hidden is not None:
+        h = hidden(h)
+        if isinstance(h, str):
+            return f"expert {e}'s {h}"
     gated = read_gated(h, lambda n: _linear(n, e))
     if gated is None:
         return f"expert {e}'s hidden state is not a known activation of its own projections"
