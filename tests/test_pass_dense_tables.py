@@ -88,6 +88,8 @@ class GaudiMoE(nn.Module):
             h, zero = self._hidden(x, e)
             extra = extra + zero
             out = torch.matmul(h, self.w2[e].transpose(0, 1))
+            if s == "output_scaled_in_place":  # the graph's ``out * cols[e]`` reads the matmul's node, now doubled
+                out.mul_(2.0)
             if s == "add_":
                 final.add_(out * padded[:, e, None])
             elif s == "column_index":
@@ -172,6 +174,7 @@ LOOK_ALIKES = {
     "twice": "not each of range(6) once",
     "copy_read_before": "read before its copy_",
     "copy_into_view": "not a known activation",
+    "output_scaled_in_place": "changed in place before the region reads it",
 }
 
 

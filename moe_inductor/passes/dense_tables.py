@@ -24,7 +24,9 @@ What the proof checks, each on the traced graph:
   term per expert of range(E), each once, and read by nothing between its first add and its last (such a read would
   see a partial sum); then its value is the sum, read by what follows through one name;
 - an expert's hidden state written by ``copy_`` into a fresh ``torch.empty`` (vLLM's out-parameter ``silu_and_mul``)
-  is the value copied (``copied_value``).
+  is the value copied (``copied_value``);
+- no tensor the terms are computed from is changed in place by any write but those (``stale_reads.unseen_write``):
+  ``out.mul_(2)`` before ``out * col`` would make the reading above another function.
 """
 from __future__ import annotations
 
@@ -36,8 +38,9 @@ import torch
 from torch.fx import Node
 
 from .aliases import alias_mutations, alias_source, view_family
-from .driver import Match, num_experts
+from .driver import Match, num_experts, spec_inputs
 from .fx_utils import is_call, known_equal, val
+from .stale_reads import unseen_write
 
 _TOKEN, _EXPERT = "token", "expert"
 
@@ -89,9 +92,16 @@ def copied_value(h: Node) -> Union[Node, str]:
     on one) that one ``h.copy_(v)`` fills whole (v of its shape, dtype and device), with no other write to it or view
     of it and no read of it before the copy, every read sees v; else ``h`` itself where it is no such buffer, or why
     not."""
+    copy = fresh_copy(h)
+    return h if copy is None else copy if isinstance(copy, str) else copy.args[1]
+
+
+def fresh_copy(h: Node) -> Union[Node, str, None]:
+    """The ``copy_`` that fills ``h`` (``copied_value``); None where ``h`` is no fresh ``torch.empty``, or why the
+    copy is not one whose value every read of ``h`` sees."""
     buf = h.args[0] if is_call(h, "call_method", "copy_") and h.args and isinstance(h.args[0], Node) else h
     if not _made_by(buf, _EMPTY):
-        return h
+        return None
     writes = alias_mutations(buf)
     copy = writes[0] if len(writes) == 1 else None
     if not (is_call(copy, "call_method", "copy_") and len(copy.args) == 2 and not copy.kwargs and copy.args[0] is buf):
@@ -106,7 +116,7 @@ def copied_value(h: Node) -> Union[Node, str]:
     if sv is None or bv is None or sv.dtype != bv.dtype or sv.device != bv.device or not _same_sizes(sv.shape,
                                                                                                      bv.shape):
         return "hidden state is a fresh buffer that copy_ does not fill with a value of its shape and dtype"
-    return src
+    return copy
 
 
 @dataclass(frozen=True)
@@ -346,10 +356,25 @@ def match_table_loop(acc: Node) -> Union[Match, str, None]:
         if len({ov.dtype, pv.dtype, val(col).dtype, av.dtype}) != 1:
             return "the expert outputs, table and buffer do not share one dtype"
     by_expert = sorted(terms, key=lambda t: t[2].picks[_EXPERT])
-    experts_read = _every_expert([t[0] for t in by_expert], hidden=copied_value, tokens=same_tokens)
+    copies = []
+
+    def hidden(h: Node) -> Union[Node, str]:  # copied_value, keeping each copy it reads through
+        copy = fresh_copy(h)
+        if isinstance(copy, Node):
+            copies.append(copy)
+            return copy.args[1]
+        return h if copy is None else copy
+
+    experts_read = _every_expert([t[0] for t in by_expert], hidden=hidden, tokens=same_tokens)
     if isinstance(experts_read, str):
         return experts_read
     spec = experts_read.spec(ids, values)
+    # every write the reading went through is proven above: the adds, the table's scatter, the hidden states' copies
+    proven = (*writes, *alias_mutations(table.args[0] if is_call(table, "call_method", "scatter_") else table),
+              *copies)
+    unseen = unseen_write(spec_inputs(spec), writes, proven)
+    if unseen is not None:
+        return unseen
     xv, top = val(spec.x), ids.args[0]
     scores = val(top.args[0]) if top.args and isinstance(top.args[0], Node) else None
     if xv is None or xv.dim() != 2 or not _same_sizes(xv.shape, (T, H)) or xv.dtype != av.dtype:

@@ -52,3 +52,31 @@ def stale_read(inputs: Iterable[Node], ends: Iterable[Node], own_writes: Iterabl
                 return f"{STALE} ({node.name}: read by {before[0].name}, written by {w.name}, read by {after[0].name})"
     return None
 
+
+
+#: what ``unseen_write`` says
+UNSEEN = "a tensor the region computes from its inputs is changed in place before the region reads it"
+
+
+def unseen_write(inputs: Iterable[Node], ends: Iterable[Node], own_writes: Iterable[Node]) -> Optional[str]:
+    """The reason the region reads a tensor it derived after an in-place write that its dataflow does not show, or
+    None: ``out.mul_(2)`` then ``out * w`` reads the ``out`` node, which a proof reads as the op that made it.
+
+    Stricter than ``stale_read``, which lets a write before every read stand (the proofs that read a ``zeros`` then
+    ``scatter_`` table check that write themselves). A proof whose reading goes through no write but ``own_writes``
+    (the ones it proved) calls this. A read through the write's own result (``out = out.mul_(2)``, ``out *= 2``
+    rebinding the name) sees the written value in the dataflow, and does not count."""
+    ends = [e for e in ends if isinstance(e, Node)]
+    if not ends:
+        return None
+    position = {n: i for i, n in enumerate(ends[0].graph.nodes)}
+    own = set(own_writes)
+    derived = reach(ends, lambda n: n.all_input_nodes) & reach(inputs, lambda n: n.users)
+    for node in sorted(derived, key=position.__getitem__):
+        for w in (w for w in alias_mutations(node) if w not in own):
+            for a in view_family(node):
+                read = next((u for u in a.users if u in derived and u not in own and u is not w
+                             and position[u] > position[w] and not is_view_of(a, w)), None)
+                if read is not None:
+                    return f"{UNSEEN} ({node.name}: written by {w.name}, read by {read.name})"
+    return None
