@@ -1,7 +1,7 @@
 """vLLM's torch-native iterative MoE: every expert on every token in a ``range(E)`` loop, each output scaled by
 ``(weights * (ids == e)).sum(-1, keepdim=True)`` and summed. Rewritten (with a shared expert added after, too),
 equal to eager forward and backward; look-alikes (a skipped expert, an expert scaled by another's column, a soft
-mixture, ids not from topk) left alone."""
+mixture, ids not from topk, an expert's output changed in place before it is scaled) left alone."""
 import pytest
 import torch
 import torch.nn as nn
@@ -32,6 +32,8 @@ class DenseLoopMoE(nn.Module):
         for e in range(E - 1 if s == "skipped_expert" else E):
             p = F.linear(x, self.w1[e])
             out = F.linear(p[:, I:] * F.silu(p[:, :I]), self.w2[e])
+            if s == "output_scaled_in_place":  # the graph's ``out * col`` reads the linear's node, now doubled
+                out.mul_(2.0)
             if s == "soft":  # every expert weighted by its softmax probability: nothing to skip
                 col = probs[:, e:e + 1]
             else:
@@ -49,7 +51,7 @@ def test_dense_loop_is_rewritten_and_equal(style):
         assert not counters["moe_inductor_left_alone"], dict(counters["moe_inductor_left_alone"])
 
 
-@pytest.mark.parametrize("style", ["skipped_expert", "other_column", "soft", "ids_not_topk"])
+@pytest.mark.parametrize("style", ["skipped_expert", "other_column", "soft", "ids_not_topk", "output_scaled_in_place"])
 def test_dense_loop_look_alikes_are_left_alone(style):
     torch.manual_seed(0)
     model = DenseLoopMoE(style)

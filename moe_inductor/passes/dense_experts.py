@@ -51,12 +51,13 @@ import torch
 from torch.fx import Node
 
 from ..spec import MoESpec
-from .driver import Anchor, Form, Match, every_node, num_experts
+from .driver import Anchor, Form, Match, every_node, num_experts, spec_inputs
 from .aliases import alias_mutations
 from .dense_tables import fresh_buffer, match_table_loop
 from .fx_utils import ONE_HOT, comes_before, einsum_parts, is_call, single_use, unsqueezed_last, val, weighted_sum
 from .gated_reads import GatedRead, read_gated
 from .score_tables import expert_major_scores
+from .stale_reads import unseen_write
 
 FORM = "dense_experts"
 
@@ -535,6 +536,9 @@ def match_dense_loop(y: Node) -> Union[Match, str, None]:
     if wv is None or xv is None or tuple(wv.shape) != tuple(iv.shape) or xv.dim() != 2 or xv.shape[0] != iv.shape[0]:
         return "the tokens, ids and weights do not have (T, H), (T, k) and (T, k) shapes"
     spec = experts.spec(ids, weights)
+    unseen = unseen_write(spec_inputs(spec), (y,), ())  # ``out.mul_(2)`` before ``out * col``: not the read above
+    if unseen is not None:
+        return unseen
     return Match(spec, y, note=_fewer_flops(spec))
 
 
