@@ -1,5 +1,7 @@
 """Form "dense_experts", the spelling of vLLM's Gaudi (HPU) ``static_fused_moe``: every expert on every token, each
-weighted by its column of a dense routing table and added in place into a zeros buffer (``match_table_loop``)::
+weighted by its column of a dense routing table and added in place into a zeros buffer (``match_table_loop``).
+
+The user code this matches::
 
     table = torch.zeros(T, E).scatter_(-1, ids, weights)            # ids from topk: distinct in a row
     cols = table.reshape(-1, T, E).permute(2, 0, 1).unsqueeze(-1)    # (E, 1, T, 1): cols[e][0, t, 0] = table[t, e]
@@ -39,7 +41,7 @@ from torch.fx import Node
 
 from .aliases import alias_mutations, alias_source, view_family
 from .driver import Match, num_experts, spec_inputs
-from .fx_utils import is_call, known_equal, val
+from .fx_utils import is_call, known_equal, made_fresh, val
 from .stale_reads import unseen_write
 
 _TOKEN, _EXPERT = "token", "expert"
@@ -47,8 +49,6 @@ _TOKEN, _EXPERT = "token", "expert"
 #: (functions, methods) that make a tensor of their own
 _ZEROS = ((torch.zeros, torch.zeros_like), ("new_zeros",))
 _EMPTY = ((torch.empty, torch.empty_like), ("new_empty",))
-_FRESH = ((torch.zeros, torch.zeros_like, torch.ones, torch.ones_like, torch.empty, torch.empty_like, torch.full,
-           torch.full_like), ("new_zeros", "new_ones", "new_empty", "new_full"))
 
 _VIEW_METHODS = {"reshape", "view", "permute", "transpose", "swapaxes", "swapdims", "unsqueeze", "squeeze", "select",
                  "contiguous"}
@@ -64,7 +64,7 @@ def _made_by(node: Node, kinds: tuple) -> bool:
 
 def fresh_buffer(node: Node) -> bool:
     """The anchor: a tensor made fresh (zeros, ones, empty, full), which a loop may add its terms into."""
-    return _made_by(node, _FRESH)
+    return made_fresh(node)
 
 
 def _is_one(size) -> bool:
