@@ -27,7 +27,15 @@ CLAMPED = {
     # a bound below on the silu too (silu's minimum is about -0.28, so -LIMIT / 4 binds)
     "clamp_gate_min_glu": lambda g, u: F.silu(g).clamp(min=-LIMIT / 4, max=LIMIT) * u.clamp(min=-LIMIT, max=LIMIT),
     "clamp_limits_differ_glu": lambda g, u: F.silu(g).clamp(max=LIMIT) * u.clamp(min=-2 * LIMIT, max=2 * LIMIT),
+    "silu_doubled_in_place_glu": lambda g, u: _doubled_in_place(F.silu(g)).clamp(max=LIMIT) * u.clamp(min=-LIMIT,
+                                                                                                   max=LIMIT),
 }
+
+
+def _doubled_in_place(s: torch.Tensor) -> torch.Tensor:
+    """``s`` doubled in place: every later read of the silu's node sees other values than the dataflow shows."""
+    s.mul_(2.0)
+    return s
 
 
 def hidden(act: str, gate: torch.Tensor, up: Optional[torch.Tensor] = None) -> torch.Tensor:

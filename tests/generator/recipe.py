@@ -26,7 +26,9 @@ ACTIVATIONS = ("silu_glu", "gelu_glu", "relu", "gelu")
 #: code, with the activation of its flaw (the flaw's name + "_glu"): the clamp before the silu, one side only on
 #: up, a bound below on the silu too, up's bounds not the silu's
 CLAMPED_ACT = "clamped_silu_glu"
-CLAMP_FLAWS = ("clamp_before_silu", "clamp_up_max_only", "clamp_gate_min", "clamp_limits_differ")
+#: the last writes the silu in place before the clamp reads it (the proof would read the silu's node as made)
+CLAMP_FLAWS = ("clamp_before_silu", "clamp_up_max_only", "clamp_gate_min", "clamp_limits_differ",
+               "silu_doubled_in_place")
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_bias", "group_limited", "argmax")
 FUSED = ("fused_chunk", "fused_split", "fused_slice", "fused_interleaved")
 #: how a loop's expert body is skipped when its mask is empty (``if mask.any():``, ``if torch.any(mask):``,
