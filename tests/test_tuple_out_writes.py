@@ -171,6 +171,17 @@ def test_every_tensor_of_a_foreach_write_is_written():
     assert is_impure(write)  # a and b are read after it
 
 
+def test_dunder_methods_write_only_where_they_are_in_place():
+    """A graph as Dynamo may hand it before the driver's canonical form: ``x.__iadd__(y)`` and ``x.__setitem__(i, v)``
+    write x; ``x.__getitem__(0)`` and ``x.__add__(y)`` end in ``_`` too, and write nothing."""
+    g = torch.fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    calls = {name: g.call_method(name, (x, y) if name != "__setitem__" else (x, 0, y))
+             for name in ("__iadd__", "__setitem__", "__getitem__", "__add__", "add_")}
+    assert {name: tensors_written(n) for name, n in calls.items()} == {
+        "__iadd__": (x,), "__setitem__": (x,), "__getitem__": (), "__add__": (), "add_": (x,)}
+
+
 class MaskWrittenByOut(nn.Module):
     """A loop over experts whose rows come from a (T, k, E) hit mask that ``torch.eq(..., out=hit)`` writes from
     the router's ids: no form proves it, and the ids reach the experts only through that write, so explain() names

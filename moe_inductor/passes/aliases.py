@@ -62,9 +62,17 @@ def written_parts(node: Node) -> Optional[Sequence]:
     return None
 
 
+#: the dunder methods that write their receiver (a graph before the driver's canonical form may hold them)
+_INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                    "__iand__", "__ior__", "__ixor__", "__imatmul__", "__ilshift__", "__irshift__", "__setitem__"}
+
+
 def _writes_its_first_argument(node: Node) -> bool:
     if node.op == "call_method":
-        return str(node.target).endswith("_") or node.kwargs.get("inplace") is True
+        name = str(node.target)
+        if name.startswith("__") and name.endswith("__"):  # ``__getitem__`` ends in "_" and writes nothing
+            return name in _INPLACE_DUNDERS
+        return name.endswith("_") or node.kwargs.get("inplace") is True
     if node.op == "call_function":
         name = getattr(node.target, "__name__", "").split(".")[0]  # an aten overload's "mul_.Scalar" is mul_'s
         return (node.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
