@@ -14,9 +14,9 @@ accumulator (``Match.writes``) are its proof's business.
 A write before every read counts too (``unseen_write``), wherever the written tensor is an op's result: after
 ``h = F.silu(g); h.mul_(2)`` every read of ``h`` sees the doubled values while the dataflow shows silu's. The driver
 leaves to the proofs only the writes into a tensor made fresh (``zeros_like`` then ``scatter_``: the proofs that
-accept one read it), whose dataflow shows no values at all. A write whose node is rebound (``weights /= s`` makes a new node
-that later reads use) is not read stale, and does not count: a read through the write's result (which aliases the
-written tensor, ``aliases.alias_source``) sees the written value in the dataflow too.
+accept one read it), whose dataflow shows no values at all. A write whose node is rebound (``weights /= s`` makes a
+new node that later reads use) is not read stale, and does not count: a read through the write's result (which
+aliases the written tensor, ``aliases.alias_source``) sees the written value in the dataflow too.
 """
 from __future__ import annotations
 
