@@ -153,16 +153,22 @@ def _refusal(tx, get_iter) -> Optional[str]:
     return _body_refusal(tx, head, *loop)
 
 
+def _ended(loop, e: int, graph: Graph, nonzero_name: str) -> tuple:
+    """(iteration e's speculation, the graph's node named ``nonzero_name`` or None), where the loop over the experts
+    ended in this graph; else its speculation fails."""
+    s = loop.iterations[e]
+    if not loop.finished or len(loop.iterations) != loop.E:
+        raise speculation._fail(s, "the loop over the experts did not end in this graph")
+    return s, next((n for n in graph.nodes if n.name == nonzero_name), None)
+
+
 def _counts_of(nonzero_name: str) -> Callable:
     """``_Loop.counts_of``: what iteration e counts, proven on check_traced's graph copy: (M, e, None)."""
     from .passes.aliases import mutated_alias
 
     def counts_of(loop, e: int) -> Callable[[Graph], tuple]:
         def counts(graph: Graph) -> tuple:
-            s = loop.iterations[e]
-            if not loop.finished or len(loop.iterations) != loop.E:
-                raise speculation._fail(s, "the loop over the experts did not end in this graph")
-            nonzero = next((n for n in graph.nodes if n.name == nonzero_name), None)
+            s, nonzero = _ended(loop, e, graph, nonzero_name)
             column = next((u for u in nonzero.users if u.args[1:] == (0,)), None) if nonzero is not None else None
             found = _kept_nonzero(column) if column is not None else None
             if found is None:
@@ -183,10 +189,7 @@ def _hit_counts_of(nonzero_name: str) -> Callable:
 
     def counts_of(loop, e: int) -> Callable[[Graph], tuple]:
         def counts(graph: Graph) -> tuple:
-            s = loop.iterations[e]
-            if not loop.finished or len(loop.iterations) != loop.E:
-                raise speculation._fail(s, "the loop over the experts did not end in this graph")
-            nonzero = next((n for n in graph.nodes if n.name == nonzero_name), None)
+            s, nonzero = _ended(loop, e, graph, nonzero_name)
             found = hit_loops.hit_vector(nonzero) if nonzero is not None else "its nonzero() is gone"
             if isinstance(found, str):
                 raise speculation._fail(s, found)

@@ -51,13 +51,13 @@ import torch
 from torch.fx import Node
 
 from ..spec import MoESpec
-from .driver import Anchor, Form, Match, every_node, num_experts, spec_inputs
+from .driver import Anchor, Form, Match, every_node, num_experts
 from .aliases import alias_mutations
-from .dense_tables import fresh_buffer, match_table_loop
-from .fx_utils import ONE_HOT, comes_before, einsum_parts, is_call, single_use, unsqueezed_last, val, weighted_sum
+from .dense_tables import match_table_loop
+from .fx_utils import (ONE_HOT, comes_before, einsum_parts, is_call, made_fresh, single_use, unsqueezed_last, val,
+                       weighted_sum)
 from .gated_reads import GatedRead, read_gated
 from .score_tables import expert_major_scores
-from .stale_reads import unseen_write
 
 FORM = "dense_experts"
 
@@ -536,9 +536,6 @@ def match_dense_loop(y: Node) -> Union[Match, str, None]:
     if wv is None or xv is None or tuple(wv.shape) != tuple(iv.shape) or xv.dim() != 2 or xv.shape[0] != iv.shape[0]:
         return "the tokens, ids and weights do not have (T, H), (T, k) and (T, k) shapes"
     spec = experts.spec(ids, weights)
-    unseen = unseen_write(spec_inputs(spec), (y,), ())  # ``out.mul_(2)`` before ``out * col``: not the read above
-    if unseen is not None:
-        return unseen
     return Match(spec, y, note=_fewer_flops(spec))
 
 
@@ -553,5 +550,5 @@ rewrite = Form(FORM, (Anchor(every_node, match_or_reason),
                      Anchor(lambda n: is_call(n, "call_method", "scatter_add_"), match_token_replicated),
                      Anchor(every_node, match_dense_loop),
                      Anchor(lambda n: is_call(n, "call_method", "sum"), _match_repeated),
-                     Anchor(fresh_buffer, match_table_loop)))
+                     Anchor(made_fresh, match_table_loop)))
 """Replace every provable dense all-experts MoE in a GraphModule; returns what was rewritten."""

@@ -41,7 +41,7 @@ from torch.fx import Node
 
 from .aliases import alias_mutations, alias_source, view_family
 from .driver import Match, num_experts, spec_inputs
-from .fx_utils import is_call, known_equal, made_fresh, val
+from .fx_utils import is_call, known_equal, val
 from .stale_reads import unseen_write
 
 _TOKEN, _EXPERT = "token", "expert"
@@ -60,11 +60,6 @@ def _made_by(node: Node, kinds: tuple) -> bool:
     functions, methods = kinds
     return (is_call(node, "call_function", *functions) or is_call(node, "call_method", *methods)) and (
         "out" not in node.kwargs)
-
-
-def fresh_buffer(node: Node) -> bool:
-    """The anchor: a tensor made fresh (zeros, ones, empty, full), which a loop may add its terms into."""
-    return made_fresh(node)
 
 
 def _is_one(size) -> bool:

@@ -168,6 +168,17 @@ def scale_of_rows(buf: Node, readers: set, lead: tuple) -> Optional[tuple[Node, 
 _LIKE_METHODS = ("new_zeros", "new_ones", "new_empty", "new_full")
 _LIKE_FUNCTIONS = (torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like)
 
+#: factories whose result is memory of its own: its values are whatever is written into it, never an op's result
+#: a proof reads from the dataflow
+_FRESH_FUNCTIONS = (torch.zeros, torch.ones, torch.empty, torch.full, *_LIKE_FUNCTIONS)
+
+
+def made_fresh(node: Node) -> bool:
+    """Whether ``node`` is a tensor made fresh (zeros, ones, empty, full, their ``*_like`` and ``new_*``), not
+    written into an ``out=`` tensor."""
+    return (is_call(node, "call_function", *_FRESH_FUNCTIONS) or is_call(node, "call_method", *_LIKE_METHODS)) and (
+        "out" not in node.kwargs)
+
 
 def reads_metadata_only(user: Node, node: Node) -> bool:
     """Whether ``user`` reads nothing of ``node`` but its shape, dtype and device: ``node.new_zeros(...)`` (and the
@@ -238,20 +249,6 @@ def _expand_ellipsis(subs: list[str], out: str, operands: list[Node]):
     if len(fresh) != len(sizes[0]):
         return None
     return [t.replace("...", fresh) for t in subs], out.replace("...", fresh), operands
-
-
-#: factories whose result is memory of its own: its values are whatever is written into it, never an op's result
-#: a proof reads from the dataflow
-_FRESH_FUNCTIONS = (torch.zeros, torch.zeros_like, torch.ones, torch.ones_like, torch.empty, torch.empty_like,
-                    torch.full, torch.full_like)
-_FRESH_METHODS = ("new_zeros", "new_ones", "new_empty", "new_full")
-
-
-def made_fresh(node: Node) -> bool:
-    """Whether ``node`` is a tensor made fresh (zeros, ones, empty, full, their ``*_like`` and ``new_*``), not
-    written into an ``out=`` tensor."""
-    return (is_call(node, "call_function", *_FRESH_FUNCTIONS) or is_call(node, "call_method", *_FRESH_METHODS)) and (
-        "out" not in node.kwargs)
 
 
 def single_use(*nodes: Node) -> bool:

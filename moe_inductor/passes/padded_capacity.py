@@ -54,7 +54,8 @@ from .gated_reads import clamped_silu_glu, read_gated, split_gated
 from .slot_layers import Bias, biased, dropout, op_bias, per_expert_bias, through_dropouts
 from .stacked_choices import StackedChoices, stacked_routing
 from .expert_projections import biased_linear
-from .unrolled_loop import list_op_runs, per_expert_for_op
+from .emit import list_op_runs
+from .unrolled_loop import per_expert_for_op
 
 FORM = "padded_capacity"
 

@@ -57,7 +57,6 @@ def stale_read(inputs: Iterable[Node], ends: Iterable[Node], own_writes: Iterabl
     return None
 
 
-
 #: what ``unseen_write`` says
 UNSEEN = "a tensor the region computes from its inputs is changed in place before the region reads it"
 
