@@ -197,6 +197,37 @@ def compile_moe(model, *args, inner: str = "eager"):
     return torch.compile(model, backend="moe_inductor", options={"inner": inner})(*args)
 
 
+def compile_beside_eager(model: torch.nn.Module, eager: torch.nn.Module, inputs) -> tuple[list, int, int, object]:
+    """Compile ``model`` under moe_inductor (inner compiler "eager") and call it and ``eager`` on each of ``inputs``
+    without gradients: (the (compiled, eager) outputs, graphs compiled, graph breaks, the report explain() would
+    give). Graph breaks are counted from each graph's reason too, as ``torch._dynamo.explain`` does
+    (``counters["graph_break"]`` misses some, such as a loop over a tensor)."""
+    from torch._dynamo.utils import counters
+
+    from moe_inductor import report
+    from moe_inductor.backend import moe_inductor_backend
+    from moe_inductor.capture import BACKEND_MARKER
+
+    torch._dynamo.reset()
+    counters.clear()
+    graphs, breaks = [], []
+
+    def backend(gm, example_inputs, **kwargs):
+        reason = getattr(gm, "compile_subgraph_reason", None)
+        graphs.append(gm)
+        if reason is not None and getattr(reason, "graph_break", False):
+            breaks.append(reason)
+        return moe_inductor_backend(gm, example_inputs, options={"inner": "eager"})
+
+    setattr(backend, BACKEND_MARKER, True)
+    compiled = torch.compile(model, backend=backend)
+    outputs = []
+    with report.collecting(report.Report()) as seen, torch.no_grad():
+        for x in inputs:
+            outputs.append((compiled(x), eager(x)))
+    return outputs, len(graphs), max(len(breaks), sum(counters["graph_break"].values())), seen
+
+
 def assert_rewritten_like_eager(model: torch.nn.Module, x: torch.Tensor, form: str, what: str = "") -> None:
     """``model`` compiled with moe_inductor (light inner compiler) on ``x``: one rewrite of ``form``, and the output and
     the gradients of ``x`` and of every parameter (for one random upstream gradient) equal to eager's, within the

@@ -19,11 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from moe_inductor import report
-from moe_inductor.backend import moe_inductor_backend
-from moe_inductor.capture import BACKEND_MARKER
 from tests.corpus.harness import Case, check_rewritten, run_case
-from tests.helpers import rel_err
+from tests.helpers import compile_beside_eager, rel_err
 from tests.test_hit_loops import Expert
 
 H, I, E, K = 16, 8, 8, 2
@@ -116,28 +113,11 @@ class ListedHitMoE(nn.Module):
 def _run(model: nn.Module):
     """Compile ``model`` (inner compiler "eager") and call it at each token count without gradients, next to eager:
     (compiled and eager outputs, graphs compiled, graph breaks, what explain() would report)."""
-    torch._dynamo.reset()
-    counters.clear()
-    graphs, breaks = [], []
-
-    def backend(gm, example_inputs, **kwargs):
-        reason = getattr(gm, "compile_subgraph_reason", None)
-        graphs.append(gm)
-        if reason is not None and getattr(reason, "graph_break", False):
-            breaks.append(reason)
-        return moe_inductor_backend(gm, example_inputs, options={"inner": "eager"})
-
-    setattr(backend, BACKEND_MARKER, True)
     eager = ListedHitMoE(model.listed, model.body)
     eager.load_state_dict(model.state_dict())
-    compiled = torch.compile(model, backend=backend)
     gen = torch.Generator().manual_seed(1)
-    outputs = []
-    with report.collecting(report.Report()) as seen, torch.no_grad():
-        for T in TOKEN_COUNTS:
-            x = torch.randn(1, T, H, generator=gen)
-            outputs.append((compiled(x), eager(x)))
-    return outputs, len(graphs), max(len(breaks), sum(counters["graph_break"].values())), seen
+    got = compile_beside_eager(model, eager, [torch.randn(1, T, H, generator=gen) for T in TOKEN_COUNTS])
+    return got
 
 
 def _build(listed: str = "flatten", body: str = "mlp") -> nn.Module:

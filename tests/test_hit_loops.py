@@ -18,11 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from moe_inductor import report
-from moe_inductor.backend import moe_inductor_backend
-from moe_inductor.capture import BACKEND_MARKER
 from tests.corpus.harness import Case, check_rewritten, run_case
-from tests.helpers import rel_err
+from tests.helpers import compile_beside_eager, rel_err
 
 H, I, E, K = 16, 8, 8, 2
 TOKEN_COUNTS = (1, 2, 3, 9)  # 1 token with 2 choices reaches 2 of the 8 experts: 6 get no rows
@@ -128,29 +125,12 @@ class LastExpertMoE(HitLoopMoE):
 def _run(model: nn.Module):
     """Compile ``model`` (inner compiler "eager") and call it at each token count without gradients, next to eager:
     (compiled and eager outputs, graphs compiled, graph breaks, what explain() would report)."""
-    torch._dynamo.reset()
-    counters.clear()
-    graphs, breaks = [], []
-
-    def backend(gm, example_inputs, **kwargs):
-        reason = getattr(gm, "compile_subgraph_reason", None)
-        graphs.append(gm)
-        if reason is not None and getattr(reason, "graph_break", False):
-            breaks.append(reason)
-        return moe_inductor_backend(gm, example_inputs, options={"inner": "eager"})
-
-    setattr(backend, BACKEND_MARKER, True)
     eager = type(model)(model.hit, model.body)
     eager.load_state_dict(model.state_dict())
-    compiled = torch.compile(model, backend=backend)
     gen = torch.Generator().manual_seed(1)
-    outputs = []
-    with report.collecting(report.Report()) as seen, torch.no_grad():
-        for T in TOKEN_COUNTS:
-            x = torch.randn(1, T, H, generator=gen)
-            outputs.append((compiled(x), eager(x)))
+    got = compile_beside_eager(model, eager, [torch.randn(1, T, H, generator=gen) for T in TOKEN_COUNTS])
     assert torch.equal(model.hits, eager.hits)  # the module's own state, as eager left it
-    return outputs, len(graphs), max(len(breaks), sum(counters["graph_break"].values())), seen
+    return got
 
 
 def _build(hit: str = "greater_sum", body: str = "mlp") -> nn.Module:
