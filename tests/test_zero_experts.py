@@ -197,11 +197,12 @@ def test_explain_names_the_zero_experts():
     assert not report.left_alone
 
 
-def test_bf16_tokens_with_fp32_routing_weights():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_tokens_with_fp32_routing_weights(dtype):
     """LongCat's weights are float32 under a bf16 model: the pass-through is computed in float32 and cast back, as
-    eager's ``(x[tok] * w).to(x.dtype)``."""
+    eager's ``(x[tok] * w).to(x.dtype)``; fp16 the same."""
     torch.manual_seed(0)
-    model = ZeroExpertsMoE("identity").to(torch.bfloat16)
+    model = ZeroExpertsMoE("identity").to(dtype)
 
     class Fp32Router(nn.Module):
         def __init__(self, inner):
@@ -219,12 +220,12 @@ def test_bf16_tokens_with_fp32_routing_weights():
             return out
 
     wrapped = Fp32Router(model)
-    x = torch.randn(11, H, dtype=torch.bfloat16)
+    x = torch.randn(11, H, dtype=dtype)
     with torch.no_grad():
         out, ref = compile_moe(wrapped, x), wrapped(x)
     assert counters["moe_inductor"]["unrolled_loop"] == 1
-    assert out.dtype == torch.bfloat16
-    assert_close(out, ref, torch.bfloat16, "bf16")
+    assert out.dtype == dtype
+    assert_close(out, ref, dtype, str(dtype))
 
 
 @pytest.mark.parametrize("style,reason", [
