@@ -8,8 +8,11 @@ into zeros; an expert with no tokens runs on a one-row dummy input added times 0
 every expert in the collective). Eval mode: no Gumbel noise, no router dropout. The frame falls back to plain capture,
 equal to eager: the branch on ``token_indices.numel() > 0`` is data-dependent, and its no-tokens side is no skip (it
 runs the expert on a dummy row and adds ``0.0 *`` its output to row 0, which is NaN where that output is not finite),
-so it is not assumed away; and the selection is a float equality (``1 - p + p`` need not be exactly 1 in floating
-point), not a top-1 choice the backend could prove anyway.
+so it is not assumed away. Nor is the loop a top-1 MoE of ``argmax`` for every input. The straight-through value
+itself is exact: ``(1 - p) + p`` is exactly 1 and ``(0 - p) + p`` exactly 0 for every p in [0, 1] in fp32, bf16
+and fp16 (round to nearest even; test_corpus_fallbacks.py checks it), so on a row of finite probabilities the
+``== 1`` selection is the argmax. But a row whose probabilities are NaN (a NaN in its token) is selected by no
+expert and stays zero in eager, where a top-1 MoE of its argmax would write NaN.
 
 ``MiniLLMMoE``: fp32 softmax over the router, ``topk(sorted=False)``, renormalised with ``clamp_min``; the loop over
 ``enumerate(self.experts)`` with ``torch.where(topk_indices == e)``, ``if token_indices.numel() > 0:``, the expert on

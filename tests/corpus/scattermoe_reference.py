@@ -9,6 +9,14 @@ indexed by a 0-d id tensor, one token's (H,) row at a time), and ``torch.stack``
 activation is ``nn.GELU()`` and the experts have no biases. The test draws the routing from random logits; here a
 bias-free linear router gives them from the input, as ScatterMoE's Mixtral example does: ``softmax`` in fp32 cast
 back, ``topk`` of the probabilities, not renormalised (as the test's ``torch.topk(weights, k)``).
+
+Today: the frame falls back to plain capture, equal to eager. Indexing a weight by a 0-d integer tensor,
+``weight[expert_idxs[i, j]]``, is eager's select at ``.item()`` of the id; under the capture flags that is an unbacked
+symbol that Dynamo's select must specialise ("Could not extract specialized integer from data-dependent expression
+u0"), a graph break inside the per-token comprehension, so Dynamo gives up on the frame. Plain Dynamo with the same
+two flags stops there too; without them it breaks at the ``.item()`` itself (each a limit of Dynamo, not of a pass).
+Were it traced, the loops over ``range(T)`` and ``range(k)`` would unroll into T * k gathered-weight chains,
+specialised on T, a graph and a compile per token count: no form fits a per-token unrolling, and none should.
 """
 import torch
 import torch.nn as nn

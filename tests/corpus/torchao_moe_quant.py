@@ -19,7 +19,10 @@ Departures: none in the computation; the ``FakeExtraDimTensor`` check of the sin
 wrapper type) is dropped, the corpus never calls with one token.
 
 Today: a graph break, by the source's own ``@torch._dynamo.disable()`` (as OLMo-core's); no pass sees the routing and
-the per-expert loop in one graph. Equal to eager.
+the per-expert loop in one graph. Equal to eager. The break is the same under ``backend="inductor"``, which also
+breaks at the ``bincount`` (a dynamic-shape op that moe_inductor's capture traces). The backend leaves a function the
+user disabled untraced. With the decorator removed the layer traces as one graph and is left alone at the router: no
+form reads per-expert index lists cut from the sorted rows at ``cumsum`` bounds of ``bincount(ids + 1)``.
 """
 import torch
 import torch.nn as nn
