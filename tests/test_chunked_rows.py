@@ -126,9 +126,9 @@ class ChunkedMoE(nn.Module):
         for expert_idx in hit.tolist():
             idx_full, top_x_full = torch.where(expert_mask[expert_idx].squeeze(0))
             for i in range(0, top_x_full.size(0), chunk):
-                top_x, idx = top_x_full[i:i + chunk], idx_full[i:i + chunk]
-                y.index_add_(0, top_x, self.experts[expert_idx](x[top_x]) * weights[top_x, idx, None])
-                y.index_add_(0, top_x_full, x[top_x_full] * 0.5)
+                top_x = top_x_full[i:i + chunk]  # taken, and then the whole rows read beside it
+                out = self.experts[expert_idx](x[top_x_full]) * weights[top_x_full, idx_full, None]
+                y.index_add_(0, top_x_full, out)
         return y
 
     def _narrow(self, x, weights, y, expert_mask, hit):  # chunks of 1 row every 2 rows: half the rows
