@@ -245,6 +245,8 @@ def _take_chunk(tx, inst, operands: int) -> bool:
     rows = value.shape[0] if isinstance(value, torch.Tensor) and value.dim() >= 1 else None
     if not isinstance(rows, torch.SymInt) or rows.node.expr != record.bound:
         raise _fail(record.where, "a chunk is taken of a tensor whose rows are not the count the range walks")
+    if container.as_proxy().node in _body_nodes(record):  # a chunk of a chunk: rows [i, i + step) of fewer rows
+        raise _fail(record.where, "a chunk is taken of a tensor the loop body made, not of one made before the loop")
     proxy = tx.output.create_proxy("call_function", torch.ops.aten.alias.default, (container.as_proxy(),), {})
     proxy.node.meta[MARK] = True
     record.markers.append(proxy.node)
@@ -264,12 +266,7 @@ def _finish(trace, record: _Chunks) -> None:
         raise _fail(record.where, "its body changes Python state (a list, a dict, an attribute, an iterator), which "
                                   "each chunk would change again")
     symbols = free_unbacked_symbols(record.bound)
-    graph = record.tx.output.graph
-    node = record.start.next if record.start is not None else next(iter(graph.nodes), None)
-    body = set()
-    while node is not None and node is not graph._root:
-        body.add(node)
-        node = node.next
+    body = _body_nodes(record)
     for node in body:
         if node.meta.get(MARK):
             continue
@@ -280,6 +277,17 @@ def _finish(trace, record: _Chunks) -> None:
             if any(free_unbacked_symbols(d) & symbols for d in value.shape if isinstance(d, torch.SymInt)):
                 raise _fail(record.where, f"its body reads {arg.name}, of the rows it walks, whole rather than in "
                                           "chunks")
+
+
+def _body_nodes(record: _Chunks) -> set:
+    """The graph nodes made since the chunk loop's range was called."""
+    graph = record.tx.output.graph
+    node = record.start.next if record.start is not None else next(iter(graph.nodes), None)
+    body = set()
+    while node is not None and node is not graph._root:
+        body.add(node)
+        node = node.next
+    return body
 
 
 def _get_iter(tx, inst, handler) -> None:

@@ -13,8 +13,9 @@ before the chunk loop and sliced in it; rewritten, equal to eager at token count
 more chunks (a chunk of 2 rows), with no graph break, and with gradients forward and backward. Look-alikes, equal
 to eager and not rewritten, each with the reason the fallback gives: a running sum carried from chunk to chunk,
 each chunk normalised by its own statistics, the whole rows read beside the chunks, chunks narrower than the step,
-a range that skips the first chunk, chunks appended to a Python list, the chunk's start read as a number, and the
-loop variable read after the loop."""
+a chunk of a chunk, a range that skips the first chunk, chunks appended to a Python list, the chunk's start read
+as a number, and the loop variable read after the loop. The rows check and the bounds check are load-bearing:
+without either, the whole-rows and narrow-chunk look-alikes are rewritten as one pass, unequal to eager."""
 import pytest
 import torch
 import torch.nn as nn
@@ -139,6 +140,15 @@ class ChunkedMoE(nn.Module):
                 y.index_add_(0, top_x, self.experts[expert_idx](x[top_x]) * weights[top_x, idx, None])
         return y
 
+    def _chunk_of_chunk(self, x, weights, y, expert_mask, hit):  # [i:i + c] twice: only the first chunk's rows
+        chunk = CHUNK
+        for expert_idx in hit.tolist():
+            idx_full, top_x_full = torch.where(expert_mask[expert_idx].squeeze(0))
+            for i in range(0, top_x_full.size(0), chunk):
+                top_x, idx = top_x_full[i:i + chunk][i:i + chunk], idx_full[i:i + chunk][i:i + chunk]
+                y.index_add_(0, top_x, self.experts[expert_idx](x[top_x]) * weights[top_x, idx, None])
+        return y
+
     def _skip_first(self, x, weights, y, expert_mask, hit):  # the first chunk's rows never run
         chunk = CHUNK
         for expert_idx in hit.tolist():
@@ -228,12 +238,13 @@ def test_with_gradients_rows_in_chunks_are_rewritten_and_equal_to_eager_forward_
     ("chunk_norm", "no rewrite took its body"),
     ("whole_beside", "whole rather than in chunks"),
     ("narrow", "not (i, i + step) of step 2"),
+    ("chunk_of_chunk", "a tensor the loop body made"),
     ("skip_first", "does not start at 0"),
     ("appended", "changes Python state"),
     ("start_read", "i is read other than as a chunk"),
     ("last_start", "sets i, read after it"),
-], ids=["running-sum", "chunk-statistics", "whole-rows-beside", "narrow-chunks", "first-chunk-skipped",
-        "appended-to-list", "start-read", "start-read-after"])
+], ids=["running-sum", "chunk-statistics", "whole-rows-beside", "narrow-chunks", "chunk-of-a-chunk",
+        "first-chunk-skipped", "appended-to-list", "start-read", "start-read-after"])
 def test_chunks_that_are_not_one_pass_over_the_rows_fall_back_equal_to_eager(body, said):
     outputs, _, _, seen = _run(_build(body))
     assert not counters["moe_inductor"], dict(counters["moe_inductor"])
