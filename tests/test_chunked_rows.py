@@ -14,8 +14,9 @@ more chunks (a chunk of 2 rows), with no graph break, and with gradients forward
 to eager and not rewritten, each with the reason the fallback gives: a running sum carried from chunk to chunk,
 each chunk normalised by its own statistics, the whole rows read beside the chunks, chunks narrower than the step,
 a chunk of a chunk, a range that skips the first chunk, chunks appended to a Python list, the chunk's start read
-as a number, and the loop variable read after the loop. The rows check and the bounds check are load-bearing:
-without either, the whole-rows and narrow-chunk look-alikes are rewritten as one pass, unequal to eager."""
+as a number, and the loop variable read after the loop. The checks of the rows read whole, of the bounds and of a
+chunk of a chunk are load-bearing: without them the whole-rows, narrow-chunk and chunk-of-a-chunk look-alikes are
+rewritten as one pass, up to 1.17 relative L2 error from eager at 9 and 16 tokens."""
 import pytest
 import torch
 import torch.nn as nn
