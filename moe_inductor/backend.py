@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import (capture, grad_gate, hf, hf_attention, hf_masks, input_mutations, list_indices, report, speculation,
-               speculation_check)
+from . import (capture, chunked_rows, grad_gate, hf, hf_attention, hf_masks, input_mutations, list_indices, report,
+               speculation, speculation_check)
 from .options import BackendOptions
 from .passes import FX_PASSES
 from .passes.driver import Layer, run_passes
@@ -140,6 +140,7 @@ def moe_inductor_backend(
         _warn_unseen_wrapper()
     traced = report.take_records()  # what the substitutions recorded while Dynamo traced this graph
     original = gm
+    chunked_rows.unmark(gm)  # an expert's rows traced in one pass: each chunk is the whole
     # the skips of empty experts assumed away while tracing: proven, or we raise
     speculated = speculation_check.of_graph(gm)
     speculation_check.check_traced(gm, speculated)

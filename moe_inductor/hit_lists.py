@@ -48,7 +48,7 @@ from typing import Callable, Optional
 import torch
 from torch.fx import Graph, Node
 
-from . import hit_loops, speculation
+from . import chunked_rows, hit_loops, speculation
 from .loop_bytecode import NO_OPS, _body_refusal, _local_names, _loop_of, _next
 
 
@@ -276,30 +276,13 @@ def _get_iter(tx, inst, handler: Callable) -> None:
                                                                counts_of=listed.counts_of))
 
 
-def refuse_data_dependent_range(tx, args: list) -> None:
-    """At ``range(...)`` inside a body assumed to have rows: a bound of a data-dependent count (an expert's rows
-    walked in chunks, ``for i in range(0, top_x.size(0), 1024)``) is a loop Dynamo cannot iterate, and one iteration
-    over all the rows is not proven the same program; the frame falls back, saying so here rather than with
-    Dynamo's guard on a data-dependent size."""
-    from torch._dynamo.variables import SymNodeVariable
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    trace = speculation._trace()
-    if trace is None or not any(not s.closed for s in trace.speculations):
-        return
-    if any(isinstance(a, SymNodeVariable) and free_unbacked_symbols(a.sym_num) for a in args):
-        raise speculation.SpeculationNotDischarged(
-            f"{speculation._user_line(tx)}: range(...) over a data-dependent count inside a loop body assumed to have "
-            "rows (an expert's rows in chunks): its iterations cannot be traced, and one pass over all the rows is "
-            "not proven the same program")
-
-
 _installed = False
 
 
 def install() -> None:
-    """Hook Dynamo's ``tolist`` and GET_ITER (idempotent; after list_indices' and hit_loops' hooks); each does nothing
-    outside a moe_inductor compile. A failure warns: such loops then fall back as before."""
+    """Hook Dynamo's ``tolist``, GET_ITER and ``range`` (idempotent; after list_indices' and hit_loops' hooks), and
+    chunked_rows' hooks; each does nothing outside a moe_inductor compile. A failure warns: such loops then fall back
+    as before."""
     global _installed
     if _installed:
         return
@@ -320,8 +303,10 @@ def install() -> None:
         call_builtin = BuiltinVariable.call_function
 
         def builtin_call(self, tx, args, kwargs):
-            if getattr(self, "fn", None) is range:
-                refuse_data_dependent_range(tx, list(args))
+            if getattr(self, "fn", None) is range and not kwargs:  # an expert's rows in chunks: one pass, or raises
+                chunks = chunked_rows.chunk_range(tx, list(args))
+                if chunks is not None:
+                    return chunks
             return call_builtin(self, tx, args, kwargs)
 
         BuiltinVariable.call_function = builtin_call
@@ -329,6 +314,7 @@ def install() -> None:
         for table in speculation.dispatch_tables(symbolic_convert.InstructionTranslatorBase):
             if op < len(table) and table[op] is not None:
                 table[op] = (lambda handler: lambda tx, inst: _get_iter(tx, inst, handler))(table[op])
+        chunked_rows.install()  # outermost: its subscript hook takes a chunk before any other reads the slice
     except Exception as error:  # an optional hook into Dynamo internals must never stop the backend from loading
         import warnings
 

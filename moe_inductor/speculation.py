@@ -132,6 +132,8 @@ class Trace:
     built: dict = field(default_factory=dict)
     #: cumulative count arrays walked as running sums (host_cumsum.Walk)
     cumulative_walks: list = field(default_factory=list)
+    #: chunked_rows.py's loops over an expert's rows in chunks: ("list" | "iter" | "slice", id) -> (what, its record)
+    chunk_loops: dict = field(default_factory=dict)
 
     def mark(self) -> tuple:
         """Where the side-effect record stands: (mutations, births, steps) so far."""

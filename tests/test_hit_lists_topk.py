@@ -10,9 +10,10 @@ Traced as the loop over every expert and kept only where the unrolled_loop rewri
 proof, tests/test_hit_loops.py). Genuine: the column as ``.flatten()``, ``.squeeze(-1)``, ``[:, 0]`` or
 ``nonzero(as_tuple=True)[0]``, the list in a local, hit vectors by ``> 0`` or ``.any``; rewritten, equal to eager
 at token counts that leave most experts empty, with no graph break, and with gradients forward and backward.
-Look-alikes, equal to eager and not rewritten, each with the reason explain() gives: a count > 1, a vector unrelated
-to the router, a hit vector edited in place, the list read again, a local read after the loop, a body that reads
-another expert's rows, and MiniMax-M2's chunk loop over an expert's rows (``range(0, rows, 1024)``)."""
+MiniMax-M2's chunk loop over an expert's rows (``range(0, rows, 1024)``) is rewritten too, traced as one pass
+(tests/test_chunked_rows.py has its look-alikes). Look-alikes, equal to eager and not rewritten, each with the
+reason explain() gives: a count > 1, a vector unrelated to the router, a hit vector edited in place, the list read
+again, a local read after the loop, and a body that reads another expert's rows."""
 import pytest
 import torch
 import torch.nn as nn
@@ -125,9 +126,11 @@ def _build(listed: str = "flatten", body: str = "mlp") -> nn.Module:
     return ListedHitMoE(listed, body)
 
 
-@pytest.mark.parametrize("listed", ["flatten", "squeeze", "column", "as_tuple"])
-def test_a_list_of_the_hit_experts_is_rewritten_and_equal_to_eager(listed):
-    outputs, graphs, breaks, seen = _run(_build(listed))
+@pytest.mark.parametrize("listed, body", [("flatten", "mlp"), ("squeeze", "mlp"), ("column", "mlp"),
+                                          ("as_tuple", "mlp"), ("flatten", "chunks")],
+                         ids=["flatten", "squeeze", "column", "as_tuple", "row-chunks"])
+def test_a_list_of_the_hit_experts_is_rewritten_and_equal_to_eager(listed, body):
+    outputs, graphs, breaks, seen = _run(_build(listed, body))
     assert dict(counters["moe_inductor"]) == {"unrolled_loop": graphs}, (dict(counters["moe_inductor"]),
                                                                           [f.reason for f in seen.fallbacks])
     assert 1 <= graphs <= 2 and breaks == 0, (graphs, breaks)
@@ -162,8 +165,7 @@ def test_a_list_that_is_not_of_the_hit_experts_is_not_traced_as_every_expert(lis
 
 @pytest.mark.parametrize("body, said", [
     ("other_expert", "reads the rows of expert 1"),
-    ("chunks", "range(...) over a data-dependent count"),
-], ids=["computed-other-expert", "row-chunks"])
+], ids=["computed-other-expert"])
 def test_a_body_that_is_not_the_expert_accumulation_falls_back(body, said):
     outputs, _, _, seen = _run(_build("flatten", body))
     assert not counters["moe_inductor"], dict(counters["moe_inductor"])
