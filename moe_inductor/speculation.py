@@ -132,6 +132,8 @@ class Trace:
     built: dict = field(default_factory=dict)
     #: cumulative count arrays walked as running sums (host_cumsum.Walk)
     cumulative_walks: list = field(default_factory=list)
+    #: host count tensors read element by element (host_counts.subscript), by node: their ``.tolist()`` items
+    listed_counts: dict = field(default_factory=dict)
 
     def mark(self) -> tuple:
         """Where the side-effect record stands: (mutations, births, steps) so far."""
