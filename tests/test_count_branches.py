@@ -10,8 +10,9 @@ Genuine, rewritten and equal to eager, forward and gradients, at token counts th
 as ``.cpu()`` and as Yuan's ``.cpu().to(torch.long)``, each element's ``.item()``. Look-alikes, each equal to eager
 and not rewritten, with the reason explain() gives: a skip of experts with fewer than 2 tokens whose branch outputs
 zeros, a skipped body that appends to a list the module keeps (a change the caller sees), a count read after the
-loop as a number that scales the result, the host counts changed in place (an element read after it would be stale),
-and counts never brought to the host (left to Dynamo, as before).
+loop as a number that scales the result, the host counts changed in place between reads (experts 1 and 2 trading
+counts: an element listed before would be stale), counts never brought to the host (left to Dynamo, as before), and
+the outputs unsorted into a buffer of the rows' static shape (the pass answers no, without a guard error).
 """
 import pytest
 import torch
