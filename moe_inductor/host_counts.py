@@ -15,9 +15,24 @@ count vector of static length E (``passes/counts.py``'s marked counts, or a ``hi
 knows) yields the counts as the integers ``.tolist()`` gives: the values eager's elements hold, read by the same
 host sync. A skip on them is then an ordinary speculation, proven and discharged as the others.
 
-Python ints and NumPy's int64 scalars differ in type only: where the frame uses the numbers for more than the loop
-the rewrite takes (``num_tokens / 2`` as a float64), ``unconsumed`` finds their reads left in the final graph, and the
-frame falls back.
+The same counts kept as a torch tensor on the host and read one element at a time (Yuan2-M32's ``GroupedMLP``,
+after Megatron's dropless dispatcher):
+
+    tokens_per_expert = counts.cpu().to(torch.long)
+    for i in range(E):
+        if tokens_per_expert[i] == 0:
+            continue
+        end_idx = start_idx + tokens_per_expert[i]
+        ...
+
+``tokens_per_expert[i]`` is a 0-d tensor in eager, and ``if`` on it is a data-dependent branch. During a moe_inductor
+compile only, ``t[i]`` with a constant i of such a host copy (``.cpu()``, casts after it) reads element i of its
+``.tolist()``, listed once at the first read (``subscript``); a copy that is changed in place anywhere in the graph
+falls back, since a later read would be stale.
+
+Python ints and NumPy's int64 scalars (or 0-d tensors) differ in type only: where the frame uses the numbers for more
+than the loop the rewrite takes (``num_tokens / 2`` as a float64, ``y * tokens_per_expert[0]``), ``unconsumed`` finds
+their reads left in the final graph, and the frame falls back.
 """
 from __future__ import annotations
 
@@ -31,6 +46,8 @@ from . import host_cumsum
 
 #: on the traced host copy (the array's node) whose elements were walked as counts
 WALKED = "moe_inductor_host_counts"
+#: on a host count tensor whose elements were read one by one (``subscript``): listed once, at the first read
+INDEXED = "moe_inductor_host_counts_indexed"
 
 
 def traced_node(var) -> tuple[Any, Optional[Node]]:
@@ -86,6 +103,43 @@ def _count_class(base: type) -> type:
     return HostCount
 
 
+def subscript(var, tx, key) -> Optional[Any]:
+    """``counts[e]`` (a constant e in [0, E)) of a host copy of a proven per-expert count vector, a torch tensor:
+    element e of its ``.tolist()``, the value eager's 0-d tensor holds (Yuan2-M32's ``GroupedMLP`` branches on
+    ``tokens_per_expert[i] == 0`` and slices by running sums of the elements). Else None, and Dynamo indexes."""
+    from torch._dynamo.variables import ConstantVariable
+    from torch._dynamo.variables.tensor import NumpyNdarrayVariable, TensorVariable
+
+    if not isinstance(var, TensorVariable) or isinstance(var, NumpyNdarrayVariable) or not isinstance(
+            key, ConstantVariable) or type(key.value) is not int:
+        return None
+    trace, node = traced_node(var)
+    if node is None or not _host_copy(node):
+        return None
+    items = trace.listed_counts.get(node)
+    if items is None:
+        items = _count_items(var, tx)
+        if items is None:
+            return None
+        trace.listed_counts[node] = items
+        node.meta[INDEXED] = True
+    return items[key.value] if 0 <= key.value < len(items) else None
+
+
+def _host_copy(node: Node) -> bool:
+    """``node`` is ``t.cpu()``, possibly cast after (``.cpu().to(torch.long)``): counts brought to the host to be
+    read as numbers."""
+    from .passes.fx_utils import is_call
+
+    for _ in range(4):
+        if is_call(node, "call_method", "cpu"):
+            return True
+        if not (is_call(node, "call_method", "long", "int", "to") and isinstance(node.args[0], Node)):
+            return False
+        node = node.args[0]
+    return False
+
+
 def install() -> None:
     """Hook Dynamo's unpacking of NumPy arrays (idempotent; nothing changes outside a moe_inductor compile)."""
     try:
@@ -109,11 +163,15 @@ def install() -> None:
 def unconsumed(gm: GraphModule) -> Optional[str]:
     """After the rewrites: why the walked counts are still read by the graph (as numbers, beyond the size checks of
     what went with a rewrite), else None."""
+    from .passes.aliases import alias_mutations
     from .speculation_check import _SIZE_CHECK_OPS
 
     for node in gm.graph.nodes:
         if not node.meta.get(WALKED):
             continue
+        if node.meta.get(INDEXED) and alias_mutations(node):  # a later read of an element would be stale
+            return (f"the host counts read element by element are changed in place ({alias_mutations(node)[0].name})"
+                    ", and their elements were listed once")
         for pick in node.users:
             for item in pick.users:
                 readers = [u for u in item.users if u.target not in _SIZE_CHECK_OPS

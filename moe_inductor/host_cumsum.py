@@ -311,8 +311,12 @@ def subscript(var, tx, key) -> Optional[Any]:
 
 def subscript_hook(handler):
     """Dynamo's ``BINARY_SUBSCR`` handler, after ``subscript``'s answer for a walked array's ``arr[j]``."""
+    from . import host_counts
+
     def binary_subscr(tx, inst):
         got = subscript(tx.stack[-2], tx, tx.stack[-1]) if len(tx.stack) >= 2 else None
+        if got is None and len(tx.stack) >= 2:
+            got = host_counts.subscript(tx.stack[-2], tx, tx.stack[-1])
         if got is None:
             return handler(tx, inst)
         tx.popn(2)

@@ -134,6 +134,8 @@ class Trace:
     cumulative_walks: list = field(default_factory=list)
     #: chunked_rows.py's loops over an expert's rows in chunks: ("list" | "iter" | "slice", id) -> (what, its record)
     chunk_loops: dict = field(default_factory=dict)
+    #: host count tensors read element by element (host_counts.subscript), by node: their ``.tolist()`` items
+    listed_counts: dict = field(default_factory=dict)
 
     def mark(self) -> tuple:
         """Where the side-effect record stands: (mutations, births, steps) so far."""

@@ -27,15 +27,16 @@ from .fx_utils import ONE_HOT, comes_before, flat_of, is_call, val
 
 
 def host_copy_of(node) -> Node:
-    """``t`` for ``t.cpu()``, ``t.cpu().numpy()`` as Dynamo traces it (``view_as`` of itself), integer casts of
-    integer ``t``, or ``t`` itself: the same values."""
+    """``t`` for ``t.cpu()``, ``t.cpu().numpy()`` as Dynamo traces it (``view_as`` of itself), int64 or int32 casts
+    (``.long()``, ``.int()``, ``.to(torch.long)``) of integer ``t``, or ``t`` itself: the same values."""
     for _ in range(8):
         if is_call(node, "call_method", "view_as") and len(node.args) == 2 and node.args[0] is node.args[1]:
             node = node.args[0]
         elif is_call(node, "call_method", "cpu") and len(node.args) == 1 and not node.kwargs:
             node = node.args[0]
         elif (is_call(node, "call_method", "long", "int") and len(node.args) == 1 and not node.kwargs
-              and val(node.args[0]) is not None and not val(node.args[0]).is_floating_point()):
+              or is_call(node, "call_method", "to") and node.args[1:] in ((torch.long,), (torch.int32,))
+              and not node.kwargs) and val(node.args[0]) is not None and not val(node.args[0]).is_floating_point():
             node = node.args[0]
         else:
             break

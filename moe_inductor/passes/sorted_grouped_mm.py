@@ -383,7 +383,8 @@ def _weighted_unsort(acc: Node) -> Optional[_Combine]:
     write, (order, ys) = sets[0], sets[0].args[1:]
     ids = _sort_order(order)
     av, yv, iv = val(acc), val(ys), val(ids) if ids is not None else None
-    if av is None or yv is None or iv is None or iv.dim() != 2 or av.dim() != 2 or tuple(yv.shape) != tuple(av.shape):
+    if av is None or yv is None or iv is None or iv.dim() != 2 or av.dim() != 2 or yv.dim() != 2 or not all(
+            map(known_equal, yv.shape, av.shape)):  # (ys's rows are unbacked: a plain == raises, not answers)
         return None
     T, k, width = iv.shape[0], iv.shape[1], av.shape[1]
     # a buffer like ys (its rows the sum of the loop's pieces, unbacked) has T*k rows wherever eager runs: the

@@ -25,7 +25,9 @@ Outcomes today: the dropless case falls back. The chunk sort indexes a tuple of 
 ``sorted_idxs.tolist()`` (a tensor on the dispatcher, a plain object, so a graph input to Dynamo: the entries are
 unbacked), which cannot be guarded under the capture settings, so the frames are compiled as plain capture would
 (and without the chunk sort the rest is still left alone: the argsort permute with the probs between the
-projections is not a form yet). The drop-and-pad case is left alone at the router.
+projections is not a form yet). The chunk order is the tensor's values at run time: tracing it as ``arange(E)``
+would need a guard on a tensor's contents, which Dynamo does not have, and a run-time assert would raise where eager
+runs, so the frames stay as plain capture compiles them. The drop-and-pad case is left alone at the router.
 """
 import math
 
@@ -214,6 +216,8 @@ def _input(T, g):
 SOURCE = ("NVIDIA/Megatron-LM megatron/core/transformer/moe/ (token_dispatcher.py MoEAlltoAllTokenDispatcher, "
           "moe_utils.py permute/unpermute/sort_chunks_by_idxs, experts.py SequentialMLP, mlp.py per_token_scale)")
 CASES = [
+    # the chunk sort indexes a tuple by ``sorted_idxs.tolist()`` of a graph input (unbacked entries): the frames fall
+    # back; without it the dispatch is still no form (the argsort permute, the probs between the projections)
     Case("megatron_alltoall_dropless", SOURCE + " (dropless, E=6, top-2)", lambda: MoELayer(6, 2), _input,
          form="split_loop", expect=("fell_back",)),
     Case("megatron_alltoall_drop_and_pad", SOURCE + " + apply_router_token_dropping (capacity factor 1.0, "

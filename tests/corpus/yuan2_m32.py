@@ -31,6 +31,13 @@ E = 32, k = 2 in the model; here E = 7 (prime), k = 2; input (B, S, H).
 
 Outcome: the dispatcher falls back (``GroupedMLP`` branches on ``tokens_per_expert[i] == 0``, an element of the
 host counts as a CPU tensor: data-dependent branching under the capture flags); the AutoGPTQ copy is rewritten.
+host_counts.py reads such an element as its ``.tolist()`` integer only for a proven per-expert count vector
+(tests/test_count_branches.py), and this ``histc`` counts ``max_ind.masked_select(ones_like(max_ind).bool())``,
+which nothing proves to be the top-k ids flattened, so the branch stays Dynamo's. Past it the rest is no form yet:
+the masked_select's length is unbacked, so ``token_unpermutation``'s ``assert indices.shape == hidden_states.shape``
+cannot be decided against the loop's slices, and the dispatch (``nonzero()[:, 0]`` of the all-ones map as the token
+of each choice, two ``gather``s, the ``scatter`` back to choice order, the probabilities, the ``scatter_add``) is
+read by no matcher.
 
 Departures: ``histc`` is given the ids as float32 (CPU's ``histc`` takes no int64; on CUDA the source's int64
 ``histc`` counts the same); the ``torch.cuda.set_device`` calls are left out.
@@ -222,9 +229,9 @@ def _input(T, g):
 
 
 CASES = [
-    # GroupedMLP branches on an element of the host counts tensor (``tokens_per_expert[i] == 0`` on a CPU tensor,
-    # not the NumPy array host_counts.py walks): data-dependent branching under the capture flags, so the frame is
-    # compiled as plain capture would
+    # GroupedMLP branches on an element of the host counts tensor (``tokens_per_expert[i] == 0`` on a CPU tensor):
+    # its histc counts ids taken by masked_select, not proven the top-k ids flattened, so the element stays a 0-d
+    # tensor and the branch data-dependent under the capture flags; the frame is compiled as plain capture would
     Case("yuan2_m32", "IEIT-Yuan Yuan2-M32-hf yuan_hf_model.py YuanMoeLayer (attention router, dropless dispatcher, "
          "GroupedMLP)", YuanMoeLayer, _input, form="split_loop", expect=("fell_back",)),
     Case("yuan2_m32_autogptq", "IEIT-Yuan/Yuan2.0-M32 3rd_party/AutoGPTQ/auto_gptq/modeling/yuan_moe_hf_model.py "
