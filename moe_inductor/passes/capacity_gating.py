@@ -16,7 +16,9 @@ Spellings read here:
 - one-hots: ``F.one_hot(i, N)``, or a zeros (T, N) buffer with one ``scatter_(1, i[:, None], 1)`` (fairseq's
   ``one_hot``), read through the buffer or through the scatter's result;
 - queue positions: ``cumsum(m, 0) - 1`` plus ``sum(m_i, 0, keepdim=True)`` of each earlier choice, ``+`` or ``+=``;
-- drops: ``m * lt(loc, C)`` or ``m *= lt(loc, C)``;
+- drops: ``m * lt(loc, C)`` or ``m *= lt(loc, C)``; none for a first choice into C >= T slots (its positions are
+  below T), its mask a one-hot or one times a tensor of ones (Hunyuan-Large's ``topk(m, k=T, dim=0)`` + ``scatter_``
+  keep, ``covers``);
 - terms: products of (T, 1, 1), (T, E, 1) and (T, 1, C) tensors, ``bmm((T, E, 1), (T, 1, C))`` (fairseq) and
   ``einsum("se,sc->sec", g, s)`` (DeepSpeed); the gate a (T,) or (T, 1) factor of the mask, or a (T, E) one
   (DeepSpeed's ``gates * mask``: with one kept expert per row it is ``gates[t, i_t] * mask``).

@@ -23,7 +23,8 @@ along the same dim, whose weights go to the list op as lists, read where they li
 through reshapes that regroup it (``reshape(1, E, -1, H)``): a reshape keeps the row-major order, so slot (e, c)
 stays where it was; so does a dropout that is the identity (p == 0 or not training, ``slot_layers.py``), also
 between the projections. nanoMoE's gating, the k choices stacked in one (k, T, E) mask and summed by
-``sum(dim=0)``, is read by ``stacked_choices.py``.
+``sum(dim=0)``, is read by ``stacked_choices.py``; T5X's token priority (Hunyuan-Large's ``topkgating``), whose
+dispatch is the 0/1 mask its combine multiplies rather than the combine's support, by ``priority_choices.py``.
 
 Why it is exact: the queue positions come from a cumsum over tokens, so within an expert every kept (token, choice)
 gets its own slot (choice j queues behind all earlier choices, kept or not, which drops exactly what the op drops
