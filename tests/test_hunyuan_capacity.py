@@ -39,9 +39,10 @@ def topk_gating(logits, k, style):
     """Hunyuan-Large's topkgating (T5X's token priority, its statistics left out) and its variants: ``drop`` a
     capacity of T // 2 (the choice-major queue drops), ``raw`` combine weights by the unrenormalised softmax,
     ``zero`` a second choice of weight 0 (its slot still dispatched), ``bool`` the dispatch taken as combine's
-    support, ``mul`` the combine by broadcast product; look-alikes: ``threshold`` dispatches by a mask of half the
-    capacity, ``token_major`` queues every choice of a token before the next token, ``repeated`` takes the argmax
-    k times (a token's choices are not distinct experts)."""
+    support, ``mul`` the combine by broadcast product (and the ids flattened by ``.t().contiguous().view(-1)``);
+    look-alikes: ``threshold`` dispatches by a mask of half the capacity, ``token_major`` queues every choice of a
+    token before the next token, ``repeated`` takes the argmax k times (a token's choices are not distinct
+    experts)."""
     gates = F.softmax(logits.float(), dim=1)
     T, E = gates.shape
     capacity = T // 2 if style in ("drop", "threshold", "token_major", "repeated") else k * T
@@ -53,7 +54,12 @@ def topk_gating(logits, k, style):
         probs = gates
     elif style == "zero":
         probs = probs * F.one_hot(ids[:, 0], E)
-    flat = ids.reshape(-1) if style == "token_major" else ids.transpose(0, 1).reshape(-1)
+    if style == "token_major":
+        flat = ids.reshape(-1)
+    elif style == "mul":
+        flat = ids.t().contiguous().view(-1)
+    else:
+        flat = ids.transpose(0, 1).reshape(-1)
     mask = F.one_hot(flat, E).to(torch.int32)
     priority = torch.cumsum(mask, dim=0) * mask - 1
     if style == "token_major":

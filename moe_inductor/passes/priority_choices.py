@@ -111,6 +111,8 @@ def _flat_ids(flat: Any, k: int, T, E) -> Union[Node, str, None]:
     if not (call(flat, *_FLAT) and isinstance(flat.args[0], Node) and not flat.kwargs and _shaped(flat, (k * T,))):
         return None
     src = flat.args[0]
+    if call(src, "contiguous") and len(src.args) == 1 and not src.kwargs:  # the same values, laid out anew
+        src = src.args[0]
     swapped = _swaps_first_two(src)
     ids = _topk_ids(swapped if swapped is not None else src, E)
     if ids is None or ids[1] != k or not _shaped(ids[0], (T, k)):
