@@ -419,7 +419,8 @@ def _match_parts(y: Node, combine: Node, out: Node, read: Node) -> Union[_Match,
         x = dispatched[1]
         if shape(x) is None or len(shape(x)) != 2 or not same_traced(shape(x)[0], T):
             continue
-        stacked = stacked_routing(combine, T, E, C)
+        # the routing the dispatch was proven against: the token priority's when its mask fills the slots
+        stacked = priority if by_mask else stacked_routing(combine, T, E, C)
         stacked = priority if stacked is None and priority is not None else stacked
         choices = _routing(combine, T, E, C) if stacked is None else stacked
         if isinstance(choices, str):
