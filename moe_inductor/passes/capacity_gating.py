@@ -16,7 +16,9 @@ Spellings read here:
 - one-hots: ``F.one_hot(i, N)``, or a zeros (T, N) buffer with one ``scatter_(1, i[:, None], 1)`` (fairseq's
   ``one_hot``), read through the buffer or through the scatter's result;
 - queue positions: ``cumsum(m, 0) - 1`` plus ``sum(m_i, 0, keepdim=True)`` of each earlier choice, ``+`` or ``+=``;
-- drops: ``m * lt(loc, C)`` or ``m *= lt(loc, C)``;
+- drops: ``m * lt(loc, C)`` or ``m *= lt(loc, C)``; none for a first choice into C >= T slots (its positions are
+  below T), its mask a one-hot or one times a tensor of ones (Hunyuan-Large's ``topk(m, k=T, dim=0)`` + ``scatter_``
+  keep, ``covers``);
 - terms: products of (T, 1, 1), (T, E, 1) and (T, 1, C) tensors, ``bmm((T, E, 1), (T, 1, C))`` (fairseq) and
   ``einsum("se,sc->sec", g, s)`` (DeepSpeed); the gate a (T,) or (T, 1) factor of the mask, or a (T, E) one
   (DeepSpeed's ``gates * mask``: with one kept expert per row it is ``gates[t, i_t] * mask``).
@@ -222,8 +224,64 @@ def _token_count(node: Any) -> Optional[Node]:
     return None
 
 
+def _topk_rows(node: Any) -> Optional[Node]:
+    """The (R, N) source of ``node = topk(src, k=R, dim=0)[1]``: k is the whole of dim 0, so every column of the
+    indices holds each row index 0..R-1 exactly once (in an order that is the implementation's: its tie-break on
+    equal values is not specified, and here it does not matter)."""
+    if not (call(node, operator.getitem) and node.args[1] == 1 and call(node.args[0], torch.topk, "topk")):
+        return None
+    top = node.args[0]
+    kw = dict(top.kwargs)
+    if set(kw) - {"k", "dim", "largest", "sorted"} or not 1 <= len(top.args) <= 3 or not isinstance(top.args[0], Node):
+        return None
+    names = ("k", "dim")
+    for name, arg in zip(names, top.args[1:]):
+        if name in kw:
+            return None
+        kw[name] = arg
+    src, sv, iv = top.args[0], val(top.args[0]), val(node)
+    if sv is None or iv is None or sv.dim() != 2 or kw.get("dim", -1) not in (0, -2) or "k" not in kw:
+        return None
+    if not same_size(kw["k"], sv.shape[0]) or iv.dim() != 2 or not all(
+            same_traced(a, b) for a, b in zip(iv.shape, sv.shape)):
+        return None
+    return src
+
+
+def covers(node: Any, like: Any) -> bool:
+    """``node`` is a tensor of ones of ``like``'s (R, N) shape: ``zeros_like(like).scatter_(0, idx, 1)`` (or
+    ``torch.zeros(R, N)``, the functional ``scatter``) with ``idx = topk(src, k=R, dim=0)[1]`` of an (R, N) src.
+    Each column of idx holds every row once, so the scatter writes a 1 at every (row, column). This is
+    Hunyuan-Large's "keep the first capacity tokens per expert" at a capacity of R, the whole token count; below R the
+    tokens topk keeps among equal values are the implementation's choice, and nothing here reads that."""
+    if not (call(node, "scatter_", "scatter", torch.scatter) and len(node.args) == 4 and not node.kwargs):
+        return False
+    buf, dim, idx, value = node.args
+    if not (_zeros(buf) and dim in (0, -2) and type(value) in (int, float) and value == 1):
+        return False
+    bv, lv = val(buf), val(like) if isinstance(like, Node) else None
+    if bv is None or lv is None or bv.dim() != 2 or lv.dim() != 2:
+        return False
+    if not all(same_traced(a, b) for a, b in zip(bv.shape, lv.shape)):
+        return False
+    src = _topk_rows(idx)
+    sv = val(src) if src is not None else None
+    return sv is not None and all(same_traced(a, b) for a, b in zip(sv.shape, bv.shape))
+
+
+def uncovered(node: Any) -> Any:
+    """``m`` for ``m * ones`` with ``ones`` a tensor of ones over m's shape (``covers``): the same values as m."""
+    ab = binary(node, _MUL)
+    for m, ones in (ab, ab[::-1]) if ab is not None else ():
+        if isinstance(m, Node) and covers(ones, m):
+            return m
+    return node
+
+
 def mask_key(node: Any) -> Any:
-    """What a mask read is a read of: a one-hot's key (its buffer), else the node under 0/1 casts."""
+    """What a mask read is a read of: a one-hot's key (its buffer), else the node under 0/1 casts; a mask times a
+    tensor of ones (``covers``) is a read of the mask."""
+    node = uncovered(strip_casts(node, zero_one=True))
     hot = one_hot(node)
     return hot.key if hot is not None else strip_casts(node, zero_one=True)
 
@@ -322,7 +380,8 @@ def _factors(node: Any, T, E, C) -> Optional[list[tuple[str, Node]]]:
 def _te_parts(node: Any, T, E, C) -> list:
     """The factors of a (T, E) product: products of (T, E) and (T, 1) tensors, ``einsum("s,se->se", g, m)``, and
     float casts; a dropped mask (itself a product) stays whole, with its casts (``choice`` strips them)."""
-    if isinstance(dropped_mask(strip_casts(node, zero_one=True), C), tuple):
+    under = strip_casts(node, zero_one=True)
+    if isinstance(dropped_mask(under, C), tuple) or uncovered(under) is not under:
         return [node]
     if (ab := binary(node, _MUL)) is not None and shape(node) == (T, E):
         return _te_parts(ab[0], T, E, C) + _te_parts(ab[1], T, E, C)
@@ -333,6 +392,37 @@ def _te_parts(node: Any, T, E, C) -> list:
             return [p for op in ops for p in _te_parts(op, T, E, C)]
     under = strip_casts(node)
     return [node] if under is node else _te_parts(under, T, E, C)
+
+
+def _at_least(C, T) -> bool:
+    """C >= T for every size the graph admits (ints, or symbolic sizes; no guard is added)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return same_traced(C, T) or statically_known_true(C >= T)
+
+
+def _undropped(wide: list, slot: Optional[OneHot], T, E, C) -> Optional[tuple]:
+    """(mask, (one-hot, loc, [], capacity), other (T, E) factors) for a first choice kept without a drop: a one-hot
+    over the E experts (or one times a tensor of ones, ``covers``), queued at ``cumsum(mask, 0) - 1`` behind no
+    earlier choice, into a slot one-hot of C >= T classes. Its positions are below T <= C, so ``lt(loc, C)`` would
+    be all true: it is the dropped choice at capacity C, which drops none of it. Below T eager's slot one-hot
+    raises where the op would drop, so it is left alone."""
+    if slot is None or not _at_least(C, T):
+        return None
+    for i, part in enumerate(wide):
+        mask = strip_casts(part, zero_one=True)
+        hot = one_hot(uncovered(mask))
+        if hot is None or not hot.has_classes(E):
+            continue
+        position = strip_casts(column_base(slot.idx), zero_one=True)
+        prod = binary(position.args[0], _MUL) if call(position, torch.sum, "sum") and _dim_arg(position, 1) in (
+            1, -1) and set(position.kwargs) <= {"dim"} else None
+        loc = next((p for p in prod if p is not mask), None) if prod is not None and mask in prod else None
+        if not isinstance(loc, Node) or _queue_position(loc, hot) != []:
+            continue
+        capacity = slot.classes if slot.fill is None else C
+        return mask, (hot, loc, [], capacity), wide[:i] + wide[i + 1:]
+    return None
 
 
 def choice(term: Node, T, E, C) -> Union[Choice, str]:
@@ -367,12 +457,14 @@ def choice(term: Node, T, E, C) -> Union[Choice, str]:
         elif dropped is not None and dropped[0].has_classes(E):
             found = (mask, dropped, wide[:i] + wide[i + 1:])
             break
+    slot = one_hot(slots[0])
+    if found is None:
+        found = _undropped(wide, slot, T, E, C)
     if found is None:
         return reason
     mask, (hot, loc, earlier, cap), fulls = found
     if len(gates) + len(fulls) != 1 or any(not val(f).is_floating_point() for f in fulls):
         return "a term has no single gate (a (T,) or (T, 1) factor, or a (T, E) float one)"
-    slot = one_hot(slots[0])
     if slot is None or not slot.has_classes(C):
         return "a term's slot factor is not a one-hot over the C slots"
     # the slot is the queue position of the kept (token, expert): sum(loc * mask, dim=1)

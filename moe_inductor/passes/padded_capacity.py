@@ -23,7 +23,8 @@ along the same dim, whose weights go to the list op as lists, read where they li
 through reshapes that regroup it (``reshape(1, E, -1, H)``): a reshape keeps the row-major order, so slot (e, c)
 stays where it was; so does a dropout that is the identity (p == 0 or not training, ``slot_layers.py``), also
 between the projections. nanoMoE's gating, the k choices stacked in one (k, T, E) mask and summed by
-``sum(dim=0)``, is read by ``stacked_choices.py``.
+``sum(dim=0)``, is read by ``stacked_choices.py``; T5X's token priority (Hunyuan-Large's ``topkgating``), whose
+dispatch is the 0/1 mask its combine multiplies rather than the combine's support, by ``priority_choices.py``.
 
 Why it is exact: the queue positions come from a cumsum over tokens, so within an expert every kept (token, choice)
 gets its own slot (choice j queues behind all earlier choices, kept or not, which drops exactly what the op drops
@@ -52,6 +53,7 @@ from .driver import Anchor, Form, Match, every_node
 from .fx_utils import einsum_parts, val
 from .gated_reads import clamped_silu_glu, read_gated, split_gated
 from .slot_layers import Bias, biased, dropout, op_bias, per_expert_bias, through_dropouts
+from .priority_choices import PriorityChoices, priority_routing
 from .stacked_choices import StackedChoices, stacked_routing
 from .expert_projections import biased_linear
 from .emit import list_op_runs
@@ -399,15 +401,27 @@ def _match_parts(y: Node, combine: Node, out: Node, read: Node) -> Union[_Match,
     if isinstance(experts, str):
         return f"a (T, E, C) combine over capacity slots, but {experts}"
     reason = "a (T, E, C) combine over capacity slots, but its slots are not filled by a dispatch of combine's support"
+    priority = priority_routing(combine, T, E, C)
     for ex in experts:
         dispatched = _dispatched(ex.xin, T, E, C)
         support = None if dispatched is None else _dispatch_of(dispatched[0])
-        if support is None or (support is not combine and support is not read):
+        # T5X's token priority dispatches by the 0/1 mask its combine multiplies (priority_choices.py says why that
+        # is exact where a probability underflows to zero); any other dispatch must be combine's support
+        by_mask = dispatched is not None and isinstance(priority, PriorityChoices) and strip_casts(
+            dispatched[0], zero_one=True) is priority.dispatch
+        if not by_mask and (support is None or (support is not combine and support is not read)):
+            if dispatched is not None and isinstance(priority, str):
+                reason = priority
+            elif dispatched is not None and priority is not None:
+                reason = ("a (T, E, C) combine over capacity slots, but its slots are not filled by the token-priority "
+                          "mask its combine weights, nor by a dispatch of combine's support")
             continue
         x = dispatched[1]
         if shape(x) is None or len(shape(x)) != 2 or not same_traced(shape(x)[0], T):
             continue
-        stacked = stacked_routing(combine, T, E, C)
+        # the routing the dispatch was proven against: the token priority's when its mask fills the slots
+        stacked = priority if by_mask else stacked_routing(combine, T, E, C)
+        stacked = priority if stacked is None and priority is not None else stacked
         choices = _routing(combine, T, E, C) if stacked is None else stacked
         if isinstance(choices, str):
             return choices
