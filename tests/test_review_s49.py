@@ -1,0 +1,90 @@
+"""Review session 49: look-alikes of MoE code that differ where the dataflow does not show it, each compiled beside
+eager (forward and, where a gradient is what differs, backward)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+
+from helpers import rel_err
+
+LIGHT = {"inner": "aot_eager"}
+T, H, I, E, K = 12, 16, 24, 4, 2
+
+
+class GradModeLoop(nn.Module):
+    """An unrolled top-k loop over stacked experts; ``where`` says which part runs under ``torch.no_grad()``:
+    expert 1's MLP (a look-alike: that expert's weights and its tokens get no gradient), its routing weights (the
+    router gets none through expert 1), the router (a genuine MoE: no gradient to the gate at all), or the
+    selection mask (integers: a genuine MoE)."""
+
+    def __init__(self, where: str):
+        super().__init__()
+        self.where = where
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w1 = nn.Parameter(torch.randn(E, I, H) * 0.2)
+        self.w3 = nn.Parameter(torch.randn(E, I, H) * 0.2)
+        self.w2 = nn.Parameter(torch.randn(E, H, I) * 0.2)
+
+    def forward(self, x):
+        if self.where == "router":
+            with torch.no_grad():
+                w, ids = self.gate(x).softmax(-1).topk(K, -1)
+        else:
+            w, ids = self.gate(x).softmax(-1).topk(K, -1)
+        if self.where == "mask":
+            with torch.no_grad():
+                mask = F.one_hot(ids, E).permute(2, 1, 0)
+        else:
+            mask = F.one_hot(ids, E).permute(2, 1, 0)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            pos, tok = torch.where(mask[e])
+            xe = x[tok]
+            if self.where == "expert" and e == 1:
+                with torch.no_grad():
+                    h = F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)
+            else:
+                h = F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)
+            if self.where == "weight" and e == 1:
+                with torch.no_grad():
+                    rw = w[tok, pos, None]
+            else:
+                rw = w[tok, pos, None]
+            out.index_add_(0, tok, (h @ self.w2[e].T) * rw)
+        return out
+
+
+def _forward_backward(m: nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    x = x.clone().requires_grad_()
+    y = m(x)
+    (y * dy).sum().backward()
+    return [y, x.grad] + [p.grad for p in m.parameters()]
+
+
+@pytest.mark.parametrize("where,rewritten", [
+    pytest.param("expert", False, id="no_grad-around-one-expert"),  # look-alike: expert 1 gets no gradient
+    pytest.param("weight", False, id="no_grad-around-one-weight"),  # look-alike: no gradient to the router via e=1
+    pytest.param("router", True, id="no_grad-router"),  # a genuine MoE whose gate is not trained
+    pytest.param("mask", True, id="no_grad-mask"),  # integers only under no_grad: a genuine MoE
+])
+def test_no_grad_inside_the_region(where, rewritten):
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    m = GradModeLoop(where)
+    x, dy = torch.randn(T, H), torch.randn(T, H)
+    compiled = copy.deepcopy(m)
+    expected = _forward_backward(m, x, dy)
+    got = _forward_backward(torch.compile(compiled, backend="moe_inductor", options=LIGHT), x, dy)
+    assert counters["moe_inductor"]["unrolled_loop"] == (1 if rewritten else 0)
+    if not rewritten:
+        assert counters["moe_inductor_left_alone"]["unrolled_loop"] == 1
+    for a, b in zip(got, expected):
+        assert (a is None) == (b is None)
+        if b is not None:
+            assert rel_err(a, b) <= 2e-5
