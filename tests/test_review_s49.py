@@ -20,7 +20,8 @@ class GradModeLoop(nn.Module):
     """An unrolled top-k loop over stacked experts; ``where`` says which part runs under ``torch.no_grad()``:
     expert 1's MLP (a look-alike: that expert's weights and its tokens get no gradient), its routing weights (the
     router gets none through expert 1), the router (a genuine MoE: no gradient to the gate at all), or the
-    selection mask (integers: a genuine MoE)."""
+    selection mask, or each body's rows, as transformers v4's GPT-OSS does, its weights read from a table scattered
+    before the first ``no_grad`` (integers: a genuine MoE)."""
 
     def __init__(self, where: str):
         super().__init__()
@@ -41,9 +42,14 @@ class GradModeLoop(nn.Module):
                 mask = F.one_hot(ids, E).permute(2, 1, 0)
         else:
             mask = F.one_hot(ids, E).permute(2, 1, 0)
+        table = torch.zeros(x.shape[0], E).scatter(1, ids, w)
         out = torch.zeros_like(x)
         for e in range(E):
-            pos, tok = torch.where(mask[e])
+            if self.where == "rows":
+                with torch.no_grad():
+                    pos, tok = torch.where(mask[e])
+            else:
+                pos, tok = torch.where(mask[e])
             xe = x[tok]
             if self.where == "expert" and e == 1:
                 with torch.no_grad():
@@ -53,6 +59,8 @@ class GradModeLoop(nn.Module):
             if self.where == "weight" and e == 1:
                 with torch.no_grad():
                     rw = w[tok, pos, None]
+            elif self.where == "rows":
+                rw = table[tok, e, None]
             else:
                 rw = w[tok, pos, None]
             out.index_add_(0, tok, (h @ self.w2[e].T) * rw)
@@ -71,6 +79,9 @@ def _forward_backward(m: nn.Module, x: torch.Tensor, dy: torch.Tensor):
     pytest.param("weight", False, id="no_grad-around-one-weight"),  # look-alike: no gradient to the router via e=1
     pytest.param("router", True, id="no_grad-router"),  # a genuine MoE whose gate is not trained
     pytest.param("mask", True, id="no_grad-mask"),  # integers only under no_grad: a genuine MoE
+    # Dynamo records a grad-mode switch only where it changes the mode: the table before the first one is computed
+    # with grad enabled, as the bodies after each switch back are
+    pytest.param("rows", True, id="no_grad-rows-per-body"),
 ])
 def test_no_grad_inside_the_region(where, rewritten):
     torch._dynamo.reset()

@@ -35,19 +35,27 @@ _EXIT_AUTOCAST = getattr(torch.amp.autocast_mode, "_exit_autocast", None)
 
 
 def modes(graph: Graph) -> dict[Node, tuple]:
-    """Each node's (grad mode set by the graph, or None for the caller's; the autocast regions open around it)."""
-    grad, casts, at = None, (), {}
+    """Each node's (grad mode, the autocast regions open around it). Dynamo records a ``_set_grad_enabled`` only
+    where it changes the mode (it coalesces the others), so the mode before the first one is its opposite; in a
+    graph without one, every node runs in the caller's mode (None)."""
+    toggles = [n for n in graph.nodes if _toggle(n)]
+    grad, casts, at = (not toggles[0].args[0]) if toggles else None, (), {}
     for n in graph.nodes:
         at[n] = (grad, casts)
         if n.op != "call_function":
             continue
-        if n.target is torch._C._set_grad_enabled and len(n.args) == 1:
+        if _toggle(n):
             grad = n.args[0]
         elif _ENTER_AUTOCAST is not None and n.target is _ENTER_AUTOCAST:
             casts = casts + (n,)
         elif _EXIT_AUTOCAST is not None and n.target is _EXIT_AUTOCAST and n.args:
             casts = tuple(c for c in casts if c is not n.args[0])
     return at
+
+
+def _toggle(n: Node) -> bool:
+    return n.op == "call_function" and n.target is torch._C._set_grad_enabled and len(n.args) == 1 and isinstance(
+        n.args[0], bool)
 
 
 def mode_change(inputs: Iterable[Node], end: Node, ends: Iterable[Node]) -> Optional[str]:
