@@ -21,7 +21,10 @@ class GradModeLoop(nn.Module):
     expert 1's MLP (a look-alike: that expert's weights and its tokens get no gradient), its routing weights (the
     router gets none through expert 1), the router (a genuine MoE: no gradient to the gate at all), or the
     selection mask, or each body's rows, as transformers v4's GPT-OSS does, its weights read from a table scattered
-    before the first ``no_grad`` (integers: a genuine MoE)."""
+    before the first ``no_grad`` (integers: a genuine MoE); the last expert's write into the buffer (a look-alike:
+    the buffer keeps the gradient of the writes before it, which the op, run where that write was, would not); or
+    the whole loop, in a ``@torch.no_grad()`` method (DeepSeek's ``moe_infer``) given a view of the routing weights
+    made outside it (a genuine MoE without gradient, beside the residual)."""
 
     def __init__(self, where: str):
         super().__init__()
@@ -42,6 +45,8 @@ class GradModeLoop(nn.Module):
                 mask = F.one_hot(ids, E).permute(2, 1, 0)
         else:
             mask = F.one_hot(ids, E).permute(2, 1, 0)
+        if self.where == "experts":
+            return x + self._experts(x, ids, w.view(-1, K))
         table = torch.zeros(x.shape[0], E).scatter(1, ids, w)
         out = torch.zeros_like(x)
         for e in range(E):
@@ -63,7 +68,21 @@ class GradModeLoop(nn.Module):
                 rw = table[tok, e, None]
             else:
                 rw = w[tok, pos, None]
-            out.index_add_(0, tok, (h @ self.w2[e].T) * rw)
+            if self.where == "last_write" and e == E - 1:
+                with torch.no_grad():
+                    out.index_add_(0, tok, (h @ self.w2[e].T) * rw)
+            else:
+                out.index_add_(0, tok, (h @ self.w2[e].T) * rw)
+        return out
+
+    @torch.no_grad()
+    def _experts(self, x, ids, w):
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, pos = torch.where(ids == e)
+            xe = x[tok]
+            h = F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)
+            out.index_add_(0, tok, (h @ self.w2[e].T) * w[tok, pos, None])
         return out
 
 
@@ -82,6 +101,8 @@ def _forward_backward(m: nn.Module, x: torch.Tensor, dy: torch.Tensor):
     # Dynamo records a grad-mode switch only where it changes the mode: the table before the first one is computed
     # with grad enabled, as the bodies after each switch back are
     pytest.param("rows", True, id="no_grad-rows-per-body"),
+    pytest.param("last_write", False, id="no_grad-last-write"),
+    pytest.param("experts", True, id="no_grad-method"),
 ])
 def test_no_grad_inside_the_region(where, rewritten):
     torch._dynamo.reset()

@@ -153,7 +153,7 @@ class Form:
                     reason = unseen_write(spec_inputs(found.spec), (found.end, *found.writes), found.writes,
                                           fresh_left=True)
                 if reason is None:  # and computed under the grad mode and autocast state the op runs in
-                    reason = mode_change(spec_inputs(found.spec), found.end, (found.end, *found.writes))
+                    reason = mode_change(spec_inputs(found.spec), found.end, found.writes)
                 keep, said = (False, "") if reason is not None else _speed_verdict(self.name, found)
                 if keep:
                     reason = said

@@ -58,16 +58,24 @@ def _toggle(n: Node) -> bool:
         n.args[0], bool)
 
 
-def mode_change(inputs: Iterable[Node], end: Node, ends: Iterable[Node]) -> Optional[str]:
-    """The reason a floating-point value the region computes from its ``inputs`` (toward ``ends``: its result and
-    its writes) runs under another grad mode or autocast state than ``end``, before which the op goes; or None.
-    What makes the inputs (the router, under a ``no_grad`` or not) is outside the region."""
-    inputs = [n for n in inputs if isinstance(n, Node)]
-    region = (reach([e for e in ends if isinstance(e, Node)], lambda n: n.all_input_nodes)
+def mode_change(inputs: Iterable[Node], end: Node, writes: Iterable[Node]) -> Optional[str]:
+    """The reason a floating-point value the region computes from its ``inputs`` runs under another grad mode or
+    autocast state than ``end``, before which the op goes; or None. What makes the inputs (the router, under a
+    ``no_grad`` or not) is outside the region.
+
+    Where the op runs without grad, so does ``end``, the step that makes the region's result, and a gradient that
+    eager's region carries past it can only come through an earlier write into the result's buffer (``writes``)
+    made with grad enabled: only those count then (DeepSeek's ``@torch.no_grad()`` ``moe_infer`` reads a view of the
+    routing weights made outside it)."""
+    inputs, writes = [n for n in inputs if isinstance(n, Node)], set(writes)
+    region = (reach([end, *writes], lambda n: n.all_input_nodes)
               & reach(inputs, lambda n: n.users)) - reach(inputs, lambda n: n.all_input_nodes)
     at = modes(end.graph)
+    (grad, casts) = at[end]
     for n in (n for n in end.graph.nodes if n in region):
         v = val(n)
-        if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) and at[n] != at[end]:
+        if not (isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())):
+            continue
+        if at[n][1] != casts or at[n][0] != grad and (grad is not False or n in writes):
             return f"{OTHER_MODE} ({n.name})"
     return None
