@@ -120,3 +120,76 @@ def test_no_grad_inside_the_region(where, rewritten):
         assert (a is None) == (b is None)
         if b is not None:
             assert rel_err(a, b) <= 2e-5
+
+
+class AutocastLoop(nn.Module):
+    """The unrolled loop with the experts' projections by ``F.linear`` (an autocast op); ``inside`` puts expert 1's
+    MLP (``"one"``) or every expert's (``"all"``) under ``torch.autocast(bf16)`` in the layer, its output cast back
+    for the fp32 buffer."""
+
+    def __init__(self, inside: str = "none"):
+        super().__init__()
+        self.inside = inside
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w1 = nn.Parameter(torch.randn(E, I, H) * 0.2)
+        self.w3 = nn.Parameter(torch.randn(E, I, H) * 0.2)
+        self.w2 = nn.Parameter(torch.randn(E, H, I) * 0.2)
+
+    def _mlp(self, xe, e):
+        return F.linear(F.silu(F.linear(xe, self.w1[e])) * F.linear(xe, self.w3[e]), self.w2[e])
+
+    def forward(self, x):
+        w, ids = self.gate(x).softmax(-1).topk(K, -1)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, pos = torch.where(ids == e)
+            if self.inside == "all" or self.inside == "one" and e == 1:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    c = self._mlp(x[tok], e) * w[tok, pos, None]
+            else:
+                c = self._mlp(x[tok], e) * w[tok, pos, None]
+            out.index_add_(0, tok, c.to(out.dtype))
+        return out
+
+
+def _compiled_beside_eager(m: nn.Module, x: torch.Tensor, autocast: bool):
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(m, backend="moe_inductor", options=LIGHT)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        return compiled(x), m(x)
+
+
+@pytest.mark.parametrize("inside,around,dtype,rewritten", [
+    # look-alikes: the user's matmuls run in bf16 under autocast; the op (no autocast op) would run them in fp32
+    pytest.param("none", True, torch.float32, False, id="autocast-around-the-call"),
+    pytest.param("all", False, torch.float32, False, id="autocast-inside-every-expert"),
+    pytest.param("one", False, torch.float32, False, id="autocast-inside-one-expert"),
+    # genuine: autocast to the weights' own dtype casts nothing
+    pytest.param("none", True, torch.bfloat16, True, id="autocast-to-the-weights-dtype"),
+    pytest.param("none", False, torch.float32, True, id="no-autocast"),
+])
+def test_autocast(inside, around, dtype, rewritten):
+    torch.manual_seed(0)
+    m = AutocastLoop(inside).to(dtype)
+    got, expected = _compiled_beside_eager(m, torch.randn(T, H, dtype=dtype), around)
+    assert counters["moe_inductor"]["unrolled_loop"] == (1 if rewritten else 0)
+    assert got.dtype == expected.dtype
+    # left alone, the graph is the user's: the same numbers; rewritten, within the dtype's rounding
+    assert rel_err(got, expected) <= (2e-2 if dtype == torch.bfloat16 else 2e-5 if rewritten else 0.0)
+
+
+@pytest.mark.parametrize("impl,rewritten", [
+    pytest.param("batched_mm", False, id="hf-batched_mm"),  # bmm: an autocast op in transformers' own code
+    pytest.param("grouped_mm", True, id="hf-grouped_mm"),  # transformers casts the tokens to the weights' dtype
+])
+def test_autocast_hf_experts(impl, rewritten):
+    from hf_models import tiny
+
+    block = tiny("qwen3_moe", impl).model.layers[0].mlp
+    got, expected = _compiled_beside_eager(block, torch.randn(2, 5, 32), True)
+    form = f"hf_{impl}"
+    assert counters["moe_inductor"][form] == (1 if rewritten else 0)
+    if not rewritten:
+        assert counters["moe_inductor_left_alone"][form] == 1
+    assert rel_err(got, expected) <= 2e-5

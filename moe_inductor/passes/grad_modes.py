@@ -16,6 +16,12 @@ grad mode, one autocast state), would give expert 1's weights a gradient that ea
 floating-point values are computed under another mode than the op's is left alone. Integer and bool values (the
 rows, masks and counts a ``no_grad`` often wraps, transformers v4's ``one_hot`` mask) carry no gradient and are not
 cast by autocast, so their mode does not matter.
+
+Autocast matters where the op itself runs, too: the op is no autocast op, so under ``torch.autocast(dtype=bf16)``
+around fp32 weights (mixed-precision training: transformers' Trainer with ``bf16=True``) it would compute the experts
+in fp32 where the user's matmuls ran in bf16: other numbers, and a slower, larger path than the user had. So a
+region is left alone where autocast to a dtype other than its tokens' and weights' is on at the op's place (in the
+graph, or around the compiled call, which Dynamo guards on) for the tokens' device (``autocast_reason``).
 """
 from __future__ import annotations
 
@@ -79,3 +85,41 @@ def mode_change(inputs: Iterable[Node], end: Node, writes: Iterable[Node]) -> Op
         if at[n][1] != casts or at[n][0] != grad and (grad is not False or n in writes):
             return f"{OTHER_MODE} ({n.name})"
     return None
+
+
+def autocast_reason(device_type: str, dtypes: Iterable[torch.dtype],
+                    enter: Optional[Node] = None) -> Optional[str]:
+    """Why the op cannot run where autocast to a dtype other than ``dtypes`` (the tokens' and expert weights') is on
+    for ``device_type``, or None. ``enter`` is the innermost ``_enter_autocast`` of the graph open at the op's place
+    for that device (its arguments: device, dtype, enabled, cache), else the caller's state counts; read at compile
+    (or trace) time, which Dynamo's guards on the global autocast state make the state at run time."""
+    if enter is not None:
+        enabled, dtype = enter.args[2], enter.args[1]
+    else:
+        enabled, dtype = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    if not enabled or all(d == dtype for d in dtypes):
+        return None
+    return (f"autocast to {dtype} is on where the op would run: the user's matmuls compute in {dtype}, the op "
+            "(no autocast op) in the tokens' and weights' dtype")
+
+
+def autocast_at(inputs: Iterable[Node], end: Node, writes: Iterable[Node], x: Node,
+                weights: Iterable[Node]) -> Optional[str]:
+    """``autocast_reason`` at ``end`` (before which the op goes) for the tokens ``x`` and the expert ``weights``, where
+    the region shows autocast's work: a floating-point value it computes from its ``inputs`` in autocast's dtype.
+    (``torch._grouped_mm`` is no autocast op: a region of it computes in its operands' dtypes, as the op does.)"""
+    xv = val(x)
+    if not isinstance(xv, torch.Tensor):
+        return None
+    device_type = xv.device.type
+    casts = [c for c in modes(end.graph)[end][1] if len(c.args) >= 3 and c.args[0] == device_type]
+    dtypes = {v.dtype for v in map(val, (x, *weights)) if isinstance(v, torch.Tensor)}
+    reason = autocast_reason(device_type, dtypes, casts[-1] if casts else None)
+    if reason is None:
+        return None
+    dtype = casts[-1].args[1] if casts else torch.get_autocast_dtype(device_type)
+    inputs = [n for n in inputs if isinstance(n, Node)]
+    region = (reach([end, *writes], lambda n: n.all_input_nodes)
+              & reach(inputs, lambda n: n.users)) - reach(inputs, lambda n: n.all_input_nodes)
+    cast = any(isinstance(v, torch.Tensor) and v.dtype == dtype for v in map(val, region))
+    return reason if cast else None
