@@ -125,7 +125,8 @@ def test_no_grad_inside_the_region(where, rewritten):
 class AutocastLoop(nn.Module):
     """The unrolled loop with the experts' projections by ``F.linear`` (an autocast op); ``inside`` puts expert 1's
     MLP (``"one"``) or every expert's (``"all"``) under ``torch.autocast(bf16)`` in the layer, its output cast back
-    for the fp32 buffer."""
+    for the fp32 buffer, or the whole loop, its writes too, under ``torch.autocast("cpu")`` (``"loop"``: the op
+    would run inside it)."""
 
     def __init__(self, inside: str = "none"):
         super().__init__()
@@ -140,6 +141,12 @@ class AutocastLoop(nn.Module):
 
     def forward(self, x):
         w, ids = self.gate(x).softmax(-1).topk(K, -1)
+        if self.inside == "loop":  # CPU autocast's default dtype is bf16
+            with torch.autocast("cpu"):
+                return self._loop(x, ids, w)
+        return self._loop(x, ids, w)
+
+    def _loop(self, x, ids, w):
         out = torch.zeros_like(x)
         for e in range(E):
             tok, pos = torch.where(ids == e)
@@ -165,6 +172,7 @@ def _compiled_beside_eager(m: nn.Module, x: torch.Tensor, autocast: bool):
     pytest.param("none", True, torch.float32, False, id="autocast-around-the-call"),
     pytest.param("all", False, torch.float32, False, id="autocast-inside-every-expert"),
     pytest.param("one", False, torch.float32, False, id="autocast-inside-one-expert"),
+    pytest.param("loop", False, torch.float32, False, id="autocast-default-dtype-around-the-loop"),
     # genuine: autocast to the weights' own dtype casts nothing
     pytest.param("none", True, torch.bfloat16, True, id="autocast-to-the-weights-dtype"),
     pytest.param("none", False, torch.float32, True, id="no-autocast"),

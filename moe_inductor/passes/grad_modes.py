@@ -87,16 +87,21 @@ def mode_change(inputs: Iterable[Node], end: Node, writes: Iterable[Node]) -> Op
     return None
 
 
+def _autocast_state(device_type: str, enter: Optional[Node]) -> tuple[bool, torch.dtype]:
+    """(enabled, dtype) of autocast for ``device_type``: the ``_enter_autocast`` node's, whose dtype None is the
+    device's default (``torch.autocast("cuda")``), else the caller's."""
+    if enter is None:
+        return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    return bool(enter.args[2]), enter.args[1] or torch.get_autocast_dtype(device_type)
+
+
 def autocast_reason(device_type: str, dtypes: Iterable[torch.dtype],
                     enter: Optional[Node] = None) -> Optional[str]:
     """Why the op cannot run where autocast to a dtype other than ``dtypes`` (the tokens' and expert weights') is on
     for ``device_type``, or None. ``enter`` is the innermost ``_enter_autocast`` of the graph open at the op's place
     for that device (its arguments: device, dtype, enabled, cache), else the caller's state counts; read at compile
     (or trace) time, which Dynamo's guards on the global autocast state make the state at run time."""
-    if enter is not None:
-        enabled, dtype = enter.args[2], enter.args[1]
-    else:
-        enabled, dtype = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    enabled, dtype = _autocast_state(device_type, enter)
     if not enabled or all(d == dtype for d in dtypes):
         return None
     return (f"autocast to {dtype} is on where the op would run: the user's matmuls compute in {dtype}, the op "
@@ -117,7 +122,7 @@ def autocast_at(inputs: Iterable[Node], end: Node, writes: Iterable[Node], x: No
     reason = autocast_reason(device_type, dtypes, casts[-1] if casts else None)
     if reason is None:
         return None
-    dtype = casts[-1].args[1] if casts else torch.get_autocast_dtype(device_type)
+    dtype = _autocast_state(device_type, casts[-1] if casts else None)[1]
     inputs = [n for n in inputs if isinstance(n, Node)]
     region = (reach([end, *writes], lambda n: n.all_input_nodes)
               & reach(inputs, lambda n: n.users)) - reach(inputs, lambda n: n.all_input_nodes)
