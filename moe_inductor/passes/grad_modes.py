@@ -64,6 +64,14 @@ def _toggle(n: Node) -> bool:
         n.args[0], bool)
 
 
+def _region(inputs: Iterable[Node], end: Node, writes: Iterable[Node]) -> set[Node]:
+    """What the region computes from its ``inputs`` toward ``end`` and its ``writes``, the inputs' own makers left
+    out."""
+    inputs = [n for n in inputs if isinstance(n, Node)]
+    return (reach([end, *writes], lambda n: n.all_input_nodes)
+            & reach(inputs, lambda n: n.users)) - reach(inputs, lambda n: n.all_input_nodes)
+
+
 def mode_change(inputs: Iterable[Node], end: Node, writes: Iterable[Node]) -> Optional[str]:
     """The reason a floating-point value the region computes from its ``inputs`` runs under another grad mode or
     autocast state than ``end``, before which the op goes; or None. What makes the inputs (the router, under a
@@ -73,9 +81,8 @@ def mode_change(inputs: Iterable[Node], end: Node, writes: Iterable[Node]) -> Op
     eager's region carries past it can only come through an earlier write into the result's buffer (``writes``)
     made with grad enabled: only those count then (DeepSeek's ``@torch.no_grad()`` ``moe_infer`` reads a view of the
     routing weights made outside it)."""
-    inputs, writes = [n for n in inputs if isinstance(n, Node)], set(writes)
-    region = (reach([end, *writes], lambda n: n.all_input_nodes)
-              & reach(inputs, lambda n: n.users)) - reach(inputs, lambda n: n.all_input_nodes)
+    writes = set(writes)
+    region = _region(inputs, end, writes)
     at = modes(end.graph)
     (grad, casts) = at[end]
     for n in (n for n in end.graph.nodes if n in region):
@@ -123,8 +130,5 @@ def autocast_at(inputs: Iterable[Node], end: Node, writes: Iterable[Node], x: No
     if reason is None:
         return None
     dtype = _autocast_state(device_type, casts[-1] if casts else None)[1]
-    inputs = [n for n in inputs if isinstance(n, Node)]
-    region = (reach([end, *writes], lambda n: n.all_input_nodes)
-              & reach(inputs, lambda n: n.users)) - reach(inputs, lambda n: n.all_input_nodes)
-    cast = any(isinstance(v, torch.Tensor) and v.dtype == dtype for v in map(val, region))
+    cast = any(isinstance(v, torch.Tensor) and v.dtype == dtype for v in map(val, _region(inputs, end, writes)))
     return reason if cast else None
