@@ -164,6 +164,24 @@ def _speed_rule_verdict(form: str, kw: dict, hidden_states: torch.Tensor, top_k:
                                       hidden_states.dtype)
 
 
+#: the substitutions whose original code multiplies by autocast ops (``F.linear``, ``@``, ``bmm``); transformers'
+#: ``grouped_mm`` casts the tokens to the weights' dtype itself (``_grouped_mm`` is no autocast op), as the op computes
+_AUTOCAST_FORMS = frozenset({"hf_eager_loop", "hf_batched_mm", "hf_llama4_dense", "hf_switch", "hf_dbrx"})
+
+
+def _autocast_kept(form: str, module: torch.nn.Module, hidden_states: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether autocast to another dtype than the tokens' and weights' is on (read while Dynamo traces, which guards
+    on it), where ``form``'s original code would compute in that dtype and the op would not: noted as left alone."""
+    from .passes.grad_modes import autocast_reason
+
+    if form not in _AUTOCAST_FORMS:
+        return False
+    reason = autocast_reason(hidden_states.device.type, {hidden_states.dtype, *(w.dtype for w in weights)})
+    if reason is not None:
+        report.record_left_alone(form, layer_name(type(module).__qualname__), reason)
+    return reason is not None
+
+
 def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
     def make(original_clone: Callable) -> Callable:
         def polyfill(self, hidden_states, top_k_index, top_k_weights):
@@ -172,6 +190,8 @@ def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
             kw = experts_spec_or_reason(self)
             if isinstance(kw, str):
                 report.record_left_alone(form, layer_name(type(self).__qualname__), kw)
+                return original_clone(self, hidden_states, top_k_index, top_k_weights)
+            if _autocast_kept(form, self, hidden_states, kw["w1"], kw["w2"]):
                 return original_clone(self, hidden_states, top_k_index, top_k_weights)
             name = layer_name(type(self).__qualname__)
             said = _speed_rule_verdict(form, kw, hidden_states, top_k_index.shape[-1])
@@ -196,7 +216,8 @@ def _llama4_moe_forward(original: Callable) -> Callable:
     @functools.wraps(original)
     def forward(self, hidden_states):
         unary = _llama4_activation(self)
-        if unary is None or not capture.rewriting_enabled("hf_llama4_dense"):
+        if unary is None or not capture.rewriting_enabled("hf_llama4_dense") or _autocast_kept(
+                "hf_llama4_dense", self, hidden_states, self.experts.gate_up_proj, self.experts.down_proj):
             return original(self, hidden_states)
         experts = self.experts
         report.record_rewrite("hf_llama4_dense", layer_name(type(self).__qualname__), int(experts.gate_up_proj.shape[0]),
@@ -243,7 +264,7 @@ def _switch_experts_forward(original: Callable) -> Callable:
     @functools.wraps(original)
     def forward(self, hidden_states, selected_experts, routing_weights):
         spec = _switch_spec(self) if capture.rewriting_enabled("hf_switch") else None
-        if spec is None:
+        if spec is None or _autocast_kept("hf_switch", self, hidden_states, *spec[1], *spec[2]):
             return original(self, hidden_states, selected_experts, routing_weights)
         activation, w_in, w_out = spec
         E = len(w_in)
@@ -272,7 +293,7 @@ def _dbrx_experts_forward(original: Callable) -> Callable:
     @functools.wraps(original)
     def forward(self, hidden_states, top_k_index, top_k_weights):
         unary = _dbrx_activation(self) if capture.rewriting_enabled("hf_dbrx") else None
-        if unary is None:
+        if unary is None or _autocast_kept("hf_dbrx", self, hidden_states, self.mlp.w1, self.mlp.v1, self.mlp.w2):
             return original(self, hidden_states, top_k_index, top_k_weights)
         mlp, E, I, H = self.mlp, self.num_experts, self.ffn_hidden_size, self.hidden_size
         report.record_rewrite("hf_dbrx", layer_name(type(self).__qualname__), E, int(top_k_index.shape[-1]), f"{unary}_glu",

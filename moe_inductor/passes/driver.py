@@ -7,7 +7,8 @@ A form (``Form``) lists, for each spelling it reads, an anchor (which nodes to t
 
 1. checks that no input of the region is changed in place anywhere in the graph (``inputs_unchanged``), and that
    nothing the region derives from them is read after an in-place write the proof did not account for
-   (``stale_reads``), else notes the region as left alone;
+   (``stale_reads``), nor computed under another grad mode or autocast state than the op's (``grad_modes``), else
+   notes the region as left alone;
 2. emits the op (``emit.emit_experts``) where the region's result was complete, and points the readers of that
    result at the op;
 3. erases the region's in-place writes, the size asserts Dynamo attached to its data-dependent nodes, and what is
@@ -39,6 +40,7 @@ from .scatter_sums import scatter_sums_as_adds
 from .aliases import eliminate_dead_code, mutated_alias
 from .fx_utils import (canonicalize_operators, drop_identity_casts, reach, read_receivers_of_inplace_results,
                        redirect_later_readers, source_function, source_line, val)
+from .grad_modes import autocast_at, mode_change
 from .kept_errors import index_bounds, keep_removed_checks
 from .stale_reads import stale_read, unseen_write
 
@@ -150,6 +152,11 @@ class Form:
                 if reason is None:  # nor changed in place where the dataflow the proof read does not show it
                     reason = unseen_write(spec_inputs(found.spec), (found.end, *found.writes), found.writes,
                                           fresh_left=True)
+                if reason is None:  # and computed under the grad mode and autocast state the op runs in
+                    reason = mode_change(spec_inputs(found.spec), found.end, found.writes)
+                if reason is None:  # where autocast would not cast the user's matmuls to another dtype
+                    reason = autocast_at(spec_inputs(found.spec), found.end, found.writes, found.spec.x,
+                                         expert_weights(found.spec))
                 keep, said = (False, "") if reason is not None else _speed_verdict(self.name, found)
                 if keep:
                     reason = said
@@ -185,6 +192,14 @@ class Explainer:
 def spec_inputs(spec: MoESpec) -> list[Node]:
     """The graph nodes the op reads: tokens, routing, expert weights and biases."""
     nodes = [spec.x, spec.ids, spec.weights, spec.b1, spec.b1_up, spec.b2]
+    for w in (spec.gate, spec.up, spec.down):
+        nodes += list(w) if isinstance(w, tuple) else [w]
+    return [n for n in nodes if isinstance(n, Node)]
+
+
+def expert_weights(spec: MoESpec) -> list[Node]:
+    """The graph nodes of the experts' weights (gate, up, down; stacked or one per expert)."""
+    nodes = []
     for w in (spec.gate, spec.up, spec.down):
         nodes += list(w) if isinstance(w, tuple) else [w]
     return [n for n in nodes if isinstance(n, Node)]
