@@ -160,6 +160,21 @@ def install() -> None:
     NumpyNdarrayVariable.unpack_var_sequence = unpack_var_sequence
 
 
+def check(gm: GraphModule) -> None:
+    """Before the passes: the counts walked or indexed as numbers are not changed in place anywhere in the graph
+    (``a[1] += 1`` on the NumPy copy, a write to the ``.cpu()`` tensor it shares memory with), since the numbers
+    listed are then not the per-expert counts the proof takes them for, or go stale within the walk. Raises
+    SpeculationNotDischarged. Run before the passes: their dead-code removal may drop a write nothing reads after."""
+    from .passes.aliases import alias_mutations
+    from .speculation import SpeculationNotDischarged
+
+    for node in gm.graph.nodes:
+        written = alias_mutations(node) if node.meta.get(WALKED) else None
+        if written:
+            raise SpeculationNotDischarged(f"the host counts {node.name} walked as numbers are changed in place "
+                                           f"({written[0].name}): they are then not the per-expert counts; not kept")
+
+
 def unconsumed(gm: GraphModule) -> Optional[str]:
     """After the rewrites: why the walked counts are still read by the graph (as numbers, beyond the size checks of
     what went with a rewrite), else None."""
@@ -169,9 +184,10 @@ def unconsumed(gm: GraphModule) -> Optional[str]:
     for node in gm.graph.nodes:
         if not node.meta.get(WALKED):
             continue
-        if node.meta.get(INDEXED) and alias_mutations(node):  # a later read of an element would be stale
-            return (f"the host counts read element by element are changed in place ({alias_mutations(node)[0].name})"
-                    ", and their elements were listed once")
+        written = alias_mutations(node)
+        if written:  # the numbers listed are no longer the per-expert counts the proof took them for, or go stale
+            how = "read element by element" if node.meta.get(INDEXED) else "walked as numbers"
+            return f"the host counts {how} are changed in place ({written[0].name}), and the proof reads them as counts"
         for pick in node.users:
             for item in pick.users:
                 readers = [u for u in item.users if u.target not in _SIZE_CHECK_OPS

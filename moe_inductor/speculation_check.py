@@ -81,7 +81,10 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
     expert only. Raises SpeculationNotDischarged."""
     from .passes.fx_utils import canonicalize_operators, is_call, same_value_key
 
+    from . import host_counts
+
     host_cumsum.check(gm, speculations)
+    host_counts.check(gm)
     if not speculations:
         return
     graph = torch.fx.Graph()

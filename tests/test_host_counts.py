@@ -55,6 +55,13 @@ class WalkingMoE(nn.Module):
         return weights, ids, order, x[order // K], marks.sum(dim=0)
 
     @staticmethod
+    def move_count(counts):
+        """Expert 2's count given to expert 1 in place: the counts still add up to the rows, but are not the
+        experts' own, so eager runs expert 1 on expert 2's rows."""
+        counts[1] += counts[2]
+        counts[2] -= counts[2]
+
+    @staticmethod
     def unsort(out, order, ids, weights):
         """The outputs put back in (token, slot) order, weighted in fp32 and summed over the slots."""
         placed = torch.empty_like(out)
@@ -65,11 +72,22 @@ class WalkingMoE(nn.Module):
         weights, ids, order, rows, per_expert = self.route(x)
         if self.variant == "not_counts":
             per_expert = per_expert + 1
-        per_expert = per_expert.tolist() if self.variant == "tolist" else per_expert.cpu().numpy()
+        if self.variant == "cpu_written":  # the .cpu() copy, whose memory the array shares, changed first
+            host = per_expert.cpu()
+            self.move_count(host)
+            per_expert = host.numpy()
+        else:
+            per_expert = per_expert.tolist() if self.variant == "tolist" else per_expert.cpu().numpy()
+        if self.variant == "array_written":
+            self.move_count(per_expert)
+        elif self.variant == "array_swapped":
+            per_expert[[1, 2]] = per_expert[[2, 1]]
         outputs = self.kept if self.variant == "kept_list" else []
         self.kept.clear()
         start, ran, scale = 0, 0, 0.0
         for e, n in enumerate(per_expert):
+            if self.variant == "walk_written" and e == 0:  # NumPy's iteration reads each element as it goes
+                self.move_count(per_expert)
             end = start + n
             scale = scale + n * 0.5 if self.variant == "numbers_used" else scale
             if self.variant == "fewer_than_2" and n < 2:  # experts with one token output zeros
@@ -194,6 +212,10 @@ def test_a_walk_of_host_counts_is_rewritten_and_equal_to_eager(variant):
     ("numbers_used", "are still read by"),
     ("kept_list", "the skipped body changes Python state"),
     ("handed_list", "a list not made by this function"),
+    ("array_written", "walked as numbers are changed in place"),
+    ("array_swapped", "walked as numbers are changed in place"),
+    ("cpu_written", "walked as numbers are changed in place"),
+    ("walk_written", "walked as numbers are changed in place"),
 ])
 def test_a_walk_that_is_not_the_experts_loop_is_kept_and_equal_to_eager(variant, said):
     case = _case(variant, ("fell_back",))

@@ -67,6 +67,13 @@ _INPLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloo
                     "__iand__", "__ior__", "__ixor__", "__imatmul__", "__ilshift__", "__irshift__", "__setitem__"}
 
 
+#: Dynamo traces NumPy code through torch._numpy, each function recorded as ``wrapped_<name>``
+_NUMPY_WRAPPED = "wrapped_"
+#: the ones that write their first argument: ``a[i] = v`` and the in-place operators (``a += 1`` on an ndarray
+#: changes it where it lies, a view of another array included)
+_NUMPY_WRITES = {"__setitem__"} | {op.__name__ for op in _INPLACE_OPERATORS}
+
+
 def _writes_its_first_argument(node: Node) -> bool:
     if node.op == "call_method":
         name = str(node.target)
@@ -75,6 +82,8 @@ def _writes_its_first_argument(node: Node) -> bool:
         return name.endswith("_") or node.kwargs.get("inplace") is True
     if node.op == "call_function":
         name = getattr(node.target, "__name__", "").split(".")[0]  # an aten overload's "mul_.Scalar" is mul_'s
+        if name.startswith(_NUMPY_WRAPPED):  # a NumPy array's in-place operator or item assignment, as Dynamo
+            return name[len(_NUMPY_WRAPPED):] in _NUMPY_WRITES  # traces it (``a[1] += 1``: getitem, iadd, setitem)
         return (node.target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
                 or node.kwargs.get("inplace") is True or _inplace_by_position(node))
     return False
@@ -156,6 +165,8 @@ def _is_view(node: Node) -> bool:
         return _is_view(node.args[0])
     if node.op == "call_function" and node.target is getattr:
         return len(node.args) == 2 and node.args[1] in _VIEW_ATTRIBUTES
+    if node.op == "call_function" and getattr(node.target, "__name__", None) == _NUMPY_WRAPPED + "getitem":
+        return len(node.args) == 2 and not _advanced_index(node.args[1])  # a basic index of an ndarray views it
     return (node.op == "call_method" and node.target in _VIEWS) or (
         node.op == "call_function" and (node.target in _VIEW_FUNCTIONS or getattr(
             node.target, "__name__", None) in _VIEW_FUNCTION_NAMES)) or _traced_view_of(node) is not None
