@@ -145,5 +145,5 @@ CASES = [
     # keep the rewrite from taking the body: the frame is compiled as plain capture would
     Case("gptqmodel_minimax_m2", "ModelCloud/GPTQModel gptqmodel/hf_minimax_m2/modeling_minimax_m2.py "
          "MiniMaxM2SparseMoeBlock (hit list, row chunks, in-place)", Wrapped,
-         lambda T, g: torch.randn(2, T, H, generator=g), form="unrolled_loop", expect=("fell_back",)),
+         lambda T, g: torch.randn(2, T, H, generator=g), form="unrolled_loop"),
 ]
