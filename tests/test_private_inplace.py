@@ -258,3 +258,33 @@ def test_a_write_a_backward_runs_through_keeps_eagers_error(saved):
     out = compile_moe(model, x)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+def _dynamo_graph(fn, *args):
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=keep, fullgraph=True)(*args)
+    (gm,) = graphs
+    return gm
+
+
+def _row_of_a_product(a, i):
+    c = a * 2
+    c[i].mul_(2)  # a 0-d index selects a row: a view of c, so the write doubles c's row
+    return c
+
+
+def test_a_write_into_a_row_selected_by_a_0d_tensor_is_left_in_place():
+    """``c[i]`` with a 0-d integer tensor is a view (a select), not the copy a tensor index makes: its traced value
+    says so, and the write stays."""
+    a, i = torch.arange(6.0).view(2, 3), torch.tensor(1)
+    gm = _dynamo_graph(_row_of_a_product, a, i)
+    assert respell_private_writes(gm.graph) == 0
+    gm.recompile()
+    assert torch.equal(gm(a, i)[0], _row_of_a_product(a, i))
