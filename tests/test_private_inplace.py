@@ -9,10 +9,12 @@
 Genuine: each spelling alone, and all four together, under ``torch.no_grad()``: rewritten, equal to eager (each
 was left alone before, by the reason its parametrisation names). Look-alikes, each still written in place and equal
 to eager: a write into a view taken before it (``v = y.view(-1, H); y.mul_(w)`` then ``v`` read), a write into a
-view (``h[:, :I].mul_(up)``), a write into the module's input, a write whose out-of-place result would promote
-(bf16 output times an fp32 weight), two names of one memory (``scores.detach()`` read after ``scores.add_``), a
-write a backward runs through (eager's "modified by an inplace operation" error kept), and a write over a tensor
-that a product with a weight saved for its backward.
+view (``h[:, :I].mul_(up)``, and ``c[i].mul_(2)`` with a 0-d tensor ``i``, a view though the index is a tensor), a
+write into the module's input or its buffer, a write whose out-of-place result would promote (bf16 output times an
+fp32 weight), two names of one memory (``scores.detach()`` read after ``scores.add_``), a write a backward runs
+through (eager's "modified by an inplace operation" error kept), and a write over a tensor that a product with a
+weight saved for its backward. A written tensor the module returns is respelled, and returned with the written
+values.
 """
 import pytest
 import torch
@@ -196,26 +198,32 @@ def test_a_write_others_see_is_left_in_place(spelling, kept):
 
 
 class InputWrite(nn.Module):
-    """The router's scores handed in by the caller and written in place: the caller's tensor changes."""
+    """The router's scores handed in by the caller and written in place (the caller's tensor changes), and a
+    buffer of the module's decayed in place (a load statistic)."""
 
     def __init__(self):
         super().__init__()
         self.bias = nn.Parameter(0.1 * torch.randn(E))
+        self.register_buffer("load", torch.ones(E))
 
     def forward(self, scores):
         scores.add_(self.bias)
+        self.load.mul_(0.5)
         return torch.topk(scores, K, dim=-1)[1] * 1
 
 
-def test_a_write_into_an_input_is_left_in_place():
+def test_a_write_into_an_input_or_a_buffer_is_left_in_place():
     torch.manual_seed(0)
     s = torch.rand(9, E)
-    assert _written_by_respell(InputWrite(), s.clone()) == (1, 0)
+    assert _written_by_respell(InputWrite(), s.clone()) == (2, 0)
+    model, twin = InputWrite(), InputWrite()
+    twin.load_state_dict(model.state_dict())
     with torch.no_grad():
         a, b = s.clone(), s.clone()
-        ref = InputWrite.forward(_model := InputWrite(), a)
-        out = compile_moe(_model, b)
+        ref = twin(a)
+        out = compile_moe(model, b)
     assert torch.equal(out, ref) and torch.equal(a, b)  # the caller's scores carry the bias in both
+    assert torch.equal(model.load, twin.load)
 
 
 class SavedWrite(nn.Module):
@@ -288,3 +296,30 @@ def test_a_write_into_a_row_selected_by_a_0d_tensor_is_left_in_place():
     assert respell_private_writes(gm.graph) == 0
     gm.recompile()
     assert torch.equal(gm(a, i)[0], _row_of_a_product(a, i))
+
+
+class ReturnsScores(InPlaceMoE):
+    """MiniMax-M2's router with the biased scores also returned: the caller sees the written tensor."""
+
+    def forward(self, x):
+        scores = torch.sigmoid(self.gate(x))
+        scores.add_(self.bias)
+        ids = torch.topk(scores, K, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, pos = torch.where(ids == e)
+            out.index_add_(0, tok, self.experts[e](x[tok]) * weights[tok, pos, None])
+        return out, scores
+
+
+def test_a_written_tensor_returned_is_the_written_values():
+    """The respelled ``scores + bias`` is what the caller gets, as eager's written ``scores``."""
+    torch.manual_seed(0)
+    model, x = ReturnsScores("plain"), torch.randn(9, H)
+    with torch.no_grad():
+        ref = model(x)
+        out = compile_moe(model, x)
+    assert dict(counters["moe_inductor"]) == {"unrolled_loop": 1}, dict(counters["moe_inductor"])
+    assert_close(out[0], ref[0], torch.float32, "output")
+    assert torch.equal(out[1], ref[1])
