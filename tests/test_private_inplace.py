@@ -12,8 +12,9 @@ to eager: a write into a view taken before it (``v = y.view(-1, H); y.mul_(w)`` 
 view (``h[:, :I].mul_(up)``, and ``c[i].mul_(2)`` with a 0-d tensor ``i``, a view though the index is a tensor), a
 write into the module's input or its buffer, a write whose out-of-place result would promote (bf16 output times an
 fp32 weight), two names of one memory (``scores.detach()`` read after ``scores.add_``), a write a backward runs
-through (eager's "modified by an inplace operation" error kept), and a write over a tensor that a product with a
-weight saved for its backward. A written tensor the module returns is respelled, and returned with the written
+through (eager's "modified by an inplace operation" error kept: the sigmoid's scores biased in place with gradients
+on leave the MoE alone, and its compiled backward raises as eager's; without the grad rule it was rewritten), and a
+write over a tensor that a product with a weight saved for its backward. A written tensor the module returns is respelled, and returned with the written
 values.
 """
 import pytest
@@ -323,3 +324,18 @@ def test_a_written_tensor_returned_is_the_written_values():
     assert dict(counters["moe_inductor"]) == {"unrolled_loop": 1}, dict(counters["moe_inductor"])
     assert_close(out[0], ref[0], torch.float32, "output")
     assert torch.equal(out[1], ref[1])
+
+
+def test_with_gradients_the_biased_scores_stay_in_place():
+    """MiniMax-M2's ``scores.add_(bias)`` writes over the sigmoid's saved output: eager's backward raises. With
+    gradients the write stays, so the region is left alone and the compiled backward raises too (read out of place,
+    the MoE would be rewritten and the backward would run)."""
+    torch.manual_seed(0)
+    model, x = InPlaceMoE("scores_add_"), torch.randn(9, H)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()
+    out = compile_moe(model, x)
+    assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+    assert counters["moe_inductor_left_alone"] == {"unrolled_loop": 1}, dict(counters["moe_inductor_left_alone"])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
