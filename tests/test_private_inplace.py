@@ -14,8 +14,8 @@ write into the module's input or its buffer, a write whose out-of-place result w
 fp32 weight), two names of one memory (``scores.detach()`` read after ``scores.add_``), a write a backward runs
 through (eager's "modified by an inplace operation" error kept: the sigmoid's scores biased in place with gradients
 on leave the MoE alone, and its compiled backward raises as eager's; without the grad rule it was rewritten), and a
-write over a tensor that a product with a weight saved for its backward. A written tensor the module returns is respelled, and returned with the written
-values.
+write over a tensor that a product with a weight saved for its backward. A written tensor the module returns is
+respelled, and returned with the written values.
 """
 import pytest
 import torch
