@@ -149,12 +149,17 @@ class SharedScaledInPlace(nn.Module):
 
 @pytest.mark.parametrize("base_read", [False, True], ids=["genuine", "receiver-read-after"])
 def test_shared_buffer_scaled_in_place_then_read_through_its_receiver(base_read):
+    """With gradients the shared expert's output requires grad and ``base.mul_(0.5)`` stays in place: the second
+    name is left alone. Without them the write is respelled ``out = base * 0.5`` (``passes/private_writes.py``:
+    ``base`` is the linear's own fresh result), every later reader of ``base`` then reads ``out``, and the rewrite
+    that adds the op to ``out``'s readers covers both names: rewritten, equal to eager."""
     torch.manual_seed(0)
     model, x = SharedScaledInPlace(base_read), torch.randn(9, H)
     if base_read:
-        _left_alone_like_eager(model, x, "receiver-read-after")
-    else:
-        _rewritten_like_eager(model, x, "split_loop", "genuine")
+        out, ref = compile_moe(model, x), model(x)
+        assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+        assert_close(out, ref, torch.float32, "receiver-read-after, with gradients")
+    _rewritten_like_eager(model, x, "split_loop", "receiver-read-after" if base_read else "genuine")
 
 
 class GatheredScaledTokens(nn.Module):

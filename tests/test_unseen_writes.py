@@ -3,7 +3,10 @@ expert's rows, ``w = weights[tok, pos, None]`` its routing weight, ``s = F.silu(
 gathered-weights or dense einsum's result. A write in place to such a node before its reads (``xe.mul_(2)``,
 ``s.clamp_(max=limit)``, ``h.mul_(2)``) leaves the node's name in the dataflow while every read sees other values:
 the driver leaves such a region alone in every form (``stale_reads.unseen_write``), equal to eager. Before, each was
-rewritten as if the write were not there (max errors 0.5 to 3.1).
+rewritten as if the write were not there (max errors 0.5 to 3.1). Where no backward can run through the write (under
+``torch.no_grad()``, or on rows of an input that needs no grad) it is read out of place instead
+(``passes/private_writes.py``), and the proofs see the doubled or clamped values: a zero-computation expert's
+doubled rows are rewritten, the others left alone for the proof's own reason.
 
 Around them, the proofs of zero-computation experts (``passes/zero_experts.py``) and ``.tolist()`` hit lists
 (``hit_lists.py``): The genuine spellings (zero experts in any loop
@@ -99,12 +102,14 @@ class ZeroHitList(nn.Module):
 # --- written in place before the proof's reads: left alone, equal to eager ------------------------------------
 
 
-@pytest.mark.parametrize("style", ["zero_rows_in_place", "zero_weight_in_place", "routed_rows_in_place",
-                                   "routed_weight_in_place", "silu_clamped_in_place", "routed_rows_set"])
+@pytest.mark.parametrize("style", ["zero_weight_in_place", "routed_weight_in_place", "silu_clamped_in_place",
+                                   "routed_rows_set"])
 def test_a_body_value_written_in_place_before_its_reads_is_left_alone(style):
     """Each was rewritten as if the write were not there (max errors 0.6 to 3.1 against eager outputs of at most
     1.7 to 3.9 on these inputs): the op read x, the weights or silu's values, not the doubled or clamped ones the
-    user's loop used."""
+    user's loop used. explain() runs with gradients, where the written weight or activation requires grad, so the
+    write stays in place (``passes/private_writes.py`` respells none a backward may run through) and the driver
+    refuses it; ``set_`` is never respelled."""
     torch.manual_seed(0)
     model = ZeroLoop(style)
     x = torch.randn(9, H)
@@ -116,6 +121,42 @@ def test_a_body_value_written_in_place_before_its_reads_is_left_alone(style):
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     (left,) = moe_inductor.explain(model, x.clone()).left_alone
     assert UNSEEN in left.reason, left.reason
+
+
+#: under no_grad each write below is respelled out of place (``passes/private_writes.py``: the rows ``x[tok]``,
+#: the weight column and silu's output are tensors of the graph's own), and the proof reads what the user's code
+#: then computes: the doubled rows of a zero-computation expert are its tokens times 2 times its weight (rewritten),
+#: while a routed expert's doubled rows, a doubled weight and a clamped silu are no MoE the proofs know
+RESPELLED = {
+    "zero_rows_in_place": None,
+    "routed_rows_in_place": "expert 0's input is not x[tok]",
+    "zero_weight_in_place": "expert 4's output is not a matmul or F.linear",
+    "routed_weight_in_place": "expert 0's output is scaled by a factor that is not this body's own routing weight",
+    "silu_clamped_in_place": "expert 0's hidden state is not a known activation",
+}
+
+
+@pytest.mark.parametrize("style", list(RESPELLED))
+def test_a_body_value_written_in_place_under_no_grad_is_read_as_written(style):
+    """The rows doubled in place were left alone before the respelling (``UNSEEN``); now each write is read out
+    of place: rewritten where that is an MoE (the zero experts' rows), else left alone for the proof's own reason,
+    equal to eager either way."""
+    torch.manual_seed(0)
+    model = ZeroLoop(style)
+    x = torch.randn(9, H)
+    with torch.no_grad():
+        ref = model(x.clone())
+        out = compile_moe(model, x.clone())
+        rewrites, left_alone = dict(counters["moe_inductor"]), dict(counters["moe_inductor_left_alone"])
+        report = moe_inductor.explain(model, x.clone())
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    if RESPELLED[style] is None:
+        assert rewrites == {"unrolled_loop": 1} and not left_alone, (rewrites, left_alone)
+        assert not report.left_alone and "tokens times 2" in report.rewrites[0].note, report
+        return
+    assert not rewrites and left_alone == {"unrolled_loop": 1}, (rewrites, left_alone)
+    (left,) = report.left_alone
+    assert RESPELLED[style] in left.reason, left.reason
 
 
 class OtherForms(nn.Module):

@@ -36,6 +36,7 @@ from ..report import LeftAlone, Rewrite
 from ..spec import MoESpec
 from .emit import emit_experts
 from .leading_ones import peel_leading_ones
+from .private_writes import respell_private_writes
 from .scatter_sums import scatter_sums_as_adds
 from .aliases import eliminate_dead_code, mutated_alias
 from .fx_utils import (canonicalize_operators, drop_identity_casts, reach, read_receivers_of_inplace_results,
@@ -369,6 +370,7 @@ def run_pass(name: str, rewrite: Callable[[GraphModule], list[Rewrite]],
         with report.recording() as records:
             canonicalize_operators(candidate.graph)
             drop_identity_casts(candidate.graph)
+            respell_private_writes(candidate.graph)
             scatter_sums_as_adds(candidate.graph)
             peel_leading_ones(candidate.graph)
             read_receivers_of_inplace_results(candidate.graph)

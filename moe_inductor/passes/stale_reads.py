@@ -17,6 +17,11 @@ leaves to the proofs only the writes into a tensor made fresh (``zeros_like`` th
 accept one read it), whose dataflow shows no values at all. A write whose node is rebound (``weights /= s`` makes a
 new node that later reads use) is not read stale, and does not count: a read through the write's result (which
 aliases the written tensor, ``aliases.alias_source``) sees the written value in the dataflow too.
+
+Before the passes match, the writes that are provably the same program as an out-of-place op (arithmetic on a
+tensor the graph has just made, with no view or alias of it and no backward through it) are respelled as that op
+(``private_writes.py``), so their values show in the dataflow; every write these checks meet is one that could not
+be: into a view, an input, a tensor with another name, or one a backward runs through.
 """
 from __future__ import annotations
 

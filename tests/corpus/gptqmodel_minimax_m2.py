@@ -23,26 +23,20 @@ backward through the block raises in eager; the case runs the block under ``torc
 layer's residual add (the gradient is the residual's). Departures: the train-time jitter
 (``hidden_states.mul_(noise)``) and the grouped top-k branch (off in the config) are left out.
 
-Outcome: fell back. ``expert_hit.tolist()`` of the top-k one-hot's hit vector is traced as the list of every
+Outcome: rewritten. ``expert_hit.tolist()`` of the top-k one-hot's hit vector is traced as the list of every
 expert (``hit_lists.py``, with the hit loops' proof of the vector), and inside the body the chunk loop ``range(0,
 top_x_full.size(0), 1024)`` over an expert's data-dependent row count is traced as one pass over all the rows
 (``chunked_rows.py``: ``i`` is read only as ``t[i:i + chunk]`` of tensors of those rows, no local or Python state
-carries from chunk to chunk), kept only where the rewrite takes the body. Four in-place spellings keep the
-unrolled_loop proof from taking it, each on its own (each measured with the others written out of place):
-
-- the expert output weighted in place, ``expert_output.mul_(weights)`` before ``index_add_`` reads
-  ``expert_output``: the proof reads no routing weight on the output ("no routing weight weights[tok, pos, None]
-  scales the output, the input or the hidden state", the reason the frame falls back with today);
-- the MLP's ``gate.mul_(up)``: the dataflow shows ``w2(act(w1(x)))``, and the driver refuses the write it does not
-  account for ("a tensor the region computes from its inputs is changed in place before the region reads it");
-- the router's ``scores.add_(bias)`` before ``topk`` reads ``scores``: the same refusal ("scores: written by add_,
-  read by topk");
-- ``routing_weights.div_(...)`` (and ``mul_(routed_scaling_factor)``) on the gathered weights the region reads: "an
-  input of the region is changed in place elsewhere in the graph" (``driver.inputs_unchanged``, which every form's
-  proof of its inputs relies on).
-
-With the four written out of place the block is rewritten, chunk loop and all (tests/test_chunked_rows.py rewrites
-the chunked loop of this port). The frames compile as plain capture would.
+carries from chunk to chunk), kept only where the rewrite takes the body. The four in-place spellings write tensors
+the block has just made, under ``torch.no_grad()``, with no view of them taken before the write, so
+each is read as the out-of-place op it equals (``passes/private_writes.py``): ``expert_output.mul_(weights)`` is
+the routing weight on the output, ``gate.mul_(up)`` the gated activation, ``scores.add_(bias)`` the biased scores
+``topk`` and ``gather`` read (``original_scores`` is the same tensor), ``routing_weights.div_(...)`` and
+``.mul_(routed_scaling_factor)`` the normalised weights. Each alone kept the unrolled_loop proof from the body before
+(the output weight: "no routing weight weights[tok, pos, None] scales the output, the input or the hidden state";
+the gate and the scores: "a tensor the region computes from its inputs is changed in place before the region reads
+it"; the weights: "an input of the region is changed in place elsewhere in the graph"); tests/test_private_inplace.py
+has each spelling alone.
 """
 import torch
 import torch.nn as nn
@@ -140,10 +134,9 @@ class Wrapped(nn.Module):
 
 
 CASES = [
-    # the hit list is traced as every expert and the chunk loop as one pass over the rows, but the in-place
-    # weighting (expert_output.mul_), gate.mul_(up) and the in-place router (scores.add_, routing_weights.div_)
-    # keep the rewrite from taking the body: the frame is compiled as plain capture would
+    # the hit list is traced as every expert, the chunk loop as one pass over the rows, and the in-place writes on
+    # the block's own fresh tensors as the out-of-place ops they equal
     Case("gptqmodel_minimax_m2", "ModelCloud/GPTQModel gptqmodel/hf_minimax_m2/modeling_minimax_m2.py "
          "MiniMaxM2SparseMoeBlock (hit list, row chunks, in-place)", Wrapped,
-         lambda T, g: torch.randn(2, T, H, generator=g), form="unrolled_loop", expect=("fell_back",)),
+         lambda T, g: torch.randn(2, T, H, generator=g), form="unrolled_loop"),
 ]
