@@ -56,6 +56,18 @@ def shape(node: Any) -> Optional[tuple]:
     return tuple(v.shape) if v is not None else None
 
 
+def shaped(node: Any, want: tuple) -> bool:
+    """``node``'s traced shape is ``want`` (sizes compared as ints or as one symbolic expression, never guarded)."""
+    s = shape(node)
+    return s is not None and len(s) == len(want) and all(same_traced(a, b) for a, b in zip(s, want))
+
+
+def dims(node: Node) -> tuple:
+    """The dims of ``x.permute(1, 0)`` / ``x.permute((1, 0))`` / ``x.transpose(0, 1)``, packed or not, as a tuple."""
+    args = node.args[1:]
+    return tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else tuple(args)
+
+
 def binary(node: Any, targets: tuple) -> Optional[tuple]:
     """(a, b) for ``a op b`` with op one of ``targets``, in-place spellings (``a op= b``, ``a.op_(b)``) included."""
     if call(node, *targets) and len(node.args) == 2 and not node.kwargs:

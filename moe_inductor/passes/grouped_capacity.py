@@ -34,7 +34,7 @@ from torch.fx import Graph, Node
 
 from ..data_widths import NONNEGATIVE
 from ..spec import MoESpec
-from .capacity_gating import (binary, call, mask_key, one_hot, same_traced, shape, size_node, strip_casts,
+from .capacity_gating import (binary, call, mask_key, one_hot, same_traced, shape, shaped, size_node, strip_casts,
                               versions_sound)
 from .driver import Match
 from .fx_utils import einsum_parts, val
@@ -46,12 +46,6 @@ _LT = (torch.lt, operator.lt, "lt")
 #: why a grouped combine is left alone when its routing is not read
 NOT_GROUPED_ROUTING = ("a (B, N, E, C) combine over per-group capacity slots, but its routing is not the per-group "
                        "GShard queue this form proves")
-
-
-def _shaped(node: Any, want: tuple) -> bool:
-    """``node``'s traced shape is ``want`` (sizes compared as ints or as one symbolic expression, never guarded)."""
-    s = shape(node)
-    return s is not None and len(s) == len(want) and all(same_traced(a, b) for a, b in zip(s, want))
 
 
 def _support_of(node: Any) -> Optional[Node]:
@@ -115,7 +109,7 @@ def _same_capacity(handle: Any, C: Any) -> bool:
 def _position(prod: Any, C: Any, B, N, E) -> Optional[tuple[Node, list]]:
     """(the mask's key, the earlier counts) for ``(excl_cumsum(m) + counts...) * m`` over (B, N, E)."""
     ab = binary(prod, _MUL)
-    if ab is None or not _shaped(prod, (B, N, E)):
+    if ab is None or not shaped(prod, (B, N, E)):
         return None
     for p, m in (ab, ab[::-1]):
         key = mask_key(m)
@@ -164,11 +158,11 @@ def _factors(node: Any, B, N, E, C, cap: Any = None) -> Optional[list[tuple[str,
                                     ((Ellipsis, None), "e", (B, N, E, 1), (B, N, E)),
                                     ((Ellipsis, None, slice(None, None, None)), "c", (B, N, 1, C), (B, N, C))):
         base = _is_index(node, index)
-        if base is not None and _shaped(node, want) and _shaped(base, under):
+        if base is not None and shaped(node, want) and shaped(base, under):
             return [(tag, base)]
         if tag == "c" and base is not None and cap is not None and _cap_wide(base, cap):
             width = shape(base)[-1]
-            if _shaped(node, (B, N, 1, width)) and _shaped(base, (B, N, width)):
+            if shaped(node, (B, N, 1, width)) and shaped(base, (B, N, width)):
                 return [(tag, base)]
     return None
 
@@ -214,7 +208,7 @@ def _routing(combine: Node, B, N, E, C, cap) -> Union[list[_Choice], str]:
     while stack:
         t = stack.pop()
         ab = binary(t, _ADD)
-        if ab is not None and _shaped(t, (B, N, E, C)):
+        if ab is not None and shaped(t, (B, N, E, C)):
             stack.extend(ab)
         else:
             terms.append(t)
@@ -309,7 +303,7 @@ def match_grouped(y: Node) -> Union[Match, str, None]:
         rows = shape(ex.xin)
         if rows is None or len(rows) != 3:
             continue
-        xin = next((n for n in _regrouped(ex.xin) if _shaped(n, (E, B, C, rows[2]))), None)
+        xin = next((n for n in _regrouped(ex.xin) if shaped(n, (E, B, C, rows[2]))), None)
         parsed = einsum_parts(xin) if xin is not None else None
         if parsed is None or len(parsed[2]) != 2:
             continue

@@ -39,7 +39,8 @@ from typing import Any, Optional, Union
 import torch
 from torch.fx import Node
 
-from .capacity_gating import _SUB, binary, call, mask_key, one_hot, same_size, same_traced, shape, strip_casts
+from .capacity_gating import (_SUB, binary, call, dims, mask_key, one_hot, same_size, same_traced, shape, shaped,
+                              strip_casts)
 from .fx_utils import einsum_parts, val
 from .stacked_choices import StackedChoices
 
@@ -61,26 +62,16 @@ class PriorityChoices(StackedChoices):
     dispatch: Optional[Node] = None
 
 
-def _shaped(node: Any, want: tuple) -> bool:
-    s = shape(node)
-    return s is not None and len(s) == len(want) and all(same_traced(a, b) for a, b in zip(s, want))
-
-
-def _dims(node: Node) -> tuple:
-    args = node.args[1:]
-    return tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else tuple(args)
-
-
 def _swaps_first_two(node: Any) -> Optional[Node]:
     """x for ``x.transpose(0, 1)`` / ``torch.transpose(x, 0, 1)`` / ``x.t()`` (2-D) / ``x.permute(1, 0, ..)``."""
     if not (isinstance(node, Node) and node.args and isinstance(node.args[0], Node)) or node.kwargs:
         return None
-    if call(node, "transpose", torch.transpose) and set(_dims(node)) == {0, 1}:
+    if call(node, "transpose", torch.transpose) and set(dims(node)) == {0, 1}:
         return node.args[0]
     if call(node, "t", torch.t) and len(node.args) == 1 and len(shape(node) or ()) == 2:
         return node.args[0]
-    dims = _dims(node) if call(node, "permute", torch.permute) else ()
-    if dims and tuple(d % len(dims) for d in dims) == (1, 0, *range(2, len(dims))):
+    order = dims(node) if call(node, "permute", torch.permute) else ()
+    if order and tuple(d % len(order) for d in order) == (1, 0, *range(2, len(order))):
         return node.args[0]
     return None
 
@@ -108,14 +99,14 @@ def _topk_ids(node: Any, E) -> Optional[tuple[Node, int]]:
 def _flat_ids(flat: Any, k: int, T, E) -> Union[Node, str, None]:
     """ids for ``ids.transpose(0, 1).reshape(-1)`` of (T, k) ids from topk (k-major rows); TOKEN_MAJOR's reason for
     ``ids.reshape(-1)``; else None."""
-    if not (call(flat, *_FLAT) and isinstance(flat.args[0], Node) and not flat.kwargs and _shaped(flat, (k * T,))):
+    if not (call(flat, *_FLAT) and isinstance(flat.args[0], Node) and not flat.kwargs and shaped(flat, (k * T,))):
         return None
     src = flat.args[0]
     if call(src, "contiguous") and len(src.args) == 1 and not src.kwargs:  # the same values, laid out anew
         src = src.args[0]
     swapped = _swaps_first_two(src)
     ids = _topk_ids(swapped if swapped is not None else src, E)
-    if ids is None or ids[1] != k or not _shaped(ids[0], (T, k)):
+    if ids is None or ids[1] != k or not shaped(ids[0], (T, k)):
         return None
     if swapped is None:
         return (f"{NOT_PRIORITY}: its queue runs over the (token, choice) rows in token-major order (every choice of "
@@ -138,16 +129,16 @@ def _priority(node: Any, T, E) -> Union[tuple[Node, int], str, None]:
         rows, d = under, 1
     elif len(shape(rows) or ()) == 3:
         d = 0
-    if d is None or dim is None or dim % 3 != d or not _shaped(node, (T, E)):
+    if d is None or dim is None or dim % 3 != d or not shaped(node, (T, E)):
         return None
     k = shape(rows)[0]
-    if type(k) is not int or not _shaped(rows, (k, T, E)):
+    if type(k) is not int or not shaped(rows, (k, T, E)):
         return None
     if not (call(rows, *_RESHAPES) and isinstance(rows.args[0], Node) and not rows.kwargs):
         return None
     ranked = rows.args[0]
     sub = binary(ranked, _SUB)
-    if sub is None or sub[1] != 1 or not _shaped(ranked, (k * T, E)):
+    if sub is None or sub[1] != 1 or not shaped(ranked, (k * T, E)):
         return None
     prod = binary(sub[0], _MUL)
     for cum, m in (prod, prod[::-1]) if prod is not None else ():
@@ -259,7 +250,7 @@ def _product(combine: Node, T, E, C) -> Optional[tuple[Node, Node]]:
                 pairs.append((p.args[0], d))
     for probs, D in pairs:
         pv = val(probs) if isinstance(probs, Node) else None
-        if pv is not None and pv.is_floating_point() and _shaped(probs, (T, E)) and _shaped(D, (T, E, C)):
+        if pv is not None and pv.is_floating_point() and shaped(probs, (T, E)) and shaped(D, (T, E, C)):
             return probs, strip_casts(D, zero_one=True)
     return None
 

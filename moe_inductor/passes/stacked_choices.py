@@ -28,7 +28,7 @@ from typing import Any, Optional, Union
 import torch
 from torch.fx import Graph, Node
 
-from .capacity_gating import _SUB, binary, call, one_hot, same_size, same_traced, shape, strip_casts
+from .capacity_gating import _SUB, binary, call, dims, one_hot, same_size, same_traced, shape, shaped, strip_casts
 from .fx_utils import einsum_parts, val
 
 _MUL = (operator.mul, torch.mul, operator.imul, "mul_")
@@ -39,16 +39,6 @@ NOT_STACKED = ("a (T, E, C) combine summed over a (k, T, E) stack of choices, bu
                "routing this form proves")
 TOKEN_MAJOR = (f"{NOT_STACKED}: its queue positions are a cumsum over the (choice, token) rows in token-major order "
                "(every choice of a token before the next token), not the choice-major order the op drops in")
-
-
-def _shaped(node: Any, want: tuple) -> bool:
-    s = shape(node)
-    return s is not None and len(s) == len(want) and all(same_traced(a, b) for a, b in zip(s, want))
-
-
-def _dims(node: Node) -> tuple:
-    args = node.args[1:]
-    return tuple(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list)) else tuple(args)
 
 
 def _new_axis(node: Any, d: int) -> Optional[Node]:
@@ -97,11 +87,11 @@ def _stacked_one_hot(node: Any, k, T, E) -> Optional[Node]:
     """ids (T, k) or (.., k) with T tokens in all, for ``one_hot(ids, E).view(T, k, E).permute(1, 0, 2)`` (or
     ``.transpose(0, 1)``; the view may be absent): row j of the (k, T, E) result is choice j's one-hot."""
     node = strip_casts(node, zero_one=True)
-    if not (call(node, "permute", torch.permute) and _dims(node) == (1, 0, 2)) and not (
-            call(node, "transpose", torch.transpose) and set(_dims(node)) == {0, 1}):
+    if not (call(node, "permute", torch.permute) and dims(node) == (1, 0, 2)) and not (
+            call(node, "transpose", torch.transpose) and set(dims(node)) == {0, 1}):
         return None
     tke = node.args[0]
-    if not (_shaped(node, (k, T, E)) and _shaped(tke, (T, k, E))):
+    if not (shaped(node, (k, T, E)) and shaped(tke, (T, k, E))):
         return None
     if call(tke, *_RESHAPES) and isinstance(tke.args[0], Node) and not tke.kwargs:
         tke = tke.args[0]  # a reshape of (.., k, E) to (T, k, E) keeps each token's (k, E) block in token order
@@ -117,7 +107,7 @@ def _stacked_one_hot(node: Any, k, T, E) -> Optional[Node]:
 
 
 def _reshaped(node: Any, want: tuple) -> Optional[Node]:
-    if call(node, *_RESHAPES) and isinstance(node.args[0], Node) and not node.kwargs and _shaped(node, want):
+    if call(node, *_RESHAPES) and isinstance(node.args[0], Node) and not node.kwargs and shaped(node, want):
         return node.args[0]
     return None
 
@@ -127,7 +117,7 @@ def _queue(rank: Any, mask: Node, k, T, E) -> Union[bool, str]:
     reshape): True; a reason when it is the cumsum of the (T, k, E) mask under ``mask``'s permute, taken back to
     (k, T, E) (token-major); else False."""
     back = rank.args[0] if call(rank, "permute", torch.permute, "transpose", torch.transpose) and (
-        _dims(rank) == (1, 0, 2) or set(_dims(rank)) == {0, 1}) else None
+        dims(rank) == (1, 0, 2) or set(dims(rank)) == {0, 1}) else None
     order = (T, k, E) if back is not None else (k, T, E)
     rank = back if back is not None else rank
     under = _reshaped(rank, order)
@@ -175,8 +165,8 @@ def stacked_routing(combine: Node, T, E, C) -> Union[StackedChoices, str, None]:
         return None
     weights, slots = parts
     ws, ss = shape(weights), shape(slots)
-    if ws is None or ss is None or len(ws) != 3 or type(ws[0]) is not int or not _shaped(weights, (ws[0], T, E)) \
-            or not _shaped(slots, (ws[0], T, C)):
+    if ws is None or ss is None or len(ws) != 3 or type(ws[0]) is not int or not shaped(weights, (ws[0], T, E)) \
+            or not shaped(slots, (ws[0], T, C)):
         return f"{NOT_STACKED}: its factors are not (k, T, E) weights and (k, T, C) slots"
     k = ws[0]
     ab = binary(weights, _MUL)
@@ -188,7 +178,7 @@ def stacked_routing(combine: Node, T, E, C) -> Union[StackedChoices, str, None]:
             (None, slice(None)), (None, slice(None), slice(None)), (None,)) else gate.args[0] if call(
             gate, "unsqueeze", torch.unsqueeze) and gate.args[1:] == (0,) else gate
         gv = val(base)
-        if drop is None or gv is None or not gv.is_floating_point() or not _shaped(base, (T, E)):
+        if drop is None or gv is None or not gv.is_floating_point() or not shaped(base, (T, E)):
             continue
         for m, keep in (drop, drop[::-1]):
             keep = strip_casts(keep, zero_one=True)
