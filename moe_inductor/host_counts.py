@@ -28,7 +28,7 @@ after Megatron's dropless dispatcher):
 ``tokens_per_expert[i]`` is a 0-d tensor in eager, and ``if`` on it is a data-dependent branch. During a moe_inductor
 compile only, ``t[i]`` with a constant i of such a host copy (``.cpu()``, casts after it) reads element i of its
 ``.tolist()``, listed once at the first read (``subscript``); a copy that is changed in place anywhere in the graph
-falls back, since a later read would be stale.
+falls back (``check``, as for the NumPy walk), since a later read would be stale.
 
 Python ints and NumPy's int64 scalars (or 0-d tensors) differ in type only: where the frame uses the numbers for more
 than the loop the rewrite takes (``num_tokens / 2`` as a float64, ``y * tokens_per_expert[0]``), ``unconsumed`` finds
@@ -46,8 +46,6 @@ from . import host_cumsum
 
 #: on the traced host copy (the array's node) whose elements were walked as counts
 WALKED = "moe_inductor_host_counts"
-#: on a host count tensor whose elements were read one by one (``subscript``): listed once, at the first read
-INDEXED = "moe_inductor_host_counts_indexed"
 
 
 def traced_node(var) -> tuple[Any, Optional[Node]]:
@@ -122,7 +120,6 @@ def subscript(var, tx, key) -> Optional[Any]:
         if items is None:
             return None
         trace.listed_counts[node] = items
-        node.meta[INDEXED] = True
     return items[key.value] if 0 <= key.value < len(items) else None
 
 
@@ -177,17 +174,12 @@ def check(gm: GraphModule) -> None:
 
 def unconsumed(gm: GraphModule) -> Optional[str]:
     """After the rewrites: why the walked counts are still read by the graph (as numbers, beyond the size checks of
-    what went with a rewrite), else None."""
-    from .passes.aliases import alias_mutations
+    what went with a rewrite), else None. Writes into them are refused before the passes (``check``)."""
     from .speculation_check import _SIZE_CHECK_OPS
 
     for node in gm.graph.nodes:
         if not node.meta.get(WALKED):
             continue
-        written = alias_mutations(node)
-        if written:  # the numbers listed are no longer the per-expert counts the proof took them for, or go stale
-            how = "read element by element" if node.meta.get(INDEXED) else "walked as numbers"
-            return f"the host counts {how} are changed in place ({written[0].name}), and the proof reads them as counts"
         for pick in node.users:
             for item in pick.users:
                 readers = [u for u in item.users if u.target not in _SIZE_CHECK_OPS
