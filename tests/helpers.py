@@ -228,6 +228,21 @@ def compile_beside_eager(model: torch.nn.Module, eager: torch.nn.Module, inputs)
     return outputs, len(graphs), max(len(breaks), sum(counters["graph_break"].values())), seen
 
 
+def assert_loop_rewritten_beside_eager(run: tuple, token_counts) -> None:
+    """``compile_beside_eager``'s result for a data-dependent expert loop: every graph rewritten as one
+    ``unrolled_loop``, in one or two graphs (static, then dynamic), with no graph break or fallback, and each token
+    count's output equal to eager's."""
+    from torch._dynamo.utils import counters
+
+    outputs, graphs, breaks, seen = run
+    assert dict(counters["moe_inductor"]) == {"unrolled_loop": graphs}, (dict(counters["moe_inductor"]),
+                                                                          [f.reason for f in seen.fallbacks])
+    assert 1 <= graphs <= 2 and breaks == 0, (graphs, breaks)
+    assert not seen.fallbacks and not counters["moe_inductor_fallback"]
+    for T, (got, ref) in zip(token_counts, outputs):
+        assert rel_err(got, ref) < 1e-5, T
+
+
 def assert_rewritten_like_eager(model: torch.nn.Module, x: torch.Tensor, form: str, what: str = "") -> None:
     """``model`` compiled with moe_inductor (light inner compiler) on ``x``: one rewrite of ``form``, and the output and
     the gradients of ``x`` and of every parameter (for one random upstream gradient) equal to eager's, within the

@@ -16,34 +16,17 @@ the outputs unsorted into a buffer of the rows' static shape (the pass answers n
 """
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from moe_inductor import report
 from tests.corpus.harness import Case, check_rewritten, check_unchanged, run_case
+from tests.test_host_counts import E, H, WalkingMoE
 
-H, I, E, K = 16, 8, 8, 2
 
+class IndexedCountsMoE(WalkingMoE):
+    """A top-2 MoE whose loop reads the host counts tensor by index; ``variant`` picks the spelling or look-alike.
+    The router, experts and sort are test_host_counts' walking MoE's."""
 
-class IndexedCountsMoE(nn.Module):
-    """A top-2 MoE whose loop reads the host counts tensor by index; ``variant`` picks the spelling or look-alike."""
-
-    def __init__(self, variant: str):
-        super().__init__()
-        self.variant = variant
-        self.gate = nn.Linear(H, E, bias=False)
-        self.w13 = nn.Parameter(torch.randn(E, 2 * I, H) * H ** -0.5)
-        self.w2 = nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
-        self.kept: list = []
-
-    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
-        h = F.linear(rows, self.w13[e])
-        return F.linear(F.silu(h[..., :I]) * h[..., I:], self.w2[e])
-
-    def counts(self, ids: torch.Tensor) -> torch.Tensor:
-        marks = ids.new_zeros((ids.shape[0], E))
-        marks.scatter_(1, ids, 1)
-        per_expert = marks.sum(dim=0)
+    def counts(self, per_expert: torch.Tensor) -> torch.Tensor:
         if self.variant == "device":
             return per_expert
         if self.variant in ("to_long", "item"):
@@ -51,10 +34,8 @@ class IndexedCountsMoE(nn.Module):
         return per_expert.cpu()
 
     def forward(self, x):
-        weights, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
-        order = ids.view(-1).argsort()
-        rows = x[order // K]
-        tokens_per_expert = self.counts(ids)
+        weights, ids, order, rows, per_expert = self.route(x)
+        tokens_per_expert = self.counts(per_expert)
         outputs = self.kept if self.variant == "kept_list" else []
         self.kept.clear()
         start = 0

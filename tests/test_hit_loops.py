@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from tests.corpus.harness import Case, check_rewritten, run_case
-from tests.helpers import compile_beside_eager, rel_err
+from tests.helpers import assert_loop_rewritten_beside_eager, compile_beside_eager, rel_err
 
 H, I, E, K = 16, 8, 8, 2
 TOKEN_COUNTS = (1, 2, 3, 9)  # 1 token with 2 choices reaches 2 of the 8 experts: 6 get no rows
@@ -144,13 +144,7 @@ def _build(hit: str = "greater_sum", body: str = "mlp") -> nn.Module:
 def test_a_loop_over_the_hit_experts_is_rewritten_and_equal_to_eager(hit, body):
     """Also with the body's own no-tokens skip (``if len(top_x) == 0: continue``) and with ``expert_idx.item()``,
     as copies of the loop that offload experts write it."""
-    outputs, graphs, breaks, seen = _run(_build(hit, body))
-    assert dict(counters["moe_inductor"]) == {"unrolled_loop": graphs}, (dict(counters["moe_inductor"]),
-                                                                          [f.reason for f in seen.fallbacks])
-    assert 1 <= graphs <= 2 and breaks == 0, (graphs, breaks)
-    assert not seen.fallbacks and not counters["moe_inductor_fallback"]
-    for T, (got, ref) in zip(TOKEN_COUNTS, outputs):
-        assert rel_err(got, ref) < 1e-5, T
+    assert_loop_rewritten_beside_eager(_run(_build(hit, body)), TOKEN_COUNTS)
 
 
 def test_with_gradients_it_is_rewritten_and_equal_to_eager_forward_and_backward():

@@ -152,16 +152,7 @@ def _written_by_respell(model, x) -> tuple[int, int]:
     respells on it)."""
     from moe_inductor.passes.aliases import tensors_written
 
-    graphs = []
-
-    def keep(gm, example_inputs):
-        graphs.append(gm)
-        return gm
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model, backend=keep, fullgraph=True)(x)
-    (gm,) = graphs
+    gm = _dynamo_graph(model, x)
     writes = [n for n in gm.graph.nodes if tensors_written(n)]
     return len(writes), respell_private_writes(gm.graph)
 
