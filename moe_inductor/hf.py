@@ -167,19 +167,38 @@ def _speed_rule_verdict(form: str, kw: dict, hidden_states: torch.Tensor, top_k:
 #: the substitutions whose original code multiplies by autocast ops (``F.linear``, ``@``, ``bmm``); transformers'
 #: ``grouped_mm`` casts the tokens to the weights' dtype itself (``_grouped_mm`` is no autocast op), as the op computes
 _AUTOCAST_FORMS = frozenset({"hf_eager_loop", "hf_batched_mm", "hf_llama4_dense", "hf_switch", "hf_dbrx"})
+#: those of them whose every floating-point step past the matmuls follows the matmuls' dtype, and whose result is
+#: the tokens' dtype: the op computes them in autocast's dtype, its inputs cast as autocast casts the matmuls'
+_AUTOCAST_CAST_FORMS = frozenset({"hf_eager_loop", "hf_batched_mm"})
 
 
-def _autocast_kept(form: str, module: torch.nn.Module, hidden_states: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether autocast to another dtype than the tokens' and weights' is on (read while Dynamo traces, which guards
-    on it), where ``form``'s original code would compute in that dtype and the op would not: noted as left alone."""
+def _autocast_dtype(form: str, module: torch.nn.Module, hidden_states: torch.Tensor,
+                    *weights: torch.Tensor) -> Union[torch.dtype, bool, None]:
+    """Where autocast to another dtype than the tokens' and weights' is on (read while Dynamo traces, which guards
+    on it) and ``form``'s original code computes in that dtype: the dtype, for a form the op computes in it
+    (``_AUTOCAST_CAST_FORMS``), else True (noted as left alone). None where autocast changes nothing."""
     from .passes.grad_modes import autocast_reason
 
     if form not in _AUTOCAST_FORMS:
-        return False
-    reason = autocast_reason(hidden_states.device.type, {hidden_states.dtype, *(w.dtype for w in weights)})
-    if reason is not None:
-        report.record_left_alone(form, layer_name(type(module).__qualname__), reason)
-    return reason is not None
+        return None
+    device_type = hidden_states.device.type
+    reason = autocast_reason(device_type, {hidden_states.dtype, *(w.dtype for w in weights)})
+    if reason is None:
+        return None
+    if form in _AUTOCAST_CAST_FORMS:
+        return torch.get_autocast_dtype(device_type)
+    report.record_left_alone(form, layer_name(type(module).__qualname__), reason)
+    return True
+
+
+def _autocast_kept(form: str, module: torch.nn.Module, hidden_states: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether autocast leaves ``form`` to its original code (``_autocast_dtype``; said in explain())."""
+    return _autocast_dtype(form, module, hidden_states, *weights) is True
+
+
+def _cast_spec(kw: dict, dtype: torch.dtype) -> dict:
+    """The experts' weights and biases in ``kw`` cast to ``dtype``, as autocast casts a matmul's operands."""
+    return {key: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for key, v in kw.items()}
 
 
 def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
@@ -191,16 +210,25 @@ def _make_polyfill(form: str) -> Callable[[Callable], Callable]:
             if isinstance(kw, str):
                 report.record_left_alone(form, layer_name(type(self).__qualname__), kw)
                 return original_clone(self, hidden_states, top_k_index, top_k_weights)
-            if _autocast_kept(form, self, hidden_states, kw["w1"], kw["w2"]):
+            cast = _autocast_dtype(form, self, hidden_states, kw["w1"], kw["w2"])
+            if cast is True:
                 return original_clone(self, hidden_states, top_k_index, top_k_weights)
+            tokens = hidden_states if cast is None else hidden_states.to(cast)
             name = layer_name(type(self).__qualname__)
-            said = _speed_rule_verdict(form, kw, hidden_states, top_k_index.shape[-1])
+            said = _speed_rule_verdict(form, kw, tokens, top_k_index.shape[-1])
             if said.startswith(KEPT):
                 report.record_left_alone(form, name, said)
                 return original_clone(self, hidden_states, top_k_index, top_k_weights)
+            if cast is not None:
+                from .passes.grad_modes import autocast_note
+
+                said = "; ".join(t for t in (said, autocast_note(cast)) if t)
             report.record_rewrite(form, name, int(kw["w1"].shape[0]), int(top_k_index.shape[-1]),
                                    kw["activation"], (tuple(kw["w1"].shape), tuple(kw["w2"].shape)), note=said)
-            return _run_spec(kw, hidden_states, top_k_index, top_k_weights, name)
+            if cast is None:
+                return _run_spec(kw, hidden_states, top_k_index, top_k_weights, name)
+            # the original code returns the tokens' dtype (a cast after its sum, or its fp32 buffer's)
+            return _run_spec(_cast_spec(kw, cast), tokens, top_k_index, top_k_weights, name).to(hidden_states.dtype)
 
         return polyfill
 

@@ -167,37 +167,27 @@ def _compiled_beside_eager(m: nn.Module, x: torch.Tensor, autocast: bool):
         return compiled(x), m(x)
 
 
-@pytest.mark.parametrize("inside,around,dtype,rewritten", [
-    # look-alikes: the user's matmuls run in bf16 under autocast; the op (no autocast op) would run them in fp32
-    pytest.param("none", True, torch.float32, False, id="autocast-around-the-call"),
-    pytest.param("all", False, torch.float32, False, id="autocast-inside-every-expert"),
-    pytest.param("one", False, torch.float32, False, id="autocast-inside-one-expert"),
-    pytest.param("loop", False, torch.float32, False, id="autocast-default-dtype-around-the-loop"),
-    # genuine: autocast to the weights' own dtype casts nothing
-    pytest.param("none", True, torch.bfloat16, True, id="autocast-to-the-weights-dtype"),
-    pytest.param("none", False, torch.float32, True, id="no-autocast"),
+@pytest.mark.parametrize("inside,around,dtype", [
+    # autocast to the weights' own dtype casts nothing; the loop in bf16 and fp32 autocast are in
+    # test_autocast_rewrites.py
+    pytest.param("none", True, torch.bfloat16, id="autocast-to-the-weights-dtype"),
+    pytest.param("none", False, torch.float32, id="no-autocast"),
 ])
-def test_autocast(inside, around, dtype, rewritten):
+def test_autocast(inside, around, dtype):
     torch.manual_seed(0)
     m = AutocastLoop(inside).to(dtype)
     got, expected = _compiled_beside_eager(m, torch.randn(T, H, dtype=dtype), around)
-    assert counters["moe_inductor"]["unrolled_loop"] == (1 if rewritten else 0)
+    assert counters["moe_inductor"]["unrolled_loop"] == 1
     assert got.dtype == expected.dtype
-    # left alone, the graph is the user's: the same numbers; rewritten, within the dtype's rounding
-    assert rel_err(got, expected) <= (2e-2 if dtype == torch.bfloat16 else 2e-5 if rewritten else 0.0)
+    assert rel_err(got, expected) <= (2e-2 if dtype == torch.bfloat16 else 2e-5)
 
 
-@pytest.mark.parametrize("impl,rewritten", [
-    pytest.param("batched_mm", False, id="hf-batched_mm"),  # bmm: an autocast op in transformers' own code
-    pytest.param("grouped_mm", True, id="hf-grouped_mm"),  # transformers casts the tokens to the weights' dtype
-])
-def test_autocast_hf_experts(impl, rewritten):
+def test_autocast_hf_grouped_mm():
+    """transformers' grouped_mm casts the tokens to the weights' dtype itself (``_grouped_mm`` is no autocast op):
+    under bf16 autocast with fp32 weights its experts compute in fp32, and so does the op."""
     from hf_models import tiny
 
-    block = tiny("qwen3_moe", impl).model.layers[0].mlp
+    block = tiny("qwen3_moe", "grouped_mm").model.layers[0].mlp
     got, expected = _compiled_beside_eager(block, torch.randn(2, 5, 32), True)
-    form = f"hf_{impl}"
-    assert counters["moe_inductor"][form] == (1 if rewritten else 0)
-    if not rewritten:
-        assert counters["moe_inductor_left_alone"][form] == 1
+    assert counters["moe_inductor"]["hf_grouped_mm"] == 1
     assert rel_err(got, expected) <= 2e-5

@@ -41,7 +41,7 @@ from .scatter_sums import scatter_sums_as_adds
 from .aliases import eliminate_dead_code, mutated_alias
 from .fx_utils import (canonicalize_operators, drop_identity_casts, reach, read_receivers_of_inplace_results,
                        redirect_later_readers, source_function, source_line, val)
-from .grad_modes import autocast_at, mode_change
+from .grad_modes import autocast_compute, autocast_note, mode_change
 from .kept_errors import index_bounds, keep_removed_checks
 from .stale_reads import stale_read, unseen_write
 
@@ -98,6 +98,9 @@ class Match:
     #: E, where ``derive`` hands the op fewer experts than the spec's stacked weights hold (the routed ones of a loop
     #: that also has zero-computation experts)
     experts: Optional[int] = None
+    #: the dtype autocast computes the region's matmuls in, where that is not the tokens' and weights' own
+    #: (grad_modes.autocast_compute): the op's inputs are cast to it
+    compute_dtype: Optional[torch.dtype] = None
 
 
 Proof = Callable[[Node], Union[Match, str, None]]
@@ -155,9 +158,14 @@ class Form:
                                           fresh_left=True)
                 if reason is None:  # and computed under the grad mode and autocast state the op runs in
                     reason = mode_change(spec_inputs(found.spec), found.end, found.writes)
-                if reason is None:  # where autocast would not cast the user's matmuls to another dtype
-                    reason = autocast_at(spec_inputs(found.spec), found.end, found.writes, found.spec.x,
-                                         expert_weights(found.spec))
+                if reason is None:  # and computed in one dtype: autocast's, where it casts the user's matmuls
+                    dtype = autocast_compute(spec_inputs(found.spec), found.end, found.writes, found.spec.x,
+                                             expert_weights(found.spec))
+                    if isinstance(dtype, str):
+                        reason = dtype
+                    elif dtype is not None:
+                        found = dataclasses.replace(found, compute_dtype=dtype, note="; ".join(t for t in (
+                            found.note, autocast_note(dtype)) if t))
                 keep, said = (False, "") if reason is not None else _speed_verdict(self.name, found)
                 if keep:
                     reason = said
@@ -249,7 +257,8 @@ def layer_of(form: str, m: Match) -> Layer:
     tokens = _count_of(val(spec.x).shape[:-1])  # -1 where symbolic (a SymInt is never compared)
     return Layer(form, spec.activation, spec.gate_up or "separate",
                  any(b is not None for b in (spec.b1, spec.b1_up, spec.b2)), (H, I, m.experts or num_experts(spec), k),
-                 val(spec.x).device, train, per_expert, tokens if tokens >= 0 else None, val(spec.x).dtype)
+                 val(spec.x).device, train, per_expert, tokens if tokens >= 0 else None,
+                 m.compute_dtype or val(spec.x).dtype)
 
 
 def _speed_verdict(form: str, m: Match) -> tuple[bool, str]:
@@ -280,14 +289,15 @@ def _replace(graph: Graph, form: str, m: Match) -> Rewrite:
         with graph.inserting_before(m.end):
             spec = m.derive(graph, spec)
     if m.groups is None:
-        y = emit_experts(graph, spec, m.end, out_dtype)
+        y = emit_experts(graph, spec, m.end, out_dtype, compute_dtype=m.compute_dtype)
     else:
         ys = []
         for g in range(m.groups):
             with graph.inserting_before(m.end):
                 rows = {f: graph.call_function(operator.getitem, (getattr(spec, f), g))
                         for f in ("x", "ids", "weights")}
-            ys.append(emit_experts(graph, dataclasses.replace(spec, **rows), m.end, out_dtype, traced_x=spec.x))
+            ys.append(emit_experts(graph, dataclasses.replace(spec, **rows), m.end, out_dtype, traced_x=spec.x,
+                                   compute_dtype=m.compute_dtype))
         with graph.inserting_before(m.end):
             y = graph.call_function(torch.stack, (ys,))
     if m.plus is not None:

@@ -15,9 +15,11 @@ from .fx_utils import val
 
 
 def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dtype,
-                 traced_x: Optional[Node] = None) -> Node:
+                 traced_x: Optional[Node] = None, compute_dtype: Optional[torch.dtype] = None) -> Node:
     """Insert the op before ``before``; returns the node of its (T, H) output in ``out_dtype``. ``traced_x`` stands
     for ``spec.x`` where that is a new node (a group's rows), which has no traced value: its dtype and grad.
+    ``compute_dtype``: the dtype autocast computes the region's matmuls in, where it is not the tokens' and
+    weights' own: the tokens, expert weights and biases enter cast to it (``_autocast_inputs``).
 
     The weights enter as views in the op's (E, K, N) form: nothing is copied. The call is described once
     (``ops.call.ExpertsCall``, with nodes for values) and ``ops.call.op_call`` gives the op and its arguments.
@@ -30,6 +32,10 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
                                              else (spec.gate, spec.up, spec.down, spec.b1, spec.b1_up, spec.b2))]
     # Dynamo compiles under the grad mode it traced in (and guards on it), so it is the mode the op will run in
     save_pre = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in map(val, weight_nodes))
+    if compute_dtype is not None and compute_dtype != x_dtype:
+        with graph.inserting_before(before):
+            spec = _autocast_inputs(graph, spec, compute_dtype)
+        x_dtype = compute_dtype
     # In training a stacked fused gate/up weight goes to the op whole (op_call's gate_up; an interleaved one as its
     # pairs_view), for one gradient of it
     fused = spec.gate if spec.gate_up is not None and not per_expert and save_pre else None
@@ -86,6 +92,26 @@ def stacked_weights(graph: Graph, spec: MoESpec) -> MoESpec:
 
     return dataclasses.replace(spec, gate=stack(spec.gate), up=stack(spec.up), down=stack(spec.down),
                                b1=stack(spec.b1), b1_up=stack(spec.b1_up), b2=stack(spec.b2))
+
+
+def _autocast_inputs(graph: Graph, spec: MoESpec, dtype: torch.dtype) -> MoESpec:
+    """The spec with its tokens, expert weights and biases cast to ``dtype`` (inserted where the graph inserts
+    now), as autocast casts the operands of the user's matmuls (a bias of ``F.linear`` or ``addmm`` too). Each cast
+    keeps a traced value: the emitter and the visible-kernel swap read the weights' shapes. The routing weights
+    are the emitter's own cast to the tokens' dtype."""
+    def cast(t):
+        if t is None:
+            return None
+        if isinstance(t, tuple):
+            return tuple(cast(p) for p in t)
+        node = graph.call_method("to", (t, dtype))
+        traced = val(t)
+        if traced is not None:
+            node.meta["example_value"] = traced.to(dtype)
+        return node
+
+    return dataclasses.replace(spec, x=cast(spec.x), gate=cast(spec.gate), up=cast(spec.up), down=cast(spec.down),
+                               b1=cast(spec.b1), b1_up=cast(spec.b1_up), b2=cast(spec.b2))
 
 
 def _check_capacity(capacity) -> None:

@@ -19,15 +19,21 @@ cast by autocast, so their mode does not matter.
 
 Autocast matters where the op itself runs, too: the op is no autocast op, so under ``torch.autocast(dtype=bf16)``
 around fp32 weights (mixed-precision training: transformers' Trainer with ``bf16=True``) it would compute the experts
-in fp32 where the user's matmuls ran in bf16: other numbers, and a slower, larger path than the user had. So a
-region is left alone where autocast to a dtype other than its tokens' and weights' is on at the op's place (in the
-graph, or around the compiled call, which Dynamo guards on) for the tokens' device (``autocast_reason``).
+in fp32 where the user's matmuls ran in bf16: other numbers, and a slower, larger path than the user had. Where
+autocast to a dtype other than its tokens' and weights' is on at the op's place (in the graph, or around the
+compiled call, which Dynamo guards on) for the tokens' device, ``autocast_compute`` reads the region's matmuls: when
+every one of them computes in autocast's dtype (they are autocast ops: ``F.linear``, ``@``, ``bmm``, ``einsum``), the
+op runs in that dtype too, its inputs cast as autocast casts the user's (``passes/emit.py``); when none does
+(``torch._grouped_mm``, no autocast op, on the weights' own dtype) it runs as it would without autocast; a region
+with both is left alone.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+import operator
+from typing import Iterable, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch.fx import Graph, Node
 
 from .fx_utils import reach, val
@@ -115,11 +121,31 @@ def autocast_reason(device_type: str, dtypes: Iterable[torch.dtype],
             "(no autocast op) in the tokens' and weights' dtype")
 
 
-def autocast_at(inputs: Iterable[Node], end: Node, writes: Iterable[Node], x: Node,
-                weights: Iterable[Node]) -> Optional[str]:
-    """``autocast_reason`` at ``end`` (before which the op goes) for the tokens ``x`` and the expert ``weights``, where
-    the region shows autocast's work: a floating-point value it computes from its ``inputs`` in autocast's dtype.
-    (``torch._grouped_mm`` is no autocast op: a region of it computes in its operands' dtypes, as the op does.)"""
+#: the matmuls a proven region computes its experts with: autocast ops (on its lower-precision list on CPU and CUDA,
+#: or composed of them: einsum, matmul) and ``torch._grouped_mm``, which autocast leaves alone
+_MATMULS = frozenset(f for f in (torch.matmul, torch.mm, torch.bmm, torch.einsum, torch.functional.einsum, F.linear,
+                                 torch._C._nn.linear, torch.addmm, torch.baddbmm, torch.addbmm, operator.matmul,
+                                 getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if f is not None)
+_MATMUL_METHODS = frozenset({"matmul", "mm", "bmm", "__matmul__", "addmm", "baddbmm", "addbmm"})
+
+#: what ``autocast_compute`` says where the region's matmuls compute in more than one dtype
+MIXED_MATMULS = ("autocast to {dtype} is on where the op would run, and the region's matmuls compute in {dtypes} "
+                 "(some are no autocast op): the op computes every one in one dtype")
+
+
+def _matmul(n: Node) -> bool:
+    return n.op == "call_function" and n.target in _MATMULS or n.op == "call_method" and n.target in _MATMUL_METHODS
+
+
+def autocast_compute(inputs: Iterable[Node], end: Node, writes: Iterable[Node], x: Node,
+                     weights: Iterable[Node]) -> Union[torch.dtype, str, None]:
+    """The dtype the op computes the region in, where autocast is on at ``end`` (before which the op goes) for the
+    tokens ``x``'s device, to a dtype other than ``x``'s and the expert ``weights``': that dtype when every matmul
+    the region computes from its ``inputs`` computes in it (the op's inputs are then cast to it, as autocast casts
+    the user's); None where autocast casts nothing the region computes (no autocast, autocast to the tokens' and
+    weights' own dtype, or only ``torch._grouped_mm`` on them: the op runs in their dtype, as the user's code did);
+    else the reason the region is left alone (its matmuls in more than one dtype, or autocast's dtype with no matmul
+    to show it)."""
     xv = val(x)
     if not isinstance(xv, torch.Tensor):
         return None
@@ -130,5 +156,16 @@ def autocast_at(inputs: Iterable[Node], end: Node, writes: Iterable[Node], x: No
     if reason is None:
         return None
     dtype = _autocast_state(device_type, casts[-1] if casts else None)[1]
-    cast = any(isinstance(v, torch.Tensor) and v.dtype == dtype for v in map(val, _region(inputs, end, writes)))
-    return reason if cast else None
+    region = [n for n in end.graph.nodes if n in _region(inputs, end, writes)]
+    computed = {v.dtype for v in map(val, region) if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    if dtype not in computed:
+        return None
+    made = {v.dtype for v in map(val, filter(_matmul, region)) if isinstance(v, torch.Tensor)}
+    if made == {dtype}:
+        return dtype
+    return reason if not made else MIXED_MATMULS.format(dtype=dtype, dtypes=sorted(map(str, made)))
+
+
+def autocast_note(dtype: torch.dtype) -> str:
+    """What explain() says of a rewrite that computes in autocast's ``dtype``."""
+    return f"under autocast: the op computes in {dtype}, its inputs cast as autocast casts the user's matmuls'"
