@@ -40,8 +40,8 @@ def op_dtypes(monkeypatch) -> list:
 
 
 def _run(model: nn.Module, x: torch.Tensor, train: bool, autocast: bool = True):
-    """The compiled model's output (and its grads, training) under CPU bf16 autocast, and eager's under the same
-    autocast."""
+    """The compiled model's output (and its grads, training) under bf16 autocast on ``x``'s device, and eager's under
+    the same autocast."""
     torch._dynamo.reset()
     counters.clear()
     eager = copy.deepcopy(model)
@@ -49,7 +49,7 @@ def _run(model: nn.Module, x: torch.Tensor, train: bool, autocast: bool = True):
     results = []
     for m, params in ((compiled, model), (eager, eager)):
         xi = x.clone().requires_grad_(train)
-        with torch.set_grad_enabled(train), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.set_grad_enabled(train), torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
             out = m(xi)
         grads = {}
         if train:
@@ -177,3 +177,15 @@ def test_hf_experts_under_autocast_compute_in_bf16(impl, train, op_dtypes):
     block = tiny("qwen3_moe", impl).model.layers[0].mlp
     results = _run(block, torch.randn(2, 5, 32), train)
     _assert_bf16_rewrite(results, op_dtypes, {"eager": "hf_eager_loop", "batched_mm": "hf_batched_mm"}[impl], train)
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_loop_under_cuda_autocast_runs_the_kernels_in_bf16(train, op_dtypes):
+    """Mixed-precision training on the GPU: fp32 weights under CUDA bf16 autocast; the op's Triton kernels get bf16
+    inputs, and the fp32 parameters fp32 gradients equal to eager's within bf16."""
+    torch.manual_seed(0)
+    results = _run(AutocastLoop("none").cuda(), torch.randn(T, H, device="cuda"), train)
+    _assert_bf16_rewrite(results, op_dtypes, "unrolled_loop", train)
