@@ -58,8 +58,7 @@ from .slot_layers import Bias, biased, dropout, op_bias, per_expert_bias, throug
 from .priority_choices import PriorityChoices, priority_routing
 from .stacked_choices import StackedChoices, stacked_routing
 from .expert_projections import biased_linear
-from .emit import list_op_runs
-from .unrolled_loop import per_expert_for_op
+from .emit import list_op_runs, per_expert_for_op
 from .zero_weights import dispatched_weights, has_biases, zero_weight_term
 
 FORM = "padded_capacity"
