@@ -10,8 +10,8 @@ the drops: the queue positions come from the masks, not from the weights. The op
 token through the expert, and its weight gradient there would be ``dy_t . expert_e(x_t)``.
 
 So the op gets ``w * (w != 0)``: the same values, and no gradient where w is zero. Where the experts have biases,
-``zero_weight_term`` adds ``sum_j z_tj * expert_{ids_tj}(0)`` beside the op, with ``z = w * (w == 0)`` on the
-choices the op keeps: exactly zero forward, and the gradient ``dy_t . expert_e(0)`` on every kept zero weight.
+``zero_weight_term`` adds ``sum_j z_tj * expert_{ids_tj}(0)`` beside the op, z the weights that are zero on the
+choices the op keeps (0 elsewhere): exactly zero forward, and the gradient ``dy_t . expert_e(0)`` on every kept zero weight.
 A dropped choice has no slot in eager, so its weight gets nothing there either way.
 
 The zero test is made in the dtype whose support the dispatch is (``support_dtype``): the combine's, or that of the
@@ -49,19 +49,21 @@ def has_biases(spec: MoESpec) -> bool:
 
 def zero_weight_term(graph: Graph, spec: MoESpec, raw: Node, support_dtype: torch.dtype, E: int, k: int,
                      before: Node, out_dtype: torch.dtype) -> Node:
-    """``sum_j z_tj * expert_{ids_tj}(0)`` (T, H) in ``out_dtype``, ``z = w * (w == 0)`` on the kept choices: zero,
-    with eager's gradient on the kept zero weights. ``spec`` has the op's ids and capacity; ``raw`` the (T, k)
-    weights before ``dispatched_weights``. The experts' outputs on a zero row are one op call over E rows."""
+    """``sum_j z_tj * expert_{ids_tj}(0)`` (T, H) in ``out_dtype``, z the weights that are zero on the kept choices
+    (and 0 elsewhere): zero, with eager's gradient on the kept zero weights. ``spec`` has the op's ids and capacity;
+    ``raw`` the (T, k) weights before ``dispatched_weights``. The experts' outputs on a zero row are one op call
+    over E rows."""
     x = spec.x
-    zeros = graph.call_method("new_zeros", (x, (E, val(x).shape[-1])))
+    zeros = graph.call_method("new_zeros", (x, (E, graph.call_method("size", (x, -1)))))
     every = graph.call_method("view", (graph.call_function(torch.arange, (E,), {"device": val(x).device}), E, 1))
     ones = graph.call_method("new_ones", (x, (E, 1)))
     on_zero = emit_experts(graph, dataclasses.replace(spec, x=zeros, ids=every, weights=ones, capacity=None),
                            before, out_dtype, traced_x=x)  # (E, H): expert e on a zero row
     ids = spec.ids
     kept = graph.call_method("t", (graph.call_method("reshape", (_kept_flat(graph, ids, E, spec.capacity), k, -1)),))
-    z = graph.call_function(operator.mul, (raw, graph.call_function(operator.and_, (
-        _zero(graph, raw, support_dtype), kept))))
+    # a where, not a product: a non-finite weight elsewhere must not make this term NaN
+    z = graph.call_function(torch.where, (graph.call_function(operator.and_, (_zero(graph, raw, support_dtype), kept)),
+                                          raw, 0.0))
     # exactly zero in the dispatch's dtype (a wider raw weight that rounds to zero there is not zero itself)
     z = graph.call_method("to", (graph.call_method("to", (z, support_dtype)), out_dtype))
     picked = graph.call_function(operator.getitem, (on_zero, ids))  # (T, k, H)
