@@ -226,7 +226,8 @@ def note_fallback(code: Optional[types.CodeType], stage: str, error: BaseExcepti
     if len(lines) > 1 and first_line.endswith(":"):
         first_line = f"{first_line} {lines[-1][:1000]}"
     reason = f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
-    reason = "; ".join([reason, *dict.fromkeys(also)])
+    cause = user_cause(error)
+    reason = "; ".join([*([cause] if cause else []), reason, *dict.fromkeys(also)])
     if getattr(_quiet, "on", False):  # explain()'s rewrites-off pass: recorded for its report, never logged
         report.record_fallback(describe_frame(code), stage, reason, log_it=False)
         return
@@ -235,6 +236,29 @@ def note_fallback(code: Optional[types.CodeType], stage: str, error: BaseExcepti
         _logged_fallbacks.add(code)
     report.record_fallback(describe_frame(code), stage, reason, log_it=first_time)
 
+
+def user_cause(error: BaseException) -> Optional[str]:
+    """What in the user's code failed, in plain words: the innermost line of theirs that Dynamo was tracing (its
+    file, line and source) and, for a guard on a data-dependent value, what the capture settings did to it. None
+    where the error names no user frame (a compile error inside Inductor, a torch without the attributes)."""
+    stack = getattr(error, "real_stack", None) or ()
+    frame = getattr(error, "innermost_user_frame_summary", None) or (stack[-1] if stack else None)
+    if frame is None or not getattr(frame, "filename", None):
+        return None
+    source = (frame.line or "").strip()
+    at = f"{frame.filename}:{frame.lineno} in {frame.name}" + (f", `{source}`," if source else ",")
+    if isinstance(error, _GuardOnDataDependentSymNode):
+        return (f"{at} uses a value that depends on a tensor's data (a number read by `.tolist()` or `.item()`, or "
+                "the size of a `nonzero()` result) as a Python int or bool (an index, a size or a branch); "
+                "moe_inductor's capture settings (capture_scalar_outputs, capture_dynamic_output_shape_ops) trace "
+                "such a value as an unknown instead of breaking the graph there, and this use of it cannot be traced")
+    return f"{at} failed to trace under moe_inductor's capture settings"
+
+
+try:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode as _GuardOnDataDependentSymNode
+except ImportError:  # a torch without it: no error is one
+    _GuardOnDataDependentSymNode = ()
 
 _quiet = threading.local()
 

@@ -301,16 +301,9 @@ def _get_iter(tx, inst, handler) -> None:
 
 
 def _for_iter(tx, inst, handler) -> None:
-    trace = speculation._trace()
-    got = trace.chunk_loops.get(("iter", id(tx.stack[-1]))) if trace is not None and tx.stack else None
-    if got is None or got[0] is not tx.stack[-1]:
-        handler(tx, inst)
-        return
-    iterator, record = got
-    before = iterator.index
-    handler(tx, inst)
-    if iterator.index == before:
-        _finish(trace, record)
+    stepped = speculation.step_tracked(tx, inst, handler, lambda trace, top: trace.chunk_loops.get(("iter", id(top))))
+    if stepped is not None and stepped[2]:  # the chunk loop ended
+        _finish(speculation._trace(), stepped[0])
 
 
 def unmark(gm: GraphModule) -> None:

@@ -255,17 +255,14 @@ def _unroll(tx, inst) -> bool:
 def _iteration(tx, inst, handler: Callable) -> None:
     """FOR_ITER of a hit loop: the speculation hooks end the previous iteration, the iterator yields the next index,
     and that iteration opens as a Speculation."""
-    trace = speculation._trace()
-    got = trace.loops.get(id(tx.stack[-1])) if trace is not None and tx.stack else None
-    if got is None:
-        handler(tx, inst)
+    stepped = speculation.step_tracked(tx, inst, handler, lambda trace, top: trace.loops.get(id(top)))
+    if stepped is None:
         return
-    iterator, loop = got
-    before = iterator.index
-    handler(tx, inst)
-    if iterator.index == before:
+    loop, before, ended = stepped
+    if ended:
         loop.finished = True
         return
+    trace = speculation._trace()
     graph = tx.output.graph
     s = speculation.Speculation(next(speculation._ids), None, loop.where, graph, speculation._last_node(graph),
                                 tx.f_code, inst.offset, tx, trace.mark(), loop_key=loop.key)

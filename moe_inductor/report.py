@@ -121,8 +121,8 @@ class Report:
         for m in self.left_alone:
             lines.append(f"  left alone: {m.form:<14} {m.where}  ({m.reason})")
         for f in self.fallbacks:
-            lines.append(f"  fallback: {f.where} failed to {f.stage} under moe_inductor's capture settings and was "
-                         f"compiled as backend='inductor' would, without rewrites ({f.reason})")
+            lines.append(f"  fallback: {f.where} failed to {f.stage} under moe_inductor's capture settings, so it ran "
+                         f"as plain torch.compile runs it (what backend='inductor' does), without rewrites: {f.reason}")
         for note in self.notes:
             lines.append(f"  note: {note}")
         for i, g in enumerate(self.graphs):
@@ -296,8 +296,8 @@ def record_fallback(where: str, stage: str, reason: str, log_it: bool = True) ->
     logged when ``log_it`` (once per frame: the caller knows the frame), kept for explain()."""
     counters["moe_inductor_fallback"][stage] += 1
     if log_it:
-        log.warning("moe_inductor: %s failed to %s under its capture settings (%s); compiling it as plain capture "
-                    "would (what backend='inductor' does), without rewrites", where, stage, reason)
+        log.warning("moe_inductor: %s failed to %s under its capture settings, so it runs as plain torch.compile "
+                    "runs it (what backend='inductor' does), without rewrites: %s", where, stage, reason)
     report = current_report()
     if report is not None:
         report.fallbacks.append(Fallback(where, stage, reason))

@@ -507,6 +507,23 @@ def _for_iter_hook(handler: Callable) -> Callable:
     return for_iter
 
 
+def step_tracked(tx, inst, handler: Callable, tracked: Callable) -> Optional[tuple[Any, int, bool]]:
+    """FOR_ITER of a loop a hook unrolls itself (hit_loops, chunked_rows). ``tracked(trace, top)`` is the
+    (iterator, record) kept for the iterator on top of the stack, or None. Dynamo's ``handler`` steps the iterator
+    either way; for a tracked one this returns (record, its index before the step, whether the step ended the loop:
+    an exhausted iterator's index does not move), else None."""
+    trace = _trace()
+    top = tx.stack[-1] if trace is not None and tx.stack else None
+    got = tracked(trace, top) if top is not None else None
+    if got is None or got[0] is not top:
+        handler(tx, inst)
+        return None
+    iterator, record = got
+    before = iterator.index
+    handler(tx, inst)
+    return record, before, iterator.index == before
+
+
 def _fail(s: Speculation, why: str) -> SpeculationNotDischarged:
     return SpeculationNotDischarged(f"the skip of an expert with no tokens at {s.where} was assumed away while "
                                     f"tracing, and {why}; not kept")

@@ -146,7 +146,7 @@ def test_opcheck_experts_backward(dtype):
 def test_the_list_op_runs_it_at_its_default_limit():
     """The per-expert list op's schema takes no limit: it runs the activation at the default (7, Step-3.7-Flash's
     own bound), against the reference at 7 on inputs wide enough for it to bind; another limit is refused there
-    (the passes stack such weights for the stacked op instead: ``unrolled_loop.list_op_runs``)."""
+    (the passes stack such weights for the stacked op instead: ``emit.list_op_runs``)."""
     from moe_inductor.ops import expert_lists, moe_reference
     from moe_inductor.ops.call import ExpertsCall, ExpertWeights, Routing, op_call
     from moe_inductor.ops.activations import Activation

@@ -20,7 +20,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import moe_inductor
-from tests.corpus import hobby_loops, olmo_core_dropless, scattermoe_reference, torchao_moe_quant
+from tests.corpus import hobby_loops, megatron_alltoall, olmo_core_dropless, scattermoe_reference, torchao_moe_quant
 from tests.helpers import compile_beside_eager, rel_err
 
 #: the bit patterns of the floats in [0, 1] (the last one is 1.0), by how the dtype's bits are stored
@@ -121,6 +121,28 @@ def _lines_of(module, text: str) -> list[int]:
 def _line_of(module, text: str) -> int:
     (line,) = _lines_of(module, text)
     return line
+
+
+def test_megatron_fallback_says_which_line_failed_and_that_it_ran_as_plain_compile():
+    """Megatron's dropless dispatcher indexes its chunks by ``sorted_idxs.tolist()``: every fallback names that line
+    of the user's, its source, what the capture settings did to the number, and that the frame ran as plain
+    torch.compile runs it."""
+    case = megatron_alltoall.CASES[0]
+    assert case.expect == ("fell_back",)
+    torch.manual_seed(0)
+    report = moe_inductor.explain(case.build(), case.make_input(case.token_counts[0], torch.Generator().manual_seed(1)))
+    assert report.fallbacks and not report.rewrites
+    line = _line_in(megatron_alltoall.sort_chunks_by_idxs, "output = torch.cat([input[i] for i in sorted_idxs")
+    at = f"megatron_alltoall.py:{line} in <listcomp>, `output = torch.cat([input[i] for i in sorted_idxs.tolist()]"
+    first = report.fallbacks[0]
+    assert at in first.reason, first.reason
+    assert "a value that depends on a tensor's data (a number read by `.tolist()` or `.item()`" in first.reason
+    assert "capture_scalar_outputs" in first.reason and "cannot be traced" in first.reason
+    text = str(report)
+    assert ("failed to compile under moe_inductor's capture settings, so it ran as plain torch.compile runs it "
+            "(what backend='inductor' does), without rewrites: ") in text, text
+    # the plain words come first; Dynamo's own message follows them
+    assert first.reason.index(at) < first.reason.index("GuardOnDataDependentSymNode")
 
 
 def _line_in(fn, text: str) -> int:

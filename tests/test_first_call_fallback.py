@@ -85,4 +85,4 @@ def test_a_compile_worker_error_is_named_in_the_fallback_line(caplog):
     assert "subprocess: ValueError: the tile does not fit in shared memory" in caplog.text
     caplog.clear()
     capture.note_fallback(None, "compile", RuntimeError("first line\nsecond line"))
-    assert "RuntimeError: first line)" in caplog.text  # a first line that says what keeps its own
+    assert "without rewrites: RuntimeError: first line\n" in caplog.text  # a first line that says what keeps its own

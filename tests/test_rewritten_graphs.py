@@ -78,7 +78,8 @@ v13 = getitem(v12, 0)""")
 
     def test_switch_top1_padded_capacity(self):
         """The dispatch einsum, the padded expert buffer and the combine go; the routing that made the drops stays
-        only as far as the op needs it (ids, gate, capacity 3)."""
+        only as far as the op needs it (ids, gate, capacity 3); the gate reaches the op times ``gate != 0``, as a
+        zero weight's choice is not dispatched (passes/zero_weights.py)."""
         torch.manual_seed(0)
         with torch.no_grad():
             graph = rewritten(CapacityMoE("top1"), torch.randn(6, 16), padded_capacity.rewrite)
@@ -98,8 +99,12 @@ v11 = stack((v2), dim=1)
 v12 = .reshape(v10, -1)
 v13 = stack((v12), dim=1)
 v14 = .to(v13, torch.float32)
-v15 = .transpose(in2, 1, 2)
-v16 = .transpose(in3, 1, 2)
-v17 = .transpose(in4, 1, 2)
-v18 = moe_inductor.experts_forward(in1, v11, v14, v15, v16, v17, None, None, None, 'silu_glu', 'output', 1.702, 7.0, 3, False)
-v19 = getitem(v18, 0)""")
+v15 = eq(v14, 0)
+v16 = invert(v15)
+v17 = mul(v13, v16)
+v18 = .to(v17, torch.float32)
+v19 = .transpose(in2, 1, 2)
+v20 = .transpose(in3, 1, 2)
+v21 = .transpose(in4, 1, 2)
+v22 = moe_inductor.experts_forward(in1, v11, v18, v19, v20, v21, None, None, None, 'silu_glu', 'output', 1.702, 7.0, 3, False)
+v23 = getitem(v22, 0)""")

@@ -43,10 +43,10 @@ def emit_experts(graph: Graph, spec: MoESpec, before: Node, out_dtype: torch.dty
     if spec.gate_up is not None:
         with graph.inserting_before(before):
             spec = _split_fused(graph, spec)
-    if per_expert and not list_op_runs(spec):
+    if per_expert:
         with graph.inserting_before(before):
-            spec = stacked_weights(graph, spec)
-        per_expert = False
+            spec = per_expert_for_op(graph, spec)
+        per_expert = isinstance(spec.gate, tuple)
 
     def kn(w: Optional[Node]) -> Optional[Node]:
         """A stacked weight as the op's (E, K, N) view, with its traced value: the visible-kernel swap reads the
@@ -81,6 +81,16 @@ def list_op_runs(spec: MoESpec) -> bool:
     """Whether the per-expert list op runs ``spec``'s activation: every one but a clamped glu (gptoss_glu,
     clamped_silu_glu) of other than the default alpha and limit, which the list op's schema does not take."""
     return (spec.alpha, spec.limit) == (GPTOSS_ALPHA, GPTOSS_LIMIT)
+
+
+def per_expert_for_op(graph: Graph, spec: MoESpec) -> MoESpec:
+    """A per-expert spec (weights and biases, capacity or not) as the op takes it: as it is where the list op runs
+    its activation (it takes each expert's weights and biases, and reads the weights where they lie); else its
+    weights and biases stacked (``stacked_weights``, inserted where the graph inserts now) for the op with stacked
+    weights. The layout stays the per-expert one. A spec of stacked weights is returned as it is."""
+    if not isinstance(spec.gate, tuple) or list_op_runs(spec):
+        return spec
+    return stacked_weights(graph, spec)
 
 
 def stacked_weights(graph: Graph, spec: MoESpec) -> MoESpec:

@@ -20,7 +20,8 @@ where the op drops the choice (pos_j >= C), so each of the E*C slots of a group 
 the dispatch (combine's support) copies it unscaled, and the token gets back the product of its (B, N) factors times
 its expert's output. The op, called once per group on (x[b], ids[b], weights[b], C), computes the same; B must be a
 static size. The (B, N) factors are taken whole as the choice's weight: where they are zero the term is zero, and
-the op's output for that choice is zero too.
+the op's output for that choice is zero too; so is its gradient, as eager's (the choice is not dispatched, and the
+bias-free experts give a zero row nothing: ``zero_weights.py``).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from .capacity_gating import (binary, call, mask_key, one_hot, same_traced, shap
 from .driver import Match
 from .fx_utils import einsum_parts, val
 from .padded_capacity import _ADD, _dispatch_of, _regrouped, _stacked_experts
+from .zero_weights import dispatched_weights
 
 _MUL = (operator.mul, torch.mul)
 _LT = (torch.lt, operator.lt, "lt")
@@ -314,10 +316,10 @@ def match_grouped(y: Node) -> Union[Match, str, None]:
                     and xs[2] not in ds and o == ds[2] + ds[0] + ds[3] + xs[2]:
                 support = _support_of(ops[di])
                 if support is combine or support is read:
-                    dispatched = (ex, ops[xi])
+                    dispatched = (ex, ops[xi], val(support).dtype)
     if dispatched is None:
         return f"{base} its slots are not experts on a dispatch of combine's support"
-    ex, x = dispatched
+    ex, x, support = dispatched
     if shape(x) is None or len(shape(x)) != 3 or not (same_traced(shape(x)[0], B) and same_traced(shape(x)[1], N)):
         return f"{base} the dispatched tokens are not (B, N, D)"
     slot_c = _capacity_node(combine, C)
@@ -343,7 +345,9 @@ def match_grouped(y: Node) -> Union[Match, str, None]:
                 w = graph.call_function(operator.mul, (w, other))
             columns.append(w)
         weights = graph.call_function(torch.stack, (columns,), {"dim": -1})
-        return dataclasses.replace(spec, ids=ids, weights=weights)
+        # a zero weight's choice is not dispatched; the experts are bias-free, so its eager gradient is zero
+        # (zero_weights.py)
+        return dataclasses.replace(spec, ids=ids, weights=dispatched_weights(graph, weights, support))
 
     note = f"capacity {C} per group, the same drops, one op call per group ({B}); no (B, N, E, C) dispatch"
     return Match(spec, y, note=note, derive=derive, top_k=len(choices), writes=checks, groups=B)

@@ -31,7 +31,9 @@ gets its own slot (choice j queues behind all earlier choices, kept or not, whic
 when it fills each expert in choice-major priority order j*T + t). A slot therefore holds one token or none, the
 dispatch copies that token unscaled, and the combine returns gate_j * expert_e(x_t) to its token (an empty slot's
 output, bias and all, is multiplied by a zero combine weight). The op does the same with ids (idx_0, ..,
-idx_{k-1}), weights (gate_0, ..) and capacity C, without the padding. A dispatch that is not the exact support of
+idx_{k-1}), weights (gate_0, ..) and capacity C, without the padding. A kept choice whose gate is exactly zero is
+not dispatched (it is outside combine's support), which changes its gradients only: the op gets ``gate * (gate !=
+0)``, and biased experts a term beside it that gives that gate eager's gradient (``zero_weights.py``). A dispatch that is not the exact support of
 combine (``combine > 0.5``, or slots moved), a mask without the drop, a queue that ignores the earlier choices (or
 puts them in another order), or a capacity that differs between the drop and the slots, is a different computation
 and is left alone; so are a bias that varies per slot and a dropout that may drop (p > 0 in training).
@@ -56,8 +58,8 @@ from .slot_layers import Bias, biased, dropout, op_bias, per_expert_bias, throug
 from .priority_choices import PriorityChoices, priority_routing
 from .stacked_choices import StackedChoices, stacked_routing
 from .expert_projections import biased_linear
-from .emit import list_op_runs
-from .unrolled_loop import per_expert_for_op
+from .emit import list_op_runs, per_expert_for_op
+from .zero_weights import dispatched_weights, has_biases, zero_weight_term
 
 FORM = "padded_capacity"
 
@@ -370,6 +372,9 @@ class _Match:
     x: Node
     choices: Union[list[Choice], StackedChoices]
     capacity: Any
+    #: the dtype of the tensor whose support the dispatch is; None where the dispatch is a mask that holds
+    #: zero-weight choices too (T5X's token priority)
+    support: Optional[torch.dtype]
 
 
 def match(y: Node) -> Union[_Match, str, None]:
@@ -438,7 +443,7 @@ def _match_parts(y: Node, combine: Node, out: Node, read: Node) -> Union[_Match,
         if capacity is None:
             return ("a (T, E, C) combine over capacity slots whose symbolic capacity no size in the graph holds "
                     "(a capacity tensor cannot reach the op without a host sync)")
-        return _Match(ex, x, choices, capacity)
+        return _Match(ex, x, choices, capacity, None if by_mask else val(support).dtype)
     return reason
 
 
@@ -497,8 +502,13 @@ def match_capacity(y: Node) -> Union[Match, str, None]:
     # copy every expert's weights at each call)
     lists = per_expert and list_op_runs(spec)
 
+    raw = []  # the (T, k) weights as the gating made them, for ``plus``
+
     def derive(graph: Graph, spec: MoESpec) -> MoESpec:
         ids, weights = found.choices.op_routing(graph) if stacked else _op_routing(graph, found.choices)
+        raw.append(weights)
+        if found.support is not None:  # a zero weight's choice is not dispatched: zero_weights.py
+            weights = dispatched_weights(graph, weights, found.support)
         spec = dataclasses.replace(spec, ids=ids, weights=weights)
         if not per_expert:  # a stacked (E, 1, N) bias as the op's (E, N) view
             spec = dataclasses.replace(spec, **{f: op_bias(graph, b) for f, b in zip(("b1", "b1_up", "b2"),
@@ -518,7 +528,15 @@ def match_capacity(y: Node) -> Union[Match, str, None]:
     note = (f"capacity {found.capacity}, the same drops; runs the T*k routed rows instead of {padded}, no (T, E, C) "
             "dispatch" + ("" if not per_expert else "; per-expert weights read where they lie (the list op)" if lists
                           else "; per-expert weights stacked at each call (an activation the list op does not run)"))
-    return Match(spec, y, note=note, derive=derive, top_k=found.choices.k if stacked else len(found.choices))
+    k = found.choices.k if stacked else len(found.choices)
+
+    def plus(graph: Graph, spec: MoESpec) -> Node:
+        return zero_weight_term(graph, spec, raw[-1], found.support, E, k, y, val(y).dtype)
+
+    # biased experts' output on an empty slot is not zero: that is a zero weight's gradient in eager
+    zero_rows = found.support is not None and has_biases(spec)
+    note += "; a zero-row pass of each expert for the gradients of zero weights" if zero_rows else ""
+    return Match(spec, y, note=note, derive=derive, top_k=k, plus=plus if zero_rows else None)
 
 
 def _match_grouped(y: Node) -> Union[Match, str, None]:

@@ -148,7 +148,8 @@ def match_table_writes(buf: Node) -> Union[Match, str, None]:
     """NLLB-MoE's loop (see the module docstring) ending in ``buf.sum(dim=0)``."""
     from .masked_writes import _masked_body, _one_spec
     from .expert_projections import biased_linear
-    from .unrolled_loop import _Body, per_expert_for_op
+    from .emit import per_expert_for_op
+    from .unrolled_loop import _Body
 
     _, _, (x, mask) = einsum_parts(buf)
     got = _table_mask(mask)

@@ -312,7 +312,8 @@ def match_top1_masks(buf: Node) -> Union[Match, str, None]:
     from .driver import CHANGED_IN_PLACE
     from .masked_writes import _flat_ids, _masked_body, _one_spec  # the checks shared with DeepSeek's spelling
     from .expert_projections import biased_linear
-    from .unrolled_loop import _Body, per_expert_for_op
+    from .emit import per_expert_for_op
+    from .unrolled_loop import _Body
 
     writes = alias_mutations(buf)
     marked = [(w, _mask_of(w.args[1])) for w in writes if is_call(w, "call_function", operator.setitem)

@@ -46,7 +46,7 @@ from torch.fx import Graph, Node
 
 from ..spec import MoESpec
 from .driver import CHANGED_IN_PLACE, Anchor, Form, Match
-from .emit import list_op_runs, stacked_weights
+from .emit import per_expert_for_op
 from .flat_slices import block_linear, blocks, sliced_spec, views
 from .aliases import alias_mutations, mutated_alias
 from .expert_projections import biased_linear
@@ -276,14 +276,6 @@ def _per_expert_spec(bodies: list[_Body]) -> Optional[MoESpec]:
     return MoESpec(first.x, first.ids, first.weights, gate, up, down, first.layout, first.activation,
                    weight_position=first.weight_position, gate_up=first.gate_up, alpha=first.alpha, limit=first.limit,
                    b1=b1, b1_up=b1_up, b2=b2)
-
-
-def per_expert_for_op(graph: Graph, spec: MoESpec) -> MoESpec:
-    """A per-expert spec (weights and biases, capacity or not) for the op: as it is where the list op runs its
-    activation (it takes each expert's weights and biases, and reads the weights where they lie); else its weights
-    and biases stacked (``emit.stacked_weights``) for the op with stacked weights. The layout stays the per-expert
-    one."""
-    return spec if list_op_runs(spec) else stacked_weights(graph, spec)
 
 
 def _column_ids(graph: Graph, spec: MoESpec) -> MoESpec:
