@@ -533,8 +533,9 @@ def match_capacity(y: Node) -> Union[Match, str, None]:
     def plus(graph: Graph, spec: MoESpec) -> Node:
         return zero_weight_term(graph, spec, raw[-1], found.support, E, k, y, val(y).dtype)
 
-    # biased experts' output on an empty slot is not zero: that is a zero weight's gradient in eager
-    zero_rows = found.support is not None and has_biases(spec)
+    # biased experts' output on an empty slot is not zero: that is a zero weight's gradient in eager, wanted only
+    # where a backward can run (Dynamo guards on the grad mode it traced in)
+    zero_rows = found.support is not None and has_biases(spec) and torch.is_grad_enabled()
     note += "; a zero-row pass of each expert for the gradients of zero weights" if zero_rows else ""
     return Match(spec, y, note=note, derive=derive, top_k=k, plus=plus if zero_rows else None)
 

@@ -12,7 +12,8 @@ token through the expert, and its weight gradient there would be ``dy_t . expert
 So the op gets ``w * (w != 0)``: the same values, and no gradient where w is zero. Where the experts have biases,
 ``zero_weight_term`` adds ``sum_j z_tj * expert_{ids_tj}(0)`` beside the op, z the weights that are zero on the
 choices the op keeps (0 elsewhere): exactly zero forward, and the gradient ``dy_t . expert_e(0)`` on every kept zero weight.
-A dropped choice has no slot in eager, so its weight gets nothing there either way.
+A dropped choice has no slot in eager, so its weight gets nothing there either way. The term is made only where a
+backward can run (grad enabled), and its experts' call is detached: only z's gradient is wanted.
 
 The zero test is made in the dtype whose support the dispatch is (``support_dtype``): the combine's, or that of the
 cast the combine einsum reads.
@@ -59,6 +60,8 @@ def zero_weight_term(graph: Graph, spec: MoESpec, raw: Node, support_dtype: torc
     ones = graph.call_method("new_ones", (x, (E, 1)))
     on_zero = emit_experts(graph, dataclasses.replace(spec, x=zeros, ids=every, weights=ones, capacity=None),
                            before, out_dtype, traced_x=x)  # (E, H): expert e on a zero row
+    # only z's gradient is wanted: the experts' would be z times theirs, zero; detached, no backward runs the call
+    on_zero = graph.call_method("detach", (on_zero,))
     ids = spec.ids
     kept = graph.call_method("t", (graph.call_method("reshape", (_kept_flat(graph, ids, E, spec.capacity), k, -1)),))
     # a where, not a product: a non-finite weight elsewhere must not make this term NaN
