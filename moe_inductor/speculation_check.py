@@ -46,7 +46,8 @@ def _selection_of(node: Node) -> Optional[tuple[Node, int]]:
 
 def _counted(graph, symbol) -> Optional[tuple[Node, int, Optional[Node]]]:
     """(ids, e, the selection whose size it is, if it is one) that the count ``symbol`` counts the rows of:
-    ``bincount(ids.flatten(), minlength=E).tolist()[e]`` (Dynamo: ``counts[e].item()``), or the row count of a
+    ``bincount(ids.flatten(), minlength=E).tolist()[e]`` (Dynamo: ``counts[e].item()``; or a ``histc`` of top-k ids
+    over E bins, ``count_totals.histogram_of``), or the row count of a
     selection of expert e (``tok.shape[0]`` of ``tok, pos = torch.where(ids == e)``)."""
     from .passes.counts import count_item, host_copy_of, per_expert_counts
     from .passes.fx_utils import is_call

@@ -46,7 +46,8 @@ from ..spec import MoESpec
 from .driver import Anchor, Form, Match, Unmatched
 from .counts import bincount_of, host_copy_of, marked_counts
 from .aliases import alias_mutations
-from .fx_utils import ONE_HOT, arange_length, column_of, comes_before, flat_of, is_call, known_equal, size_is, val
+from .fx_utils import (ONE_HOT, arange_length, column_of, comes_before, flat_of, is_call, known_equal, same_view,
+                       size_is, val)
 from .gated_reads import read_gated
 from .sliced_gemm import sliced_projection
 from .split_experts import split_loop_experts
@@ -400,7 +401,7 @@ def _weighted_unsort(acc: Node) -> Optional[_Combine]:
     if len(reads) != 1 or not comes_before(write, reads[0]):
         return None
     grouped = reads[0]
-    if _same_view(grouped) is acc and len(grouped.users) == 1:  # ``out.view_as(X)`` of its own shape
+    if same_view(grouped) is acc and len(grouped.users) == 1:  # ``out.view_as(X)`` of its own shape
         grouped = _single_user(grouped)
     if not (is_call(grouped, "call_method", "reshape", "view") and len(grouped.args) == 4 and size_is(
             grouped.args[1], T) and grouped.args[2] == k and size_is(grouped.args[3], width)):
@@ -429,19 +430,6 @@ def _weighted_unsort(acc: Node) -> Optional[_Combine]:
         end = back
     # (an in-place product writes a tensor only the sum reads: it goes with the region as dead code)
     return _Combine(ys, order, end, (write,), weights=weights, shape=(T, width))
-
-
-def _same_view(node):
-    """``t`` for ``t.view(...)`` / ``t.reshape(...)`` / ``t.view_as(u)`` of t's own shape (Unsloth's
-    ``X.view(-1, X.shape[-1])`` of a 2-d X): the same tensor."""
-    while (is_call(node, "call_method", "view", "reshape", "view_as") and isinstance(node.args[0], Node)
-           and not node.kwargs):
-        inner, outer = val(node.args[0]), val(node)
-        if inner is None or outer is None or inner.dim() != outer.dim() or not all(
-                map(known_equal, inner.shape, outer.shape)):
-            break
-        node = node.args[0]
-    return node
 
 
 def _single_user(node: Node) -> Optional[Node]:
@@ -502,7 +490,7 @@ def match(acc: Node) -> Union[Match, str, None]:
         ys, position = unscaled, "output"
     down, transient = _grouped(_no_op_cast(ys), ids, None), ()
     sliced = None if down is not None else sliced_projection(
-        _same_view(_no_op_cast(ys)), lambda counts, n: _counts_of(counts, ids, n))
+        same_view(_no_op_cast(ys)), lambda counts, n: _counts_of(counts, ids, n))
     if down is not None:
         h, w_down, layout, offs = down
         num_experts = val(w_down).shape[0]
@@ -511,10 +499,10 @@ def match(acc: Node) -> Union[Match, str, None]:
         w_down, layout = sliced.weight, sliced.layout
 
         def read(n):
-            p = sliced_projection(_same_view(_no_op_cast(n)), lambda counts, e: _counts_of(counts, ids, e))
+            p = sliced_projection(same_view(_no_op_cast(n)), lambda counts, e: _counts_of(counts, ids, e))
             return None if p is None else (p.rows, p.weight, p.layout, p)
 
-        gated = read_gated(_same_view(_no_op_cast(sliced.rows)), read)
+        gated = read_gated(same_view(_no_op_cast(sliced.rows)), read)
         projections = [sliced] + [g[3] for g in (gated.gate, gated.up) if g is not None] if gated else []
         transient = tuple(t for p in projections for t in p.transient)
     else:  # or a loop over per-expert chunks of the sorted rows (torchtitan's for-loop experts)
@@ -527,7 +515,7 @@ def match(acc: Node) -> Union[Match, str, None]:
         return "the gate and up projections read different inputs"
     if any(p[2] != layout for p in (gate, up) if p is not None):
         return "the projections mix weight layouts"
-    xs = _same_view(_no_op_cast(gate[0]))
+    xs = same_view(_no_op_cast(gate[0]))
     scaled_in = _scaled_by(xs, score) if score is not None else None
     if scaled_in is not None:
         if position is not None:  # the score on the input and the output: w^2, not what the op computes
