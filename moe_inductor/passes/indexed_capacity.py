@@ -275,9 +275,9 @@ def _match_parts(buf: Node, fills: list, encodes: list) -> Union[_Found, str]:
     if not same_traced(R, E * C) and str(R) != str(E * C):
         return "the buffer's rows are not E * C"
     # the combine: every read of the experts' output at (ids * C + position)[kept] rows, after the experts
-    readers = [n for n in reach([slots], lambda n: n.users) if call(n, operator.getitem) and len(n.args) == 2
-               and isinstance(n.args[1], Node) and _rows(n.args[1]) is not None and isinstance(n.args[0], Node)
-               and len(shape(n.args[0]) or ()) == 2 and n.args[0] is not buf]
+    readers = sorted((n for n in reach([slots], lambda n: n.users) if call(n, operator.getitem) and len(n.args) == 2
+                      and isinstance(n.args[1], Node) and _rows(n.args[1]) is not None and isinstance(n.args[0], Node)
+                      and len(shape(n.args[0]) or ()) == 2 and n.args[0] is not buf), key=position.get)
     datas = {r.args[0] for r in readers}
     if not readers or len(datas) != 1:
         return "the experts' output is not read back at (ids * C + position)[kept] rows of one (E*C, H) view"

@@ -110,6 +110,8 @@ def sliced_projection(buf: Node, counts_ok: Callable[[Node, int], bool]) -> Opti
         product = w.args[2]
         if not (is_call(product, "call_function", *_MATMULS) and len(product.args) == 2 and not product.kwargs):
             return None
+        if val(product) is None or val(product).dtype != bv.dtype:  # a write that casts rounds (or widens) the rows
+            return None
         piece, expert = product.args
         read = _expert_weight(expert)
         if not (is_call(piece, "call_function", operator.getitem) and isinstance(piece.args[0], Node)
