@@ -1,6 +1,8 @@
 """A projection of the sorted rows written expert by expert into zeros at running slices, read as the grouped GEMM it
-is, for the "sorted_grouped_mm" form (Unsloth's ``torch_grouped_gemm``, the torch reference its Triton grouped GEMM
-is tested against):
+is, for the "sorted_grouped_mm" form.
+
+The user code this reads (Unsloth's ``torch_grouped_gemm``, the torch reference its Triton grouped GEMM is tested
+against):
 
     result = torch.zeros((M, N))
     m_start = 0
