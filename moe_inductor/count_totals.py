@@ -44,6 +44,16 @@ def histogram_total(node: Node) -> Optional[Any]:
     """The number of ids a per-expert count vector adds up to: ``bincount(ids.flatten(), minlength=E)`` or
     ``histc(ids.flatten()(.float()), bins=E, min=0, max=E or E - 1)`` of ``topk`` ids over E experts (integer casts
     aside), every id landing in one of the E bins, is the flat ids' length; None for anything else."""
+    from .passes.fx_utils import val
+
+    flat = histogram_of(node)
+    return None if flat is None else val(flat[0]).shape[0]
+
+
+def histogram_of(node: Node) -> Optional[tuple[Node, int]]:
+    """(the flat ids, E) of ``histogram_total``'s count vectors: entry e is the number of ids equal to e. A histc's
+    bins are of width 1 (max E) or (E - 1) / E (max E - 1), and integer id e < E falls in bin e either way (histc
+    scales ``(x - min) * bins`` before dividing, exact for these integers); its float counts are exact integers."""
     from .passes.fx_utils import is_call, val
 
     while (is_call(node, "call_method", "long", "int", "cpu") and len(node.args) == 1 and not node.kwargs) or (
@@ -64,7 +74,7 @@ def histogram_total(node: Node) -> Optional[Any]:
     fv = val(flat) if isinstance(flat, Node) else None
     if not isinstance(E, int) or E <= 0 or fv is None or fv.dim() != 1 or not topk_ids_below(flat, E):
         return None
-    return fv.shape[0]
+    return flat, E
 
 
 def counts_total(tensor_variable, listed) -> None:

@@ -26,9 +26,11 @@ after Megatron's dropless dispatcher):
         ...
 
 ``tokens_per_expert[i]`` is a 0-d tensor in eager, and ``if`` on it is a data-dependent branch. During a moe_inductor
-compile only, ``t[i]`` with a constant i of such a host copy (``.cpu()``, casts after it) reads element i of its
-``.tolist()``, listed once at the first read (``subscript``); a copy that is changed in place anywhere in the graph
-falls back (``check``, as for the NumPy walk), since a later read would be stale.
+compile only, ``t[i]`` with a constant i of such a host copy (``.cpu()``, casts after it), or of the count vector
+itself on the device (Unsloth's ``if m_size > 0:`` on ``m_sizes[g]``: eager reads the element on the host at the
+``if`` and at each slice bound), reads element i of its ``.tolist()``, listed once at the first read
+(``subscript``); a vector that is changed in place anywhere in the graph falls back (``check``, as for the NumPy
+walk), since a later read would be stale.
 
 Python ints and NumPy's int64 scalars (or 0-d tensors) differ in type only: where the frame uses the numbers for more
 than the loop the rewrite takes (``num_tokens / 2`` as a float64, ``y * tokens_per_expert[0]``), ``unconsumed`` finds
@@ -102,9 +104,11 @@ def _count_class(base: type) -> type:
 
 
 def subscript(var, tx, key) -> Optional[Any]:
-    """``counts[e]`` (a constant e in [0, E)) of a host copy of a proven per-expert count vector, a torch tensor:
-    element e of its ``.tolist()``, the value eager's 0-d tensor holds (Yuan2-M32's ``GroupedMLP`` branches on
-    ``tokens_per_expert[i] == 0`` and slices by running sums of the elements). Else None, and Dynamo indexes."""
+    """``counts[e]`` (a constant e in [0, E)) of a proven per-expert count vector, a torch tensor, or a host copy
+    of one: element e of its ``.tolist()``, the value eager's 0-d tensor holds (Yuan2-M32's ``GroupedMLP`` branches
+    on ``tokens_per_expert[i] == 0`` of a ``.cpu()`` copy and slices by running sums of the elements; Unsloth's
+    reference ``torch_grouped_gemm`` reads ``m_sizes[g]`` of the device counts, branches on ``m_size > 0`` and
+    slices by them, each a host sync in eager). Else None, and Dynamo indexes."""
     from torch._dynamo.variables import ConstantVariable
     from torch._dynamo.variables.tensor import NumpyNdarrayVariable, TensorVariable
 
@@ -112,7 +116,7 @@ def subscript(var, tx, key) -> Optional[Any]:
             key, ConstantVariable) or type(key.value) is not int:
         return None
     trace, node = traced_node(var)
-    if node is None or not _host_copy(node):
+    if node is None:
         return None
     items = trace.listed_counts.get(node)
     if items is None:
@@ -121,20 +125,6 @@ def subscript(var, tx, key) -> Optional[Any]:
             return None
         trace.listed_counts[node] = items
     return items[key.value] if 0 <= key.value < len(items) else None
-
-
-def _host_copy(node: Node) -> bool:
-    """``node`` is ``t.cpu()``, possibly cast after (``.cpu().to(torch.long)``): counts brought to the host to be
-    read as numbers."""
-    from .passes.fx_utils import is_call
-
-    for _ in range(4):
-        if is_call(node, "call_method", "cpu"):
-            return True
-        if not (is_call(node, "call_method", "long", "int", "to") and isinstance(node.args[0], Node)):
-            return False
-        node = node.args[0]
-    return False
 
 
 def install() -> None:

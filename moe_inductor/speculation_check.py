@@ -10,7 +10,7 @@ from typing import Iterable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from . import host_cumsum, mask_guards, unproven_loops
+from . import count_totals, host_cumsum, mask_guards, unproven_loops
 from .speculation import LENGTH, TAG, Speculation, SpeculationNotDischarged, _fail, _trace
 
 
@@ -46,7 +46,8 @@ def _selection_of(node: Node) -> Optional[tuple[Node, int]]:
 
 def _counted(graph, symbol) -> Optional[tuple[Node, int, Optional[Node]]]:
     """(ids, e, the selection whose size it is, if it is one) that the count ``symbol`` counts the rows of:
-    ``bincount(ids.flatten(), minlength=E).tolist()[e]`` (Dynamo: ``counts[e].item()``), or the row count of a
+    ``bincount(ids.flatten(), minlength=E).tolist()[e]`` (Dynamo: ``counts[e].item()``; or a ``histc`` of top-k ids
+    over E bins, ``count_totals.histogram_of``), or the row count of a
     selection of expert e (``tok.shape[0]`` of ``tok, pos = torch.where(ids == e)``)."""
     from .passes.counts import count_item, host_copy_of, per_expert_counts
     from .passes.fx_utils import is_call
@@ -58,10 +59,14 @@ def _counted(graph, symbol) -> Optional[tuple[Node, int, Optional[Node]]]:
         if marked is not None:
             return marked[0], e, None
         counts = host_copy_of(source)
-        if not (is_call(counts, "call_function", torch.bincount) and len(counts.args) == 1
-                and set(counts.kwargs) <= {"minlength"}):
+        histogram = count_totals.histogram_of(source)  # a histc of top-k ids (Unsloth's counts) too
+        if histogram is not None:
+            flat = histogram[0]
+        elif not (is_call(counts, "call_function", torch.bincount) and len(counts.args) == 1
+                  and set(counts.kwargs) <= {"minlength"}):
             return None
-        flat = counts.args[0]
+        else:
+            flat = counts.args[0]
         ids = flat.args[0] if is_call(flat, "call_method", "flatten", "view", "reshape") else flat
         if flat is not ids and not (len(flat.args) == 1 or tuple(flat.args[1:]) in ((-1,), ((-1,),))):
             return None

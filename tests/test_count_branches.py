@@ -7,12 +7,12 @@ Skipping an expert with no rows equals running it on an empty slice only where t
 rows: the speculation proves that (speculation.py), and every count read must go with the rewrite.
 
 Genuine, rewritten and equal to eager, forward and gradients, at token counts that leave experts empty: the counts
-as ``.cpu()`` and as Yuan's ``.cpu().to(torch.long)``, each element's ``.item()``. Look-alikes, each equal to eager
+as ``.cpu()`` and as Yuan's ``.cpu().to(torch.long)``, each element's ``.item()``, and the device counts indexed where
+they lie (read on the host by eager's ``if`` and slices all the same). Look-alikes, each equal to eager
 and not rewritten, with the reason explain() gives: a skip of experts with fewer than 2 tokens whose branch outputs
 zeros, a skipped body that appends to a list the module keeps (a change the caller sees), a count read after the
 loop as a number that scales the result, the host counts changed in place between reads (experts 1 and 2 trading
-counts: an element listed before would be stale), counts never brought to the host (left to Dynamo, as before), and
-the outputs unsorted into a buffer of the rows' static shape (the pass answers no, without a guard error).
+counts: an element listed before would be stale; on the host copy or the device counts), and the outputs unsorted into a buffer of the rows' static shape (the pass answers no, without a guard error).
 """
 import pytest
 import torch
@@ -27,7 +27,7 @@ class IndexedCountsMoE(WalkingMoE):
     The router, experts and sort are test_host_counts' walking MoE's."""
 
     def counts(self, per_expert: torch.Tensor) -> torch.Tensor:
-        if self.variant == "device":
+        if self.variant in ("device", "device_mutated"):
             return per_expert
         if self.variant in ("to_long", "item"):
             return per_expert.cpu().to(torch.long)
@@ -40,7 +40,7 @@ class IndexedCountsMoE(WalkingMoE):
         self.kept.clear()
         start = 0
         for i in range(E):
-            if self.variant == "mutated" and i == 1:  # experts 1 and 2 trade counts after expert 0 read its own
+            if self.variant in ("mutated", "device_mutated") and i == 1:  # experts 1 and 2 trade counts after expert 0
                 tokens_per_expert[1:3] = tokens_per_expert[1:3].flip(0)
             if self.variant == "fewer_than_2" and tokens_per_expert[i] < 2:  # experts with one token output zeros
                 end = start + tokens_per_expert[i]
@@ -69,7 +69,9 @@ def _case(variant: str, expect: tuple) -> Case:
 
 
 @pytest.mark.slow  # each case compiles a model
-@pytest.mark.parametrize("variant", ["cpu", "to_long", "item"])
+# "device": the count vector never brought to the host, indexed where it lies; eager reads the element on the host at
+# the ``if`` and at the slice bounds, as the ``.tolist()`` does once (Unsloth's ``torch_grouped_gemm`` does this)
+@pytest.mark.parametrize("variant", ["cpu", "to_long", "item", "device"])
 def test_a_branch_on_a_host_count_element_is_rewritten_and_equal_to_eager(variant):
     case = _case(variant, ("rewritten",))
     outcome = run_case(case)
@@ -86,6 +88,7 @@ def test_a_branch_on_a_host_count_element_is_rewritten_and_equal_to_eager(varian
     ("kept_list", "the skipped body changes Python state"),
     ("numbers_used", "are still read by"),
     ("mutated", "are changed in place"),
+    ("device_mutated", "are changed in place"),  # the same on the device counts indexed where they lie
 ])
 def test_a_count_branch_that_is_not_an_empty_expert_skip_is_kept_and_equal_to_eager(variant, said):
     case = _case(variant, ("fell_back",))
@@ -95,18 +98,6 @@ def test_a_count_branch_that_is_not_an_empty_expert_skip_is_kept_and_equal_to_ea
     assert not outcome.rewrites, outcome.rewrites
     check_unchanged(case, outcome)
     assert any(said in f.reason for f in seen.fallbacks), [f.reason for f in seen.fallbacks]
-
-
-@pytest.mark.slow
-def test_counts_never_brought_to_the_host_are_left_to_dynamo():
-    """``tokens_per_expert[i] == 0`` on the device counts: not a host copy, so the element stays a 0-d tensor (a
-    data-dependent branch, as before), and nothing is rewritten."""
-    case = _case("device", ("fell_back",))
-    with report.collecting(report.Report()) as seen:
-        outcome = run_case(case)
-    assert outcome.kind in ("graph_break", "fell_back") and not outcome.rewrites, outcome.declared()
-    check_unchanged(case, outcome)
-    assert any("Data-dependent branching" in f.reason for f in seen.fallbacks), [f.reason for f in seen.fallbacks]
 
 
 @pytest.mark.slow

@@ -180,6 +180,19 @@ def made_fresh(node: Node) -> bool:
         "out" not in node.kwargs)
 
 
+def same_view(node):
+    """``t`` for ``t.view(...)`` / ``t.reshape(...)`` / ``t.view_as(u)`` of t's own shape (Unsloth's
+    ``X.view(-1, X.shape[-1])`` of a 2-d X): the same tensor."""
+    while (is_call(node, "call_method", "view", "reshape", "view_as") and isinstance(node.args[0], Node)
+           and not node.kwargs):
+        inner, outer = val(node.args[0]), val(node)
+        if inner is None or outer is None or inner.dim() != outer.dim() or not all(
+                map(known_equal, inner.shape, outer.shape)):
+            break
+        node = node.args[0]
+    return node
+
+
 def reads_metadata_only(user: Node, node: Node) -> bool:
     """Whether ``user`` reads nothing of ``node`` but its shape, dtype and device: ``node.new_zeros(...)`` (and the
     other ``new_*`` methods) or ``torch.zeros_like(node, ...)`` (and the other ``*_like``), with ``node`` as the

@@ -91,13 +91,32 @@ def mode_change(inputs: Iterable[Node], end: Node, writes: Iterable[Node]) -> Op
     region = _region(inputs, end, writes)
     at = modes(end.graph)
     (grad, casts) = at[end]
+    counted: dict = {}
     for n in (n for n in end.graph.nodes if n in region):
         v = val(n)
         if not (isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())):
             continue
-        if at[n][1] != casts or at[n][0] != grad and (grad is not False or n in writes):
+        if at[n][1] != casts or at[n][0] != grad and (grad is not False or n in writes) and not _of_integers(
+                n, counted):
             return f"{OTHER_MODE} ({n.name})"
     return None
+
+
+def _of_integers(node: Node, seen: dict) -> bool:
+    """``node``'s value is made from integer and bool tensors only (Unsloth's ``histc(ids.float(), ...)`` counts under
+    ``torch.no_grad()``): a float made so never requires grad, in any grad mode, so its mode does not matter. A
+    graph input, or a call asked for ``requires_grad``, is not."""
+    if node in seen:
+        return seen[node]
+    seen[node] = False  # (a cycle cannot happen in a graph; this only stops a walk back through a deep chain)
+    v = val(node)
+    if node.op in ("placeholder", "get_attr") or node.kwargs.get("requires_grad"):
+        found = isinstance(v, torch.Tensor) and not (v.is_floating_point() or v.is_complex())
+    else:
+        found = all(not (isinstance(val(a), torch.Tensor) and (val(a).is_floating_point() or val(a).is_complex()))
+                    or _of_integers(a, seen) for a in node.all_input_nodes)
+    seen[node] = found
+    return found
 
 
 def _autocast_state(device_type: str, enter: Optional[Node]) -> tuple[bool, torch.dtype]:

@@ -49,7 +49,7 @@ import torch
 from torch.fx import Graph, Node
 
 from ..spec import MoESpec
-from .capacity_gating import (Choice, call, choice, order_choices, same_traced, shape, size_node, strip_casts,
+from .capacity_gating import (Choice, call, choice, dims, order_choices, same_traced, shape, size_node, strip_casts,
                               versions_sound)
 from .driver import Anchor, Form, Match, every_node
 from .fx_utils import einsum_parts, val
@@ -102,11 +102,14 @@ def _is_slots(node: Node, E, C, H=None) -> Optional[int]:
 
 def _slot_projection(node: Any) -> list[tuple[Node, Node, str]]:
     """(input (E, C, K), weight, layout) readings of ``einsum("ecK,eNK->ecN", xin, w)`` (either weight layout), or
-    of ``torch.bmm(xin, w)`` / ``xin @ w`` with w (E, K, N), or w (E, N, K) as ``w.transpose(1, 2)``."""
+    of ``torch.bmm(xin, w)`` / ``xin @ w`` with w (E, K, N), or w (E, N, K) as ``w.transpose(1, 2)`` or
+    ``w.permute(0, 2, 1)`` (Tutel's ``FusedExpertsNetwork``)."""
     if call(node, torch.bmm, operator.matmul, torch.matmul) and len(node.args) == 2 and not node.kwargs:
         xin, w = node.args
         layout = "kn"
         if call(w, "transpose") and set(w.args[1:]) in ({1, 2}, {-2, -1}):
+            w, layout = w.args[0], "nk"
+        elif call(w, "permute", torch.permute) and not w.kwargs and dims(w) == (0, 2, 1):
             w, layout = w.args[0], "nk"
         xv, wv = val(xin), val(w) if isinstance(w, Node) else None
         if xv is None or wv is None or xv.dim() != 3 or wv.dim() != 3 or xv.shape[0] != wv.shape[0]:
@@ -143,6 +146,8 @@ class _Experts:
     activation: str
     biases: tuple = (None, None, None)  # b1, b1_up, b2: per-expert tuples, or stacked ``slot_layers.Bias``
     fields: tuple = ()  # the gated reading's spec fields (gate_up, alpha, limit)
+    #: (gate, up, down) layouts where the stacked projections mix them (``layout`` is then the down's), else ()
+    layouts: tuple = ()
 
 
 def _projections(node: Any, biases: bool, reasons: list) -> list[tuple[Node, Node, str, Optional[Bias]]]:
@@ -163,9 +168,12 @@ def _projections(node: Any, biases: bool, reasons: list) -> list[tuple[Node, Nod
     return found
 
 
-def _stacked_experts(out: Node, E, biases: bool = False, reasons: Optional[list] = None) -> list[_Experts]:
+def _stacked_experts(out: Node, E, biases: bool = False, reasons: Optional[list] = None,
+                     mixed: bool = False) -> list[_Experts]:
     """Experts by einsum / bmm on stacked weights, ``out`` (E, C, H) their down projection; with per-expert biases
-    when ``biases`` (the op then gets them, see ``match_capacity``). Why a reading failed goes to ``reasons``."""
+    when ``biases`` (the op then gets them, see ``match_capacity``). Why a reading failed goes to ``reasons``.
+    ``mixed``: the gate/up projections may be in another layout than the down one (``_Experts.layouts``; the
+    reader then hands the op transposed views)."""
     reasons = [] if reasons is None else reasons
     found = []
     for down_in, down_w, layout, b2 in _projections(out, biases, reasons):
@@ -180,15 +188,16 @@ def _stacked_experts(out: Node, E, biases: bool = False, reasons: Optional[list]
         ups = _projections(up_node, biases, reasons) if up_node is not None else [None]
         for g in _projections(gate_in, biases, reasons):
             for u in ups:
-                if (u is not None and (u[0] is not g[0] or u[2] != g[2])) or g[2] != layout:
+                if (u is not None and (u[0] is not g[0] or u[2] != g[2])) or (g[2] != layout and not mixed):
                     continue
                 if val(down_w) is None or val(down_w).shape[0] != E or val(g[1]).shape[0] != E:
                     continue
                 if u is not None and (g[3] is None) != (u[3] is None):
                     reasons.append("one of the gate and up projections has a bias and the other has none")
                     continue
+                layouts = (g[2], g[2] if u is not None else None, layout) if g[2] != layout else ()
                 found.append(_Experts(g[0], g[1], u[1] if u is not None else None, down_w, layout, activation,
-                                      (g[3], u[3] if u is not None else None, b2), fields))
+                                      (g[3], u[3] if u is not None else None, b2), fields, layouts))
     return found
 
 
@@ -546,5 +555,12 @@ def _match_grouped(y: Node) -> Union[Match, str, None]:
     return match_grouped(y)
 
 
-rewrite = Form(FORM, (Anchor(every_node, match_capacity), Anchor(every_node, _match_grouped)))
+def _match_indexed(buf: Node) -> Union[Match, str, None]:
+    from .indexed_capacity import match_indexed  # it reads this module's readers
+
+    return match_indexed(buf)
+
+
+rewrite = Form(FORM, (Anchor(every_node, match_capacity), Anchor(every_node, _match_grouped),
+                      Anchor(every_node, _match_indexed)))
 """Replace every provable padded-capacity MoE in a GraphModule; returns what was rewritten."""

@@ -34,6 +34,7 @@ and the score gather. Anything else is left alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -45,8 +46,10 @@ from ..spec import MoESpec
 from .driver import Anchor, Form, Match, Unmatched
 from .counts import bincount_of, host_copy_of, marked_counts
 from .aliases import alias_mutations
-from .fx_utils import ONE_HOT, arange_length, column_of, comes_before, flat_of, is_call, known_equal, size_is, val
+from .fx_utils import (ONE_HOT, arange_length, column_of, comes_before, flat_of, is_call, known_equal, same_view,
+                       size_is, val)
 from .gated_reads import read_gated
+from .sliced_gemm import sliced_projection
 from .split_experts import split_loop_experts
 
 FORM = "sorted_grouped_mm"
@@ -377,10 +380,12 @@ def _weighted_unsort(acc: Node) -> Optional[_Combine]:
             or is_call(acc, "call_method", "new_zeros", "new_empty")):
         return None
     mutations = alias_mutations(acc)
-    sets = [m for m in mutations if is_call(m, "call_function", operator.setitem)]
-    if len(sets) != 1 or sets[0].args[0] is not acc or not all(isinstance(a, Node) for a in sets[0].args[1:]):
+    # ``buf[order] = ys``, or Unsloth's ``buf.index_copy_(0, order, ys)``: row order[i] of buf is ys[i] either way
+    sets = [m for m in mutations if is_call(m, "call_function", operator.setitem) or (
+        is_call(m, "call_method", "index_copy_") and len(m.args) == 4 and m.args[1] == 0 and not m.kwargs)]
+    if len(sets) != 1 or sets[0].args[0] is not acc or not all(isinstance(a, Node) for a in sets[0].args[-2:]):
         return None
-    write, (order, ys) = sets[0], sets[0].args[1:]
+    write, (order, ys) = sets[0], sets[0].args[-2:]
     ids = _sort_order(order)
     av, yv, iv = val(acc), val(ys), val(ids) if ids is not None else None
     if av is None or yv is None or iv is None or iv.dim() != 2 or av.dim() != 2 or yv.dim() != 2 or not all(
@@ -396,6 +401,8 @@ def _weighted_unsort(acc: Node) -> Optional[_Combine]:
     if len(reads) != 1 or not comes_before(write, reads[0]):
         return None
     grouped = reads[0]
+    if same_view(grouped) is acc and len(grouped.users) == 1:  # ``out.view_as(X)`` of its own shape
+        grouped = _single_user(grouped)
     if not (is_call(grouped, "call_method", "reshape", "view") and len(grouped.args) == 4 and size_is(
             grouped.args[1], T) and grouped.args[2] == k and size_is(grouped.args[3], width)):
         return None
@@ -482,10 +489,22 @@ def match(acc: Node) -> Union[Match, str, None]:
     if unscaled is not None:
         ys, position = unscaled, "output"
     down, transient = _grouped(_no_op_cast(ys), ids, None), ()
+    sliced = None if down is not None else sliced_projection(
+        same_view(_no_op_cast(ys)), lambda counts, n: _counts_of(counts, ids, n))
     if down is not None:
         h, w_down, layout, offs = down
         num_experts = val(w_down).shape[0]
         gated = read_gated(_no_op_cast(h), lambda n: _grouped(n, ids, num_experts))
+    elif sliced is not None:  # or zeros written expert by expert at running slices (Unsloth's reference)
+        w_down, layout = sliced.weight, sliced.layout
+
+        def read(n):
+            p = sliced_projection(same_view(_no_op_cast(n)), lambda counts, e: _counts_of(counts, ids, e))
+            return None if p is None else (p.rows, p.weight, p.layout, p)
+
+        gated = read_gated(same_view(_no_op_cast(sliced.rows)), read)
+        projections = [sliced] + [g[3] for g in (gated.gate, gated.up) if g is not None] if gated else []
+        transient = tuple(t for p in projections for t in p.transient)
     else:  # or a loop over per-expert chunks of the sorted rows (torchtitan's for-loop experts)
         looped = split_loop_experts(_no_op_cast(ys), lambda counts, n: _counts_of(counts, ids, n))
         w_down, layout, gated, transient = looped if looped is not None else (None, None, None, ())
@@ -496,7 +515,7 @@ def match(acc: Node) -> Union[Match, str, None]:
         return "the gate and up projections read different inputs"
     if any(p[2] != layout for p in (gate, up) if p is not None):
         return "the projections mix weight layouts"
-    xs = _no_op_cast(gate[0])
+    xs = same_view(_no_op_cast(gate[0]))
     scaled_in = _scaled_by(xs, score) if score is not None else None
     if scaled_in is not None:
         if position is not None:  # the score on the input and the output: w^2, not what the op computes
@@ -534,6 +553,9 @@ def match(acc: Node) -> Union[Match, str, None]:
 
     spec = MoESpec(x, ids, weights, w(gate[1]), w(up[1]) if up else None, w(w_down), layout, activation, position,
                    **gated.spec_fields())
+    if sliced is not None:  # the projections' slice writes go with the region
+        writes = tuple(w for p in projections for w in p.writes)
+        combine = dataclasses.replace(combine, writes=combine.writes + writes)
     note = f"routing weight on the {spec.weight_position}; no permuted copy of x"
     if transient:  # a loop over per-expert pieces sized by counts read on the host
         num_experts = len(gate[1]) if isinstance(gate[1], tuple) else val(gate[1]).shape[0]

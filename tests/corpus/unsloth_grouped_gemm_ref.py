@@ -18,10 +18,12 @@ Departures: ``histc`` gets the ids as floats and its counts are cast back to the
 integer kernel; on the GPU, where Unsloth runs it, histc of the int64 ids gives int64 counts, which the slicing
 needs); the block returns the final tensor rather than the debugging ``GroupedGEMMResult`` of every intermediate.
 
-Today: left alone. ``if m_size > 0:`` on a 0-d count is data-dependent branching: the forward breaks at each
-``torch_grouped_gemm`` call and that frame falls back to plain capture; the router's graph is reported as an
-unproven MoE region. Without the ``if`` (no break) the loop of running-sum slices into zeros, the ``index_copy_``
-unpermute and the (T, k, H) merge are still not proven.
+Rewritten: ``m_sizes[g]`` of the proven per-expert counts (histc of the top-k ids) reads the count as a number,
+as eager does at the ``if`` and at each slice (``host_counts.subscript``), and ``if m_size > 0:`` is the skip of an
+expert with no rows (``speculation.py``); each ``torch_grouped_gemm`` is then a zeros buffer written expert by
+expert at running slices (``passes/sliced_gemm.py``), and the ``index_copy_`` unpermute and the weighted (T, k, H)
+merge are the weighted unsort of ``passes/sorted_grouped_mm.py``. The counts and sort run under ``torch.no_grad()``:
+integer routing (and its float histc), which carries no gradient in any mode (``passes/grad_modes.py``).
 """
 import torch
 import torch.nn as nn
@@ -123,5 +125,5 @@ _SRC = ("unslothai/unsloth unsloth/kernels/moe/grouped_gemm/reference/layers/qwe
         " + reference/moe_ops.py")
 CASES = [
     Case("unsloth_grouped_gemm_ref", _SRC, Wrapped, lambda T, g: torch.randn(2, T, H, generator=g),
-         form="sorted_grouped_mm", expect=("left_alone", "moe_region", "no MoE form proves")),
+         form="sorted_grouped_mm"),
 ]
