@@ -124,6 +124,8 @@ def tolist_length(tensor_variable) -> None:
     trace = speculation._trace()
     if trace is None:
         return
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
     from .passes.fx_utils import is_call
 
     node = tensor_variable.as_proxy().node
@@ -136,7 +138,7 @@ def tolist_length(tensor_variable) -> None:
         node.meta[speculation.LENGTH] = E
         return
     E = unbounded_bincount(node)
-    if E is not None:
+    if E is not None and not statically_known_true(value.shape[0] == E):  # (not the user's own assert of it)
         torch._check(value.shape[0] == E)
         node.meta[ASSUMED] = E
         trace.assumed_lengths = True
