@@ -297,6 +297,8 @@ class _Experts:
     layout: str
     activation: str
     fields: dict
+    #: (gate, up, down) biases: one stacked (E, out) bias or E per-expert ones, or None
+    biases: tuple = (None, None, None)
 
 
 def read_experts(ys: Node) -> Union[_Experts, str, None]:
@@ -370,8 +372,8 @@ def read_experts(ys: Node) -> Union[_Experts, str, None]:
         biases.append(got)
     if not stacked and len({id(b) for bs in biases if bs for b in bs}) != sum(len(bs) for bs in biases if bs):
         return "a bias is shared between experts or projections"
-    fields = dict(first[7], b1=biases[0], b1_up=biases[1], b2=biases[2])
-    return _Experts(_split_of(first[0])[0], (first[0],), gate, up, down, first[4], first[6], fields)
+    return _Experts(_split_of(first[0])[0], (first[0],), gate, up, down, first[4], first[6], dict(first[7]),
+                    tuple(biases))
 
 
 def _sizes_are_counts(sizes: list, d: _Dispatch, num_experts: int) -> bool:
@@ -580,7 +582,8 @@ def match(acc: Node) -> Union[Match, str, None]:
     if wv is None or tuple(wv.shape) != tuple(iv.shape):
         return "the routing weights are not (T, k) like the ids"
     spec = MoESpec(x, d.ids, weights, experts.gate, experts.up, experts.down, experts.layout, experts.activation,
-                   weight_position=position, **experts.fields)
+                   weight_position=position, b1=experts.biases[0], b1_up=experts.biases[1], b2=experts.biases[2],
+                   **experts.fields)
     roots = [d.tok, scale, *(n for split in experts.splits for n in split_nodes(split))]
     roots += [s for split in experts.splits for s in _split_of(split)[1] if isinstance(s, Node)]
     note = f"{num_experts} .item() host syncs and data-dependent splits removed"
