@@ -209,3 +209,33 @@ def test_look_alikes_are_not_rewritten(style):
     else:
         _assert_like_eager(compiled, model, (x, ids, scores), style)
     assert not counters["moe_inductor"], dict(counters["moe_inductor"])
+
+
+class Gate(nn.Module):
+    """LLaMA-MoE's gate up to its graph break: the logits and the top-k go to the caller, no expert in this graph."""
+
+    def __init__(self, experts_here=False):
+        super().__init__()
+        self.proj, self.experts_here = nn.Linear(H, E, bias=False), experts_here
+        self.w = nn.Parameter(torch.randn(E, H, H))
+
+    def forward(self, x):
+        logits = self.proj(x)
+        scores, ids = logits.topk(K, dim=1)
+        if self.experts_here:  # a look-alike: the ids do feed per-expert work in this graph
+            return logits, x @ self.w[ids[:, 0]].sum(0)
+        return logits, ids, scores.softmax(-1)
+
+
+@pytest.mark.parametrize("experts_here", [False, True], ids=["ids-returned", "ids-feed-work"])
+def test_a_router_graph_alone_says_its_ids_leave_it(experts_here):
+    """The router's frame (LLaMA-MoE's gate breaks the graph after its top-k) is noted as handing its ids on, not as
+    feeding per-expert work: its only matmul is the router's own. Ids that do reach work keep the usual note."""
+    import moe_inductor
+
+    torch.manual_seed(0)
+    report = moe_inductor.explain(Gate(experts_here), torch.randn(6, H))
+    assert [m.form for m in report.left_alone] == ["moe_region"], report.left_alone
+    reason = report.left_alone[0].reason
+    assert ("leave this graph" in reason) != experts_here and ("feed per-expert work" in reason) == experts_here, (
+        reason)
