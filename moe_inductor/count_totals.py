@@ -2,7 +2,9 @@
 top-k ids over E experts has E bins and adds up to the number of ids, facts Dynamo cannot derive alone.
 
 - ``histogram_total``/``topk_ids_below`` read those facts off the FX graph;
-- ``tolist_length`` records that such a bincount (minlength E) has E entries before ``.tolist()``;
+- ``tolist_length`` records that such a bincount (minlength E) has E entries before ``.tolist()``; of ids it cannot
+  bound (a graph input: LLaMA-MoE's calculator gets its router's ids from another frame) it asserts E entries at
+  run time instead, which only a rewrite that consumes the whole list may keep (``ASSUMED``, speculation_check.py);
 - ``counts_total`` notes the listed counts' symbols and their total, and ``decide_by_totals`` decides a branch on
   their sum with it (torchtune's ``if out.numel() > 0``), checked at run time too.
 """
@@ -120,10 +122,20 @@ def decide_by_totals(tx, inst, jumps_when: bool) -> bool:
     return False
 
 
+#: on a bincount of ids not known to lie below E, whose length E ``tolist_length`` asserted (checked at run time)
+ASSUMED = "moe_inductor_length_asserted"
+
+
 def tolist_length(tensor_variable) -> None:
-    """Before ``.tolist()`` of ``bincount(topk_ids.flatten(), minlength=E)``: its length is E (a fact)."""
-    if speculation._trace() is None:
+    """Before ``.tolist()`` of ``bincount(topk_ids.flatten(), minlength=E)``: its length is E (a fact). Of a
+    bincount(minlength=E) of other 1-D integer ids: its length E is asserted at run time (``ASSUMED``); eager's list
+    is longer exactly when an id is E or more, and speculation_check.discharge keeps the assertion only where a
+    rewrite took every count of the list (a split of rows by all of them, which such a list would not fit)."""
+    trace = speculation._trace()
+    if trace is None:
         return
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
     from .passes.fx_utils import is_call
 
     node = tensor_variable.as_proxy().node
@@ -134,3 +146,25 @@ def tolist_length(tensor_variable) -> None:
         E = node.kwargs["minlength"]
         torch._check(value.shape[0] == E)
         node.meta[speculation.LENGTH] = E
+        return
+    E = unbounded_bincount(node)
+    if E is not None and not statically_known_true(value.shape[0] == E):  # (not the user's own assert of it)
+        torch._check(value.shape[0] == E)
+        node.meta[ASSUMED] = E
+        trace.assumed_lengths = True
+
+
+def unbounded_bincount(node: Node) -> Optional[int]:
+    """E for ``torch.bincount(flat, minlength=E)`` / ``flat.bincount(minlength=E)`` (no weights) of a 1-D integer
+    tensor; else None."""
+    from .passes.fx_utils import is_call, val
+
+    if not ((is_call(node, "call_function", torch.bincount) or is_call(node, "call_method", "bincount"))
+            and len(node.args) == 1 and set(node.kwargs) == {"minlength"}):
+        return None
+    E, flat = node.kwargs["minlength"], node.args[0]
+    fv = val(flat) if isinstance(flat, Node) else None
+    if type(E) is not int or E <= 0 or fv is None or fv.dim() != 1 or fv.dtype.is_floating_point or (
+            fv.dtype == torch.bool):
+        return None
+    return E

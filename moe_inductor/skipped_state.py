@@ -23,6 +23,15 @@ of change are taken, each checked when the iteration ends:
   whose every read in the function is an ``append``, ``torch.cat(list, ...)`` or a ``len(list)`` truth test: an output of zero rows adds
   nothing to the cat, and check_traced proves the cat is its only reader in the graph. ``len`` differs only when
   no expert has a row at all, which no call with tokens meets.
+- the same appends by a list comprehension to its own list (LLaMA-MoE's ``UniversalCalculator``):
+
+      expert_outputs = [self.experts(split_x[i], i) for i in range(E) if split_x[i].shape[0] > 0]
+      cat_expert_outputs = torch.cat(expert_outputs, 0)
+
+  the list lives on the stack under the loop's iterator (``LIST_APPEND``), and is read only where the loop ends:
+  stored at once in one local (Python 3.12 inlines the comprehension, restoring its loop variable first; 3.11
+  returns the list from its own ``<listcomp>`` function to the call, which stores it), whose reads are then checked
+  as those of a list the frame made (``_comprehension_local``).
 
 Anything else the body changes refuses the skip, as before.
 """
@@ -104,19 +113,29 @@ def rebinds_hold(tx, before: dict, body: set, symbol) -> Optional[str]:
     return None
 
 
+#: the name ``lists_of`` gives a comprehension's own list, which no local holds while its loop runs
+COMPREHENSION = "<comprehension>"
+
+
 def lists_of(tx) -> dict:
-    """The lists the frame's locals hold at the branch, by id: (name, the variable, its length)."""
+    """The lists the frame's locals hold at the branch, by id: (name, the variable, its length); and the list a
+    comprehension builds, on the stack under the loop's iterator and the branch's value (``COMPREHENSION``)."""
     from torch._dynamo.variables.lists import ListVariable
 
-    return {id(var): (name, var, len(var.items)) for name, var in tx.symbolic_locals.items()
-            if type(var) is ListVariable}
+    found = {id(var): (name, var, len(var.items)) for name, var in tx.symbolic_locals.items()
+             if type(var) is ListVariable}
+    built = tx.stack[-3] if len(tx.stack) >= 3 else None
+    if type(built) is ListVariable and id(built) not in found:
+        found[id(built)] = (COMPREHENSION, built, len(built.items))
+    return found
 
 
-def appends(tx, mutated: list, lists: dict, body: set, built: dict) -> tuple[Optional[str], list]:
+def appends(tx, mutated: list, lists: dict, body: set, built: dict, head=None) -> tuple[Optional[str], list]:
     """(why the Python changes the skipped body made are not appends of its outputs to output lists, or None; the
     appended nodes). ``mutated``: the variables Dynamo logged a change of since the branch (None for a store to an
     attribute, global or cell); ``lists``: ``lists_of`` at the branch; ``built``: the lists made by ``BUILD_LIST``
-    in this compile, with their frame (``build_list_hook``)."""
+    in this compile, with their frame (``build_list_hook``); ``head``: the loop's ``FOR_ITER``, where the iteration
+    ends (its stack holds a comprehension's list under the iterator)."""
     count: dict = {}
     for var in mutated:
         if var is None or id(var) not in lists or lists[id(var)][1] is not var:
@@ -137,12 +156,54 @@ def appends(tx, mutated: list, lists: dict, body: set, built: dict) -> tuple[Opt
             if node is None or node not in body:
                 return f"the skipped body appends to {name} what is not a tensor it computed", []
             nodes.append(node)
+        if name == COMPREHENSION:
+            held = _comprehension_local(tx, var, head)
+            if isinstance(held, str):
+                return held, []
+            reason = _list_reads(*held)
+            if reason is not None:
+                return reason, []
+            continue
         # every name the frame holds it by (an alias's reads are reads of it too)
         for alias in [other for other, v in tx.symbolic_locals.items() if v is var] or [name]:
             reason = _list_reads(tx, alias)
             if reason is not None:
                 return reason, []
     return None, nodes
+
+
+def _real_from(instructions: list, start: int) -> list:
+    return [i for i in instructions[start:] if i.opname not in NO_OPS]
+
+
+def _comprehension_local(tx, var, head) -> "tuple[Any, str] | str":
+    """(the frame, the local) that the comprehension's list ``var`` is stored in when its loop ends, the list then
+    held by that local alone; else why not. ``head``: the loop's ``FOR_ITER``, running now, whose iterator is on
+    top of the stack with the list under it, where ``LIST_APPEND 2`` puts the body's values."""
+    refusal = "the skipped body appends to a comprehension's list that is not stored in one local when it ends"
+    if head is None or len(tx.stack) < 2 or tx.stack[-2] is not var:
+        return refusal
+    instructions = tx.instructions
+    appends = [i for i in instructions if i.opname == "LIST_APPEND"]
+    if len(appends) != 1 or appends[0].arg != 2 or head.target is None:
+        return refusal
+    after = _real_from(instructions, instructions.index(head.target))
+    if after and after[0].opname == "END_FOR":  # Python 3.12: the comprehension runs inline
+        after = after[1:]
+        while len(after) >= 2 and after[0].opname == "SWAP" and after[0].arg == 2 and after[1].opname == "STORE_FAST":
+            after = after[2:]  # the comprehension's own loop variable, restored to what it held before
+        if after and after[0].opname == "STORE_FAST":
+            return tx, after[0].argval
+        return refusal
+    parent = getattr(tx, "parent", None)
+    call = getattr(parent, "current_instruction", None)
+    if not (after and after[0].opname == "RETURN_VALUE" and tx.f_code.co_name == "<listcomp>" and call is not None
+            and call.opname in ("CALL", "CALL_FUNCTION")):
+        return refusal
+    rest = _real_from(parent.instructions, parent.instructions.index(call) + 1)
+    if rest and rest[0].opname == "STORE_FAST":  # Python 3.11: the ``<listcomp>`` function's value, stored
+        return parent, rest[0].argval
+    return refusal
 
 
 def build_list_hook(handler, trace_of):

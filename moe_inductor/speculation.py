@@ -136,6 +136,8 @@ class Trace:
     chunk_loops: dict = field(default_factory=dict)
     #: host count tensors read element by element (host_counts.subscript), by node: their ``.tolist()`` items
     listed_counts: dict = field(default_factory=dict)
+    #: whether a bincount's length was asserted while tracing (count_totals.ASSUMED): the backend must see the graph
+    assumed_lengths: bool = False
 
     def mark(self) -> tuple:
         """Where the side-effect record stands: (mutations, births, steps) so far."""
@@ -149,7 +151,7 @@ class Trace:
     def require_checked(self) -> None:
         """A speculation holds only through the backend's proof, which a look-alike wrapper (capture.py) that hands
         the graph to another compiler never runs: then the frame falls back."""
-        if (self.speculations or self.host_counts) and not self.checked:
+        if (self.speculations or self.host_counts or self.assumed_lengths) and not self.checked:
             raise SpeculationNotDischarged("skips of an empty expert were assumed while tracing, and the graph went to "
                                            "a compiler other than moe_inductor's backend, which cannot prove them")
 
@@ -328,7 +330,7 @@ def _close(tx, inst) -> None:
                 s.failed = "the skipped body changes Python state (a list, a dict, an attribute, an iterator)"
             elif trace.mutations != s.mark[0]:
                 s.failed, s.appended = skipped_state.appends(tx, trace.mutated[s.mark[0]:], s.lists, body,
-                                                             trace.built)
+                                                             trace.built, inst)
             if s.failed is None and s.rebinds:
                 s.failed = skipped_state.rebinds_hold(tx, s.rebinds, body, s.symbol)
 

@@ -62,8 +62,8 @@ def _counted(graph, symbol) -> Optional[tuple[Node, int, Optional[Node]]]:
         histogram = count_totals.histogram_of(source)  # a histc of top-k ids (Unsloth's counts) too
         if histogram is not None:
             flat = histogram[0]
-        elif not (is_call(counts, "call_function", torch.bincount) and len(counts.args) == 1
-                  and set(counts.kwargs) <= {"minlength"}):
+        elif not ((is_call(counts, "call_function", torch.bincount) or is_call(counts, "call_method", "bincount"))
+                  and len(counts.args) == 1 and set(counts.kwargs) <= {"minlength"}):
             return None
         else:
             flat = counts.args[0]
@@ -90,6 +90,7 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
 
     host_cumsum.check(gm, speculations)
     host_counts.check(gm)
+    _check_asserted_lengths(gm)
     if not speculations:
         return
     graph = torch.fx.Graph()
@@ -114,7 +115,9 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
             s.vacuous = True
             continue
         read = {own} if own is not None else set()
-        slices = _slices_by_count(body, _count_item(graph, s.symbol)) if s.symbol is not None else []
+        item = _count_item(graph, s.symbol) if s.symbol is not None else None
+        slices = _slices_by_count(body, item)
+        pieces = _pieces_by_count(body, item)
         if s.appended:
             _check_appended(s, graph, ids)
         for node in body:
@@ -128,7 +131,7 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
                 elif _selection_of(arg) is not None:  # the tokens that chose e (any_selection), read whole
                     read.add(arg)
             read.update(mask_guards.masks_read(node))
-        if not read and not slices:
+        if not read and not slices and not pieces:
             raise _fail(s, "the body it guards selects no expert's rows")
         for selection in read:
             sel_ids, sel_e = _selection_of(selection) or mask_guards.selected_by(selection)
@@ -148,6 +151,56 @@ def check_traced(gm: GraphModule, speculations: list[Speculation]) -> None:
         same = [n.name for n in graph.nodes if n is not ids and n.op == ids.op and n.target == ids.target
                 and same_value_key(n) == key]
         s.counted = (ids.name, e, tuple(same))
+
+
+def _listed(bincount: Node) -> list[Node]:
+    """The ``.item()`` reads of the entries of ``bincount`` (its ``.tolist()`` as Dynamo traces it)."""
+    from .passes.fx_utils import is_call
+
+    return [item for pick in bincount.users if is_call(pick, "call_function", operator.getitem)
+            for item in pick.users if is_call(item, "call_method", "item")]
+
+
+def _check_asserted_lengths(gm: GraphModule) -> None:
+    """Before the passes: a bincount whose length E was asserted while tracing (count_totals.ASSUMED: eager's list
+    is longer where an id is E or more) has its E counts read, in order, only as the sizes of one ``torch.split``
+    (and by Dynamo's size checks): eager's split then makes more pieces than the E its loop reads, whose ``cat`` no
+    longer lines up with the sorted rows' weights, and fails; so the assertion fails only where eager does (but in
+    the one case where the shorter ``cat`` has a single row and broadcasts). Raises SpeculationNotDischarged."""
+    from .count_totals import ASSUMED
+    from .passes.split_loop import _split_of
+    from .passes.fx_utils import is_call
+
+    for node in gm.graph.nodes:
+        if ASSUMED not in node.meta:
+            continue
+        items, splits = _listed(node), set()
+        for item in items:
+            for user in item.users:
+                if is_call(user, "call_function", torch.split, torch.functional.split) or is_call(
+                        user, "call_method", "split"):
+                    splits.add(user)
+                elif not (user.target in _SIZE_CHECK_OPS or user.target is torch.sym_sum
+                          or user.target is torch.ops.aten._assert_scalar.default):
+                    splits.add(None)
+        split = next(iter(splits)) if len(splits) == 1 else None
+        if split is None or _split_of(split)[1] != items or len(items) != node.meta[ASSUMED]:
+            raise SpeculationNotDischarged(
+                f"the length {node.meta[ASSUMED]} of {node.name} (a bincount of ids not known to lie below it) was "
+                "asserted while tracing, and its counts are read other than as the sizes of one torch.split; not "
+                "kept")
+
+
+def _asserted_lengths_left(gm: GraphModule) -> Optional[str]:
+    """After the passes: why a bincount whose length was asserted still has its counts read (no rewrite took the
+    split they size), else None."""
+    from .count_totals import ASSUMED
+
+    for node in gm.graph.nodes:
+        if ASSUMED in node.meta and _listed(node):
+            return (f"the length {node.meta[ASSUMED]} of {node.name} (a bincount of ids not known to lie below it) "
+                    "was asserted while tracing, and no rewrite took the split its counts size")
+    return None
 
 
 def _count_item(graph, symbol) -> Optional[Node]:
@@ -174,6 +227,29 @@ def _slices_by_count(body: list[Node], item: Optional[Node]) -> list[Node]:
         if bounds is not None and size_after(*bounds) is item:
             found.append(node)
     return found
+
+
+def _pieces_by_count(body: list[Node], item: Optional[Node]) -> list[Node]:
+    """The pieces ``torch.split(rows, sizes)[j]`` the body reads whose size ``sizes[j]`` is the count's own
+    ``item`` (LLaMA-MoE splits its sorted rows by the counts' list before the loop): empty at a count of 0, whatever
+    the rows."""
+    from .passes.split_loop import _pieces, _split_of
+
+    if item is None:
+        return []
+    found = []
+    for node in body:
+        for arg in node.all_input_nodes:
+            piece = _pieces(arg) if arg not in body else None
+            if piece is not None and not isinstance(piece[0], tuple) and _piece_size(piece, _split_of) is item:
+                found.append(arg)
+    return found
+
+
+def _piece_size(piece, split_of) -> Optional[Node]:
+    split, j = piece
+    sizes = split_of(split)[1]
+    return sizes[j] if 0 <= j < len(sizes) else None
 
 
 def _check_appended(s: Speculation, graph, ids: Node) -> None:
@@ -228,7 +304,7 @@ def discharge(gm: GraphModule, speculations: list[Speculation], left_alone: Iter
 
     trace = _trace()
     unread = host_counts.unconsumed(gm) if trace is not None and trace.host_counts else None
-    unread = unread or host_cumsum.leftover(gm)
+    unread = unread or host_cumsum.leftover(gm) or _asserted_lengths_left(gm)
     if unread is not None:  # the walk's body was not taken: what the passes said of it is the reason to give
         said = "; ".join(f"{m.form} left {m.where} alone: {m.reason}" for m in left_alone)
         raise SpeculationNotDischarged(unread + (f" ({said})" if said else ""))

@@ -69,8 +69,8 @@ def split_loop_experts(ys: Node, counts_match: Callable[[Node, int], bool]
     from .split_loop import _split_of, listed_counts, read_experts, split_nodes  # (split_loop imports this module)
 
     got = read_experts(_unpadded(ys))
-    if got is None or isinstance(got, str) or len(got.splits) != 1:
-        return None
+    if got is None or isinstance(got, str) or len(got.splits) != 1 or any(b is not None for b in got.biases):
+        return None  # (the grouped-GEMM reading has no place for a bias)
     split = got.splits[0]
     _, sizes = _split_of(split)
     # stacked weights, or one module per expert (DeepSeek-V2's ModuleList: the spec takes the E weights as a tuple)

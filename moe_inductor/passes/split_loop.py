@@ -13,9 +13,14 @@ The user code this matches (two dispatch spellings, two loop shapes, two combine
     # JetMoE: a sort of the flat ids
     order = ids.flatten().sort(0)[1]; tok = order.div(k, rounding_mode="trunc"); ws = weights.flatten()[order]
     xs, counts = x[tok], zeros(T, E).scatter(1, ids, 1).long().sum(0)
+    # LLaMA-MoE (UniversalCalculator): the tokens of the sorted rows by an arange repeated k times
+    tok = arange(T).repeat_interleave(k).index_select(0, order); ws = weights.flatten().index_select(0, order)
+    xs, counts = x.index_select(0, tok).squeeze(1), ids.flatten().bincount(minlength=E)
 
     pieces = torch.split(xs, counts.tolist())
     ys = torch.cat([mlp_e(p) for mlp_e, p in zip(experts, pieces)])      # Megatron: each expert's whole MLP
+    # LLaMA-MoE: [experts(pieces[i], i) for i in range(E) if pieces[i].shape[0] > 0], the skip speculated away
+    # (speculation.py); the weights as torch.mul(ys, ws.reshape(-1, 1) * 1.0), its literal factor read through
     # or, per projection (JetMoE): h = cat([F.linear(p, w1[e]) ...]); g, u = h.chunk(2, -1); split again; cat
     out = zeros(T, H); out.scatter_add_(0, tok.unsqueeze(1).expand(-1, H), ys * ws.unsqueeze(-1))
     # or out = zeros(T, H).index_add(0, tok, ys * ws[:, None])
@@ -39,13 +44,14 @@ from torch.fx import Node
 from ..spec import MoESpec
 from .driver import Anchor, Form, Match
 from .aliases import alias_mutations, base_of, is_view_of, view_family
-from .fx_utils import comes_before, flat_of, is_call, known_equal, val
+from .fx_utils import arange_length, comes_before, flat_of, is_call, known_equal, val
 from . import bounded_gemm, scattered_slices
+from .bounded_gemm import _identity_of
 from .counts import bincount_of
 from .gated_reads import read_gated
 from .slice_runs import SliceRun, slice_bounds, slice_run
 from .sorted_grouped_mm import _sort_order
-from .expert_projections import _linear, expert_mlp
+from .expert_projections import _linear, biased_linear
 from .unrolled_loop import _topk_ids
 
 FORM = "split_loop"
@@ -100,7 +106,45 @@ class _Dispatch:
     rmap: Optional[Node] = None  # the (T, E) routing map whose (E, T) transpose is masked_select-ed
 
 
+def _repeated_arange(node) -> Optional[tuple]:
+    """(T, k) for ``arange(T).repeat_interleave(k)`` (or ``torch.repeat_interleave(arange(T), k)``, dim 0 or none:
+    the arange is 1-D) at an int k: entry t*k + j is t, the token of flat choice t*k + j."""
+    if not (is_call(node, "call_method", "repeat_interleave")
+            or is_call(node, "call_function", torch.repeat_interleave)):
+        return None
+    if not isinstance(node.args[0], Node) or set(node.kwargs) - {"dim", "repeats"}:
+        return None
+    repeats = node.kwargs.get("repeats", node.args[1] if len(node.args) > 1 else None)
+    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else None)
+    T = arange_length(node.args[0])
+    if T is None or type(repeats) is not int or repeats < 1 or dim not in (None, 0, -1):
+        return None
+    return T, repeats
+
+
+def _sorted_pick(node) -> Optional[tuple[Node, Node]]:
+    """(t, order) for ``t.index_select(0, order)`` or ``t[order]`` (a 1-D t)."""
+    if is_call(node, "call_method", "index_select") and len(node.args) == 3 and node.args[1] == 0 and (
+            not node.kwargs) and isinstance(node.args[0], Node) and isinstance(node.args[2], Node):
+        return node.args[0], node.args[2]
+    if is_call(node, "call_function", operator.getitem) and isinstance(node.args[0], Node) and isinstance(
+            node.args[1], Node):
+        return node.args[0], node.args[1]
+    return None
+
+
 def _dispatch(tok: Node) -> Optional[_Dispatch]:
+    # LLaMA-MoE: tok = arange(T).repeat_interleave(k).index_select(0, order)
+    picked = _sorted_pick(tok)
+    repeated = _repeated_arange(picked[0]) if picked is not None else None
+    if repeated is not None:
+        order = picked[1]
+        ids = _sort_order(order)
+        iv = val(ids) if ids is not None else None
+        if iv is None or iv.dim() != 2 or iv.dtype.is_floating_point or iv.shape[1] != repeated[1] or not (
+                known_equal(iv.shape[0], repeated[0])):
+            return None
+        return _Dispatch(ids, tok, order=order)
     # JetMoE / torchtitan: tok = order // k or order.div(k, rounding_mode="trunc" | "floor")
     order, k = None, None
     if is_call(tok, "call_function", operator.floordiv) and isinstance(tok.args[1], int):
@@ -253,6 +297,8 @@ class _Experts:
     layout: str
     activation: str
     fields: dict
+    #: (gate, up, down) biases: one stacked (E, out) bias or E per-expert ones, or None
+    biases: tuple = (None, None, None)
 
 
 def read_experts(ys: Node) -> Union[_Experts, str, None]:
@@ -280,23 +326,30 @@ def read_experts(ys: Node) -> Union[_Experts, str, None]:
             return "the projections mix stacked and per-expert weights"
         return _Experts(xs, splits, gate[2], up[2] if up else None, w_down, layout, gated.activation,
                         gated.spec_fields())
-    # Megatron / torchtitan's for-loop: each part is one expert's whole MLP on its own piece
+    # Megatron / torchtitan's for-loop: each part is one expert's whole MLP on its own piece (LLaMA-MoE's with a
+    # bias per projection: F.linear(p, w_e, b_e) of its own (out,) bias, or row e of a stacked one)
     bodies = []
     for e, part in enumerate(parts):
-        mlp = expert_mlp(part, e)
-        if isinstance(mlp, str):
-            return mlp
-        w_down, layout, stacked, gated = mlp
+        down = biased_linear(part, e)
+        if down is None:
+            return f"expert {e}'s output is not a projection on its own weights (plus its own bias)"
+        h, w_down, layout, stacked, b_down = down
+        gated = read_gated(h, lambda n, e=e: biased_linear(n, e))
+        if gated is None:
+            return f"expert {e}'s hidden state is not a known activation of its own projections"
         gate, up = gated.gate, gated.up
         piece = _pieces(gate[0])
         if piece is None or piece[1] != e or (up is not None and up[0] is not gate[0]):
             return f"expert {e} does not read its own split of the sorted rows"
         if any(p[2] != layout or p[3] != stacked for p in (gate, up) if p is not None):
             return "the projections mix weight layouts or stacked and per-expert weights"
+        if up is not None and (gate[4] is None) != (up[4] is None):
+            return f"expert {e}'s gate projection has a bias and its up projection none, or the other way round"
+        biases = (gate[4], up[4] if up else None, b_down)
         bodies.append((piece[0], gate[1], up[1] if up else None, w_down, layout, stacked, gated.activation,
-                       tuple(sorted(gated.spec_fields().items()))))
+                       tuple(sorted(gated.spec_fields().items())), tuple(b is None for b in biases), biases))
     first = bodies[0]
-    if any(b[0] != first[0] or b[4:] != first[4:] or (b[2] is None) != (first[2] is None) for b in bodies):
+    if any(b[0] != first[0] or b[4:9] != first[4:9] or (b[2] is None) != (first[2] is None) for b in bodies):
         return "the experts differ in more than their weights"
     if len(_split_of(first[0])[1]) != len(parts):
         return "the rows are split into another number of pieces than there are experts"
@@ -308,7 +361,19 @@ def read_experts(ys: Node) -> Union[_Experts, str, None]:
         return "the per-expert weights are not one weight per expert (or one stacked weight) of one shape"
     if not stacked and len({id(w) for ws in (gate, up or (), down) for w in ws}) != len(gate) * (3 if up else 2):
         return "a weight is shared between experts or projections"
-    return _Experts(_split_of(first[0])[0], (first[0],), gate, up, down, first[4], first[6], dict(first[7]))
+    biases = []
+    for j in range(3):
+        if first[8][j]:
+            biases.append(None)
+            continue
+        got = _expert_weights([b[9][j] for b in bodies], stacked)
+        if got is None:
+            return "the per-expert biases are not one bias per expert (or one stacked bias) of one shape"
+        biases.append(got)
+    if not stacked and len({id(b) for bs in biases if bs for b in bs}) != sum(len(bs) for bs in biases if bs):
+        return "a bias is shared between experts or projections"
+    return _Experts(_split_of(first[0])[0], (first[0],), gate, up, down, first[4], first[6], dict(first[7]),
+                    tuple(biases))
 
 
 def _sizes_are_counts(sizes: list, d: _Dispatch, num_experts: int) -> bool:
@@ -336,8 +401,9 @@ def listed_counts(sizes: list, num_experts: int) -> Optional[Node]:
 def _weights_of(scale: Node, d: _Dispatch) -> Optional[Node]:
     """The (T, k) routing weights that ``scale`` (one per sorted row) reads in the dispatch's order."""
     if d.order is not None:
-        if is_call(scale, "call_function", operator.getitem) and scale.args[1] is d.order:
-            return flat_of(scale.args[0])
+        picked = _sorted_pick(scale)  # ``flat[order]`` or ``flat.index_select(0, order)``
+        if picked is not None and picked[1] is d.order:
+            return flat_of(picked[0])
         return None
     if not (is_call(scale, "call_method", "masked_select") and len(scale.args) == 2):
         return None
@@ -350,12 +416,13 @@ def _weights_of(scale: Node, d: _Dispatch) -> Optional[Node]:
 
 def _row_scaled(node: Node) -> Optional[tuple[Node, Node]]:
     """(ys, s) for ``ys * s.unsqueeze(-1)`` / ``ys * s[:, None]`` / ``ys * s.reshape(-1, 1)`` / ``s.unsqueeze(1) *
-    ys``."""
-    if not (is_call(node, "call_function", operator.mul) and len(node.args) == 2):
+    ys`` (or ``torch.mul``), the column possibly times a literal 1.0 (LLaMA-MoE's ``score_scale_factor``)."""
+    if not (is_call(node, "call_function", operator.mul, torch.mul) and len(node.args) == 2 and not node.kwargs):
         return None
     for ys, s in (node.args, node.args[::-1]):
-        if not isinstance(ys, Node):
+        if not isinstance(ys, Node) or not isinstance(s, Node):
             continue
+        s = _identity_of(s)
         if is_call(s, "call_method", "unsqueeze") and s.args[1:] in ((-1,), (1,)):
             return ys, s.args[0]
         if is_call(s, "call_function", operator.getitem) and s.args[1] == (slice(None, None, None), None):
@@ -368,6 +435,10 @@ def _row_scaled(node: Node) -> Optional[tuple[Node, Node]]:
 def _token_rows(xs: Node, tok: Node) -> Optional[Node]:
     """``x`` for the rows of x at ``tok``: ``x.index_select(0, tok)``, ``x[tok]``, or
     ``torch.gather(x, 0, tok.reshape(-1, 1).expand(-1, H))`` (torchtune)."""
+    squeezed = xs.args[0] if is_call(xs, "call_method", "squeeze") and len(xs.args) == 2 and not xs.kwargs else None
+    sv = val(squeezed) if isinstance(squeezed, Node) else None
+    if sv is not None and sv.dim() == 2 and xs.args[1] in (1, -1) and type(sv.shape[1]) is int and sv.shape[1] != 1:
+        xs = squeezed  # LLaMA-MoE's ``.squeeze(1)`` of (n, H) rows, H > 1: the same rows
     if is_call(xs, "call_method", "index_select") and xs.args[1] == 0 and xs.args[2] is tok:
         return xs.args[0]
     if is_call(xs, "call_function", operator.getitem) and xs.args[1] is tok:
@@ -511,7 +582,8 @@ def match(acc: Node) -> Union[Match, str, None]:
     if wv is None or tuple(wv.shape) != tuple(iv.shape):
         return "the routing weights are not (T, k) like the ids"
     spec = MoESpec(x, d.ids, weights, experts.gate, experts.up, experts.down, experts.layout, experts.activation,
-                   weight_position=position, **experts.fields)
+                   weight_position=position, b1=experts.biases[0], b1_up=experts.biases[1], b2=experts.biases[2],
+                   **experts.fields)
     roots = [d.tok, scale, *(n for split in experts.splits for n in split_nodes(split))]
     roots += [s for split in experts.splits for s in _split_of(split)[1] if isinstance(s, Node)]
     note = f"{num_experts} .item() host syncs and data-dependent splits removed"

@@ -182,6 +182,13 @@ def unexplained(gm: GraphModule) -> list[tuple[Node, str]]:
         regions.add(region_of(ids))
         names = list(dict.fromkeys(filter(None, (_name(n) for n in sorted(reach | set(met), key=order.__getitem__)))))
         shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        if not any(_is_work(n) for n in reach) and all(w in router for w in met) and any(
+                n.op == "output" for n in reach):
+            # nothing after the router here: the ids leave the graph beside the router's own projection
+            found.append((ids, f"a router's top-k/argmax ids leave this graph (returned, or handed on past a graph "
+                          f"break) beside the router's own projection ({shown}), and no MoE form proves the experts "
+                          "they feed from this graph alone: those are traced in another graph, or not at all"))
+            continue
         found.append((ids, f"a router's top-k/argmax ids feed per-expert work ({shown}) that no MoE form proves: "
                       "none of the loop, gathered-weights, dense, sort + grouped_mm or capacity forms matched it"))
     return found

@@ -14,7 +14,10 @@ returns a dict; its load and importance go to the host (``.tolist()``).
   ids ``sort``ed, scores and ``arange(T).repeat_interleave(k)`` token ids ``index_select``ed in that order, the
   per-expert counts ``bincount(minlength=E).tolist()``, ``torch.split`` of the sorted rows by the counts, a list
   comprehension over the experts that skips empty splits, ``torch.cat``, ``torch.mul`` by the sorted scores times
-  ``score_scale_factor``, and ``zeros.index_add(0, sorted_batch_indices, out)`` (out of place).
+  ``score_scale_factor``, and ``zeros.index_add(0, sorted_batch_indices, out)`` (out of place). The gate's breaks
+  hand the ids to the calculator's frame as inputs, so the bincount's length E is asserted at run time there (an id
+  of E or more fails it, where eager's split of more pieces than its loop reads fails too), and the loop is read as
+  a split loop with its skips of empty experts speculated (tests/test_llama_moe_calculator.py).
 - ``pjlab_llama_moe_switch``: ``SwitchBalancedGate`` (top-1: ``torch.max`` of the raw logits, so the expert's output is
   scaled by its LOGIT, not a probability; ``add_noise=False``, as the source's ``gumbel_rsample`` import is
   commented out) and ``SwitchDropTokenCalculator`` with ``drop_tokens=False``: ``for i in range(E)``, ``(ids ==
@@ -229,13 +232,13 @@ def _input(T, g):
 _SRC = "pjlab-sys4nlp/llama-moe smoe/modules/moe/moe_layers.py LinearGLUMoELayer"
 CASES = [
     Case("pjlab_llama_moe_topk", _SRC + " + TopKBalancedNoisyGate + UniversalCalculator (eval, top-2)",
-         lambda: Layer().eval(), _input, form="sorted_grouped_mm",
-         # the region is split over frames: the gate breaks the graph (zeros_like(requires_grad=True), a float
-         # .tolist()), and the calculator's bincount (a data-dependent output size) breaks it again; the frames that
-         # hold the split fall back (the list comprehension's skip of an empty expert changes a Python list, and the
-         # counts' list is not one .tolist() of the frame's own); the router's frame holds only the ids feeding the
-         # experts, which no form proves alone
-         expect=("left_alone", "moe_region", "no MoE form proves")),
+         lambda: Layer().eval(), _input, form="split_loop",
+         # the gate breaks the graph (zeros_like(requires_grad=True), a float .tolist()), as under backend="inductor",
+         # so the calculator gets the ids as an input of its frame; there the bincount's length E is asserted at run
+         # time (ids of E or more fail it, where eager's split fails), the skip of an empty expert in the list
+         # comprehension is speculated away, and the split loop is rewritten, once per compile of the frame (static,
+         # then dynamic); the gate's frames hold no MoE (its router's frame is noted as handing its ids on)
+         expect=("partly_rewritten", "2 of 10")),
     Case("pjlab_llama_moe_switch", _SRC + " + SwitchBalancedGate + SwitchDropTokenCalculator (top-1, no drops)",
          lambda: Layer(gate_type="SwitchBalancedGate").eval(), _input, form="unrolled_loop",
          # the gate's float .tolist() breaks the graph (as under backend="inductor"); the calculator's frame, compiled

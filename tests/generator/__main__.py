@@ -1,5 +1,5 @@
 """Measure the generator: ``python -m tests.generator [--examples N] [--seed S] [--lookalikes] [--guards-masks-slots]
-[--masks-v5] [--host-walks] [--sum-reductions] [--walks-lists] [--clamped] [--inner aot_eager]``.
+[--masks-v5] [--host-walks] [--sum-reductions] [--walks-lists] [--clamped] [--inner aot_eager] [--autocast]``.
 
 Runs N recipes from a seeded generator, prints every miss, wrong rewrite and crash as it happens, then the rewrite
 rate per form, per idiom and per router, and the look-alikes kept per flaw."""
@@ -40,6 +40,9 @@ def main() -> None:
     ap.add_argument("--inner", default="eager", choices=("eager", "aot_eager", "inductor"),
                     help="the compiler the rewritten graph goes to (aot_eager traces it again, as Inductor does; "
                          "inductor compiles it, as users do: slow, a few seconds per draw)")
+    ap.add_argument("--autocast", action="store_true",
+                    help="run every draw, compiled and eager, under CPU bf16 autocast (mixed precision), held to the "
+                         "bf16 bound")
     args = ap.parse_args()
     only = (GUARDS_MASKS_SLOTS if args.guards_masks_slots else MASKS_AND_V5 if args.masks_v5
             else HOST_WALKS if args.host_walks else SUM_REDUCTIONS if args.sum_reductions else None)
@@ -53,7 +56,7 @@ def main() -> None:
         if args.form and r.form != args.form:
             continue
         done += 1
-        o = run(r, args.inner)
+        o = run(r, args.inner, args.autocast)
         v = o.verdict
         if v not in ("rewritten", "kept"):
             print(o.describe(), flush=True)

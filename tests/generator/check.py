@@ -42,6 +42,9 @@ class Outcome:
     left_alone: dict = field(default_factory=dict)
     errors: dict = field(default_factory=dict)  # "out" and each gradient: relative error against eager
     crash: Optional[str] = None
+    autocast: bool = False  # both runs under CPU bf16 autocast (``run``'s ``autocast``)
+    eager_crash: Optional[str] = None  # where the compiled run raised: what eager raised, if it did
+    same_error: bool = False  # the compiled run's exception is of the type of eager's (Dynamo's wrap of it too)
 
     @property
     def rewritten(self) -> bool:
@@ -49,7 +52,7 @@ class Outcome:
 
     @property
     def equal(self) -> bool:
-        tol = TOL[dtype_of(self.recipe)]
+        tol = TOL[torch.bfloat16 if self.autocast else dtype_of(self.recipe)]
         return self.crash is None and all(err < tol for err in self.errors.values())
 
     @property
@@ -58,7 +61,7 @@ class Outcome:
         it was, equal to eager), "missed" (a genuine variant not rewritten), "wrong" (a look-alike rewritten, a
         variant rewritten as another form, or a result that differs from eager) or "crash"."""
         if self.crash is not None:
-            return "crash"
+            return "same error" if self.same_error else "crash"
         if not self.equal:
             return "wrong"
         if not self.recipe.genuine:
@@ -71,15 +74,17 @@ class Outcome:
         errs = ", ".join(f"{n} {e:.1e}" for n, e in self.errors.items() if e >= 1e-6)
         why = "; ".join(f"{f}: {n}" for f, n in self.left_alone.items())
         return (f"{self.verdict}: {self.recipe} | rewrites {self.rewrites} | left alone {why or '-'}"
-                f" | errors {errs or '-'}" + (f" | crash {self.crash}" if self.crash else ""))
+                f" | errors {errs or '-'}" + (f" | crash {self.crash}" if self.crash else "")
+                + (f" | eager raised {self.eager_crash}" if self.eager_crash else ""))
 
 
-def _step(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def _step(module: nn.Module, x: torch.Tensor, autocast: bool = False) -> tuple[torch.Tensor, dict]:
     for p in module.parameters():
         p.grad = None
     torch.manual_seed(0)  # a dropout in training draws the same masks in each run
     x = x.detach().clone().requires_grad_(True)
-    out = module(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = module(x)
     probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
     (out.float() * probe).sum().backward()
     grads = {"x": x.grad}
@@ -87,10 +92,10 @@ def _step(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
     return out.detach(), grads
 
 
-def _forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _forward(module: nn.Module, x: torch.Tensor, autocast: bool = False) -> torch.Tensor:
     """The module's output in inference (eval mode, no gradient), for the recipes checked that way only."""
     module.eval()
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         return module(x.detach().clone())
 
 
@@ -116,23 +121,28 @@ def _errors(out, grads, ref, ref_grads, zero: tuple = ()) -> dict:
     return errors
 
 
-def run(r: Recipe, inner: str = "eager") -> Outcome:
+def run(r: Recipe, inner: str = "eager", autocast: bool = False) -> Outcome:
     """Compile the recipe's module once at its T, one forward and backward, against an eager copy. ``inner`` is
     the compiler the rewritten graph goes to: "aot_eager" traces it again as Inductor does (fake tensors, the ops'
-    autograd formulas), which the light default does not."""
+    autograd formulas), which the light default does not. ``autocast``: both run under CPU bf16 autocast (mixed
+    precision over the recipe's weights), held to the bf16 bound."""
     torch._dynamo.reset()
     counters.clear()
     model = build(r)
     eager = copy.deepcopy(model)
     x = torch.randn(r.T, H, generator=torch.Generator().manual_seed(r.seed)).to(dtype_of(r))
-    outcome = Outcome(r)
+    outcome = Outcome(r, autocast=autocast)
     compiled = torch.compile(model, backend="moe_inductor", options={"inner": inner})
     if r.inference:
         return _run_inference(outcome, compiled, eager, x)
     try:
-        got, got_grads = _step(compiled, x)
+        got, got_grads = _step(compiled, x, autocast)
     except Exception as exc:  # noqa: BLE001  (the outcome records it; the caller decides)
-        outcome.crash = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        outcome.crash = _said(exc)
+        try:  # the promise is eager's error where eager fails too (a dtype clash of the user's under autocast)
+            _step(eager, x, autocast)
+        except Exception as eager_exc:  # noqa: BLE001
+            outcome.eager_crash, outcome.same_error = _said(eager_exc), isinstance(exc, type(eager_exc))
         return outcome
     outcome.rewrites = {f: n for f, n in counters["moe_inductor"].items() if n}
     outcome.left_alone = {f: n for f, n in counters["moe_inductor_left_alone"].items() if n}
@@ -143,32 +153,41 @@ def run(r: Recipe, inner: str = "eager") -> Outcome:
         # plain module, not a compiled wrapper)
         torch._dynamo.reset()
         reference = torch.compile(eager, backend="inductor")
-    ref, ref_grads = _step(reference, x)
+    ref, ref_grads = _step(reference, x, autocast)
     # top-1 renormalised weights are all 1 (a soft look-alike mixes by the full probabilities instead)
     zero = ("router.gate.weight",) if r.k == 1 and r.renorm and r.flaw != "soft" and r.form not in (
         "capacity", "memory_slots", "expert_choice") else ()
     outcome.errors = _errors(got, got_grads, ref, ref_grads, zero)
-    if dtype_of(r) != torch.float32 and not outcome.equal:
+    if (dtype_of(r) != torch.float32 or autocast) and not outcome.equal:
         # bf16 eager can itself be far from the same module in fp32 (here: torch._grouped_mm's bf16 backward on
         # CPU); then the bound is torch._dynamo's accuracy rule against an fp32 run of the same weights: no
         # further from it than twice eager's bf16 distance plus 2e-3
         ref32, ref32_grads = _step(copy.deepcopy(eager).float(), x.float())
         ours = _errors(got, got_grads, ref32, ref32_grads, zero)
         eagers = _errors(ref, ref_grads, ref32, ref32_grads, zero)
-        outcome.errors = against_fp32(outcome.errors, ours, eagers, TOL[dtype_of(r)])
+        outcome.errors = against_fp32(outcome.errors, ours, eagers, TOL[torch.bfloat16])
     return outcome
+
+
+def _said(exc: Exception) -> str:
+    """An exception's type and first line, as an outcome records it."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
 def _run_inference(outcome: Outcome, compiled: nn.Module, eager: nn.Module, x: torch.Tensor) -> Outcome:
     """``run`` for a recipe checked in inference only (``Recipe.inference``): one forward of each, no backward."""
     try:
-        got = _forward(compiled, x)
+        got = _forward(compiled, x, outcome.autocast)
     except Exception as exc:  # noqa: BLE001  (the outcome records it; the caller decides)
-        outcome.crash = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        outcome.crash = _said(exc)
+        try:
+            _forward(eager, x, outcome.autocast)
+        except Exception as eager_exc:  # noqa: BLE001
+            outcome.eager_crash, outcome.same_error = _said(eager_exc), isinstance(exc, type(eager_exc))
         return outcome
     outcome.rewrites = {f: n for f, n in counters["moe_inductor"].items() if n}
     outcome.left_alone = {f: n for f, n in counters["moe_inductor_left_alone"].items() if n}
-    outcome.errors = {"out": rel_err(got.float(), _forward(eager, x).float())}
+    outcome.errors = {"out": rel_err(got.float(), _forward(eager, x, outcome.autocast).float())}
     return outcome
 
 
