@@ -59,9 +59,13 @@ class Outcome:
     def verdict(self) -> str:
         """"rewritten" (a genuine variant rewritten as its form, equal to eager), "kept" (a look-alike left as
         it was, equal to eager), "missed" (a genuine variant not rewritten), "wrong" (a look-alike rewritten, a
-        variant rewritten as another form, or a result that differs from eager) or "crash"."""
+        variant rewritten as another form, or a result that differs from eager), "crash", "same error" (the compiled
+        run raised where eager raises too) or "eager error" (eager raised where the compiled run did not: code
+        that does not run eagerly, such as a dtype clash of the user's under autocast)."""
         if self.crash is not None:
             return "same error" if self.same_error else "crash"
+        if self.eager_crash is not None:
+            return "eager error"
         if not self.equal:
             return "wrong"
         if not self.recipe.genuine:
@@ -153,7 +157,11 @@ def run(r: Recipe, inner: str = "eager", autocast: bool = False) -> Outcome:
         # plain module, not a compiled wrapper)
         torch._dynamo.reset()
         reference = torch.compile(eager, backend="inductor")
-    ref, ref_grads = _step(reference, x, autocast)
+    try:
+        ref, ref_grads = _step(reference, x, autocast)
+    except Exception as exc:  # noqa: BLE001  (eager fails where the compiled run did not: a dtype clash of the
+        outcome.eager_crash = _said(exc)  # user's under autocast that Dynamo's fake tensors let through)
+        return outcome
     # top-1 renormalised weights are all 1 (a soft look-alike mixes by the full probabilities instead)
     zero = ("router.gate.weight",) if r.k == 1 and r.renorm and r.flaw != "soft" and r.form not in (
         "capacity", "memory_slots", "expert_choice") else ()
