@@ -44,13 +44,10 @@ class Calculator(nn.Module):
         expert_batch_size = counted.bincount(minlength=self.num_experts).tolist()
         sorted_x = x.index_select(0, sorted_batch_indices).squeeze(1)
         split_x = torch.split(sorted_x, expert_batch_size, dim=0)
-        if s == "skips_rows":  # drops an expert with one row too
-            expert_outputs = [self.experts(split_x[i], i) for i in range(E) if split_x[i].shape[0] > 1]
-        elif s == "other_pieces":  # expert i runs on the piece of expert E-1-i
-            expert_outputs = [self.experts(split_x[E - 1 - i], i) for i in range(E) if split_x[i].shape[0] > 0]
-        else:
-            expert_outputs = [self.experts(split_x[i], i) for i in range(E) if split_x[i].shape[0] > 0]
-        cat_expert_outputs = torch.cat(expert_outputs, 0)
+        # one comprehension per function: Python 3.12 inlines them (PEP 709), and a function with more than one is
+        # refused (skipped_state.py)
+        cat_expert_outputs = (self._skips_rows if s == "skips_rows" else self._other_pieces if s == "other_pieces"
+                              else self._outputs)(split_x)
         cat_expert_outputs = torch.mul(cat_expert_outputs, sorted_topK_scores.reshape(-1, 1) * self.score_scale_factor)
         zeros = torch.zeros((batch_size, cat_expert_outputs.size(1)), device=cat_expert_outputs.device,
                             dtype=cat_expert_outputs.dtype)
@@ -58,6 +55,18 @@ class Calculator(nn.Module):
         if s == "counts_read":  # the counts as numbers beside the split
             y = y * expert_batch_size[0]
         return y
+
+    def _outputs(self, split_x):
+        expert_outputs = [self.experts(split_x[i], i) for i in range(E) if split_x[i].shape[0] > 0]
+        return torch.cat(expert_outputs, 0)
+
+    def _skips_rows(self, split_x):  # drops an expert with one row too
+        expert_outputs = [self.experts(split_x[i], i) for i in range(E) if split_x[i].shape[0] > 1]
+        return torch.cat(expert_outputs, 0)
+
+    def _other_pieces(self, split_x):  # expert i runs on the piece of expert E-1-i
+        expert_outputs = [self.experts(split_x[E - 1 - i], i) for i in range(E) if split_x[i].shape[0] > 0]
+        return torch.cat(expert_outputs, 0)
 
     def sorted_rows(self, x, topK_indices, topK_scores):
         """The calculator up to the split: (T, sorted scores, sorted tokens, the pieces)."""
