@@ -74,11 +74,16 @@ class UnslothBlock(nn.Module):
         return (out.view(T, K, H) * weights[..., None]).sum(dim=1)
 
 
+#: Dynamo before 2.13 fails on the slices at the counts' numbers (a guard on a data-dependent size, or the branch on
+#: a device count): the frame falls back, equal to eager (README's known limits)
+BEFORE_2_13 = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13)
+
+
 def _case(variant: str, expect: tuple) -> Case:
     # 3 tokens with 2 choices each reach at most 6 of the 6 experts, and mostly fewer: eager takes the skip
     return Case(f"unsloth-{variant}", "tests/test_unsloth_reference.py", lambda: UnslothBlock(variant),
                 lambda T, g: torch.randn(T, H, generator=g), form="sorted_grouped_mm", expect=expect,
-                token_counts=(3, 5, 9))
+                token_counts=(3, 5, 9), before_2_13=("fell_back",))
 
 
 @pytest.mark.slow  # each case compiles a model
@@ -89,7 +94,10 @@ def _case(variant: str, expect: tuple) -> Case:
 def test_sliced_grouped_gemm_is_rewritten_and_equal_to_eager(variant):
     case = _case(variant, ("rewritten",))
     outcome = run_case(case)
-    assert outcome.declared() == ("rewritten",), (outcome.declared(), outcome.fallbacks, outcome.left_alone)
+    assert outcome.declared() == case.expected(), (outcome.declared(), outcome.fallbacks, outcome.left_alone)
+    if BEFORE_2_13:
+        check_unchanged(case, outcome)
+        return
     check_rewritten(case, outcome)
     assert outcome.rewrites == {"sorted_grouped_mm": outcome.graphs}
     assert not outcome.fallbacks and not outcome.left_alone
@@ -126,4 +134,4 @@ def test_look_alikes_are_not_rewritten_and_equal_to_eager(variant, said):
     assert not outcome.rewrites, outcome.rewrites
     check_unchanged(case, outcome)
     reasons = [f.reason for f in seen.fallbacks] + [a.reason for a in seen.left_alone]
-    assert any(said in r for r in reasons), reasons
+    assert BEFORE_2_13 or any(said in r for r in reasons), reasons  # before 2.13 the slices themselves fail

@@ -125,5 +125,7 @@ _SRC = ("unslothai/unsloth unsloth/kernels/moe/grouped_gemm/reference/layers/qwe
         " + reference/moe_ops.py")
 CASES = [
     Case("unsloth_grouped_gemm_ref", _SRC, Wrapped, lambda T, g: torch.randn(2, T, H, generator=g),
-         form="sorted_grouped_mm"),
+         form="sorted_grouped_mm",
+         # 2.11's Dynamo fails on the count slices (README): the frames holding them fall back, the router's is noted
+         before_2_13=("left_alone", "moe_region", "no MoE form proves")),
 ]
