@@ -185,7 +185,9 @@ def test_explain_reports_a_fallback_and_it_is_logged_once(caplog):
     with caplog.at_level("WARNING", logger="moe_inductor"):
         report = moe_inductor.explain(model, x)
     assert report.fallbacks and report.fallbacks[0].stage == "compile"
-    assert "GuardOnDataDependentSymNode" in report.fallbacks[0].reason
+    # the counts' bincount is of ids not known to lie below its length: the length asserted while tracing (for a
+    # split by the counts, count_totals.py) is not kept where the counts are read as numbers
+    assert "SpeculationNotDischarged" in report.fallbacks[0].reason and "bincount" in report.fallbacks[0].reason
     assert "fallback: forward" in str(report)
     logged = [r.getMessage() for r in caplog.records if "failed to compile" in r.getMessage()]
     # once per frame (the forward, then the resumed rest after plain capture's graph break), though explain()

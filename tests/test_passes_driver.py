@@ -142,7 +142,7 @@ _DRIVER_STEPS = {"eliminate_dead_code", "recompile", "replace_all_uses_with", "e
 _PASSES = Path(moe_inductor.__file__).parent / "passes"
 _NOT_FORMS = {"__init__.py", "aliases.py", "counts.py", "driver.py", "emit.py", "expert_projections.py", "fx_utils.py",
               "gated_reads.py", "kept_errors.py", "leading_ones.py", "scatter_sums.py", "score_tables.py",
-              "grad_modes.py", "private_writes.py", "slice_runs.py",
+              "grad_modes.py", "private_writes.py", "slice_runs.py", "zero_weights.py",
               "stale_reads.py"}  # (shared helpers and canonical respellings, not forms)
 
 

@@ -102,6 +102,13 @@ def mode_change(inputs: Iterable[Node], end: Node, writes: Iterable[Node]) -> Op
     return None
 
 
+def _floating(node: Node) -> bool:
+    """Whether ``node`` holds a floating-point or complex tensor, alone or in a tuple (``topk``'s values)."""
+    v = node.meta.get("val", node.meta.get("example_value"))
+    return any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+               for t in (v if isinstance(v, (tuple, list)) else (v,)))
+
+
 def _of_integers(node: Node, seen: dict) -> bool:
     """``node``'s value is made from integer and bool tensors only (Unsloth's ``histc(ids.float(), ...)`` counts under
     ``torch.no_grad()``): a float made so never requires grad, in any grad mode, so its mode does not matter. A
@@ -113,8 +120,7 @@ def _of_integers(node: Node, seen: dict) -> bool:
     if node.op in ("placeholder", "get_attr") or node.kwargs.get("requires_grad"):
         found = isinstance(v, torch.Tensor) and not (v.is_floating_point() or v.is_complex())
     else:
-        found = all(not (isinstance(val(a), torch.Tensor) and (val(a).is_floating_point() or val(a).is_complex()))
-                    or _of_integers(a, seen) for a in node.all_input_nodes)
+        found = all(not _floating(a) or _of_integers(a, seen) for a in node.all_input_nodes)
     seen[node] = found
     return found
 
